@@ -1,0 +1,32 @@
+"""tilefit: predict and fix what makes single-GPU training slow or run out of memory.
+
+The GEMM analysis and the device catalog import no torch; the functions that trace or run a
+model (estimate, trace, audit, plan, tune) import it on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+# name -> (module, attribute); resolved lazily so `import tilefit` stays torch-free.
+_LAZY = {
+    "Device": ("tilefit.hardware", "Device"),
+    "get_device": ("tilefit.hardware", "get_device"),
+    "list_devices": ("tilefit.hardware", "list_devices"),
+    "analyze_gemm": ("tilefit.gemm", "analyze_gemm"),
+    "analyze_linear": ("tilefit.linear", "analyze_linear"),
+    "TilefitError": ("tilefit.errors", "TilefitError"),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'tilefit' has no attribute {name!r}")

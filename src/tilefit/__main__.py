@@ -1,0 +1,3 @@
+from tilefit.cli.app import main
+
+main()

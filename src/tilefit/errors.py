@@ -1,0 +1,49 @@
+"""The one error type tilefit raises for bad input.
+
+Every message says what was expected, what was given, and the fix, so that the CLI can print
+it and exit with code 2 instead of showing a traceback.
+"""
+
+from __future__ import annotations
+
+
+class TilefitError(Exception):
+    """Bad input or an unsupported situation, explained for a person.
+
+    ``str(err)`` is the full message: the problem, then ``expected``, ``given`` and ``fix``
+    lines where they were supplied.
+    """
+
+    def __init__(
+        self,
+        problem: str,
+        *,
+        expected: str | None = None,
+        given: str | None = None,
+        fix: str | None = None,
+    ) -> None:
+        self.problem = problem
+        self.expected = expected
+        self.given = given
+        self.fix = fix
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        lines = [self.problem]
+        if self.expected is not None:
+            lines.append(f"  expected: {self.expected}")
+        if self.given is not None:
+            lines.append(f"  given:    {self.given}")
+        if self.fix is not None:
+            lines.append(f"  fix:      {self.fix}")
+        return "\n".join(lines)
+
+
+def close_matches(word: str, candidates: list[str], n: int = 3) -> list[str]:
+    """The candidates nearest to ``word`` (difflib's ratio), best first."""
+    import difflib
+
+    lowered = {c.lower(): c for c in candidates}
+    hits = difflib.get_close_matches(word.lower(), list(lowered), n=n, cutoff=0.5)
+    return [lowered[h] for h in hits]

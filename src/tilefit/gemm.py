@@ -1,0 +1,270 @@
+"""One GEMM on one device: FLOPs, bytes, intensity, bound, alignment, tiles, waves, time.
+
+Pure arithmetic, no torch: C (M x N) = A (M x K) @ B (K x N).
+
+The time model (NVIDIA "Matrix Multiplication Background" and "Linear/Fully-Connected
+Layers" user's guides; shared/reference/performance.md):
+
+- math time: the output is cut into tiles (cuBLAS's tile set below); tiles run in waves of
+  one tile per SM, so a wave costs the time of one tile's 2*Tm*Tn*K FLOPs at the per-SM
+  rate. That rate is the dense peak times the device's large-GEMM efficiency, the tile
+  shape's relative efficiency (bigger tiles reuse more data), and an alignment factor for
+  dimensions off the 16-/128-byte multiple. Tile quantization (padding of the last tile)
+  and wave quantization (a partly filled last wave) fall out of the counting.
+- memory time: each operand read once and the output written once, at the device's
+  achieved bandwidth.
+- time = max(math, memory) + one kernel launch. Small outputs may use split-K (the K loop
+  cut across more tiles, partial results reduced in fp32): it is a candidate like a tile.
+- cuBLAS's heuristic is modelled as picking the candidate of least time.
+
+By construction the delivered FLOP/s never exceed the peak: every factor is <= 1 and the
+padded work is >= the real work.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tilefit.dtypes import DType, parse_dtype
+from tilefit.errors import TilefitError
+from tilefit.hardware.device import Device
+
+# cuBLAS tile shapes (Tm x Tn), from the Matrix Multiplication Background guide's list of
+# "typical tile dimensions": 256x128, 128x256, 128x128, 256x64, 64x256, 128x64, 64x128, 64x64.
+# Relative efficiency per tile: the guide says larger tiles are more efficient (more data
+# reuse per loaded byte) without giving numbers; these values follow the tile's
+# operand reuse, Tm*Tn/(Tm+Tn) relative to the 256x128 tile (85.3), mapped onto the
+# 0.7-1.0 range that the guide's Figure (tile size vs. performance, A100) shows between
+# the smallest and largest tiles. `tilefit calibrate` refits them per device.
+TILES: tuple[tuple[int, int], ...] = (
+    (256, 128),
+    (128, 256),
+    (128, 128),
+    (256, 64),
+    (64, 256),
+    (128, 64),
+    (64, 128),
+    (64, 64),
+)
+_REUSE_MAX = 256 * 128 / (256 + 128)
+_REUSE_MIN = 64 * 64 / (64 + 64)
+TILE_EFF_MIN = 0.70  # relative efficiency of the 64x64 tile (guide's tile-size figure)
+
+
+def tile_shape_efficiency(tm: int, tn: int) -> float:
+    """Relative per-SM throughput of a Tm x Tn tile: 1.0 for 256x128, 0.7 for 64x64."""
+    reuse = tm * tn / (tm + tn)
+    return TILE_EFF_MIN + (1 - TILE_EFF_MIN) * (reuse - _REUSE_MIN) / (_REUSE_MAX - _REUSE_MIN)
+
+
+SPLIT_K: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)
+MIN_K_PER_SPLIT = 256  # split-K pieces shorter than this are not worth the reduction pass
+
+# Alignment factor by the largest power-of-two byte multiple a dimension has (capped at the
+# device's alignment rule). Sources:
+# - 128 B on A100+ / 16 B elsewhere: full speed (the guide's rule).
+# - 16-64 B on A100-class parts: the guide says larger multiples "can further improve
+#   efficiency"; EleutherAI (Anthony et al. 2024) measure a few percent between multiples
+#   of 8 and 64 for fp16: 0.93-0.97 here.
+# - 4 B (an even fp16 dim not a multiple of 8): H100, d_ff 10922 ran at 273 TFLOP/s vs.
+#   398 at 10944 (shared/reference/performance.md): 0.69.
+# - 8 B: between the 4 B and 16 B figures: 0.8.
+# - 2 B / 1 B (odd fp16 or int8 dims): the guide's Figure 2 (cuBLAS 11) shows odd K slower
+#   than even K; 0.5 here, refined by calibration.
+_ALIGN_FACTOR = {128: 1.0, 64: 0.97, 32: 0.95, 16: 0.93, 8: 0.80, 4: 0.69, 2: 0.50, 1: 0.45}
+# fp32 runs on the CUDA cores, where misalignment only costs vectorised 16-byte loads.
+_FP32_MISALIGNED_FACTOR = 0.90
+
+
+def alignment_bytes_of(dim: int, dtype: DType, cap: int) -> int:
+    """Largest power of two (<= cap) that divides dim * element size, in bytes."""
+    nbytes = dim * dtype.bytes
+    return min(nbytes & -nbytes, cap)
+
+
+def alignment_factor(dim: int, dtype: DType, device: Device) -> float:
+    """Speed factor (<= 1) for a GEMM dimension of ``dim`` elements on ``device``."""
+    a = alignment_bytes_of(dim, dtype, device.alignment_bytes)
+    if a >= device.alignment_bytes:
+        return 1.0
+    if not dtype.tensor_core:
+        return 1.0 if a >= 16 else _FP32_MISALIGNED_FACTOR
+    return _ALIGN_FACTOR[a]
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class DimAlignment:
+    multiple: int  # the element multiple the device and dtype want
+    aligned: bool
+    suggested: int  # the next aligned value >= the input
+    factor: float  # modelled speed factor of this dimension (1.0 when aligned)
+
+
+@dataclass(frozen=True)
+class GemmAnalysis:
+    m: int
+    n: int
+    k: int
+    dtype: str
+    gpu: str
+    flops: int
+    bytes: int
+    arithmetic_intensity: float  # FLOP per byte moved
+    ops_per_byte: float  # the device's peak FLOP/s over bandwidth
+    bound: str  # "memory" or "math" (intensity against ops_per_byte)
+    alignment: dict[str, DimAlignment]
+    tile: tuple[int, int]  # the tile the model assumes (the fastest candidate)
+    split_k: int
+    tiles: int  # thread blocks launched (tiles x split-K)
+    waves: int
+    tile_efficiency: float  # useful / padded output elements
+    wave_efficiency: float  # tiles / (waves x SMs)
+    alignment_efficiency: float  # the slowest dimension's factor
+    math_time_s: float
+    memory_time_s: float
+    predicted_time_s: float
+    predicted_tflops: float
+    peak_tflops: float
+    error: str | None  # set when the kernel would refuse to run (fp8 misaligned)
+    verdict: str
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tile"] = list(self.tile)
+        return d
+
+
+def check_dims(**dims: int) -> None:
+    for name, value in dims.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise TilefitError(
+                f"GEMM dimension {name} must be a positive integer",
+                expected="an integer >= 1",
+                given=repr(value),
+                fix=f"pass a whole number of elements for {name}",
+            )
+
+
+def gemm_flops(m: int, n: int, k: int) -> int:
+    """2*M*N*K: one multiply and one add per inner-product term."""
+    return 2 * m * n * k
+
+
+def gemm_bytes(m: int, n: int, k: int, dtype: DType) -> int:
+    """Ideal traffic: A and B read once, C written once."""
+    return dtype.bytes * (m * k + k * n + m * n)
+
+
+def _candidate_time(
+    m: int, n: int, k: int, tm: int, tn: int, split: int, dtype: DType, device: Device,
+    rate_per_sm: float, bw: float, align: float,
+) -> tuple[float, float, float, int, int]:
+    tiles_mn = math.ceil(m / tm) * math.ceil(n / tn)
+    ctas = tiles_mn * split
+    waves = math.ceil(ctas / device.sms)
+    k_piece = math.ceil(k / split)
+    math_s = waves * 2 * tm * tn * k_piece / (rate_per_sm * tile_shape_efficiency(tm, tn) * align)
+    traffic = gemm_bytes(m, n, k, dtype)
+    launches = 1
+    if split > 1:
+        traffic += 2 * split * m * n * 4  # fp32 partial outputs written, then read to reduce
+        launches = 2
+    mem_s = traffic / (bw * align)
+    return max(math_s, mem_s) + launches * device.launch_overhead_s, math_s, mem_s, ctas, waves
+
+
+def analyze_gemm(m: int, n: int, k: int, dtype: str | DType, device: Device) -> GemmAnalysis:
+    """Analyse C(MxN) = A(MxK) B(KxN) in ``dtype`` on ``device``."""
+    check_dims(m=m, n=n, k=k)
+    dt = parse_dtype(dtype)
+    peak = device.peak(dt)
+    flops = gemm_flops(m, n, k)
+    nbytes = gemm_bytes(m, n, k, dt)
+    intensity = flops / nbytes
+    ratio = peak / device.bandwidth_bytes_per_s
+    mult = device.multiple(dt)
+    alignment = {
+        name: DimAlignment(
+            multiple=mult,
+            aligned=v % mult == 0,
+            suggested=round_up(v, mult),
+            factor=alignment_factor(v, dt, device),
+        )
+        for name, v in (("m", m), ("n", n), ("k", k))
+    }
+    align = min(a.factor for a in alignment.values())
+    error = None
+    if dt.name == "fp8" and any(v % 16 for v in (m, n, k)):
+        error = (
+            "fp8 GEMMs need every dimension divisible by 16 (torch._scaled_mm and Transformer "
+            "Engine refuse other shapes): pad to "
+            + ", ".join(f"{n_}={alignment_bytes_pad(v, 16)}" for n_, v in
+                        (("m", m), ("n", n), ("k", k)) if v % 16)
+        )
+    rate_per_sm = peak * device.gemm_efficiency / device.sms
+    bw = device.bandwidth_bytes_per_s * device.bandwidth_efficiency
+    best: tuple[float, ...] | None = None
+    for tm, tn in TILES:
+        for split in SPLIT_K:
+            if split > 1 and (k / split < MIN_K_PER_SPLIT or
+                              math.ceil(m / tm) * math.ceil(n / tn) >= device.sms):
+                continue
+            t, math_s, mem_s, ctas, waves = _candidate_time(
+                m, n, k, tm, tn, split, dt, device, rate_per_sm, bw, align)
+            if best is None or t < best[0]:
+                best = (t, math_s, mem_s, ctas, waves, tm, tn, split)
+    assert best is not None
+    t, math_s, mem_s, ctas, waves, tm, tn, split = best
+    tile_eff = (m * n) / (round_up(m, int(tm)) * round_up(n, int(tn)))
+    wave_eff = ctas / (waves * device.sms)
+    bound = "memory" if intensity < ratio else "math"
+    analysis = GemmAnalysis(
+        m=m, n=n, k=k, dtype=dt.name, gpu=device.name, flops=flops, bytes=nbytes,
+        arithmetic_intensity=intensity, ops_per_byte=ratio, bound=bound, alignment=alignment,
+        tile=(int(tm), int(tn)), split_k=int(split), tiles=int(ctas), waves=int(waves),
+        tile_efficiency=tile_eff, wave_efficiency=wave_eff, alignment_efficiency=align,
+        math_time_s=math_s, memory_time_s=mem_s, predicted_time_s=t,
+        predicted_tflops=flops / t / 1e12, peak_tflops=peak / 1e12, error=error, verdict="",
+    )
+    object.__setattr__(analysis, "verdict", verdict(analysis))
+    return analysis
+
+
+def alignment_bytes_pad(value: int, multiple: int) -> int:
+    return round_up(value, multiple)
+
+
+def verdict(a: GemmAnalysis) -> str:
+    """One line: what limits this GEMM and the fix."""
+    if a.error:
+        return "ERROR: " + a.error
+    off = {n: al for n, al in a.alignment.items() if not al.aligned}
+    parts: list[str] = []
+    if off:
+        fixes = ", ".join(f"{n}={al.suggested}" for n, al in off.items())
+        parts.append(
+            f"{', '.join(off)} off the multiple of {next(iter(off.values())).multiple} "
+            f"for {a.dtype} on {a.gpu} (runs at {a.alignment_efficiency:.0%} speed): pad to {fixes}"
+        )
+    if a.bound == "memory":
+        parts.append(
+            f"memory-bound (intensity {a.arithmetic_intensity:.1f} < {a.ops_per_byte:.1f} "
+            "FLOP/B): a larger batch (M for a linear layer) raises intensity"
+        )
+    if a.wave_efficiency < 0.75 and a.waves <= 4:
+        parts.append(
+            f"last wave {a.wave_efficiency:.0%} full ({a.tiles} tiles on "
+            f"{a.tiles / (a.waves * a.wave_efficiency):.0f} SMs x {a.waves} waves)"
+        )
+    if a.tile_efficiency < 0.9:
+        parts.append(f"tile quantization wastes {1 - a.tile_efficiency:.0%} of the output tiles")
+    if not parts:
+        return (f"efficient: math-bound, aligned, {a.predicted_tflops:.0f} of "
+                f"{a.peak_tflops:.0f} TFLOP/s")
+    return "; ".join(parts)

@@ -1,0 +1,130 @@
+"""The device catalog: datasheet facts for the GPUs people train on, each with its source.
+
+Figures are dense (no 2:4 sparsity), as collected in shared/reference/hardware.md from the
+vendors' datasheets and whitepapers. Memory capacities are the datasheet's GB read as GiB
+(HBM and GDDR capacities are binary); what CUDA can use is 0.5-1.5 GiB less, which the
+estimator books as overhead. Bandwidths are the datasheet's GB/s (powers of ten).
+
+GeForce parts (RTX 3090, 4090) run fp16/bf16 Tensor Core math with fp32 accumulation at half
+the fp16-accumulate rate; PyTorch autocast accumulates in fp32, so the catalog lists the
+fp32-accumulate figure, which is what training sees (GA102 and Ada whitepapers).
+"""
+
+from __future__ import annotations
+
+from tilefit.hardware.device import ALIGN_DATACENTER_BYTES, GB, GIB, TB, Device
+
+# gemm_efficiency: fraction of the dense peak that the best cuBLAS kernels reach on large,
+# aligned shapes before tile and wave quantization. Sources (shared/reference/hardware.md,
+# "maximum achievable matmul FLOPs", bf16, best of a large sweep): A100 271/312 = 0.87,
+# H100 795/989 = 0.80 after waves (0.82 before), B200 1745/2250 = 0.78. H200 measured here:
+# 770-800 of 989 on 8192^3. NVIDIA's FC-layer guide quotes ~250 of 312 TFLOP/s on A100 for a
+# 4096x1024 layer at large batch, which the tile/wave model reproduces from 0.87.
+# Parts with no published figure use 0.80, the H100 value, until calibrated.
+EFF_A100 = 0.87
+EFF_HOPPER = 0.82
+EFF_BLACKWELL = 0.80
+EFF_DEFAULT = 0.80
+
+# bandwidth_efficiency: a device-to-device copy on an H200 measured 4.3 of 4.8 TB/s (0.90,
+# shared/reference/hardware.md); used for every part until calibrated.
+BW_EFF = 0.90
+
+# launch_overhead_s: the floor of one CUDA kernel's time (launch latency and the
+# prologue/epilogue of tiny kernels, a few microseconds on current parts; PyTorch's own
+# benchmarks of empty kernels report 3-5 us). Replaced by calibration where measured.
+LAUNCH_S = 4e-6
+
+_DS = "NVIDIA {} datasheet"
+
+
+def _gpu(
+    name: str,
+    display: str,
+    arch: str,
+    cc: tuple[int, int],
+    sms: int,
+    mem_gib: float,
+    bw_gbs: float,
+    tflops: dict[str, float],
+    source: str,
+    aliases: tuple[str, ...],
+    *,
+    datacenter_align: bool = False,
+    eff: float = EFF_DEFAULT,
+    notes: str = "",
+) -> Device:
+    return Device(
+        name=name,
+        display_name=display,
+        architecture=arch,
+        compute_capability=cc,
+        sms=sms,
+        memory_bytes=int(mem_gib * GIB),
+        bandwidth_bytes_per_s=bw_gbs * GB,
+        peak_flops_per_s={k: v * TB for k, v in tflops.items()},
+        alignment_bytes=ALIGN_DATACENTER_BYTES if datacenter_align else 16,
+        source=source,
+        aliases=aliases,
+        gemm_efficiency=eff,
+        bandwidth_efficiency=BW_EFF,
+        launch_overhead_s=LAUNCH_S,
+        notes=notes,
+    )
+
+
+_AMPERE_DC = {"fp32": 19.5, "tf32": 156, "fp16": 312, "bf16": 312, "int8": 624}
+_HOPPER_SXM = {"fp32": 67, "tf32": 494.5, "fp16": 989, "bf16": 989, "fp8": 1979, "int8": 1979}
+
+CATALOG: tuple[Device, ...] = (
+    _gpu("v100", "NVIDIA Tesla V100 SXM2 32GB", "Volta", (7, 0), 80, 32, 900,
+         {"fp32": 15.7, "fp16": 125}, _DS.format("V100"),
+         ("tesla v100", "v100-sxm2", "v100 32gb", "tesla v100-sxm2-32gb", "v100-sxm2-32gb"),
+         notes="no bf16, no tf32"),
+    _gpu("v100-16gb", "NVIDIA Tesla V100 SXM2 16GB", "Volta", (7, 0), 80, 16, 900,
+         {"fp32": 15.7, "fp16": 125}, _DS.format("V100"),
+         ("v100 16gb", "tesla v100-sxm2-16gb", "v100-sxm2-16gb"), notes="no bf16, no tf32"),
+    _gpu("t4", "NVIDIA Tesla T4", "Turing", (7, 5), 40, 16, 320,
+         {"fp32": 8.1, "fp16": 65, "int8": 130}, _DS.format("T4"), ("tesla t4",),
+         notes="no bf16, no tf32"),
+    _gpu("a10", "NVIDIA A10", "Ampere", (8, 6), 72, 24, 600,
+         {"fp32": 31.2, "tf32": 62.5, "fp16": 125, "bf16": 125, "int8": 250},
+         _DS.format("A10"), ("nvidia a10",)),
+    _gpu("a100-40gb", "NVIDIA A100 SXM4 40GB", "Ampere", (8, 0), 108, 40, 1555, _AMPERE_DC,
+         _DS.format("A100"), ("a100 40gb", "a100-sxm4-40gb", "a100 sxm 40gb", "a100-40g"),
+         datacenter_align=True, eff=EFF_A100),
+    _gpu("a100-80gb", "NVIDIA A100 SXM4 80GB", "Ampere", (8, 0), 108, 80, 2039, _AMPERE_DC,
+         _DS.format("A100"), ("a100 80gb", "a100-sxm4-80gb", "a100 sxm 80gb", "a100-80g"),
+         datacenter_align=True, eff=EFF_A100),
+    _gpu("a100-pcie-80gb", "NVIDIA A100 PCIe 80GB", "Ampere", (8, 0), 108, 80, 1935,
+         _AMPERE_DC, _DS.format("A100"), ("a100 80gb pcie", "a100-pcie", "a100 pcie"),
+         datacenter_align=True, eff=EFF_A100),
+    _gpu("rtx-3090", "NVIDIA GeForce RTX 3090", "Ampere", (8, 6), 82, 24, 936,
+         {"fp32": 35.6, "tf32": 35.6, "fp16": 71, "bf16": 71, "int8": 284},
+         "NVIDIA GA102 (Ampere GA102) whitepaper; fp16/bf16 with fp32 accumulate",
+         ("3090", "rtx3090", "geforce rtx 3090")),
+    _gpu("rtx-4090", "NVIDIA GeForce RTX 4090", "Ada", (8, 9), 128, 24, 1008,
+         {"fp32": 82.6, "tf32": 82.6, "fp16": 165.2, "bf16": 165.2, "fp8": 330.3, "int8": 660.6},
+         "NVIDIA Ada Lovelace (AD102) whitepaper; fp16/bf16 with fp32 accumulate",
+         ("4090", "rtx4090", "geforce rtx 4090")),
+    _gpu("l4", "NVIDIA L4", "Ada", (8, 9), 58, 24, 300,
+         {"fp32": 30.3, "tf32": 60, "fp16": 121, "bf16": 121, "fp8": 242, "int8": 242},
+         _DS.format("L4") + " (sparse figures halved)", ("nvidia l4",)),
+    _gpu("l40s", "NVIDIA L40S", "Ada", (8, 9), 142, 48, 864,
+         {"fp32": 91.6, "tf32": 183, "fp16": 362, "bf16": 362, "fp8": 733, "int8": 733},
+         _DS.format("L40S"), ("nvidia l40s",)),
+    _gpu("h100-sxm", "NVIDIA H100 SXM5 80GB", "Hopper", (9, 0), 132, 80, 3350, _HOPPER_SXM,
+         _DS.format("H100"), ("h100", "h100 sxm", "h100-sxm5", "h100 80gb hbm3", "h100-80gb"),
+         datacenter_align=True, eff=EFF_HOPPER),
+    _gpu("h100-pcie", "NVIDIA H100 PCIe 80GB", "Hopper", (9, 0), 114, 80, 2000,
+         {"fp32": 51, "tf32": 378, "fp16": 756, "bf16": 756, "fp8": 1513, "int8": 1513},
+         _DS.format("H100"), ("h100 pcie", "h100-pcie-80gb"),
+         datacenter_align=True, eff=EFF_HOPPER),
+    _gpu("h200", "NVIDIA H200 SXM 141GB", "Hopper", (9, 0), 132, 141, 4800, _HOPPER_SXM,
+         _DS.format("H200"), ("h200 sxm", "h200-sxm", "h200 141gb"),
+         datacenter_align=True, eff=EFF_HOPPER),
+    _gpu("b200", "NVIDIA B200 180GB", "Blackwell", (10, 0), 148, 180, 8000,
+         {"fp32": 80, "tf32": 1125, "fp16": 2250, "bf16": 2250, "fp8": 4500, "int8": 4500},
+         "public tables quoting NVIDIA's B200 (HGX) figures; some list 192 GB",
+         ("nvidia b200", "b200 180gb"), datacenter_align=True, eff=EFF_BLACKWELL),
+)  # fmt: skip

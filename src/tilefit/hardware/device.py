@@ -1,0 +1,113 @@
+"""The Device: the hardware facts the rules and the cost model need, as one frozen dataclass."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from tilefit.dtypes import DTYPE_NAMES, DType, parse_dtype
+from tilefit.errors import TilefitError
+
+GIB = 1024**3
+TB = 1e12  # datasheets quote TFLOP/s and TB/s in powers of ten
+GB = 1e9
+
+# Tensor Core alignment: 16 bytes in general, 128 bytes on A100-class and later data-center
+# parts (NVIDIA "Matrix Multiplication Background" user's guide, section "Tensor Core
+# Requirements", Table 1).
+ALIGN_GENERAL_BYTES = 16
+ALIGN_DATACENTER_BYTES = 128
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or the CPU), with the source of its numbers.
+
+    Peaks are dense (no 2:4 sparsity). A dtype absent from ``peak_flops_per_s`` is one the
+    part cannot run natively (bf16 on V100 and T4, fp8 before Ada/Hopper).
+    """
+
+    name: str  # canonical catalog name, e.g. "a100-80gb"
+    display_name: str  # as the vendor writes it, e.g. "NVIDIA A100 SXM4 80GB"
+    architecture: str  # "Ampere", "Hopper", ...
+    compute_capability: tuple[int, int] | None  # (8, 0) for sm80; None for the CPU
+    sms: int  # streaming multiprocessors (CPU: cores), the unit GEMM tiles are spread over
+    memory_bytes: int  # device memory capacity
+    bandwidth_bytes_per_s: float  # peak memory bandwidth (datasheet)
+    peak_flops_per_s: Mapping[str, float] = field(hash=False)  # dtype name -> dense FLOP/s
+    alignment_bytes: int = ALIGN_GENERAL_BYTES  # GEMM dims want multiples of this many bytes
+    source: str = ""  # where the numbers come from
+    aliases: tuple[str, ...] = ()
+    # Cost-model terms (not datasheet facts): the fraction of peak that the best GEMM kernels
+    # reach on large aligned shapes, the fraction of peak bandwidth a streaming kernel reaches,
+    # and the fixed time of one kernel launch. Each entry in the catalog cites its source;
+    # `tilefit calibrate` replaces them with measured values.
+    gemm_efficiency: float = 0.80
+    bandwidth_efficiency: float = 0.90
+    launch_overhead_s: float = 4e-6
+    kind: str = "cuda"  # "cuda" or "cpu"
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        if self.sms <= 0 or self.memory_bytes <= 0 or self.bandwidth_bytes_per_s <= 0:
+            raise ValueError(f"{self.name}: sms, memory_bytes and bandwidth must be positive")
+        if self.alignment_bytes not in (ALIGN_GENERAL_BYTES, ALIGN_DATACENTER_BYTES):
+            raise ValueError(f"{self.name}: alignment_bytes must be 16 or 128")
+        unknown = set(self.peak_flops_per_s) - set(DTYPE_NAMES)
+        if unknown:
+            raise ValueError(f"{self.name}: unknown dtypes in peak_flops_per_s: {unknown}")
+        if "fp32" not in self.peak_flops_per_s:
+            raise ValueError(f"{self.name}: an fp32 peak is required")
+        if any(v <= 0 for v in self.peak_flops_per_s.values()):
+            raise ValueError(f"{self.name}: peaks must be positive")
+        for name in ("gemm_efficiency", "bandwidth_efficiency"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"{self.name}: {name} must be in (0, 1], got {value}")
+        if self.launch_overhead_s < 0:
+            raise ValueError(f"{self.name}: launch_overhead_s must be >= 0")
+        object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
+
+    def supports(self, dtype: str | DType) -> bool:
+        return parse_dtype(dtype).name in self.peak_flops_per_s
+
+    def peak(self, dtype: str | DType) -> float:
+        """Dense peak FLOP/s for ``dtype``; a clear error if the part lacks it."""
+        d = parse_dtype(dtype)
+        try:
+            return self.peak_flops_per_s[d.name]
+        except KeyError:
+            have = ", ".join(self.peak_flops_per_s)
+            raise TilefitError(
+                f"{self.display_name} has no {d.name} math",
+                expected=f"a dtype this GPU runs: {have}",
+                given=d.name,
+                fix=f"use --dtype {_fallback(self, d)} on this GPU, or choose a GPU that has "
+                f"{d.name} with --gpu",
+            ) from None
+
+    def multiple(self, dtype: str | DType) -> int:
+        """The element multiple GEMM dims want: alignment bytes / element size."""
+        return max(1, self.alignment_bytes // parse_dtype(dtype).bytes)
+
+    def ops_per_byte(self, dtype: str | DType) -> float:
+        """Peak FLOP/s over bandwidth: below this arithmetic intensity a kernel is memory-bound."""
+        return self.peak(dtype) / self.bandwidth_bytes_per_s
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["peak_flops_per_s"] = dict(self.peak_flops_per_s)
+        d["compute_capability"] = (
+            None if self.compute_capability is None else ".".join(map(str, self.compute_capability))
+        )
+        d["aliases"] = list(self.aliases)
+        return d
+
+
+def _fallback(device: Device, wanted: DType) -> str:
+    for name in ("bf16", "fp16", "tf32", "fp32"):
+        if name in device.peak_flops_per_s and name != wanted.name:
+            return name
+    return "fp32"

@@ -1,0 +1,188 @@
+"""Finding a Device: by catalog name or alias, from a user's TOML spec file, or the live GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from tilefit.errors import TilefitError, close_matches
+from tilefit.hardware.catalog import CATALOG
+from tilefit.hardware.device import Device
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+_VENDOR_WORDS = ("nvidia-", "geforce-", "tesla-")
+
+
+def normalize(name: str) -> str:
+    """Lower case, runs of spaces/underscores/dashes as one dash, vendor words dropped."""
+    key = re.sub(r"[\s_\-]+", "-", name.strip().lower())
+    for word in _VENDOR_WORDS:
+        key = key.replace(word, "") if key.startswith(word) else key
+    return key.strip("-")
+
+
+def _keys(device: Device) -> list[str]:
+    return [normalize(device.name), *(normalize(a) for a in device.aliases)]
+
+
+_BY_KEY: dict[str, Device] = {k: d for d in CATALOG for k in _keys(d)}
+
+
+def list_devices() -> tuple[Device, ...]:
+    return CATALOG
+
+
+def get_device(spec: str | Device) -> Device:
+    """A Device from a catalog name, an alias, a TOML spec file path, or ``"auto"``.
+
+    Aliases are matched case-insensitively. A name that is the start of several devices'
+    names (``"a100"``) is ambiguous and the error lists the candidates.
+    """
+    if isinstance(spec, Device):
+        return spec
+    text = str(spec).strip()
+    if text.lower() == "auto":
+        return detect_live_device()
+    if text.lower().endswith(".toml") or Path(text).is_file():
+        return load_spec_file(Path(text))
+    key = normalize(text)
+    if key in _BY_KEY:
+        return _BY_KEY[key]
+    prefixed = sorted({d.name for k, d in _BY_KEY.items() if k.startswith(key + "-")})
+    if len(prefixed) == 1:
+        return _BY_KEY[prefixed[0]]
+    if len(prefixed) > 1:
+        raise TilefitError(
+            f"GPU name {text!r} is ambiguous",
+            expected="one catalog name",
+            given=f"{text!r}, which matches: {', '.join(prefixed)}",
+            fix=f"say which one, e.g. --gpu {prefixed[0]}",
+        )
+    names = [d.name for d in CATALOG]
+    near = close_matches(key, names + [a for d in CATALOG for a in d.aliases])
+    hint = f"did you mean {', '.join(near)}? " if near else ""
+    raise TilefitError(
+        f"unknown GPU {text!r}",
+        expected="a catalog name or alias (see `tilefit gpus`), a .toml spec file, or auto",
+        given=repr(text),
+        fix=f"{hint}run `tilefit gpus` for the list, or describe your GPU in a TOML file "
+        "(see the README) and pass its path",
+    )
+
+
+_REQUIRED = ("name", "sms", "memory_bytes", "bandwidth_bytes_per_s", "peak_flops_per_s")
+
+
+def load_spec_file(path: Path) -> Device:
+    """A Device from a user's TOML file with the Device's own field names.
+
+    ``base = "a100-80gb"`` starts from a catalog entry and overrides what the file gives;
+    without ``base`` the file must give name, sms, memory_bytes, bandwidth_bytes_per_s and
+    peak_flops_per_s (a table dtype -> FLOP/s).
+    """
+    if not path.is_file():
+        raise TilefitError(
+            f"GPU spec file {str(path)!r} does not exist",
+            expected="a path to a TOML file, or a catalog name",
+            given=str(path),
+            fix="check the path, or run `tilefit gpus` for catalog names",
+        )
+    try:
+        data: dict[str, Any] = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise TilefitError(
+            f"GPU spec file {str(path)!r} is not valid TOML",
+            expected="key = value lines, e.g. sms = 108",
+            given=str(exc),
+            fix="fix the line the parser names",
+        ) from None
+    fields = {f.name for f in dataclasses.fields(Device)}
+    base_name = data.pop("base", None)
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise TilefitError(
+            f"GPU spec file {str(path)!r} has unknown keys",
+            expected="Device fields: " + ", ".join(sorted(fields)) + " (and base)",
+            given=", ".join(unknown),
+            fix="rename or remove those keys",
+        )
+    if "compute_capability" in data and data["compute_capability"] is not None:
+        cc = str(data["compute_capability"]).split(".")
+        data["compute_capability"] = (int(cc[0]), int(cc[1]) if len(cc) > 1 else 0)
+    if "aliases" in data:
+        data["aliases"] = tuple(data["aliases"])
+    try:
+        if base_name is not None:
+            device = dataclasses.replace(get_device(str(base_name)), **data)
+        else:
+            missing = [k for k in _REQUIRED if k not in data]
+            if missing:
+                raise TilefitError(
+                    f"GPU spec file {str(path)!r} lacks required keys",
+                    expected=", ".join(_REQUIRED) + " (or base = \"<catalog name>\")",
+                    given="missing " + ", ".join(missing),
+                    fix='add them, or start from a catalog entry with base = "a100-80gb"',
+                )
+            data.setdefault("display_name", data["name"])
+            data.setdefault("architecture", "unknown")
+            data.setdefault("compute_capability", None)
+            data.setdefault("source", f"user spec file {path}")
+            device = Device(**data)
+    except (ValueError, TypeError) as exc:
+        raise TilefitError(
+            f"GPU spec file {str(path)!r} has a bad value",
+            expected="positive numbers; alignment_bytes 16 or 128; efficiencies in (0, 1]",
+            given=str(exc),
+            fix="correct the value named above",
+        ) from None
+    return device
+
+
+def match_catalog(device_name: str) -> Device | None:
+    """The catalog entry for a name as CUDA reports it ("NVIDIA A100-SXM4-80GB")."""
+    key = normalize(device_name)
+    if key in _BY_KEY:
+        return _BY_KEY[key]
+    # CUDA names carry extra words ("NVIDIA H100 80GB HBM3"); take the longest known key
+    # that the reported name starts with.
+    best = max((k for k in _BY_KEY if key.startswith(k)), key=len, default=None)
+    return _BY_KEY[best] if best else None
+
+
+def detect_live_device(index: int = 0) -> Device:
+    """The live CUDA device: name, SM count and memory read from it, peaks from the catalog."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        torch = None  # type: ignore[assignment]
+    if torch is None or not torch.cuda.is_available():
+        raise TilefitError(
+            "--gpu auto found no CUDA GPU on this machine",
+            expected="a machine with an NVIDIA GPU and a CUDA build of PyTorch",
+            given="no CUDA device" if torch is not None else "PyTorch is not installed",
+            fix="name the GPU to predict for, e.g. --gpu a100-80gb (`tilefit gpus` lists them)",
+        )
+    props = torch.cuda.get_device_properties(index)
+    base = match_catalog(props.name)
+    if base is None:
+        raise TilefitError(
+            f"the live GPU {props.name!r} is not in the catalog, so its peak FLOP/s are unknown",
+            expected="a GPU listed by `tilefit gpus`",
+            given=props.name,
+            fix="describe it in a TOML spec file (base = the nearest catalog entry) and pass "
+            "--gpu path/to/spec.toml",
+        )
+    return dataclasses.replace(
+        base,
+        display_name=props.name,
+        sms=props.multi_processor_count,
+        memory_bytes=props.total_memory,
+        source=base.source + "; SM count and memory read from the live device",
+    )
