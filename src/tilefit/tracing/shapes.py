@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
 
-from tilefit.trace.records import GemmShape
-from tilefit.trace.torch_compat import flop_formula
+from tilefit.tracing.records import GemmShape
+from tilefit.tracing.torch_compat import flop_formula
 
 GEMM_OPS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm"}
 CONV_OPS = {"aten.convolution", "aten._convolution", "aten.convolution_backward",
@@ -26,6 +27,25 @@ ATTENTION_OPS = {
 NO_KERNEL = {"aten.detach", "aten.alias", "aten.lift_fresh", "aten._unsafe_view", "aten.empty",
              "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided", "aten.empty_like",
              "aten._local_scalar_dense", "aten.set_", "aten.lift_fresh_copy"}
+
+# Op families that are memory-bound by nature (copies, creation, reductions, norms,
+# softmax, losses, indexing, pooling, optimizer foreach kernels and their backward ops):
+# bytes over bandwidth is their right cost. Pointwise ops are recognised by torch's
+# Tag.pointwise. Anything else without a FLOP formula is "unknown" and reported.
+_MEMORY_FAMILIES = re.compile(
+    r"aten\.(_foreach_|_fused_|_amp_|copy|_to_copy|_copy|clone|contiguous|fill|zero|zeros|ones|"
+    r"full|arange|scalar_tensor|cat|stack|split|chunk|unbind|index|gather|scatter|embedding|"
+    r"masked|where|sum|mean|amax|amin|max|min|argmax|argmin|var|std|norm|linalg_vector_norm|"
+    r"_softmax|_log_softmax|softmax|log_softmax|nll_loss|cross_entropy|mse_loss|l1_loss|"
+    r"smooth_l1|huber|binary_cross_entropy|native_layer_norm|native_group_norm|"
+    r"_native_batch_norm|native_batch_norm|batch_norm|_batch_norm|layer_norm|rms_norm|"
+    r"_fused_rms_norm|native_dropout|dropout|bernoulli|rand|normal|uniform|tril|triu|cumsum|"
+    r"cumprod|sort|topk|constant_pad|pad|reflection_pad|replication_pad|upsample|max_pool|"
+    r"avg_pool|adaptive_|col2im|im2col|repeat|roll|flip|_unsafe_index|new_zeros|new_ones|"
+    r"new_full|any|all|logsumexp|prod|isinf|isnan|isfinite|count_nonzero|bincount|one_hot|"
+    r"lerp|addcmul|addcdiv|sign|clamp|_local_scalar|item|equal|_assert|linspace|"
+    r"[a-z_0-9]*_backward)"
+)
 
 TORCH_TO_TILEFIT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
                     torch.float64: "fp32", torch.int8: "int8"}
@@ -49,7 +69,9 @@ def classify(func: Any, outputs: list[torch.Tensor], in_uids: set[int | None],
         return "conv"
     if name in ATTENTION_OPS:
         return "attention"
-    return "memory"
+    if torch.Tag.pointwise in getattr(func, "tags", ()) or _MEMORY_FAMILIES.match(name):
+        return "memory"
+    return "unknown"
 
 
 def tilefit_dtype(dtype: torch.dtype) -> str:

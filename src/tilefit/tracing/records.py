@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tilefit.trace.target import Target
+from tilefit.tracing.target import Target
 
 PHASES = ("forward", "backward", "recompute", "optimizer", "zero_grad", "scaler")
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")

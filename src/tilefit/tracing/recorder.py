@@ -11,9 +11,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tilefit.trace.records import GemmShape, OpRecord, StorageRecord
-from tilefit.trace.shapes import classify, gemm_shapes, op_flops
-from tilefit.trace.torch_compat import ModuleTracker
+from tilefit.tracing.records import GemmShape, OpRecord, StorageRecord
+from tilefit.tracing.shapes import classify, gemm_shapes, op_flops
+from tilefit.tracing.torch_compat import ModuleTracker
 
 _SKIP = {"prim.device.default", "profiler._record_function_enter_new.default",
          "profiler._record_function_exit._RecordFunction"}

@@ -19,7 +19,7 @@ import importlib
 from collections.abc import Iterator
 from typing import Any
 
-from tilefit.trace.torch_compat import FakeTensor
+from tilefit.tracing.torch_compat import FakeTensor
 
 
 def is_fake(x: Any) -> bool:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from tilefit.trace.target import Target
+from tilefit.tracing.target import Target
 
 
 def _sdpa_params(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,

@@ -13,19 +13,19 @@ from torch.utils._pytree import tree_map
 
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device, get_device
-from tilefit.trace.attention import AttentionRouter
-from tilefit.trace.autocast import CudaAutocast
-from tilefit.trace.hf_compat import gpu_mask_semantics
-from tilefit.trace.optimizers import (
+from tilefit.tracing.attention import AttentionRouter
+from tilefit.tracing.autocast import CudaAutocast
+from tilefit.tracing.hf_compat import gpu_mask_semantics
+from tilefit.tracing.optimizers import (
     OPTIMIZER_NAMES,
     OptimizerSpec,
     make_optimizer,
     optimizer_state_tensors,
 )
-from tilefit.trace.recorder import Recorder
-from tilefit.trace.records import Trace
-from tilefit.trace.target import Target
-from tilefit.trace.torch_compat import FAKE_ERRORS, FakeTensorMode, ModuleTracker, new_fake_mode
+from tilefit.tracing.recorder import Recorder
+from tilefit.tracing.records import Trace
+from tilefit.tracing.target import Target
+from tilefit.tracing.torch_compat import FAKE_ERRORS, FakeTensorMode, ModuleTracker, new_fake_mode
 
 PRECISIONS = ("fp32", "tf32", "fp16-mixed", "bf16-mixed", "bf16")
 ATTENTIONS = ("auto", "eager", "sdpa")
