@@ -10,10 +10,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from tilefit.models import catalog_names, load_workload  # noqa: E402
+from tilefit.models import catalog_names, load_workload
 
 
 @pytest.fixture(autouse=True)

@@ -9,9 +9,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may touch the hub
 
-from tilefit.models import catalog_names, load_workload  # noqa: E402
-from tilefit.models.catalog import catalog_entry  # noqa: E402
-from tilefit.models.params import count_parameters  # noqa: E402
+from tilefit.models import catalog_names, load_workload
+from tilefit.models.catalog import catalog_entry
+from tilefit.models.params import count_parameters
 
 REQUIRED = [
     "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "bert-base-uncased", "bert-large-uncased",

@@ -11,11 +11,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tilefit.errors import TilefitError  # noqa: E402
-from tilefit.models import load_workload  # noqa: E402
+from tilefit.errors import TilefitError
+from tilefit.models import load_workload
 
 TINY_LLAMA = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512,

@@ -24,7 +24,8 @@ def looks_like_factory(source: str) -> bool:
     if ":" not in source or source.endswith(".json"):
         return False
     module, _, fn = source.rpartition(":")
-    return bool(module) and bool(fn) and "/" not in module and "\\" not in module and len(module) > 1
+    has_separator = "/" in module or "\\" in module
+    return bool(module) and bool(fn) and not has_separator and len(module) > 1
 
 
 def split_factory(source: str) -> tuple[str, str]:

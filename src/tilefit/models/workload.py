@@ -290,7 +290,7 @@ def _factory_workload(
             given=f"seq_len={seq_len}",
             fix="pass --input-shape instead (e.g. 3,224,224); the batch is float32",
         )
-    shape = factory.check_input_shape(source, input_shape)
     factory.load_factory(source)  # fail now, not at trace time, if it cannot be imported
+    shape = factory.check_input_shape(source, input_shape)
     return Workload(name=source, task=MODULE_TASK, config=None, seq_len=None, input_shape=shape)
 
