@@ -119,3 +119,16 @@ def test_real_build_is_initialised() -> None:
     assert abs(loss.item() - math.log(1000)) < 0.5
     loss.backward()
     assert model.transformer.wte.weight.grad is not None
+
+
+def test_full_llama_3_8b_step_at_its_default_length_on_fake_tensors() -> None:
+    # The headline case: all 32 layers, batch 1, seq 2048, nothing allocated.
+    workload = load_workload("llama-3-8b")
+    assert workload.seq_len == 2048
+    with FakeTensorMode():
+        model = workload.build()
+        batch = workload.make_batch(1)
+        logits_loss = workload.loss_fn(model, batch)
+        logits_loss.backward()
+    assert batch["input_ids"].shape == (1, 2048)
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248  # see test_models_catalog

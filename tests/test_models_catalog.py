@@ -40,6 +40,12 @@ PUBLISHED = {
                    "max_position_embeddings": 4096},
     "llama-3-8b": {"vocab_size": 128256, "intermediate_size": 14336, "num_key_value_heads": 8,
                    "rope_theta": 500000.0, "max_position_embeddings": 8192},
+    "llama-3.2-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                     "num_key_value_heads": 8, "tie_word_embeddings": True,
+                     "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0,
+                                      "low_freq_factor": 1.0,
+                                      "original_max_position_embeddings": 8192,
+                                      "rope_type": "llama3"}},
     "mistral-7b": {"vocab_size": 32000, "intermediate_size": 14336, "num_key_value_heads": 8,
                    "sliding_window": 4096},
     "qwen2.5-0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14,
@@ -82,6 +88,10 @@ PARAMS = {
     # Mistral-7B-v0.1 (same as llama-3-8b with V=32000): 2*32000*4096 = 262,144,000
     # + 6,979,584,000 + 4,096 = 7,241,732,096.
     "mistral-7b": 7_241_732_096,
+    # Llama-3.2-1B, tied: V*d = 128256*2048 = 262,668,288; per layer q,o 2d^2 = 8,388,608,
+    # k,v 2*d*512 = 2,097,152, MLP 3*2048*8192 = 50,331,648, norms 4,096 -> 60,821,504 * 16
+    # = 973,144,064; final norm 2,048. Total 1,235,814,400 (published "1.24B").
+    "llama-3.2-1b": 1_235_814_400,
     # ViT-B/16 classifier, the figure of the ViT paper / timm (86.6M): 86,567,656.
     "vit-base-patch16-224": 86_567_656,
 }
@@ -111,3 +121,13 @@ def test_models_command_json() -> None:
     assert rows["gpt2"]["task"] == "causal-lm"
     assert rows["roberta-base"]["max_seq_len"] == 512  # 514 positions - (pad 1 + 1)
     assert rows["vit-base-patch16-224"]["task"] == "image-cls"
+
+
+def test_models_command_table() -> None:
+    from typer.testing import CliRunner
+
+    from tilefit.cli.app import app
+
+    result = CliRunner().invoke(app, ["models"])
+    assert result.exit_code == 0, result.output
+    assert "llama-3-8b" in result.stdout and "8.03B" in result.stdout  # 8,030,261,248

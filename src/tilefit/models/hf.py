@@ -227,6 +227,10 @@ def build_model(config: Mapping[str, Any], task: str, attention: str) -> torch.n
     # recipe (bf16-mixed, ...) is applied by the tracer, not here.
     with _skip_init_without_data():
         model = auto_class.from_config(cfg, attn_implementation=attention, dtype=torch.float32)
+    if task == "causal-lm" and getattr(model, "loss_type", "") is None:
+        # GPT2LMHeadModel's name matches no loss family, so transformers falls back to its
+        # causal-LM loss with a warning on every run; name that same loss to keep stderr clean.
+        model.loss_type = "ForCausalLM"
     model.train()
     return model
 
