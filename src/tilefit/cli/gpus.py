@@ -26,9 +26,10 @@ def gpus(json_out: bool = JSON_OPTION) -> None:
     for col in ("name", "arch", "sm", "SMs", "memory GiB", "TB/s", *dtypes, "align B"):
         table.add_column(col, justify="left" if col in ("name", "arch") else "right")
     for d in devices:
-        cc = "" if d.compute_capability is None else "%d.%d" % d.compute_capability
+        cc = "" if d.compute_capability is None else "{}.{}".format(*d.compute_capability)
         peaks = [
-            f"{d.peak_flops_per_s[t] / 1e12:.1f}" if t in d.peak_flops_per_s else "-" for t in dtypes
+            f"{d.peak_flops_per_s[t] / 1e12:.1f}" if t in d.peak_flops_per_s else "-"
+            for t in dtypes
         ]
         table.add_row(
             d.name, d.architecture, cc, str(d.sms), f"{d.memory_bytes / 2**30:.0f}",
