@@ -197,3 +197,11 @@ def test_gpu_auto(cli) -> None:
         assert "--gpu" in proc.stderr  # the fix names the option
         assert "Traceback" not in proc.stderr
         assert proc.stdout == ""
+
+
+def test_device_to_dict_is_plain_data() -> None:
+    d = get_device("h200").to_dict()
+    assert d["peak_flops_per_s"]["bf16"] == pytest.approx(989e12)
+    assert d["compute_capability"] == "9.0"
+    assert d["memory_bytes"] == 141 * 2**30  # datasheet GB read as GiB (catalog.py)
+    json.dumps(d)  # serialisable as is
