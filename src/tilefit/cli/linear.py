@@ -106,7 +106,7 @@ def render(a: object) -> None:
         title=f"Linear {a.in_features} -> {a.out_features}{seq_note}, {a.dtype} on {a.gpu}\n"
         f"peak {a.rows[0].gemm.peak_tflops:.0f} TFLOP/s, math-bound above "
         f"{recs.ops_per_byte:.0f} FLOP/B",
-        box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
+        box=box.SIMPLE_HEAD, pad_edge=False, padding=0,
     )
     cols = ["batch", *(["tokens"] if a.seq > 1 else []), "GEMM", "M x N x K", "align",
             "tile", "wave", "time us", "TFLOP/s"]
