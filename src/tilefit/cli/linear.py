@@ -8,7 +8,15 @@ from tilefit.cli.common import GPU_HELP, JSON_OPTION, console, err_console, prin
 
 
 def register(app: typer.Typer) -> None:
-    app.command("linear")(linear)
+    app.command("linear", help=HELP)(linear)
+
+
+HELP = (
+    "A linear layer's three training GEMMs per batch size and the batch to choose.\n\n"
+    "For each batch size (tokens T = batch x seq): forward (M=T, N=out, K=in), activation "
+    "gradient (M=T, N=in, K=out) and weight gradient (M=out, N=in, K=T), their totals, the "
+    "smallest batch from which all three are math-bound, and which batch sizes are aligned."
+)
 
 
 def linear(
@@ -23,8 +31,7 @@ def linear(
         None, "--plot", help="Write a PNG of predicted TFLOP/s against batch size to this file."
     ),
 ) -> None:
-    """Forward, activation-gradient and weight-gradient GEMMs of a linear layer per batch size,
-    their totals, and the batch sizes to choose (math-bound and aligned)."""
+    """A linear layer's three training GEMMs per batch size and the batch to choose."""
     from tilefit.hardware import get_device
     from tilefit.linear import analyze_linear, plot_batches
 
