@@ -61,17 +61,18 @@ def plot_linear(analysis: LinearAnalysis, path: str | Path,
                    color="black", zorder=3, label="batch sizes asked for")
     peak = analysis.rows[0].gemm.peak_tflops
     ax.axhline(peak, color="grey", linewidth=0.8)
-    ax.text(batches[0], peak, f" {analysis.dtype} dense peak {peak:.0f}", va="bottom",
-            fontsize=8, color="grey")
+    ax.text(batches[-1], peak, f"{analysis.dtype} dense peak {peak:.0f} ", va="bottom",
+            ha="right", fontsize=8, color="grey")
     b_min = analysis.recommendations.min_math_bound_batch
     if b_min is not None and batches[0] <= b_min <= batches[-1]:
         ax.axvline(b_min, color="grey", linestyle=":", linewidth=1)
-        ax.text(b_min, peak * 0.5, f" math-bound from batch {b_min}", fontsize=8, color="grey")
+        ax.text(b_min, peak * 0.97, f" math-bound from batch {b_min}", va="top", fontsize=8,
+                color="grey")
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
     ax.set_xlabel("batch size" + (f" (x seq {analysis.seq} tokens)" if analysis.seq > 1 else ""))
     ax.set_ylabel("predicted TFLOP/s")
-    ax.set_ylim(0, peak * 1.08)
+    ax.set_ylim(0, peak * 1.3)  # headroom for the legend
     ax.set_title(f"Linear {analysis.in_features} -> {analysis.out_features}, {analysis.dtype} "
                  f"on {analysis.gpu} (tilefit model)")
     ax.grid(True, which="both", alpha=0.3)
