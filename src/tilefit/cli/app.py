@@ -19,6 +19,7 @@ app = typer.Typer(
 COMMAND_MODULES: tuple[str, ...] = (
     "tilefit.cli.gpus",
     "tilefit.cli.gemm",
+    "tilefit.cli.linear",
     "tilefit.cli.models",
 )
 
