@@ -21,6 +21,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tilefit.cli.gemm",
     "tilefit.cli.linear",
     "tilefit.cli.models",
+    "tilefit.cli.estimate",
 )
 
 for _name in COMMAND_MODULES:
