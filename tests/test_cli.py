@@ -50,6 +50,8 @@ def _flat(text: str) -> str:
          ["unknown GPU", "did you mean"]),
         (["linear", "--in", "64", "--out", "64", "--batch", "8", "--plot", "out.svg"],
          ["PNG", ".png"]),
+        (["linear", "--in", "64", "--out", "64", "--batch", "8", "--plot", "/no/such/dir/a.png"],
+         ["does not exist", "/no/such/dir"]),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(cli, args: list[str], messages: list[str]
