@@ -121,6 +121,7 @@ def factory_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 def test_factory_workload_stand_in_loss(factory_dir: str) -> None:
     workload = load_workload(f"{factory_dir}:build", input_shape=(4,))
     assert (workload.task, workload.seq_len, workload.input_shape) == ("module", None, (4,))
+    assert workload.loss_is_stand_in
     batch = workload.make_batch(3)
     assert batch.shape == (3, 4) and batch.dtype == torch.float32
     model = workload.build()
@@ -245,3 +246,10 @@ def test_with_config_unknown_field_suggests() -> None:
 def test_with_config_rechecks_the_sequence_length() -> None:
     with pytest.raises(TilefitError, match="at most 512 tokens"):
         load_workload("gpt2", seq_len=1024).with_config(n_positions=512)
+
+
+def test_workloads_compare_and_hash_by_value() -> None:
+    a, b = load_workload("gpt2", seq_len=64), load_workload("gpt2", seq_len=64)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != a.with_config(vocab_size=50304) and a != load_workload("gpt2", seq_len=128)
+    assert a.to_dict()["config"]["n_embd"] == 768 and a.loss_is_stand_in is False

@@ -236,12 +236,18 @@ def build_model(config: Mapping[str, Any], task: str, attention: str) -> torch.n
 
 
 def _tensors_have_data() -> bool:
-    """False inside a FakeTensorMode or under the meta device, where weights hold no values."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensor
+    """False inside a FakeTensorMode or under the meta device, where weights hold no values.
 
-    probe = torch.empty(())
-    return not (isinstance(probe, FakeTensor) or probe.is_meta)
+    Read from the active dispatch modes and the default device, without creating a tensor (a
+    probe tensor would show up in a tracer's record of the build).
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    if any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack()):
+        return False
+    return torch.get_default_device().type != "meta"
 
 
 @contextmanager

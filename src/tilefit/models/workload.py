@@ -44,9 +44,18 @@ class Workload:
     seq_len: int | None
     input_shape: tuple[int, ...] | None = None
 
+    def __hash__(self) -> int:  # the config mapping is not hashable; its JSON text is
+        config = None if self.config is None else json.dumps(dict(self.config), sort_keys=True)
+        return hash((self.name, self.task, self.seq_len, self.input_shape, config))
+
     @property
     def tokens_per_sample(self) -> int | None:
         return self.seq_len
+
+    @property
+    def loss_is_stand_in(self) -> bool:
+        """True when ``loss_fn`` is a stand-in (plain factories: the mean of the output)."""
+        return self.config is None
 
     @property
     def model_type(self) -> str | None:
@@ -147,6 +156,7 @@ class Workload:
             "model_type": self.model_type,
             "seq_len": self.seq_len,
             "input_shape": None if self.input_shape is None else list(self.input_shape),
+            "loss_is_stand_in": self.loss_is_stand_in,
             "config": None if self.config is None else dict(self.config),
         }
 
