@@ -13,7 +13,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tilefit.tracing.records import GemmShape, OpRecord, StorageRecord
 from tilefit.tracing.shapes import classify, gemm_shapes, op_flops
-from tilefit.tracing.torch_compat import ModuleTracker
+from tilefit.tracing.torch_compat import ModulePath
 
 _SKIP = {"prim.device.default", "profiler._record_function_enter_new.default",
          "profiler._record_function_exit._RecordFunction"}
@@ -29,7 +29,7 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
 class Recorder(TorchDispatchMode):
     """Records ops (shapes, FLOPs, bytes, module, phase) and storage lifetimes."""
 
-    def __init__(self, tracker: ModuleTracker, root_name: str) -> None:
+    def __init__(self, tracker: ModulePath, root_name: str) -> None:
         super().__init__()
         self.tracker = tracker
         self.set_root(root_name)
@@ -117,7 +117,7 @@ class Recorder(TorchDispatchMode):
 
     @property
     def effective_phase(self) -> str:
-        if self.phase == "backward" and not self.tracker.is_bw and self.module:
+        if self.phase == "backward" and self.tracker.recomputing:
             return "recompute"
         return self.phase
 

@@ -25,7 +25,7 @@ from tilefit.tracing.optimizers import (
 from tilefit.tracing.recorder import Recorder
 from tilefit.tracing.records import Trace
 from tilefit.tracing.target import Target
-from tilefit.tracing.torch_compat import FAKE_ERRORS, FakeTensorMode, ModuleTracker, new_fake_mode
+from tilefit.tracing.torch_compat import FAKE_ERRORS, FakeTensorMode, ModulePath, new_fake_mode
 
 PRECISIONS = ("fp32", "tf32", "fp16-mixed", "bf16-mixed", "bf16")
 ATTENTIONS = ("auto", "eager", "sdpa")
@@ -226,7 +226,7 @@ def trace(
     mode = new_fake_mode()
     pure_bf16 = precision == "bf16"
     low = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision)
-    tracker = ModuleTracker()
+    tracker = ModulePath()
     recorder = Recorder(tracker, "")
     try:
         with mode:
