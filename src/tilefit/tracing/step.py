@@ -95,6 +95,25 @@ def fake_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def _cast_floating(model: nn.Module, dtype: torch.dtype, mode: FakeTensorMode) -> None:
+    """model.to(dtype) for a fake model: Module._apply swaps tensors in place, which fake
+    tensors refuse; new fake parameters are put in place instead (tied weights stay tied)."""
+    done: dict[int, Any] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_floating_point():
+                continue
+            if id(p) not in done:
+                done[id(p)] = nn.Parameter(_fake_like(p, mode, dtype), requires_grad=p.requires_grad)
+            mod._parameters[name] = done[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is None or not b.is_floating_point():
+                continue
+            if id(b) not in done:
+                done[id(b)] = _fake_like(b, mode, dtype)
+            mod._buffers[name] = done[id(b)]
+
+
 def fake_batch(batch: Any, mode: FakeTensorMode, float_dtype: torch.dtype | None) -> Any:
     def conv(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -240,7 +259,7 @@ def trace(
         with mode:
             _set_attention(fmodel, attention)
             if pure_bf16:
-                fmodel = fmodel.to(torch.bfloat16)
+                _cast_floating(fmodel, torch.bfloat16, mode)
             if grad_checkpointing:
                 _enable_checkpointing(fmodel, _recompute_contexts(target, recorder, low))
             fmodel.train()
