@@ -68,15 +68,20 @@ PROMOTE: set[Callable[..., Any]] = _fns(
 ) | {F.bilinear, F.grid_sample}
 
 _LOW = (torch.float16, torch.bfloat16)
+_NO_RESULT = object()
 _CE_SIG = inspect.signature(F.cross_entropy)
 
 
 class CudaAutocast(TorchFunctionMode):
-    """Apply CUDA autocast's policy with ``dtype`` (fp16 or bf16) while ``enabled``."""
+    """Apply CUDA autocast's policy with ``dtype`` (fp16 or bf16; None: no casting) while
+    ``enabled``, and send SDPA calls to ``router`` (the target's attention kernel choice)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype | None,
+                 router: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
+                 ) -> None:
         super().__init__()
         self.dtype = dtype
+        self.router = router
         self.enabled = False
         self.cache_weights = False
         self._cache: dict[int, tuple[T, T]] = {}
@@ -116,14 +121,25 @@ class CudaAutocast(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if not self.enabled:
-            return func(*args, **kwargs)
+        if self.enabled and self.dtype is not None:
+            out = self._apply_policy(func, args, kwargs)
+            if out is not None:
+                args, kwargs, result = out
+                if result is not _NO_RESULT:
+                    return result
+        if self.router is not None and func is F.scaled_dot_product_attention:
+            return self.router(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _apply_policy(self, func: Callable[..., Any], args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], Any] | None:
+        """New (args, kwargs, result-or-_NO_RESULT) under the cast policy, or None."""
         if func in LOWER_PRECISION:
             args, kwargs = tree_map(lambda x: self._cast(x, self.dtype), (args, kwargs))
         elif func in FP32_SET_OPT_DTYPE:
             first = args[0] if args else None
             if (isinstance(first, T) and first.dtype in _LOW and kwargs.get("dtype") is None
-                    and not _positional_dtype(func, args)):
+                    and not _positional_dtype(func, args)):  # noqa: SIM102
                 kwargs = {**kwargs, "dtype": torch.float32}
         elif func in FP32:
             args, kwargs = tree_map(lambda x: self._cast(x, torch.float32), (args, kwargs))
@@ -145,10 +161,14 @@ class CudaAutocast(TorchFunctionMode):
                 if a["label_smoothing"] == 0.0 and a["size_average"] is None and a["reduce"] is None:
                     x = a["input"]
                     logp = F.log_softmax(x, dim=1 if x.dim() > 1 else 0, dtype=torch.float32)
-                    return F.nll_loss(logp, a["target"], weight=self._cast(a["weight"], torch.float32),
-                                      ignore_index=a["ignore_index"], reduction=a["reduction"])
+                    weight = self._cast(a["weight"], torch.float32)
+                    return args, kwargs, F.nll_loss(logp, a["target"], weight=weight,
+                                                    ignore_index=a["ignore_index"],
+                                                    reduction=a["reduction"])
                 args, kwargs = tree_map(lambda x: self._cast(x, torch.float32), (args, kwargs))
-        return func(*args, **kwargs)
+        else:
+            return None
+        return args, kwargs, _NO_RESULT
 
 
 def _positional_dtype(func: Callable[..., Any], args: tuple[Any, ...]) -> bool:
