@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tilefit.tracing.target import Target
@@ -74,7 +73,7 @@ class AttentionRouter:
                     return func(*args, **kwargs)
             fused = {**a, "dropout_p": 0.0}
             if not fused["enable_gqa"]:
-                del fused["enable_gqa"]  # torch < 2.5 has no enable_gqa  # fused kernels keep the RNG state, not a mask
+                del fused["enable_gqa"]  # torch < 2.5 has no enable_gqa
             try:
                 with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                     return func(**fused)

@@ -139,7 +139,7 @@ class CudaAutocast(TorchFunctionMode):
         elif func in FP32_SET_OPT_DTYPE:
             first = args[0] if args else None
             if (isinstance(first, T) and first.dtype in _LOW and kwargs.get("dtype") is None
-                    and not _positional_dtype(func, args)):  # noqa: SIM102
+                    and not _positional_dtype(func, args)):
                 kwargs = {**kwargs, "dtype": torch.float32}
         elif func in FP32:
             args, kwargs = tree_map(lambda x: self._cast(x, torch.float32), (args, kwargs))
@@ -158,7 +158,8 @@ class CudaAutocast(TorchFunctionMode):
             bound.apply_defaults()
             a = bound.arguments
             if isinstance(a["input"], T) and a["input"].dtype in _LOW:
-                if a["label_smoothing"] == 0.0 and a["size_average"] is None and a["reduce"] is None:
+                plain = a["size_average"] is None and a["reduce"] is None
+                if a["label_smoothing"] == 0.0 and plain:
                     x = a["input"]
                     logp = F.log_softmax(x, dim=1 if x.dim() > 1 else 0, dtype=torch.float32)
                     weight = self._cast(a["weight"], torch.float32)

@@ -104,7 +104,8 @@ def _cast_floating(model: nn.Module, dtype: torch.dtype, mode: FakeTensorMode) -
             if p is None or not p.is_floating_point():
                 continue
             if id(p) not in done:
-                done[id(p)] = nn.Parameter(_fake_like(p, mode, dtype), requires_grad=p.requires_grad)
+                done[id(p)] = nn.Parameter(_fake_like(p, mode, dtype),
+                                           requires_grad=p.requires_grad)
             mod._parameters[name] = done[id(p)]
         for name, b in list(mod._buffers.items()):
             if b is None or not b.is_floating_point():
