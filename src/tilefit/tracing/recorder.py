@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tilefit.tracing.records import GemmShape, OpRecord, StorageRecord
@@ -20,10 +19,15 @@ _SKIP = {"prim.device.default", "profiler._record_function_enter_new.default",
 
 
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:
-    leaves, _ = tree_flatten(tree)
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            yield x
+    """The tensors in nested tuples/lists/dicts (aten arguments are no deeper than that)."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, tuple | list):
+        for x in tree:
+            yield from _tensors(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _tensors(x)
 
 
 class Recorder(TorchDispatchMode):
@@ -56,7 +60,8 @@ class Recorder(TorchDispatchMode):
         self.root_prefix = root_name + "."
 
     # ---- storages ---------------------------------------------------------------------
-    def _track(self, t: torch.Tensor, at: int, category: str | None = None) -> int:
+    def _track(self, t: torch.Tensor, at: int, category: str | None = None,
+               module: str | None = None) -> int:
         st = t.untyped_storage()
         uid = self._uid_of.get(st)
         if uid is not None:
@@ -67,7 +72,7 @@ class Recorder(TorchDispatchMode):
         self._nbytes[uid] = st.nbytes()
         self._alloc_at[uid] = at
         self._alloc_phase[uid] = self.phase
-        self._alloc_module[uid] = self.module
+        self._alloc_module[uid] = self.module if module is None else module
         if category is not None:
             self.category[uid] = category
         weakref.finalize(st, self._on_free, uid)
@@ -130,10 +135,11 @@ class Recorder(TorchDispatchMode):
         if name in _SKIP:
             return out
         at = self.events
+        module = self.module
         inputs = list(_tensors((args, kwargs)))
         outputs = list(_tensors(out))
         for t in outputs:
-            self._track(t, at)
+            self._track(t, at, module=module)
         kind = classify(func)
         attention = None
         if kind == "attention":
@@ -146,7 +152,7 @@ class Recorder(TorchDispatchMode):
         nbytes = 0 if kind == "view" else _traffic(inputs, outputs)
         ref = outputs[0] if outputs else (inputs[0] if inputs else None)
         self.ops.append(OpRecord(
-            op=name, phase=self.effective_phase, module=self.module,
+            op=name, phase=self.effective_phase, module=module,
             input_shapes=tuple(tuple(t.shape) for t in inputs),
             output_shapes=tuple(tuple(t.shape) for t in outputs),
             dtype=str(ref.dtype).removeprefix("torch.") if ref is not None else "",
@@ -193,7 +199,10 @@ def _traffic(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
         if key in seen:
             continue
         seen.add(key)
-        total += min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+        n = t.numel() * t.element_size()
+        if 0 in t.stride():  # a broadcast view reads no more than its storage holds
+            n = min(n, t.untyped_storage().nbytes())
+        total += n
     for t in outputs:
         total += t.numel() * t.element_size()
     return total
