@@ -264,3 +264,19 @@ def test_optimizer_state_sizes_per_parameter():
     assert state_bytes("adamw") == 8 * n + 4  # two fp32 moments + a scalar step (fp32)
     # 8-bit AdamW: two uint8 moments + one fp32 absmax per 256 values per moment
     assert state_bytes("adamw-8bit") == 2 * n + 2 * 4 * math.ceil(n / 256)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"precision": "bf16-mixed", "device": "a100-80gb"},
+    {"precision": "fp16-mixed", "device": "v100", "accumulation_steps": 3},
+    {"precision": "bf16-mixed", "device": "h100", "grad_checkpointing": True},
+    {"precision": "fp32", "device": "cpu", "optimizer": "sgd"},
+])
+def test_replayed_steady_step_equals_running_it(kwargs):
+    build, batch = _gpt2(), _tokens(2, 32)
+    fast = trace(build, batch, **kwargs)
+    full = trace(build, batch, replay_steady_step=False, **kwargs)
+    assert fast.live_bytes_timeline() == full.live_bytes_timeline()
+    assert [(o.op, o.phase, o.module, o.step, o.bytes, o.flops) for o in fast.ops] == \
+        [(o.op, o.phase, o.module, o.step, o.bytes, o.flops) for o in full.ops]
+    assert fast.breakdown_at(fast.peak()[1]) == full.breakdown_at(full.peak()[1])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -53,6 +55,7 @@ class Recorder(TorchDispatchMode):
         self.attention_backend: str | None = None  # set by the attention router per call
         self._attn_by_uid: dict[int, dict[str, Any]] = {}
         self.no_formula: dict[str, int] = {}
+        self.recording = True
 
     def set_root(self, root_name: str) -> None:
         """The root module's class name, which ModuleTracker puts before every path."""
@@ -109,6 +112,52 @@ class Recorder(TorchDispatchMode):
                 module=self._alloc_module[uid]))
         return tuple(out)
 
+    # ---- replaying the steady step ------------------------------------------------------
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops run but are not recorded and their tensors are not tracked."""
+        self.recording = False
+        try:
+            yield
+        finally:
+            self.recording = True
+
+    def replay(self, start: int, end: int, step: int) -> list[tuple[int, int | None]]:
+        """Record events [start, end) again, now: the same ops, and copies of the storages
+        they allocated with the same lifetimes. Returns (new uid, original free_at) of the
+        copies still alive at ``end``; ``settle`` gives them a free time."""
+        offset = self.events - start
+        self.ops.extend(dataclasses.replace(op, step=step) for op in self.ops[start:end])
+        pending: list[tuple[int, int | None]] = []
+        for uid in [u for u, a in self._alloc_at.items() if start <= a < end]:
+            new = self._next_uid
+            self._next_uid += 1
+            self._nbytes[new] = self._nbytes[uid]
+            self._alloc_at[new] = self._alloc_at[uid] + offset
+            self._alloc_phase[new] = self._alloc_phase[uid]
+            self._alloc_module[new] = self._alloc_module[uid]
+            if uid in self.category:
+                self.category[new] = self.category[uid]
+            freed = self._free_at.get(uid)
+            if freed is not None and freed <= end:
+                self._free_at[new] = freed + offset
+            else:
+                pending.append((new, freed))
+        self.events += end - start
+        return pending
+
+    def settle(self, pending: list[tuple[int, int | None]], *, o0: int, z0: int, o1: int,
+               z1: int, end: int) -> None:
+        """Free the replayed storages that outlived the backward where their originals were
+        freed: during the optimizer step (same offset into it) or at zero_grad."""
+        for uid, freed in pending:
+            if freed is None:
+                continue
+            if freed < z0:
+                self._free_at[uid] = min(o1 + (freed - o0), z1)
+            else:
+                self._free_at[uid] = min(z1 + (freed - z0), end)
+
     # ---- context ----------------------------------------------------------------------
     @property
     def module(self) -> str:
@@ -131,6 +180,8 @@ class Recorder(TorchDispatchMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if not self.recording:
+            return out
         name = str(func)
         if name in _SKIP:
             return out

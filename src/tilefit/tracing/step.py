@@ -232,9 +232,16 @@ def trace(
     accumulation_steps: int = 1,
     attention: str = "auto",
     device: str | Device = "cpu",
+    replay_steady_step: bool = True,
 ) -> Trace:
     """Trace two training steps (the first creates optimizer state lazily; the second is the
-    steady state) of ``model`` on ``batch`` as ``device`` would run them, on fake tensors."""
+    steady state) of ``model`` on ``batch`` as ``device`` would run them, on fake tensors.
+
+    The steady step's forward and backward are the first step's again (same ops, same
+    tensors; only the optimizer state around them differs), so by default they are replayed
+    from the first step's records rather than run twice; its optimizer step always runs.
+    ``replay_steady_step=False`` runs both steps in full (a check of that assumption for
+    models whose second forward differs, such as lazy modules)."""
     target, dev = resolve_target(device)
     check_options(precision, optimizer, attention, accumulation_steps, dev)
     loss_fn = loss_fn or default_loss
@@ -297,31 +304,34 @@ def trace(
                 stack.enter_context(autocast)
             stack.enter_context(gpu_mask_semantics())
             stack.enter_context(_explain_fake_errors(recorder))
+            marks: dict[str, int] = {}
             for step in (0, 1):
                 recorder.step = step
-                for micro in range(traced_micro):
-                    recorder.micro = micro
-                    _micro_step(fmodel, fbatch, loss_fn, recorder, autocast,
-                                accumulation_steps, scaler_state)
-                    recorder.label([p.grad for p in params if p.grad is not None], "gradients")
-                recorder.micro = 0
-                grads = [p.grad for p in params if p.grad is not None]
-                if scaler_state is not None:
-                    recorder.phase = "scaler"
-                    scale, _, found_inf = scaler_state
-                    torch._amp_foreach_non_finite_check_and_unscale_(
-                        grads, found_inf, scale.double().reciprocal().float())
-                recorder.phase = "optimizer"
-                opt.step()
-                recorder.label(optimizer_state_tensors(opt), "optimizer_state")
-                if scaler_state is not None:
-                    recorder.phase = "scaler"
-                    scale, growth, found_inf = scaler_state
-                    torch._amp_update_scale_(scale, growth, found_inf, SCALER_GROWTH,
-                                             SCALER_BACKOFF, SCALER_INTERVAL)
+                if step == 1 and replay_steady_step:
+                    pending = recorder.replay(marks["f"], marks["o"], step=1)
+                    with recorder.paused():  # the replayed backward made these gradients
+                        for p in params:
+                            p.grad = torch.zeros_like(p)
+                else:
+                    marks["f"] = recorder.events
+                    for micro in range(traced_micro):
+                        recorder.micro = micro
+                        _micro_step(fmodel, fbatch, loss_fn, recorder, autocast,
+                                    accumulation_steps, scaler_state)
+                        recorder.label([p.grad for p in params if p.grad is not None],
+                                       "gradients")
+                    recorder.micro = 0
+                    pending = []
+                marks["o"] = recorder.events
+                _optimizer_step(opt, params, recorder, scaler_state)
+                marks["z"] = recorder.events
                 recorder.phase = "zero_grad"
                 opt.zero_grad(set_to_none=True)
-                del grads
+                if step == 1 and pending:
+                    recorder.settle(pending, o0=marks["o0"], z0=marks["z0"],
+                                    o1=marks["o"], z1=marks["z"], end=recorder.events)
+                if step == 0:
+                    marks["o0"], marks["z0"] = marks["o"], marks["z"]
     samples, tokens = _samples_and_tokens(fbatch)
     warnings = []
     if router is not None and router.choices.get("math"):
@@ -340,6 +350,24 @@ def trace(
         samples_per_micro_batch=samples, tokens_per_micro_batch=tokens,
         warnings=tuple(warnings),
     )
+
+
+def _optimizer_step(opt: torch.optim.Optimizer, params: list[nn.Parameter],
+                    recorder: Recorder, scaler_state: Any) -> None:
+    grads = [p.grad for p in params if p.grad is not None]
+    if scaler_state is not None:
+        recorder.phase = "scaler"
+        scale, _, found_inf = scaler_state
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            grads, found_inf, scale.double().reciprocal().float())
+    recorder.phase = "optimizer"
+    opt.step()
+    recorder.label(optimizer_state_tensors(opt), "optimizer_state")
+    if scaler_state is not None:
+        recorder.phase = "scaler"
+        scale, growth, found_inf = scaler_state
+        torch._amp_update_scale_(scale, growth, found_inf, SCALER_GROWTH, SCALER_BACKOFF,
+                                 SCALER_INTERVAL)
 
 
 def _micro_step(model: nn.Module, batch: Any, loss_fn: LossFn, recorder: Recorder,
