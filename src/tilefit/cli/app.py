@@ -19,6 +19,8 @@ app = typer.Typer(
 COMMAND_MODULES: tuple[str, ...] = (
     "tilefit.cli.gpus",
     "tilefit.cli.gemm",
+    "tilefit.cli.bench",
+    "tilefit.cli.calibrate",
 )
 
 for _name in COMMAND_MODULES:
