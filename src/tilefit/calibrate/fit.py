@@ -78,10 +78,49 @@ def _nonneg_weighted_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
+def _scale_misaligned(x: np.ndarray, mis: np.ndarray, factor: float) -> np.ndarray:
+    """Feature rows with the misaligned shapes' work terms divided by the factor (the call
+    overhead, column 0, is not slowed by alignment)."""
+    scaled = x.copy()
+    scaled[mis, 1:] /= factor
+    return scaled
+
+
+def _fit_with_factor(x: np.ndarray, y: np.ndarray, mis: np.ndarray,
+                     iterations: int = 60) -> tuple[float, np.ndarray]:
+    """The misaligned factor f (golden-section search on [0.1, 1]) and, for each f, the
+    nonnegative linear coefficients; the pair with the least relative squared error."""
+
+    def solve(f: float) -> tuple[float, np.ndarray]:
+        scaled = _scale_misaligned(x, mis, f)
+        coef = _nonneg_weighted_lstsq(scaled, y)
+        return float((((scaled @ coef) - y) / y) @ (((scaled @ coef) - y) / y)), coef
+
+    if not mis.any():
+        return 1.0, solve(1.0)[1]
+    lo, hi = 0.1, 1.0
+    g = (math.sqrt(5) - 1) / 2
+    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+    fa, fb = solve(a)[0], solve(b)[0]
+    for _ in range(iterations):
+        if fa < fb:
+            hi, b, fb = b, a, fa
+            a = hi - g * (hi - lo)
+            fa = solve(a)[0]
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + g * (hi - lo)
+            fb = solve(b)[0]
+    best = min((lo + hi) / 2, 1.0)
+    if solve(1.0)[0] <= solve(best)[0]:
+        best = 1.0
+    return best, solve(best)[1]
+
+
 OUTLIER_RATIO = 2.0  # measured / fitted above this: a disturbed measurement (fit_cpu)
 
 
-def fit_cpu(samples: Sequence[GemmSample], dtype: str, iterations: int = 4) -> GemmFit:
+def fit_cpu(samples: Sequence[GemmSample], dtype: str) -> GemmFit:
     """Fit the cpu-packing model to ``samples`` of one dtype."""
     rows = [s for s in samples if s.dtype == dtype]
     if len(rows) < 6:
@@ -90,20 +129,10 @@ def fit_cpu(samples: Sequence[GemmSample], dtype: str, iterations: int = 4) -> G
     y_all = np.array([s.time_s for s in rows])
     mis_all = np.array([not s.aligned for s in rows])
     keep = np.ones(len(rows), bool)
-    factor = 1.0
-    coef = np.zeros(5)
+    factor, coef = 1.0, np.zeros(5)
     for _pass in range(2):  # second pass: without the gross outliers of the first
-        x, y, mis = x_all[keep], y_all[keep], mis_all[keep]
-        factor = 1.0
-        for _ in range(iterations):
-            scaled = x.copy()
-            scaled[mis] /= factor
-            coef = _nonneg_weighted_lstsq(scaled, y)
-            if not mis.any():
-                break
-            ratio = float(np.median(y[mis] / (x[mis] @ coef)))
-            factor = min(1.0, 1.0 / ratio) if ratio > 0 else 1.0
-        pred_all = (x_all @ coef) / np.where(mis_all, factor, 1.0)
+        factor, coef = _fit_with_factor(x_all[keep], y_all[keep], mis_all[keep])
+        pred_all = _scale_misaligned(x_all, mis_all, factor) @ coef
         # A measurement more than OUTLIER_RATIO x slower than the fit is a stalled run
         # (another process held a core), never faster: drop at most a fifth of them.
         ratio_all = y_all / pred_all
@@ -112,7 +141,7 @@ def fit_cpu(samples: Sequence[GemmSample], dtype: str, iterations: int = 4) -> G
         keep[[i for i in worst if ratio_all[i] > OUTLIER_RATIO]] = False
         if keep.all():
             break
-    pred = (x_all[keep] @ coef) / np.where(mis_all[keep], factor, 1.0)
+    pred = _scale_misaligned(x_all[keep], mis_all[keep], factor) @ coef
     med, p90 = error_summary(relative_errors(pred, y_all[keep]))
     c0, s_flop, s_a, s_b, s_c = (float(v) for v in coef)
     return GemmFit(dtype=dtype, model=MODEL_CPU, call_overhead_s=c0, s_per_flop=s_flop,
@@ -137,15 +166,19 @@ def fit_gpu(samples: Sequence[GemmSample], dtype: str, device: Device) -> GemmFi
     t0 = np.array([a.predicted_time_s for a in ideal])
     small = t0 < SMALL_SHAPE_S
     pool = small if small.sum() >= 3 else t0 <= np.percentile(t0, 20)
-    launch = max(0.0, float(np.median(meas[pool] - t0[pool])))
     math_rows = np.array([a.bound == "math" and a.math_time_s >= a.memory_time_s for a in ideal])
-    useful = math_rows & (meas > 3 * launch)
-    if useful.sum() >= 3:
-        math0 = np.array([a.math_time_s for a in ideal])
-        eff = float(np.median(math0[useful] / (meas[useful] - launch)))
-        eff = min(1.0, max(0.05, eff))
-    else:
-        eff = device.gemm_efficiency
+    math0 = np.array([a.math_time_s for a in ideal])
+    mem0 = np.array([a.memory_time_s for a in ideal])
+    eff = 1.0
+    launch = 0.0
+    for _ in range(5):  # alternate: launch from the small shapes, efficiency from the large
+        body = np.maximum(math0 / eff, mem0)  # the model's time without the launch
+        launch = max(0.0, float(np.median(meas[pool] - body[pool])))
+        useful = math_rows & (meas > 3 * launch)
+        if useful.sum() < 3:
+            eff = device.gemm_efficiency
+            break
+        eff = min(1.0, max(0.05, float(np.median(math0[useful] / (meas[useful] - launch)))))
     fitted = dataclasses.replace(device, gemm_efficiency=eff, launch_overhead_s=launch,
                                  profile=None)
     pred = [analyze_gemm(s.m, s.n, s.k, dtype, fitted).predicted_time_s for s in rows]
