@@ -113,6 +113,46 @@ def measure_samples(shapes: list[tuple[int, int, int]], dtype: str, device: Devi
             for (m, n, k), t in zip(shapes, best, strict=True)]
 
 
+OMP_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+def environment() -> dict[str, str]:
+    """Load average and OpenMP settings now: what a reader needs to judge the timings."""
+    import os
+
+    env = {v: os.environ[v] for v in OMP_VARS if v in os.environ}
+    try:
+        env["loadavg"] = " ".join(open("/proc/loadavg").read().split()[:3])
+    except OSError:
+        pass
+    return env
+
+
+def busy_warning(kind: str) -> str | None:
+    """A warning when other processes keep the CPU busy (1-minute load >= half the cores).
+
+    Measured on a 2-core VM with another process holding a core: 320^3 fp32 GEMMs took
+    16-24 ms instead of 0.35 ms, because libgomp's worker threads spin-wait for a sibling
+    the scheduler has parked; OMP_WAIT_POLICY=PASSIVE brought them back to 0.6 ms.
+    """
+    import os
+
+    if kind != "cpu":
+        return None
+    try:
+        load = float(open("/proc/loadavg").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    cores = os.cpu_count() or 1
+    if load < cores / 2 + 0.5:
+        return None
+    policy = os.environ.get("OMP_WAIT_POLICY", "")
+    hint = "" if policy.upper() == "PASSIVE" else (
+        "; set OMP_WAIT_POLICY=PASSIVE (before starting Python) or wait for the load to drop")
+    return (f"the machine is busy (load {load:.1f} on {cores} cores): timings include other "
+            f"processes' load{hint}")
+
+
 def calibrate(kind: str, *, quick: bool = False,
               progress: Progress | None = None) -> tuple[Profile, list[GemmSample]]:
     """Measure and fit; return the Profile (unsaved) and the raw samples."""
@@ -122,6 +162,10 @@ def calibrate(kind: str, *, quick: bool = False,
     device = live_device(kind)
     say = progress or (lambda _msg: None)
     say(f"device: {device.display_name}")
+    env_start = environment()
+    warning = busy_warning(kind)
+    if warning:
+        say("warning: " + warning)
     bandwidth = measure_bandwidth(kind)
     overhead = measure_overhead(kind)
     say(f"bandwidth {bandwidth / 1e9:.1f} GB/s, call overhead {overhead * 1e6:.2f} us")
@@ -153,5 +197,6 @@ def calibrate(kind: str, *, quick: bool = False,
         gemm=tuple(fits),
         quick=quick,
         duration_s=time.perf_counter() - start,
+        environment={**env_start, "loadavg_end": environment().get("loadavg", "")},
     )
     return profile, samples

@@ -77,6 +77,9 @@ class Profile:
     quick: bool = False
     duration_s: float = 0.0  # how long the calibration took
     path: str = ""  # where it was loaded from (not saved)
+    # What else ran: load average and the OpenMP settings during the measurement (on a busy
+    # machine, libgomp's default active wait stalls 2-thread GEMMs; tilefit.calibrate.run).
+    environment: dict[str, str] = field(default_factory=dict, hash=False)
 
     def fit_for(self, dtype: str) -> GemmFit | None:
         return next((g for g in self.gemm if g.dtype == dtype), None)
