@@ -7,6 +7,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
+from pathlib import Path
 
 from tilefit.bench.timing import time_calls, time_gemm
 from tilefit.calibrate.fit import GemmSample, fit_cpu, fit_gpu, is_aligned
@@ -101,10 +102,18 @@ def measure_samples(shapes: list[tuple[int, int, int]], dtype: str, device: Devi
     over the whole list, so that a burst of load from another process (which on a 2-core
     machine stalls a 2-thread GEMM for a 16 ms scheduler slice per call: measured here, 320^3
     fp32 at 16 ms instead of 70 us) spoils one round of a shape, not its result."""
+    import random
+
     mult = device.multiple(dtype)
     best = [float("inf")] * len(shapes)
+    order = list(range(len(shapes)))
+    rng = random.Random(0)
     for r in range(rounds):
-        for i, (m, n, k) in enumerate(shapes):
+        # A new order each round, so that a drift in the machine's load does not line up
+        # with the grid's structure (all large-M shapes measured in the same busy minute).
+        rng.shuffle(order)
+        for i in order:
+            m, n, k = shapes[i]
             t = time_gemm(m, n, k, dtype, device_kind=device.kind, min_time_s=min_time_s)
             best[i] = min(best[i], t.median_s)
         if progress:
@@ -121,11 +130,17 @@ def environment() -> dict[str, str]:
     import os
 
     env = {v: os.environ[v] for v in OMP_VARS if v in os.environ}
-    try:
-        env["loadavg"] = " ".join(open("/proc/loadavg").read().split()[:3])
-    except OSError:
-        pass
+    load = _loadavg()
+    if load:
+        env["loadavg"] = " ".join(load.split()[:3])
     return env
+
+
+def _loadavg() -> str:
+    try:
+        return Path("/proc/loadavg").read_text()
+    except OSError:
+        return ""
 
 
 def busy_warning(kind: str) -> str | None:
@@ -140,8 +155,8 @@ def busy_warning(kind: str) -> str | None:
     if kind != "cpu":
         return None
     try:
-        load = float(open("/proc/loadavg").read().split()[0])
-    except (OSError, ValueError, IndexError):
+        load = float(_loadavg().split()[0])
+    except (ValueError, IndexError):
         return None
     cores = os.cpu_count() or 1
     if load < cores / 2 + 0.5:
