@@ -58,8 +58,6 @@ def gemm_shapes(count: int) -> list[tuple[tuple[int, int, int], bool]]:
 
 
 def check_gemm(dtype: str, count: int) -> dict[str, Any]:
-    import dataclasses
-
     from tilefit.calibrate.run import calibrate, measure_samples
     from tilefit.calibrate.store import save_profile
     from tilefit.gemm import analyze_gemm
@@ -67,7 +65,7 @@ def check_gemm(dtype: str, count: int) -> dict[str, Any]:
 
     start = time.perf_counter()
     os.environ["TILEFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="tilefit-val-")
-    base = dataclasses.replace(detect_live_device(), profile=None)
+    base = detect_live_device(use_profile=False)
     shapes = gemm_shapes(count)
     samples = measure_samples([s for s, _ in shapes], dtype, base, 0.01, rounds=2)
     profile, _ = calibrate("cuda", quick=True)

@@ -92,3 +92,12 @@ def test_calibrate_json_saves_profile(cache, monkeypatch) -> None:
     assert data["kind"] == "cpu" and data["quick"] is True
     assert [g["dtype"] for g in data["gemm"]] == ["fp32"] and data["gemm"][0]["shapes"] >= 6
     assert data["bandwidth_bytes_per_s"] > 0 and data["peak_flops_per_s"]["fp32"] > 0
+
+
+def test_gemm_command_accepts_the_cpu() -> None:
+    r = runner.invoke(app, ["gemm", "64", "64", "64", "--gpu", "cpu", "--dtype", "fp32",
+                            "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["gpu"] == "cpu" and data["waves"] == 1
+    assert data["flops"] == 2 * 64**3  # 524288

@@ -60,6 +60,7 @@ def test_cpu_device_uses_profile_and_says_so(cache) -> None:
     assert d.profile is not None
     assert d.source.startswith(f"calibrated profile {path} from 2026-11-29")
     assert d.peak("fp32") == 1e11 and d.bandwidth_bytes_per_s == 4e10
+    assert json.loads(json.dumps(d.to_dict()))["profile"]["gemm"][0]["s_per_flop"] == 1e-11
     # Hand arithmetic with the profile's terms, M=N=K=100 (aligned):
     # 1e-6 + 2*1e6*1e-11 (2e-5) + 1e4*1e-10 (1e-6) + 1e4*1e-10 (1e-6) + 1e4*2e-10 (2e-6)
     assert analyze_gemm(100, 100, 100, "fp32", d).predicted_time_s == pytest.approx(2.5e-5)

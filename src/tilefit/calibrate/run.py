@@ -3,7 +3,6 @@ the Profile (the CLI saves it)."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -33,7 +32,7 @@ def live_device(kind: str) -> Device:
         return cpu_device(use_profile=False)
     if kind == "cuda":
         require_cuda()
-        return dataclasses.replace(detect_live_device(), profile=None)
+        return detect_live_device(use_profile=False)
     raise TilefitError(f"unknown device kind {kind!r}", expected="cpu or cuda", given=kind,
                        fix="pass --device cpu or --device cuda")
 

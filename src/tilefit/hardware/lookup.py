@@ -162,7 +162,7 @@ def match_catalog(device_name: str) -> Device | None:
     return _BY_KEY[best] if best else None
 
 
-def detect_live_device(index: int = 0) -> Device:
+def detect_live_device(index: int = 0, *, use_profile: bool = True) -> Device:
     """The live CUDA device: name, SM count and memory read from it, peaks from the catalog."""
     try:
         import torch
@@ -185,13 +185,14 @@ def detect_live_device(index: int = 0) -> Device:
             fix="describe it in a TOML spec file (base = the nearest catalog entry) and pass "
             "--gpu path/to/spec.toml",
         )
-    return with_profile(dataclasses.replace(
+    live = dataclasses.replace(
         base,
         display_name=props.name,
         sms=props.multi_processor_count,
         memory_bytes=props.total_memory,
         source=base.source + "; SM count and memory read from the live device",
-    ))
+    )
+    return with_profile(live) if use_profile else live
 
 
 def with_profile(device: Device) -> Device:
