@@ -18,6 +18,13 @@ _LAZY = {
     "analyze_gemm": ("tilefit.gemm", "analyze_gemm"),
     "analyze_linear": ("tilefit.linear", "analyze_linear"),
     "TilefitError": ("tilefit.errors", "TilefitError"),
+    "trace": ("tilefit.tracing", "trace"),
+    "Trace": ("tilefit.tracing", "Trace"),
+    "estimate": ("tilefit.estimator", "estimate"),
+    "estimate_trace": ("tilefit.estimator", "estimate_trace"),
+    "Estimate": ("tilefit.estimator", "Estimate"),
+    "load_workload": ("tilefit.models", "load_workload"),
+    "Workload": ("tilefit.models", "Workload"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -133,6 +133,7 @@ class GemmAnalysis:
     peak_tflops: float
     error: str | None  # set when the kernel would refuse to run (fp8 misaligned)
     verdict: str
+    batch: int = 1  # independent GEMMs of this shape in one call (bmm)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -163,29 +164,31 @@ def gemm_bytes(m: int, n: int, k: int, dtype: DType) -> int:
 
 def _candidate_time(
     m: int, n: int, k: int, tm: int, tn: int, split: int, dtype: DType, device: Device,
-    rate_per_sm: float, bw: float, align: float,
+    rate_per_sm: float, bw: float, align: float, batch: int = 1,
 ) -> tuple[float, float, float, int, int]:
-    tiles_mn = math.ceil(m / tm) * math.ceil(n / tn)
+    tiles_mn = math.ceil(m / tm) * math.ceil(n / tn) * batch
     ctas = tiles_mn * split
     waves = math.ceil(ctas / device.sms)
     k_piece = math.ceil(k / split)
     math_s = waves * 2 * tm * tn * k_piece / (rate_per_sm * tile_shape_efficiency(tm, tn) * align)
-    traffic = gemm_bytes(m, n, k, dtype)
+    traffic = batch * gemm_bytes(m, n, k, dtype)
     launches = 1
     if split > 1:
-        traffic += 2 * split * m * n * 4  # fp32 partial outputs written, then read to reduce
+        traffic += 2 * split * batch * m * n * 4  # fp32 partials written, then read to reduce
         launches = 2
     mem_s = traffic / (bw * align)
     return max(math_s, mem_s) + launches * device.launch_overhead_s, math_s, mem_s, ctas, waves
 
 
-def analyze_gemm(m: int, n: int, k: int, dtype: str | DType, device: Device) -> GemmAnalysis:
-    """Analyse C(MxN) = A(MxK) B(KxN) in ``dtype`` on ``device``."""
-    check_dims(m=m, n=n, k=k)
+def analyze_gemm(m: int, n: int, k: int, dtype: str | DType, device: Device, *,
+                 batch: int = 1) -> GemmAnalysis:
+    """Analyse C(MxN) = A(MxK) B(KxN) in ``dtype`` on ``device``; ``batch`` independent
+    GEMMs of that shape (a bmm) share the SMs."""
+    check_dims(m=m, n=n, k=k, batch=batch)
     dt = parse_dtype(dtype)
     peak = device.peak(dt)
-    flops = gemm_flops(m, n, k)
-    nbytes = gemm_bytes(m, n, k, dt)
+    flops = batch * gemm_flops(m, n, k)
+    nbytes = batch * gemm_bytes(m, n, k, dt)
     intensity = flops / nbytes
     ratio = peak / device.bandwidth_bytes_per_s
     mult = device.multiple(dt)
@@ -209,17 +212,17 @@ def analyze_gemm(m: int, n: int, k: int, dtype: str | DType, device: Device) -> 
         )
     if device.kind == "cpu":  # --- CPU path: packing model, no tiles or waves (gemm_cpu.py)
         return _analyze_cpu(m, n, k, dt, device, flops, nbytes, intensity, ratio, alignment,
-                            error)
+                            error, batch)
     rate_per_sm = peak * _gemm_efficiency(device, dt) / device.sms
     bw = device.bandwidth_bytes_per_s * device.bandwidth_efficiency
     best: tuple[float, ...] | None = None
     for tm, tn in TILES:
         for split in SPLIT_K:
             if split > 1 and (k / split < MIN_K_PER_SPLIT or
-                              math.ceil(m / tm) * math.ceil(n / tn) >= device.sms):
+                              batch * math.ceil(m / tm) * math.ceil(n / tn) >= device.sms):
                 continue
             t, math_s, mem_s, ctas, waves = _candidate_time(
-                m, n, k, tm, tn, split, dt, device, rate_per_sm, bw, align)
+                m, n, k, tm, tn, split, dt, device, rate_per_sm, bw, align, batch)
             if best is None or t < best[0]:
                 best = (t, math_s, mem_s, ctas, waves, tm, tn, split)
     assert best is not None
@@ -234,6 +237,7 @@ def analyze_gemm(m: int, n: int, k: int, dtype: str | DType, device: Device) -> 
         tile_efficiency=tile_eff, wave_efficiency=wave_eff, alignment_efficiency=align,
         math_time_s=math_s, memory_time_s=mem_s, predicted_time_s=t,
         predicted_tflops=flops / t / 1e12, peak_tflops=peak / 1e12, error=error, verdict="",
+        batch=batch,
     )
     object.__setattr__(analysis, "verdict", verdict(analysis))
     return analysis
@@ -251,15 +255,19 @@ def _gemm_efficiency(device: Device, dt: DType) -> float:
 def _analyze_cpu(
     m: int, n: int, k: int, dt: DType, device: Device, flops: int, nbytes: int,
     intensity: float, ratio: float, alignment: dict[str, DimAlignment], error: str | None,
+    batch: int = 1,
 ) -> GemmAnalysis:
-    """The CPU's GemmAnalysis: one call of the BLAS, no tiles or waves (tilefit.gemm_cpu)."""
+    """The CPU's GemmAnalysis: one call of the BLAS, no tiles or waves (tilefit.gemm_cpu);
+    a bmm of ``batch`` GEMMs pays the call overhead once and the work ``batch`` times."""
     from tilefit.gemm_cpu import cpu_fit
 
     fit = cpu_fit(device, dt)
     aligned = all(a.aligned for a in alignment.values())
     for a in alignment.values():  # the fitted factor replaces the GPU table's
         object.__setattr__(a, "factor", 1.0 if a.aligned else fit.misaligned_factor)
-    t, math_s, mem_s = fit.cpu_time_s(m, n, k, aligned)
+    _, math_s, mem_s = fit.cpu_time_s(m, n, k, aligned)
+    math_s, mem_s = batch * math_s, batch * mem_s
+    t = fit.call_overhead_s + math_s + mem_s
     analysis = GemmAnalysis(
         m=m, n=n, k=k, dtype=dt.name, gpu=device.name, flops=flops, bytes=nbytes,
         arithmetic_intensity=intensity, ops_per_byte=ratio,
@@ -268,7 +276,7 @@ def _analyze_cpu(
         alignment_efficiency=1.0 if aligned else fit.misaligned_factor,
         math_time_s=math_s, memory_time_s=mem_s, predicted_time_s=t,
         predicted_tflops=flops / t / 1e12, peak_tflops=device.peak(dt) / 1e12, error=error,
-        verdict="",
+        verdict="", batch=batch,
     )
     text = verdict(analysis)
     if text.startswith("efficient"):  # CPU rates read in GFLOP/s, not TFLOP/s

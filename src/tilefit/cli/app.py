@@ -19,6 +19,9 @@ app = typer.Typer(
 COMMAND_MODULES: tuple[str, ...] = (
     "tilefit.cli.gpus",
     "tilefit.cli.gemm",
+    "tilefit.cli.linear",
+    "tilefit.cli.models",
+    "tilefit.cli.estimate",
     "tilefit.cli.bench",
     "tilefit.cli.calibrate",
 )

@@ -40,7 +40,7 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except TilefitError as exc:
-        err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
@@ -101,12 +101,14 @@ class Device:
         return self.peak(dtype) / self.bandwidth_bytes_per_s
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        # not dataclasses.asdict: it deep-copies fields and a mappingproxy cannot be copied
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["peak_flops_per_s"] = dict(self.peak_flops_per_s)
         d["compute_capability"] = (
             None if self.compute_capability is None else ".".join(map(str, self.compute_capability))
         )
         d["aliases"] = list(self.aliases)
+        d["profile"] = None if self.profile is None else self.profile.to_dict()
         return d
 
 

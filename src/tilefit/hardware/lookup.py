@@ -126,7 +126,15 @@ def load_spec_file(path: Path) -> Device:
         data["aliases"] = tuple(data["aliases"])
     try:
         if base_name is not None:
-            device = dataclasses.replace(get_device(str(base_name)), **data)
+            base = get_device(str(base_name))
+            # a peak table in the file overrides the base's entries one dtype at a time
+            if isinstance(data.get("peak_flops_per_s"), dict):
+                data["peak_flops_per_s"] = {**base.peak_flops_per_s, **data["peak_flops_per_s"]}
+            if "name" in data:
+                data.setdefault("display_name", data["name"])
+            overridden = ", ".join(sorted(data)) or "nothing"
+            data.setdefault("source", f"{base.source}; {overridden} from user spec file {path}")
+            device = dataclasses.replace(base, **data)
         else:
             missing = [k for k in _REQUIRED if k not in data]
             if missing:

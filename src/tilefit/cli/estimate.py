@@ -1,0 +1,52 @@
+"""`tilefit estimate MODEL`: predicted step time and peak memory on a GPU, without the GPU."""
+
+from __future__ import annotations
+
+import typer
+
+from tilefit.cli import model_options as mo
+from tilefit.cli.common import GPU_HELP, JSON_OPTION, console, err_console, print_json, user_errors
+
+
+def register(app: typer.Typer) -> None:
+    app.command("estimate")(estimate)
+
+
+def estimate(
+    model: str = mo.MODEL_ARG,
+    gpu: str = typer.Option("a100-80gb", "--gpu", help=GPU_HELP + " Or cpu for this machine."),
+    batch: int = typer.Option(8, "--batch", help="Micro-batch size (samples per forward)."),
+    seq: int | None = mo.SEQ_OPTION,
+    precision: str | None = mo.PRECISION_OPTION,
+    optimizer: str = mo.OPTIMIZER_OPTION,
+    grad_checkpointing: bool = typer.Option(False, "--grad-checkpointing",
+                                            help="Recompute activations in backward."),
+    accumulation: int = typer.Option(1, "--accumulation",
+                                     help="Gradient accumulation steps per optimizer step."),
+    attention: str = mo.ATTENTION_OPTION,
+    input_shape: str | None = mo.INPUT_SHAPE_OPTION,
+    task: str | None = mo.TASK_OPTION,
+    ops: bool = typer.Option(False, "--ops", help="With --json: include every op record."),
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Predict one training step's time and peak memory on a GPU, traced on fake tensors."""
+    from tilefit.estimator.workloads import Recipe, default_precision, estimate_workload
+    from tilefit.hardware import get_device
+    from tilefit.report.terminal import print_estimate
+
+    with user_errors():
+        device = get_device(gpu)
+        work = mo.load(model, seq, input_shape, task)
+        recipe = Recipe(batch_size=batch, precision=precision or default_precision(device),
+                        optimizer=optimizer, grad_checkpointing=grad_checkpointing,
+                        accumulation_steps=accumulation, attention=attention)
+        result = estimate_workload(work, recipe, device)
+    if work.is_factory:
+        err_console.print("note: the loss is a stand-in (mean of the model's output); pass your "
+                          "own loss_fn through the Python API for exact numbers", highlight=False)
+    if json_out:
+        print_json({"model": work.name, "recipe": recipe.to_dict(),
+                    "seq_len": work.seq_len, **result.to_dict(include_ops=ops)})
+        return
+    shape = f"batch {batch}" + (f" x seq {work.seq_len}" if work.seq_len else "")
+    print_estimate(console, result, f"tilefit estimate: {work.name}, {shape}")

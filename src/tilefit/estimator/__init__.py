@@ -1,0 +1,111 @@
+"""Turning a Trace into predicted step time and peak memory on a Device."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from tilefit.estimator.cost import CostContext, op_time_s
+from tilefit.estimator.result import Estimate, ModuleSummary, OpCost
+from tilefit.hardware import Device, get_device
+from tilefit.tracing.records import Trace
+
+__all__ = ["Estimate", "ModuleSummary", "OpCost", "estimate", "estimate_trace",
+           "overhead_bytes"]
+
+MIB = 1024**2
+# Memory a GPU process holds beyond its tensors: the CUDA context of a PyTorch process
+# (300 MiB - 2 GiB depending on the part and libraries, shared/reference/performance.md;
+# 512 MiB with lazy module loading, the default since CUDA 11.7) and cuBLAS's workspace
+# (PyTorch's default CUBLAS_WORKSPACE_CONFIG: :4096:8 = 32 MiB on sm90+,
+# :4096:2:16:8 = 8 MiB + 128 KiB before).
+CUDA_CONTEXT_BYTES = 512 * MIB
+CUBLAS_WORKSPACE_BYTES_SM90 = 32 * MIB
+CUBLAS_WORKSPACE_BYTES = 8 * MIB + 128 * 1024
+
+MFU_DTYPE = {"fp32": "fp32", "tf32": "tf32", "fp16-mixed": "fp16", "bf16-mixed": "bf16",
+             "bf16": "bf16"}
+
+
+def overhead_bytes(device: Device) -> int:
+    if device.kind != "cuda":
+        return 0
+    cc = device.compute_capability or (0, 0)
+    ws = CUBLAS_WORKSPACE_BYTES_SM90 if cc >= (9, 0) else CUBLAS_WORKSPACE_BYTES
+    return CUDA_CONTEXT_BYTES + ws
+
+
+def estimate(model: Any, batch: Any, *, loss_fn: Any = None, optimizer: Any = "adamw",
+             precision: str = "fp32", grad_checkpointing: bool = False,
+             accumulation_steps: int = 1, attention: str = "auto",
+             device: str | Device = "cpu") -> Estimate:
+    """Predict one training step's time and peak memory on ``device`` (a catalog name, a
+    Device, or "cpu" for this machine) without running it: the step is traced on fake
+    tensors as the device would run it, then costed op by op."""
+    from tilefit.tracing import trace
+
+    dev = get_device(device)
+    tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
+               grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation_steps,
+               attention=attention, device=dev)
+    return estimate_trace(tr, dev)
+
+
+def estimate_trace(tr: Trace, device: Device) -> Estimate:
+    """Cost a trace on a device: the steady-state step's ops for time, the whole run's
+    memory timeline for the peak."""
+    ctx = CostContext(precision=tr.precision)
+    a = tr.accumulation_steps
+    steady = tr.ops_of_step(1)
+    costs: list[OpCost] = []
+    for op in steady:
+        if op.phase in ("forward", "backward", "recompute"):
+            # micro-batch 0 runs once; micro-batch 1 (traced when accumulating) stands for
+            # the other a - 1, which accumulate into existing gradients
+            repeats = 1 if op.micro == 0 and (a == 1 or tr.traced_micro_steps == 2) else (
+                a if tr.traced_micro_steps == 1 else a - 1)
+        else:
+            repeats = 1
+        costs.append(OpCost(op, op_time_s(op, device, ctx), repeats))
+    step_time = sum(c.time_s * c.repeats for c in costs)
+    hw_flops = sum(c.record.flops * c.repeats for c in costs)
+    model_flops = sum(c.record.flops * c.repeats for c in costs if c.record.phase != "recompute")
+    by_phase: dict[str, float] = defaultdict(float)
+    modules: dict[str, list[float]] = {}
+    for c in costs:
+        by_phase[c.record.phase] += c.time_s * c.repeats
+        key = c.record.module or ("(optimizer)" if c.record.phase in
+                                  ("optimizer", "zero_grad", "scaler") else "(outside modules)")
+        m = modules.setdefault(key, [0.0, 0, 0, 0])
+        m[0] += c.time_s * c.repeats
+        m[1] += c.record.flops * c.repeats
+        m[2] += c.record.bytes * c.repeats
+        m[3] += 1
+    module_summaries = tuple(sorted(
+        (ModuleSummary(k, v[0], int(v[1]), int(v[2]), int(v[3])) for k, v in modules.items()),
+        key=lambda s: -s.time_s))
+    rounded = tr.target.kind == "cuda"
+    peak, at = tr.peak(rounded=rounded)
+    breakdown = tr.breakdown_at(at, rounded=rounded)
+    samples = tr.samples_per_micro_batch * a
+    tokens = tr.tokens_per_micro_batch * a if tr.tokens_per_micro_batch is not None else None
+    mfu_dtype = MFU_DTYPE[tr.precision]
+    if not device.supports(mfu_dtype):
+        mfu_dtype = "fp32"
+    mfu = model_flops / step_time / device.peak(mfu_dtype) if step_time > 0 else 0.0
+    warnings = list(tr.warnings)
+    unknown = sorted({c.record.op for c in costs if c.record.kind == "unknown"})
+    if unknown:
+        warnings.append("ops with no FLOP formula, costed as memory-bound (bytes / bandwidth): "
+                        + ", ".join(unknown))
+    return Estimate(
+        device=device, precision=tr.precision, optimizer=tr.optimizer,
+        peak_memory_bytes=peak, memory_breakdown=breakdown,
+        overhead_bytes=overhead_bytes(device), step_time_s=step_time, flops=int(model_flops),
+        hardware_flops=int(hw_flops), samples_per_step=samples, tokens_per_step=tokens,
+        samples_per_s=samples / step_time if step_time else 0.0,
+        tokens_per_s=tokens / step_time if (tokens and step_time) else None,
+        mfu=mfu, mfu_dtype=mfu_dtype, time_by_phase_s=dict(by_phase), ops=tuple(costs),
+        modules=module_summaries, warnings=tuple(warnings), param_count=tr.param_count,
+        accumulation_steps=a,
+    )

@@ -1,0 +1,117 @@
+"""The Estimate: predicted time and memory of one training step on one device."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tilefit.hardware.device import Device
+from tilefit.tracing.records import OpRecord
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One traced op of the steady-state step with its predicted time."""
+
+    record: OpRecord
+    time_s: float
+    repeats: int  # how many times it runs per optimizer step (accumulation)
+
+    def to_dict(self) -> dict[str, Any]:
+        r = self.record
+        return {
+            "op": r.op, "phase": r.phase, "module": r.module,
+            "input_shapes": [list(s) for s in r.input_shapes],
+            "output_shapes": [list(s) for s in r.output_shapes],
+            "dtype": r.dtype, "flops": r.flops, "bytes": r.bytes, "kind": r.kind,
+            "time_s": self.time_s, "repeats": self.repeats,
+            "gemms": [asdict(g) for g in r.gemms],
+        }
+
+
+@dataclass(frozen=True)
+class ModuleSummary:
+    module: str  # module path, "(optimizer)" or "(outside modules)"
+    time_s: float  # per optimizer step, accumulation included
+    flops: int
+    bytes: int
+    ops: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    device: Device
+    precision: str
+    optimizer: str
+    peak_memory_bytes: int  # highest live tensor bytes over the first and a steady step
+    memory_breakdown: dict[str, int]  # live bytes by category at the peak
+    overhead_bytes: int  # CUDA context and library workspaces, apart from tensors
+    step_time_s: float  # one optimizer step, all micro-batches included
+    flops: int  # model FLOPs of one optimizer step (checkpoint recompute excluded)
+    hardware_flops: int  # FLOPs executed, recompute included
+    samples_per_step: int
+    tokens_per_step: int | None
+    samples_per_s: float
+    tokens_per_s: float | None
+    mfu: float  # model FLOP/s over the dense peak of the training dtype
+    mfu_dtype: str
+    time_by_phase_s: dict[str, float]
+    ops: tuple[OpCost, ...]
+    modules: tuple[ModuleSummary, ...]
+    warnings: tuple[str, ...] = field(default=())
+    param_count: int = 0
+    accumulation_steps: int = 1
+
+    @property
+    def total_memory_bytes(self) -> int:
+        return self.peak_memory_bytes + self.overhead_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_memory_bytes <= self.device.memory_bytes
+
+    def modules_by_pattern(self) -> tuple[ModuleSummary, ...]:
+        """Module times with layer indices folded (h.0.mlp, h.1.mlp -> h.*.mlp)."""
+        acc: dict[str, list[float]] = {}
+        for m in self.modules:
+            key = re.sub(r"\.\d+(?=\.|$)", ".*", m.module)
+            a = acc.setdefault(key, [0.0, 0, 0, 0])
+            a[0] += m.time_s
+            a[1] += m.flops
+            a[2] += m.bytes
+            a[3] += m.ops
+        out = [ModuleSummary(k, v[0], int(v[1]), int(v[2]), int(v[3])) for k, v in acc.items()]
+        return tuple(sorted(out, key=lambda s: -s.time_s))
+
+    def to_dict(self, *, include_ops: bool = True) -> dict[str, Any]:
+        return {
+            "gpu": self.device.name,
+            "device": self.device.to_dict(),
+            "precision": self.precision,
+            "optimizer": self.optimizer,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "memory_breakdown": dict(self.memory_breakdown),
+            "overhead_bytes": self.overhead_bytes,
+            "total_memory_bytes": self.total_memory_bytes,
+            "device_memory_bytes": self.device.memory_bytes,
+            "fits": self.fits,
+            "step_time_s": self.step_time_s,
+            "flops": self.flops,
+            "hardware_flops": self.hardware_flops,
+            "samples_per_step": self.samples_per_step,
+            "tokens_per_step": self.tokens_per_step,
+            "samples_per_s": self.samples_per_s,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "mfu_dtype": self.mfu_dtype,
+            "time_by_phase_s": dict(self.time_by_phase_s),
+            "param_count": self.param_count,
+            "accumulation_steps": self.accumulation_steps,
+            "modules": [m.to_dict() for m in self.modules],
+            "warnings": list(self.warnings),
+            **({"ops": [o.to_dict() for o in self.ops]} if include_ops else {}),
+        }

@@ -1,0 +1,70 @@
+"""Estimating a tilefit Workload (catalog model, config.json, or factory) at a batch size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tilefit.errors import TilefitError
+from tilefit.estimator import Estimate, estimate_trace
+from tilefit.hardware import Device, get_device
+from tilefit.models import Workload
+from tilefit.tracing import Trace
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a workload is trained: everything but the model and the device."""
+
+    batch_size: int
+    precision: str = "bf16-mixed"
+    optimizer: str = "adamw"
+    grad_checkpointing: bool = False
+    accumulation_steps: int = 1
+    attention: str = "auto"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"batch_size": self.batch_size, "precision": self.precision,
+                "optimizer": self.optimizer, "grad_checkpointing": self.grad_checkpointing,
+                "accumulation_steps": self.accumulation_steps, "attention": self.attention}
+
+
+def default_precision(device: Device) -> str:
+    """bf16 mixed precision where the part has bf16 (Ampere and later), else fp16 mixed
+    precision with loss scaling, else fp32 (the CPU)."""
+    if device.kind == "cpu":
+        return "fp32"
+    if device.supports("bf16"):
+        return "bf16-mixed"
+    return "fp16-mixed" if device.supports("fp16") else "fp32"
+
+
+def trace_workload(workload: Workload, recipe: Recipe, device: str | Device) -> Trace:
+    from tilefit.tracing import trace
+
+    check_batch(recipe.batch_size)
+    dev = get_device(device)
+    build_attention = "sdpa" if recipe.attention == "auto" else recipe.attention
+    if workload.is_factory and recipe.attention != "auto":
+        raise TilefitError(
+            f"--attention {recipe.attention} applies to Hugging Face models",
+            expected="auto for a plain nn.Module factory (its own code chooses)",
+            given=recipe.attention, fix="drop --attention")
+    return trace(
+        lambda: workload.build(build_attention),
+        workload.make_batch(recipe.batch_size, device="meta"),
+        loss_fn=workload.loss_fn, optimizer=recipe.optimizer, precision=recipe.precision,
+        grad_checkpointing=recipe.grad_checkpointing,
+        accumulation_steps=recipe.accumulation_steps, attention="auto", device=dev)
+
+
+def estimate_workload(workload: Workload, recipe: Recipe, device: str | Device) -> Estimate:
+    dev = get_device(device)
+    return estimate_trace(trace_workload(workload, recipe, dev), dev)
+
+
+def check_batch(batch_size: int) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise TilefitError("the batch size must be a whole number >= 1",
+                           expected="1, 2, 8, ...", given=repr(batch_size),
+                           fix="pass --batch with a positive integer")

@@ -1,0 +1,157 @@
+"""CUDA autocast's cast policy, applied on a machine without CUDA.
+
+torch.autocast("cuda") refuses to run without a CUDA device, and CPU autocast has a different
+policy (its op lists differ: softmax, layer_norm and the losses are not kept in fp32 there).
+This TorchFunctionMode applies CUDA's policy at the torch-function level, above autograd, so
+the casts are recorded by autograd exactly as they are on a GPU.
+
+The op lists are CUDA's, from ATen/autocast_mode.h (AT_FORALL_LOWER_PRECISION_FP,
+AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE, in the header shipped with
+torch). As in ATen's cached_cast, casts of leaf tensors that require grad (the weights) are
+cached while the forward runs, so each weight is cast once per forward.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+T = torch.Tensor
+
+
+def _fns(*names: str, module: Any = torch, methods: bool = True) -> set[Callable[..., Any]]:
+    out: set[Callable[..., Any]] = set()
+    for n in names:
+        if hasattr(module, n):
+            out.add(getattr(module, n))
+        if methods and hasattr(T, n):
+            out.add(getattr(T, n))
+    return out
+
+
+LOWER_PRECISION: set[Callable[..., Any]] = (
+    _fns("matmul", "mm", "mv", "bmm", "baddbmm", "addmm", "addbmm", "addmv", "addr", "einsum",
+         "chain_matmul", "prelu", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
+         "conv_transpose2d", "conv_transpose3d", "convolution", "_convolution", "lstm_cell",
+         "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")
+    | {T.__matmul__, T.__rmatmul__, F.linear, F.prelu, F.scaled_dot_product_attention,
+       F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
+       torch.linalg.multi_dot, torch.linalg.vecdot}
+)  # fmt: skip
+
+FP32: set[Callable[..., Any]] = (
+    _fns("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+         "reciprocal", "rsqrt", "sinh", "tan", "pow", "logsumexp", "dist", "cdist", "renorm",
+         "layer_norm", "group_norm", "rms_norm", "cosine_similarity", "pdist")
+    | {T.__pow__, T.__rpow__, F.softplus, F.layer_norm, F.group_norm, F.cosine_similarity,
+       F.poisson_nll_loss, F.cosine_embedding_loss, F.nll_loss, F.hinge_embedding_loss,
+       F.kl_div, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.mse_loss, F.margin_ranking_loss,
+       F.multilabel_margin_loss, F.soft_margin_loss, F.triplet_margin_loss, F.multi_margin_loss,
+       F.binary_cross_entropy_with_logits, F.interpolate, F.upsample}
+    | ({F.rms_norm} if hasattr(F, "rms_norm") else set())
+)  # fmt: skip
+
+FP32_SET_OPT_DTYPE: set[Callable[..., Any]] = (
+    _fns("prod", "softmax", "log_softmax", "cumprod", "cumsum", "sum")
+    | {F.softmax, F.log_softmax, torch.linalg.vector_norm, torch.linalg.matrix_norm}
+)
+
+PROMOTE: set[Callable[..., Any]] = _fns(
+    "addcdiv", "addcmul", "atan2", "cross", "dot", "vdot", "tensordot", "scatter_add",
+    "index_put",
+) | {F.bilinear, F.grid_sample}
+
+_LOW = (torch.float16, torch.bfloat16)
+_CE_SIG = inspect.signature(F.cross_entropy)
+
+
+class CudaAutocast(TorchFunctionMode):
+    """Apply CUDA autocast's policy with ``dtype`` (fp16 or bf16) while ``enabled``."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.enabled = False
+        self.cache_weights = False
+        self._cache: dict[int, tuple[T, T]] = {}
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+    def begin_forward(self) -> None:
+        self.enabled = True
+        self.cache_weights = True
+
+    def end_forward(self) -> None:
+        # Leaving torch.autocast clears the weight-cast cache. Autocast stays on for the
+        # recomputed forward of checkpointed blocks during backward (torch.utils.checkpoint
+        # re-enters autocast with the forward's state), without the cache.
+        self.cache_weights = False
+        self.clear_cache()
+
+    def end_backward(self) -> None:
+        self.enabled = False
+
+    def _cast(self, x: Any, to: torch.dtype) -> Any:
+        if not isinstance(x, T) or not x.is_floating_point() or x.dtype in (to, torch.float64):
+            return x
+        cacheable = self.cache_weights and x.is_leaf and x.requires_grad
+        if cacheable:
+            hit = self._cache.get(id(x))
+            if hit is not None and hit[0] is x:
+                return hit[1]
+        y = x.to(to)
+        if cacheable:
+            self._cache[id(x)] = (x, y)
+        return y
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if not self.enabled:
+            return func(*args, **kwargs)
+        if func in LOWER_PRECISION:
+            args, kwargs = tree_map(lambda x: self._cast(x, self.dtype), (args, kwargs))
+        elif func in FP32_SET_OPT_DTYPE:
+            first = args[0] if args else None
+            if (isinstance(first, T) and first.dtype in _LOW and kwargs.get("dtype") is None
+                    and not _positional_dtype(func, args)):
+                kwargs = {**kwargs, "dtype": torch.float32}
+        elif func in FP32:
+            args, kwargs = tree_map(lambda x: self._cast(x, torch.float32), (args, kwargs))
+        elif func in PROMOTE:
+            tensors = [a for a in (*args, *kwargs.values())
+                       if isinstance(a, T) and a.is_floating_point()]
+            if tensors:
+                widest = tensors[0].dtype
+                for t in tensors[1:]:
+                    widest = torch.promote_types(widest, t.dtype)
+                args, kwargs = tree_map(lambda x: self._cast(x, widest), (args, kwargs))
+        elif func is F.cross_entropy:
+            # cross_entropy = nll_loss(log_softmax(x)): CUDA autocast runs log_softmax with
+            # dtype=float32 (fp32 log-probs, no fp32 copy of the input) and nll_loss in fp32.
+            bound = _CE_SIG.bind(*args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            if isinstance(a["input"], T) and a["input"].dtype in _LOW:
+                if a["label_smoothing"] == 0.0 and a["size_average"] is None and a["reduce"] is None:
+                    x = a["input"]
+                    logp = F.log_softmax(x, dim=1 if x.dim() > 1 else 0, dtype=torch.float32)
+                    return F.nll_loss(logp, a["target"], weight=self._cast(a["weight"], torch.float32),
+                                      ignore_index=a["ignore_index"], reduction=a["reduction"])
+                args, kwargs = tree_map(lambda x: self._cast(x, torch.float32), (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _positional_dtype(func: Callable[..., Any], args: tuple[Any, ...]) -> bool:
+    return any(isinstance(a, torch.dtype) for a in args[1:])
+
+

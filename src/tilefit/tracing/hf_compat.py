@@ -1,0 +1,64 @@
+"""Where Hugging Face code would take a different path on fake tensors than on a GPU.
+
+transformers' masking_utils treats FakeTensors as "tracing" (utils.import_utils.is_tracing) and
+then builds an explicit causal mask instead of passing is_causal=True to SDPA, which on a GPU
+run lets PyTorch pick the flash kernel. With no padding mask and a full-length query (every
+training step without padding), a GPU run skips the mask; this patch makes the fake run
+decide the same way from shapes alone, and defers to transformers for every other case.
+
+Likewise, without a KV cache (training, and always with gradient checkpointing) transformers
+looks for packed sequences in position_ids by reading their values; on fake tensors it cannot,
+and assumes packing. The trace assumes unpacked sequences (position ids 0..S-1 per row), which
+is what the synthetic batches hold and what an ordinary padded or unpadded batch holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+from tilefit.tracing.torch_compat import FakeTensor
+
+
+def is_fake(x: Any) -> bool:
+    return isinstance(x, FakeTensor)
+
+
+@contextlib.contextmanager
+def gpu_mask_semantics() -> Iterator[None]:
+    try:
+        mu = importlib.import_module("transformers.masking_utils")
+    except ImportError:
+        yield
+        return
+    original = getattr(mu, "_ignore_causal_mask_sdpa", None)
+    if original is None:
+        yield
+        return
+
+    def ignore_causal_mask_sdpa(padding_mask: Any, q_length: int, kv_length: int,
+                                *args: Any, **kwargs: Any) -> bool:
+        local = kwargs.get("local_attention_size", args[2] if len(args) > 2 else None)
+        if (padding_mask is None and (q_length == 1 or kv_length == q_length)
+                and (local is None or kv_length < local)):
+            return True
+        return bool(original(padding_mask, q_length, kv_length, *args, **kwargs))
+
+    find_packed = getattr(mu, "find_packed_sequence_indices", None)
+
+    def find_packed_sequence_indices(position_ids: Any) -> Any:
+        if is_fake(position_ids):
+            return None
+        return find_packed(position_ids) if find_packed is not None else None
+
+    mu._ignore_causal_mask_sdpa = ignore_causal_mask_sdpa
+    if find_packed is not None:
+        mu.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        mu._ignore_causal_mask_sdpa = original
+        if find_packed is not None:
+            mu.find_packed_sequence_indices = find_packed

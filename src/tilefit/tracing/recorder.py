@@ -1,0 +1,204 @@
+"""The dispatch mode that records every aten op and every tensor storage of a step."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from tilefit.tracing.records import GemmShape, OpRecord, StorageRecord
+from tilefit.tracing.shapes import classify, gemm_shapes, op_flops
+from tilefit.tracing.torch_compat import ModulePath
+
+_SKIP = {"prim.device.default", "profiler._record_function_enter_new.default",
+         "profiler._record_function_exit._RecordFunction"}
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    leaves, _ = tree_flatten(tree)
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            yield x
+
+
+class Recorder(TorchDispatchMode):
+    """Records ops (shapes, FLOPs, bytes, module, phase) and storage lifetimes."""
+
+    def __init__(self, tracker: ModulePath, root_name: str) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.set_root(root_name)
+        self.phase = "setup"
+        self.step = 0
+        self.micro = 0
+        self.events = 0
+        self.ops: list[OpRecord] = []
+        self._uid_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._next_uid = 0
+        self._nbytes: dict[int, int] = {}
+        self._alloc_at: dict[int, int] = {}
+        self._free_at: dict[int, int] = {}
+        self._alloc_phase: dict[int, str] = {}
+        self._alloc_module: dict[int, str] = {}
+        self.category: dict[int, str] = {}
+        self.attention_backend: str | None = None  # set by the attention router per call
+        self._attn_by_uid: dict[int, dict[str, Any]] = {}
+        self.no_formula: dict[str, int] = {}
+
+    def set_root(self, root_name: str) -> None:
+        """The root module's class name, which ModuleTracker puts before every path."""
+        self.root_name = root_name
+        self.root_prefix = root_name + "."
+
+    # ---- storages ---------------------------------------------------------------------
+    def _track(self, t: torch.Tensor, at: int, category: str | None = None) -> int:
+        st = t.untyped_storage()
+        uid = self._uid_of.get(st)
+        if uid is not None:
+            return uid
+        uid = self._next_uid
+        self._next_uid += 1
+        self._uid_of[st] = uid
+        self._nbytes[uid] = st.nbytes()
+        self._alloc_at[uid] = at
+        self._alloc_phase[uid] = self.phase
+        self._alloc_module[uid] = self.module
+        if category is not None:
+            self.category[uid] = category
+        weakref.finalize(st, self._on_free, uid)
+        return uid
+
+    def _on_free(self, uid: int) -> None:
+        self._free_at[uid] = self.events
+
+    def register_existing(self, tree: Any, category: str) -> None:
+        """Storages alive before the step (parameters, buffers, inputs)."""
+        for t in _tensors(tree):
+            uid = self._track(t, -1, category)
+            self.category.setdefault(uid, category)
+
+    def label(self, tree: Any, category: str) -> None:
+        """Give the storages of these tensors a category (gradients, optimizer state)."""
+        for t in _tensors(tree):
+            uid = self._uid_of.get(t.untyped_storage())
+            if uid is not None and uid not in self.category:
+                self.category[uid] = category
+
+    def uid(self, t: torch.Tensor) -> int | None:
+        return self._uid_of.get(t.untyped_storage())
+
+    def storages(self) -> tuple[StorageRecord, ...]:
+        out = []
+        for uid, nbytes in self._nbytes.items():
+            phase = self._alloc_phase[uid]
+            category = self.category.get(uid) or (
+                "activations" if phase in ("forward", "recompute") else "temporaries")
+            out.append(StorageRecord(
+                uid=uid, nbytes=nbytes, alloc_at=self._alloc_at[uid],
+                free_at=self._free_at.get(uid), category=category, phase=phase,
+                module=self._alloc_module[uid]))
+        return tuple(out)
+
+    # ---- context ----------------------------------------------------------------------
+    @property
+    def module(self) -> str:
+        parents = [p for p in self.tracker.parents if p != "Global"]
+        if not parents:
+            return ""
+        deepest = max(parents, key=lambda p: (p.count("."), len(p)))
+        if deepest == self.root_name:
+            return ""
+        return deepest.removeprefix(self.root_prefix)
+
+    @property
+    def effective_phase(self) -> str:
+        if self.phase == "backward" and self.tracker.recomputing:
+            return "recompute"
+        return self.phase
+
+    # ---- the mode ---------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = str(func)
+        if name in _SKIP:
+            return out
+        at = self.events
+        inputs = list(_tensors((args, kwargs)))
+        outputs = list(_tensors(out))
+        in_uids = {self._uid_of.get(t.untyped_storage()) for t in inputs}
+        new_outputs = []
+        for t in outputs:
+            st = t.untyped_storage()
+            if st not in self._uid_of:
+                new_outputs.append(t)
+            self._track(t, at)
+        kind = classify(func, outputs, in_uids, self)
+        attention = None
+        if kind == "attention":
+            attention = self._attention_info(func, args, kwargs, out)
+        flops = op_flops(func, args, kwargs, out, attention)
+        if flops is None:
+            flops = 0
+        gemms: tuple[GemmShape, ...] = gemm_shapes(func, args, kwargs, out, kind) \
+            if kind in ("gemm", "conv") else ()
+        nbytes = 0 if kind == "view" else _traffic(inputs, outputs)
+        ref = outputs[0] if outputs else (inputs[0] if inputs else None)
+        self.ops.append(OpRecord(
+            op=name, phase=self.effective_phase, module=self.module,
+            input_shapes=tuple(tuple(t.shape) for t in inputs),
+            output_shapes=tuple(tuple(t.shape) for t in outputs),
+            dtype=str(ref.dtype).removeprefix("torch.") if ref is not None else "",
+            flops=int(flops), bytes=int(nbytes), kind=kind, step=self.step, micro=self.micro,
+            gemms=gemms, attention=attention,
+        ))
+        self.events += 1
+        return out
+
+    def _attention_info(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        out: Any) -> dict[str, Any]:
+        backward = "backward" in str(func)
+        # forward: (query, key, value, dropout_p, is_causal, ...);
+        # backward: (grad_out, query, key, value, out, logsumexp, ...)
+        q, k = (args[1], args[2]) if backward else (args[0], args[1])
+        b, hq, sq, d = q.shape
+        info: dict[str, Any] = {
+            "backend": self.attention_backend or "flash", "causal": False, "b": b, "hq": hq,
+            "hkv": k.shape[1], "sq": sq, "sk": k.shape[2], "d": d,
+            "dtype": str(q.dtype).removeprefix("torch."),
+        }
+        if backward:
+            fwd_out = args[4] if len(args) > 4 else None
+            uid = self.uid(fwd_out) if isinstance(fwd_out, torch.Tensor) else None
+            info.update(self._attn_by_uid.get(uid, {}) if uid is not None else {})
+            info["direction"] = "backward"
+            return info
+        info["causal"] = bool(kwargs.get("is_causal", args[4] if len(args) > 4 else False))
+        info["direction"] = "forward"
+        first = out[0] if isinstance(out, tuple | list) else out
+        uid = self.uid(first)
+        if uid is not None:
+            self._attn_by_uid[uid] = dict(info)
+        return info
+
+
+def _traffic(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
+    """Bytes a kernel reads and writes: each distinct input read once (no more than its
+    storage holds, for broadcast views), each output written once."""
+    seen: set[int] = set()
+    total = 0
+    for t in inputs:
+        key = id(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+    for t in outputs:
+        total += t.numel() * t.element_size()
+    return total

@@ -1,0 +1,106 @@
+"""What a trace records: one row per aten op, one row per tensor storage."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tilefit.tracing.target import Target
+
+PHASES = ("forward", "backward", "recompute", "optimizer", "zero_grad", "scaler")
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """A (batched) GEMM an op performs: batch x (M x K) @ (K x N) in ``dtype``."""
+
+    batch: int
+    m: int
+    n: int
+    k: int
+    dtype: str  # tilefit dtype name: fp32, fp16, bf16
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    op: str  # aten overload, e.g. "aten.mm.default"
+    phase: str  # forward, backward, recompute, optimizer, zero_grad, scaler
+    module: str  # the innermost module's path, "" for code outside any module
+    input_shapes: tuple[tuple[int, ...], ...]
+    output_shapes: tuple[tuple[int, ...], ...]
+    dtype: str  # torch dtype of the first output (or input) tensor, e.g. "bfloat16"
+    flops: int  # from torch.utils.flop_counter's formulas where it has one
+    bytes: int  # bytes read + written by the kernel(s); 0 for views
+    kind: str  # "gemm", "conv", "attention", "memory", "view"
+    step: int  # 0: first step (lazy optimizer state), 1: steady-state step
+    micro: int  # micro-batch index within the step
+    gemms: tuple[GemmShape, ...] = ()
+    attention: dict[str, Any] | None = None  # backend, causal, b, hq, hkv, sq, sk, d
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StorageRecord:
+    uid: int
+    nbytes: int
+    alloc_at: int  # event index (op count) when it became live; -1 if before the trace
+    free_at: int | None  # event index when freed; None if alive at the end
+    category: str
+    phase: str  # the phase that allocated it ("setup" for pre-existing storages)
+    module: str
+
+
+@dataclass(frozen=True)
+class Trace:
+    target: Target
+    precision: str
+    optimizer: str
+    attention: str
+    grad_checkpointing: bool
+    accumulation_steps: int
+    traced_micro_steps: int  # micro-batches traced per step (min(accumulation, 2))
+    ops: tuple[OpRecord, ...]
+    storages: tuple[StorageRecord, ...]
+    n_events: int
+    param_count: int
+    trainable_param_count: int
+    samples_per_micro_batch: int
+    tokens_per_micro_batch: int | None
+    warnings: tuple[str, ...] = field(default=())
+
+    # ---- memory -------------------------------------------------------------------------
+    def live_bytes_timeline(self, *, rounded: bool = True) -> list[int]:
+        """Live tensor bytes after each event (index 0 = before the first op)."""
+        delta = [0] * (self.n_events + 2)
+        for s in self.storages:
+            size = self.target.round(s.nbytes) if rounded else s.nbytes
+            delta[s.alloc_at + 1] += size
+            if s.free_at is not None:
+                delta[s.free_at + 1] -= size
+        out, live = [], 0
+        for d in delta:
+            live += d
+            out.append(live)
+        return out
+
+    def peak(self, *, rounded: bool = True) -> tuple[int, int]:
+        """(peak live bytes, the timeline index where it first occurs)."""
+        timeline = self.live_bytes_timeline(rounded=rounded)
+        best = max(range(len(timeline)), key=timeline.__getitem__)
+        return timeline[best], best
+
+    def breakdown_at(self, index: int, *, rounded: bool = True) -> dict[str, int]:
+        """Live bytes by category at a timeline index."""
+        out = dict.fromkeys(CATEGORIES, 0)
+        for s in self.storages:
+            born = s.alloc_at + 1
+            dead = None if s.free_at is None else s.free_at + 1
+            if born <= index and (dead is None or dead > index):
+                out[s.category] += self.target.round(s.nbytes) if rounded else s.nbytes
+        return out
+
+    def ops_of_step(self, step: int) -> tuple[OpRecord, ...]:
+        return tuple(o for o in self.ops if o.step == step)

@@ -1,0 +1,154 @@
+"""From an aten call to what the cost model needs: its kind, its GEMMs, its FLOPs."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+
+from tilefit.tracing.records import GemmShape
+from tilefit.tracing.torch_compat import flop_formula
+
+GEMM_OPS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm"}
+CONV_OPS = {"aten.convolution", "aten._convolution", "aten.convolution_backward",
+            "aten.cudnn_convolution", "aten._slow_conv2d_forward", "aten.mkldnn_convolution",
+            "aten.convolution_overrideable"}
+ATTENTION_OPS = {
+    "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_flash_attention_backward",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_efficient_attention_backward",
+    "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_cudnn_attention_backward",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward",
+}
+# Ops that launch no kernel: aliases and bare allocations (their memory is still tracked).
+NO_KERNEL = {"aten.detach", "aten.alias", "aten.lift_fresh", "aten._unsafe_view", "aten.empty",
+             "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided", "aten.empty_like",
+             "aten._local_scalar_dense", "aten.set_", "aten.lift_fresh_copy"}
+
+# Op families that are memory-bound by nature (copies, creation, reductions, norms,
+# softmax, losses, indexing, pooling, optimizer foreach kernels and their backward ops):
+# bytes over bandwidth is their right cost. Pointwise ops are recognised by torch's
+# Tag.pointwise. Anything else without a FLOP formula is "unknown" and reported.
+_MEMORY_FAMILIES = re.compile(
+    r"aten\.(_foreach_|_fused_|_amp_|copy|_to_copy|_copy|clone|contiguous|fill|zero|zeros|ones|"
+    r"full|arange|scalar_tensor|cat|stack|split|chunk|unbind|index|gather|scatter|embedding|"
+    r"masked|where|sum|mean|amax|amin|max|min|argmax|argmin|var|std|norm|linalg_vector_norm|"
+    r"_softmax|_log_softmax|softmax|log_softmax|nll_loss|cross_entropy|mse_loss|l1_loss|"
+    r"smooth_l1|huber|binary_cross_entropy|native_layer_norm|native_group_norm|"
+    r"_native_batch_norm|native_batch_norm|batch_norm|_batch_norm|layer_norm|rms_norm|"
+    r"_fused_rms_norm|native_dropout|dropout|bernoulli|rand|normal|uniform|tril|triu|cumsum|"
+    r"cumprod|sort|topk|constant_pad|pad|reflection_pad|replication_pad|upsample|max_pool|"
+    r"avg_pool|adaptive_|col2im|im2col|repeat|roll|flip|_unsafe_index|new_zeros|new_ones|"
+    r"new_full|any|all|logsumexp|prod|isinf|isnan|isfinite|count_nonzero|bincount|one_hot|"
+    r"lerp|addcmul|addcdiv|sign|clamp|_local_scalar|item|equal|_assert|linspace|"
+    r"[a-z_0-9]*_backward)"
+)
+
+TORCH_TO_TILEFIT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+                    torch.float64: "fp32", torch.int8: "int8"}
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        TORCH_TO_TILEFIT[getattr(torch, _name)] = "fp8"
+
+
+def packet_name(func: Any) -> str:
+    return str(getattr(func, "overloadpacket", func))
+
+
+def classify(func: Any, outputs: list[torch.Tensor], in_uids: set[int | None],
+             recorder: Any) -> str:
+    name = packet_name(func)
+    if getattr(func, "is_view", False) or name in NO_KERNEL:
+        return "view"
+    if name in GEMM_OPS:
+        return "gemm"
+    if name in CONV_OPS:
+        return "conv"
+    if name in ATTENTION_OPS:
+        return "attention"
+    if torch.Tag.pointwise in getattr(func, "tags", ()) or _MEMORY_FAMILIES.match(name):
+        return "memory"
+    return "unknown"
+
+
+def tilefit_dtype(dtype: torch.dtype) -> str:
+    return TORCH_TO_TILEFIT.get(dtype, "fp32")
+
+
+def gemm_shapes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
+                kind: str) -> tuple[GemmShape, ...]:
+    name = packet_name(func)
+    if name == "aten.mm" or name == "aten._scaled_mm":
+        a, b = args[0], args[1]
+        return (GemmShape(1, a.shape[0], b.shape[1], a.shape[1], tilefit_dtype(a.dtype)),)
+    if name == "aten.addmm":
+        a, b = args[1], args[2]
+        return (GemmShape(1, a.shape[0], b.shape[1], a.shape[1], tilefit_dtype(a.dtype)),)
+    if name == "aten.bmm":
+        a, b = args[0], args[1]
+        return (GemmShape(a.shape[0], a.shape[1], b.shape[2], a.shape[2], tilefit_dtype(a.dtype)),)
+    if name == "aten.baddbmm":
+        a, b = args[1], args[2]
+        return (GemmShape(a.shape[0], a.shape[1], b.shape[2], a.shape[2], tilefit_dtype(a.dtype)),)
+    if name == "aten.convolution_backward":
+        return _conv_backward_gemms(args)
+    if name in CONV_OPS:
+        return _conv_forward_gemms(args, out)
+    return ()
+
+
+def _conv_forward_gemms(args: tuple[Any, ...], out: Any) -> tuple[GemmShape, ...]:
+    # Implicit GEMM (cuDNN): M = N * output pixels, N = Cout/groups, K = Cin/groups * kernel.
+    x, w = args[0], args[1]
+    groups = int(args[8]) if len(args) > 8 else 1
+    y = out[0] if isinstance(out, tuple | list) else out
+    n = x.shape[0]
+    out_pixels = math.prod(y.shape[2:])
+    kernel = math.prod(w.shape[2:])
+    cout = w.shape[0]
+    cin_g = w.shape[1]
+    return (GemmShape(groups, n * out_pixels, cout // groups, cin_g * kernel,
+                      tilefit_dtype(x.dtype)),)
+
+
+def _conv_backward_gemms(args: tuple[Any, ...]) -> tuple[GemmShape, ...]:
+    grad_out, x, w = args[0], args[1], args[2]
+    groups = int(args[9]) if len(args) > 9 else 1
+    mask = args[10] if len(args) > 10 else (True, True, True)
+    n = x.shape[0]
+    in_pixels = math.prod(x.shape[2:])
+    out_pixels = math.prod(grad_out.shape[2:])
+    kernel = math.prod(w.shape[2:])
+    cout, cin_g = w.shape[0], w.shape[1]
+    dt = tilefit_dtype(x.dtype)
+    gemms = []
+    if mask[0]:  # grad_input: M = N * input pixels, N = Cin/g, K = Cout/g * kernel
+        gemms.append(GemmShape(groups, n * in_pixels, cin_g, (cout // groups) * kernel, dt))
+    if mask[1]:  # grad_weight: M = Cout/g, N = Cin/g * kernel, K = N * output pixels
+        gemms.append(GemmShape(groups, cout // groups, cin_g * kernel, n * out_pixels, dt))
+    return tuple(gemms)
+
+
+def attention_flops(info: dict[str, Any]) -> int:
+    """FLOPs of scaled-dot-product attention: Q K^T and P V, 2 * b * hq * sq * sk * d each,
+    counted in full even when causal (as torch.utils.flop_counter's sdpa formula does); the
+    backward does twice the forward's GEMM work (dQ, dK, dV, dP). Written here rather than
+    taken from flop_counter because its formula rejects grouped-query attention (hq != hkv)."""
+    fwd = 4 * info["b"] * info["hq"] * info["sq"] * info["sk"] * info["d"]
+    return fwd if info.get("direction") == "forward" else 2 * fwd
+
+
+def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
+             attention: dict[str, Any] | None) -> int | None:
+    if attention is not None and "b" in attention:
+        return attention_flops(attention)
+    formula = flop_formula(func)
+    if formula is None:
+        return None
+    try:
+        return int(formula(*args, **kwargs, out_val=out))
+    except (AssertionError, TypeError, ValueError, IndexError):
+        return None

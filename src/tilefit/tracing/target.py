@@ -1,0 +1,40 @@
+"""What the target device would do, as far as a trace is concerned."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tilefit.hardware.device import Device
+
+# The CUDA caching allocator rounds every block up to a multiple of 512 bytes
+# (c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize = 512, round_size()), and
+# torch.cuda.max_memory_allocated counts the rounded sizes.
+CUDA_ROUND_BYTES = 512
+
+
+@dataclass(frozen=True)
+class Target:
+    kind: str  # "cuda" or "cpu"
+    compute_capability: tuple[int, int] | None
+    alloc_round_bytes: int  # allocator rounding; 1 = plain bytes
+    foreach: bool  # torch.optim's default implementation on this device
+
+    @classmethod
+    def from_device(cls, device: Device) -> Target:
+        if device.kind == "cpu":
+            # torch.optim uses the foreach path only on CUDA/XPU by default
+            # (torch/optim/optimizer.py: _default_to_fused_or_foreach and
+            # _get_foreach_kernels_supported_devices), the for-loop path on the CPU.
+            return cls("cpu", None, 1, foreach=False)
+        return cls("cuda", device.compute_capability, CUDA_ROUND_BYTES, foreach=True)
+
+    def round(self, nbytes: int) -> int:
+        if nbytes <= 0:
+            return 0
+        r = self.alloc_round_bytes
+        return -(-nbytes // r) * r
+
+    @property
+    def sm(self) -> int:
+        cc = self.compute_capability or (0, 0)
+        return cc[0] * 10 + cc[1]
