@@ -17,9 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from workloads import CASES, Case  # noqa: E402
-
-from tilefit.tracing import trace  # noqa: E402
+from tilefit.tracing import trace
+from workloads import CASES, Case
 
 
 def measured_peak_bytes(case: Case) -> int:

@@ -132,14 +132,9 @@ class Recorder(TorchDispatchMode):
         at = self.events
         inputs = list(_tensors((args, kwargs)))
         outputs = list(_tensors(out))
-        in_uids = {self._uid_of.get(t.untyped_storage()) for t in inputs}
-        new_outputs = []
         for t in outputs:
-            st = t.untyped_storage()
-            if st not in self._uid_of:
-                new_outputs.append(t)
             self._track(t, at)
-        kind = classify(func, outputs, in_uids, self)
+        kind = classify(func)
         attention = None
         if kind == "attention":
             attention = self._attention_info(func, args, kwargs, out)

@@ -104,7 +104,8 @@ def _cast_floating(model: nn.Module, dtype: torch.dtype, mode: FakeTensorMode) -
             if p is None or not p.is_floating_point():
                 continue
             if id(p) not in done:
-                done[id(p)] = nn.Parameter(_fake_like(p, mode, dtype), requires_grad=p.requires_grad)
+                done[id(p)] = nn.Parameter(_fake_like(p, mode, dtype),
+                                           requires_grad=p.requires_grad)
             mod._parameters[name] = done[id(p)]
         for name, b in list(mod._buffers.items()):
             if b is None or not b.is_floating_point():
@@ -181,15 +182,10 @@ def _recompute_contexts(target: Target, recorder: Recorder, low: torch.dtype | N
     if target.kind != "cuda":
         return None
 
-    @contextlib.contextmanager
-    def recompute() -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(AttentionRouter(target, recorder))
-            if low is not None:
-                cast = CudaAutocast(low)
-                cast.enabled = True
-                stack.enter_context(cast)
-            yield
+    def recompute() -> CudaAutocast:
+        mode = CudaAutocast(low, AttentionRouter(target, recorder))
+        mode.enabled = True
+        return mode
 
     return lambda: (contextlib.nullcontext(), recompute())
 
@@ -281,10 +277,12 @@ def trace(
                            fix="build the model on the meta device and pass the module") from None
 
     recorder.set_root(type(fmodel).__name__)
-    autocast = None
-    if low is not None:
-        autocast = CudaAutocast(low) if target.kind == "cuda" else _CpuAutocast(low)
     router = AttentionRouter(target, recorder) if target.kind == "cuda" else None
+    autocast: CudaAutocast | _CpuAutocast | None = None
+    if target.kind == "cuda":
+        autocast = CudaAutocast(low, router)  # casts under mixed precision, routes SDPA always
+    elif low is not None:
+        autocast = _CpuAutocast(low)
     traced_micro = min(accumulation_steps, 2)
     with mode:
         recorder.register_existing(list(fmodel.parameters()) + list(fmodel.buffers()),
@@ -295,8 +293,6 @@ def trace(
         with contextlib.ExitStack() as stack:
             stack.enter_context(tracker)
             stack.enter_context(recorder)
-            if router is not None:
-                stack.enter_context(router)
             if autocast is not None:
                 stack.enter_context(autocast)
             stack.enter_context(gpu_mask_semantics())
