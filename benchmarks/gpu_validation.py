@@ -8,9 +8,9 @@ Checks, each a section of the one JSON written to OUT.json:
    tilefit.gemm with the catalog device (no calibration) and after an in-process
    `calibrate --quick` (profile written to a temporary cache dir, never the user's).
    Target: median |error| <= 10%.
-2. estimate_memory (HOOK, needs tilefit.estimate): peak memory within 3% of
-   torch.cuda.max_memory_allocated over a real training step.
-3. estimate_step_time (HOOK, needs tilefit.estimate): step time within 15% of measured.
+2. estimate_memory: peak memory within 3% of torch.cuda.max_memory_allocated over real
+   training steps (the workloads and measurement of benchmarks/gpu_memory_check.py).
+3. estimate_step_time: step time within 15% of the measured median step (same runs).
 4. tune (HOOK, needs tilefit.tune): the tuned batch fits and beats the default.
 
 Without CUDA it writes {"status": "skipped", ...} and exits 0 with a message, so it is safe to
@@ -89,19 +89,45 @@ def check_gemm(dtype: str, count: int) -> dict[str, Any]:
     }
 
 
-def check_estimate_memory() -> dict[str, Any]:
-    """HOOK: Estimate.peak_memory_bytes vs torch.cuda.max_memory_allocated (target 3%).
+def estimate_rows() -> list[dict[str, Any]]:
+    """Real CUDA training steps against the estimator: the rows of the lead's
+    benchmarks/gpu_memory_check.py (peak_error, step_time_error per workload and precision),
+    loaded by path so that this script stays import-safe without CUDA."""
+    import importlib.util
+    from pathlib import Path
 
-    To fill in once tilefit.estimate lands: for a few catalog workloads (tilefit.models),
-    run one real step on CUDA after torch.cuda.reset_peak_memory_stats(), and compare
-    estimate(...).peak_memory_bytes with torch.cuda.max_memory_allocated().
-    """
-    return _pending("tilefit.estimate", "memory within 3% of torch.cuda.max_memory_allocated")
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here))
+    spec = importlib.util.spec_from_file_location("gpu_memory_check",
+                                                  here / "gpu_memory_check.py")
+    if spec is None or spec.loader is None:
+        raise ImportError("benchmarks/gpu_memory_check.py not found")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.run()
 
 
-def check_estimate_step_time() -> dict[str, Any]:
-    """HOOK: Estimate.step_time_s vs the measured median step (target 15%)."""
-    return _pending("tilefit.estimate", "step time within 15% of measured")
+def check_estimate(rows: list[dict[str, Any]], key: str, target: float) -> dict[str, Any]:
+    """Every row's |error| in ``key`` within ``target``: pass/fail with the figures."""
+    import statistics
+
+    if not rows:
+        return _pending("tilefit.estimator", f"{key} within {target:.0%}")
+    errs = [abs(r[key]) for r in rows]
+    return {"status": "pass" if max(errs) <= target else "fail", "target": target,
+            "median_error": statistics.median(errs), "max_error": max(errs),
+            "count": len(errs),
+            "worst": max(rows, key=lambda r: abs(r[key])).get("workload", "")}
+
+
+def check_estimate_memory(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Estimate.peak_memory_bytes (+ cuBLAS workspace) vs torch.cuda.max_memory_allocated."""
+    return check_estimate(rows, "peak_error", MEMORY_TARGET)
+
+
+def check_estimate_step_time(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Estimate.step_time_s vs the measured median step."""
+    return check_estimate(rows, "step_time_error", STEP_TIME_TARGET)
 
 
 def check_tune() -> dict[str, Any]:
@@ -138,8 +164,14 @@ def main(argv: list[str] | None = None) -> int:
         result.update(status="skipped", reason=msg)
     else:
         result["gemm"] = check_gemm(args.dtype, args.count)
-        result["estimate_memory"] = check_estimate_memory()
-        result["estimate_step_time"] = check_estimate_step_time()
+        try:
+            rows = estimate_rows()
+        except Exception as exc:  # report, don't lose the GEMM section
+            rows = []
+            result["estimate_error"] = f"{type(exc).__name__}: {exc}"
+        result["estimate_rows"] = rows
+        result["estimate_memory"] = check_estimate_memory(rows)
+        result["estimate_step_time"] = check_estimate_step_time(rows)
         result["tune"] = check_tune()
         statuses = [v["status"] for v in result.values() if isinstance(v, dict)]
         result["status"] = "fail" if "fail" in statuses else "pass"

@@ -43,6 +43,13 @@ def test_shapes_and_summary(gv) -> None:
     assert summary["misaligned"]["median_error"] == pytest.approx(0.5)
 
 
-def test_hooks_report_pending(gv) -> None:
-    for check in (gv.check_estimate_memory, gv.check_estimate_step_time, gv.check_tune):
-        assert check()["status"] == "pending"
+def test_estimate_checks_summarise_rows(gv) -> None:
+    rows = [{"workload": "a", "peak_error": 0.01, "step_time_error": -0.10},
+            {"workload": "b", "peak_error": -0.05, "step_time_error": 0.12}]
+    mem = gv.check_estimate_memory(rows)
+    # |-0.05| > 3%: fails, and names the worst workload
+    assert (mem["status"], mem["worst"], mem["max_error"]) == ("fail", "b", 0.05)
+    step = gv.check_estimate_step_time(rows)
+    assert step["status"] == "pass" and step["median_error"] == pytest.approx(0.11)
+    assert gv.check_estimate_memory([])["status"] == "pending"
+    assert gv.check_tune()["status"] == "pending"

@@ -90,10 +90,14 @@ def test_gpu_profile_replaces_efficiency(cache) -> None:
                          threads=None, peak_flops_per_s={"bf16": 989e12},
                          bandwidth_bytes_per_s=4.32e12, gemm=(fit,)))
     d = get_device("h200")
-    assert d.gemm_efficiency == 0.41 and d.launch_overhead_s == 5e-6
+    assert d.launch_overhead_s == 5e-6
+    assert d.gemm_efficiency == base.gemm_efficiency  # dtypes without a fit keep the catalog's
     assert d.bandwidth_efficiency == pytest.approx(0.9)  # 4.32 / 4.8 TB/s
     assert "calibrated profile" in d.source
     # 8192^3 bf16 is math-bound and fills whole waves: math time scales as 1/efficiency.
     t_base = analyze_gemm(8192, 8192, 8192, "bf16", base).math_time_s
     t_cal = analyze_gemm(8192, 8192, 8192, "bf16", d).math_time_s
     assert t_cal / t_base == pytest.approx(base.gemm_efficiency / 0.41)
+    # tf32 was not calibrated: its math time is the catalog model's
+    assert analyze_gemm(8192, 8192, 8192, "tf32", d).math_time_s == pytest.approx(
+        analyze_gemm(8192, 8192, 8192, "tf32", base).math_time_s)

@@ -211,14 +211,15 @@ def with_profile(device: Device) -> Device:
     profile = load_profile(device.name)
     if profile is None or profile.kind != device.kind:
         return device
+    # gemm_efficiency stays the catalog's: tilefit.gemm reads each dtype's fitted efficiency
+    # from the profile, and a dtype the calibration did not measure keeps the catalog value.
     fits = [g for g in profile.gemm if g.gemm_efficiency is not None]
     main = next((g for g in fits if g.dtype == "bf16"), fits[0] if fits else None)
     changes: dict[str, Any] = {
         "profile": profile,
         "source": f"{device.source}; calibrated profile {profile.path} from {profile.date()}",
     }
-    if main is not None:
-        changes["gemm_efficiency"] = main.gemm_efficiency
+    if main is not None:  # one launch cost for every kernel
         changes["launch_overhead_s"] = main.call_overhead_s
     if profile.bandwidth_bytes_per_s > 0:
         changes["bandwidth_efficiency"] = min(
