@@ -18,6 +18,62 @@ def register(app: typer.Typer) -> None:
     app.add_typer(bench_app, name="bench")
 
 
+@bench_app.command("step")
+def step(
+    model: str = typer.Argument(..., help="A catalog name, a config.json, or module:function."),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    batch: int = typer.Option(4, "--batch", help="Micro-batch size."),
+    seq: int = typer.Option(None, "--seq", help="Tokens per sample."),
+    precision: str = typer.Option(None, "--precision",
+                                  help="fp32, tf32, bf16-mixed or bf16 (default: fp32 on the "
+                                  "CPU, bf16-mixed on a GPU with bf16)."),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="sgd, adam, adamw, adafactor."),
+    grad_checkpointing: bool = typer.Option(False, "--grad-checkpointing"),
+    layers: int = typer.Option(None, "--layers", help="Build the model with this many layers "
+                               "(num_hidden_layers), to fit a small device."),
+    input_shape: str = typer.Option(None, "--input-shape", help="For module:function models."),
+    steps: int = typer.Option(5, "--steps", help="Timed steps after warm-up."),
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """A real training step on the live device: its time and peak memory beside the
+    estimate's prediction for the same device."""
+    from tilefit.bench.step import measure_step
+    from tilefit.calibrate.run import live_kind_device
+    from tilefit.cli.model_options import load
+    from tilefit.estimator.workloads import Recipe, default_precision, estimate_workload
+
+    with user_errors():
+        dev = live_kind_device(device)
+        work = load(model, seq, input_shape, None)
+        if layers is not None:
+            work = work.with_config(num_hidden_layers=layers)
+        recipe = Recipe(batch_size=batch, precision=precision or default_precision(dev),
+                        optimizer=optimizer, grad_checkpointing=grad_checkpointing)
+        predicted = estimate_workload(work, recipe, dev)
+        measured = measure_step(work, recipe, dev.kind, steps=steps)
+    row = {
+        "model": work.name, "device": dev.name, "recipe": recipe.to_dict(),
+        "measured_step_time_s": measured.step_time_s,
+        "predicted_step_time_s": predicted.step_time_s,
+        "step_time_error": predicted.step_time_s / measured.step_time_s - 1,
+        "measured_peak_memory_bytes": measured.peak_memory_bytes,
+        "predicted_peak_memory_bytes": predicted.peak_memory_bytes,
+        "peak_memory_error": predicted.peak_memory_bytes / measured.peak_memory_bytes - 1,
+        "step_times_s": list(measured.step_times_s), "device_source": dev.source,
+    }
+    if json_out:
+        print_json(row)
+        return
+    console.print(f"{work.name} on {dev.display_name}, batch {batch}, {recipe.precision}:")
+    console.print(f"  step time   measured {row['measured_step_time_s'] * 1e3:9.2f} ms   "
+                  f"predicted {row['predicted_step_time_s'] * 1e3:9.2f} ms   "
+                  f"error {row['step_time_error']:+.1%}")
+    console.print(f"  peak memory measured {row['measured_peak_memory_bytes'] / 2**20:9.1f} MiB  "
+                  f"predicted {row['predicted_peak_memory_bytes'] / 2**20:9.1f} MiB  "
+                  f"error {row['peak_memory_error']:+.1%}")
+    err_console.print(f"device numbers: {dev.source}", highlight=False)
+
+
 @bench_app.command("gemm")
 def gemm(
     device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),

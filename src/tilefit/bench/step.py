@@ -1,0 +1,121 @@
+"""A real training step on the live device, measured, beside the estimate's prediction.
+
+Time: the median of several steady steps after warm-up (CUDA: events and a synchronize).
+Peak memory: CUDA: torch.cuda.max_memory_allocated over the first two steps; CPU: PyTorch's
+MemTracker over the first two steps (live tensor bytes, what the estimate predicts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tilefit.errors import TilefitError
+from tilefit.estimator.workloads import Recipe
+from tilefit.models import Workload
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    device: str
+    step_time_s: float  # median of the timed steps
+    step_times_s: tuple[float, ...]
+    peak_memory_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _autocast(kind: str, precision: str) -> Any:
+    import torch
+
+    low = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
+    if low is None:
+        return contextlib.nullcontext()
+    return torch.autocast(kind, dtype=low)
+
+
+def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
+                 steps: int = 5, warmup: int = 2) -> StepMeasurement:
+    """Build the workload for real on ``kind`` ("cpu" or "cuda"), train ``warmup + steps``
+    steps on a synthetic batch, and measure."""
+    import torch
+
+    from tilefit.tracing.optimizers import make_optimizer
+
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise TilefitError("--device cuda needs a CUDA GPU, and this machine has none",
+                           expected="a machine with an NVIDIA GPU", given="no CUDA device",
+                           fix="use --device cpu")
+    if recipe.accumulation_steps != 1:
+        raise TilefitError("bench step measures one micro-batch per optimizer step",
+                           expected="--accumulation 1", given=str(recipe.accumulation_steps),
+                           fix="drop --accumulation")
+    if recipe.precision == "fp16-mixed":
+        raise TilefitError("bench step does not run a grad scaler yet",
+                           expected="fp32, tf32, bf16-mixed or bf16", given="fp16-mixed",
+                           fix="use --precision bf16-mixed")
+    torch.manual_seed(0)
+    with torch.device(kind):
+        model = workload.build("sdpa" if recipe.attention == "auto" else recipe.attention)
+    if recipe.precision == "bf16":
+        model = model.to(torch.bfloat16)
+    if recipe.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    batch = workload.make_batch(recipe.batch_size, device=kind)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(recipe.optimizer, params, foreach=kind == "cuda")
+    old_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = recipe.precision == "tf32"
+
+    def step() -> None:
+        with _autocast(kind, recipe.precision):
+            loss = workload.loss_fn(model, batch)
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def sync() -> None:
+        if kind == "cuda":
+            torch.cuda.synchronize()
+
+    try:
+        if kind == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            step()
+            sync()
+            peak = int(torch.cuda.max_memory_allocated())
+        else:
+            peak = _cpu_peak(model, opt, batch, step)
+        for _ in range(max(0, warmup - 2)):
+            step()
+        times = []
+        for _ in range(steps):
+            sync()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old_tf32
+    return StepMeasurement(device=kind, step_time_s=statistics.median(times),
+                           step_times_s=tuple(times), peak_memory_bytes=peak)
+
+
+def _cpu_peak(model: Any, opt: Any, batch: Any, step: Any) -> int:
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, opt, batch)
+    with tracker:
+        for _ in range(2):
+            step()
+            tracker.reset_mod_stats()
+    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
