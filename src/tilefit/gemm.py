@@ -164,7 +164,7 @@ def gemm_bytes(m: int, n: int, k: int, dtype: DType) -> int:
 
 def _candidate_time(
     m: int, n: int, k: int, tm: int, tn: int, split: int, dtype: DType, device: Device,
-    rate_per_sm: float, bw: float, align: float, batch: int = 1,
+    rate_per_sm: float, bw: float, align: float, batch: int = 1, mem_align: float = 1.0,
 ) -> tuple[float, float, float, int, int]:
     tiles_mn = math.ceil(m / tm) * math.ceil(n / tn) * batch
     ctas = tiles_mn * split
@@ -176,7 +176,7 @@ def _candidate_time(
     if split > 1:
         traffic += 2 * split * batch * m * n * 4  # fp32 partials written, then read to reduce
         launches = 2
-    mem_s = traffic / (bw * align)
+    mem_s = traffic / (bw * mem_align)
     return max(math_s, mem_s) + launches * device.launch_overhead_s, math_s, mem_s, ctas, waves
 
 
@@ -202,6 +202,13 @@ def analyze_gemm(m: int, n: int, k: int, dtype: str | DType, device: Device, *,
         for name, v in (("m", m), ("n", n), ("k", k))
     }
     align = min(a.factor for a in alignment.values())
+    # Streaming operands needs only 16-byte vector loads; the 128-byte rule of A100-class
+    # parts is about Tensor Core tiles. So the memory-bound time pays for misalignment only
+    # below 16 bytes.
+    mem_align = min(
+        1.0 if alignment_bytes_of(v, dt, 16) >= 16 else a.factor
+        for v, a in zip((m, n, k), alignment.values(), strict=True)
+    )
     error = None
     if dt.name == "fp8" and any(v % 16 for v in (m, n, k)):
         error = (
@@ -222,7 +229,7 @@ def analyze_gemm(m: int, n: int, k: int, dtype: str | DType, device: Device, *,
                               batch * math.ceil(m / tm) * math.ceil(n / tn) >= device.sms):
                 continue
             t, math_s, mem_s, ctas, waves = _candidate_time(
-                m, n, k, tm, tn, split, dt, device, rate_per_sm, bw, align, batch)
+                m, n, k, tm, tn, split, dt, device, rate_per_sm, bw, align, batch, mem_align)
             if best is None or t < best[0]:
                 best = (t, math_s, mem_s, ctas, waves, tm, tn, split)
     assert best is not None
@@ -303,9 +310,11 @@ def verdict(a: GemmAnalysis) -> str:
             f"for {a.dtype} on {a.gpu} (runs at {a.alignment_efficiency:.0%} speed): pad to {fixes}"
         )
     if a.bound == "memory":
+        small, value = min((("m", a.m), ("n", a.n), ("k", a.k)), key=lambda kv: kv[1])
         parts.append(
             f"memory-bound (intensity {a.arithmetic_intensity:.1f} < {a.ops_per_byte:.1f} "
-            "FLOP/B): a larger batch (M for a linear layer) raises intensity"
+            f"FLOP/B): the smallest dimension, {small}={value}, limits data reuse; for a linear "
+            "layer, more tokens per step (batch x sequence) raise it"
         )
     if a.wave_efficiency < 0.75 and a.waves <= 4:
         parts.append(
