@@ -16,6 +16,7 @@ from typing import Any
 from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, severity_of
 from tilefit.advise.origins import TOKEN, WEIGHT, Origin, config_fields, nearest_aligned
 from tilefit.advise.whatif import WhatIf
+from tilefit.estimator import Estimate
 from tilefit.estimator.cost import CostContext, gemm_dtype
 from tilefit.estimator.result import OpCost
 from tilefit.errors import TilefitError
@@ -33,17 +34,18 @@ class _Hit:
     ops: list[OpCost]
 
 
-def misaligned_dims(w: WhatIf) -> dict[int, _Hit]:
+def misaligned_dims(e: Estimate) -> dict[int, _Hit]:
     """Dimension value -> the steady-step GEMM ops that have it off the multiple."""
-    ctx = CostContext(precision=w.trace.precision)
+    ctx = CostContext(precision=e.precision)
+    device = e.device
     hits: dict[int, _Hit] = {}
-    for c in w.estimate.ops:
+    for c in e.ops:
         r = c.record
         if r.kind not in ("gemm", "conv") or not r.gemms:
             continue
         for g in r.gemms:
-            dt = gemm_dtype(g.dtype, conv=r.kind == "conv", device=w.device, ctx=ctx)
-            mult = w.device.multiple(dt)
+            dt = gemm_dtype(g.dtype, conv=r.kind == "conv", device=device, ctx=ctx)
+            mult = device.multiple(dt)
             for v in {g.m, g.n, g.k}:
                 if v % mult:
                     h = hits.setdefault(v, _Hit(v, mult, dt, []))
@@ -179,7 +181,7 @@ def _token_fix(w: WhatIf, o: Origin, mult: int) -> tuple[int, str, int]:
 
 
 def dimension_findings(w: WhatIf) -> list[Finding]:
-    hits = misaligned_dims(w)
+    hits = misaligned_dims(w.estimate)
     step = w.estimate.step_time_s
     found: list[Finding] = []
     for value, hit in sorted(hits.items()):
