@@ -77,6 +77,7 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
     from tilefit.models import Workload, load_workload
 
     t0 = time.perf_counter()
+    extra_notes: list[str] = []
     device = get_device(gpu)
     prec = precision or default_precision(device)
     if isinstance(model, str | Workload):
@@ -101,10 +102,18 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
                                fix="pass one batch as your DataLoader yields it")
         from tilefit.tracing import trace
 
+        stand_in = loss_fn is None and not isinstance(batch, dict)
+        if stand_in:
+            from tilefit.models.factory import stand_in_loss
+
+            def loss_fn(m: Any, b: Any) -> Any:
+                return stand_in_loss(m(b))
         tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=prec,
                    grad_checkpointing=grad_checkpointing,
                    accumulation_steps=accumulation_steps, attention=attention, device=device)
         work, seq, retrace_fn = None, None, None
+        if stand_in:
+            extra_notes.append("no loss_fn given: the loss is a stand-in (mean of the output)")
         name = type(model).__name__ if not callable(model) or hasattr(model, "forward") else \
             getattr(model, "__name__", "model")
         b = tr.samples_per_micro_batch
@@ -114,12 +123,14 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
     est = estimate_trace(tr, device)
     w = WhatIf(workload=work, recipe=recipe, device=device, trace=tr, estimate=est,
                retrace_fn=retrace_fn)
+    if work is None and hasattr(model, "named_modules"):
+        w._modules = dict(model.named_modules())  # type: ignore[attr-defined]  # layer names
     found: list[Finding] = []
     for rule in RULES:
         found.extend(rule(w))
     ordered = order(found)
     confirmation = _confirm(w, ordered) if confirm else None
-    notes = []
+    notes = list(extra_notes)
     if work is None:
         notes.append("model given as an nn.Module: batch, sequence and memory what-ifs need a "
                      "re-trace and were skipped; pass a catalog name, config.json or factory for "

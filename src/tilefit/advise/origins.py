@@ -25,6 +25,11 @@ class Origin:
     value: int
     config_field: str | None = None  # the with_config key, when a config field holds it
     step: int = 1  # a suggested value must be a multiple of this as well (hidden / heads)
+    product: bool = False  # the dimension is step x config_field (heads x head_dim)
+
+    def field_value(self, dim_value: int) -> int:
+        """The config field's value that gives GEMM dimension ``dim_value``."""
+        return dim_value // self.step if self.product else dim_value
 
 
 def _get(cfg: Any, *names: str) -> int | None:
@@ -63,14 +68,14 @@ def config_fields(workload: Workload) -> list[Origin]:
     if hidden:
         # hidden = heads x head_dim for most models: a new hidden size must stay divisible by
         # the head count
-        out.append(Origin(WEIGHT, "hidden_size", hidden, "hidden_size",
-                          step=heads if heads and head_dim and heads * head_dim == hidden else 1))
+        # transformers checks hidden_size % num_attention_heads == 0 (LlamaConfig and others)
+        out.append(Origin(WEIGHT, "hidden_size", hidden, "hidden_size", step=heads or 1))
     if heads and head_dim and heads * head_dim != hidden:
         out.append(Origin(WEIGHT, "num_attention_heads x head_dim", heads * head_dim, "head_dim",
-                          step=heads))
+                          step=heads, product=True))
     if kv_heads and head_dim and kv_heads != heads:
         out.append(Origin(WEIGHT, "num_key_value_heads x head_dim", kv_heads * head_dim,
-                          "head_dim", step=kv_heads))
+                          "head_dim", step=kv_heads, product=True))
     if head_dim:
         out.append(Origin(WEIGHT, "head_dim", head_dim, "head_dim"))
     return out
@@ -81,6 +86,11 @@ def token_counts(workload: Workload, batch_size: int) -> dict[int, str]:
     if workload.seq_len is None:
         return {}
     return {batch_size * workload.seq_len: "batch x seq", workload.seq_len: "seq"}
+
+
+def is_batch_rows(value: int, batch_size: int) -> bool:
+    """A GEMM with one row per sample (a pooler or classification head): the batch itself."""
+    return value == batch_size
 
 
 def lcm(a: int, b: int) -> int:

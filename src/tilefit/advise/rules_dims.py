@@ -158,6 +158,9 @@ def _weight_fix(w: WhatIf, o: Origin, new: int, mult: int, modules: tuple[str, .
         elif o.dimension != "num_labels":
             extra = " (changes the architecture: for training from scratch, not for pretrained "\
                     "weights)"
+        if o.product:
+            return (f"set {key}={o.field_value(new)} in the config (was "
+                    f"{o.field_value(o.value)}; {o.dimension} = {new}){extra}")
         return f"set {key}={new} in the config (was {o.value}){extra}"
     mod = modules[0] if modules else "the layer"
     if o.dimension in ("in_features", "out_features"):
@@ -188,6 +191,8 @@ def dimension_findings(w: WhatIf) -> list[Finding]:
         share = sum(c.time_s * c.repeats for c in hit.ops) / step
         if share < MIN_TIME_SHARE:
             continue
+        if value == w.recipe.batch_size:
+            continue  # one row per sample (pooler, classifier): the batch rules cover it
         o = origin_of(w, value, hit.ops)
         modules = _modules(w, value, hit.ops)
         if o.kind == TOKEN:
@@ -210,10 +215,10 @@ def dimension_findings(w: WhatIf) -> list[Finding]:
                 if not w.can_retrace or o.config_field is None:
                     continue
                 try:
-                    after = w.retrace(w.workload.with_config(**{o.config_field: (
-                        new // o.step if o.step > 1 and o.config_field == "head_dim" else new)}))
-                except TilefitError:
-                    continue
+                    after = w.retrace(w.workload.with_config(
+                        **{o.config_field: o.field_value(new)}))
+                except Exception:  # noqa: BLE001 - transformers rejects the changed config
+                    continue  # (e.g. hidden not divisible by heads): no what-if, no finding
                 method = "retrace"
             else:
                 after = w.with_dim(value, new)
