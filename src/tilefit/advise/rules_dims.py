@@ -16,14 +16,15 @@ from typing import Any
 from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, severity_of
 from tilefit.advise.origins import TOKEN, WEIGHT, Origin, config_fields, nearest_aligned
 from tilefit.advise.whatif import WhatIf
+from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate
 from tilefit.estimator.cost import CostContext, gemm_dtype
 from tilefit.estimator.result import OpCost
-from tilefit.errors import TilefitError
 
 # a misaligned dimension whose GEMMs take less than this share of the step is not worth a
 # finding (its fix cannot gain more than the share itself)
 MIN_TIME_SHARE = 0.001
+HEAD_DIM_MULTIPLE = 8
 
 
 @dataclass
@@ -78,7 +79,7 @@ def _module_map(w: WhatIf) -> dict[str, Any]:
                 with torch.device("meta"):
                     model = w.workload.build()
                 cache = dict(model.named_modules())
-            except Exception:  # noqa: BLE001 - names only; the trace already built it
+            except Exception:
                 cache = {}
         w._modules = cache  # type: ignore[attr-defined]
     return cache
@@ -198,7 +199,7 @@ def dimension_findings(w: WhatIf) -> list[Finding]:
         if o.kind == TOKEN:
             if not w.can_retrace:
                 continue
-            new_seq, fix, pad = _token_fix(w, o, hit.multiple)
+            new_seq, fix, _pad = _token_fix(w, o, hit.multiple)
             if new_seq == w.workload.seq_len:
                 continue
             try:
@@ -211,13 +212,17 @@ def dimension_findings(w: WhatIf) -> list[Finding]:
                 f"{w.workload.seq_len})"
         else:
             new = nearest_aligned(value, hit.multiple, o.step)
+            if o.dimension == "head_dim":
+                # the fused attention kernels want a head_dim multiple of 8 (flash: <= 256;
+                # tracing/attention.py); that, not the GEMM multiple, decides the kernel
+                new = nearest_aligned(value, HEAD_DIM_MULTIPLE)
             if o.dimension == "hidden_size" or o.dimension.endswith("head_dim"):
                 if not w.can_retrace or o.config_field is None:
                     continue
                 try:
                     after = w.retrace(w.workload.with_config(
                         **{o.config_field: o.field_value(new)}))
-                except Exception:  # noqa: BLE001 - transformers rejects the changed config
+                except Exception:
                     continue  # (e.g. hidden not divisible by heads): no what-if, no finding
                 method = "retrace"
             else:

@@ -51,7 +51,7 @@ def _optimizer_candidate(w: WhatIf) -> Finding | None:
         "optimizer", opt, "adamw-8bit",
         "optim='adamw_bnb_8bit' in TrainingArguments (bitsandbytes.optim.AdamW8bit), or "
         "optim='adafactor'",
-        f"Adam keeps two fp32 moments per parameter (8 bytes/param); 8-bit AdamW keeps 2 "
+        "Adam keeps two fp32 moments per parameter (8 bytes/param); 8-bit AdamW keeps 2 "
         "bytes/param.", after)
 
 

@@ -54,18 +54,37 @@ def precision_findings(w: WhatIf) -> list[Finding]:
     return out
 
 
+def _in_attention(module: str) -> bool:
+    last = module.rsplit(".", 1)[-1].lower()
+    return "attn" in last or "attention" in last
+
+
+def _head_dim(w: WhatIf, ops: list) -> int | None:  # type: ignore[type-arg]
+    if w.workload is not None and w.workload.config is not None:
+        from tilefit.advise.origins import config_fields
+
+        hd = next((o.value for o in config_fields(w.workload) if o.dimension == "head_dim"),
+                  None)
+        if hd:
+            return hd
+    batched = [g for c in ops for g in c.record.gemms if g.batch > 1]
+    return min((min(g.m, g.n, g.k) for g in batched), default=None)
+
+
 def attention_findings(w: WhatIf) -> list[Finding]:
-    math_ops = [c for c in w.estimate.ops
-                if (c.record.attention or {}).get("backend") == "math"]
-    eager = w.recipe.attention == "eager"
     warned = any("math kernel" in x for x in w.trace.warnings)
+    eager = w.recipe.attention == "eager"
+    # the math kernel is decomposed into batched GEMMs (scores, weighted values), softmax and
+    # friends inside the attention module: the trace records them as ordinary ops
+    math_ops = [c for c in w.estimate.ops
+                if (c.record.attention or {}).get("backend") == "math"
+                or ((warned or eager) and _in_attention(c.record.module))]
     if not (math_ops or eager or warned):
         return []
-    info = next((c.record.attention for c in math_ops if c.record.attention), {}) or {}
     causes = []
-    if w.trace.precision == "fp32":
+    if w.trace.precision == "fp32" and w.device.kind == "cuda":
         causes.append("fp32 inputs (flash needs fp16/bf16)")
-    d = info.get("d")
+    d = _head_dim(w, math_ops)
     if d is not None and (d % 8 or d > 256):
         causes.append(f"head_dim {d} (flash needs a multiple of 8, at most 256)")
     if eager:

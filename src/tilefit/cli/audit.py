@@ -10,6 +10,9 @@ import typer
 from tilefit.cli import model_options as mo
 from tilefit.cli.common import GPU_HELP, JSON_OPTION, console, err_console, print_json, user_errors
 
+HTML_OPTION = typer.Option(None, "--html", help="Also write a self-contained HTML report "
+                           "(summary, findings, plots) to this file.")
+
 
 def register(app: typer.Typer) -> None:
     app.command("audit")(audit)
@@ -29,8 +32,7 @@ def audit(
     attention: str = mo.ATTENTION_OPTION,
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
-    html: Path | None = typer.Option(None, "--html", help="Also write a self-contained HTML "
-                                     "report (summary, findings, plots) to this file."),
+    html: Path | None = HTML_OPTION,
     confirm: bool = typer.Option(False, "--confirm", help="Re-trace the top dimension fix to "
                                  "confirm the quick what-if (one more trace)."),
     json_out: bool = JSON_OPTION,
