@@ -93,6 +93,8 @@ def origin_of(w: WhatIf, value: int, ops: list[OpCost]) -> Origin:
             return Origin(TOKEN, "batch x seq", value)
         if value == work.seq_len:
             return Origin(TOKEN, "seq", value)
+    if work is not None and work.task == "image-cls" and value % w.recipe.batch_size == 0:
+        return Origin(TOKEN, "batch x patches", value)  # ViT: (B x patches+1) rows
     if work is not None and work.config is not None:
         for o in config_fields(work):
             if o.value == value:
@@ -197,8 +199,8 @@ def dimension_findings(w: WhatIf) -> list[Finding]:
         o = origin_of(w, value, hit.ops)
         modules = _modules(w, value, hit.ops)
         if o.kind == TOKEN:
-            if not w.can_retrace:
-                continue
+            if not w.can_retrace or w.workload.seq_len is None:
+                continue  # image patches: fixed by the image and patch size, not padding
             new_seq, fix, _pad = _token_fix(w, o, hit.multiple)
             if new_seq == w.workload.seq_len:
                 continue
