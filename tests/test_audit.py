@@ -149,6 +149,15 @@ def test_padding_a_tiny_classifier_is_not_recommended() -> None:
     assert not [f for f in a.recommended if f.rule == "weight-dim-alignment"]
 
 
+def test_sequence_length_off_the_multiple_is_padded(gpt2_tiny) -> None:  # type: ignore[no-untyped-def]
+    # batch 2 x seq 100 = 200 tokens, 200 % 64 = 8: pad the sequence to 64's multiple, 128
+    work = gpt2_tiny.with_seq_len(100)
+    a = audit(work, batch_size=2)
+    f = next(f for f in a.findings if f.rule == "sequence-length")
+    assert f.current == 100 and f.suggested == 128
+    assert "pad_to_multiple_of=64" in f.fix and f.method == "retrace"
+
+
 # ---- the other rules ------------------------------------------------------------------------
 
 def test_fp32_step_gets_tf32_and_autocast_findings(gpt2_tiny) -> None:  # type: ignore[no-untyped-def]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from math import gcd
 from typing import Any
 
 from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, severity_of
@@ -175,9 +174,10 @@ def _weight_fix(w: WhatIf, o: Origin, new: int, mult: int, modules: tuple[str, .
 
 
 def _token_fix(w: WhatIf, o: Origin, mult: int) -> tuple[int, str, int]:
-    """(new seq, fix text, pad_to_multiple_of) that makes batch x seq a multiple of mult."""
-    b = w.recipe.batch_size
-    pad = max(8, mult // gcd(b, mult)) if o.dimension == "batch x seq" else mult
+    """(new seq, fix text, pad_to_multiple_of): the sequence padded to the device's multiple
+    (64 tokens for bf16 on A100-class parts, 8 elsewhere), so batch x seq is aligned for any
+    batch size, the last partial batch included."""
+    pad = mult
     seq = w.workload.seq_len
     new_seq = -(-seq // pad) * pad
     fix = (f"pad every batch to a multiple of {pad} tokens: DataCollatorWithPadding(tokenizer, "
