@@ -214,8 +214,25 @@ def test_plain_module_names_its_layers() -> None:
     assert "out_features" in found or "in_features" in found
     f = found.get("out_features") or found["in_features"]
     assert f.current == 4000 and f.suggested == 4032  # 63 x 64
-    assert "nn.Linear" in f.fix
+    # both layers that hold the width change: the one that makes it and the one that takes it
+    assert "0: nn.Linear(1024, 4032)" in f.fix and "2: nn.Linear(4032, 1024)" in f.fix
     assert a.notes  # stand-in loss, no re-traces
+
+
+def test_a_model_that_cannot_be_traced_is_a_clear_error() -> None:
+    from tilefit.errors import TilefitError
+
+    class Broken(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(10, 10)
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            return self.fc(x).view(3, -1, 7)  # 80 elements cannot be viewed as 3 x ? x 7
+
+    with pytest.raises(TilefitError, match="could not trace") as err:
+        audit(Broken(), torch.zeros(8, 10))
+    assert "input" in err.value.fix
 
 
 # ---- the trace rewrite by hand ---------------------------------------------------------------

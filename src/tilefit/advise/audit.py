@@ -92,7 +92,7 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
         recipe = Recipe(batch_size=batch_size, precision=prec, optimizer=optimizer,
                         grad_checkpointing=grad_checkpointing,
                         accumulation_steps=accumulation_steps, attention=attention)
-        tr = trace_workload(work, recipe, device)
+        tr = _traced(lambda: trace_workload(work, recipe, device), work.name)
         name, seq, retrace_fn = work.name, work.seq_len, (
             lambda wk, rc: trace_workload(wk, rc, device))
     else:
@@ -108,9 +108,10 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
 
             def loss_fn(m: Any, b: Any) -> Any:
                 return stand_in_loss(m(b))
-        tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=prec,
-                   grad_checkpointing=grad_checkpointing,
-                   accumulation_steps=accumulation_steps, attention=attention, device=device)
+        tr = _traced(lambda: trace(
+            model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=prec,
+            grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation_steps,
+            attention=attention, device=device), type(model).__name__)
         work, seq, retrace_fn = None, None, None
         if stand_in:
             extra_notes.append("no loss_fn given: the loss is a stand-in (mean of the output)")
@@ -141,6 +142,22 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
                  findings=ordered, retraces=w.retraces,
                  elapsed_s=time.perf_counter() - t0, confirmation=confirmation,
                  notes=tuple(notes))
+
+
+def _traced(fn: Callable[[], Any], name: str) -> Any:
+    """Run the trace; an error inside the user's model becomes a TilefitError that says so."""
+    try:
+        return fn()
+    except TilefitError:
+        raise
+    except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError) as exc:
+        raise TilefitError(
+            f"tilefit could not trace one training step of {name}: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            expected="a model whose forward and loss run on the given batch",
+            given=name,
+            fix="check --input-shape / --seq / --batch, and run the model once on a real "
+            "batch of that shape to see where it fails") from None
 
 
 def _confirm(w: WhatIf, findings: tuple[Finding, ...]) -> dict[str, float] | None:

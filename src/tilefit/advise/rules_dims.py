@@ -164,13 +164,35 @@ def _weight_fix(w: WhatIf, o: Origin, new: int, mult: int, modules: tuple[str, .
             return (f"set {key}={o.field_value(new)} in the config (was "
                     f"{o.field_value(o.value)}; {o.dimension} = {new}){extra}")
         return f"set {key}={new} in the config (was {o.value}){extra}"
-    mod = modules[0] if modules else "the layer"
-    if o.dimension in ("in_features", "out_features"):
-        return (f"{mod}: nn.Linear(..., {o.dimension}={new}) instead of {o.value}, and the "
-                "neighbouring layer's matching dimension")
-    if o.dimension in ("in_channels", "out_channels"):
-        return f"{mod}: nn.Conv2d with {o.dimension}={new} instead of {o.value}"
+    lines = _layer_lines(w, o.value, new)
+    if lines:
+        return "; ".join(lines)
     return f"change the dimension {o.value} to {new} in the layers listed"
+
+
+def _layer_lines(w: WhatIf, old: int, new: int) -> list[str]:
+    """The constructor line of every layer that holds ``old``, with ``new`` in its place:
+    `0: nn.Linear(1000, 4032)`, `2: nn.Linear(4032, 1000)` (a hidden width changes in the
+    layer that makes it and the one that takes it)."""
+    import torch.nn as nn
+
+    out = []
+    for path, mod in _module_map(w).items():
+        if isinstance(mod, nn.Linear) and old in (mod.in_features, mod.out_features):
+            i = new if mod.in_features == old else mod.in_features
+            o = new if mod.out_features == old else mod.out_features
+            bias = "" if mod.bias is not None else ", bias=False"
+            out.append(f"{path or 'model'}: nn.Linear({i}, {o}{bias})")
+        elif isinstance(mod, nn.Conv2d) and old in (mod.in_channels, mod.out_channels):
+            i = new if mod.in_channels == old else mod.in_channels
+            o = new if mod.out_channels == old else mod.out_channels
+            out.append(f"{path or 'model'}: nn.Conv2d({i}, {o}, kernel_size="
+                       f"{tuple(mod.kernel_size)}, ...)")
+        elif isinstance(mod, nn.Embedding) and old in (mod.num_embeddings, mod.embedding_dim):
+            n = new if mod.num_embeddings == old else mod.num_embeddings
+            d = new if mod.embedding_dim == old else mod.embedding_dim
+            out.append(f"{path or 'model'}: nn.Embedding({n}, {d})")
+    return out
 
 
 def _token_fix(w: WhatIf, o: Origin, mult: int) -> tuple[int, str, int]:
