@@ -300,6 +300,7 @@ def test_cli_terminal_report(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("args", "messages"), [
     (["audit", "gtp2"], ["did you mean", "gpt2"]),
     (["audit", "gpt2", "--gpu", "auto"], ["--gpu"]),
+    (["audit", "gpt2", "--html", "/no/such/dir/report.html"], ["does not exist"]),
 ])
 def test_cli_bad_input_exits_2(cli, args, messages) -> None:  # type: ignore[no-untyped-def]
     proc = cli(*args)
