@@ -210,7 +210,10 @@ def analyze_gemm(m: int, n: int, k: int, dtype: str | DType, device: Device, *,
             + ", ".join(f"{n_}={alignment_bytes_pad(v, 16)}" for n_, v in
                         (("m", m), ("n", n), ("k", k)) if v % 16)
         )
-    rate_per_sm = peak * device.gemm_efficiency / device.sms
+    if device.kind == "cpu":  # --- CPU path: packing model, no tiles or waves (gemm_cpu.py)
+        return _analyze_cpu(m, n, k, dt, device, flops, nbytes, intensity, ratio, alignment,
+                            error, batch)
+    rate_per_sm = peak * _gemm_efficiency(device, dt) / device.sms
     bw = device.bandwidth_bytes_per_s * device.bandwidth_efficiency
     best: tuple[float, ...] | None = None
     for tm, tn in TILES:
@@ -237,6 +240,49 @@ def analyze_gemm(m: int, n: int, k: int, dtype: str | DType, device: Device, *,
         batch=batch,
     )
     object.__setattr__(analysis, "verdict", verdict(analysis))
+    return analysis
+
+
+def _gemm_efficiency(device: Device, dt: DType) -> float:
+    """The device's large-GEMM efficiency; a calibration profile's per-dtype value wins."""
+    if device.profile is not None:
+        fit = device.profile.fit_for(dt.name)
+        if fit is not None and fit.gemm_efficiency is not None:
+            return fit.gemm_efficiency
+    return device.gemm_efficiency
+
+
+def _analyze_cpu(
+    m: int, n: int, k: int, dt: DType, device: Device, flops: int, nbytes: int,
+    intensity: float, ratio: float, alignment: dict[str, DimAlignment], error: str | None,
+    batch: int = 1,
+) -> GemmAnalysis:
+    """The CPU's GemmAnalysis: one call of the BLAS, no tiles or waves (tilefit.gemm_cpu);
+    a bmm of ``batch`` GEMMs pays the call overhead once and the work ``batch`` times."""
+    from tilefit.gemm_cpu import cpu_fit
+
+    fit = cpu_fit(device, dt)
+    aligned = all(a.aligned for a in alignment.values())
+    for a in alignment.values():  # the fitted factor replaces the GPU table's
+        object.__setattr__(a, "factor", 1.0 if a.aligned else fit.misaligned_factor)
+    _, math_s, mem_s = fit.cpu_time_s(m, n, k, aligned)
+    math_s, mem_s = batch * math_s, batch * mem_s
+    t = fit.call_overhead_s + math_s + mem_s
+    analysis = GemmAnalysis(
+        m=m, n=n, k=k, dtype=dt.name, gpu=device.name, flops=flops, bytes=nbytes,
+        arithmetic_intensity=intensity, ops_per_byte=ratio,
+        bound="memory" if intensity < ratio else "math", alignment=alignment,
+        tile=(m, n), split_k=1, tiles=1, waves=1, tile_efficiency=1.0, wave_efficiency=1.0,
+        alignment_efficiency=1.0 if aligned else fit.misaligned_factor,
+        math_time_s=math_s, memory_time_s=mem_s, predicted_time_s=t,
+        predicted_tflops=flops / t / 1e12, peak_tflops=device.peak(dt) / 1e12, error=error,
+        verdict="", batch=batch,
+    )
+    text = verdict(analysis)
+    if text.startswith("efficient"):  # CPU rates read in GFLOP/s, not TFLOP/s
+        text = (f"efficient: aligned, {analysis.predicted_tflops * 1e3:.0f} of "
+                f"{analysis.peak_tflops * 1e3:.0f} GFLOP/s")
+    object.__setattr__(analysis, "verdict", text)
     return analysis
 
 

@@ -22,6 +22,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tilefit.cli.linear",
     "tilefit.cli.models",
     "tilefit.cli.estimate",
+    "tilefit.cli.bench",
+    "tilefit.cli.calibrate",
     "tilefit.cli.audit",
 )
 

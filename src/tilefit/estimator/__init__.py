@@ -10,8 +10,8 @@ from tilefit.estimator.result import Estimate, ModuleSummary, OpCost
 from tilefit.hardware import Device, get_device
 from tilefit.tracing.records import Trace
 
-__all__ = ["Estimate", "ModuleSummary", "OpCost", "estimate", "estimate_trace",
-           "overhead_bytes"]
+__all__ = ["Estimate", "ModuleSummary", "OpCost", "cublas_workspace_bytes", "estimate",
+           "estimate_trace", "overhead_bytes"]
 
 MIB = 1024**2
 # Memory a GPU process holds beyond its tensors: the CUDA context of a PyTorch process
@@ -27,12 +27,20 @@ MFU_DTYPE = {"fp32": "fp32", "tf32": "tf32", "fp16-mixed": "fp16", "bf16-mixed":
              "bf16": "bf16"}
 
 
-def overhead_bytes(device: Device) -> int:
+def cublas_workspace_bytes(device: Device) -> int:
+    """cuBLAS's workspace for one stream. PyTorch takes it from the caching allocator, so it
+    shows in torch.cuda.memory_allocated (compare a measured peak with tensors + this)."""
     if device.kind != "cuda":
         return 0
     cc = device.compute_capability or (0, 0)
-    ws = CUBLAS_WORKSPACE_BYTES_SM90 if cc >= (9, 0) else CUBLAS_WORKSPACE_BYTES
-    return CUDA_CONTEXT_BYTES + ws
+    return CUBLAS_WORKSPACE_BYTES_SM90 if cc >= (9, 0) else CUBLAS_WORKSPACE_BYTES
+
+
+def overhead_bytes(device: Device) -> int:
+    """Memory beyond the step's tensors: the CUDA context and cuBLAS's workspace."""
+    if device.kind != "cuda":
+        return 0
+    return CUDA_CONTEXT_BYTES + cublas_workspace_bytes(device)
 
 
 def estimate(model: Any, batch: Any, *, loss_fn: Any = None, optimizer: Any = "adamw",

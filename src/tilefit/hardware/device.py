@@ -9,6 +9,7 @@ from typing import Any
 
 from tilefit.dtypes import DTYPE_NAMES, DType, parse_dtype
 from tilefit.errors import TilefitError
+from tilefit.hardware.profile import Profile
 
 GIB = 1024**3
 TB = 1e12  # datasheets quote TFLOP/s and TB/s in powers of ten
@@ -49,6 +50,9 @@ class Device:
     launch_overhead_s: float = 4e-6
     kind: str = "cuda"  # "cuda" or "cpu"
     notes: str = ""
+    # The measured profile from `tilefit calibrate`, when one was found for this device; the
+    # GEMM model then uses its fitted terms (tilefit.hardware.profile).
+    profile: Profile | None = field(default=None, hash=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.sms <= 0 or self.memory_bytes <= 0 or self.bandwidth_bytes_per_s <= 0:
@@ -104,6 +108,7 @@ class Device:
             None if self.compute_capability is None else ".".join(map(str, self.compute_capability))
         )
         d["aliases"] = list(self.aliases)
+        d["profile"] = None if self.profile is None else self.profile.to_dict()
         return d
 
 

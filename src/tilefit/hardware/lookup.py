@@ -50,14 +50,20 @@ def get_device(spec: str | Device) -> Device:
     text = str(spec).strip()
     if text.lower() == "auto":
         return detect_live_device()
+    if text.lower() in ("cpu", "host"):  # this machine's CPU, measured or calibrated
+        from tilefit.hardware.cpu import cpu_device
+
+        return cpu_device()
+    if text.lower() == "cuda":  # the live GPU, whatever it is
+        return detect_live_device()
     if text.lower().endswith(".toml") or Path(text).is_file():
         return load_spec_file(Path(text))
     key = normalize(text)
     if key in _BY_KEY:
-        return _BY_KEY[key]
+        return with_profile(_BY_KEY[key])
     prefixed = sorted({d.name for k, d in _BY_KEY.items() if k.startswith(key + "-")})
     if len(prefixed) == 1:
-        return _BY_KEY[prefixed[0]]
+        return with_profile(_BY_KEY[prefixed[0]])
     if len(prefixed) > 1:
         raise TilefitError(
             f"GPU name {text!r} is ambiguous",
@@ -164,7 +170,7 @@ def match_catalog(device_name: str) -> Device | None:
     return _BY_KEY[best] if best else None
 
 
-def detect_live_device(index: int = 0) -> Device:
+def detect_live_device(index: int = 0, *, use_profile: bool = True) -> Device:
     """The live CUDA device: name, SM count and memory read from it, peaks from the catalog."""
     try:
         import torch
@@ -187,10 +193,35 @@ def detect_live_device(index: int = 0) -> Device:
             fix="describe it in a TOML spec file (base = the nearest catalog entry) and pass "
             "--gpu path/to/spec.toml",
         )
-    return dataclasses.replace(
+    live = dataclasses.replace(
         base,
         display_name=props.name,
         sms=props.multi_processor_count,
         memory_bytes=props.total_memory,
         source=base.source + "; SM count and memory read from the live device",
     )
+    return with_profile(live) if use_profile else live
+
+
+def with_profile(device: Device) -> Device:
+    """``device`` with its calibration profile's fitted terms, when `tilefit calibrate` stored
+    one for it (profiles/<name>.json in the cache directory); else ``device`` unchanged."""
+    from tilefit.calibrate.store import load_profile
+
+    profile = load_profile(device.name)
+    if profile is None or profile.kind != device.kind:
+        return device
+    # gemm_efficiency stays the catalog's: tilefit.gemm reads each dtype's fitted efficiency
+    # from the profile, and a dtype the calibration did not measure keeps the catalog value.
+    fits = [g for g in profile.gemm if g.gemm_efficiency is not None]
+    main = next((g for g in fits if g.dtype == "bf16"), fits[0] if fits else None)
+    changes: dict[str, Any] = {
+        "profile": profile,
+        "source": f"{device.source}; calibrated profile {profile.path} from {profile.date()}",
+    }
+    if main is not None:  # one launch cost for every kernel
+        changes["launch_overhead_s"] = main.call_overhead_s
+    if profile.bandwidth_bytes_per_s > 0:
+        changes["bandwidth_efficiency"] = min(
+            1.0, profile.bandwidth_bytes_per_s / device.bandwidth_bytes_per_s)
+    return dataclasses.replace(device, **changes)

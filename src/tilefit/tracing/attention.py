@@ -17,9 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.overrides import TorchFunctionMode
 
 from tilefit.tracing.target import Target
 
@@ -49,23 +47,19 @@ def choose_backend(target: Target, q: torch.Tensor, k: torch.Tensor,
     return "math"
 
 
-class AttentionRouter(TorchFunctionMode):
+class AttentionRouter:
     """Runs F.scaled_dot_product_attention as the target would, telling the recorder which
-    backend ran."""
+    backend ran. Called by the trace's torch-function mode (CudaAutocast) for every SDPA call;
+    one mode does both jobs because each active mode costs a Python call per torch call."""
 
     def __init__(self, target: Target, recorder: Any, force_math: bool = False) -> None:
-        super().__init__()
         self.target = target
         self.recorder = recorder
         self.force_math = force_math
         self.choices: dict[str, int] = {}
 
-    def __torch_function__(self, func: Callable[..., Any], types: Any,
-                           args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-                           ) -> Any:
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
+    def __call__(self, func: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
         bound = _SDPA_SIG.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
@@ -79,7 +73,7 @@ class AttentionRouter(TorchFunctionMode):
                     return func(*args, **kwargs)
             fused = {**a, "dropout_p": 0.0}
             if not fused["enable_gqa"]:
-                del fused["enable_gqa"]  # torch < 2.5 has no enable_gqa  # fused kernels keep the RNG state, not a mask
+                del fused["enable_gqa"]  # torch < 2.5 has no enable_gqa
             try:
                 with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                     return func(**fused)

@@ -68,15 +68,20 @@ PROMOTE: set[Callable[..., Any]] = _fns(
 ) | {F.bilinear, F.grid_sample}
 
 _LOW = (torch.float16, torch.bfloat16)
+_NO_RESULT = object()
 _CE_SIG = inspect.signature(F.cross_entropy)
 
 
 class CudaAutocast(TorchFunctionMode):
-    """Apply CUDA autocast's policy with ``dtype`` (fp16 or bf16) while ``enabled``."""
+    """Apply CUDA autocast's policy with ``dtype`` (fp16 or bf16; None: no casting) while
+    ``enabled``, and send SDPA calls to ``router`` (the target's attention kernel choice)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype | None,
+                 router: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
+                 ) -> None:
         super().__init__()
         self.dtype = dtype
+        self.router = router
         self.enabled = False
         self.cache_weights = False
         self._cache: dict[int, tuple[T, T]] = {}
@@ -116,8 +121,19 @@ class CudaAutocast(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if not self.enabled:
-            return func(*args, **kwargs)
+        if self.enabled and self.dtype is not None:
+            out = self._apply_policy(func, args, kwargs)
+            if out is not None:
+                args, kwargs, result = out
+                if result is not _NO_RESULT:
+                    return result
+        if self.router is not None and func is F.scaled_dot_product_attention:
+            return self.router(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _apply_policy(self, func: Callable[..., Any], args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], Any] | None:
+        """New (args, kwargs, result-or-_NO_RESULT) under the cast policy, or None."""
         if func in LOWER_PRECISION:
             args, kwargs = tree_map(lambda x: self._cast(x, self.dtype), (args, kwargs))
         elif func in FP32_SET_OPT_DTYPE:
@@ -142,13 +158,18 @@ class CudaAutocast(TorchFunctionMode):
             bound.apply_defaults()
             a = bound.arguments
             if isinstance(a["input"], T) and a["input"].dtype in _LOW:
-                if a["label_smoothing"] == 0.0 and a["size_average"] is None and a["reduce"] is None:
+                plain = a["size_average"] is None and a["reduce"] is None
+                if a["label_smoothing"] == 0.0 and plain:
                     x = a["input"]
                     logp = F.log_softmax(x, dim=1 if x.dim() > 1 else 0, dtype=torch.float32)
-                    return F.nll_loss(logp, a["target"], weight=self._cast(a["weight"], torch.float32),
-                                      ignore_index=a["ignore_index"], reduction=a["reduction"])
+                    weight = self._cast(a["weight"], torch.float32)
+                    return args, kwargs, F.nll_loss(logp, a["target"], weight=weight,
+                                                    ignore_index=a["ignore_index"],
+                                                    reduction=a["reduction"])
                 args, kwargs = tree_map(lambda x: self._cast(x, torch.float32), (args, kwargs))
-        return func(*args, **kwargs)
+        else:
+            return None
+        return args, kwargs, _NO_RESULT
 
 
 def _positional_dtype(func: Callable[..., Any], args: tuple[Any, ...]) -> bool:

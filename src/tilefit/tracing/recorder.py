@@ -2,34 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tilefit.tracing.records import GemmShape, OpRecord, StorageRecord
 from tilefit.tracing.shapes import classify, gemm_shapes, op_flops
-from tilefit.tracing.torch_compat import ModuleTracker
+from tilefit.tracing.torch_compat import ModulePath
 
 _SKIP = {"prim.device.default", "profiler._record_function_enter_new.default",
          "profiler._record_function_exit._RecordFunction"}
 
 
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:
-    leaves, _ = tree_flatten(tree)
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            yield x
+    """The tensors in nested tuples/lists/dicts (aten arguments are no deeper than that)."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, tuple | list):
+        for x in tree:
+            yield from _tensors(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _tensors(x)
 
 
 class Recorder(TorchDispatchMode):
     """Records ops (shapes, FLOPs, bytes, module, phase) and storage lifetimes."""
 
-    def __init__(self, tracker: ModuleTracker, root_name: str) -> None:
+    def __init__(self, tracker: ModulePath, root_name: str) -> None:
         super().__init__()
         self.tracker = tracker
         self.set_root(root_name)
@@ -49,6 +55,7 @@ class Recorder(TorchDispatchMode):
         self.attention_backend: str | None = None  # set by the attention router per call
         self._attn_by_uid: dict[int, dict[str, Any]] = {}
         self.no_formula: dict[str, int] = {}
+        self.recording = True
 
     def set_root(self, root_name: str) -> None:
         """The root module's class name, which ModuleTracker puts before every path."""
@@ -56,7 +63,8 @@ class Recorder(TorchDispatchMode):
         self.root_prefix = root_name + "."
 
     # ---- storages ---------------------------------------------------------------------
-    def _track(self, t: torch.Tensor, at: int, category: str | None = None) -> int:
+    def _track(self, t: torch.Tensor, at: int, category: str | None = None,
+               module: str | None = None) -> int:
         st = t.untyped_storage()
         uid = self._uid_of.get(st)
         if uid is not None:
@@ -67,7 +75,7 @@ class Recorder(TorchDispatchMode):
         self._nbytes[uid] = st.nbytes()
         self._alloc_at[uid] = at
         self._alloc_phase[uid] = self.phase
-        self._alloc_module[uid] = self.module
+        self._alloc_module[uid] = self.module if module is None else module
         if category is not None:
             self.category[uid] = category
         weakref.finalize(st, self._on_free, uid)
@@ -104,6 +112,52 @@ class Recorder(TorchDispatchMode):
                 module=self._alloc_module[uid]))
         return tuple(out)
 
+    # ---- replaying the steady step ------------------------------------------------------
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops run but are not recorded and their tensors are not tracked."""
+        self.recording = False
+        try:
+            yield
+        finally:
+            self.recording = True
+
+    def replay(self, start: int, end: int, step: int) -> list[tuple[int, int | None]]:
+        """Record events [start, end) again, now: the same ops, and copies of the storages
+        they allocated with the same lifetimes. Returns (new uid, original free_at) of the
+        copies still alive at ``end``; ``settle`` gives them a free time."""
+        offset = self.events - start
+        self.ops.extend(dataclasses.replace(op, step=step) for op in self.ops[start:end])
+        pending: list[tuple[int, int | None]] = []
+        for uid in [u for u, a in self._alloc_at.items() if start <= a < end]:
+            new = self._next_uid
+            self._next_uid += 1
+            self._nbytes[new] = self._nbytes[uid]
+            self._alloc_at[new] = self._alloc_at[uid] + offset
+            self._alloc_phase[new] = self._alloc_phase[uid]
+            self._alloc_module[new] = self._alloc_module[uid]
+            if uid in self.category:
+                self.category[new] = self.category[uid]
+            freed = self._free_at.get(uid)
+            if freed is not None and freed <= end:
+                self._free_at[new] = freed + offset
+            else:
+                pending.append((new, freed))
+        self.events += end - start
+        return pending
+
+    def settle(self, pending: list[tuple[int, int | None]], *, o0: int, z0: int, o1: int,
+               z1: int, end: int) -> None:
+        """Free the replayed storages that outlived the backward where their originals were
+        freed: during the optimizer step (same offset into it) or at zero_grad."""
+        for uid, freed in pending:
+            if freed is None:
+                continue
+            if freed < z0:
+                self._free_at[uid] = min(o1 + (freed - o0), z1)
+            else:
+                self._free_at[uid] = min(z1 + (freed - z0), end)
+
     # ---- context ----------------------------------------------------------------------
     @property
     def module(self) -> str:
@@ -117,7 +171,7 @@ class Recorder(TorchDispatchMode):
 
     @property
     def effective_phase(self) -> str:
-        if self.phase == "backward" and not self.tracker.is_bw and self.module:
+        if self.phase == "backward" and self.tracker.recomputing:
             return "recompute"
         return self.phase
 
@@ -126,20 +180,18 @@ class Recorder(TorchDispatchMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if not self.recording:
+            return out
         name = str(func)
         if name in _SKIP:
             return out
         at = self.events
+        module = self.module
         inputs = list(_tensors((args, kwargs)))
         outputs = list(_tensors(out))
-        in_uids = {self._uid_of.get(t.untyped_storage()) for t in inputs}
-        new_outputs = []
         for t in outputs:
-            st = t.untyped_storage()
-            if st not in self._uid_of:
-                new_outputs.append(t)
-            self._track(t, at)
-        kind = classify(func, outputs, in_uids, self)
+            self._track(t, at, module=module)
+        kind = classify(func)
         attention = None
         if kind == "attention":
             attention = self._attention_info(func, args, kwargs, out)
@@ -151,7 +203,7 @@ class Recorder(TorchDispatchMode):
         nbytes = 0 if kind == "view" else _traffic(inputs, outputs)
         ref = outputs[0] if outputs else (inputs[0] if inputs else None)
         self.ops.append(OpRecord(
-            op=name, phase=self.effective_phase, module=self.module,
+            op=name, phase=self.effective_phase, module=module,
             input_shapes=tuple(tuple(t.shape) for t in inputs),
             output_shapes=tuple(tuple(t.shape) for t in outputs),
             dtype=str(ref.dtype).removeprefix("torch.") if ref is not None else "",
@@ -198,7 +250,10 @@ def _traffic(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
         if key in seen:
             continue
         seen.add(key)
-        total += min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+        n = t.numel() * t.element_size()
+        if 0 in t.stride():  # a broadcast view reads no more than its storage holds
+            n = min(n, t.untyped_storage().nbytes())
+        total += n
     for t in outputs:
         total += t.numel() * t.element_size()
     return total

@@ -58,8 +58,18 @@ def packet_name(func: Any) -> str:
     return str(getattr(func, "overloadpacket", func))
 
 
-def classify(func: Any, outputs: list[torch.Tensor], in_uids: set[int | None],
-             recorder: Any) -> str:
+_KIND: dict[Any, str] = {}
+
+
+def classify(func: Any) -> str:
+    """The op's kind for the cost model: view, gemm, conv, attention, memory or unknown."""
+    kind = _KIND.get(func)
+    if kind is None:
+        kind = _KIND[func] = _classify(func)
+    return kind
+
+
+def _classify(func: Any) -> str:
     name = packet_name(func)
     if getattr(func, "is_view", False) or name in NO_KERNEL:
         return "view"

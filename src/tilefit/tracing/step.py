@@ -25,7 +25,7 @@ from tilefit.tracing.optimizers import (
 from tilefit.tracing.recorder import Recorder
 from tilefit.tracing.records import Trace
 from tilefit.tracing.target import Target
-from tilefit.tracing.torch_compat import FAKE_ERRORS, FakeTensorMode, ModuleTracker, new_fake_mode
+from tilefit.tracing.torch_compat import FAKE_ERRORS, FakeTensorMode, ModulePath, new_fake_mode
 
 PRECISIONS = ("fp32", "tf32", "fp16-mixed", "bf16-mixed", "bf16")
 ATTENTIONS = ("auto", "eager", "sdpa")
@@ -95,6 +95,26 @@ def fake_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def _cast_floating(model: nn.Module, dtype: torch.dtype, mode: FakeTensorMode) -> None:
+    """model.to(dtype) for a fake model: Module._apply swaps tensors in place, which fake
+    tensors refuse; new fake parameters are put in place instead (tied weights stay tied)."""
+    done: dict[int, Any] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_floating_point():
+                continue
+            if id(p) not in done:
+                done[id(p)] = nn.Parameter(_fake_like(p, mode, dtype),
+                                           requires_grad=p.requires_grad)
+            mod._parameters[name] = done[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is None or not b.is_floating_point():
+                continue
+            if id(b) not in done:
+                done[id(b)] = _fake_like(b, mode, dtype)
+            mod._buffers[name] = done[id(b)]
+
+
 def fake_batch(batch: Any, mode: FakeTensorMode, float_dtype: torch.dtype | None) -> Any:
     def conv(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -162,15 +182,10 @@ def _recompute_contexts(target: Target, recorder: Recorder, low: torch.dtype | N
     if target.kind != "cuda":
         return None
 
-    @contextlib.contextmanager
-    def recompute() -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(AttentionRouter(target, recorder))
-            if low is not None:
-                cast = CudaAutocast(low)
-                cast.enabled = True
-                stack.enter_context(cast)
-            yield
+    def recompute() -> CudaAutocast:
+        mode = CudaAutocast(low, AttentionRouter(target, recorder))
+        mode.enabled = True
+        return mode
 
     return lambda: (contextlib.nullcontext(), recompute())
 
@@ -217,16 +232,23 @@ def trace(
     accumulation_steps: int = 1,
     attention: str = "auto",
     device: str | Device = "cpu",
+    replay_steady_step: bool = True,
 ) -> Trace:
     """Trace two training steps (the first creates optimizer state lazily; the second is the
-    steady state) of ``model`` on ``batch`` as ``device`` would run them, on fake tensors."""
+    steady state) of ``model`` on ``batch`` as ``device`` would run them, on fake tensors.
+
+    The steady step's forward and backward are the first step's again (same ops, same
+    tensors; only the optimizer state around them differs), so by default they are replayed
+    from the first step's records rather than run twice; its optimizer step always runs.
+    ``replay_steady_step=False`` runs both steps in full (a check of that assumption for
+    models whose second forward differs, such as lazy modules)."""
     target, dev = resolve_target(device)
     check_options(precision, optimizer, attention, accumulation_steps, dev)
     loss_fn = loss_fn or default_loss
     mode = new_fake_mode()
     pure_bf16 = precision == "bf16"
     low = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision)
-    tracker = ModuleTracker()
+    tracker = ModulePath()
     recorder = Recorder(tracker, "")
     try:
         with mode:
@@ -240,7 +262,7 @@ def trace(
         with mode:
             _set_attention(fmodel, attention)
             if pure_bf16:
-                fmodel = fmodel.to(torch.bfloat16)
+                _cast_floating(fmodel, torch.bfloat16, mode)
             if grad_checkpointing:
                 _enable_checkpointing(fmodel, _recompute_contexts(target, recorder, low))
             fmodel.train()
@@ -262,10 +284,12 @@ def trace(
                            fix="build the model on the meta device and pass the module") from None
 
     recorder.set_root(type(fmodel).__name__)
-    autocast = None
-    if low is not None:
-        autocast = CudaAutocast(low) if target.kind == "cuda" else _CpuAutocast(low)
     router = AttentionRouter(target, recorder) if target.kind == "cuda" else None
+    autocast: CudaAutocast | _CpuAutocast | None = None
+    if target.kind == "cuda":
+        autocast = CudaAutocast(low, router)  # casts under mixed precision, routes SDPA always
+    elif low is not None:
+        autocast = _CpuAutocast(low)
     traced_micro = min(accumulation_steps, 2)
     with mode:
         recorder.register_existing(list(fmodel.parameters()) + list(fmodel.buffers()),
@@ -276,37 +300,38 @@ def trace(
         with contextlib.ExitStack() as stack:
             stack.enter_context(tracker)
             stack.enter_context(recorder)
-            if router is not None:
-                stack.enter_context(router)
             if autocast is not None:
                 stack.enter_context(autocast)
             stack.enter_context(gpu_mask_semantics())
             stack.enter_context(_explain_fake_errors(recorder))
+            marks: dict[str, int] = {}
             for step in (0, 1):
                 recorder.step = step
-                for micro in range(traced_micro):
-                    recorder.micro = micro
-                    _micro_step(fmodel, fbatch, loss_fn, recorder, autocast,
-                                accumulation_steps, scaler_state)
-                    recorder.label([p.grad for p in params if p.grad is not None], "gradients")
-                recorder.micro = 0
-                grads = [p.grad for p in params if p.grad is not None]
-                if scaler_state is not None:
-                    recorder.phase = "scaler"
-                    scale, _, found_inf = scaler_state
-                    torch._amp_foreach_non_finite_check_and_unscale_(
-                        grads, found_inf, scale.double().reciprocal().float())
-                recorder.phase = "optimizer"
-                opt.step()
-                recorder.label(optimizer_state_tensors(opt), "optimizer_state")
-                if scaler_state is not None:
-                    recorder.phase = "scaler"
-                    scale, growth, found_inf = scaler_state
-                    torch._amp_update_scale_(scale, growth, found_inf, SCALER_GROWTH,
-                                             SCALER_BACKOFF, SCALER_INTERVAL)
+                if step == 1 and replay_steady_step:
+                    pending = recorder.replay(marks["f"], marks["o"], step=1)
+                    with recorder.paused():  # the replayed backward made these gradients
+                        for p in params:
+                            p.grad = torch.zeros_like(p)
+                else:
+                    marks["f"] = recorder.events
+                    for micro in range(traced_micro):
+                        recorder.micro = micro
+                        _micro_step(fmodel, fbatch, loss_fn, recorder, autocast,
+                                    accumulation_steps, scaler_state)
+                        recorder.label([p.grad for p in params if p.grad is not None],
+                                       "gradients")
+                    recorder.micro = 0
+                    pending = []
+                marks["o"] = recorder.events
+                _optimizer_step(opt, params, recorder, scaler_state)
+                marks["z"] = recorder.events
                 recorder.phase = "zero_grad"
                 opt.zero_grad(set_to_none=True)
-                del grads
+                if step == 1 and pending:
+                    recorder.settle(pending, o0=marks["o0"], z0=marks["z0"],
+                                    o1=marks["o"], z1=marks["z"], end=recorder.events)
+                if step == 0:
+                    marks["o0"], marks["z0"] = marks["o"], marks["z"]
     samples, tokens = _samples_and_tokens(fbatch)
     warnings = []
     if router is not None and router.choices.get("math"):
@@ -325,6 +350,24 @@ def trace(
         samples_per_micro_batch=samples, tokens_per_micro_batch=tokens,
         warnings=tuple(warnings),
     )
+
+
+def _optimizer_step(opt: torch.optim.Optimizer, params: list[nn.Parameter],
+                    recorder: Recorder, scaler_state: Any) -> None:
+    grads = [p.grad for p in params if p.grad is not None]
+    if scaler_state is not None:
+        recorder.phase = "scaler"
+        scale, _, found_inf = scaler_state
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            grads, found_inf, scale.double().reciprocal().float())
+    recorder.phase = "optimizer"
+    opt.step()
+    recorder.label(optimizer_state_tensors(opt), "optimizer_state")
+    if scaler_state is not None:
+        recorder.phase = "scaler"
+        scale, growth, found_inf = scaler_state
+        torch._amp_update_scale_(scale, growth, found_inf, SCALER_GROWTH, SCALER_BACKOFF,
+                                 SCALER_INTERVAL)
 
 
 def _micro_step(model: nn.Module, batch: Any, loss_fn: LossFn, recorder: Recorder,

@@ -1,0 +1,58 @@
+"""Where profiles live: <user cache dir>/profiles/<device>.json (TILEFIT_CACHE_DIR overrides).
+
+No torch import: get_device() reads profiles on every lookup.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tilefit.errors import TilefitError
+from tilefit.hardware.profile import Profile
+
+CACHE_ENV = "TILEFIT_CACHE_DIR"
+NO_PROFILE_ENV = "TILEFIT_NO_PROFILE"  # set to 1 to ignore stored profiles (datasheet/probe only)
+
+
+def cache_dir() -> Path:
+    override = os.environ.get(CACHE_ENV)
+    if override:
+        return Path(override)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("tilefit"))
+
+
+def profile_path(device: str) -> Path:
+    return cache_dir() / "profiles" / f"{device}.json"
+
+
+def save_profile(profile: Profile) -> Path:
+    path = profile_path(profile.device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = profile.to_dict()
+    data.pop("path", None)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)  # atomic: a reader never sees half a file
+    return path
+
+
+def load_profile(device: str) -> Profile | None:
+    """The stored profile of ``device``, or None when there is none (or profiles are off)."""
+    if os.environ.get(NO_PROFILE_ENV, "") not in ("", "0"):
+        return None
+    path = profile_path(device)
+    if not path.is_file():
+        return None
+    try:
+        return Profile.from_dict(json.loads(path.read_text()), path=str(path))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise TilefitError(
+            f"the calibration profile {str(path)!r} is unreadable",
+            expected="a JSON file written by `tilefit calibrate`",
+            given=f"{type(exc).__name__}: {exc}",
+            fix=f"delete it and run `tilefit calibrate --device {device}` again",
+        ) from None

@@ -1,0 +1,165 @@
+"""The CPU of this machine as a Device: cores and memory read from the OS, peak FLOP/s,
+bandwidth and per-call overhead measured (a short probe) or taken from a calibration profile.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tilefit.hardware.device import ALIGN_GENERAL_BYTES, Device
+from tilefit.hardware.profile import Profile
+
+# CPU GEMM alignment: 16 bytes, one SSE register (4 fp32 / 8 bf16), the smallest vector the
+# BLAS inner kernels load (Intel 64 and IA-32 Architectures Optimization Reference Manual,
+# "data alignment": 16-byte alignment for SSE, 32 for AVX, 64 for AVX-512). The Device admits
+# 16 or 128 bytes; 16 is the honest floor. On this machine's MKL/oneDNN the measured penalty
+# for dimensions off it is small (fp32 K=1023 vs 1024: within 2%; bf16 odd dims: 3-10%);
+# `tilefit calibrate` fits it per dtype as GemmFit.misaligned_factor.
+CPU_ALIGNMENT_BYTES = ALIGN_GENERAL_BYTES
+
+# Probe sizes: a 1024^3 GEMM (2.1 GFLOP, ~10 ms at 200 GFLOP/s fp32) is large enough to reach
+# the BLAS kernel's full rate on a few cores and short enough for a sub-second probe; the copy
+# is 4x the last-level cache so it streams from DRAM.
+PROBE_GEMM_DIM = 1024
+PROBE_REPS = 5
+DEFAULT_LLC_BYTES = 32 * 1024**2  # used when /sys does not say
+
+
+@dataclass(frozen=True)
+class CpuProbe:
+    peak_flops_per_s: dict[str, float]
+    bandwidth_bytes_per_s: float
+    call_overhead_s: float
+    duration_s: float
+
+
+def cpu_model_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def total_memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 8 * 1024**3
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache in bytes (Linux /sys), or 32 MiB when unknown."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    best = 0
+    try:
+        for idx in base.glob("index*"):
+            text = (idx / "size").read_text().strip().upper()
+            mult = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
+            best = max(best, int(text.rstrip("KMG")) * mult)
+    except (OSError, ValueError):
+        best = 0
+    return best or DEFAULT_LLC_BYTES
+
+
+def _best_time(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
+    """The least of ``reps`` timed calls after a warm-up (thread pool start, kernel choice,
+    first touch of the output). A peak is the best the machine delivers, and the least time
+    is the one another process on a shared machine did not disturb."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+@functools.lru_cache(maxsize=1)
+def probe_cpu() -> CpuProbe:
+    """Measure this CPU: large-GEMM FLOP/s (fp32, bf16), copy bandwidth, per-call overhead."""
+    import torch
+
+    start = time.perf_counter()
+    d = PROBE_GEMM_DIM
+    peaks: dict[str, float] = {}
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a = torch.randn(d, d).to(dt)
+        b = torch.randn(d, d).to(dt)
+        out = torch.empty(d, d, dtype=dt)
+        t = _best_time(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), PROBE_REPS)
+        peaks[name] = 2 * d**3 / t  # 2*M*N*K FLOPs per GEMM
+    n_elem = 4 * last_level_cache_bytes() // 4  # fp32 elements in 4x the LLC
+    src = torch.ones(n_elem)
+    dst = torch.empty_like(src)
+    t = _best_time(lambda: dst.copy_(src), PROBE_REPS)
+    bandwidth = 2 * src.numel() * 4 / t  # each byte read once and written once
+    one_a, one_b = torch.ones(1, 1), torch.ones(1, 1)
+    overhead = _best_time(lambda: torch.mm(one_a, one_b), 201)
+    return CpuProbe(peaks, bandwidth, overhead, time.perf_counter() - start)
+
+
+def profile_applies(profile: Profile, threads: int, model: str) -> str | None:
+    """Why a stored CPU profile does not fit this process, or None when it does."""
+    if profile.threads is not None and profile.threads != threads:
+        return f"it was measured with {profile.threads} threads, this process uses {threads}"
+    if profile.display_name != model:
+        return f"it was measured on {profile.display_name!r}, this is {model!r}"
+    return None
+
+
+def cpu_device(*, use_profile: bool = True) -> Device:
+    """This machine's CPU as a Device (name "cpu", kind "cpu")."""
+    import torch
+
+    from tilefit.calibrate.store import load_profile
+
+    threads = torch.get_num_threads()
+    model = cpu_model_name()
+    profile = load_profile("cpu") if use_profile else None
+    ignored = ""
+    if profile is not None:
+        why = profile_applies(profile, threads, model)
+        if why:
+            ignored = f"; calibrated profile {profile.path} ignored: {why}"
+            profile = None
+    if profile is not None:
+        peaks = dict(profile.peak_flops_per_s)
+        bandwidth = profile.bandwidth_bytes_per_s
+        overhead = profile.call_overhead_s
+        source = (f"calibrated profile {profile.path} from {profile.date()} "
+                  f"(torch {profile.torch_version}, {profile.threads} threads)")
+    else:
+        probe = probe_cpu()
+        peaks, bandwidth, overhead = probe.peak_flops_per_s, probe.bandwidth_bytes_per_s, \
+            probe.call_overhead_s
+        source = (f"measured on this machine (probe: {PROBE_GEMM_DIM}^3 fp32/bf16 matmul, "
+                  f"copy of 4x the last-level cache, 1x1x1 call; {threads} threads); "
+                  "not calibrated: run `tilefit calibrate --device cpu`" + ignored)
+    return Device(
+        name="cpu",
+        display_name=model,
+        architecture=platform.machine() or "cpu",
+        compute_capability=None,
+        sms=threads,
+        memory_bytes=total_memory_bytes(),
+        bandwidth_bytes_per_s=bandwidth,
+        peak_flops_per_s=peaks,
+        alignment_bytes=CPU_ALIGNMENT_BYTES,
+        source=source,
+        aliases=("host",),
+        # Peaks and bandwidth are already what this machine delivers, not datasheet maxima.
+        gemm_efficiency=1.0,
+        bandwidth_efficiency=1.0,
+        launch_overhead_s=overhead,
+        kind="cpu",
+        notes="sms = torch threads; peaks are measured delivered rates",
+        profile=profile,
+    )

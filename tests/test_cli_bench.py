@@ -1,0 +1,103 @@
+"""`tilefit bench gemm` and `tilefit calibrate`: --json shapes and bad input (exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from tilefit.cli.app import app
+
+runner = CliRunner()
+
+ROW_KEYS = {"label", "x", "m", "n", "k", "dtype", "measured_time_s", "measured_tflops",
+            "predicted_time_s", "predicted_tflops", "error"}
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEFIT_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_bench_n_sweep_json_and_plot(tmp_path) -> None:
+    png = tmp_path / "n.png"
+    r = runner.invoke(app, ["bench", "gemm", "--sweep", "n", "--m", "16", "--in", "24",
+                            "--quick", "--json", "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    # --quick spans 16 around the centre 24: N = 16..32, 17 shapes with M=16, K=24
+    assert [row["n"] for row in data["rows"]] == list(range(16, 33))
+    assert all(row["m"] == 16 and row["k"] == 24 for row in data["rows"])
+    assert set(data["rows"][0]) == ROW_KEYS
+    row = data["rows"][0]
+    # measured TFLOP/s is 2*M*N*K / time: 2*16*16*24 = 12288 FLOPs
+    assert row["measured_tflops"] == pytest.approx(12288 / row["measured_time_s"] / 1e12)
+    assert row["error"] == pytest.approx(
+        (row["predicted_time_s"] - row["measured_time_s"]) / row["measured_time_s"])
+    assert data["plot"] == str(png) and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_batch_sweep_has_three_gemms_per_batch() -> None:
+    r = runner.invoke(app, ["bench", "gemm", "--sweep", "batch", "--in", "24", "--out", "40",
+                            "--quick", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)["rows"]
+    t = rows[0]["x"]
+    first = {row["label"]: (row["m"], row["n"], row["k"]) for row in rows[:3]}
+    # forward M=T,N=out,K=in; activation grad M=T,N=in,K=out; weight grad M=out,N=in,K=T
+    assert first == {"forward": (t, 40, 24), "activation-grad": (t, 24, 40),
+                     "weight-grad": (40, 24, t)}
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["bench", "gemm", "--sweep", "kk"], "unknown sweep"),
+    (["bench", "gemm", "--device", "tpu"], "unknown --device"),
+    (["bench", "gemm", "--dtype", "fp8", "--sweep", "k", "--m", "8", "--n", "8", "--in", "16"],
+     "no fp8"),
+    (["bench", "gemm", "--in", "0"], "--in must be a positive"),
+    (["calibrate", "--device", "tpu"], "unknown --device"),
+])
+def test_bad_input_exits_2(args, needle) -> None:
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2
+    assert needle in r.stderr
+
+
+def test_cuda_without_gpu_exits_2() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    for args in (["bench", "gemm", "--device", "cuda"], ["calibrate", "--device", "cuda"]):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 2 and "needs a CUDA GPU" in r.stderr
+
+
+def test_calibrate_json_saves_profile(cache, monkeypatch) -> None:
+    import tilefit.calibrate.run as run
+
+    # A tiny grid so the test takes a second: 8 shapes, fp32 only, a 16 MiB copy.
+    monkeypatch.setattr(run, "calibration_grid", lambda kind, quick: [
+        (16, 16, 16), (16, 64, 32), (64, 16, 48), (48, 48, 64), (64, 64, 64), (17, 33, 64),
+        (32, 17, 16), (80, 24, 40)])
+    monkeypatch.setattr(run, "CPU_DTYPES", ("fp32",))
+    monkeypatch.setattr(run, "COPY_BYTES", 16 * 1024**2)
+    r = runner.invoke(app, ["calibrate", "--device", "cpu", "--quick", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["path"] == str(cache / "profiles" / "cpu.json")
+    assert json.loads((cache / "profiles" / "cpu.json").read_text())["device"] == "cpu"
+    assert data["kind"] == "cpu" and data["quick"] is True
+    assert [g["dtype"] for g in data["gemm"]] == ["fp32"] and data["gemm"][0]["shapes"] >= 6
+    assert data["bandwidth_bytes_per_s"] > 0 and data["peak_flops_per_s"]["fp32"] > 0
+
+
+def test_gemm_command_accepts_the_cpu() -> None:
+    r = runner.invoke(app, ["gemm", "64", "64", "64", "--gpu", "cpu", "--dtype", "fp32",
+                            "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["gpu"] == "cpu" and data["waves"] == 1
+    assert data["flops"] == 2 * 64**3  # 524288

@@ -1,0 +1,101 @@
+"""The estimate: costs that a second method reproduces, and the CLI around it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from tilefit.estimator import estimate
+from tilefit.gemm import analyze_gemm
+from tilefit.hardware import get_device
+
+
+def _linear_step(b: int = 256, din: int = 4096, dout: int = 4096):
+    def build():
+        return nn.Linear(din, dout, bias=False)
+
+    return build, torch.empty(b, din, device="meta")
+
+
+def _sum(model, batch):
+    return model(batch).sum()
+
+
+def test_a_linear_layers_gemms_cost_what_the_gemm_model_says():
+    # One bias-free linear layer: forward mm (M=T, N=out, K=in), activation grad (T, in, out)
+    # — not needed for an input without grad — and weight grad (out, in, T).
+    dev = get_device("a100-80gb")
+    build, batch = _linear_step()
+    e = estimate(build, batch, loss_fn=_sum, optimizer="sgd", precision="bf16-mixed",
+                 device=dev)
+    gemm_ops = [c for c in e.ops if c.record.kind == "gemm"]
+    fwd = analyze_gemm(256, 4096, 4096, "bf16", dev).predicted_time_s
+    wgrad = analyze_gemm(4096, 4096, 256, "bf16", dev).predicted_time_s
+    got = sorted(c.time_s for c in gemm_ops)
+    assert len(gemm_ops) == 2
+    assert got == pytest.approx(sorted([fwd, wgrad]), rel=1e-9)
+
+
+def test_step_time_is_the_sum_of_op_times_and_mfu_is_below_one():
+    build, batch = _linear_step()
+    e = estimate(build, batch, loss_fn=_sum, optimizer="adamw", precision="bf16-mixed",
+                 device="h100")
+    assert e.step_time_s == pytest.approx(sum(c.time_s * c.repeats for c in e.ops))
+    assert 0 < e.mfu < 1
+    assert e.flops == 2 * (2 * 256 * 4096 * 4096)  # forward + weight grad, 2*M*N*K each
+    assert e.samples_per_s == pytest.approx(256 / e.step_time_s)
+
+
+def test_accumulation_repeats_the_micro_step_not_the_optimizer():
+    build, batch = _linear_step(b=64)
+    one = estimate(build, batch, loss_fn=_sum, optimizer="adamw", device="a100-80gb",
+                   precision="bf16-mixed")
+    four = estimate(build, batch, loss_fn=_sum, optimizer="adamw", device="a100-80gb",
+                    precision="bf16-mixed", accumulation_steps=4)
+    opt_one = one.time_by_phase_s["optimizer"]
+    micro = one.step_time_s - opt_one - one.time_by_phase_s.get("zero_grad", 0)
+    # three more micro-batches; the later ones accumulate into existing gradients (an add)
+    assert four.step_time_s > one.step_time_s + 2.9 * micro
+    assert four.samples_per_step == 4 * 64
+    assert four.time_by_phase_s["optimizer"] == pytest.approx(opt_one)
+
+
+def test_memory_fits_against_the_device_with_overhead():
+    # 7B-like: one 4096x4096 layer stands for nothing big; check the arithmetic of fits
+    build, batch = _linear_step()
+    e = estimate(build, batch, loss_fn=_sum, device="rtx-4090", precision="bf16-mixed")
+    assert e.total_memory_bytes == e.peak_memory_bytes + e.overhead_bytes
+    assert e.fits == (e.total_memory_bytes <= 24 * 2**30)
+    # 4096^2 fp32 weights + grads + 2 AdamW moments = 16 B/param
+    assert e.peak_memory_bytes >= 16 * 4096 * 4096
+
+
+def test_estimate_cli_json(cli):
+    r = cli("estimate", "gpt2", "--batch", "2", "--seq", "64", "--gpu", "a100-80gb", "--json",
+            timeout_s=120)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    for key in ("step_time_s", "peak_memory_bytes", "memory_breakdown", "overhead_bytes", "mfu",
+                "tokens_per_s", "flops", "modules"):
+        assert key in data
+    assert data["gpu"] == "a100-80gb"
+    assert data["tokens_per_step"] == 2 * 64
+    assert set(data["memory_breakdown"]) == {"parameters", "gradients", "optimizer_state",
+                                             "activations", "temporaries", "inputs"}
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("estimate", "gtp2"), "did you mean"),
+    (("estimate", "gpt2", "--seq", "4096"), "1024"),
+    (("estimate", "gpt2", "--gpu", "auto"), "--gpu"),
+    (("estimate", "gpt2", "--gpu", "v100", "--precision", "bf16-mixed"), "fp16-mixed"),
+    (("estimate", "gpt2", "--batch", "0"), "batch"),
+])
+def test_estimate_cli_bad_input_exits_2_with_the_fix(cli, args, needle):
+    r = cli(*args, timeout_s=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,55 @@
+"""benchmarks/gpu_validation.py: import-safe, skips cleanly without CUDA, helpers testable."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_validation.py"
+
+
+@pytest.fixture(scope="module")
+def gv():
+    spec = importlib.util.spec_from_file_location("gpu_validation", PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_skips_without_cuda(gv, tmp_path, capsys) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the skip path is not taken")
+    out = tmp_path / "val.json"
+    assert gv.main([str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["status"] == "skipped" and "no CUDA" in data["reason"]
+    assert "skipped" in capsys.readouterr().out
+
+
+def test_shapes_and_summary(gv) -> None:
+    shapes = gv.gemm_shapes(300)
+    assert len(shapes) == 300 and len({s for s, _ in shapes}) == 300
+    assert all(128 <= v <= 8192 + 64 for s, _ in shapes for v in s)
+    # errors +10%, -30% (aligned) and +50% (misaligned): median of |.| over all = 0.3
+    summary = gv.summarize_errors([0.1, -0.3, 0.5], [True, True, False])
+    assert summary["all"]["median_error"] == pytest.approx(0.3)
+    assert summary["aligned"]["count"] == 2
+    assert summary["aligned"]["median_error"] == pytest.approx(0.2)
+    assert summary["misaligned"]["median_error"] == pytest.approx(0.5)
+
+
+def test_estimate_checks_summarise_rows(gv) -> None:
+    rows = [{"workload": "a", "peak_error": 0.01, "step_time_error": -0.10},
+            {"workload": "b", "peak_error": -0.05, "step_time_error": 0.12}]
+    mem = gv.check_estimate_memory(rows)
+    # |-0.05| > 3%: fails, and names the worst workload
+    assert (mem["status"], mem["worst"], mem["max_error"]) == ("fail", "b", 0.05)
+    step = gv.check_estimate_step_time(rows)
+    assert step["status"] == "pass" and step["median_error"] == pytest.approx(0.11)
+    assert gv.check_estimate_memory([])["status"] == "pending"
+    assert gv.check_tune()["status"] == "pending"

@@ -1,0 +1,103 @@
+"""Profiles: save/load round trip, and get_device using them (and saying so)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tilefit.calibrate.store import load_profile, profile_path, save_profile
+from tilefit.errors import TilefitError
+from tilefit.gemm import analyze_gemm
+from tilefit.hardware import get_device
+from tilefit.hardware.cpu import cpu_model_name
+from tilefit.hardware.profile import MODEL_CPU, MODEL_GPU, GemmFit, Profile
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEFIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TILEFIT_NO_PROFILE", raising=False)
+    return tmp_path
+
+
+def cpu_profile(threads: int) -> Profile:
+    fit = GemmFit(dtype="fp32", model=MODEL_CPU, call_overhead_s=1e-6, s_per_flop=1e-11,
+                  s_per_a_element=1e-10, s_per_b_element=1e-10, s_per_c_element=2e-10,
+                  misaligned_factor=0.5, shapes=30, median_error=0.05, p90_error=0.2)
+    return Profile(device="cpu", display_name=cpu_model_name(), kind="cpu",
+                   created="2026-11-29T12:00:00+00:00", torch_version="2.13.0",
+                   threads=threads, peak_flops_per_s={"fp32": 1e11, "bf16": 4e11},
+                   bandwidth_bytes_per_s=4e10, call_overhead_s=1e-6, gemm=(fit,), quick=True,
+                   duration_s=12.0)
+
+
+def test_round_trip(cache) -> None:
+    p = cpu_profile(2)
+    path = save_profile(p)
+    assert path == cache / "profiles" / "cpu.json"
+    back = load_profile("cpu")
+    assert back is not None
+    assert back.path == str(path)
+    assert back.gemm == p.gemm and back.peak_flops_per_s == p.peak_flops_per_s
+    assert back.to_dict() | {"path": ""} == p.to_dict()
+    assert "path" not in json.loads(path.read_text())
+
+
+def test_missing_and_unreadable(cache) -> None:
+    assert load_profile("cpu") is None
+    profile_path("cpu").parent.mkdir(parents=True)
+    profile_path("cpu").write_text('{"device": "cpu"}')
+    with pytest.raises(TilefitError, match="unreadable"):
+        load_profile("cpu")
+
+
+def test_cpu_device_uses_profile_and_says_so(cache) -> None:
+    import torch
+
+    path = save_profile(cpu_profile(torch.get_num_threads()))
+    d = get_device("cpu")
+    assert d.profile is not None
+    assert d.source.startswith(f"calibrated profile {path} from 2026-11-29")
+    assert d.peak("fp32") == 1e11 and d.bandwidth_bytes_per_s == 4e10
+    assert json.loads(json.dumps(d.to_dict()))["profile"]["gemm"][0]["s_per_flop"] == 1e-11
+    # Hand arithmetic with the profile's terms, M=N=K=100 (aligned):
+    # 1e-6 + 2*1e6*1e-11 (2e-5) + 1e4*1e-10 (1e-6) + 1e4*1e-10 (1e-6) + 1e4*2e-10 (2e-6)
+    assert analyze_gemm(100, 100, 100, "fp32", d).predicted_time_s == pytest.approx(2.5e-5)
+    # M=101 (odd, misaligned, factor 0.5): (2.02e-5 + 1.01e-6 + 1e-6 + 2.02e-6) / 0.5 + 1e-6
+    a = analyze_gemm(101, 100, 100, "fp32", d)
+    assert a.predicted_time_s == pytest.approx(4.946e-5)
+    assert a.alignment["m"].factor == 0.5 and a.alignment["n"].factor == 1.0
+
+
+def test_cpu_profile_with_other_thread_count_is_ignored(cache, monkeypatch) -> None:
+    import torch
+
+    save_profile(cpu_profile(torch.get_num_threads() + 7))
+    d = get_device("cpu")
+    assert d.profile is None
+    assert "ignored" in d.source and "threads" in d.source
+    monkeypatch.setenv("TILEFIT_NO_PROFILE", "1")
+    assert load_profile("cpu") is None
+
+
+def test_gpu_profile_replaces_efficiency(cache) -> None:
+    base = get_device("h200")
+    assert base.profile is None
+    fit = GemmFit(dtype="bf16", model=MODEL_GPU, call_overhead_s=5e-6, gemm_efficiency=0.41)
+    save_profile(Profile(device="h200", display_name="NVIDIA H200", kind="cuda",
+                         created="2026-11-29T12:00:00+00:00", torch_version="2.13.0",
+                         threads=None, peak_flops_per_s={"bf16": 989e12},
+                         bandwidth_bytes_per_s=4.32e12, gemm=(fit,)))
+    d = get_device("h200")
+    assert d.launch_overhead_s == 5e-6
+    assert d.gemm_efficiency == base.gemm_efficiency  # dtypes without a fit keep the catalog's
+    assert d.bandwidth_efficiency == pytest.approx(0.9)  # 4.32 / 4.8 TB/s
+    assert "calibrated profile" in d.source
+    # 8192^3 bf16 is math-bound and fills whole waves: math time scales as 1/efficiency.
+    t_base = analyze_gemm(8192, 8192, 8192, "bf16", base).math_time_s
+    t_cal = analyze_gemm(8192, 8192, 8192, "bf16", d).math_time_s
+    assert t_cal / t_base == pytest.approx(base.gemm_efficiency / 0.41)
+    # tf32 was not calibrated: its math time is the catalog model's
+    assert analyze_gemm(8192, 8192, 8192, "tf32", d).math_time_s == pytest.approx(
+        analyze_gemm(8192, 8192, 8192, "tf32", base).math_time_s)

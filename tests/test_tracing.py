@@ -1,0 +1,282 @@
+"""The trace: memory against an independent measurement, FLOPs against the textbook formula,
+and the target semantics (autocast, attention kernel, optimizer, checkpointing, rounding)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tilefit.errors import TilefitError
+from tilefit.tracing import trace
+
+
+def _gpt2(n_layer: int = 2, n_embd: int = 128, n_head: int = 4, vocab: int = 1000,
+          positions: int = 256):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab,
+                     n_positions=positions, loss_type="ForCausalLM")
+    return lambda: GPT2LMHeadModel(cfg)
+
+
+def _tokens(b: int, s: int, vocab: int = 1000) -> dict[str, torch.Tensor]:
+    ids = torch.arange(b * s).reshape(b, s) % vocab
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _memtracker_peak(build, batch, loss_fn, make_opt, checkpointing: bool = False) -> int:
+    """Peak live tensor bytes of two real CPU steps, by PyTorch's MemTracker."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    model = build()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    opt = make_opt(model.parameters())
+    mt = MemTracker()
+    mt.track_external(model, opt, batch)
+    with mt:
+        for _ in range(2):
+            loss = loss_fn(model, batch)
+            loss.backward()
+            del loss
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            mt.reset_mod_stats()
+    return int(mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+
+
+def _ce(model, batch):
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+def _hf(model, batch):
+    return model(**batch).loss
+
+
+@pytest.mark.parametrize("opt_name,make_opt", [
+    ("sgd", lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=False)),
+    ("adamw-foreach", lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True)),
+])
+def test_cpu_peak_matches_memtracker_on_real_tensors(opt_name, make_opt):
+    def build():
+        return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 10))
+
+    batch = (torch.randn(32, 64), torch.randint(0, 10, (32,)))
+    real = _memtracker_peak(build, batch, _ce, make_opt)
+    pred = trace(build, batch, loss_fn=_ce, optimizer=make_opt, device="cpu").peak(
+        rounded=False)[0]
+    assert abs(pred - real) <= 0.001 * real, (pred, real)
+
+
+def test_checkpointed_llama_peak_matches_memtracker():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=176,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
+                      max_position_embeddings=128)
+
+    def build():
+        return LlamaForCausalLM(cfg)
+
+    batch = _tokens(2, 32, 500)
+
+    def make_opt(ps):
+        return torch.optim.AdamW(ps, lr=1e-4, foreach=False)
+
+    real = _memtracker_peak(build, batch, _hf, make_opt, checkpointing=True)
+    tr = trace(build, batch, optimizer=make_opt, grad_checkpointing=True, device="cpu")
+    assert abs(tr.peak(rounded=False)[0] - real) <= 0.001 * real
+    assert any(o.phase == "recompute" for o in tr.ops)
+
+
+def test_gpt2_flops_match_the_training_formula_and_all_gemms_are_bf16():
+    # Training FLOPs = 3 x forward (backward = 2 x forward):
+    # forward = 2 * tokens * (matmul weights) + 4 * B * S^2 * d * layers,
+    # matmul weights = layers * 12 d^2 (qkv 3d^2, proj d^2, mlp 8d^2) + d * V (lm head).
+    L, d, V, B, S = 2, 128, 1000, 2, 64
+    tr = trace(_gpt2(L, d, 4, V), _tokens(B, S, V), precision="bf16-mixed", device="a100-80gb")
+    steady = tr.ops_of_step(1)
+    flops = sum(o.flops for o in steady)
+    # 2*128*(2*12*128^2 + 128*1000) + 4*2*64^2*128*2 = 133,431,296 + 8,388,608; x3:
+    expected = 3 * (2 * B * S * (L * 12 * d * d + d * V) + 4 * B * S * S * d * L)
+    assert expected == 425_459_712
+    assert abs(flops - expected) <= 0.01 * expected
+    gemm_dtypes = {g.dtype for o in steady for g in o.gemms}
+    assert gemm_dtypes == {"bf16"}
+
+
+def _has_square_scores(tr, s: int) -> bool:
+    return any(len(shape) >= 2 and shape[-1] == s and shape[-2] == s
+               for o in tr.ops for shape in o.output_shapes)
+
+
+def test_flash_attention_keeps_no_score_matrix_but_eager_does():
+    S = 64
+    flash = trace(_gpt2(), _tokens(2, S), precision="bf16-mixed", device="a100-80gb")
+    backends = {o.attention["backend"] for o in flash.ops if o.attention}
+    assert backends == {"flash"}
+    assert not _has_square_scores(flash, S)
+
+    def eager_build():
+        m = _gpt2()()
+        m.set_attn_implementation("eager")
+        return m
+
+    eager = trace(eager_build, _tokens(2, S), precision="bf16-mixed", device="a100-80gb")
+    assert _has_square_scores(eager, S)
+    assert eager.peak()[0] > flash.peak()[0]
+
+
+def test_attention_kernel_follows_the_target():
+    S = 64
+    # V100 (sm70) has no flash kernel: the memory-efficient one runs fp16
+    v100 = trace(_gpt2(), _tokens(2, S), precision="fp16-mixed", device="v100")
+    assert {o.attention["backend"] for o in v100.ops if o.attention} == {"efficient"}
+    # head dim 25 (100 / 4) is not a multiple of 8: PyTorch falls back to the math kernel
+    odd = trace(_gpt2(n_embd=100, n_head=4), _tokens(2, S), precision="bf16-mixed",
+                device="a100-80gb")
+    assert _has_square_scores(odd, S)
+    assert any("math kernel" in w for w in odd.warnings)
+
+
+def test_cuda_autocast_policy_keeps_softmax_norms_and_loss_in_fp32():
+    tr = trace(_gpt2(), _tokens(2, 32), precision="bf16-mixed", device="h100")
+    fwd = [o for o in tr.ops_of_step(1) if o.phase == "forward"]
+    by_op: dict[str, set[str]] = {}
+    for o in fwd:
+        by_op.setdefault(o.op.split(".")[1], set()).add(o.dtype)
+    assert by_op["native_layer_norm"] == {"float32"}
+    assert by_op["_log_softmax"] == {"float32"}
+    assert by_op["addmm"] == {"bfloat16"}
+
+
+def test_cpu_target_follows_cpu_semantics():
+    tr = trace(_gpt2(), _tokens(2, 32), optimizer="adamw", device="cpu")
+    # torch.optim runs the for-loop implementation on the CPU, foreach on CUDA
+    assert not any("_foreach_" in o.op for o in tr.ops)
+    gpu = trace(_gpt2(), _tokens(2, 32), optimizer="adamw", device="a100-80gb")
+    assert any("_foreach_" in o.op for o in gpu.ops)
+
+
+def test_gpu_peak_rounds_every_block_to_512_bytes():
+    def build():
+        return nn.Linear(3, 5)  # weight 60 B, bias 20 B
+
+    batch = torch.randn(2, 3)
+    tr = trace(build, batch, loss_fn=lambda m, b: m(b).sum(), optimizer="sgd",
+               device="a100-80gb")
+    assert all(s.nbytes < 512 for s in tr.storages)
+    live0 = tr.live_bytes_timeline(rounded=True)[0]
+    # before the first op: weight, bias and the input, each in its own 512-byte block
+    assert live0 == 3 * 512
+    assert tr.live_bytes_timeline(rounded=False)[0] == 60 + 20 + 24
+
+
+def test_fp16_mixed_runs_the_grad_scaler_and_bf16_needs_ampere():
+    tr = trace(_gpt2(), _tokens(2, 32), precision="fp16-mixed", device="v100")
+    names = {o.op.split(".")[1] for o in tr.ops}
+    assert {"_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_"} <= names
+    with pytest.raises(TilefitError, match="no bf16"):
+        trace(_gpt2(), _tokens(2, 32), precision="bf16-mixed", device="v100")
+
+
+def test_checkpointing_recomputes_and_cuts_activations():
+    plain = trace(_gpt2(n_layer=4), _tokens(4, 64), precision="bf16-mixed", device="a100-80gb")
+    ckpt = trace(_gpt2(n_layer=4), _tokens(4, 64), precision="bf16-mixed", device="a100-80gb",
+                 grad_checkpointing=True)
+    assert any(o.phase == "recompute" for o in ckpt.ops)
+    assert not any(o.phase == "recompute" for o in plain.ops)
+    a_plain = plain.breakdown_at(plain.peak()[1])["activations"]
+    a_ckpt = ckpt.breakdown_at(ckpt.peak()[1])["activations"]
+    assert a_ckpt < 0.6 * a_plain
+
+
+def test_users_module_is_never_changed():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trace(model, (torch.randn(4, 8), torch.randint(0, 2, (4,))), loss_fn=_ce,
+          precision="bf16", device="a100-80gb")
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) and after[k].dtype == before[k].dtype
+               for k in before)
+    assert all(p.grad is None for p in model.parameters())
+    assert model.training  # untouched mode
+
+
+def test_meta_model_and_batch_are_traced_without_memory():
+    with torch.device("meta"):
+        model = nn.Linear(4096, 4096)
+    batch = torch.empty(16, 4096, device="meta")
+    tr = trace(model, batch, loss_fn=lambda m, b: m(b).sum(), device="a100-80gb")
+    # AdamW: weights + grads + 2 states = 4 x 4096 x 4097 x 4 bytes, at least
+    assert tr.peak()[0] >= 4 * 4096 * 4097 * 4
+
+
+def test_value_dependent_code_gets_a_clear_error():
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.inner(x)
+            if y.sum().item() > 0:  # needs a real value
+                return y * 2
+            return y
+
+    with pytest.raises(TilefitError) as err:
+        trace(Branchy(), torch.randn(2, 4), loss_fn=lambda m, b: m(b).sum(), device="cpu")
+    msg = str(err.value)
+    assert "_local_scalar_dense" in msg and "fake tensors" in msg and "fix:" in msg
+
+
+def test_bad_arguments_are_explained():
+    model = nn.Linear(2, 2)
+    with pytest.raises(TilefitError, match="no loss_fn"):
+        trace(model, torch.randn(1, 2), device="cpu")
+    with pytest.raises(TilefitError, match="unknown precision"):
+        trace(model, torch.randn(1, 2), loss_fn=lambda m, b: m(b).sum(), precision="fp8")
+    with pytest.raises(TilefitError, match="unknown optimizer"):
+        trace(model, torch.randn(1, 2), loss_fn=lambda m, b: m(b).sum(), optimizer="lion")
+    with pytest.raises(TilefitError, match="accumulation_steps"):
+        trace(model, torch.randn(1, 2), loss_fn=lambda m, b: m(b).sum(), accumulation_steps=0)
+
+
+def test_optimizer_state_sizes_per_parameter():
+    def build():
+        return nn.Linear(1024, 1024, bias=False)  # 1,048,576 parameters
+
+    n = 1024 * 1024
+    batch = torch.randn(8, 1024)
+
+    def state_bytes(opt: str) -> int:
+        tr = trace(build, batch, loss_fn=lambda m, b: m(b).sum(), optimizer=opt,
+                   device="a100-80gb")
+        return sum(s.nbytes for s in tr.storages if s.category == "optimizer_state")
+
+    assert state_bytes("sgd") == 4 * n  # momentum buffer, fp32
+    assert state_bytes("adamw") == 8 * n + 4  # two fp32 moments + a scalar step (fp32)
+    # 8-bit AdamW: two uint8 moments + one fp32 absmax per 256 values per moment
+    assert state_bytes("adamw-8bit") == 2 * n + 2 * 4 * math.ceil(n / 256)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"precision": "bf16-mixed", "device": "a100-80gb"},
+    {"precision": "fp16-mixed", "device": "v100", "accumulation_steps": 3},
+    {"precision": "bf16-mixed", "device": "h100", "grad_checkpointing": True},
+    {"precision": "fp32", "device": "cpu", "optimizer": "sgd"},
+])
+def test_replayed_steady_step_equals_running_it(kwargs):
+    build, batch = _gpt2(), _tokens(2, 32)
+    fast = trace(build, batch, **kwargs)
+    full = trace(build, batch, replay_steady_step=False, **kwargs)
+    assert fast.live_bytes_timeline() == full.live_bytes_timeline()
+    assert [(o.op, o.phase, o.module, o.step, o.bytes, o.flops) for o in fast.ops] == \
+        [(o.op, o.phase, o.module, o.step, o.bytes, o.flops) for o in full.ops]
+    assert fast.breakdown_at(fast.peak()[1]) == full.breakdown_at(full.peak()[1])
