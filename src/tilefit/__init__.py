@@ -25,6 +25,8 @@ _LAZY = {
     "Estimate": ("tilefit.estimator", "Estimate"),
     "load_workload": ("tilefit.models", "load_workload"),
     "Workload": ("tilefit.models", "Workload"),
+    "audit": ("tilefit.advise", "audit"),
+    "Audit": ("tilefit.advise", "Audit"),
 }
 
 __all__ = ["__version__", *_LAZY]

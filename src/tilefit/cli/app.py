@@ -24,6 +24,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tilefit.cli.estimate",
     "tilefit.cli.bench",
     "tilefit.cli.calibrate",
+    "tilefit.cli.audit",
 )
 
 for _name in COMMAND_MODULES:

@@ -81,3 +81,78 @@ def plot_linear(analysis: LinearAnalysis, path: str | Path,
     fig.savefig(out, format="png")
     plt.close(fig)
     return out
+
+
+# ---- audit figures: PNG bytes for the self-contained HTML report ----------------------------
+
+def _png_bytes(fig) -> bytes:  # type: ignore[no-untyped-def]
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _pyplot():  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def roofline_png(points: list[tuple[float, float, bool, str]], device_name: str,
+                 peak_tflops: float, bandwidth_bytes_per_s: float, dtype: str) -> bytes:
+    """Every GEMM of the step on the device's roofline: (FLOP/byte, predicted TFLOP/s,
+    misaligned, label). The roof is min(peak, bandwidth x intensity) (Williams et al., 2009)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    if points:
+        xs = [p[0] for p in points]
+        lo, hi = min(xs) / 2, max(xs) * 2
+    else:
+        lo, hi = 1.0, 1e4
+    ridge = peak_tflops * 1e12 / bandwidth_bytes_per_s
+    lo, hi = min(lo, ridge / 4), max(hi, ridge * 4)  # show both sides of the ridge
+    grid = sorted({lo, ridge, hi} | {lo * (hi / lo) ** (i / 50) for i in range(51)})
+    ax.plot(grid, [min(peak_tflops, bandwidth_bytes_per_s * x / 1e12) for x in grid],
+            color="grey", label=f"roofline ({dtype} peak {peak_tflops:.0f} TFLOP/s)")
+    ok = [p for p in points if not p[2]]
+    bad = [p for p in points if p[2]]
+    ax.scatter([p[0] for p in ok], [p[1] for p in ok], s=14, color="tab:blue",
+               label=f"aligned GEMMs ({len(ok)})", zorder=3)
+    ax.scatter([p[0] for p in bad], [p[1] for p in bad], s=40, marker="x", color="tab:red",
+               label=f"misaligned GEMMs ({len(bad)})", zorder=4)
+    labelled: set[str] = set()
+    for p in sorted(bad, key=lambda p: p[1]):  # the slowest GEMM of each module, once
+        module = p[3].split(" ", 1)[-1]
+        if module in labelled or len(labelled) >= 4:
+            continue
+        labelled.add(module)
+        ax.annotate(p[3], (p[0], p[1]), fontsize=7, xytext=(6, -12 * len(labelled)),
+                    textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
+    ax.set_ylabel("predicted TFLOP/s")
+    ax.set_ylim(0, peak_tflops * 1.15)
+    ax.set_title(f"GEMMs of one training step on {device_name} (tilefit model)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    return _png_bytes(fig)
+
+
+def bars_png(labels: list[str], values: list[float], xlabel: str, title: str) -> bytes:
+    """A horizontal bar chart (largest on top): time by module, memory by category."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 0.9 + 0.32 * max(len(labels), 1)), dpi=110)
+    ax.barh(labels[::-1], values[::-1], color="tab:blue")
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    ax.tick_params(axis="y", labelsize=8)
+    ax.grid(True, axis="x", alpha=0.3)
+    return _png_bytes(fig)

@@ -1,0 +1,177 @@
+"""audit(): estimate the step, run every rule, re-estimate each fix, order by predicted gain."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tilefit.advise.findings import Finding
+from tilefit.advise.rules_batch import memory_bound_findings, wave_findings
+from tilefit.advise.rules_dims import dimension_findings
+from tilefit.advise.rules_memory import memory_findings
+from tilefit.advise.rules_precision import attention_findings, precision_findings
+from tilefit.advise.whatif import WhatIf
+from tilefit.errors import TilefitError
+from tilefit.estimator import Estimate, estimate_trace
+from tilefit.hardware import Device, get_device
+
+DEFAULT_GPU = "a100-80gb"
+DEFAULT_BATCH = 8
+
+RULES: tuple[Callable[[WhatIf], list[Finding]], ...] = (
+    dimension_findings, memory_bound_findings, wave_findings, precision_findings,
+    attention_findings, memory_findings)
+
+
+@dataclass(frozen=True)
+class Audit:
+    model: str
+    device: Device
+    recipe: Any  # Recipe
+    seq_len: int | None
+    estimate: Estimate
+    findings: tuple[Finding, ...]
+    retraces: int  # full re-traces the what-ifs needed
+    elapsed_s: float
+    confirmation: dict[str, float] | None = None  # top finding: cheap what-if vs. re-trace
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def recommended(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.recommended)
+
+    def to_dict(self) -> dict[str, Any]:
+        e = self.estimate.to_dict(include_ops=False)
+        return {"model": self.model, "gpu": self.device.name, "seq_len": self.seq_len,
+                "recipe": self.recipe.to_dict(), "estimate": e,
+                "findings": [f.to_dict() for f in self.findings],
+                "retraces": self.retraces, "elapsed_s": self.elapsed_s,
+                "confirmation": self.confirmation, "notes": list(self.notes)}
+
+
+def order(findings: list[Finding]) -> tuple[Finding, ...]:
+    """Recommended first, then by predicted speedup, then by memory saved."""
+    return tuple(sorted(findings, key=lambda f: (not f.recommended, -f.predicted_speedup,
+                                                 -f.memory_saved_bytes)))
+
+
+def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
+          batch_size: int = DEFAULT_BATCH, seq_len: int | None = None,
+          precision: str | None = None, optimizer: str = "adamw",
+          grad_checkpointing: bool = False, accumulation_steps: int = 1,
+          attention: str = "auto", input_shape: tuple[int, ...] | None = None,
+          task: str | None = None, loss_fn: Any = None, confirm: bool = False) -> Audit:
+    """Audit one training step of ``model`` on ``gpu``.
+
+    ``model``: a catalog name, a config.json path, ``package.module:function`` (with
+    ``input_shape``), a Workload, or an nn.Module / zero-argument factory with an example
+    ``batch`` (then ``loss_fn`` as for tilefit.estimate; fixes that need a new trace, such as
+    batch or memory what-ifs, are skipped for it).
+    ``confirm``: re-trace the top weight-dimension finding's fix and record how close the
+    cheap rewrite was (Audit.confirmation).
+    """
+    from tilefit.estimator.workloads import Recipe, default_precision, trace_workload
+    from tilefit.models import Workload, load_workload
+
+    t0 = time.perf_counter()
+    extra_notes: list[str] = []
+    device = get_device(gpu)
+    prec = precision or default_precision(device)
+    if isinstance(model, str | Workload):
+        if batch is not None:
+            raise TilefitError("a batch is given with a named model",
+                               expected="batch_size= for catalog/config models; batch= only "
+                               "with an nn.Module", given=type(batch).__name__,
+                               fix="drop batch= and pass batch_size=")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        work = model if isinstance(model, Workload) else load_workload(
+            model, seq_len=seq_len, input_shape=input_shape, task=task)
+        recipe = Recipe(batch_size=batch_size, precision=prec, optimizer=optimizer,
+                        grad_checkpointing=grad_checkpointing,
+                        accumulation_steps=accumulation_steps, attention=attention)
+        tr = _traced(lambda: trace_workload(work, recipe, device), work.name)
+        name, seq, retrace_fn = work.name, work.seq_len, (
+            lambda wk, rc: trace_workload(wk, rc, device))
+    else:
+        if batch is None:
+            raise TilefitError("an nn.Module (or factory) needs an example batch",
+                               expected="audit(model, batch, ...)", given="no batch",
+                               fix="pass one batch as your DataLoader yields it")
+        from tilefit.tracing import trace
+
+        stand_in = loss_fn is None and not isinstance(batch, dict)
+        if stand_in:
+            from tilefit.models.factory import stand_in_loss
+
+            def loss_fn(m: Any, b: Any) -> Any:
+                return stand_in_loss(m(b))
+        tr = _traced(lambda: trace(
+            model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=prec,
+            grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation_steps,
+            attention=attention, device=device), type(model).__name__)
+        work, seq, retrace_fn = None, None, None
+        if stand_in:
+            extra_notes.append("no loss_fn given: the loss is a stand-in (mean of the output)")
+        name = type(model).__name__ if not callable(model) or hasattr(model, "forward") else \
+            getattr(model, "__name__", "model")
+        b = tr.samples_per_micro_batch
+        recipe = Recipe(batch_size=b, precision=prec, optimizer=str(optimizer),
+                        grad_checkpointing=grad_checkpointing,
+                        accumulation_steps=accumulation_steps, attention=attention)
+    est = estimate_trace(tr, device)
+    w = WhatIf(workload=work, recipe=recipe, device=device, trace=tr, estimate=est,
+               retrace_fn=retrace_fn)
+    if work is None and hasattr(model, "named_modules"):
+        w._modules = dict(model.named_modules())  # type: ignore[attr-defined]  # layer names
+    found: list[Finding] = []
+    for rule in RULES:
+        found.extend(rule(w))
+    ordered = order(found)
+    confirmation = _confirm(w, ordered) if confirm else None
+    notes = list(extra_notes)
+    if work is None:
+        notes.append("model given as an nn.Module: batch, sequence and memory what-ifs need a "
+                     "re-trace and were skipped; pass a catalog name, config.json or factory for "
+                     "them")
+    elif work.is_factory:
+        notes.append("the loss is a stand-in (mean of the model's output)")
+    return Audit(model=name, device=device, recipe=recipe, seq_len=seq, estimate=est,
+                 findings=ordered, retraces=w.retraces,
+                 elapsed_s=time.perf_counter() - t0, confirmation=confirmation,
+                 notes=tuple(notes))
+
+
+def _traced(fn: Callable[[], Any], name: str) -> Any:
+    """Run the trace; an error inside the user's model becomes a TilefitError that says so."""
+    try:
+        return fn()
+    except TilefitError:
+        raise
+    except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError) as exc:
+        raise TilefitError(
+            f"tilefit could not trace one training step of {name}: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            expected="a model whose forward and loss run on the given batch",
+            given=name,
+            fix="check --input-shape / --seq / --batch, and run the model once on a real "
+            "batch of that shape to see where it fails") from None
+
+
+def _confirm(w: WhatIf, findings: tuple[Finding, ...]) -> dict[str, float] | None:
+    """Re-trace the top rewrite finding's fix: how close is the cheap what-if?"""
+    top = next((f for f in findings if f.method == "rewrite" and f.recommended), None)
+    if top is None or not w.can_retrace or w.workload.config is None:
+        return None
+    from tilefit.advise.origins import config_fields
+
+    field_ = next((o.config_field for o in config_fields(w.workload)
+                   if o.value == top.current and o.dimension == top.dimension), None)
+    if field_ is None:
+        return None
+    full = w.retrace(w.workload.with_config(**{field_: top.suggested}))
+    return {"rewrite_step_time_s": top.step_time_after_s, "retrace_step_time_s":
+            full.step_time_s, "rewrite_speedup": top.predicted_speedup,
+            "retrace_speedup": w.estimate.step_time_s / full.step_time_s}

@@ -1,0 +1,119 @@
+"""Re-estimating the step with a fix applied, reusing what can be reused.
+
+- A weight-dimension what-if (vocab 50257 -> 50304) rewrites the existing trace: every op whose
+  shapes hold the old value gets the new one, its GEMM dims follow, and its bytes and FLOPs are
+  scaled by the change in elements; estimate_trace then costs it in milliseconds.
+- A precision what-if that only changes how fp32 GEMMs run (tf32) re-costs the same trace.
+- What changes shapes non-locally (batch, sequence, hidden size) or memory (optimizer,
+  checkpointing) is re-traced, once per distinct recipe/workload (cached).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tilefit.estimator import Estimate, estimate_trace
+from tilefit.hardware import Device
+from tilefit.tracing.records import GemmShape, OpRecord, Trace
+
+
+def _swap(shape: tuple[int, ...], old: int, new: int) -> tuple[int, ...]:
+    return tuple(new if d == old else d for d in shape)
+
+
+def _numel(shapes: tuple[tuple[int, ...], ...]) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
+def rewrite_op(op: OpRecord, old: int, new: int) -> OpRecord:
+    """The op as it would be with dimension ``old`` replaced by ``new`` (unchanged if no
+    shape or GEMM of it holds ``old``)."""
+    touched = any(old in s for s in op.input_shapes + op.output_shapes) or any(
+        old in (g.m, g.n, g.k) for g in op.gemms)
+    if not touched:
+        return op
+    ins = tuple(_swap(s, old, new) for s in op.input_shapes)
+    outs = tuple(_swap(s, old, new) for s in op.output_shapes)
+    before = _numel(op.input_shapes + op.output_shapes)
+    ratio = _numel(ins + outs) / before if before else 1.0
+    gemms = tuple(replace(g, m=new if g.m == old else g.m, n=new if g.n == old else g.n,
+                          k=new if g.k == old else g.k) for g in op.gemms)
+    if op.gemms:
+        old_work = sum(g.batch * g.m * g.n * g.k for g in op.gemms)
+        new_work = sum(g.batch * g.m * g.n * g.k for g in gemms)
+        flops = round(op.flops * new_work / old_work) if old_work else op.flops
+    else:
+        flops = round(op.flops * ratio)
+    attention = op.attention
+    if attention is not None:
+        attention = {k: (new if (k in ("sq", "sk", "d") and v == old) else v)
+                     for k, v in attention.items()}
+    return replace(op, input_shapes=ins, output_shapes=outs, bytes=round(op.bytes * ratio),
+                   flops=flops, gemms=gemms, attention=attention)
+
+
+def rewrite_dim(tr: Trace, old: int, new: int) -> Trace:
+    """The trace with every occurrence of dimension ``old`` replaced by ``new``. Memory
+    (storages) is kept: the what-if is for time."""
+    return replace(tr, ops=tuple(rewrite_op(o, old, new) for o in tr.ops))
+
+
+def gemm_count(tr: Trace, value: int) -> int:
+    return sum(1 for o in tr.ops_of_step(1) for g in o.gemms if value in (g.m, g.n, g.k))
+
+
+@dataclass
+class WhatIf:
+    """The audited step plus a cache of re-traces keyed by (workload, recipe)."""
+
+    workload: Any  # tilefit.models.Workload (None for a traced nn.Module: no re-traces)
+    recipe: Any  # tilefit.estimator.workloads.Recipe
+    device: Device
+    trace: Trace
+    estimate: Estimate
+    retrace_fn: Callable[[Any, Any], Trace] | None = None
+    retraces: int = 0
+    _cache: dict[Any, Estimate] = field(default_factory=dict)
+
+    def with_dim(self, old: int, new: int) -> Estimate:
+        return estimate_trace(rewrite_dim(self.trace, old, new), self.device)
+
+    def with_precision_cost(self, precision: str) -> Estimate:
+        return estimate_trace(replace(self.trace, precision=precision), self.device)
+
+    @property
+    def can_retrace(self) -> bool:
+        return self.retrace_fn is not None and self.workload is not None
+
+    def retrace(self, workload: Any = None, **recipe_changes: Any) -> Estimate:
+        """Trace and estimate the workload (default: the audited one) with recipe changes."""
+        if not self.can_retrace:
+            raise RuntimeError("no re-trace available for a model given as an nn.Module")
+        work = workload if workload is not None else self.workload
+        recipe = replace(self.recipe, **recipe_changes)
+        key = (work, recipe)
+        if key not in self._cache:
+            assert self.retrace_fn is not None
+            self.retraces += 1
+            self._cache[key] = estimate_trace(self.retrace_fn(work, recipe), self.device)
+        return self._cache[key]
+
+
+def gemm_time_with(tr: Trace, device: Device, precision: str,
+                   swap: Callable[[GemmShape], GemmShape]) -> float:
+    """Time of the steady step's GEMM ops with each GEMM shape mapped through ``swap``
+    (a quick GEMM-only what-if for batch candidates)."""
+    from tilefit.estimator.cost import CostContext, gemm_dtype, gemm_time_s
+
+    ctx = CostContext(precision=precision)
+    total = 0.0
+    for op in tr.ops_of_step(1):
+        if op.kind not in ("gemm", "conv"):
+            continue
+        for g in op.gemms:
+            dt = gemm_dtype(g.dtype, conv=op.kind == "conv", device=device, ctx=ctx)
+            total += gemm_time_s(swap(g), dt, device)
+    return total

@@ -1,0 +1,67 @@
+"""`tilefit audit MODEL`: what slows the training step or makes it not fit, and the fixes, each
+with its gain predicted by re-estimating the step with the fix applied."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from tilefit.cli import model_options as mo
+from tilefit.cli.common import GPU_HELP, JSON_OPTION, console, err_console, print_json, user_errors
+
+HTML_OPTION = typer.Option(None, "--html", help="Also write a self-contained HTML report "
+                           "(summary, findings, plots) to this file.")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("audit")(audit)
+
+
+def audit(
+    model: str = mo.MODEL_ARG,
+    gpu: str = typer.Option("a100-80gb", "--gpu", help=GPU_HELP),
+    batch: int = typer.Option(8, "--batch", help="Micro-batch size (samples per forward)."),
+    seq: int | None = mo.SEQ_OPTION,
+    precision: str | None = mo.PRECISION_OPTION,
+    optimizer: str = mo.OPTIMIZER_OPTION,
+    grad_checkpointing: bool = typer.Option(False, "--grad-checkpointing",
+                                            help="Recompute activations in backward."),
+    accumulation: int = typer.Option(1, "--accumulation",
+                                     help="Gradient accumulation steps per optimizer step."),
+    attention: str = mo.ATTENTION_OPTION,
+    input_shape: str | None = mo.INPUT_SHAPE_OPTION,
+    task: str | None = mo.TASK_OPTION,
+    html: Path | None = HTML_OPTION,
+    confirm: bool = typer.Option(False, "--confirm", help="Re-trace the top dimension fix to "
+                                 "confirm the quick what-if (one more trace)."),
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Find what slows the training step or makes it not fit, with fixes and predicted gains."""
+    from tilefit.advise import audit as run_audit
+    from tilefit.errors import TilefitError
+    from tilefit.report.audit_terminal import print_audit
+
+    with user_errors():
+        if html is not None and not html.parent.resolve().is_dir():
+            raise TilefitError(f"cannot write the report: folder {str(html.parent)!r} does "
+                               "not exist", expected="a path in an existing folder",
+                               given=str(html), fix="create the folder first")
+        from tilefit.hardware import get_device
+
+        device = get_device(gpu)  # "auto" without a GPU: says so and names --gpu
+        work = mo.load(model, seq, input_shape, task)
+        result = run_audit(work, gpu=device, batch_size=batch, precision=precision,
+                           optimizer=optimizer, grad_checkpointing=grad_checkpointing,
+                           accumulation_steps=accumulation, attention=attention,
+                           confirm=confirm)
+        if html is not None:
+            from tilefit.report.html import write_html
+
+            write_html(result, html)
+    if json_out:
+        print_json(result.to_dict())
+    else:
+        print_audit(console, result)
+    if html is not None:
+        err_console.print(f"wrote {html}", highlight=False)

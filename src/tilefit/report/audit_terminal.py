@@ -1,0 +1,56 @@
+"""Rich rendering of an Audit: the estimate's summary, the findings with their fixes, and the
+time-by-module table."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from tilefit.advise import Audit, Finding
+from tilefit.report.terminal import fmt_bytes, fmt_time, modules_table, summary_table
+
+SEVERITY_STYLE = {"high": "bold red", "medium": "yellow", "low": "cyan", "info": "dim"}
+
+
+def gain_text(f: Finding) -> str:
+    """The predicted gain in words: speedup, or memory saved for memory fixes."""
+    parts = []
+    per = " per sample" if f.per_sample else ""
+    parts.append(f"{f.predicted_speedup:.3f}x{per} ({fmt_time(f.step_time_before_s)} -> "
+                 f"{fmt_time(f.step_time_after_s)} per step)")
+    if f.memory_saved_bytes:
+        verb = "saves" if f.memory_saved_bytes > 0 else "adds"
+        parts.append(f"{verb} {fmt_bytes(abs(f.memory_saved_bytes))} of peak memory")
+    return ", ".join(parts)
+
+
+def print_findings(console: Console, a: Audit) -> None:
+    """One block per finding: title and predicted gain, modules, change, fix, reason."""
+    console.rule("findings, by predicted gain (each fix re-estimated)")
+    for i, f in enumerate(a.findings, 1):
+        style = SEVERITY_STYLE.get(f.severity, "")
+        tag = f.severity if f.recommended else "not recommended"
+        console.print(f"[bold]{i}.[/] [{style}]\\[{tag}][/] [bold]{f.title}[/]", highlight=False)
+        console.print(f"   predicted: {gain_text(f)}", highlight=False)
+        if f.modules:
+            console.print("   modules: " + ", ".join(f.modules), highlight=False)
+        if f.dimension:
+            console.print(f"   change: {f.dimension} {f.current} -> {f.suggested}",
+                          highlight=False)
+        console.print(f"   fix: [green]{f.fix}[/]", highlight=False)
+        console.print(f"   [dim]why: {f.reason}[/]", highlight=False)
+        console.print()
+
+
+def print_audit(console: Console, a: Audit) -> None:
+    shape = f"batch {a.recipe.batch_size}" + (f" x seq {a.seq_len}" if a.seq_len else "")
+    console.print(summary_table(a.estimate, f"tilefit audit: {a.model}, {shape}"))
+    if a.findings:
+        print_findings(console, a)
+    else:
+        console.print("no findings: every GEMM dimension is on the multiple, the batch keeps "
+                      "the GEMMs math-bound, and memory is not the limit.")
+    console.print(modules_table(a.estimate))
+    for n in a.notes:
+        console.print(f"[dim]note: {n}[/]")
+    for w in a.estimate.warnings:
+        console.print(f"[yellow]warning:[/] {w}", highlight=False)

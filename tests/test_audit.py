@@ -1,0 +1,341 @@
+"""tilefit audit: findings traced back to the user's terms, gains re-estimated with the fix
+applied, no false alarms, the CLI (terminal, JSON, HTML) and the page in a real browser.
+
+Every trace here is tiny (one layer, short sequences) so the file stays well under a minute.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tilefit.advise import audit  # noqa: E402
+from tilefit.advise.origins import nearest_aligned  # noqa: E402
+from tilefit.advise.whatif import rewrite_op  # noqa: E402
+from tilefit.models import load_workload  # noqa: E402
+from tilefit.tracing.records import GemmShape, OpRecord  # noqa: E402
+
+A100_BF16_MULTIPLE = 64  # 128-byte rule on A100 / 2-byte bf16 elements
+
+
+def _dims(a, rule: str = "weight-dim-alignment"):  # type: ignore[no-untyped-def]
+    return {f.dimension: f for f in a.findings if f.rule == rule}
+
+
+@pytest.fixture(scope="module")
+def gpt2_tiny():  # type: ignore[no-untyped-def]
+    return load_workload("gpt2", seq_len=128).with_config(num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def gpt2_audit(gpt2_tiny):  # type: ignore[no-untyped-def]
+    return audit(gpt2_tiny, batch_size=2, gpu="a100-80gb", confirm=True)
+
+
+# ---- the headline: GPT-2's vocabulary -------------------------------------------------------
+
+def test_gpt2_vocab_is_flagged_with_one_fix_for_the_tied_weights(gpt2_audit) -> None:  # type: ignore[no-untyped-def]
+    f = _dims(gpt2_audit)["vocab_size"]
+    assert f.current == 50257
+    # 50257 / 64 = 785.27 -> 786 x 64 = 50304 (nanoGPT's padded vocabulary)
+    assert f.suggested == 50304
+    assert f.recommended and f.predicted_speedup > 1.01
+    assert {"lm_head", "transformer.wte"} <= set(f.modules)  # tied: one finding for both
+    assert "resize_token_embeddings" in f.fix and "pad_to_multiple_of=64" in f.fix
+    assert "tied" in f.fix
+    assert "backward" in f.reason and "forward" in f.reason
+    assert f.step_time_after_s < f.step_time_before_s
+
+
+def test_cheap_rewrite_matches_a_full_retrace(gpt2_audit) -> None:  # type: ignore[no-untyped-def]
+    """The what-if rewrites the trace; a second method re-traces the model built with
+    vocab_size=50304. They must agree (the rewrite only scales shapes it can see)."""
+    c = gpt2_audit.confirmation
+    assert c is not None
+    assert c["retrace_speedup"] > 1
+    assert c["rewrite_speedup"] == pytest.approx(c["retrace_speedup"], rel=0.01)
+
+
+def test_findings_are_ordered_by_predicted_gain(gpt2_audit) -> None:  # type: ignore[no-untyped-def]
+    rec = [f.predicted_speedup for f in gpt2_audit.findings if f.recommended]
+    assert rec == sorted(rec, reverse=True)
+    flags = [f.recommended for f in gpt2_audit.findings]
+    assert flags == sorted(flags, reverse=True)  # recommended before the rest
+
+
+def test_audit_reuses_traces(gpt2_audit) -> None:  # type: ignore[no-untyped-def]
+    # the vocab what-if is a rewrite: re-traces are only the batch screen's pick and the
+    # confirmation, never one per finding
+    assert gpt2_audit.retraces <= 2
+    assert any(f.method == "rewrite" for f in gpt2_audit.findings)
+
+
+@functools.cache
+def _llama_audit(changes: tuple[tuple[str, int], ...]):  # type: ignore[no-untyped-def]
+    base = {"num_hidden_layers": 1, "intermediate_size": 1024}
+    work = load_workload("llama-2-7b", seq_len=64).with_config(**{**base, **dict(changes)})
+    return audit(work, batch_size=2)
+
+
+# ---- held-in configs: the suggestion is the nearest aligned value ---------------------------
+
+@pytest.mark.parametrize(
+    ("changes", "dimension", "current", "suggested"),
+    [
+        # 5003 is odd; 79 x 64 = 5056 is the first multiple of 64 above it
+        ({"intermediate_size": 5003}, "intermediate_size", 5003, 5056),
+        # 32001 (a pad token added to Llama's 32000): 501 x 64 = 32064
+        ({"vocab_size": 32001}, "vocab_size", 32001, 32064),
+        # 20 heads x 70 = 1400: a hidden size must stay divisible by 20 heads and be a
+        # multiple of 64: lcm(64, 20) = 320, 5 x 320 = 1600
+        ({"hidden_size": 1400, "num_attention_heads": 20, "num_key_value_heads": 20},
+         "hidden_size", 1400, 1600),
+        # same config: head_dim 70 is no multiple of 8 (flash rejects it): 72
+        ({"hidden_size": 1400, "num_attention_heads": 20, "num_key_value_heads": 20},
+         "head_dim", 70, 72),
+    ],
+)
+def test_held_in_configs_get_the_nearest_aligned_value(changes, dimension, current,  # type: ignore[no-untyped-def]
+                                                       suggested) -> None:
+    found = _dims(_llama_audit(tuple(sorted(changes.items()))))
+    assert dimension in found, sorted(found)
+    assert found[dimension].current == current
+    assert found[dimension].suggested == suggested
+
+
+def test_head_dim_off_8_falls_back_to_the_math_kernel() -> None:
+    a = _llama_audit((("hidden_size", 1400), ("num_attention_heads", 20),
+                      ("num_key_value_heads", 20)))
+    att = next(f for f in a.findings if f.rule == "attention-kernel")
+    assert "head_dim 70" in att.reason and att.current == "math"
+    # the head_dim fix (70 -> 72) is re-traced: attention then runs the flash kernel
+    fix = _dims(a)["head_dim"]
+    assert fix.method == "retrace" and fix.recommended
+
+
+def test_nearest_aligned_by_hand() -> None:
+    assert nearest_aligned(50257, 64) == 50304
+    assert nearest_aligned(1400, 64, 20) == 1600
+    assert nearest_aligned(4096, 64) == 4096
+
+
+# ---- no false alarms ------------------------------------------------------------------------
+
+def test_aligned_published_config_raises_no_dimension_alarm() -> None:
+    # Llama-2-7B: vocab 32000 = 500 x 64, intermediate 11008 = 172 x 64, hidden 4096 = 64 x 64,
+    # head_dim 128; batch 2 x seq 64 = 128 tokens = 2 x 64
+    work = load_workload("llama-2-7b", seq_len=64).with_config(num_hidden_layers=1)
+    a = audit(work, batch_size=2)
+    assert not [f for f in a.findings if f.rule in ("weight-dim-alignment", "sequence-length")]
+
+
+def test_padding_a_tiny_classifier_is_not_recommended() -> None:
+    """10 labels padded to 64 on a (batch x 768) @ (768 x 10) GEMM: the GEMM is launch-bound,
+    the padding only adds bytes, so the re-estimate shows no gain."""
+    work = load_workload("bert-base-uncased", seq_len=64, task="seq-cls").with_config(
+        num_hidden_layers=1, num_labels=10)
+    a = audit(work, batch_size=8)
+    labels = [f for f in a.findings if f.dimension == "num_labels"]
+    for f in labels:
+        assert not f.recommended and f.predicted_speedup < 1.005
+    assert not [f for f in a.recommended if f.rule == "weight-dim-alignment"]
+
+
+def test_sequence_length_off_the_multiple_is_padded(gpt2_tiny) -> None:  # type: ignore[no-untyped-def]
+    # batch 2 x seq 100 = 200 tokens, 200 % 64 = 8: pad the sequence to 64's multiple, 128
+    work = gpt2_tiny.with_seq_len(100)
+    a = audit(work, batch_size=2)
+    f = next(f for f in a.findings if f.rule == "sequence-length")
+    assert f.current == 100 and f.suggested == 128
+    assert "pad_to_multiple_of=64" in f.fix and f.method == "retrace"
+
+
+# ---- the other rules ------------------------------------------------------------------------
+
+def test_fp32_step_gets_tf32_and_autocast_findings(gpt2_tiny) -> None:  # type: ignore[no-untyped-def]
+    a = audit(gpt2_tiny, batch_size=2, precision="fp32")
+    prec = {f.suggested: f for f in a.findings if f.rule == "fp32-gemms"}
+    assert {"tf32", "bf16-mixed"} <= set(prec)
+    # the GEMMs go from fp32 (19.5 TFLOP/s) to TF32 Tensor Cores (156): the step must gain
+    assert prec["tf32"].recommended and prec["tf32"].predicted_speedup > 1.1
+    assert "allow_tf32" in prec["tf32"].fix
+    # fp32 attention runs the memory-efficient kernel (head_dim 64 % 4 == 0), not math
+    assert not [f for f in a.findings if f.rule == "attention-kernel"]
+
+
+def test_small_batch_memory_bound_gemms(gpt2_tiny) -> None:  # type: ignore[no-untyped-def]
+    """Batch 1 x seq 128: 128-token GEMMs are memory-bound on an A100. Independently of
+    tilefit.gemm: intensity = 2MNK / (2 bytes x (MK + KN + MN)) against the A100's bf16
+    FLOP/byte (312e12 / 2.039e12 = 153); the finding's batch is the first doubling at which
+    every token GEMM of the trace reaches it."""
+    a = audit(gpt2_tiny, batch_size=1)
+    f = next(f for f in a.findings if f.rule == "small-batch")
+    ridge = 312e12 / 2.039e12
+    shapes = {(g.m, g.n, g.k) for c in a.estimate.ops if c.record.kind == "gemm"
+              for g in c.record.gemms if 128 in (g.m, g.n, g.k)}
+
+    def intensity(m: int, n: int, k: int) -> float:
+        return 2 * m * n * k / (2 * (m * k + k * n + m * n))
+
+    for b in (2, 4, 8, 16, 32, 64):
+        scaled = [tuple(128 * b if d == 128 else d for d in s) for s in shapes]
+        if all(intensity(*s) >= ridge for s in scaled):
+            break
+    assert f.suggested == b
+    assert f.per_sample and "fit" in f.reason
+
+
+def test_step_that_does_not_fit_gets_candidates_that_fit() -> None:
+    work = load_workload("gpt2", seq_len=1024).with_config(num_hidden_layers=1)
+    a = audit(work, batch_size=32, gpu="t4")
+    assert not a.estimate.fits
+    rules = {f.rule: f for f in a.findings}
+    assert {"does-not-fit", "optimizer-memory", "activation-memory"} <= set(rules)
+    half = rules["does-not-fit"]
+    assert half.suggested == 16 and "gradient_accumulation_steps=2" in half.fix
+    # halving the micro-batch halves the activations: the peak must drop by a lot
+    assert half.peak_memory_after_bytes < 0.75 * half.peak_memory_before_bytes
+    assert half.recommended
+
+
+def test_plain_module_names_its_layers() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4000), torch.nn.ReLU(),
+                                torch.nn.Linear(4000, 1024))
+    a = audit(model, torch.zeros(512, 1024))
+    found = _dims(a)
+    assert "out_features" in found or "in_features" in found
+    f = found.get("out_features") or found["in_features"]
+    assert f.current == 4000 and f.suggested == 4032  # 63 x 64
+    # both layers that hold the width change: the one that makes it and the one that takes it
+    assert "0: nn.Linear(1024, 4032)" in f.fix and "2: nn.Linear(4032, 1024)" in f.fix
+    assert a.notes  # stand-in loss, no re-traces
+
+
+def test_a_model_that_cannot_be_traced_is_a_clear_error() -> None:
+    from tilefit.errors import TilefitError
+
+    class Broken(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(10, 10)
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            return self.fc(x).view(3, -1, 7)  # 80 elements cannot be viewed as 3 x ? x 7
+
+    with pytest.raises(TilefitError, match="could not trace") as err:
+        audit(Broken(), torch.zeros(8, 10))
+    assert "input" in err.value.fix
+
+
+# ---- the trace rewrite by hand ---------------------------------------------------------------
+
+def test_rewrite_op_scales_shapes_bytes_and_flops() -> None:
+    op = OpRecord(op="aten.mm.default", phase="forward", module="lm_head",
+                  input_shapes=((8192, 768), (768, 50257)), output_shapes=((8192, 50257),),
+                  dtype="bfloat16", flops=2 * 8192 * 50257 * 768, bytes=2 * (8192 * 768 + 768 *
+                  50257 + 8192 * 50257), kind="gemm", step=1, micro=0,
+                  gemms=(GemmShape(1, 8192, 50257, 768, "bf16"),))
+    new = rewrite_op(op, 50257, 50304)
+    assert new.gemms[0].n == 50304 and new.gemms[0].m == 8192
+    assert new.output_shapes == ((8192, 50304),)
+    assert new.flops == 2 * 8192 * 50304 * 768
+    assert new.bytes == 2 * (8192 * 768 + 768 * 50304 + 8192 * 50304)
+    untouched = OpRecord("aten.add.Tensor", "forward", "x", ((4, 4),), ((4, 4),), "float32",
+                         16, 96, "memory", 1, 0)
+    assert rewrite_op(untouched, 50257, 50304) is untouched
+
+
+# ---- CLI --------------------------------------------------------------------------------------
+
+def _tiny_gpt2_config(tmp_path: Path) -> Path:
+    cfg = json.loads((Path(__file__).parents[1] / "src/tilefit/models/configs/gpt2.json")
+                     .read_text())
+    cfg["n_layer"] = 1
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_cli_json_and_html(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from tilefit.cli.app import app
+
+    page = tmp_path / "report.html"
+    res = CliRunner().invoke(app, ["audit", str(_tiny_gpt2_config(tmp_path)), "--seq", "128",
+                                   "--batch", "2", "--json", "--html", str(page)])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["gpu"] == "a100-80gb"
+    assert {"step_time_s", "peak_memory_bytes", "memory_breakdown"} <= set(data["estimate"])
+    vocab = next(f for f in data["findings"] if f["dimension"] == "vocab_size")
+    assert vocab["suggested"] == 50304 and vocab["predicted_speedup"] > 1
+    assert {"rule", "severity", "modules", "current", "fix", "reason"} <= set(vocab)
+    text = page.read_text()
+    assert text.count("data:image/png;base64,") == 3  # roofline, modules, memory
+    assert "resize_token_embeddings" in text and "http" not in text.split("<body>")[1]
+
+
+def test_cli_terminal_report(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from tilefit.cli.app import app
+
+    res = CliRunner().invoke(app, ["audit", str(_tiny_gpt2_config(tmp_path)), "--seq", "128",
+                                   "--batch", "2"])
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.stdout.split())
+    assert "vocab_size 50257 -> 50304" in out
+    assert "time by module" in out and "step time" in out
+
+
+@pytest.mark.parametrize(("args", "messages"), [
+    (["audit", "gtp2"], ["did you mean", "gpt2"]),
+    (["audit", "gpt2", "--gpu", "auto"], ["--gpu"]),
+    (["audit", "gpt2", "--html", "/no/such/dir/report.html"], ["does not exist"]),
+])
+def test_cli_bad_input_exits_2(cli, args, messages) -> None:  # type: ignore[no-untyped-def]
+    proc = cli(*args)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    err = " ".join(proc.stderr.split())
+    for m in messages:
+        assert m in err
+    assert "Traceback" not in proc.stderr
+
+
+# ---- the page in a real browser -------------------------------------------------------------
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (Debian: "
+                    "apt-get install -y chromium); the HTML report's browser check needs it")
+def test_html_report_renders_in_headless_chromium(gpt2_audit, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from matplotlib.image import imread
+
+    from tilefit.report.html import write_html
+
+    page = write_html(gpt2_audit, tmp_path / "report.html")
+    shot = tmp_path / "shot.png"
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                    "--no-first-run", "--disable-background-networking",
+                    "--disable-component-update", "--disable-sync",
+                    f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}",
+                    "--window-size=1200,2000", page.resolve().as_uri()],
+                   capture_output=True, timeout=120, check=False)
+    assert shot.is_file(), "chromium wrote no screenshot"
+    pixels = imread(shot)[..., :3]
+    assert pixels.shape[:2] == (2000, 1200)
+    # a blank page has zero variance; text, coloured finding bars and plots give plenty
+    assert float(pixels.var()) > 0.01
+    # the top of the page is not all white: the title and summary rendered
+    assert float(pixels[:400].mean()) < 0.99
+    assert not math.isnan(float(pixels.mean()))
