@@ -230,7 +230,7 @@ def test_a_model_that_cannot_be_traced_is_a_clear_error() -> None:
         def forward(self, x):  # type: ignore[no-untyped-def]
             return self.fc(x).view(3, -1, 7)  # 80 elements cannot be viewed as 3 x ? x 7
 
-    with pytest.raises(TilefitError, match="could not trace") as err:
+    with pytest.raises(TilefitError, match="one training step of the model failed") as err:
         audit(Broken(), torch.zeros(8, 10))
     assert "input" in err.value.fix
 

@@ -145,19 +145,8 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
 
 
 def _traced(fn: Callable[[], Any], name: str) -> Any:
-    """Run the trace; an error inside the user's model becomes a TilefitError that says so."""
-    try:
-        return fn()
-    except TilefitError:
-        raise
-    except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError) as exc:
-        raise TilefitError(
-            f"tilefit could not trace one training step of {name}: "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-            expected="a model whose forward and loss run on the given batch",
-            given=name,
-            fix="check --input-shape / --seq / --batch, and run the model once on a real "
-            "batch of that shape to see where it fails") from None
+    """Run the trace (the tracer turns errors in the user's step into TilefitError)."""
+    return fn()
 
 
 def _confirm(w: WhatIf, findings: tuple[Finding, ...]) -> dict[str, float] | None:

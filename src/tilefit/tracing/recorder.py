@@ -170,6 +170,17 @@ class Recorder(TorchDispatchMode):
         return deepest.removeprefix(self.root_prefix)
 
     @property
+    def failing_module(self) -> str:
+        """The module running now, or else the last one entered (an exception unwinds the
+        module stack before it is reported)."""
+        if self.module:
+            return self.module
+        last = getattr(self.tracker, "last_entered", "")
+        if last == self.root_name:
+            return ""
+        return last.removeprefix(self.root_prefix)
+
+    @property
     def effective_phase(self) -> str:
         if self.phase == "backward" and self.tracker.recomputing:
             return "recompute"

@@ -200,14 +200,22 @@ def _samples_and_tokens(batch: Any) -> tuple[int, int | None]:
     return int(leaves[0].shape[0]), None
 
 
+USER_CODE_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError,
+                    AssertionError, NotImplementedError)
+
+
 @contextlib.contextmanager
 def _explain_fake_errors(recorder: Recorder) -> Iterator[None]:
+    """Errors raised inside the user's step become a TilefitError naming the op and module."""
     try:
         yield
+    except TilefitError:
+        raise
     except FAKE_ERRORS as exc:
         func = getattr(exc, "func", None)
         op = str(func) if func is not None else type(exc).__name__
-        where = recorder.module or "code outside any module (the loss function?)"
+        name = recorder.failing_module
+        where = f"module {name!r}" if name else "code outside any module (the loss function?)"
         raise TilefitError(
             f"the model cannot run on fake tensors: {op} in {where} needs real values or a "
             "real kernel",
@@ -218,6 +226,17 @@ def _explain_fake_errors(recorder: Recorder) -> Iterator[None]:
             fix="move the value-dependent code out of the step (e.g. compute it once before "
             "training), or register a fake implementation for the custom op with "
             "torch.library.register_fake",
+        ) from None
+    except USER_CODE_ERRORS as exc:
+        name = recorder.failing_module
+        where = f"module {name!r}" if name else "code outside any module (the loss function?)"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise TilefitError(
+            f"one training step of the model failed in {where}: {type(exc).__name__}: {first}",
+            expected="a model whose forward, loss and backward run on the given batch",
+            given=f"{type(exc).__name__} in {where} ({recorder.phase})",
+            fix="check the batch shape (--batch, --seq, --input-shape) against the model, and "
+            "run the model once on a real batch of that shape to see the full error",
         ) from None
 
 
@@ -277,11 +296,19 @@ def trace(
             if precision == "fp16-mixed":
                 scaler_state = (torch.full((1,), SCALER_INIT), torch.zeros(1, dtype=torch.int32),
                                 torch.zeros(1))
+    except TilefitError:
+        raise
     except FAKE_ERRORS as exc:
         raise TilefitError(f"the model could not be built on fake tensors: {exc}",
                            expected="a model whose construction needs no real tensor values",
                            given=type(exc).__name__,
                            fix="build the model on the meta device and pass the module") from None
+    except USER_CODE_ERRORS as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise TilefitError(f"the model could not be built: {type(exc).__name__}: {first}",
+                           expected="a model (or factory) that builds without real data",
+                           given=type(exc).__name__,
+                           fix="build it once in plain PyTorch to see the full error") from None
 
     recorder.set_root(type(fmodel).__name__)
     router = AttentionRouter(target, recorder) if target.kind == "cuda" else None

@@ -47,6 +47,7 @@ class ModulePath:
 
     def __init__(self) -> None:
         self.recompute_depth = 0
+        self.last_entered = ""  # the last module whose forward started (for error messages)
         try:
             from torch.distributed._tools.mod_tracker import ModTracker
         except ImportError:  # pragma: no cover - builds without torch.distributed
@@ -61,6 +62,7 @@ class ModulePath:
             self._exact = True
 
     def _pre_fw(self, mod: Any, inputs: Any) -> None:
+        self.last_entered = self._tracker.get_known_fqn(mod) or type(mod).__name__
         if self.is_bw:
             self.recompute_depth += 1
 
