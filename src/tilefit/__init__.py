@@ -25,6 +25,8 @@ _LAZY = {
     "Estimate": ("tilefit.estimator", "Estimate"),
     "load_workload": ("tilefit.models", "load_workload"),
     "Workload": ("tilefit.models", "Workload"),
+    "plan": ("tilefit.planner", "plan"),
+    "Plan": ("tilefit.planner", "Plan"),
 }
 
 __all__ = ["__version__", *_LAZY]
