@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tilefit.cli.linear",
     "tilefit.cli.models",
     "tilefit.cli.estimate",
+    "tilefit.cli.plan",
 )
 
 for _name in COMMAND_MODULES:

@@ -45,7 +45,7 @@ class PlanRow:
         if self.attention not in ("auto", "sdpa"):
             parts.append(self.attention)
         if self.offload:
-            parts.append("cpu-offload")
+            parts.append("offload")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:

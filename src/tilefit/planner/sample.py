@@ -16,8 +16,12 @@ WORK_PHASES = MICRO_PHASES
 class Sample:
     """One trace's figures, per micro-batch where they scale with accumulation.
 
-    peak_bytes: peak live tensor bytes (allocator-rounded) with accumulation >= 2, which is
-      the steady peak of any accumulation >= 2 and an upper bound for accumulation 1.
+    peak_bytes: peak live tensor bytes (allocator-rounded) with accumulation >= 2 (the steady
+      peak of any accumulation >= 2: the previous micro-batch's gradients are live during the
+      next forward).
+    peak_accumulation_1_bytes: the same trace's peak outside the later micro-batches' forward
+      and backward: the peak of accumulation 1 (the first micro-batch of the steady step
+      starts with no gradients, as a step without accumulation does).
     micro_time_s: forward + backward (+ recompute) of one micro-batch.
     fixed_time_s: once per optimizer step: optimizer, zero_grad, loss scaler.
     *_bytes: the largest live bytes of each model-state category.
@@ -29,6 +33,7 @@ class Sample:
     micro_batch: float
     layers: float
     peak_bytes: float
+    peak_accumulation_1_bytes: float
     micro_time_s: float
     fixed_time_s: float
     parameters_bytes: float
@@ -81,6 +86,18 @@ def work_peak(tr: Trace, *, rounded: bool) -> int:
     return best
 
 
+def peak_accumulation_1(tr: Trace, *, rounded: bool) -> int:
+    """Peak live bytes over the events of micro-batch 0 and the optimizer step."""
+    timeline = tr.live_bytes_timeline(rounded=rounded)
+    best = timeline[0]
+    for j in range(1, len(timeline)):
+        op = tr.ops[j - 1] if j - 1 < len(tr.ops) else None
+        if op is not None and op.micro >= 1 and op.phase in MICRO_PHASES:
+            continue
+        best = max(best, timeline[j])
+    return best
+
+
 def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int) -> Sample:
     a = est.accumulation_steps
     micro_time = sum(est.time_by_phase_s.get(p, 0.0) for p in MICRO_PHASES) / a
@@ -89,6 +106,7 @@ def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int) -> Sample
     cats = category_peaks(tr, rounded=rounded)
     return Sample(
         micro_batch=micro_batch, layers=layers, peak_bytes=est.peak_memory_bytes,
+        peak_accumulation_1_bytes=peak_accumulation_1(tr, rounded=rounded),
         micro_time_s=micro_time, fixed_time_s=fixed_time,
         parameters_bytes=cats.get("parameters", 0), gradients_bytes=cats.get("gradients", 0),
         optimizer_state_bytes=cats.get("optimizer_state", 0),
