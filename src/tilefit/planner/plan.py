@@ -287,8 +287,11 @@ def _why(row: PlanRow, rows: list[PlanRow], objective: str, allow_change: bool) 
              1: "no plan fits with the optimizer on the GPU; CPU offload keeps the algorithm",
              2: "nothing else fits: it CHANGES THE OPTIMIZER"}
     t = rank.tier(row, allow_change)
+    how = tiers[t]
+    if row.changes_optimizer and allow_change:
+        how = f"it changes the optimizer to {row.optimizer} (allowed)"
     return (f"{what} of the {len(fits)} plans that fit the budget; "
-            f"{tiers[t]}; micro-batch {row.micro_batch} x {row.accumulation_steps} "
+            f"{how}; micro-batch {row.micro_batch} x {row.accumulation_steps} "
             f"accumulation steps = global batch {row.global_batch}")
 
 

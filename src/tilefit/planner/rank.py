@@ -33,9 +33,15 @@ def tier(row: PlanRow, allow_optimizer_change: bool) -> int:
     return 2 if changes else (1 if row.offload else 0)
 
 
+# Peaks within this share of the budget are a tie for the memory objective (the faster wins):
+# a few MiB is below what the model resolves (allocator rounding, fragmentation).
+MEMORY_TIE = 0.01
+
+
 def sort_key(row: PlanRow, objective: str) -> tuple[float, ...]:
     if objective == "memory":
-        return (row.predicted_peak_memory_bytes, -row.samples_per_s)
+        bucket = max(1, int(row.budget_bytes * MEMORY_TIE))
+        return (row.predicted_peak_memory_bytes // bucket, -row.samples_per_s)
     return (-row.samples_per_s, row.predicted_peak_memory_bytes)
 
 
