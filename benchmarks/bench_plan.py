@@ -25,9 +25,9 @@ import time
 GIB = 2**30
 
 
-def bench_7b() -> None:
+def bench_7b(*extra: str) -> None:
     cmd = [sys.executable, "-m", "tilefit", "plan", "llama-2-7b", "--gpu", "rtx-4090",
-           "--global-batch", "32", "--seq", "512", "--json"]
+           "--global-batch", "32", "--seq", "512", "--json", *extra]
     start = time.perf_counter()
     t0 = os.times()
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -38,7 +38,7 @@ def bench_7b() -> None:
     keeps = [p for p in d["plans"] if not p["offload"] and not p["changes_optimizer"]]
     smallest = min(p["predicted_peak_memory_bytes"] for p in keeps)
     params = 6_738_415_616  # Llama-2-7B parameter count (Touvron et al. 2023, HF config)
-    print("== llama-2-7b, rtx-4090, global batch 32, seq 512 ==")
+    print("== llama-2-7b, rtx-4090, global batch 32, seq 512", *extra, "==")
     print(f"wall time: {wall:.1f} s (target < 60 s), CPU time {cpu:.1f} s, "
           f"{d['traces']} traces; load average now {os.getloadavg()[0]:.1f}")
     print(f"plans keeping AdamW on the GPU: {len(keeps)}, claiming to fit: "
@@ -49,8 +49,9 @@ def bench_7b() -> None:
     b = d["best"]
     if b:
         c = b["confirmation"]
-        print(f"best: {b['precision']} {b['optimizer']} offload={b['offload']} ckpt="
-              f"{b['grad_checkpointing']} micro {b['micro_batch']} x {b['accumulation_steps']}"
+        print(f"best: {b['precision']} {b['optimizer']} peft={b['peft']} "
+              f"offload={b['offload']} ckpt={b['grad_checkpointing']} micro "
+              f"{b['micro_batch']} x {b['accumulation_steps']}"
               f", {b['predicted_peak_memory_bytes'] / GIB:.2f} GiB, "
               f"{b['predicted_step_time_s']:.2f} s/step, {b['samples_per_s']:.2f} samples/s")
         print(f"  affine vs full trace: peak {c['peak_error']:+.1%}, step {c['time_error']:+.1%}")
@@ -94,6 +95,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if not args.skip_7b:
         bench_7b()
+        bench_7b("--allow-peft")
     check_properties("gpt2", 12, 512, "rtx-4090", 32)
     check_properties("qwen2.5-0.5b", 24, 256, "a100-80gb", 64)
     print("not measured here: measured step within 15% of the prediction (needs a GPU)")

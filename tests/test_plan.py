@@ -248,6 +248,24 @@ def test_tiny_gpu_falls_back_to_offload_then_sharding(tiny_gpt2, a100_plan) -> N
     assert p.multi_gpu["predicted_per_gpu_memory_bytes"] <= p.budget_bytes
 
 
+def test_lora_freezes_the_base_weights(tiny_gpt2) -> None:
+    from tilefit.planner import plan
+
+    p = plan(tiny_gpt2, gpu="a100-80gb", global_batch=8, allow_peft=True, confirm=False)
+    lora = {r.micro_batch: r for r in p.rows if r.peft and not r.grad_checkpointing}
+    full = {r.micro_batch: r for r in p.rows if not r.peft and not r.grad_checkpointing
+            and r.precision == "bf16-mixed" and r.attention == "sdpa"}
+    assert set(lora) == set(full) == {1, 2, 4, 8}
+    # 1-layer GPT-2: ~46.6 M parameters (wte 50257 x 768 = 38.6 M, wpe 0.8 M, one block
+    # 7.1 M). Frozen, they have no fp32 gradient (4 B) and no AdamW moments (8 B): the LoRA
+    # plan needs at least 8 B/param less at every micro-batch (12 B minus slack for the
+    # adapters and a different peak point).
+    for b in lora:
+        saved = full[b].predicted_peak_memory_bytes - lora[b].predicted_peak_memory_bytes
+        assert saved > 8 * 46e6, (b, saved)
+    assert all("LoRA" in r.changes[0] for r in lora.values())
+
+
 # ---- the command -------------------------------------------------------------------------
 @pytest.mark.parametrize(("args", "needle"), [
     (["--memory-fraction", "0"], "(0, 1]"),

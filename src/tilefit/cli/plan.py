@@ -28,8 +28,8 @@ def plan(
     allow_optimizer_change: bool = typer.Option(
         False, "--allow-optimizer-change",
         help="Also rank other optimizers (a different training algorithm)."),
-    allow_peft: bool = typer.Option(False, "--allow-peft",
-                                    help="Allow PEFT/LoRA (not modelled yet: adds no plans)."),
+    allow_peft: bool = typer.Option(
+        False, "--allow-peft", help="Also rank LoRA fine-tuning (frozen weights, adapters)."),
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
     top: int = typer.Option(15, "--top", help="Rows of the ranked table to show."),

@@ -134,7 +134,17 @@ def single_gpu_configs(row: PlanRow) -> dict[str, Any]:
     }
     if row.offload:
         out["deepspeed"] = deepspeed_offload(row)
+    if row.peft:
+        out["peft_lora_config"] = peft_config()
     return out
+
+
+def peft_config() -> dict[str, Any]:
+    """peft.LoraConfig(**this) then peft.get_peft_model(model, config): what the plan traced."""
+    from tilefit.planner.peft import LORA_ALPHA, LORA_RANK
+
+    return {"r": LORA_RANK, "lora_alpha": LORA_ALPHA, "lora_dropout": 0.0,
+            "target_modules": "all-linear", "task_type": "CAUSAL_LM"}
 
 
 def multi_gpu_configs(setup: ShardedSetup, row: PlanRow) -> dict[str, Any]:

@@ -156,11 +156,13 @@ class _Planner:
                 offload=self.link if offload else None))
 
     def any_fits(self, *, allow_optimizer_change: bool, offload: bool) -> bool:
-        return any(r.fits and (allow_optimizer_change or not r.changes_optimizer)
+        """Whether a full fine-tuning plan (PEFT aside) of the kind fits."""
+        return any(r.fits and not r.peft and (allow_optimizer_change or not r.changes_optimizer)
                    and (offload or not r.offload) for r in self.rows)
 
     def confirm(self, row: PlanRow) -> tuple[PlanRow, Confirmation]:
-        spec = RecipeSpec(row.precision, row.optimizer, row.grad_checkpointing, row.attention)
+        spec = RecipeSpec(row.precision, row.optimizer, row.grad_checkpointing, row.attention,
+                          peft=row.peft)
         s = trace_sample(self.work, spec, row.micro_batch, self.depth.full,
                          Depth(None, self.depth.full, (self.depth.full,)), self.device,
                          row.accumulation_steps)
@@ -222,12 +224,15 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
     if depth.lever:
         p.notes.append(f"deep model: each recipe traced at {', '.join(map(str, depth.traced))} "
                        f"of {depth.full} layers and extrapolated (affine in the layer count)")
-    if allow_peft:
-        p.notes.append("PEFT/LoRA is not modelled yet (the tracer has no adapters): "
-                       "--allow-peft adds no plans")
     hf_model = not work.is_factory
+    if allow_peft and not hf_model:
+        p.notes.append("PEFT/LoRA is planned for Hugging Face models only (the adapters wrap "
+                       "their linear layers): --allow-peft adds no plans for a factory")
     for spec in space.base_recipes(device, optimizer, hf_model=hf_model):
         p.add(spec)
+    if allow_peft and hf_model:
+        for spec in space.peft_recipes(device, optimizer):
+            p.add(spec)
     if not p.any_fits(allow_optimizer_change=False, offload=False):
         off_prec = "bf16" if device.supports("bf16") else space.precisions(device)[0]
         att = "sdpa" if hf_model else "auto"
@@ -260,7 +265,7 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
         reason = (f"nothing fits on one {device.display_name} "
                   f"(budget {budget / 2**30:.1f} GiB) at global batch {global_batch}")
 
-    keeps = [r for r in rows if not r.offload and not r.changes_optimizer]
+    keeps = [r for r in rows if not r.offload and not r.changes_optimizer and not r.peft]
     if keeps and not any(r.fits for r in keeps):
         smallest = min(keeps, key=lambda r: r.predicted_peak_memory_bytes)
         p.notes.append(
@@ -290,6 +295,8 @@ def _why(row: PlanRow, rows: list[PlanRow], objective: str, allow_change: bool) 
     how = tiers[t]
     if row.changes_optimizer and allow_change:
         how = f"it changes the optimizer to {row.optimizer} (allowed)"
+    if row.peft:
+        how = "it trains LoRA adapters instead of the full model (allowed by --allow-peft)"
     return (f"{what} of the {len(fits)} plans that fit the budget; "
             f"{how}; micro-batch {row.micro_batch} x {row.accumulation_steps} "
             f"accumulation steps = global batch {row.global_batch}")

@@ -44,6 +44,8 @@ class PlanRow:
             parts.append("ckpt")
         if self.attention not in ("auto", "sdpa"):
             parts.append(self.attention)
+        if self.peft:
+            parts.append("lora")
         if self.offload:
             parts.append("offload")
         return " ".join(parts)

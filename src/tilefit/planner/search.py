@@ -69,8 +69,8 @@ def trace_sample(workload: Workload, spec: RecipeSpec, micro_batch: int, layers:
     work = workload
     if depth.field is not None and layers != depth.full:
         work = workload.with_config(**{depth.field: layers})
-    if spec.precision == "bf16":
-        tr = trace_pure_bf16(work, micro_batch, spec, accumulation_steps, device)
+    if spec.precision == "bf16" or spec.peft:
+        tr = trace_built(work, micro_batch, spec, accumulation_steps, device)
     else:
         recipe = Recipe(batch_size=micro_batch, precision=spec.precision,
                         optimizer=spec.optimizer, grad_checkpointing=spec.grad_checkpointing,
@@ -103,16 +103,25 @@ def to_bf16(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def trace_pure_bf16(work: Workload, micro_batch: int, spec: RecipeSpec,
-                    accumulation_steps: int, device: Device) -> Trace:
-    """A step of the model held in bf16 (DeepSpeed's bf16 mode: no autocast, no fp32 weights
-    on the GPU), traced with the tracer's fp32 policy (nothing is cast)."""
+def trace_built(work: Workload, micro_batch: int, spec: RecipeSpec,
+                accumulation_steps: int, device: Device) -> Trace:
+    """A step of the model changed in its factory: held in bf16 (DeepSpeed's bf16 mode: no
+    autocast, no fp32 weights on the GPU; traced with the tracer's fp32 policy, so nothing is
+    cast) and/or with LoRA adapters (tilefit.planner.peft)."""
+    from tilefit.planner.peft import add_lora
     from tilefit.tracing import trace
 
     attention = "sdpa" if spec.attention == "auto" and not work.is_factory else spec.attention
-    return trace(lambda: to_bf16(work.build(attention)),
-                 work.make_batch(micro_batch, device="meta"), loss_fn=work.loss_fn,
-                 optimizer=spec.optimizer, precision="fp32",
+
+    def build() -> torch.nn.Module:
+        m = work.build(attention)
+        if spec.peft:
+            m = add_lora(m)
+        return to_bf16(m) if spec.precision == "bf16" else m
+
+    return trace(build, work.make_batch(micro_batch, device="meta"), loss_fn=work.loss_fn,
+                 optimizer=spec.optimizer,
+                 precision="fp32" if spec.precision == "bf16" else spec.precision,
                  grad_checkpointing=spec.grad_checkpointing,
                  accumulation_steps=accumulation_steps, attention="auto", device=device)
 
@@ -128,6 +137,11 @@ def sweep(workload: Workload, spec: RecipeSpec, micro_batches: list[int], depth:
 
 def changes_of(spec: RecipeSpec, user_optimizer: str, offload: bool) -> tuple[str, ...]:
     out: list[str] = []
+    if spec.peft:
+        from tilefit.planner.peft import LORA_ALPHA, LORA_RANK
+
+        out.append(f"LoRA r={LORA_RANK} alpha={LORA_ALPHA} on all linear layers, base weights "
+                   "frozen: trains adapters, not the model (a different recipe)")
     if spec.optimizer != user_optimizer:
         out.append(f"optimizer {OPTIMIZER_LABELS.get(user_optimizer, user_optimizer)} -> "
                    f"{OPTIMIZER_LABELS.get(spec.optimizer, spec.optimizer)}: a different "
@@ -167,7 +181,7 @@ def row_from(spec: RecipeSpec, model: SweepModel, micro_batch: int, global_batch
         predicted_step_time_s=step, samples_per_s=global_batch / step if step else 0.0,
         tokens_per_s=(global_batch * tokens_per_sample / step
                       if (tokens_per_sample and step) else None),
-        mfu=mfu, budget_bytes=budget_bytes, offload=offload is not None,
+        mfu=mfu, budget_bytes=budget_bytes, offload=offload is not None, peft=spec.peft,
         changes_optimizer=spec.optimizer != user_optimizer,
         changes=changes_of(spec, user_optimizer, offload is not None),
         friendly=is_friendly(micro_batch))

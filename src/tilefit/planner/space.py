@@ -86,6 +86,7 @@ class RecipeSpec:
     optimizer: str
     grad_checkpointing: bool
     attention: str
+    peft: bool = False  # LoRA adapters on frozen weights (tilefit.planner.peft)
 
     def key(self) -> tuple[str, str, bool, str]:
         return (self.precision, self.optimizer, self.grad_checkpointing, self.attention)
@@ -127,3 +128,10 @@ def optimizer_recipes(device: Device, optimizer: str, *, hf_model: bool) -> list
     att = "sdpa" if hf_model else "auto"
     return [RecipeSpec(prec, opt, ckpt, att) for opt in ALTERNATIVE_OPTIMIZERS
             if opt != optimizer for ckpt in (False, True)]
+
+
+def peft_recipes(device: Device, optimizer: str) -> list[RecipeSpec]:
+    """LoRA with the user's optimizer, mixed precision, SDPA, with and without checkpointing
+    (Hugging Face models only: the adapters wrap their linear layers)."""
+    prec = precisions(device)[0]
+    return [RecipeSpec(prec, optimizer, ckpt, "sdpa", peft=True) for ckpt in (False, True)]

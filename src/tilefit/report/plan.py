@@ -103,6 +103,10 @@ def print_plan(console: Console, plan: Plan, *, top: int = 15) -> None:
         console.print(json.dumps(cfg["lightning"], indent=2), highlight=False, markup=False)
         console.print("[bold]plain PyTorch[/]")
         console.print(cfg["pytorch_loop"], highlight=False, markup=False)
+        if "peft_lora_config" in cfg:
+            console.print("[bold]peft.LoraConfig[/]")
+            console.print(json.dumps(cfg["peft_lora_config"], indent=2), highlight=False,
+                          markup=False)
         if "deepspeed" in cfg:
             console.print("[bold]DeepSpeed (ds_config.json)[/]")
             console.print(json.dumps(cfg["deepspeed"], indent=2), highlight=False, markup=False)
