@@ -35,7 +35,9 @@ def bench_7b(*extra: str) -> None:
     t1 = os.times()
     cpu = (t1.children_user - t0.children_user) + (t1.children_system - t0.children_system)
     d = json.loads(out.stdout)
-    keeps = [p for p in d["plans"] if not p["offload"] and not p["changes_optimizer"]]
+    keeps = [p for p in d["plans"]
+             if not p["offload"] and not p["changes_optimizer"] and not p["peft"]]
+    lora = [p for p in d["plans"] if p["peft"]]
     smallest = min(p["predicted_peak_memory_bytes"] for p in keeps)
     params = 6_738_415_616  # Llama-2-7B parameter count (Touvron et al. 2023, HF config)
     print("== llama-2-7b, rtx-4090, global batch 32, seq 512", *extra, "==")
@@ -46,6 +48,9 @@ def bench_7b(*extra: str) -> None:
     print(f"smallest of them: {smallest / GIB:.1f} GiB vs 16 B/param x {params / 1e9:.2f} B = "
           f"{16 * params / GIB:.1f} GiB for weights + grads + AdamW states alone; budget "
           f"{d['budget_bytes'] / GIB:.1f} GiB")
+    if lora:
+        fit = [p for p in lora if p["fits"]]
+        print(f"LoRA plans: {len(lora)}, fitting: {len(fit)}")
     b = d["best"]
     if b:
         c = b["confirmation"]

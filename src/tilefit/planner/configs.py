@@ -140,7 +140,8 @@ def single_gpu_configs(row: PlanRow) -> dict[str, Any]:
 
 
 def peft_config() -> dict[str, Any]:
-    """peft.LoraConfig(**this) then peft.get_peft_model(model, config): what the plan traced."""
+    """peft.LoraConfig(**this) then peft.get_peft_model(model, config), the base model loaded
+    with torch_dtype=torch.bfloat16: what the plan traced."""
     from tilefit.planner.peft import LORA_ALPHA, LORA_RANK
 
     return {"r": LORA_RANK, "lora_alpha": LORA_ALPHA, "lora_dropout": 0.0,

@@ -79,8 +79,11 @@ def trace_sample(workload: Workload, spec: RecipeSpec, micro_batch: int, layers:
     return sample_of(tr, estimate_trace(tr, device), micro_batch, layers)
 
 
-def to_bf16(module: torch.nn.Module) -> torch.nn.Module:
-    """The module with its floating parameters and buffers in bf16, tied weights kept tied.
+def to_bf16(module: torch.nn.Module, *, frozen_only: bool = False,
+            dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The module with its floating parameters and buffers in bf16 (or ``dtype``), tied
+    weights kept tied; with ``frozen_only``, only parameters without requires_grad (a LoRA
+    base model loaded in 16 bits) and no buffers.
 
     Done by hand because nn.Module.to() swaps fake parameters with torch.utils.swap_tensors,
     which fails on the fake parameters of a factory-built Hugging Face model ("Cannot swap t2
@@ -88,18 +91,21 @@ def to_bf16(module: torch.nn.Module) -> torch.nn.Module:
     precision="bf16" cannot be used on catalog models."""
     import torch
 
+    low = dtype or torch.bfloat16
     memo: dict[int, torch.nn.Parameter] = {}
     for mod in module.modules():
         for name, p in list(mod._parameters.items()):
-            if p is None or not p.is_floating_point():
+            if p is None or not p.is_floating_point() or (frozen_only and p.requires_grad):
                 continue
             if id(p) not in memo:
-                memo[id(p)] = torch.nn.Parameter(p.detach().to(torch.bfloat16),
+                memo[id(p)] = torch.nn.Parameter(p.detach().to(low),
                                                  requires_grad=p.requires_grad)
             mod._parameters[name] = memo[id(p)]
+        if frozen_only:
+            continue
         for name, b in list(mod._buffers.items()):
             if b is not None and b.is_floating_point():
-                mod._buffers[name] = b.to(torch.bfloat16)
+                mod._buffers[name] = b.to(low)
     return module
 
 
@@ -116,7 +122,12 @@ def trace_built(work: Workload, micro_batch: int, spec: RecipeSpec,
     def build() -> torch.nn.Module:
         m = work.build(attention)
         if spec.peft:
-            m = add_lora(m)
+            # the frozen base model in 16 bits, as LoRA fine-tuning loads it
+            # (from_pretrained(torch_dtype=bfloat16)); the adapters stay fp32 under autocast
+            import torch
+
+            low = torch.float16 if spec.precision == "fp16-mixed" else torch.bfloat16
+            m = to_bf16(add_lora(m), frozen_only=True, dtype=low)
         return to_bf16(m) if spec.precision == "bf16" else m
 
     return trace(build, work.make_batch(micro_batch, device="meta"), loss_fn=work.loss_fn,
@@ -141,13 +152,14 @@ def changes_of(spec: RecipeSpec, user_optimizer: str, offload: bool) -> tuple[st
         from tilefit.planner.peft import LORA_ALPHA, LORA_RANK
 
         out.append(f"LoRA r={LORA_RANK} alpha={LORA_ALPHA} on all linear layers, base weights "
-                   "frozen: trains adapters, not the model (a different recipe)")
+                   "frozen in 16 bits: trains adapters, not the model (a different recipe)")
     if spec.optimizer != user_optimizer:
         out.append(f"optimizer {OPTIMIZER_LABELS.get(user_optimizer, user_optimizer)} -> "
                    f"{OPTIMIZER_LABELS.get(spec.optimizer, spec.optimizer)}: a different "
                    "training algorithm (retune the learning rate)")
     if spec.precision in ("bf16-mixed", "fp16-mixed"):
-        out.append(f"{spec.precision[:4]} autocast (fp32 weights)")
+        out.append(f"{spec.precision[:4]} autocast "
+                   + ("(fp32 adapters)" if spec.peft else "(fp32 weights)"))
     elif spec.precision == "bf16":
         out.append("bf16 weights on the GPU, fp32 master copy on the CPU")
     elif spec.precision == "tf32":

@@ -21,10 +21,26 @@ def _ms(s: float) -> str:
     return f"{s:.2f}s" if s >= 1 else f"{s * 1e3:.0f}ms"
 
 
+def short_label(r: PlanRow) -> str:
+    """The recipe in a few words: the optimizer only when it is not the user's."""
+    parts = [r.precision.replace("-mixed", "")]
+    if r.changes_optimizer:
+        parts.append(r.optimizer.upper())
+    if r.grad_checkpointing:
+        parts.append("ckpt")
+    if r.attention == "eager":
+        parts.append("eager")
+    if r.peft:
+        parts.append("lora")
+    if r.offload:
+        parts.append("offload")
+    return " ".join(parts)
+
+
 def plans_table(plan: Plan, top: int) -> Table:
     t = Table(title=f"plans, ranked (affine predictions; budget {_gib(plan.budget_bytes)}iB)",
               box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
-    for name, just in (("recipe", "left"), ("micro", "right"),
+    for name, just in (("recipe", "left"), ("mb", "right"),
                        ("acc", "right"), ("peak", "right"), ("free", "right"),
                        ("step", "right"), ("smp/s", "right"), ("tok/s", "right"),
                        ("MFU", "right")):
@@ -33,7 +49,7 @@ def plans_table(plan: Plan, top: int) -> Table:
         style = None if r.fits else "dim"
         head = f"[green]{_gib(r.headroom_bytes)}[/]" if r.fits else \
             f"[red]{_gib(r.headroom_bytes)}[/]"
-        t.add_row(r.recipe_label().replace("-mixed", ""), str(r.micro_batch),
+        t.add_row(short_label(r), str(r.micro_batch),
                   str(r.accumulation_steps), _gib(r.predicted_peak_memory_bytes), head,
                   _ms(r.predicted_step_time_s), f"{r.samples_per_s:,.1f}",
                   f"{r.tokens_per_s:,.0f}" if r.tokens_per_s is not None else "-",
@@ -45,7 +61,7 @@ def changes_legend(plan: Plan, top: int) -> list[str]:
     """One line per recipe shown: what it changes about training."""
     seen: dict[str, str] = {}
     for r in plan.rows[:top]:
-        label = r.recipe_label().replace("-mixed", "")
+        label = short_label(r)
         seen.setdefault(label, "; ".join(r.changes) or "nothing")
     return [f"  {k}: {v}" for k, v in seen.items()]
 
