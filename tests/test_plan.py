@@ -248,6 +248,30 @@ def test_tiny_gpu_falls_back_to_offload_then_sharding(tiny_gpt2, a100_plan) -> N
     assert p.multi_gpu["predicted_per_gpu_memory_bytes"] <= p.budget_bytes
 
 
+def test_layer_lever_matches_the_full_trace() -> None:
+    """A 6-layer model traced at 1 and 2 layers (micro-batches 1 and 8) and extrapolated to
+    6 layers at micro-batch 4 agrees with the full 6-layer trace at micro-batch 4."""
+    from tilefit.hardware import get_device
+    from tilefit.models import load_workload
+    from tilefit.planner.search import Depth, depth_of, sweep, trace_sample
+    from tilefit.planner.space import RecipeSpec
+
+    work = load_workload("llama-3.2-1b", seq_len=64).with_config(
+        num_hidden_layers=6, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, vocab_size=4096)
+    depth = depth_of(work)
+    assert depth.lever and depth.traced == (1, 2) and depth.full == 6
+    dev = get_device("a100-80gb")
+    spec = RecipeSpec("bf16-mixed", "adamw", False, "sdpa")
+    model = sweep(work, spec, [1, 8], depth, dev)
+    full = trace_sample(work, spec, 4, 6, Depth(None, 6, (6,)), dev, 2)
+    for metric in ("peak_bytes", "micro_time_s", "param_count", "micro_flops"):
+        predicted = model.predict(metric, 4, 6)
+        assert predicted == pytest.approx(full.metrics()[metric], rel=0.10), metric
+    # parameters and FLOPs are exactly affine in depth (identical blocks)
+    assert model.predict("param_count", 4, 6) == pytest.approx(full.param_count, rel=1e-9)
+
+
 def test_lora_freezes_the_base_weights(tiny_gpt2) -> None:
     from tilefit.planner import plan
 

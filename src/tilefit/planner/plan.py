@@ -146,6 +146,14 @@ class _Planner:
                            self.notes)
         self.traces += len(self.depth.traced) * len({min(self.micro_batches),
                                                      max(self.micro_batches)})
+        if model is None and self.depth.lever and not self.sweeps:
+            # the model may not build with fewer layers (per-layer config lists): trace it
+            # at full depth instead
+            self.notes.append("the model did not trace at fewer layers; traced at full depth")
+            self.depth = Depth(None, self.depth.full, (self.depth.full,))
+            model = safe_sweep(self.work, spec, self.micro_batches, self.depth, self.device,
+                               self.notes)
+            self.traces += len({min(self.micro_batches), max(self.micro_batches)})
         if model is None:
             return
         self.sweeps[(spec, offload)] = model
@@ -221,9 +229,6 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
     except TilefitError:
         depth = Depth(None, 1, (1,))
     p = _Planner(work, device, global_batch, budget, optimizer, depth, link)
-    if depth.lever:
-        p.notes.append(f"deep model: each recipe traced at {', '.join(map(str, depth.traced))} "
-                       f"of {depth.full} layers and extrapolated (affine in the layer count)")
     hf_model = not work.is_factory
     if allow_peft and not hf_model:
         p.notes.append("PEFT/LoRA is planned for Hugging Face models only (the adapters wrap "
@@ -241,6 +246,10 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
     if allow_optimizer_change or not p.any_fits(allow_optimizer_change=False, offload=True):
         for spec in space.optimizer_recipes(device, optimizer, hf_model=hf_model):
             p.add(spec)
+    if p.depth.lever:
+        p.notes.insert(0, "deep model: each recipe traced at "
+                       f"{', '.join(map(str, p.depth.traced))} of {p.depth.full} layers and "
+                       "extrapolated (affine in the layer count)")
     rows = rank.rank(rank.prune_unfriendly(p.rows), objective, allow_optimizer_change)
 
     best, conf, reason = None, None, ""
