@@ -18,7 +18,9 @@ def _gib(n: float) -> str:
 
 
 def _ms(s: float) -> str:
-    return f"{s:.2f}s" if s >= 1 else f"{s * 1e3:.0f}ms"
+    if s >= 1:
+        return f"{s:.2f}s"
+    return f"{s * 1e3:.0f}ms" if s >= 0.01 else f"{s * 1e3:.2f}ms"
 
 
 def short_label(r: PlanRow) -> str:
