@@ -75,7 +75,7 @@ def test_budget_is_fraction_of_memory_minus_overhead() -> None:
 
 # ---- affine sweep model ------------------------------------------------------------------
 def _sample(b: float, layers: float, f: float) -> Sample:
-    return Sample(b, layers, f, f, f, f, f, f, f, f, f, f)
+    return Sample(b, layers, f, f, f, f, f, f, f, f, f, f, f)
 
 
 def test_line_through_two_points() -> None:
@@ -102,6 +102,29 @@ def test_chord_bounds_a_convex_peak_from_above() -> None:
     model = SweepModel((_sample(1, 1, peak(1)), _sample(32, 1, peak(32))))
     for b in (1, 2, 4, 8, 16, 32):
         assert model.predict("peak_bytes", b) >= peak(b) - 1e-9
+
+
+def test_peak_pieces_are_extrapolated_separately() -> None:
+    """At 1-2 layers backward holds the peak; at 32 layers the optimizer step (16 B/param of
+    model state) does. Extrapolating the max itself would miss it."""
+    from tilefit.hardware import get_device
+    from tilefit.planner.search import Depth, row_from
+    from tilefit.planner.space import RecipeSpec
+
+    def sample(b: int, layers: int) -> Sample:
+        return Sample(micro_batch=b, layers=layers, peak_bytes=10 + 5 * layers,
+                      peak_accumulation_1_bytes=10 + 5 * layers,
+                      peak_optimizer_bytes=4 + 8 * layers, micro_time_s=1.0, fixed_time_s=0.0,
+                      parameters_bytes=0, gradients_bytes=0, optimizer_state_bytes=0,
+                      work_peak_bytes=0, micro_flops=1.0, param_count=1.0)
+
+    model = SweepModel(tuple(sample(b, k) for k in (1, 2) for b in (1, 4)))
+    row = row_from(RecipeSpec("bf16-mixed", "adamw", False, "sdpa"), model, 2, 4,
+                   Depth("num_hidden_layers", 32, (1, 2)), get_device("a100-80gb"), 10**12,
+                   None, "adamw")
+    # backward piece: 10 + 5 x 32 = 170; optimizer piece: 4 + 8 x 32 = 260 (the max of the
+    # traced peaks, 15 and 20, extrapolates to 15 + 5 x 31 = 170 and would miss it)
+    assert row.predicted_peak_memory_bytes == 260
 
 
 # ---- ranking -----------------------------------------------------------------------------
@@ -265,7 +288,8 @@ def test_layer_lever_matches_the_full_trace() -> None:
     spec = RecipeSpec("bf16-mixed", "adamw", False, "sdpa")
     model = sweep(work, spec, [1, 8], depth, dev)
     full = trace_sample(work, spec, 4, 6, Depth(None, 6, (6,)), dev, 2)
-    for metric in ("peak_bytes", "micro_time_s", "param_count", "micro_flops"):
+    for metric in ("peak_bytes", "peak_optimizer_bytes", "micro_time_s", "param_count",
+                   "micro_flops"):
         predicted = model.predict(metric, 4, 6)
         assert predicted == pytest.approx(full.metrics()[metric], rel=0.10), metric
     # parameters and FLOPs are exactly affine in depth (identical blocks)

@@ -181,7 +181,7 @@ class _Planner:
             step = offload_step_time_s(s.micro_time_s, row.accumulation_steps,
                                        s.param_count, self.link)
         else:
-            peak = s.peak_bytes
+            peak = max(s.peak_bytes, s.peak_optimizer_bytes)
             step = row.accumulation_steps * s.micro_time_s + s.fixed_time_s
         conf = Confirmation(row.predicted_peak_memory_bytes, round(peak),
                             row.predicted_step_time_s, step)

@@ -22,6 +22,11 @@ class Sample:
     peak_accumulation_1_bytes: the same trace's peak outside the later micro-batches' forward
       and backward: the peak of accumulation 1 (the first micro-batch of the steady step
       starts with no gradients, as a step without accumulation does).
+    The two peaks above are taken over forward and backward only; peak_optimizer_bytes is
+    the peak during the optimizer step (and zero_grad, loss scaler). Each piece is close to
+    affine in the micro-batch and the layer count, while their maximum is not (the peak
+    moves from backward to the optimizer step as the model deepens): the sweep extrapolates
+    each piece and takes the maximum.
     micro_time_s: forward + backward (+ recompute) of one micro-batch.
     fixed_time_s: once per optimizer step: optimizer, zero_grad, loss scaler.
     *_bytes: the largest live bytes of each model-state category.
@@ -34,6 +39,7 @@ class Sample:
     layers: float
     peak_bytes: float
     peak_accumulation_1_bytes: float
+    peak_optimizer_bytes: float
     micro_time_s: float
     fixed_time_s: float
     parameters_bytes: float
@@ -86,16 +92,19 @@ def work_peak(tr: Trace, *, rounded: bool) -> int:
     return best
 
 
-def peak_accumulation_1(tr: Trace, *, rounded: bool) -> int:
-    """Peak live bytes over the events of micro-batch 0 and the optimizer step."""
+def phase_peaks(tr: Trace, *, rounded: bool) -> tuple[int, int, int]:
+    """(forward/backward peak, the same for accumulation 1, optimizer-step peak)."""
     timeline = tr.live_bytes_timeline(rounded=rounded)
-    best = timeline[0]
-    for j in range(1, len(timeline)):
-        op = tr.ops[j - 1] if j - 1 < len(tr.ops) else None
-        if op is not None and op.micro >= 1 and op.phase in MICRO_PHASES:
+    fb = fb1 = opt = 0
+    for j, live in enumerate(timeline):
+        op = tr.ops[j - 1] if 0 < j <= len(tr.ops) else None
+        if op is not None and op.phase not in MICRO_PHASES:
+            opt = max(opt, live)
             continue
-        best = max(best, timeline[j])
-    return best
+        fb = max(fb, live)
+        if op is None or op.micro == 0:
+            fb1 = max(fb1, live)
+    return fb, fb1, opt
 
 
 def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int) -> Sample:
@@ -104,9 +113,13 @@ def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int) -> Sample
     fixed_time = est.step_time_s - micro_time * a
     rounded = tr.target.kind == "cuda"
     cats = category_peaks(tr, rounded=rounded)
+    fb, fb1, opt = phase_peaks(tr, rounded=rounded)
+    if max(fb, opt) != est.peak_memory_bytes:  # the pieces cover every event
+        raise AssertionError(f"phase peaks {fb}, {opt} miss the trace peak "
+                             f"{est.peak_memory_bytes}")
     return Sample(
-        micro_batch=micro_batch, layers=layers, peak_bytes=est.peak_memory_bytes,
-        peak_accumulation_1_bytes=peak_accumulation_1(tr, rounded=rounded),
+        micro_batch=micro_batch, layers=layers, peak_bytes=fb, peak_accumulation_1_bytes=fb1,
+        peak_optimizer_bytes=opt,
         micro_time_s=micro_time, fixed_time_s=fixed_time,
         parameters_bytes=cats.get("parameters", 0), gradients_bytes=cats.get("gradients", 0),
         optimizer_state_bytes=cats.get("optimizer_state", 0),

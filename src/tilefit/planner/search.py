@@ -178,7 +178,8 @@ def row_from(spec: RecipeSpec, model: SweepModel, micro_batch: int, global_batch
     p = model.predict_all(micro_batch, layers)
     accum = global_batch // micro_batch
     if offload is None:
-        peak = p["peak_bytes"] if accum > 1 else p["peak_accumulation_1_bytes"]
+        peak = max(p["peak_bytes"] if accum > 1 else p["peak_accumulation_1_bytes"],
+                   p["peak_optimizer_bytes"])
         step = accum * p["micro_time_s"] + p["fixed_time_s"]
     else:
         params16 = p["parameters_bytes"] if spec.precision == "bf16" else p["parameters_bytes"] / 2
