@@ -27,6 +27,8 @@ _LAZY = {
     "Workload": ("tilefit.models", "Workload"),
     "audit": ("tilefit.advise", "audit"),
     "Audit": ("tilefit.advise", "Audit"),
+    "plan": ("tilefit.planner", "plan"),
+    "Plan": ("tilefit.planner", "Plan"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tilefit.cli.bench",
     "tilefit.cli.calibrate",
     "tilefit.cli.audit",
+    "tilefit.cli.plan",
 )
 
 for _name in COMMAND_MODULES:

@@ -95,23 +95,26 @@ def fake_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _cast_floating(model: nn.Module, dtype: torch.dtype, mode: FakeTensorMode) -> None:
-    """model.to(dtype) for a fake model: Module._apply swaps tensors in place, which fake
-    tensors refuse; new fake parameters are put in place instead (tied weights stay tied)."""
+def cast_floating(model: nn.Module, dtype: torch.dtype, *, frozen_only: bool = False) -> None:
+    """model.to(dtype), in place, for a fake (or meta) model: Module._apply swaps tensors,
+    which fake parameters refuse ("Cannot swap ... weakref", torch 2.13), so new parameters
+    are put in place instead; tied weights stay tied. ``frozen_only``: only the parameters
+    without requires_grad (a LoRA base model loaded in 16 bits), no buffers."""
     done: dict[int, Any] = {}
     for mod in model.modules():
         for name, p in list(mod._parameters.items()):
-            if p is None or not p.is_floating_point():
+            if p is None or not p.is_floating_point() or (frozen_only and p.requires_grad):
                 continue
             if id(p) not in done:
-                done[id(p)] = nn.Parameter(_fake_like(p, mode, dtype),
-                                           requires_grad=p.requires_grad)
+                done[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
             mod._parameters[name] = done[id(p)]
+        if frozen_only:
+            continue
         for name, b in list(mod._buffers.items()):
             if b is None or not b.is_floating_point():
                 continue
             if id(b) not in done:
-                done[id(b)] = _fake_like(b, mode, dtype)
+                done[id(b)] = b.to(dtype)
             mod._buffers[name] = done[id(b)]
 
 
@@ -281,7 +284,7 @@ def trace(
         with mode:
             _set_attention(fmodel, attention)
             if pure_bf16:
-                _cast_floating(fmodel, torch.bfloat16, mode)
+                cast_floating(fmodel, torch.bfloat16)
             if grad_checkpointing:
                 _enable_checkpointing(fmodel, _recompute_contexts(target, recorder, low))
             fmodel.train()

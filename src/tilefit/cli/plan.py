@@ -1,0 +1,62 @@
+"""`tilefit plan MODEL --gpu NAME --global-batch N`: the training recipe, before the first run."""
+
+from __future__ import annotations
+
+import typer
+
+from tilefit.cli import model_options as mo
+from tilefit.cli.common import GPU_HELP, JSON_OPTION, console, err_console, print_json, user_errors
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan)
+
+
+def plan(
+    model: str = mo.MODEL_ARG,
+    gpu: str = typer.Option("a100-80gb", "--gpu", help=GPU_HELP),
+    global_batch: int = typer.Option(..., "--global-batch",
+                                     help="Samples per optimizer step (kept exactly)."),
+    seq: int | None = mo.SEQ_OPTION,
+    memory_fraction: float = typer.Option(
+        0.9, "--memory-fraction",
+        help="Share of GPU memory a plan may use, in (0, 1]; the rest is headroom for the "
+        "allocator's fragmentation."),
+    objective: str = typer.Option("throughput", "--objective", help="throughput or memory."),
+    optimizer: str = typer.Option("adamw", "--optimizer",
+                                  help="Your optimizer: sgd, adam, adamw, adafactor, adamw-8bit."),
+    allow_optimizer_change: bool = typer.Option(
+        False, "--allow-optimizer-change",
+        help="Also rank other optimizers (a different training algorithm)."),
+    allow_peft: bool = typer.Option(
+        False, "--allow-peft", help="Also rank LoRA fine-tuning (frozen weights, adapters)."),
+    input_shape: str | None = mo.INPUT_SHAPE_OPTION,
+    task: str | None = mo.TASK_OPTION,
+    top: int = typer.Option(15, "--top", help="Rows of the ranked table to show."),
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Combine batch size, accumulation, checkpointing, precision, attention, optimizer and
+    offload into the fastest (or smallest) recipe that fits, with configs to paste."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from tilefit.planner import plan as run_plan
+    from tilefit.planner.plan import check_fraction
+    from tilefit.planner.space import check_global_batch
+    from tilefit.report.plan import print_plan
+
+    with user_errors():
+        check_fraction(memory_fraction)
+        check_global_batch(global_batch)
+        work = mo.load(model, seq, input_shape, task)
+        result = run_plan(work, gpu=gpu, global_batch=global_batch,
+                          memory_fraction=memory_fraction, objective=objective,
+                          optimizer=optimizer, allow_optimizer_change=allow_optimizer_change,
+                          allow_peft=allow_peft)
+    if work.is_factory:
+        err_console.print("note: the loss is a stand-in (mean of the model's output)",
+                          highlight=False)
+    if json_out:
+        print_json(result.to_dict())
+        return
+    print_plan(console, result, top=top)

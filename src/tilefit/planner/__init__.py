@@ -1,0 +1,11 @@
+"""tilefit plan: search training recipes with the estimator, before the first run.
+
+Modules: space (micro-batches and recipes), sample (what a trace yields), affine (the sweep
+model), search (tracing a recipe into rows), offload (ZeRO-Offload model), multigpu (sharded
+fallback), rank (the choice), configs (what to paste), plan (the entry point).
+"""
+
+from tilefit.planner.plan import Confirmation, Plan, plan
+from tilefit.planner.rows import PlanRow
+
+__all__ = ["Confirmation", "Plan", "PlanRow", "plan"]

@@ -1,0 +1,178 @@
+"""Configs to paste for a chosen plan: Hugging Face TrainingArguments (Python and JSON),
+Lightning Trainer arguments, a plain PyTorch loop, DeepSpeed JSON (offload), and the
+multi-GPU launch (FSDP2 via accelerate/torchrun, DeepSpeed ZeRO-3)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tilefit.planner.multigpu import ShardedSetup
+from tilefit.planner.offload import REDUCE_BUCKET_ELEMENTS
+from tilefit.planner.rows import PlanRow
+
+# TrainingArguments(optim=...) names (transformers training_args.OptimizerNames).
+HF_OPTIM = {"adamw": "adamw_torch_fused", "adam": "adamw_torch_fused",
+            "adamw-8bit": "adamw_bnb_8bit", "adafactor": "adafactor", "sgd": "sgd"}
+TORCH_OPTIM = {
+    "adamw": "torch.optim.AdamW(model.parameters(), lr=lr, fused=True)",
+    "adam": "torch.optim.Adam(model.parameters(), lr=lr, fused=True)",
+    "adamw-8bit": "bitsandbytes.optim.AdamW8bit(model.parameters(), lr=lr)",
+    "adafactor": "torch.optim.Adafactor(model.parameters(), lr=lr)",
+    "sgd": "torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)",
+}
+LIGHTNING_PRECISION = {"bf16-mixed": "bf16-mixed", "fp16-mixed": "16-mixed", "bf16": "bf16-true",
+                       "fp32": "32-true", "tf32": "32-true"}
+
+
+def hf_training_arguments(row: PlanRow, *, deepspeed_path: str | None = None) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "per_device_train_batch_size": row.micro_batch,
+        "gradient_accumulation_steps": row.accumulation_steps,
+        "gradient_checkpointing": row.grad_checkpointing,
+        "bf16": row.precision in ("bf16-mixed", "bf16"),
+        "fp16": row.precision == "fp16-mixed",
+        "tf32": row.precision == "tf32",
+        "optim": HF_OPTIM.get(row.optimizer, row.optimizer),
+    }
+    if row.offload:
+        args["deepspeed"] = deepspeed_path or "ds_config.json"
+    return args
+
+
+def _python_call(name: str, kwargs: dict[str, Any]) -> str:
+    body = "".join(f"    {k}={v!r},\n" for k, v in kwargs.items())
+    return f"{name}(\n{body})"
+
+
+def hf_python(row: PlanRow) -> str:
+    args = hf_training_arguments(row)
+    lines = ["from transformers import AutoModelForCausalLM, TrainingArguments", ""]
+    if row.attention in ("sdpa", "eager"):
+        lines.append(f'model = AutoModelForCausalLM.from_pretrained(name, '
+                     f'attn_implementation="{row.attention}")')
+    lines.append("args = " + _python_call("TrainingArguments", {"output_dir": "out", **args}))
+    return "\n".join(lines)
+
+
+def lightning(row: PlanRow) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "trainer": {"accelerator": "gpu", "devices": 1,
+                    "precision": LIGHTNING_PRECISION[row.precision],
+                    "accumulate_grad_batches": row.accumulation_steps},
+        "dataloader": {"batch_size": row.micro_batch},
+        "model": {"gradient_checkpointing_enable": row.grad_checkpointing,
+                  "attn_implementation": row.attention},
+    }
+    if row.offload:
+        out["trainer"]["strategy"] = "deepspeed_stage_2_offload"
+    return out
+
+
+def torch_loop(row: PlanRow) -> str:
+    amp = {"bf16-mixed": "torch.bfloat16", "fp16-mixed": "torch.float16"}.get(row.precision)
+    lines = [
+        "import torch",
+        f"# micro-batch {row.micro_batch} x {row.accumulation_steps} accumulation steps = "
+        f"global batch {row.global_batch}",
+        f"loader = torch.utils.data.DataLoader(dataset, batch_size={row.micro_batch}, "
+        "shuffle=True, pin_memory=True)",
+    ]
+    if row.precision == "tf32":
+        lines.append("torch.backends.cuda.matmul.allow_tf32 = True")
+    if row.precision == "bf16":
+        lines.append("model = model.to(torch.bfloat16)")
+    if row.grad_checkpointing:
+        lines.append("model.gradient_checkpointing_enable()  # HF models; else "
+                     "torch.utils.checkpoint per block")
+    lines.append(f"opt = {TORCH_OPTIM.get(row.optimizer, row.optimizer)}")
+    if row.precision == "fp16-mixed":
+        lines.append("scaler = torch.amp.GradScaler('cuda')")
+    lines.append("for i, batch in enumerate(loader):")
+    ctx = (f"torch.autocast('cuda', dtype={amp})" if amp else "torch.autocast('cuda', "
+           "enabled=False)")
+    lines.append(f"    with {ctx}:")
+    lines.append(f"        loss = model(**batch).loss / {row.accumulation_steps}")
+    if row.precision == "fp16-mixed":
+        lines.append("    scaler.scale(loss).backward()")
+    else:
+        lines.append("    loss.backward()")
+    lines.append(f"    if (i + 1) % {row.accumulation_steps} == 0:")
+    lines.append("        scaler.step(opt); scaler.update()" if row.precision == "fp16-mixed"
+                 else "        opt.step()")
+    lines.append("        opt.zero_grad(set_to_none=True)")
+    return "\n".join(lines)
+
+
+def deepspeed_offload(row: PlanRow) -> dict[str, Any]:
+    """ZeRO stage 2 with the optimizer on the CPU (DeepSpeed's ZeRO-Offload)."""
+    return {
+        "train_batch_size": row.global_batch,
+        "train_micro_batch_size_per_gpu": row.micro_batch,
+        "gradient_accumulation_steps": row.accumulation_steps,
+        "bf16": {"enabled": row.precision in ("bf16", "bf16-mixed")},
+        "fp16": {"enabled": row.precision == "fp16-mixed"},
+        "zero_optimization": {
+            "stage": 2,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "contiguous_gradients": True,
+            "overlap_comm": True,
+            "reduce_bucket_size": REDUCE_BUCKET_ELEMENTS,
+        },
+        "gradient_clipping": 1.0,
+    }
+
+
+def single_gpu_configs(row: PlanRow) -> dict[str, Any]:
+    hf = hf_training_arguments(row)
+    out: dict[str, Any] = {
+        "hf_training_arguments": hf,
+        "hf_training_arguments_json": json.dumps(hf, indent=2),
+        "hf_python": hf_python(row),
+        "lightning": lightning(row),
+        "pytorch_loop": torch_loop(row),
+    }
+    if row.offload:
+        out["deepspeed"] = deepspeed_offload(row)
+    if row.peft:
+        out["peft_lora_config"] = peft_config()
+    return out
+
+
+def peft_config() -> dict[str, Any]:
+    """peft.LoraConfig(**this) then peft.get_peft_model(model, config), the base model loaded
+    with torch_dtype=torch.bfloat16: what the plan traced."""
+    from tilefit.planner.peft import LORA_ALPHA, LORA_RANK
+
+    return {"r": LORA_RANK, "lora_alpha": LORA_ALPHA, "lora_dropout": 0.0,
+            "target_modules": "all-linear", "task_type": "CAUSAL_LM"}
+
+
+def multi_gpu_configs(setup: ShardedSetup, row: PlanRow) -> dict[str, Any]:
+    """FSDP2 through accelerate (or torchrun), and the DeepSpeed ZeRO-3 equivalent."""
+    mixed = {"bf16-mixed": "bf16", "bf16": "bf16", "fp16-mixed": "fp16"}.get(row.precision, "no")
+    accelerate_fsdp = {
+        "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",
+        "num_processes": setup.gpus, "mixed_precision": mixed,
+        "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                        "fsdp_reshard_after_forward": True,
+                        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                        "fsdp_activation_checkpointing": row.grad_checkpointing},
+    }
+    zero3 = {
+        "train_batch_size": setup.gpus * setup.micro_batch * setup.accumulation_steps,
+        "train_micro_batch_size_per_gpu": setup.micro_batch,
+        "gradient_accumulation_steps": setup.accumulation_steps,
+        "bf16": {"enabled": mixed == "bf16"}, "fp16": {"enabled": mixed == "fp16"},
+        "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True},
+    }
+    hf = {**hf_training_arguments(row), "per_device_train_batch_size": setup.micro_batch,
+          "gradient_accumulation_steps": setup.accumulation_steps}
+    return {
+        "accelerate_fsdp2": accelerate_fsdp,
+        "launch": f"accelerate launch --config_file fsdp2.yaml train.py  "
+                  f"# or: torchrun --nproc_per_node {setup.gpus} train.py "
+                  f"(with torch.distributed.fsdp.fully_shard per block)",
+        "deepspeed_zero3": zero3,
+        "hf_training_arguments": hf,
+    }

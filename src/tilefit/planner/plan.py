@@ -1,0 +1,361 @@
+"""plan(): the recipe that trains fastest (or smallest) on one GPU, predicted before the run."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tilefit.errors import TilefitError
+from tilefit.hardware import Device, get_device
+from tilefit.models import Workload
+from tilefit.planner import configs, rank, space
+from tilefit.planner.affine import SweepModel
+from tilefit.planner.multigpu import ShardedSetup, smallest_setup
+from tilefit.planner.offload import (
+    HOST_BANDWIDTH_BYTES_PER_S,
+    PCIE_BYTES_PER_S,
+    OffloadLink,
+    offload_peak_bytes,
+    offload_step_time_s,
+)
+from tilefit.planner.rows import PlanRow
+from tilefit.planner.search import (
+    SWEEP_ACCUMULATION,
+    Depth,
+    depth_of,
+    row_from,
+    safe_sweep,
+    trace_sample,
+)
+from tilefit.planner.space import RecipeSpec
+
+# The share of the GPU's memory a plan may use: the caching allocator fragments (PyTorch's
+# CUDA memory notes: reserved exceeds allocated by a few to ~10 percent on long runs), so
+# 10 percent is kept as headroom by default.
+DEFAULT_MEMORY_FRACTION = 0.9
+MAX_CONFIRMS = 3
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """The chosen plan traced in full, against the affine sweep's prediction."""
+
+    affine_peak_bytes: int
+    traced_peak_bytes: int
+    affine_step_time_s: float
+    traced_step_time_s: float
+
+    @property
+    def peak_error(self) -> float:
+        return self.affine_peak_bytes / self.traced_peak_bytes - 1
+
+    @property
+    def time_error(self) -> float:
+        return self.affine_step_time_s / self.traced_step_time_s - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"affine_peak_bytes": self.affine_peak_bytes,
+                "traced_peak_bytes": self.traced_peak_bytes,
+                "affine_step_time_s": self.affine_step_time_s,
+                "traced_step_time_s": self.traced_step_time_s,
+                "peak_error": self.peak_error, "time_error": self.time_error}
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    device: Device
+    global_batch: int
+    seq_len: int | None
+    objective: str
+    memory_fraction: float
+    budget_bytes: int  # device memory x fraction - CUDA context and workspaces
+    overhead_bytes: int
+    rows: tuple[PlanRow, ...]  # ranked; affine predictions
+    best: PlanRow | None  # the chosen plan, with the figures of its confirming trace
+    reason: str
+    confirmation: Confirmation | None
+    configs: dict[str, Any]
+    multi_gpu: dict[str, Any] | None
+    notes: tuple[str, ...] = field(default=())
+    traces: int = 0
+    wall_time_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        best = None
+        if self.best is not None:
+            best = self.best.to_dict()
+            if self.confirmation is not None:
+                best["confirmation"] = self.confirmation.to_dict()
+        return {
+            "model": self.model, "gpu": self.device.name, "global_batch": self.global_batch,
+            "seq_len": self.seq_len, "objective": self.objective,
+            "memory_fraction": self.memory_fraction, "budget_bytes": self.budget_bytes,
+            "overhead_bytes": self.overhead_bytes,
+            "plans": [r.to_dict() for r in self.rows], "best": best, "reason": self.reason,
+            "configs": self.configs, "multi_gpu": self.multi_gpu, "notes": list(self.notes),
+            "traces": self.traces, "wall_time_s": self.wall_time_s,
+        }
+
+
+def check_fraction(memory_fraction: float) -> None:
+    if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, int | float) \
+            or not 0 < memory_fraction <= 1:
+        raise TilefitError("the memory fraction must be in (0, 1]",
+                           expected="the share of GPU memory a plan may use, e.g. 0.9",
+                           given=repr(memory_fraction),
+                           fix="pass --memory-fraction 0.9 (10% headroom for fragmentation)")
+
+
+def budget_of(device: Device, memory_fraction: float) -> tuple[int, int]:
+    from tilefit.estimator import overhead_bytes
+
+    over = overhead_bytes(device)
+    return int(device.memory_bytes * memory_fraction) - over, over
+
+
+def _load(model: str | Workload, seq_len: int | None, input_shape: tuple[int, ...] | None,
+          task: str | None) -> Workload:
+    if isinstance(model, Workload):
+        return model.with_seq_len(seq_len) if seq_len is not None else model
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from tilefit.models import load_workload
+
+    return load_workload(model, seq_len=seq_len, input_shape=input_shape, task=task)
+
+
+class _Planner:
+    """The search's state: sweeps traced so far, rows, notes, the trace count."""
+
+    def __init__(self, work: Workload, device: Device, global_batch: int, budget: int,
+                 optimizer: str, depth: Depth, link: OffloadLink) -> None:
+        self.work, self.device, self.global_batch = work, device, global_batch
+        self.budget, self.optimizer, self.depth, self.link = budget, optimizer, depth, link
+        friendly, others = space.micro_batch_candidates(global_batch)
+        self.micro_batches = sorted(friendly + others)
+        self.sweeps: dict[tuple[RecipeSpec, bool], SweepModel] = {}
+        self.rows: list[PlanRow] = []
+        self.notes: list[str] = []
+        self.traces = 0
+
+    def add(self, spec: RecipeSpec, *, offload: bool = False) -> None:
+        model = safe_sweep(self.work, spec, self.micro_batches, self.depth, self.device,
+                           self.notes)
+        self.traces += len(self.depth.traced) * len({min(self.micro_batches),
+                                                     max(self.micro_batches)})
+        if model is None and self.depth.lever and not self.sweeps:
+            # the model may not build with fewer layers (per-layer config lists): trace it
+            # at full depth instead
+            self.notes.append("the model did not trace at fewer layers; traced at full depth")
+            self.depth = Depth(None, self.depth.full, (self.depth.full,))
+            model = safe_sweep(self.work, spec, self.micro_batches, self.depth, self.device,
+                               self.notes)
+            self.traces += len({min(self.micro_batches), max(self.micro_batches)})
+        if model is None:
+            return
+        self.sweeps[(spec, offload)] = model
+        for b in self.micro_batches:
+            self.rows.append(row_from(
+                spec, model, b, self.global_batch, self.depth, self.device, self.budget,
+                self.work.tokens_per_sample, self.optimizer,
+                offload=self.link if offload else None))
+
+    def any_fits(self, *, allow_optimizer_change: bool, offload: bool) -> bool:
+        """Whether a full fine-tuning plan (PEFT aside) of the kind fits."""
+        return any(r.fits and not r.peft and (allow_optimizer_change or not r.changes_optimizer)
+                   and (offload or not r.offload) for r in self.rows)
+
+    def confirm(self, row: PlanRow) -> tuple[PlanRow, Confirmation]:
+        spec = RecipeSpec(row.precision, row.optimizer, row.grad_checkpointing, row.attention,
+                          peft=row.peft)
+        s = trace_sample(self.work, spec, row.micro_batch, self.depth.full,
+                         Depth(None, self.depth.full, (self.depth.full,)), self.device,
+                         row.accumulation_steps)
+        self.traces += 1
+        if row.offload:
+            params16 = s.parameters_bytes if row.precision == "bf16" else s.parameters_bytes / 2
+            peak = offload_peak_bytes(params16, s.work_peak_bytes, s.param_count)
+            step = offload_step_time_s(s.micro_time_s, row.accumulation_steps,
+                                       s.param_count, self.link)
+        else:
+            peak = max(s.peak_bytes, s.peak_optimizer_bytes)
+            step = row.accumulation_steps * s.micro_time_s + s.fixed_time_s
+        conf = Confirmation(row.predicted_peak_memory_bytes, round(peak),
+                            row.predicted_step_time_s, step)
+        scale = row.predicted_step_time_s / step if step else 1.0
+        tokens = row.tokens_per_s * scale if row.tokens_per_s is not None else None
+        confirmed = dataclasses.replace(
+            row, predicted_peak_memory_bytes=round(peak), predicted_step_time_s=step,
+            samples_per_s=self.global_batch / step if step else 0.0, tokens_per_s=tokens,
+            mfu=row.mfu * scale)
+        return confirmed, conf
+
+
+def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
+         seq_len: int | None = None, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+         objective: str = "throughput", optimizer: str = "adamw",
+         allow_optimizer_change: bool = False, allow_peft: bool = False,
+         input_shape: tuple[int, ...] | None = None, task: str | None = None,
+         confirm: bool = True, layer_lever: bool | None = None,
+         pcie_bytes_per_s: float | None = None,
+         host_bandwidth_bytes_per_s: float | None = None) -> Plan:
+    """Search training recipes for ``model`` on ``gpu`` at a fixed global batch.
+
+    Every plan keeps micro_batch x accumulation_steps == global_batch. Recipes that keep the
+    user's ``optimizer`` are searched first (precision the GPU supports, SDPA/eager attention,
+    gradient checkpointing); CPU offload when none fits; other optimizers when allowed or
+    when nothing else fits; a multi-GPU setup when nothing fits on one GPU. Each recipe is
+    traced at two micro-batches (and, for deep models, two layer counts) and the rest of the
+    sweep is predicted (``tilefit.planner.affine``); the chosen plan is traced in full.
+    """
+    started = time.perf_counter()
+    check_fraction(memory_fraction)
+    rank.check_objective(objective)
+    space.check_global_batch(global_batch)
+    device = get_device(gpu)
+    if device.kind != "cuda":
+        raise TilefitError("plan needs a GPU to plan for",
+                           expected="a GPU from the catalog (`tilefit gpus`)",
+                           given=device.name, fix="pass --gpu a100-80gb (or your GPU)")
+    work = _load(model, seq_len, input_shape, task)
+    budget, overhead = budget_of(device, memory_fraction)
+    link = OffloadLink(pcie_bytes_per_s or PCIE_BYTES_PER_S,
+                       host_bandwidth_bytes_per_s or HOST_BANDWIDTH_BYTES_PER_S)
+    try:
+        depth = depth_of(work, use_lever=layer_lever)
+    except TilefitError:
+        depth = Depth(None, 1, (1,))
+    p = _Planner(work, device, global_batch, budget, optimizer, depth, link)
+    hf_model = not work.is_factory
+    if allow_peft and not hf_model:
+        p.notes.append("PEFT/LoRA is planned for Hugging Face models only (the adapters wrap "
+                       "their linear layers): --allow-peft adds no plans for a factory")
+    for spec in space.base_recipes(device, optimizer, hf_model=hf_model):
+        p.add(spec)
+    if allow_peft and hf_model:
+        for spec in space.peft_recipes(device, optimizer):
+            p.add(spec)
+    if not p.any_fits(allow_optimizer_change=False, offload=False):
+        off_prec = "bf16" if device.supports("bf16") else space.precisions(device)[0]
+        att = "sdpa" if hf_model else "auto"
+        for ckpt in (False, True):
+            p.add(RecipeSpec(off_prec, optimizer, ckpt, att), offload=True)
+    if allow_optimizer_change or not p.any_fits(allow_optimizer_change=False, offload=True):
+        for spec in space.optimizer_recipes(device, optimizer, hf_model=hf_model):
+            p.add(spec)
+    if p.depth.lever:
+        p.notes.insert(0, "deep model: each recipe traced at "
+                       f"{', '.join(map(str, p.depth.traced))} of {p.depth.full} layers and "
+                       "extrapolated (affine in the layer count)")
+    rows = rank.rank(rank.prune_unfriendly(p.rows), objective, allow_optimizer_change)
+
+    best, conf, reason = None, None, ""
+    candidates = [r for r in rows if r.fits]
+    for _ in range(MAX_CONFIRMS):
+        chosen = rank.choose(candidates, objective, allow_optimizer_change)
+        if chosen is None:
+            break
+        if not confirm:
+            best, reason = chosen, _why(chosen, rows, objective, allow_optimizer_change)
+            break
+        confirmed, c = p.confirm(chosen)
+        if confirmed.fits:
+            best, conf = confirmed, c
+            reason = _why(chosen, rows, objective, allow_optimizer_change)
+            break
+        p.notes.append(f"{chosen.recipe_label()} at micro-batch {chosen.micro_batch}: the full "
+                       f"trace needs {confirmed.predicted_peak_memory_bytes / 2**30:.1f} GiB, "
+                       "over the budget; next plan tried")
+        candidates = [r for r in candidates if r is not chosen]
+    if best is None:
+        reason = (f"nothing fits on one {device.display_name} "
+                  f"(budget {budget / 2**30:.1f} GiB) at global batch {global_batch}")
+
+    keeps = [r for r in rows if not r.offload and not r.changes_optimizer and not r.peft]
+    if keeps and not any(r.fits for r in keeps):
+        smallest = min(keeps, key=lambda r: r.predicted_peak_memory_bytes)
+        p.notes.append(
+            f"with {optimizer} on the GPU alone nothing fits: the smallest plan "
+            f"({smallest.recipe_label()}, micro-batch {smallest.micro_batch}) needs "
+            f"{smallest.predicted_peak_memory_bytes / 2**30:.1f} GiB of "
+            f"{budget / 2**30:.1f} GiB")
+    multi = None
+    if keeps and not any(r.fits for r in keeps):
+        multi = _multi_gpu(p, optimizer, hf_model, budget)
+    cfg = configs.single_gpu_configs(best) if best is not None else {}
+    return Plan(
+        model=work.name, device=device, global_batch=global_batch, seq_len=work.seq_len,
+        objective=objective, memory_fraction=memory_fraction, budget_bytes=budget,
+        overhead_bytes=overhead, rows=tuple(rows), best=best, reason=reason, confirmation=conf,
+        configs=cfg, multi_gpu=multi, notes=tuple(p.notes), traces=p.traces,
+        wall_time_s=time.perf_counter() - started)
+
+
+def _why(row: PlanRow, rows: list[PlanRow], objective: str, allow_change: bool) -> str:
+    fits = [r for r in rows if r.fits]
+    what = ("the most samples/s" if objective == "throughput" else "the smallest peak memory")
+    tiers = {0: "keeps your training algorithm on the GPU",
+             1: "no plan fits with the optimizer on the GPU; CPU offload keeps the algorithm",
+             2: "nothing else fits: it CHANGES THE OPTIMIZER"}
+    t = rank.tier(row, allow_change)
+    how = tiers[t]
+    if row.changes_optimizer and allow_change:
+        how = f"it changes the optimizer to {row.optimizer} (allowed)"
+    if row.peft:
+        how = "it trains LoRA adapters instead of the full model (allowed by --allow-peft)"
+    return (f"{what} of the {len(fits)} plans that fit the budget; "
+            f"{how}; micro-batch {row.micro_batch} x {row.accumulation_steps} "
+            f"accumulation steps = global batch {row.global_batch}")
+
+
+def _multi_gpu(p: _Planner, optimizer: str, hf_model: bool, budget: int
+               ) -> dict[str, Any] | None:
+    """The fewest GPUs under full sharding (FSDP2 with bf16 compute / ZeRO-3).
+
+    Model state (fp32 parameters, gradients and optimizer state: the mixed-precision sweep's
+    figures) is divided by N; the working set per GPU is that of the model computing in 16-bit
+    (the offload sweep: FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16) gathers 16-bit
+    parameters, so no autocast weight copies), at the micro-batch."""
+    att = "sdpa" if hf_model else "auto"
+    mixed = p.sweeps.get((RecipeSpec(space.precisions(p.device)[0], optimizer, False, att),
+                          False))
+    if mixed is None:
+        return None
+    layers = p.depth.full if p.depth.lever else None
+    best: tuple[ShardedSetup, RecipeSpec] | None = None
+    for (spec, offload), model16 in p.sweeps.items():
+        if not offload:
+            continue
+        cands = []
+        for b in p.micro_batches:
+            x = mixed.predict_all(b, layers)
+            y = model16.predict_all(b, layers)
+            state = x["parameters_bytes"] + x["gradients_bytes"] + x["optimizer_state_bytes"]
+            params16 = y["parameters_bytes"] if spec.precision == "bf16" else \
+                y["parameters_bytes"] / 2
+            cands.append((b, state, params16, y["work_peak_bytes"], y["micro_time_s"]))
+        setup = smallest_setup(p.global_batch, cands, p.depth.full, budget)
+        if setup is not None and (best is None or (setup.gpus, setup.compute_time_s)
+                                  < (best[0].gpus, best[0].compute_time_s)):
+            best = (setup, spec)
+    if best is None:
+        return {"gpus": None, "note": "no sharded setup of up to 64 GPUs fits"}
+    setup, spec = best
+    row = PlanRow(setup.micro_batch, setup.accumulation_steps,
+                  space.precisions(p.device)[0], optimizer, spec.grad_checkpointing,
+                  spec.attention, round(setup.per_gpu_peak_bytes), setup.compute_time_s,
+                  0.0, None, 0.0, budget)
+    return {**setup.to_dict(), "engine": "FSDP2 (torchrun / accelerate) or DeepSpeed ZeRO-3",
+            "recipe": {"precision": row.precision, "optimizer": optimizer,
+                       "grad_checkpointing": spec.grad_checkpointing,
+                       "attention": spec.attention},
+            "configs": configs.multi_gpu_configs(setup, row),
+            "model": "per GPU: (fp32 parameters + gradients + optimizer state) / N + the "
+                     "16-bit working set at the micro-batch + 2 gathered 16-bit layers "
+                     "(ZeRO-3: Rajbhandari et al. 2020, (2 + 2 + K) Psi / N_d)"}
+
+
+__all__ = ["DEFAULT_MEMORY_FRACTION", "SWEEP_ACCUMULATION", "Confirmation", "Plan", "plan"]

@@ -1,0 +1,83 @@
+"""Ranking plan rows and choosing the best one (a pure policy over rows).
+
+Tiers, best first: plans that keep the training algorithm on the GPU alone; CPU offload
+(same algorithm, slower: proposed only when no plan of the first tier fits); plans that change
+the optimizer (proposed only when the user allows it, where they join the first tiers, or when
+nothing else fits). Within the chosen tier, the throughput objective takes the most samples/s,
+the memory objective the smallest peak (then the most samples/s).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tilefit.errors import TilefitError
+from tilefit.planner.rows import PlanRow
+
+OBJECTIVES = ("throughput", "memory")
+# A micro-batch that is neither a multiple of 8 nor a power of two is kept only when it beats
+# the best friendly one of its recipe by this much (a "real gain", not model noise).
+REAL_GAIN = 0.05
+
+
+def check_objective(objective: str) -> None:
+    if objective not in OBJECTIVES:
+        raise TilefitError(f"unknown objective {objective!r}",
+                           expected="throughput or memory", given=repr(objective),
+                           fix="pass --objective throughput (the fastest plan that fits) or "
+                           "--objective memory (the smallest)")
+
+
+def tier(row: PlanRow, allow_optimizer_change: bool) -> int:
+    changes = row.changes_optimizer and not allow_optimizer_change
+    return 2 if changes else (1 if row.offload else 0)
+
+
+# Peaks within this share of the budget are a tie for the memory objective (the faster wins):
+# a few MiB is below what the model resolves (allocator rounding, fragmentation).
+MEMORY_TIE = 0.01
+
+
+def sort_key(row: PlanRow, objective: str) -> tuple[float, ...]:
+    if objective == "memory":
+        bucket = max(1, int(row.budget_bytes * MEMORY_TIE))
+        return (row.predicted_peak_memory_bytes // bucket, -row.samples_per_s)
+    return (-row.samples_per_s, row.predicted_peak_memory_bytes)
+
+
+def rank(rows: Sequence[PlanRow], objective: str, allow_optimizer_change: bool
+         ) -> list[PlanRow]:
+    """Fitting rows by (tier, objective), then the rest by peak memory."""
+    fit = [r for r in rows if r.fits]
+    rest = [r for r in rows if not r.fits]
+    fit.sort(key=lambda r: (tier(r, allow_optimizer_change), *sort_key(r, objective)))
+    rest.sort(key=lambda r: (r.predicted_peak_memory_bytes, -r.samples_per_s))
+    return fit + rest
+
+
+def choose(rows: Sequence[PlanRow], objective: str, allow_optimizer_change: bool
+           ) -> PlanRow | None:
+    ranked = rank(rows, objective, allow_optimizer_change)
+    return ranked[0] if ranked and ranked[0].fits else None
+
+
+def prune_unfriendly(rows: Sequence[PlanRow]) -> list[PlanRow]:
+    """Drop unfriendly micro-batches that show no real gain over a friendly one of the same
+    recipe (kept when no friendly micro-batch of the recipe fits)."""
+    def recipe(r: PlanRow) -> tuple[object, ...]:
+        return (r.precision, r.optimizer, r.grad_checkpointing, r.attention, r.offload, r.peft)
+
+    best_friendly: dict[tuple[object, ...], float] = {}
+    for r in rows:
+        if r.friendly and r.fits:
+            k = recipe(r)
+            best_friendly[k] = max(best_friendly.get(k, 0.0), r.samples_per_s)
+    out = []
+    for r in rows:
+        if r.friendly:
+            out.append(r)
+            continue
+        ref = best_friendly.get(recipe(r))
+        if r.fits and (ref is None or r.samples_per_s > ref * (1 + REAL_GAIN)):
+            out.append(r)
+    return out

@@ -1,0 +1,65 @@
+"""A plan row: one recipe at one micro-batch, with its predicted memory and time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    micro_batch: int
+    accumulation_steps: int
+    precision: str
+    optimizer: str
+    grad_checkpointing: bool
+    attention: str
+    predicted_peak_memory_bytes: int  # tensors only; the budget already excludes overhead
+    predicted_step_time_s: float  # one optimizer step (all micro-batches)
+    samples_per_s: float
+    tokens_per_s: float | None
+    mfu: float
+    budget_bytes: int
+    peft: bool = False
+    offload: bool = False
+    changes_optimizer: bool = False  # a different training algorithm than the user's
+    changes: tuple[str, ...] = field(default=())  # what it changes about training, in words
+    friendly: bool = True  # micro-batch a multiple of 8 or a power of two
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accumulation_steps
+
+    @property
+    def fits(self) -> bool:
+        return self.predicted_peak_memory_bytes <= self.budget_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.budget_bytes - self.predicted_peak_memory_bytes
+
+    def recipe_label(self) -> str:
+        parts = [self.precision, self.optimizer]
+        if self.grad_checkpointing:
+            parts.append("ckpt")
+        if self.attention not in ("auto", "sdpa"):
+            parts.append(self.attention)
+        if self.peft:
+            parts.append("lora")
+        if self.offload:
+            parts.append("offload")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "micro_batch": self.micro_batch, "accumulation_steps": self.accumulation_steps,
+            "precision": self.precision, "optimizer": self.optimizer,
+            "grad_checkpointing": self.grad_checkpointing, "attention": self.attention,
+            "peft": self.peft, "offload": self.offload,
+            "predicted_peak_memory_bytes": self.predicted_peak_memory_bytes,
+            "headroom_bytes": self.headroom_bytes,
+            "predicted_step_time_s": self.predicted_step_time_s,
+            "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu, "fits": self.fits, "changes_optimizer": self.changes_optimizer,
+            "changes": list(self.changes),
+        }

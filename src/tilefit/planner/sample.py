@@ -1,0 +1,127 @@
+"""What the planner keeps from one traced and costed step: a Sample of a few numbers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from tilefit.estimator import Estimate
+from tilefit.tracing import Trace
+
+STATE_CATEGORIES = ("parameters", "gradients", "optimizer_state")
+MICRO_PHASES = ("forward", "backward", "recompute")  # run once per micro-batch
+WORK_PHASES = MICRO_PHASES
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One trace's figures, per micro-batch where they scale with accumulation.
+
+    peak_bytes: peak live tensor bytes (allocator-rounded) with accumulation >= 2 (the steady
+      peak of any accumulation >= 2: the previous micro-batch's gradients are live during the
+      next forward).
+    peak_accumulation_1_bytes: the same trace's peak outside the later micro-batches' forward
+      and backward: the peak of accumulation 1 (the first micro-batch of the steady step
+      starts with no gradients, as a step without accumulation does).
+    The two peaks above are taken over forward and backward only; peak_optimizer_bytes is
+    the peak during the optimizer step (and zero_grad, loss scaler). Each piece is close to
+    affine in the micro-batch and the layer count, while their maximum is not (the peak
+    moves from backward to the optimizer step as the model deepens): the sweep extrapolates
+    each piece and takes the maximum.
+    micro_time_s: forward + backward (+ recompute) of one micro-batch.
+    fixed_time_s: once per optimizer step: optimizer, zero_grad, loss scaler.
+    *_bytes: the largest live bytes of each model-state category.
+    work_peak_bytes: the largest live bytes of what forward/backward allocate apart from the
+      model state (activations, temporaries, inputs); what stays on the GPU under offload.
+    micro_flops: model FLOPs of one micro-batch (checkpoint recompute excluded).
+    """
+
+    micro_batch: float
+    layers: float
+    peak_bytes: float
+    peak_accumulation_1_bytes: float
+    peak_optimizer_bytes: float
+    micro_time_s: float
+    fixed_time_s: float
+    parameters_bytes: float
+    gradients_bytes: float
+    optimizer_state_bytes: float
+    work_peak_bytes: float
+    micro_flops: float
+    param_count: float
+
+    def metrics(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("micro_batch", "layers")}
+
+
+def category_peaks(tr: Trace, *, rounded: bool) -> dict[str, int]:
+    """The largest live bytes of each category over the whole trace."""
+    out: dict[str, int] = {}
+    cats = {s.category for s in tr.storages}
+    for cat in cats:
+        delta = [0] * (tr.n_events + 2)
+        for s in tr.storages:
+            if s.category != cat:
+                continue
+            size = tr.target.round(s.nbytes) if rounded else s.nbytes
+            delta[s.alloc_at + 1] += size
+            if s.free_at is not None:
+                delta[s.free_at + 1] -= size
+        live = best = 0
+        for d in delta:
+            live += d
+            best = max(best, live)
+        out[cat] = best
+    return out
+
+
+def work_peak(tr: Trace, *, rounded: bool) -> int:
+    """Peak live bytes of non-state storages allocated by forward, backward or recompute."""
+    delta = [0] * (tr.n_events + 2)
+    for s in tr.storages:
+        if s.category in STATE_CATEGORIES or s.phase not in WORK_PHASES:
+            continue
+        size = tr.target.round(s.nbytes) if rounded else s.nbytes
+        delta[s.alloc_at + 1] += size
+        if s.free_at is not None:
+            delta[s.free_at + 1] -= size
+    live = best = 0
+    for d in delta:
+        live += d
+        best = max(best, live)
+    return best
+
+
+def phase_peaks(tr: Trace, *, rounded: bool) -> tuple[int, int, int]:
+    """(forward/backward peak, the same for accumulation 1, optimizer-step peak)."""
+    timeline = tr.live_bytes_timeline(rounded=rounded)
+    fb = fb1 = opt = 0
+    for j, live in enumerate(timeline):
+        op = tr.ops[j - 1] if 0 < j <= len(tr.ops) else None
+        if op is not None and op.phase not in MICRO_PHASES:
+            opt = max(opt, live)
+            continue
+        fb = max(fb, live)
+        if op is None or op.micro == 0:
+            fb1 = max(fb1, live)
+    return fb, fb1, opt
+
+
+def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int) -> Sample:
+    a = est.accumulation_steps
+    micro_time = sum(est.time_by_phase_s.get(p, 0.0) for p in MICRO_PHASES) / a
+    fixed_time = est.step_time_s - micro_time * a
+    rounded = tr.target.kind == "cuda"
+    cats = category_peaks(tr, rounded=rounded)
+    fb, fb1, opt = phase_peaks(tr, rounded=rounded)
+    if max(fb, opt) != est.peak_memory_bytes:  # the pieces cover every event
+        raise AssertionError(f"phase peaks {fb}, {opt} miss the trace peak "
+                             f"{est.peak_memory_bytes}")
+    return Sample(
+        micro_batch=micro_batch, layers=layers, peak_bytes=fb, peak_accumulation_1_bytes=fb1,
+        peak_optimizer_bytes=opt,
+        micro_time_s=micro_time, fixed_time_s=fixed_time,
+        parameters_bytes=cats.get("parameters", 0), gradients_bytes=cats.get("gradients", 0),
+        optimizer_state_bytes=cats.get("optimizer_state", 0),
+        work_peak_bytes=work_peak(tr, rounded=rounded), micro_flops=est.flops / a,
+        param_count=tr.param_count)

@@ -1,0 +1,183 @@
+"""Tracing a recipe at the sweep's points and turning the fitted model into plan rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tilefit.errors import TilefitError
+from tilefit.estimator import MFU_DTYPE, estimate_trace
+from tilefit.estimator.workloads import Recipe, trace_workload
+from tilefit.hardware import Device
+from tilefit.models import Workload
+from tilefit.planner.affine import SweepModel
+from tilefit.planner.offload import OffloadLink, offload_peak_bytes, offload_step_time_s
+from tilefit.planner.rows import PlanRow
+from tilefit.planner.sample import Sample, sample_of
+from tilefit.planner.space import OPTIMIZER_LABELS, RecipeSpec, is_friendly
+from tilefit.tracing import Trace
+
+if TYPE_CHECKING:
+    import torch
+
+# Models deeper than this are traced at LEVER_LAYERS layers and extrapolated (affine in the
+# layer count): a 32-layer 7B model traces in ~16 s on this 2-core machine, 1-2 layers in ~1 s.
+LAYER_LEVER_MIN_LAYERS = 4
+LEVER_LAYERS = (1, 2)
+# Accumulation used for the sweep's traces: with >= 2 micro-batches the gradients of the
+# previous micro-batch are live during the next forward, the steady peak of any accumulation
+# >= 2 and an upper bound for accumulation 1.
+SWEEP_ACCUMULATION = 2
+
+
+@dataclass(frozen=True)
+class Depth:
+    """How the model's depth is swept: the config field, the full count and the traced ones."""
+
+    field: str | None
+    full: int
+    traced: tuple[int, ...]
+
+    @property
+    def lever(self) -> bool:
+        return self.field is not None and len(self.traced) > 1
+
+
+def depth_of(workload: Workload, *, use_lever: bool | None = None) -> Depth:
+    if workload.config is None:
+        return Depth(None, 1, (1,))
+    from tilefit.models import hf
+
+    key = hf.canonical_field(workload.config, "num_hidden_layers")
+    if key not in workload.config:
+        return Depth(None, 1, (1,))
+    full = int(workload.config[key])
+    lever = full > LAYER_LEVER_MIN_LAYERS if use_lever is None else use_lever
+    if not lever or full <= max(LEVER_LAYERS):
+        return Depth(None, full, (full,))
+    return Depth("num_hidden_layers", full, LEVER_LAYERS)
+
+
+def mfu_dtype_for(precision: str, device: Device) -> str:
+    """The dtype whose dense peak MFU is measured against (as the estimator does)."""
+    dt = MFU_DTYPE[precision]
+    return dt if device.supports(dt) else "fp32"
+
+
+def trace_sample(workload: Workload, spec: RecipeSpec, micro_batch: int, layers: int,
+                 depth: Depth, device: Device, accumulation_steps: int) -> Sample:
+    work = workload
+    if depth.field is not None and layers != depth.full:
+        work = workload.with_config(**{depth.field: layers})
+    if spec.precision == "bf16" or spec.peft:
+        tr = trace_built(work, micro_batch, spec, accumulation_steps, device)
+    else:
+        recipe = Recipe(batch_size=micro_batch, precision=spec.precision,
+                        optimizer=spec.optimizer, grad_checkpointing=spec.grad_checkpointing,
+                        accumulation_steps=accumulation_steps, attention=spec.attention)
+        tr = trace_workload(work, recipe, device)
+    return sample_of(tr, estimate_trace(tr, device), micro_batch, layers)
+
+
+def trace_built(work: Workload, micro_batch: int, spec: RecipeSpec,
+                accumulation_steps: int, device: Device) -> Trace:
+    """A step of the model held in bf16 (DeepSpeed's bf16 mode: no autocast, no fp32 weights on
+    the GPU: the tracer's precision="bf16") and/or with LoRA adapters (tilefit.planner.peft)
+    on a 16-bit frozen base."""
+    from tilefit.planner.peft import add_lora
+    from tilefit.tracing import trace
+    from tilefit.tracing.step import cast_floating
+
+    attention = "sdpa" if spec.attention == "auto" and not work.is_factory else spec.attention
+
+    def build() -> torch.nn.Module:
+        m = work.build(attention)
+        if spec.peft:
+            # the frozen base model in 16 bits, as LoRA fine-tuning loads it
+            # (from_pretrained(torch_dtype=bfloat16)); the adapters stay fp32 under autocast
+            import torch
+
+            low = torch.float16 if spec.precision == "fp16-mixed" else torch.bfloat16
+            m = add_lora(m)
+            cast_floating(m, low, frozen_only=True)
+        return m
+
+    return trace(build, work.make_batch(micro_batch, device="meta"), loss_fn=work.loss_fn,
+                 optimizer=spec.optimizer,
+                 precision=spec.precision,
+                 grad_checkpointing=spec.grad_checkpointing,
+                 accumulation_steps=accumulation_steps, attention="auto", device=device)
+
+
+def sweep(workload: Workload, spec: RecipeSpec, micro_batches: list[int], depth: Depth,
+          device: Device) -> SweepModel:
+    """Trace the recipe at the smallest and the largest micro-batch (at each traced depth)."""
+    points = sorted({min(micro_batches), max(micro_batches)})
+    samples = [trace_sample(workload, spec, b, k, depth, device, SWEEP_ACCUMULATION)
+               for k in depth.traced for b in points]
+    return SweepModel(tuple(samples))
+
+
+def changes_of(spec: RecipeSpec, user_optimizer: str, offload: bool) -> tuple[str, ...]:
+    out: list[str] = []
+    if spec.peft:
+        from tilefit.planner.peft import LORA_ALPHA, LORA_RANK
+
+        out.append(f"LoRA r={LORA_RANK} alpha={LORA_ALPHA} on all linear layers, base weights "
+                   "frozen in 16 bits: trains adapters, not the model (a different recipe)")
+    if spec.optimizer != user_optimizer:
+        out.append(f"optimizer {OPTIMIZER_LABELS.get(user_optimizer, user_optimizer)} -> "
+                   f"{OPTIMIZER_LABELS.get(spec.optimizer, spec.optimizer)}: a different "
+                   "training algorithm (retune the learning rate)")
+    if spec.precision in ("bf16-mixed", "fp16-mixed"):
+        out.append(f"{spec.precision[:4]} autocast "
+                   + ("(fp32 adapters)" if spec.peft else "(fp32 weights)"))
+    elif spec.precision == "bf16":
+        out.append("bf16 weights on the GPU, fp32 master copy on the CPU")
+    elif spec.precision == "tf32":
+        out.append("TF32 matmuls (10-bit mantissa inputs)")
+    if spec.grad_checkpointing:
+        out.append("recomputes activations in backward (same math)")
+    if offload:
+        out.append("optimizer on the CPU (DeepSpeed ZeRO-Offload; same math)")
+    return tuple(out)
+
+
+def row_from(spec: RecipeSpec, model: SweepModel, micro_batch: int, global_batch: int,
+             depth: Depth, device: Device, budget_bytes: int, tokens_per_sample: int | None,
+             user_optimizer: str, *, offload: OffloadLink | None = None) -> PlanRow:
+    layers = depth.full if depth.lever else None
+    p = model.predict_all(micro_batch, layers)
+    accum = global_batch // micro_batch
+    if offload is None:
+        peak = max(p["peak_bytes"] if accum > 1 else p["peak_accumulation_1_bytes"],
+                   p["peak_optimizer_bytes"])
+        step = accum * p["micro_time_s"] + p["fixed_time_s"]
+    else:
+        params16 = p["parameters_bytes"] if spec.precision == "bf16" else p["parameters_bytes"] / 2
+        peak = offload_peak_bytes(params16, p["work_peak_bytes"], p["param_count"])
+        step = offload_step_time_s(p["micro_time_s"], accum, p["param_count"], offload)
+    flops = accum * p["micro_flops"]
+    mfu = flops / step / device.peak(mfu_dtype_for(spec.precision, device)) if step > 0 else 0.0
+    return PlanRow(
+        micro_batch=micro_batch, accumulation_steps=accum, precision=spec.precision,
+        optimizer=spec.optimizer, grad_checkpointing=spec.grad_checkpointing,
+        attention=spec.attention, predicted_peak_memory_bytes=round(peak),
+        predicted_step_time_s=step, samples_per_s=global_batch / step if step else 0.0,
+        tokens_per_s=(global_batch * tokens_per_sample / step
+                      if (tokens_per_sample and step) else None),
+        mfu=mfu, budget_bytes=budget_bytes, offload=offload is not None, peft=spec.peft,
+        changes_optimizer=spec.optimizer != user_optimizer,
+        changes=changes_of(spec, user_optimizer, offload is not None),
+        friendly=is_friendly(micro_batch))
+
+
+def safe_sweep(workload: Workload, spec: RecipeSpec, micro_batches: list[int], depth: Depth,
+               device: Device, notes: list[str]) -> SweepModel | None:
+    """The sweep, or None with a note when the recipe cannot run (e.g. Adafactor without
+    torch.optim.Adafactor)."""
+    try:
+        return sweep(workload, spec, micro_batches, depth, device)
+    except TilefitError as exc:
+        notes.append(f"skipped {spec.precision} {spec.optimizer}: {exc.problem}")
+        return None

@@ -1,0 +1,137 @@
+"""The search space: micro-batches that split the global batch, and the recipes to try.
+
+The global batch is the user's training recipe (it sets the gradient noise and the learning
+rate schedule), so every candidate keeps micro_batch x accumulation_steps == global_batch
+exactly; only divisors of the global batch are micro-batch candidates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tilefit.errors import TilefitError
+from tilefit.hardware import Device
+
+# Hardware-friendly micro-batches: multiples of 8 keep the batch dimension of the GEMMs
+# Tensor-Core aligned for fp16/bf16 (NVIDIA "Matrix Multiplication Background" guide: dims
+# multiples of 8 for fp16), and powers of two are what the Hugging Face single-GPU guide
+# recommends for the batch size (shared/reference/performance.md section 3).
+FRIENDLY_MULTIPLE = 8
+
+# What a change of optimizer means for training, shown in the plan's "changes" column.
+OPTIMIZER_LABELS = {
+    "adamw": "AdamW", "adam": "Adam", "adamw-8bit": "8-bit AdamW (bitsandbytes)",
+    "adafactor": "Adafactor", "sgd": "SGD with momentum",
+}
+# Optimizers the planner may propose in place of the user's (only when allowed, or when
+# nothing else fits; always marked as a change to the training algorithm).
+ALTERNATIVE_OPTIMIZERS = ("adamw-8bit", "adafactor", "sgd")
+
+
+def is_friendly(micro_batch: int) -> bool:
+    return micro_batch % FRIENDLY_MULTIPLE == 0 or (micro_batch & (micro_batch - 1)) == 0
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_global_batch(global_batch: int) -> None:
+    """A global batch the planner can split into hardware-friendly micro-batches.
+
+    Rejected: non-integers, values < 1, and odd primes > 2 whose only splits are 1 x G
+    (micro-batch 1: every GEMM's batch dimension at 1) and G x 1 (no accumulation possible).
+    """
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise TilefitError("the global batch must be a whole number >= 1",
+                           expected="the samples per optimizer step of your recipe, e.g. 32",
+                           given=repr(global_batch), fix="pass --global-batch 32")
+    if global_batch > 2 and divisors(global_batch) == [1, global_batch]:
+        lower, upper = nearest_splittable(global_batch)
+        raise TilefitError(
+            f"the global batch {global_batch} is prime: it splits only into 1 x {global_batch} "
+            f"(micro-batch 1) or {global_batch} x 1 (no accumulation)",
+            expected="a global batch with a hardware-friendly divisor (a multiple of 8 or a "
+            "power of two)", given=str(global_batch),
+            fix=f"use a nearby global batch: {lower} or {upper} (scale the learning rate with "
+            "it if your recipe does)")
+
+
+def nearest_splittable(global_batch: int) -> tuple[int, int]:
+    """The nearest global batches below and above with a friendly divisor of at least 8
+    (or a power of two when the batch is small)."""
+
+    def ok(g: int) -> bool:
+        if g < 1:
+            return False
+        want = 8 if global_batch >= 8 else 2
+        return any(d >= want and is_friendly(d) for d in divisors(g))
+
+    lower = next((g for g in range(global_batch - 1, 0, -1) if ok(g)), 1)
+    upper = next(g for g in range(global_batch + 1, 2 * global_batch + 16) if ok(g))
+    return lower, upper
+
+
+def micro_batch_candidates(global_batch: int) -> tuple[list[int], list[int]]:
+    """(friendly divisors, other divisors) of the global batch."""
+    ds = divisors(global_batch)
+    return [d for d in ds if is_friendly(d)], [d for d in ds if not is_friendly(d)]
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    """A training recipe without its micro-batch: what the planner traces."""
+
+    precision: str
+    optimizer: str
+    grad_checkpointing: bool
+    attention: str
+    peft: bool = False  # LoRA adapters on frozen weights (tilefit.planner.peft)
+
+    def key(self) -> tuple[str, str, bool, str]:
+        return (self.precision, self.optimizer, self.grad_checkpointing, self.attention)
+
+
+def precisions(device: Device) -> list[str]:
+    """Mixed precision in the dtype the part has (bf16 on Ampere and later, fp16 with loss
+    scaling before: V100 and T4 have no bf16, NVIDIA Volta/Turing whitepapers), then full
+    precision: tf32 where the part has TF32 Tensor Cores, else fp32."""
+    out: list[str] = []
+    if device.supports("bf16"):
+        out.append("bf16-mixed")
+    elif device.supports("fp16"):
+        out.append("fp16-mixed")
+    out.append("tf32" if device.supports("tf32") else "fp32")
+    return out
+
+
+def base_recipes(device: Device, optimizer: str, *, hf_model: bool) -> list[RecipeSpec]:
+    """The recipes that keep the user's optimizer: mixed precision with SDPA, with and
+    without gradient checkpointing; mixed precision with eager attention and full precision
+    with SDPA, without checkpointing. Checkpointing is crossed with the fastest attention and
+    precision only, to keep the trace count down: the eager and full-precision rows show
+    what those choices cost, and neither is ever faster or smaller than SDPA in mixed
+    precision once checkpointing is on (eager materialises the attention scores; fp32
+    activations are twice the bytes of bf16 ones)."""
+    precs = precisions(device)
+    att = "sdpa" if hf_model else "auto"
+    out = [RecipeSpec(precs[0], optimizer, False, att), RecipeSpec(precs[0], optimizer, True, att)]
+    if hf_model:
+        out.append(RecipeSpec(precs[0], optimizer, False, "eager"))
+    out.extend(RecipeSpec(p, optimizer, False, att) for p in precs[1:])
+    return out
+
+
+def optimizer_recipes(device: Device, optimizer: str, *, hf_model: bool) -> list[RecipeSpec]:
+    """Recipes that change the optimizer: mixed precision, the fastest attention."""
+    prec = precisions(device)[0]
+    att = "sdpa" if hf_model else "auto"
+    return [RecipeSpec(prec, opt, ckpt, att) for opt in ALTERNATIVE_OPTIMIZERS
+            if opt != optimizer for ckpt in (False, True)]
+
+
+def peft_recipes(device: Device, optimizer: str) -> list[RecipeSpec]:
+    """LoRA with the user's optimizer, mixed precision, SDPA, with and without checkpointing
+    (Hugging Face models only: the adapters wrap their linear layers)."""
+    prec = precisions(device)[0]
+    return [RecipeSpec(prec, optimizer, ckpt, "sdpa", peft=True) for ckpt in (False, True)]

@@ -1,0 +1,354 @@
+"""tilefit plan: the search space, the affine sweep model, ranking, the offload and sharding
+models, configs, real plans of tiny models, and the command's bad-input handling."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from tilefit.errors import TilefitError
+from tilefit.planner import offload as off
+from tilefit.planner.affine import Line, SweepModel
+from tilefit.planner.configs import deepspeed_offload, hf_training_arguments, single_gpu_configs
+from tilefit.planner.multigpu import per_gpu_bytes, smallest_setup
+from tilefit.planner.plan import budget_of, check_fraction
+from tilefit.planner.rank import choose, prune_unfriendly, rank
+from tilefit.planner.rows import PlanRow
+from tilefit.planner.sample import Sample
+from tilefit.planner.space import check_global_batch, micro_batch_candidates, precisions
+
+GIB = 2**30
+
+
+# ---- search space ------------------------------------------------------------------------
+def test_micro_batches_divide_the_global_batch() -> None:
+    # 32 = 2^5: every divisor is a power of two
+    assert micro_batch_candidates(32) == ([1, 2, 4, 8, 16, 32], [])
+    # 24: divisors 1 2 3 4 6 8 12 24; friendly = powers of two or multiples of 8
+    assert micro_batch_candidates(24) == ([1, 2, 4, 8, 24], [3, 6, 12])
+
+
+@pytest.mark.parametrize("bad", [0, -4, 1.5, True])
+def test_global_batch_must_be_a_positive_integer(bad: object) -> None:
+    with pytest.raises(TilefitError, match="whole number"):
+        check_global_batch(bad)  # type: ignore[arg-type]
+
+
+def test_prime_global_batch_offers_the_nearest_splittable_ones() -> None:
+    # 31 is prime; below it 30 (2x3x5), 29, 28 (=4x7) have no friendly divisor >= 8: 24 (8x3)
+    # is the nearest below; 32 above.
+    with pytest.raises(TilefitError) as err:
+        check_global_batch(31)
+    assert "prime" in err.value.problem and "24 or 32" in str(err.value)
+    check_global_batch(2)
+    check_global_batch(1)
+
+
+def test_precisions_follow_the_part() -> None:
+    from tilefit.hardware import get_device
+
+    assert precisions(get_device("v100-sxm2-16gb")) == ["fp16-mixed", "fp32"]  # no bf16/tf32
+    assert precisions(get_device("t4"))[0] == "fp16-mixed"
+    assert precisions(get_device("a100-80gb")) == ["bf16-mixed", "tf32"]
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.5, 1.01, 2])
+def test_memory_fraction_outside_0_1(bad: float) -> None:
+    with pytest.raises(TilefitError, match=r"\(0, 1\]"):
+        check_fraction(bad)
+    check_fraction(1.0)
+
+
+def test_budget_is_fraction_of_memory_minus_overhead() -> None:
+    from tilefit.hardware import get_device
+
+    dev = get_device("rtx-4090")
+    budget, over = budget_of(dev, 0.9)
+    # 24 GiB x 0.9 = 23,192,823,398 B; overhead 512 MiB + 32 MiB? no: sm89 < sm90 -> 8 MiB
+    # + 128 KiB workspace: 536,870,912 + 8,519,680 = 545,390,592 B
+    assert over == 545_390_592
+    assert budget == int(24 * GIB * 0.9) - 545_390_592
+
+
+# ---- affine sweep model ------------------------------------------------------------------
+def _sample(b: float, layers: float, f: float) -> Sample:
+    return Sample(b, layers, f, f, f, f, f, f, f, f, f, f, f)
+
+
+def test_line_through_two_points() -> None:
+    line = Line.through(2, 10, 6, 30)  # slope (30 - 10) / 4 = 5, intercept 10 - 10 = 0
+    assert (line.slope, line.intercept, line(8)) == (5, 0, 40)
+
+
+def test_bilinear_sweep_is_exact_on_a_bilinear_figure() -> None:
+    def f(b: float, layers: float) -> float:
+        return 100 + 10 * b + 1000 * layers + 5 * b * layers
+
+    model = SweepModel(tuple(_sample(b, k, f(b, k)) for k in (1, 2) for b in (1, 32)))
+    # f(8, 32) = 100 + 80 + 32000 + 1280 = 33460
+    assert model.predict("peak_bytes", 8, 32) == pytest.approx(33460)
+    # without the layer count: the deepest traced (2): 100 + 80 + 2000 + 80 = 2260
+    assert model.predict("micro_time_s", 8) == pytest.approx(2260)
+
+
+def test_chord_bounds_a_convex_peak_from_above() -> None:
+    # peak = max(9, 8 + 0.5 b): the optimizer-step peak at small b, activations at large b
+    def peak(b: float) -> float:
+        return max(9.0, 8 + 0.5 * b)
+
+    model = SweepModel((_sample(1, 1, peak(1)), _sample(32, 1, peak(32))))
+    for b in (1, 2, 4, 8, 16, 32):
+        assert model.predict("peak_bytes", b) >= peak(b) - 1e-9
+
+
+def test_peak_pieces_are_extrapolated_separately() -> None:
+    """At 1-2 layers backward holds the peak; at 32 layers the optimizer step (16 B/param of
+    model state) does. Extrapolating the max itself would miss it."""
+    from tilefit.hardware import get_device
+    from tilefit.planner.search import Depth, row_from
+    from tilefit.planner.space import RecipeSpec
+
+    def sample(b: int, layers: int) -> Sample:
+        return Sample(micro_batch=b, layers=layers, peak_bytes=10 + 5 * layers,
+                      peak_accumulation_1_bytes=10 + 5 * layers,
+                      peak_optimizer_bytes=4 + 8 * layers, micro_time_s=1.0, fixed_time_s=0.0,
+                      parameters_bytes=0, gradients_bytes=0, optimizer_state_bytes=0,
+                      work_peak_bytes=0, micro_flops=1.0, param_count=1.0)
+
+    model = SweepModel(tuple(sample(b, k) for k in (1, 2) for b in (1, 4)))
+    row = row_from(RecipeSpec("bf16-mixed", "adamw", False, "sdpa"), model, 2, 4,
+                   Depth("num_hidden_layers", 32, (1, 2)), get_device("a100-80gb"), 10**12,
+                   None, "adamw")
+    # backward piece: 10 + 5 x 32 = 170; optimizer piece: 4 + 8 x 32 = 260 (the max of the
+    # traced peaks, 15 and 20, extrapolates to 15 + 5 x 31 = 170 and would miss it)
+    assert row.predicted_peak_memory_bytes == 260
+
+
+# ---- ranking -----------------------------------------------------------------------------
+def _row(micro: int, peak_gib: float, step_s: float, budget_gib: float = 20, **kw: object
+         ) -> PlanRow:
+    g = 32
+    return PlanRow(micro_batch=micro, accumulation_steps=g // micro,
+                   precision=str(kw.pop("precision", "bf16-mixed")),
+                   optimizer=str(kw.pop("optimizer", "adamw")),
+                   grad_checkpointing=bool(kw.pop("ckpt", False)), attention="sdpa",
+                   predicted_peak_memory_bytes=int(peak_gib * GIB), predicted_step_time_s=step_s,
+                   samples_per_s=g / step_s, tokens_per_s=None, mfu=0.0,
+                   budget_bytes=int(budget_gib * GIB), **kw)  # type: ignore[arg-type]
+
+
+def test_best_is_the_fastest_that_fits() -> None:
+    rows = [_row(32, 30, 0.8), _row(16, 18, 0.9), _row(8, 10, 1.0), _row(4, 6, 1.2)]
+    best = choose(rows, "throughput", False)
+    assert best is not None and best.micro_batch == 16  # 32 is faster but needs 30 > 20 GiB
+    assert all(r.global_batch == 32 for r in rows)
+    ranked = rank(rows, "throughput", False)
+    assert [r.micro_batch for r in ranked] == [16, 8, 4, 32]
+
+
+def test_memory_objective_takes_the_smallest() -> None:
+    rows = [_row(16, 18, 0.9), _row(8, 10, 1.0), _row(4, 6, 1.2)]
+    assert choose(rows, "memory", False).micro_batch == 4  # type: ignore[union-attr]
+    # within 1% of the 20 GiB budget (0.2 GiB) the faster one wins the tie
+    near = _row(4, 6.1, 1.0, ckpt=True)
+    assert choose([*rows, near], "memory", False) is near
+
+
+def test_optimizer_change_only_when_allowed_or_nothing_else_fits() -> None:
+    keep = _row(8, 19, 2.0)
+    change = _row(16, 12, 1.0, optimizer="adafactor", changes_optimizer=True)
+    assert choose([keep, change], "throughput", False) is keep
+    assert choose([keep, change], "throughput", True) is change
+    too_big = _row(8, 25, 2.0)
+    assert choose([too_big, change], "throughput", False) is change
+
+
+def test_offload_only_when_no_gpu_plan_fits() -> None:
+    gpu = _row(8, 19, 2.0)
+    offloaded = _row(16, 12, 1.5, offload=True)
+    assert choose([gpu, offloaded], "throughput", False) is gpu
+    assert choose([_row(8, 25, 2.0), offloaded], "throughput", False) is offloaded
+    assert choose([_row(8, 25, 2.0)], "throughput", False) is None
+
+
+def test_unfriendly_micro_batch_kept_only_for_a_real_gain() -> None:
+    friendly = _row(8, 10, 1.0)
+    small_gain = dataclasses.replace(_row(8, 10, 0.97), micro_batch=12, friendly=False)
+    big_gain = dataclasses.replace(_row(8, 10, 0.8), micro_batch=12, friendly=False)
+    assert prune_unfriendly([friendly, small_gain]) == [friendly]  # 3% faster < 5%
+    assert prune_unfriendly([friendly, big_gain]) == [friendly, big_gain]  # 25% faster
+
+
+# ---- offload and sharding models ---------------------------------------------------------
+def test_offload_model_hand_arithmetic() -> None:
+    link = off.OffloadLink()
+    # 7e9 params: PCIe 7e9 x 4 B / 25e9 B/s = 1.12 s; CPU Adam 7e9 x 30 B / 50e9 B/s = 4.2 s
+    assert off.offload_step_time_s(0.5, 16, 7e9, link) == pytest.approx(8 + 1.12 + 4.2)
+    # GPU: 14e9 B of bf16 weights + bucket 5e8 x 2 B + 3e9 B working set
+    assert off.offload_peak_bytes(14e9, 3e9, 7e9) == pytest.approx(14e9 + 1e9 + 3e9)
+
+
+def test_zero3_per_gpu_memory() -> None:
+    # 7B AdamW mixed precision: 16 B/param = 112e9 B of state; / 8 GPUs = 14e9;
+    # + 3e9 working set + 2 gathered layers of 14e9 / 32 = 0.875e9
+    assert per_gpu_bytes(112e9, 3e9, 14e9, 32, 8) == pytest.approx(14e9 + 3e9 + 0.875e9)
+    cands = [(1, 112e9, 14e9, 2e9, 0.1), (2, 112e9, 14e9, 4e9, 0.2)]
+    setup = smallest_setup(32, cands, 32, 21e9)
+    # N=4: 28e9 > 21e9; N=8 (32 % 8 == 0): micro 2 -> 14 + 4 + 0.875 = 18.875e9 fits
+    assert setup is not None and (setup.gpus, setup.micro_batch, setup.accumulation_steps) == \
+        (8, 2, 2)
+
+
+def test_configs_follow_the_row() -> None:
+    row = _row(8, 10, 1.0, ckpt=True)
+    hf = hf_training_arguments(row)
+    assert (hf["per_device_train_batch_size"], hf["gradient_accumulation_steps"]) == (8, 4)
+    assert hf["bf16"] and hf["gradient_checkpointing"] and "deepspeed" not in hf
+    assert "deepspeed" not in single_gpu_configs(row)
+    offloaded = _row(2, 10, 1.0, offload=True, precision="bf16")
+    ds = deepspeed_offload(offloaded)
+    assert ds["train_batch_size"] == 32 and ds["gradient_accumulation_steps"] == 16
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert "deepspeed" in single_gpu_configs(offloaded)
+
+
+# ---- real plans of tiny models -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_gpt2():  # type: ignore[no-untyped-def]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from tilefit.models import load_workload
+
+    return load_workload("gpt2", seq_len=32).with_config(num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def a100_plan(tiny_gpt2):  # type: ignore[no-untyped-def]
+    from tilefit.planner import plan
+
+    return plan(tiny_gpt2, gpu="a100-80gb", global_batch=16)
+
+
+def test_real_plan_keeps_the_global_batch_and_picks_the_fastest_fit(a100_plan) -> None:
+    p = a100_plan
+    assert p.rows and all(r.micro_batch * r.accumulation_steps == 16 for r in p.rows)
+    assert p.best is not None and p.best.fits
+    eligible = [r for r in p.rows if r.fits and not r.offload and not r.changes_optimizer]
+    fastest = max(eligible, key=lambda r: r.samples_per_s)
+    assert (p.best.micro_batch, p.best.precision, p.best.grad_checkpointing) == \
+        (fastest.micro_batch, fastest.precision, fastest.grad_checkpointing)
+    # the confirm trace agrees with the affine sweep (traced at 1 and 16) within 10%
+    c = p.confirmation
+    assert c is not None and abs(c.peak_error) < 0.10 and abs(c.time_error) < 0.10
+    assert p.multi_gpu is None
+    d = p.to_dict()
+    assert set(d["best"]) >= {"micro_batch", "accumulation_steps", "precision", "optimizer",
+                              "grad_checkpointing", "attention", "peft", "offload",
+                              "predicted_peak_memory_bytes", "predicted_step_time_s",
+                              "samples_per_s", "fits"}
+    assert d["configs"]["hf_training_arguments"]["per_device_train_batch_size"] == \
+        p.best.micro_batch
+    json.dumps(d)
+
+
+def test_tiny_gpu_falls_back_to_offload_then_sharding(tiny_gpt2, a100_plan) -> None:
+    from tilefit.hardware import get_device
+    from tilefit.planner import plan
+
+    a100 = get_device("a100-80gb")
+    base_min = min(r.predicted_peak_memory_bytes for r in a100_plan.rows)
+    # a made-up GPU whose budget (0.9 x memory - overhead) is 60% of the smallest GPU plan
+    over = budget_of(a100, 1.0)[1]
+    tiny = dataclasses.replace(a100, memory_bytes=int((0.6 * base_min + over) / 0.9))
+    p = plan(tiny_gpt2, gpu=tiny, global_batch=16)
+    keeps = [r for r in p.rows if not r.offload and not r.changes_optimizer]
+    assert keeps and not any(r.fits for r in keeps)  # never claims AdamW on the GPU fits
+    assert p.best is not None and p.best.fits and p.best.offload
+    assert p.configs["deepspeed"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert p.multi_gpu is not None and p.multi_gpu["gpus"] >= 2
+    assert p.multi_gpu["predicted_per_gpu_memory_bytes"] <= p.budget_bytes
+
+
+def test_layer_lever_matches_the_full_trace() -> None:
+    """A 6-layer model traced at 1 and 2 layers (micro-batches 1 and 8) and extrapolated to
+    6 layers at micro-batch 4 agrees with the full 6-layer trace at micro-batch 4."""
+    from tilefit.hardware import get_device
+    from tilefit.models import load_workload
+    from tilefit.planner.search import Depth, depth_of, sweep, trace_sample
+    from tilefit.planner.space import RecipeSpec
+
+    work = load_workload("llama-3.2-1b", seq_len=64).with_config(
+        num_hidden_layers=6, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, vocab_size=4096)
+    depth = depth_of(work)
+    assert depth.lever and depth.traced == (1, 2) and depth.full == 6
+    dev = get_device("a100-80gb")
+    spec = RecipeSpec("bf16-mixed", "adamw", False, "sdpa")
+    model = sweep(work, spec, [1, 8], depth, dev)
+    full = trace_sample(work, spec, 4, 6, Depth(None, 6, (6,)), dev, 2)
+    for metric in ("peak_bytes", "peak_optimizer_bytes", "micro_time_s", "param_count",
+                   "micro_flops"):
+        predicted = model.predict(metric, 4, 6)
+        assert predicted == pytest.approx(full.metrics()[metric], rel=0.10), metric
+    # parameters and FLOPs are exactly affine in depth (identical blocks)
+    assert model.predict("param_count", 4, 6) == pytest.approx(full.param_count, rel=1e-9)
+
+
+def test_lora_freezes_the_base_weights(tiny_gpt2) -> None:
+    from tilefit.planner import plan
+
+    p = plan(tiny_gpt2, gpu="a100-80gb", global_batch=8, allow_peft=True, confirm=False)
+    lora = {r.micro_batch: r for r in p.rows if r.peft and not r.grad_checkpointing}
+    full = {r.micro_batch: r for r in p.rows if not r.peft and not r.grad_checkpointing
+            and r.precision == "bf16-mixed" and r.attention == "sdpa"}
+    assert set(lora) == set(full) == {1, 2, 4, 8}
+    # 1-layer GPT-2: ~46.6 M parameters (wte 50257 x 768 = 38.6 M, wpe 0.8 M, one block
+    # 7.1 M). Frozen, they have no fp32 gradient (4 B) and no AdamW moments (8 B): the LoRA
+    # plan needs at least 8 B/param less at every micro-batch (12 B minus slack for the
+    # adapters and a different peak point).
+    for b in lora:
+        saved = full[b].predicted_peak_memory_bytes - lora[b].predicted_peak_memory_bytes
+        assert saved > 8 * 46e6, (b, saved)
+    assert all("LoRA" in r.changes[0] for r in lora.values())
+
+
+# ---- the command -------------------------------------------------------------------------
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--memory-fraction", "0"], "(0, 1]"),
+    (["--memory-fraction", "1.5"], "(0, 1]"),
+    (["--global-batch", "31"], "24 or 32"),
+])
+def test_cli_bad_input_exits_2(args: list[str], needle: str) -> None:
+    from typer.testing import CliRunner
+
+    from tilefit.cli.app import app
+
+    base = ["plan", "gpt2", "--gpu", "rtx-4090"]
+    if "--global-batch" not in args:
+        base += ["--global-batch", "32"]
+    r = CliRunner().invoke(app, [*base, *args])
+    assert r.exit_code == 2, r.output
+    assert needle in " ".join(r.output.split())
+    assert r.exception is None or isinstance(r.exception, SystemExit)  # no traceback
+
+
+def test_cli_json(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from tilefit.cli.app import app
+    from tilefit.models import catalog
+
+    config = dict(catalog.catalog_entry("gpt2"))
+    config["n_layer"] = 1
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    r = CliRunner().invoke(app, ["plan", str(path), "--gpu", "rtx-4090", "--global-batch", "8",
+                                 "--seq", "32", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["gpu"] == "rtx-4090" and d["global_batch"] == 8
+    assert all(p["micro_batch"] * p["accumulation_steps"] == 8 for p in d["plans"])
+    assert d["best"]["fits"] and "hf_training_arguments" in d["configs"]
+    assert "lightning" in d["configs"]
