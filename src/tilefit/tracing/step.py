@@ -15,7 +15,7 @@ from tilefit.errors import TilefitError
 from tilefit.hardware import Device, get_device
 from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.autocast import CudaAutocast
-from tilefit.tracing.hf_compat import gpu_mask_semantics
+from tilefit.tracing.hf_compat import gpu_mask_semantics, quiet_transformers
 from tilefit.tracing.optimizers import (
     OPTIMIZER_NAMES,
     OptimizerSpec,
@@ -264,6 +264,16 @@ def trace(
     from the first step's records rather than run twice; its optimizer step always runs.
     ``replay_steady_step=False`` runs both steps in full (a check of that assumption for
     models whose second forward differs, such as lazy modules)."""
+    with quiet_transformers():
+        return _trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
+                      grad_checkpointing=grad_checkpointing,
+                      accumulation_steps=accumulation_steps, attention=attention,
+                      device=device, replay_steady_step=replay_steady_step)
+
+
+def _trace(model: ModelSpec, batch: Any, *, loss_fn: LossFn | None, optimizer: OptimizerSpec,
+           precision: str, grad_checkpointing: bool, accumulation_steps: int, attention: str,
+           device: str | Device, replay_steady_step: bool) -> Trace:
     target, dev = resolve_target(device)
     check_options(precision, optimizer, attention, accumulation_steps, dev)
     loss_fn = loss_fn or default_loss
