@@ -183,6 +183,13 @@ def calibrate(kind: str, *, quick: bool = False,
     bandwidth = measure_bandwidth(kind)
     overhead = measure_overhead(kind)
     say(f"bandwidth {bandwidth / 1e9:.1f} GB/s, call overhead {overhead * 1e6:.2f} us")
+    fresh = 0.0
+    if kind == "cpu":
+        from tilefit.hardware.cpu import measure_fresh_alloc_s_per_byte
+
+        fresh = measure_fresh_alloc_s_per_byte()
+        say(f"first touch of fresh memory {fresh * 1e9 * 2**20 / 1e9:.2f} ms per MiB" if fresh
+            else "first touch of fresh memory: free")
     shapes = calibration_grid(kind, quick)
     min_time_s = 0.02 if quick else 0.1
     dtypes = [d for d in (CPU_DTYPES if kind == "cpu" else GPU_DTYPES) if device.supports(d)]
@@ -208,6 +215,7 @@ def calibrate(kind: str, *, quick: bool = False,
         peak_flops_per_s=peaks,
         bandwidth_bytes_per_s=bandwidth,
         call_overhead_s=overhead,
+        fresh_alloc_s_per_byte=fresh,
         gemm=tuple(fits),
         quick=quick,
         duration_s=time.perf_counter() - start,

@@ -45,7 +45,16 @@ def op_time_s(op: OpRecord, device: Device, ctx: CostContext) -> float:
         fn = COST_FUNCTIONS[op.kind]
     except KeyError:
         raise ValueError(f"no cost function for op kind {op.kind!r} ({op.op})") from None
-    return fn(op, device, ctx)
+    return fn(op, device, ctx) + fresh_alloc_time_s(op, device)
+
+
+def fresh_alloc_time_s(op: OpRecord, device: Device) -> float:
+    """First-touch page faults of the large buffers the op allocates (CPU only; measured per
+    byte by the CPU probe, zero on GPUs, whose caching allocator reuses blocks)."""
+    if device.fresh_alloc_s_per_byte <= 0:
+        return 0.0
+    fresh = sum(b for b in op.alloc_bytes if b >= device.fresh_alloc_min_bytes)
+    return fresh * device.fresh_alloc_s_per_byte
 
 
 def gemm_dtype(dtype: str, *, conv: bool, device: Device, ctx: CostContext) -> str:

@@ -36,6 +36,7 @@ class CpuProbe:
     bandwidth_bytes_per_s: float
     call_overhead_s: float
     duration_s: float
+    fresh_alloc_s_per_byte: float = 0.0
 
 
 def cpu_model_name() -> str:
@@ -103,7 +104,30 @@ def probe_cpu() -> CpuProbe:
     bandwidth = 2 * src.numel() * 4 / t  # each byte read once and written once
     one_a, one_b = torch.ones(1, 1), torch.ones(1, 1)
     overhead = _best_time(lambda: torch.mm(one_a, one_b), 201)
-    return CpuProbe(peaks, bandwidth, overhead, time.perf_counter() - start)
+    fresh = measure_fresh_alloc_s_per_byte()
+    return CpuProbe(peaks, bandwidth, overhead, time.perf_counter() - start, fresh)
+
+
+# glibc malloc serves requests above its mmap threshold with mmap and unmaps them on free; the
+# threshold adapts upward to at most DEFAULT_MMAP_THRESHOLD_MAX = 32 MiB on 64-bit systems
+# (glibc malloc/malloc.c, mallopt(3)). So every allocation of 32 MiB or more is fresh memory
+# whose pages fault on first touch; smaller ones are reused from the heap.
+FRESH_ALLOC_MIN_BYTES = 32 * 1024**2
+FRESH_PROBE_BYTES = 128 * 1024**2
+
+
+def measure_fresh_alloc_s_per_byte() -> float:
+    """Seconds per byte that first-touch page faults add to writing a fresh large buffer: the
+    best time to allocate and fill a 128 MiB tensor, minus the best time to fill one that is
+    already mapped, over its size."""
+    import torch
+
+    n = FRESH_PROBE_BYTES // 4
+    warm = torch.empty(n)
+    warm.fill_(1.0)
+    t_warm = _best_time(lambda: warm.fill_(1.0), 5)
+    t_fresh = _best_time(lambda: torch.empty(n).fill_(1.0), 5)
+    return max(0.0, t_fresh - t_warm) / FRESH_PROBE_BYTES
 
 
 def profile_applies(profile: Profile, threads: int, model: str) -> str | None:
@@ -134,12 +158,14 @@ def cpu_device(*, use_profile: bool = True) -> Device:
         peaks = dict(profile.peak_flops_per_s)
         bandwidth = profile.bandwidth_bytes_per_s
         overhead = profile.call_overhead_s
+        fresh = profile.fresh_alloc_s_per_byte or measure_fresh_alloc_s_per_byte()
         source = (f"calibrated profile {profile.path} from {profile.date()} "
                   f"(torch {profile.torch_version}, {profile.threads} threads)")
     else:
         probe = probe_cpu()
         peaks, bandwidth, overhead = probe.peak_flops_per_s, probe.bandwidth_bytes_per_s, \
             probe.call_overhead_s
+        fresh = probe.fresh_alloc_s_per_byte
         source = (f"measured on this machine (probe: {PROBE_GEMM_DIM}^3 fp32/bf16 matmul, "
                   f"copy of 4x the last-level cache, 1x1x1 call; {threads} threads); "
                   "not calibrated: run `tilefit calibrate --device cpu`" + ignored)
@@ -160,6 +186,8 @@ def cpu_device(*, use_profile: bool = True) -> Device:
         bandwidth_efficiency=1.0,
         launch_overhead_s=overhead,
         kind="cpu",
+        fresh_alloc_s_per_byte=fresh,
+        fresh_alloc_min_bytes=FRESH_ALLOC_MIN_BYTES,
         notes="sms = torch threads; peaks are measured delivered rates",
         profile=profile,
     )

@@ -49,6 +49,11 @@ class Device:
     bandwidth_efficiency: float = 0.90
     launch_overhead_s: float = 4e-6
     kind: str = "cuda"  # "cuda" or "cpu"
+    # CPU only: a newly allocated buffer of at least fresh_alloc_min_bytes costs its first-touch
+    # page faults (glibc serves it with mmap and returns it to the OS on free; the CUDA caching
+    # allocator reuses blocks, so GPUs pay nothing here). Measured by the CPU probe.
+    fresh_alloc_s_per_byte: float = 0.0
+    fresh_alloc_min_bytes: int = 0
     notes: str = ""
     # The measured profile from `tilefit calibrate`, when one was found for this device; the
     # GEMM model then uses its fitted terms (tilefit.hardware.profile).

@@ -73,6 +73,7 @@ class Profile:
     peak_flops_per_s: dict[str, float] = field(hash=False)  # measured large-GEMM rate by dtype
     bandwidth_bytes_per_s: float = 0.0  # measured copy bandwidth (read + write bytes / time)
     call_overhead_s: float = 0.0  # measured time of a 1x1x1 GEMM call
+    fresh_alloc_s_per_byte: float = 0.0  # cpu: first-touch cost of a fresh large buffer
     gemm: tuple[GemmFit, ...] = ()
     quick: bool = False
     duration_s: float = 0.0  # how long the calibration took

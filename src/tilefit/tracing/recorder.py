@@ -200,8 +200,10 @@ class Recorder(TorchDispatchMode):
         module = self.module
         inputs = list(_tensors((args, kwargs)))
         outputs = list(_tensors(out))
+        before = self._next_uid
         for t in outputs:
             self._track(t, at, module=module)
+        alloc = tuple(self._nbytes[u] for u in range(before, self._next_uid))
         kind = classify(func)
         attention = None
         if kind == "attention":
@@ -219,7 +221,7 @@ class Recorder(TorchDispatchMode):
             output_shapes=tuple(tuple(t.shape) for t in outputs),
             dtype=str(ref.dtype).removeprefix("torch.") if ref is not None else "",
             flops=int(flops), bytes=int(nbytes), kind=kind, step=self.step, micro=self.micro,
-            gemms=gemms, attention=attention,
+            gemms=gemms, attention=attention, alloc_bytes=alloc,
         ))
         self.events += 1
         return out

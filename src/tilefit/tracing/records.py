@@ -36,6 +36,7 @@ class OpRecord:
     step: int  # 0: first step (lazy optimizer state), 1: steady-state step
     micro: int  # micro-batch index within the step
     gemms: tuple[GemmShape, ...] = ()
+    alloc_bytes: tuple[int, ...] = ()  # sizes of the storages this op allocated
     attention: dict[str, Any] | None = None  # backend, causal, b, hq, hkv, sq, sk, d
 
     def to_dict(self) -> dict[str, Any]:
