@@ -19,6 +19,7 @@ app = typer.Typer(
 COMMAND_MODULES: tuple[str, ...] = (
     "tilefit.cli.gpus",
     "tilefit.cli.gemm",
+    "tilefit.cli.models",
 )
 
 for _name in COMMAND_MODULES:

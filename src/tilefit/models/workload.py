@@ -1,0 +1,296 @@
+"""Workload: what to train (a model source) and the shape of one sample, ready to trace.
+
+``load_workload`` turns a model source into a Workload:
+
+- a catalog name (``gpt2``, ``llama-3-8b``; see ``catalog_names()``) or its hub id,
+- a path to a Hugging Face ``config.json`` (the user's own; ``model_type`` required),
+- ``package.module:function`` returning a plain ``nn.Module`` (with ``input_shape``).
+
+``build()`` makes a fresh module in whatever FakeTensorMode / default device is active, so the
+tracer can build a 70B model without allocating it; nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from tilefit.errors import TilefitError, close_matches
+from tilefit.models import catalog, factory, hf
+
+if TYPE_CHECKING:
+    import torch
+
+MODULE_TASK = "module"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model source plus the shape of one sample.
+
+    ``config`` is the Hugging Face config as a read-only mapping (tilefit's ``_source`` notes
+    included; None for plain factories). ``seq_len`` is tokens per sample (None when inputs are
+    not tokens). ``input_shape`` is one sample's shape for plain factories (None otherwise).
+    """
+
+    name: str
+    task: str
+    config: Mapping[str, Any] | None
+    seq_len: int | None
+    input_shape: tuple[int, ...] | None = None
+
+    @property
+    def tokens_per_sample(self) -> int | None:
+        return self.seq_len
+
+    @property
+    def model_type(self) -> str | None:
+        return None if self.config is None else str(self.config["model_type"])
+
+    @property
+    def is_factory(self) -> bool:
+        return self.task == MODULE_TASK
+
+    def build(self, attention: str = "sdpa") -> torch.nn.Module:
+        """A fresh module in train mode, on the current default device / active fake mode.
+
+        Hugging Face models are built fp32 with ``attn_implementation=attention`` ("eager" or
+        "sdpa"); plain factories ignore ``attention`` (their code chooses).
+        """
+        if self.config is None:
+            return factory.build_module(self.name)
+        return hf.build_model(self.config, self.task, attention)
+
+    def make_batch(self, batch_size: int, device: str | torch.device = "cpu") -> Any:
+        """A synthetic batch of ``batch_size`` samples (deterministic; no RNG is used).
+
+        Hugging Face tasks: a dict of tensors the model's forward takes, labels included (see
+        ``hf.make_hf_batch``). Factories: float32 zeros of shape (B, *input_shape).
+        """
+        import torch
+
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise TilefitError(
+                "batch size must be a positive whole number",
+                expected="an integer >= 1",
+                given=repr(batch_size),
+                fix="pass e.g. --batch-size 8",
+            )
+        if self.config is None:
+            assert self.input_shape is not None
+            return torch.zeros(batch_size, *self.input_shape, device=device)
+        return hf.make_hf_batch(self.config, self.task, batch_size, self.seq_len, device)
+
+    def loss_fn(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        """The scalar loss of one forward.
+
+        Hugging Face models: ``model(**batch).loss`` (the head's own loss). Factories: the mean of
+        the output, a STAND-IN for the user's loss (see ``factory.stand_in_loss``).
+        """
+        if self.config is None:
+            return factory.stand_in_loss(model(batch))
+        return model(**batch).loss
+
+    def with_config(self, **changes: Any) -> Workload:
+        """The same workload with config fields replaced (a what-if: vocab_size=50304, ...).
+
+        Aliases are stored under the config's own key (GPT-2: hidden_size -> n_embd,
+        intermediate_size -> n_inner). Unknown fields raise TilefitError.
+        """
+        if self.config is None:
+            raise TilefitError(
+                f"{self.name} is a plain nn.Module factory; it has no config to change",
+                expected="a catalog model or a config.json",
+                given=f"with_config({', '.join(changes)})",
+                fix="change the factory's arguments in your own code instead",
+            )
+        known = hf.known_fields(self.config)
+        new = dict(self.config)
+        for key, value in changes.items():
+            if key not in known and key not in hf._FIELD_ALIASES.get(self.model_type or "", {}):
+                hints = close_matches(key, sorted(known))
+                raise TilefitError(
+                    f"{self.model_type} configs have no field {key!r}",
+                    expected=f"a field of the {self.model_type} config, e.g. "
+                    + ", ".join(sorted(k for k in hf.transformers_config_dict(self.config))[:8]),
+                    given=key,
+                    fix=(f"did you mean {', '.join(hints)}?" if hints else "check the spelling")
+                    + " (`tilefit models --json` shows each config)",
+                )
+            new[hf.canonical_field(self.config, key)] = value
+        if "num_labels" in changes:  # id2label would otherwise win over num_labels
+            new.pop("id2label", None)
+            new.pop("label2id", None)
+        return _hf_workload(self.name, new, task=self.task, seq_len=self.seq_len)
+
+    def with_seq_len(self, seq_len: int) -> Workload:
+        """The same workload with another sequence length (checked against the model's limit)."""
+        if self.seq_len is None:
+            raise TilefitError(
+                f"{self.name} does not take token sequences",
+                expected="a text model (causal-lm, masked-lm, seq-cls)",
+                given=f"seq_len={seq_len}",
+                fix="change the input shape instead",
+            )
+        assert self.config is not None
+        return _hf_workload(self.name, dict(self.config), task=self.task, seq_len=seq_len)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "task": self.task,
+            "model_type": self.model_type,
+            "seq_len": self.seq_len,
+            "input_shape": None if self.input_shape is None else list(self.input_shape),
+            "config": None if self.config is None else dict(self.config),
+        }
+
+
+def load_workload(
+    source: str,
+    *,
+    seq_len: int | None = None,
+    input_shape: tuple[int, ...] | None = None,
+    task: str | None = None,
+) -> Workload:
+    """A Workload from a catalog name / hub id, a config.json path, or ``pkg.mod:function``.
+
+    ``seq_len`` defaults per task (``hf.DEFAULT_SEQ_LEN``: 2048 for causal LMs, 512 for
+    encoders, capped by the model's positions); ``task`` defaults to the config's architecture
+    ("causal-lm" | "masked-lm" | "seq-cls" | "image-cls").
+    """
+    if not isinstance(source, str) or not source.strip():
+        raise TilefitError(
+            "no model given",
+            expected="a catalog name, a config.json path, or package.module:function",
+            given=repr(source),
+            fix="e.g. tilefit estimate gpt2",
+        )
+    source = source.strip()
+    name = catalog.resolve_name(source)
+    if name is not None:
+        config = catalog.catalog_entry(name)
+        return _hf_workload(name, config, task=task, seq_len=seq_len, input_shape=input_shape)
+    path = Path(os.path.expanduser(source))
+    if path.suffix == ".json" or path.is_file() or path.is_dir():
+        return _hf_workload(source, _read_config(path), task=task, seq_len=seq_len,
+                            input_shape=input_shape)
+    if factory.looks_like_factory(source):
+        return _factory_workload(source, seq_len=seq_len, input_shape=input_shape, task=task)
+    raise catalog.unknown_model_error(source)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise TilefitError(
+            f"config file {str(path)!r} does not exist",
+            expected="the path of a Hugging Face config.json",
+            given=str(path),
+            fix="check the path (a folder holding config.json also works)",
+        )
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TilefitError(
+            f"cannot read {path} as JSON: {exc}",
+            expected="a Hugging Face config.json",
+            given=str(path),
+            fix="pass the model's config.json (JSON object with model_type, hidden_size, ...)",
+        ) from None
+    if not isinstance(config, dict):
+        raise TilefitError(
+            f"{path} is not a JSON object",
+            expected="a Hugging Face config.json (a JSON object)",
+            given=type(config).__name__,
+            fix="pass the model's config.json",
+        )
+    return config
+
+
+def _hf_workload(
+    name: str,
+    config: dict[str, Any],
+    *,
+    task: str | None,
+    seq_len: int | None,
+    input_shape: tuple[int, ...] | None = None,
+) -> Workload:
+    hf.check_model_type(config, repr(name))
+    task = task or hf.default_task(config)
+    hf.check_task(config, task)
+    try:
+        cfg = hf.make_config(config)
+    except (TypeError, ValueError) as exc:
+        raise TilefitError(
+            f"transformers rejects the config of {name}: {exc}",
+            expected="a config.json whose fields transformers accepts",
+            given=name,
+            fix="compare the fields with the model's published config.json",
+        ) from None
+    if task == "image-cls":
+        if seq_len is not None:
+            raise TilefitError(
+                f"{name} is an image model; it takes no seq_len",
+                expected="no --seq-len for image classification",
+                given=f"seq_len={seq_len}",
+                fix="leave --seq-len out (the image size comes from the config: image_size)",
+            )
+        if input_shape is not None:
+            size = cfg.image_size
+            hw = (size, size) if isinstance(size, int) else tuple(size)
+            own = (int(getattr(cfg, "num_channels", 3)), *hw)
+            if tuple(input_shape) != own:
+                raise TilefitError(
+                    f"{name} takes images of shape {own} (num_channels, image_size)",
+                    expected=f"input_shape {own} or none",
+                    given=str(tuple(input_shape)),
+                    fix="leave --input-shape out, or change image_size with a config what-if",
+                )
+        resolved_seq = None
+    else:
+        if input_shape is not None:
+            raise TilefitError(
+                f"{name} takes token sequences; input_shape is for module:function factories",
+                expected="--seq-len for text models",
+                given=f"input_shape={tuple(input_shape)}",
+                fix="use --seq-len instead of --input-shape",
+            )
+        resolved_seq = hf.choose_seq_len(task, cfg) if seq_len is None else seq_len
+        hf.check_seq_len(name, cfg, resolved_seq)
+    return Workload(
+        name=name,
+        task=task,
+        config=MappingProxyType(config),
+        seq_len=resolved_seq,
+        input_shape=None,
+    )
+
+
+def _factory_workload(
+    source: str, *, seq_len: int | None, input_shape: Any, task: str | None
+) -> Workload:
+    if task not in (None, MODULE_TASK):
+        raise TilefitError(
+            f"task {task!r} does not apply to a plain nn.Module factory",
+            expected=f"no task (or {MODULE_TASK!r}) for package.module:function",
+            given=task,
+            fix="leave --task out; the stand-in loss is the mean of the output",
+        )
+    if seq_len is not None:
+        raise TilefitError(
+            f"{source} is a plain nn.Module factory; seq_len does not apply",
+            expected="--input-shape giving one sample's shape",
+            given=f"seq_len={seq_len}",
+            fix="pass --input-shape instead (e.g. 3,224,224); the batch is float32",
+        )
+    shape = factory.check_input_shape(source, input_shape)
+    factory.load_factory(source)  # fail now, not at trace time, if it cannot be imported
+    return Workload(name=source, task=MODULE_TASK, config=None, seq_len=None, input_shape=shape)
+
