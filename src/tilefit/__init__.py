@@ -18,6 +18,8 @@ _LAZY = {
     "analyze_gemm": ("tilefit.gemm", "analyze_gemm"),
     "analyze_linear": ("tilefit.linear", "analyze_linear"),
     "TilefitError": ("tilefit.errors", "TilefitError"),
+    "tune": ("tilefit.tune", "tune"),
+    "TuneResult": ("tilefit.tune", "TuneResult"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -20,6 +20,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tilefit.cli.gpus",
     "tilefit.cli.gemm",
     "tilefit.cli.models",
+    "tilefit.cli.tune",
 )
 
 for _name in COMMAND_MODULES:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
@@ -38,6 +39,10 @@ AUTOCAST: dict[str, torch.dtype | None] = {
 }
 
 
+MIN_REPEAT_S = 0.05  # each timed repeat lasts at least this long (timeit autorange uses 0.2 s)
+MAX_CYCLES_PER_REPEAT = 50  # ... but never more optimizer steps than this per repeat
+
+
 @dataclass(frozen=True)
 class Trial:
     """One trial as the result reports it."""
@@ -45,7 +50,7 @@ class Trial:
     kind: str  # "fit" | "throughput"
     batch_size: int
     fits: bool
-    samples_per_s: float | None  # throughput trials: mean over the repeats
+    samples_per_s: float | None  # throughput trials: the fastest repeat (choose_batch's score)
     peak_memory_bytes: int | None  # fit trials: highest memory in use
     time_s: float  # wall time of the whole trial
 
@@ -329,8 +334,16 @@ class Executor:
         rates: list[float] | None = []
         try:
             for _ in range(self.warmup_steps):
+                _sync(self.device)
+                warm_start = time.perf_counter()
                 self._cycle(batch_size, accumulation, opt)
-            _sync(self.device)
+                _sync(self.device)
+                cycle_s = time.perf_counter() - warm_start
+            if self.warmup_steps:
+                # Like timeit's autorange: a repeat long enough that timer resolution and
+                # scheduler jitter stay small against it.
+                needed = math.ceil(MIN_REPEAT_S / max(cycle_s, 1e-9))
+                cycles = min(MAX_CYCLES_PER_REPEAT, max(cycles, needed))
             for _ in range(self.repeats):
                 start = time.perf_counter()
                 for _ in range(cycles):
@@ -347,7 +360,7 @@ class Executor:
             rates = None
         finally:
             self._cleanup(opt, failed=not rates)
-        mean = None if not rates else sum(rates) / len(rates)
-        self._record(Trial("throughput", batch_size, rates is not None, mean, None,
+        best = None if not rates else max(rates)  # the score choose_batch uses
+        self._record(Trial("throughput", batch_size, rates is not None, best, None,
                            time.perf_counter() - t0))
         return rates
