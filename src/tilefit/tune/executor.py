@@ -106,7 +106,7 @@ def _sync(device: torch.device) -> None:
 
 
 class _PeakWatch:
-    """Peaks of one trial: overall, and of the forward+backward windows alone."""
+    """Peaks of one trial, overall and per phase (forward, backward, optimizer)."""
 
     def __init__(self, mode: MemoryLimitMode | None = None,
                  device: torch.device | None = None) -> None:
@@ -114,27 +114,32 @@ class _PeakWatch:
         self.device = device
         self.baseline_bytes: int | None = None
         self.peak_bytes: int | None = None
-        self.batch_peak_bytes: int | None = None
+        self.phase_peaks: dict[str, int] = {}
+        self._phase: str | None = None
 
-    def start(self) -> None:
+    def phase(self, name: str) -> None:
+        """End the current phase (recording its peak) and start ``name``."""
+        if self.mode is None and self.device is None:
+            return
+        if self._phase is not None:
+            if self.mode is not None:
+                window = self.mode.window_peak_bytes
+            else:
+                assert self.device is not None
+                torch.cuda.synchronize(self.device)
+                window = torch.cuda.max_memory_allocated(self.device)
+            self.phase_peaks[self._phase] = max(self.phase_peaks.get(self._phase, 0), window)
+            self.peak_bytes = max(self.peak_bytes or 0, window)
+        self._phase = name
         if self.mode is not None:
             self.mode.reset_window()
-        elif self.device is not None:
+        elif self.device is not None and name:
             torch.cuda.synchronize(self.device)
-            self._overall = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def stop(self) -> None:
-        if self.mode is not None:
-            window = self.mode.window_peak_bytes
-        elif self.device is not None:
-            torch.cuda.synchronize(self.device)
-            window = torch.cuda.max_memory_allocated(self.device)
-            # the reset in start() dropped the earlier peak; carry it in batch_peak/peak
-            self.peak_bytes = max(self.peak_bytes or 0, self._overall, window)
-        else:
-            return
-        self.batch_peak_bytes = max(self.batch_peak_bytes or 0, window)
+    def end(self) -> None:
+        self.phase("")
+        self._phase = None
 
 
 class Executor:
@@ -202,10 +207,7 @@ class Executor:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def _micro_step(self, batch_size: int) -> None:
-        # The batch stays referenced through backward, as in a training loop
-        # (``for batch in loader: loss = ...; loss.backward()``), so its memory counts.
-        batch = _to_device(self.make_batch(batch_size), self.device)
+    def _loss(self, batch: Any) -> torch.Tensor:
         with self._autocast():
             loss = self.loss_fn(self.model, batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -216,18 +218,32 @@ class Executor:
                 else f"a tensor of shape {tuple(loss.shape)}",
                 fix="reduce the loss, e.g. return loss.mean()",
             )
-        loss.backward()
+        return loss
 
-    def _cycle(self, batch_size: int, accumulation: int, opt: torch.optim.Optimizer,
-               watch: _PeakWatch | None = None) -> None:
-        for _ in range(accumulation):
+    def _steps(self, batch_size: int, accumulation: int, cycles: int,
+               opt: torch.optim.Optimizer, watch: _PeakWatch | None = None) -> None:
+        """``cycles`` optimizer steps of ``accumulation`` micro-batches, written as the usual
+        training loop: ``for batch in loader: loss = f(batch); loss.backward(); ...`` keeps
+        the last batch and loss referenced through the optimizer step and while the next
+        batch is made, so their memory counts where a real loop's would."""
+        batch: Any = None
+        loss: torch.Tensor | None = None
+        for _ in range(cycles):
+            for _ in range(accumulation):
+                if watch is not None:
+                    watch.phase("forward")
+                batch = _to_device(self.make_batch(batch_size), self.device)
+                loss = self._loss(batch)
+                if watch is not None:
+                    watch.phase("backward")
+                loss.backward()
             if watch is not None:
-                watch.start()
-            self._micro_step(batch_size)
-            if watch is not None:
-                watch.stop()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+                watch.phase("optimizer")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if watch is not None:
+            watch.end()
+        del batch, loss
 
     # --- memory bookkeeping ---
 
@@ -242,7 +258,7 @@ class Executor:
 
     @contextlib.contextmanager
     def _memory(self, opt: torch.optim.Optimizer, simulate: bool) -> Iterator[_PeakWatch]:
-        """A _PeakWatch whose baseline, overall and forward+backward peaks are filled in."""
+        """A _PeakWatch whose baseline, overall and per-phase peaks are filled in."""
         if simulate:
             mode = MemoryLimitMode(self.memory_limit_bytes, self._state_tensors(opt))
             watch = _PeakWatch(mode=mode)
@@ -251,17 +267,12 @@ class Executor:
                 with mode:
                     yield watch
             finally:
-                watch.peak_bytes = mode.peak_bytes
+                watch.peak_bytes = max(watch.peak_bytes or 0, mode.peak_bytes)
         elif self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             watch = _PeakWatch(device=self.device)
             watch.baseline_bytes = torch.cuda.memory_allocated(self.device)
-            try:
-                yield watch
-            finally:
-                watch.peak_bytes = max(
-                    watch.batch_peak_bytes or 0, torch.cuda.max_memory_allocated(self.device)
-                )
+            yield watch
         else:
             yield _PeakWatch()
 
@@ -297,8 +308,7 @@ class Executor:
         watch = _PeakWatch()
         try:
             with self._memory(opt, simulate) as watch:
-                for _ in range(self.steps_per_trial):
-                    self._cycle(batch_size, 1, opt, watch)
+                self._steps(batch_size, 1, self.steps_per_trial, opt, watch)
                 _sync(self.device)
             ran = True
         except Exception as exc:  # KeyboardInterrupt and friends pass through untouched
@@ -314,9 +324,10 @@ class Executor:
                            time.perf_counter() - t0))
         return FitProbe(
             fits=fits,
-            peak_bytes=watch.batch_peak_bytes if ran else None,
+            peak_bytes=peak if ran else None,
             budget_bytes=self.budget_bytes,
             baseline_bytes=watch.baseline_bytes,
+            phase_peaks=dict(watch.phase_peaks) if ran and watch.phase_peaks else None,
         )
 
     def throughput(self, batch_size: int, accumulation: int) -> list[float] | None:
@@ -336,7 +347,7 @@ class Executor:
             for _ in range(self.warmup_steps):
                 _sync(self.device)
                 warm_start = time.perf_counter()
-                self._cycle(batch_size, accumulation, opt)
+                self._steps(batch_size, accumulation, 1, opt)
                 _sync(self.device)
                 cycle_s = time.perf_counter() - warm_start
             if self.warmup_steps:
@@ -346,8 +357,7 @@ class Executor:
                 cycles = min(MAX_CYCLES_PER_REPEAT, max(cycles, needed))
             for _ in range(self.repeats):
                 start = time.perf_counter()
-                for _ in range(cycles):
-                    self._cycle(batch_size, accumulation, opt)
+                self._steps(batch_size, accumulation, cycles, opt)
                 _sync(self.device)
                 elapsed_s = time.perf_counter() - start
                 assert rates is not None

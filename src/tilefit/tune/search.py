@@ -32,15 +32,19 @@ MAX_PREDICTED_IN_A_ROW = 3
 
 @dataclass(frozen=True)
 class FitProbe:
-    """What one fit trial tells the search: did it fit, and (when known) how much it used."""
+    """What one fit trial tells the search: did it fit, and (when known) how much it used.
+
+    ``phase_peaks`` are the highest memory in use during each phase of the step (forward,
+    backward, optimizer); each phase is close to affine in the batch size on its own, while
+    the overall peak (their max) is convex: it moves from one phase to another as the batch
+    grows. Without phases, ``peak_bytes`` (the overall peak) is extrapolated.
+    """
 
     fits: bool
-    # Highest memory in use during the part of the step that grows with the batch (forward and
-    # backward); the optimizer step's own peak does not depend on the batch, so it is left out
-    # of the extrapolation (it still decides ``fits``).
-    peak_bytes: int | None = None
+    peak_bytes: int | None = None  # highest memory in use during the trial
     budget_bytes: int | None = None  # the memory the trial was allowed (after the margin)
     baseline_bytes: int | None = None  # memory in use before the trial (weights, state)
+    phase_peaks: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -116,33 +120,31 @@ def find_max_batch(
 
 
 def _predict(fitting: Mapping[int, FitProbe], lo: int, hi: float) -> int | None:
-    """The next probe from an affine fit of peak memory against batch size, or None.
+    """The next probe from affine fits of peak memory against batch size, or None.
 
-    Two fitting probes give slope and intercept exactly. One probe plus the memory in use
-    before the trial gives an upper bound on the slope (the fixed costs of gradients and
-    optimizer state are counted as if they grew with the batch), hence a safe underestimate.
-    The prediction is the largest b whose predicted peak is within the budget, clamped
-    strictly inside (lo, hi); when it says lo is the answer we probe lo + 1 to confirm.
+    Per phase (or on the overall peak when phases are unknown): two fitting probes give slope
+    and intercept exactly; one probe plus the memory in use before the trial gives an upper
+    bound on the slope (fixed costs counted as if they grew with the batch), hence a safe
+    underestimate. The largest b whose every phase is predicted within the budget is the
+    guess, clamped strictly inside (lo, hi); when it says lo is the answer we probe lo + 1.
     """
     known = sorted((b, p) for b, p in fitting.items() if p.peak_bytes is not None)
     if not known or known[-1][1].budget_bytes is None:
         return None
-    b1, p1 = known[-1]
-    budget = p1.budget_bytes
-    assert budget is not None and p1.peak_bytes is not None
-    if len(known) >= 2:
-        b0, p0 = known[-2]
-        assert p0.peak_bytes is not None
-        slope = (p1.peak_bytes - p0.peak_bytes) / (b1 - b0)
-        intercept = p1.peak_bytes - slope * b1
-    elif p1.baseline_bytes is not None:
-        slope = (p1.peak_bytes - p1.baseline_bytes) / b1
-        intercept = p1.baseline_bytes
-    else:
+    budget = known[-1][1].budget_bytes
+    assert budget is not None
+    phases = known[-1][1].phase_peaks
+    keys = list(phases) if phases else [None]
+    guesses = []
+    for key in keys:
+        series = [(b, _phase(p, key)) for b, p in known]
+        series = [(b, v) for b, v in series if v is not None]
+        guess = _affine_guess(series, budget, known[-1][1].baseline_bytes)
+        if guess is not None:
+            guesses.append(guess)
+    if not guesses:
         return None
-    if slope <= 0:
-        return None  # noise or a flat profile: no information, fall back to plain steps
-    guess = math.floor((budget - intercept) / slope)
+    guess = min(guesses)
     if guess <= lo:
         guess = lo + 1
     if guess >= hi:
@@ -150,6 +152,33 @@ def _predict(fitting: Mapping[int, FitProbe], lo: int, hi: float) -> int | None:
     if guess <= lo:
         return None
     return int(guess)
+
+
+def _phase(p: FitProbe, key: str | None) -> int | None:
+    if key is None:
+        return p.peak_bytes
+    return None if p.phase_peaks is None else p.phase_peaks.get(key)
+
+
+def _affine_guess(series: Sequence[tuple[int, int]], budget: int,
+                  baseline_bytes: int | None) -> float | None:
+    """The largest b with intercept + slope * b <= budget, from the two largest points (or one
+    point and the baseline); None when there is no positive slope to extrapolate."""
+    if not series:
+        return None
+    b1, p1 = series[-1]
+    if len(series) >= 2:
+        b0, p0 = series[-2]
+        slope = (p1 - p0) / (b1 - b0)
+        intercept = p1 - slope * b1
+    elif baseline_bytes is not None:
+        slope = (p1 - baseline_bytes) / b1
+        intercept = baseline_bytes
+    else:
+        return None
+    if slope <= 0:
+        return None  # flat in b (or noise): this phase does not limit the batch
+    return math.floor((budget - intercept) / slope)
 
 
 # --- baselines: the peers' policies on the same oracle, for the benchmark's trial counts ---
