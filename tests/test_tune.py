@@ -139,7 +139,7 @@ def test_tune_finds_exact_max_and_restores_state() -> None:
     model, opt = fresh()
     before = state_of(model, opt)
     result = tune(model, make_batch, loss_fn=loss_fn, optimizer=opt,
-                  memory_limit_bytes=LIMIT_BYTES, margin=0.1)
+                  memory_limit_bytes=LIMIT_BYTES, margin=0.1, measure_throughput=False)
     assert isinstance(result, TuneResult)
     assert_same(before, state_of(model, opt))
     budget = int(LIMIT_BYTES * 0.9)  # 360000
@@ -152,9 +152,8 @@ def test_tune_finds_exact_max_and_restores_state() -> None:
     fit_trials = [t for t in result.trials if t["kind"] == "fit"]
     lightning_bound = 2 * best.bit_length()  # doubling to 2^k > best, bisecting 2^(k-1)
     assert len(fit_trials) < lightning_bound
-    assert result.batch_size <= best and result.batch_size in result.candidates
-    assert result.accumulation_steps == 1
-    assert result.samples_per_s and result.samples_per_s > 0
+    assert result.batch_size == result.candidates[-1] == best  # untimed: the largest
+    assert result.accumulation_steps == 1 and result.samples_per_s is None
     for t in result.trials:
         assert set(t) == {"kind", "batch_size", "fits", "samples_per_s", "peak_memory_bytes",
                           "time_s"}
@@ -164,12 +163,21 @@ def test_tune_finds_exact_max_and_restores_state() -> None:
 
 def test_global_batch_is_kept_exact_and_prediction_is_first_probe() -> None:
     model, opt = fresh()
+    before = state_of(model, opt)
     result = tune(model, make_batch, loss_fn=loss_fn, optimizer=opt, memory_limit_bytes=LIMIT_BYTES,
-                  global_batch=96, predicted_max_batch=40)
-    assert result.trials[0]["batch_size"] == 40 and result.trials[0]["kind"] == "fit"
-    assert 96 % result.batch_size == 0
-    assert result.batch_size * result.accumulation_steps == 96
-    assert all(96 % b == 0 for b in result.candidates)
+                  global_batch=32, max_batch=20, predicted_max_batch=20)
+    assert_same(before, state_of(model, opt))  # timing steps restored too
+    assert result.trials[0]["batch_size"] == 20 and result.trials[0]["kind"] == "fit"
+    assert result.max_fitting_batch_size == 20  # capped: 20 fits far below the limit
+    # divisors of 32 up to 20: 1 2 4 8 16, all powers of two
+    assert result.candidates == (1, 2, 4, 8, 16)
+    timed = [t for t in result.trials if t["kind"] == "throughput"]
+    assert [t["batch_size"] for t in timed] == [1, 2, 4, 8, 16]
+    assert all(t["samples_per_s"] > 0 for t in timed)
+    assert result.samples_per_s == max(  # the chosen size's score is its fastest repeat
+        t["samples_per_s"] for t in timed if t["batch_size"] == result.batch_size)
+    assert 32 % result.batch_size == 0
+    assert result.batch_size * result.accumulation_steps == 32
 
 
 class Interrupt(Exception):

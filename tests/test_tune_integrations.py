@@ -64,14 +64,16 @@ def test_tune_trainer_on_a_tiny_gpt2() -> None:
     trainer = FakeTrainer(model, dataset)
     trainer.args.train_batch_size = property(lambda s: s.per_device_train_batch_size)
     before = [p.detach().clone() for p in model.parameters()]
-    result = tune_trainer(trainer, memory_limit_bytes=3_000_000)
+    result = tune_trainer(trainer, memory_limit_bytes=3_000_000, measure_throughput=False)
     args = trainer.args
     assert args.per_device_train_batch_size == result.batch_size
     # the effective batch 4 * 8 = 32 is unchanged
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 32
     assert 32 % args.per_device_train_batch_size == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-    assert result.max_fitting_batch_size >= 1
+    # untimed, the largest divisor of 32 that fits is chosen
+    assert result.batch_size == max(d for d in (1, 2, 4, 8, 16, 32)
+                                    if d <= result.max_fitting_batch_size)
 
 
 def test_lightning_is_imported_only_when_used() -> None:
@@ -123,13 +125,15 @@ def test_cli_tune_json_and_plot(tmp_path: Any) -> None:
     plot = tmp_path / "tune.png"
     runner = CliRunner()
     out = runner.invoke(app, ["tune", "tests.fixtures.tiny_models:mlp", "--input-shape", "32",
-                              "--memory-limit", "400KB", "--global-batch", "64", "--json",
+                              "--memory-limit", "400KB", "--global-batch", "16",
+                              "--max-batch", "16", "--json",
                               "--plot", str(plot)])
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
     assert data["budget_bytes"] == 360_000  # 400 KB * (1 - 0.10)
-    assert data["batch_size"] * data["accumulation_steps"] == 64
-    assert data["max_fitting_batch_size"] >= data["batch_size"]
+    assert data["batch_size"] * data["accumulation_steps"] == 16
+    assert data["max_fitting_batch_size"] == 16  # capped by --max-batch
+    assert data["candidates"] == [1, 2, 4, 8, 16]  # divisors of 16, all friendly
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
 
 

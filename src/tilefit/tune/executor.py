@@ -40,7 +40,7 @@ AUTOCAST: dict[str, torch.dtype | None] = {
 
 
 MIN_REPEAT_S = 0.05  # each timed repeat lasts at least this long (timeit autorange uses 0.2 s)
-MAX_CYCLES_PER_REPEAT = 50  # ... but never more optimizer steps than this per repeat
+MAX_CYCLES_PER_REPEAT = 20  # ... but never more optimizer steps than this per repeat
 
 
 @dataclass(frozen=True)
@@ -343,14 +343,16 @@ class Executor:
         t0 = time.perf_counter()
         cycles = max(1, -(-self.min_timed_steps // accumulation))
         rates: list[float] | None = []
+        cycle_s = 0.0
         try:
-            for _ in range(self.warmup_steps):
+            # warm-up: at least ``warmup_steps`` micro-batches, in whole optimizer steps
+            for _ in range(max(1, -(-self.warmup_steps // accumulation))):
                 _sync(self.device)
                 warm_start = time.perf_counter()
                 self._steps(batch_size, accumulation, 1, opt)
                 _sync(self.device)
                 cycle_s = time.perf_counter() - warm_start
-            if self.warmup_steps:
+            if cycle_s > 0:
                 # Like timeit's autorange: a repeat long enough that timer resolution and
                 # scheduler jitter stay small against it.
                 needed = math.ceil(MIN_REPEAT_S / max(cycle_s, 1e-9))

@@ -83,6 +83,7 @@ def tune_trainer(
     margin: float = DEFAULT_MARGIN,
     max_batch: int | None = None,
     predicted_max_batch: int | None = None,
+    measure_throughput: bool = True,
     apply: bool = True,
 ) -> TuneResult:
     """Tune the trainer's micro-batch on its model and data; with ``apply`` set the arguments.
@@ -105,7 +106,7 @@ def tune_trainer(
         model, _make_batch_fn(trainer, model), optimizer=optimizer, precision=precision_of(args),
         device=device, global_batch=effective, max_batch=max_batch,
         memory_limit_bytes=memory_limit_bytes, margin=margin,
-        predicted_max_batch=predicted_max_batch,
+        predicted_max_batch=predicted_max_batch, measure_throughput=measure_throughput,
     )
     if apply:
         apply_to_args(trainer, effective, result.batch_size)
