@@ -224,6 +224,9 @@ def run_simulated(device: torch.device, measure_throughput: bool) -> bool:
             ok = (result.max_fitting_batch_size == truth and fits(result.batch_size)
                   and restored and result.fit_trials < light.trials)
             all_ok &= ok
+            print(f"  {spec.name} limit {limit}: tilefit {result.max_fitting_batch_size} in "
+                  f"{result.fit_trials} fit trials, Lightning {light.trials}, ok={ok}",
+                  file=sys.stderr, flush=True)
             rows.append((spec.name, limit, truth, result.max_fitting_batch_size,
                          result.fit_trials, light.trials, light.max_batch, accel.trials,
                          accel.max_batch, result.batch_size, fits(result.batch_size), restored,
@@ -240,8 +243,8 @@ def run_simulated(device: torch.device, measure_throughput: bool) -> bool:
     print(f"\nruns: {len(rows)}; exact max found: {sum(r[2] == r[3] for r in rows)}/{len(rows)}; "
           f"fewer fit trials than Lightning: {sum(a < b for a, b in zip(tf, lt, strict=True))}"
           f"/{len(rows)}; chosen batch fits: {sum(r[10] for r in rows)}/{len(rows)}; "
-          f"state restored: {sum(r[11] for r in rows)}/{len(rows)} (+ interrupted runs "
-          f"{sum(1 for s in specs(1) if True)} models: {all(r[12] for r in rows)})")
+          f"state restored: {sum(r[11] for r in rows)}/{len(rows)}; interrupted runs (one per "
+          f"model) restored: {all(r[12] for r in rows)}")
     print(f"fit trials  tilefit mean {np.mean(tf):.1f} max {max(tf)} | Lightning binsearch "
           f"mean {np.mean(lt):.1f} max {max(lt)} | accelerate mean {np.mean(ac):.1f} "
           f"max {max(ac)} (accelerate never exceeds 128; wrong max where exact > 128: "
