@@ -245,3 +245,19 @@ def test_cuda_memory_is_given_back() -> None:
                   loss_fn=loss_fn, optimizer=opt, max_batch=4096, device="cuda")
     assert result.max_fitting_batch_size == 4096
     assert torch.cuda.memory_allocated() <= before
+
+
+def test_tilefit_tune_is_callable_after_the_package_is_imported() -> None:
+    import tilefit
+    import tilefit.tune.search  # binds tilefit.tune to the package module
+
+    model = nn.Linear(4, 2)
+    result = tilefit.tune(model, lambda b: (torch.randn(b, 4), torch.zeros(b).long()),
+                          loss_fn=loss_fn_linear, optimizer=torch.optim.SGD(model.parameters()),
+                          max_batch=3, measure_throughput=False)
+    assert result.max_fitting_batch_size == 3  # 2 fits, 4 > cap -> 3 (the cap) fits
+    assert [t["batch_size"] for t in result.trials] == [2, 3]
+
+
+def loss_fn_linear(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])

@@ -17,3 +17,15 @@ __all__ = [
     "is_oom",
     "tune",
 ]
+
+
+class _CallableModule(__import__("types").ModuleType):
+    """``tilefit.tune`` is both this package and the function: once the package is imported,
+    Python binds the attribute ``tilefit.tune`` to the module, so the module forwards calls
+    to ``tune`` and ``tilefit.tune(model, make_batch, ...)`` works either way."""
+
+    def __call__(self, *args: object, **kwargs: object) -> TuneResult:
+        return tune(*args, **kwargs)  # type: ignore[arg-type]
+
+
+__import__("sys").modules[__name__].__class__ = _CallableModule
