@@ -11,7 +11,7 @@ Checks, each a section of the one JSON written to OUT.json:
 2. estimate_memory: peak memory within 3% of torch.cuda.max_memory_allocated over real
    training steps (the workloads and measurement of benchmarks/gpu_memory_check.py).
 3. estimate_step_time: step time within 15% of the measured median step (same runs).
-4. tune (HOOK, needs tilefit.tune): the tuned batch fits and beats the default.
+4. tune (HOOK, needs tilefit.tuning): the tuned batch fits and beats the default.
 
 Without CUDA it writes {"status": "skipped", ...} and exits 0 with a message, so it is safe to
 import and run anywhere; the CPU-only parts (shape lists, summaries, hooks' pending answers)
@@ -131,8 +131,8 @@ def check_estimate_step_time(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def check_tune() -> dict[str, Any]:
-    """HOOK: tilefit.tune's chosen batch runs without OOM and is at least as fast."""
-    return _pending("tilefit.tune", "tuned batch fits and is at least as fast")
+    """HOOK: tilefit.tuning's chosen batch runs without OOM and is at least as fast."""
+    return _pending("tilefit.tuning", "tuned batch fits and is at least as fast")
 
 
 def _pending(module: str, target: str) -> dict[str, Any]:

@@ -29,6 +29,8 @@ _LAZY = {
     "Audit": ("tilefit.advise", "Audit"),
     "plan": ("tilefit.planner", "plan"),
     "Plan": ("tilefit.planner", "Plan"),
+    "tune": ("tilefit.tuning", "tune"),
+    "TuneResult": ("tilefit.tuning", "TuneResult"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -26,6 +26,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tilefit.cli.calibrate",
     "tilefit.cli.audit",
     "tilefit.cli.plan",
+    "tilefit.cli.tune",
 )
 
 for _name in COMMAND_MODULES:

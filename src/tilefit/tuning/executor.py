@@ -1,0 +1,378 @@
+"""Real training steps at a given batch size: OOM-safe fit trials and timed throughput trials.
+
+One step is what the user's training loop does: make a batch, forward and loss (under autocast
+for mixed precision), backward, optimizer step, zero_grad(set_to_none=True). After every trial
+the weights, gradients and optimizer state are put back (``state.restore_weights``), so every
+trial starts from the state the user handed in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tilefit.errors import TilefitError
+from tilefit.tuning.search import FitProbe
+from tilefit.tuning.simulate import MemoryLimitMode
+from tilefit.tuning.state import Snapshot, restore_weights
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
+
+# precision -> autocast dtype (None: no autocast). "bf16" means the user already holds bf16
+# weights, so steps run as they are.
+AUTOCAST: dict[str, torch.dtype | None] = {
+    "fp32": None,
+    "tf32": None,
+    "bf16": None,
+    "bf16-mixed": torch.bfloat16,
+    "fp16-mixed": torch.float16,
+}
+
+
+MIN_REPEAT_S = 0.05  # each timed repeat lasts at least this long (timeit autorange uses 0.2 s)
+MAX_CYCLES_PER_REPEAT = 20  # ... but never more optimizer steps than this per repeat
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One trial as the result reports it."""
+
+    kind: str  # "fit" | "throughput"
+    batch_size: int
+    fits: bool
+    samples_per_s: float | None  # throughput trials: the fastest repeat (choose_batch's score)
+    peak_memory_bytes: int | None  # fit trials: highest memory in use
+    time_s: float  # wall time of the whole trial
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """The device's out-of-memory error: torch.OutOfMemoryError, or a RuntimeError whose
+    message says "out of memory" (older builds, MPS, some CUDA paths)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """model(**batch).loss for dict batches (Hugging Face models with labels in the batch)."""
+    if not isinstance(batch, Mapping):
+        raise TilefitError(
+            "tune needs a loss_fn for batches that are not dicts",
+            expected="loss_fn(model, batch) -> scalar tensor, or a dict batch for a model that "
+            "returns .loss",
+            given=f"a batch of type {type(batch).__name__}",
+            fix="pass loss_fn=lambda model, batch: criterion(model(batch[0]), batch[1])",
+        )
+    out = model(**batch)
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if loss is None:
+        raise TilefitError(
+            "the model's output has no loss",
+            expected="model(**batch).loss, i.e. labels in the batch",
+            given=f"an output of type {type(out).__name__} without .loss",
+            fix="add labels to the batch, or pass loss_fn=...",
+        )
+    return loss
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.device == device else batch.to(device)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, list | tuple):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _PeakWatch:
+    """Peaks of one trial, overall and per phase (forward, backward, optimizer)."""
+
+    def __init__(self, mode: MemoryLimitMode | None = None,
+                 device: torch.device | None = None) -> None:
+        self.mode = mode
+        self.device = device
+        self.baseline_bytes: int | None = None
+        self.peak_bytes: int | None = None
+        self.phase_peaks: dict[str, int] = {}
+        self._phase: str | None = None
+
+    def phase(self, name: str) -> None:
+        """End the current phase (recording its peak) and start ``name``."""
+        if self.mode is None and self.device is None:
+            return
+        if self._phase is not None:
+            if self.mode is not None:
+                window = self.mode.window_peak_bytes
+            else:
+                assert self.device is not None
+                torch.cuda.synchronize(self.device)
+                window = torch.cuda.max_memory_allocated(self.device)
+            self.phase_peaks[self._phase] = max(self.phase_peaks.get(self._phase, 0), window)
+            self.peak_bytes = max(self.peak_bytes or 0, window)
+        self._phase = name
+        if self.mode is not None:
+            self.mode.reset_window()
+        elif self.device is not None and name:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def end(self) -> None:
+        self.phase("")
+        self._phase = None
+
+
+class Executor:
+    """Runs fit and throughput trials for one model on one device."""
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        make_batch: Callable[[int], Any],
+        loss_fn: LossFn | None,
+        optimizer: OptimizerArg,
+        snap: Snapshot,
+        precision: str,
+        device: torch.device,
+        memory_limit_bytes: int | None,
+        margin: float,
+        steps_per_trial: int,
+        warmup_steps: int,
+        repeats: int,
+        min_timed_steps: int,
+        on_trial: Callable[[Trial], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.make_batch = make_batch
+        self.loss_fn = loss_fn or default_loss
+        self.optimizer = optimizer
+        self.snap = snap
+        self.autocast_dtype = AUTOCAST[precision]
+        self.device = device
+        self.memory_limit_bytes = memory_limit_bytes
+        self.steps_per_trial = steps_per_trial
+        self.warmup_steps = warmup_steps
+        self.repeats = repeats
+        self.min_timed_steps = min_timed_steps
+        self.on_trial = on_trial
+        self.trials: list[Trial] = []
+        capacity = memory_limit_bytes
+        if capacity is None and device.type == "cuda":
+            free_bytes, _total = torch.cuda.mem_get_info(device)
+            capacity = free_bytes + torch.cuda.memory_reserved(device)  # what we could hold
+        self.capacity_bytes = capacity
+        # The margin is memory kept free: the caching allocator's fragmentation and longer
+        # sequences later in training. A policy choice (default in tuner.DEFAULT_MARGIN).
+        self.budget_bytes = None if capacity is None else int(capacity * (1 - margin))
+
+    # --- one step ---
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            return self.optimizer
+        opt = self.optimizer(self.model.parameters())
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TilefitError(
+                "the optimizer factory did not return a torch optimizer",
+                expected="optimizer=torch.optim.AdamW(model.parameters()) or a factory "
+                "params -> Optimizer",
+                given=f"a factory returning {type(opt).__name__}",
+                fix="pass optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4)",
+            )
+        return opt
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        with self._autocast():
+            loss = self.loss_fn(self.model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TilefitError(
+                "loss_fn must return a scalar tensor",
+                expected="a tensor with one element",
+                given=type(loss).__name__ if not isinstance(loss, torch.Tensor)
+                else f"a tensor of shape {tuple(loss.shape)}",
+                fix="reduce the loss, e.g. return loss.mean()",
+            )
+        return loss
+
+    def _steps(self, batch_size: int, accumulation: int, cycles: int,
+               opt: torch.optim.Optimizer, watch: _PeakWatch | None = None) -> None:
+        """``cycles`` optimizer steps of ``accumulation`` micro-batches, written as the usual
+        training loop: ``for batch in loader: loss = f(batch); loss.backward(); ...`` keeps
+        the last batch and loss referenced through the optimizer step and while the next
+        batch is made, so their memory counts where a real loop's would."""
+        batch: Any = None
+        loss: torch.Tensor | None = None
+        for _ in range(cycles):
+            for _ in range(accumulation):
+                if watch is not None:
+                    watch.phase("forward")
+                batch = _to_device(self.make_batch(batch_size), self.device)
+                loss = self._loss(batch)
+                if watch is not None:
+                    watch.phase("backward")
+                loss.backward()
+            if watch is not None:
+                watch.phase("optimizer")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if watch is not None:
+            watch.end()
+        del batch, loss
+
+    # --- memory bookkeeping ---
+
+    def _state_tensors(self, opt: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+        for p in self.model.parameters():
+            yield p
+            if p.grad is not None:
+                yield p.grad
+        yield from self.model.buffers()
+        for s in opt.state.values():
+            yield from (v for v in s.values() if isinstance(v, torch.Tensor))
+
+    @contextlib.contextmanager
+    def _memory(self, opt: torch.optim.Optimizer, simulate: bool) -> Iterator[_PeakWatch]:
+        """A _PeakWatch whose baseline, overall and per-phase peaks are filled in."""
+        if simulate:
+            mode = MemoryLimitMode(self.memory_limit_bytes, self._state_tensors(opt))
+            watch = _PeakWatch(mode=mode)
+            watch.baseline_bytes = mode.baseline_bytes
+            try:
+                with mode:
+                    yield watch
+            finally:
+                watch.peak_bytes = max(watch.peak_bytes or 0, mode.peak_bytes)
+        elif self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            watch = _PeakWatch(device=self.device)
+            watch.baseline_bytes = torch.cuda.memory_allocated(self.device)
+            yield watch
+        else:
+            yield _PeakWatch()
+
+    def _cleanup(self, opt: torch.optim.Optimizer, failed: bool) -> None:
+        """Free everything the trial made and put the user's state back.
+
+        Reference counting frees a finished trial's tensors; after a failure (OOM) reference
+        cycles through the traceback's frames can hold activations, so only then do we pay
+        for gc.collect (~0.2 s with torch loaded) and hand cached blocks back to CUDA.
+        """
+        opt.zero_grad(set_to_none=True)
+        for p in self.model.parameters():
+            p.grad = None
+        restore_weights(self.snap)
+        if failed:
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _record(self, trial: Trial) -> None:
+        self.trials.append(trial)
+        if self.on_trial is not None:
+            self.on_trial(trial)
+
+    # --- trials ---
+
+    def fit(self, batch_size: int) -> FitProbe:
+        """Run ``steps_per_trial`` steps at ``batch_size``; did they fit within the budget?"""
+        opt = self._new_optimizer()
+        t0 = time.perf_counter()
+        ran = False
+        simulate = self.memory_limit_bytes is not None
+        watch = _PeakWatch()
+        try:
+            with self._memory(opt, simulate) as watch:
+                self._steps(batch_size, 1, self.steps_per_trial, opt, watch)
+                _sync(self.device)
+            ran = True
+        except Exception as exc:  # KeyboardInterrupt and friends pass through untouched
+            if not is_oom(exc):
+                raise
+            traceback.clear_frames(exc.__traceback__)  # drop the frames holding activations
+            del exc
+        finally:
+            self._cleanup(opt, failed=not ran)
+        peak = watch.peak_bytes
+        fits = ran and (self.budget_bytes is None or peak is None or peak <= self.budget_bytes)
+        self._record(Trial("fit", batch_size, fits, None, peak if ran else None,
+                           time.perf_counter() - t0))
+        return FitProbe(
+            fits=fits,
+            peak_bytes=peak if ran else None,
+            budget_bytes=self.budget_bytes,
+            baseline_bytes=watch.baseline_bytes,
+            phase_peaks=dict(watch.phase_peaks) if ran and watch.phase_peaks else None,
+        )
+
+    def throughput(self, batch_size: int, accumulation: int) -> list[float] | None:
+        """samples/s of ``repeats`` timed runs after warm-up, or None on OOM.
+
+        One timed run is ``cycles`` optimizer steps of ``accumulation`` micro-batches each
+        (so the optimizer step is amortised as in training), at least ``min_timed_steps``
+        micro-batches, bracketed by device synchronisation. Runs without the memory
+        simulation: its per-op bookkeeping would distort the timings (the fit search already
+        proved every size up to the max fits).
+        """
+        opt = self._new_optimizer()
+        t0 = time.perf_counter()
+        cycles = max(1, -(-self.min_timed_steps // accumulation))
+        rates: list[float] | None = []
+        cycle_s = 0.0
+        try:
+            # warm-up: at least ``warmup_steps`` micro-batches, in whole optimizer steps
+            for _ in range(max(1, -(-self.warmup_steps // accumulation))):
+                _sync(self.device)
+                warm_start = time.perf_counter()
+                self._steps(batch_size, accumulation, 1, opt)
+                _sync(self.device)
+                cycle_s = time.perf_counter() - warm_start
+            if cycle_s > 0:
+                # Like timeit's autorange: a repeat long enough that timer resolution and
+                # scheduler jitter stay small against it.
+                needed = math.ceil(MIN_REPEAT_S / max(cycle_s, 1e-9))
+                cycles = min(MAX_CYCLES_PER_REPEAT, max(cycles, needed))
+            for _ in range(self.repeats):
+                start = time.perf_counter()
+                self._steps(batch_size, accumulation, cycles, opt)
+                _sync(self.device)
+                elapsed_s = time.perf_counter() - start
+                assert rates is not None
+                rates.append(batch_size * accumulation * cycles / elapsed_s)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            traceback.clear_frames(exc.__traceback__)
+            del exc
+            rates = None
+        finally:
+            self._cleanup(opt, failed=not rates)
+        best = None if not rates else max(rates)  # the score choose_batch uses
+        self._record(Trial("throughput", batch_size, rates is not None, best, None,
+                           time.perf_counter() - t0))
+        return rates

@@ -1,0 +1,86 @@
+"""A simulated device of a given size: live tensor storage is counted, and an allocation that
+takes the total past the limit raises ``torch.OutOfMemoryError`` from inside the op, exactly
+where a real device would fail. This is how the whole search runs on the CPU in tests and
+benchmarks.
+
+Counting: every storage an op returns is registered once (keyed by the StorageImpl pointer,
+so views and in-place results are not double counted) with a weakref finalizer that subtracts
+its bytes when the storage is freed. PyTorch preserves the Python object of a live storage,
+so the finalizer fires when the storage itself dies, not when a wrapper is collected.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class MemoryLimitMode(TorchDispatchMode):
+    """Track live storage bytes; raise OutOfMemoryError past ``limit_bytes`` (None: no limit).
+
+    ``preexisting`` tensors (weights, buffers, gradients, optimizer state) are counted from the
+    start. ``peak_bytes`` is the highest live total seen.
+    """
+
+    def __init__(self, limit_bytes: int | None, preexisting: Iterable[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self.limit_bytes = limit_bytes
+        self._live: dict[int, int] = {}  # StorageImpl pointer -> bytes
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.window_peak_bytes = 0  # highest live total since the last reset_window()
+        self._finalizers: list[weakref.finalize] = []
+        for t in preexisting:
+            self._track(t)
+        self.baseline_bytes = self.live_bytes
+
+    def _track(self, t: torch.Tensor) -> None:
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, ...)
+            return
+        key = storage._cdata
+        if key in self._live:
+            return
+        nbytes = int(storage.nbytes())
+        self._live[key] = nbytes
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.window_peak_bytes = max(self.window_peak_bytes, self.live_bytes)
+        self._finalizers.append(weakref.finalize(storage, self._free, key))
+
+    def reset_window(self) -> None:
+        """Start a new window for ``window_peak_bytes`` (e.g. one forward+backward)."""
+        self.window_peak_bytes = self.live_bytes
+
+    def _free(self, key: int) -> None:
+        nbytes = self._live.pop(key, 0)
+        self.live_bytes -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        if self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
+            over = self.live_bytes
+            del out  # the failed allocation is not kept, as on a real device
+            raise torch.OutOfMemoryError(
+                f"simulated device out of memory: {over} bytes live > limit "
+                f"{self.limit_bytes} bytes (tilefit memory_limit_bytes)"
+            )
+        return out
+
+    def __exit__(self, *exc: Any) -> Any:
+        result = super().__exit__(*exc)
+        for f in self._finalizers:  # stop counting: storages outliving the trial are not ours
+            f.detach()
+        self._finalizers.clear()
+        return result

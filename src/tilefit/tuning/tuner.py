@@ -1,0 +1,238 @@
+"""``tune``: the largest batch that fits on the live device, then the fastest aligned one.
+
+Search (pure policy, ``search.py``) over real trials (``executor.py``); everything the trials
+change is restored in ``finally`` (``state.py``), also on Ctrl-C or an error.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tilefit.errors import TilefitError
+from tilefit.tuning.executor import AUTOCAST, Executor, LossFn, OptimizerArg, Trial
+from tilefit.tuning.search import (
+    accumulation_for,
+    candidate_sizes,
+    choose_batch,
+    find_max_batch,
+)
+from tilefit.tuning.state import restore, snapshot
+
+# Fraction of device memory kept free. Not a measurement: a policy. The caching allocator
+# fragments (PyTorch "CUDA memory management" notes: reserved > allocated), and batches later
+# in training can be larger than the synthetic ones (longer sequences, more targets), which is
+# how tuned runs OOM later. 10% is the default; pass margin=0 to pack the device full.
+DEFAULT_MARGIN = 0.10
+# Steps per fit trial: the optimizer state is created by the first step, so the second step is
+# the first with weights + gradients + optimizer state + activations all live (the steady-state
+# peak). Lightning runs 3 steps per trial (BatchSizeFinder steps_per_trial=3).
+DEFAULT_STEPS_PER_TRIAL = 2
+WARMUP_STEPS = 2  # untimed steps before timing (allocator, autotuning, caches)
+REPEATS = 3  # timed repeats per candidate; their spread is the noise band of the choice
+MIN_TIMED_STEPS = 3  # micro-batches per timed repeat at least
+CPU_MULTIPLE = 8  # the CPU has no Tensor Core rule; multiples of 8 suit SIMD widths
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    batch_size: int  # the chosen micro-batch
+    max_fitting_batch_size: int  # the exact largest batch that fits within the budget
+    accumulation_steps: int  # global_batch / batch_size (1 without a global batch)
+    samples_per_s: float | None  # measured at the chosen size
+    trials: tuple[dict[str, Any], ...]
+    budget_bytes: int | None = None  # memory allowed per step (capacity * (1 - margin))
+    capacity_bytes: int | None = None
+    global_batch: int | None = None
+    candidates: tuple[int, ...] = ()
+    noise: float = 0.0  # relative spread of the repeated timings
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["trials"] = [dict(t) for t in self.trials]
+        d["candidates"] = list(self.candidates)
+        return d
+
+    @property
+    def fit_trials(self) -> int:
+        return sum(1 for t in self.trials if t["kind"] == "fit")
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise TilefitError(
+            f"{name} must be a positive whole number",
+            expected="an integer >= 1 or None",
+            given=repr(value),
+            fix=f"pass {name}=<n> with n >= 1",
+        )
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise TilefitError(
+            f"unknown device {device!r}",
+            expected="cuda, cuda:N or cpu",
+            given=repr(device),
+            fix="pass device='cuda' or device='cpu'",
+        ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TilefitError(
+                "device cuda was asked for but there is no CUDA GPU",
+                expected="a machine with a CUDA GPU and a CUDA build of PyTorch",
+                given="torch.cuda.is_available() is False",
+                fix="use device='cpu' (with memory_limit_bytes to simulate a GPU's memory)",
+            )
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def preferred_multiple(device: torch.device, precision: str) -> int:
+    """The batch multiple the device's Tensor Cores want for the dtype (Device.multiple:
+    alignment bytes / element size, NVIDIA Matrix Multiplication guide Table 1)."""
+    if device.type != "cuda":
+        return CPU_MULTIPLE
+    from tilefit.hardware import detect_live_device
+
+    dtype = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(precision, precision)
+    try:
+        return detect_live_device(device.index or 0).multiple(dtype)
+    except TilefitError:  # a GPU missing from the catalog: the general 16-byte rule
+        return max(1, 16 // (2 if dtype in ("bf16", "fp16") else 4))
+
+
+def tune(
+    model: nn.Module,
+    make_batch: Callable[[int], Any],
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer: OptimizerArg,
+    precision: str = "fp32",
+    device: str | torch.device | None = None,
+    global_batch: int | None = None,
+    max_batch: int | None = None,
+    memory_limit_bytes: int | None = None,
+    margin: float = DEFAULT_MARGIN,
+    steps_per_trial: int = DEFAULT_STEPS_PER_TRIAL,
+    predicted_max_batch: int | None = None,
+    measure_throughput: bool = True,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> TuneResult:
+    """Find the largest batch that fits, then the fastest hardware-friendly batch up to it.
+
+    model: the user's module, already on the device. make_batch(b): a batch of b samples.
+    loss_fn(model, batch): the scalar loss (default: model(**batch).loss for dict batches).
+    optimizer: the user's optimizer (its state is restored) or a factory params -> Optimizer.
+    global_batch: keep it exact with accumulation; the chosen batch divides it.
+    memory_limit_bytes: simulate a device of this size (works on the CPU).
+    margin: fraction of memory kept free (see DEFAULT_MARGIN).
+    predicted_max_batch: the estimator's predicted maximum, used as the first probe.
+    on_trial: called with each Trial as it completes (progress display).
+
+    Model, optimizer, RNG states and module modes are exactly as before when tune returns or
+    raises (KeyboardInterrupt included).
+    """
+    for name, value in (("global_batch", global_batch), ("max_batch", max_batch),
+                        ("memory_limit_bytes", memory_limit_bytes),
+                        ("steps_per_trial", steps_per_trial),
+                        ("predicted_max_batch", predicted_max_batch)):
+        _positive(name, value)
+    if not 0 <= margin < 1:
+        raise TilefitError("margin must be a fraction in [0, 1)", expected="e.g. 0.1",
+                           given=repr(margin), fix="pass margin=0.1 to keep 10% free")
+    if precision not in AUTOCAST:
+        raise TilefitError(f"unknown precision {precision!r}", expected=", ".join(AUTOCAST),
+                           given=repr(precision), fix="pass precision='bf16-mixed', for example")
+    if not (isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)):
+        raise TilefitError("optimizer must be an optimizer or a factory",
+                           expected="torch.optim.AdamW(model.parameters()) or params -> Optimizer",
+                           given=type(optimizer).__name__,
+                           fix="pass optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4)")
+    dev = resolve_device(device)
+    wrong = {str(p.device) for p in model.parameters() if p.device.type != dev.type
+             or (dev.index is not None and p.device.index != dev.index)}
+    if wrong:
+        raise TilefitError(
+            "the model is not on the device being tuned",
+            expected=f"parameters on {dev}",
+            given=f"parameters on {', '.join(sorted(wrong))}",
+            fix=f"call model.to('{dev}') before tune (tilefit does not move your model)",
+        )
+    if dev.type == "cpu" and memory_limit_bytes is None and max_batch is None:
+        raise TilefitError(
+            "on the CPU tune needs a memory limit or a largest batch to stop at",
+            expected="memory_limit_bytes (simulate a GPU's memory) or max_batch",
+            given="neither",
+            fix="pass memory_limit_bytes=16 * 2**30 (CLI: --memory-limit 16GiB) or max_batch",
+        )
+    cap = max_batch
+    if global_batch is not None:
+        cap = global_batch if cap is None else min(cap, global_batch)
+
+    user_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    snap = snapshot(model, user_opt)
+    tf32_before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        if precision == "tf32":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        ex = Executor(
+            model=model, make_batch=make_batch, loss_fn=loss_fn, optimizer=optimizer, snap=snap,
+            precision=precision, device=dev, memory_limit_bytes=memory_limit_bytes,
+            margin=margin, steps_per_trial=steps_per_trial, warmup_steps=WARMUP_STEPS,
+            repeats=REPEATS, min_timed_steps=MIN_TIMED_STEPS, on_trial=on_trial,
+        )
+        search = find_max_batch(ex.fit, start=predicted_max_batch, max_batch=cap)
+        if search.max_batch == 0:
+            raise TilefitError(
+                "not even a batch of 1 fits in the memory budget",
+                expected=f"a step within {ex.budget_bytes} bytes "
+                f"({1 - margin:.0%} of {ex.capacity_bytes})",
+                given="batch size 1 ran out of memory",
+                fix="lower the margin, use mixed precision, gradient checkpointing or a "
+                "lighter optimizer (see `tilefit plan`)",
+            )
+        candidates = candidate_sizes(
+            search.max_batch, multiple=preferred_multiple(dev, precision),
+            global_batch=global_batch,
+        )
+        chosen, rate, noise = candidates[-1], None, 0.0
+        if measure_throughput:
+            measured: dict[int, list[float]] = {}
+            for b in candidates:
+                rates = ex.throughput(b, accumulation_for(global_batch, b))
+                if rates:
+                    measured[b] = rates
+            if measured:
+                choice = choose_batch(measured)
+                chosen, rate, noise = choice.batch_size, choice.samples_per_s, choice.noise
+        return TuneResult(
+            batch_size=chosen,
+            max_fitting_batch_size=search.max_batch,
+            accumulation_steps=accumulation_for(global_batch, chosen),
+            samples_per_s=rate,
+            trials=tuple(t.to_dict() for t in ex.trials),
+            budget_bytes=ex.budget_bytes,
+            capacity_bytes=ex.capacity_bytes,
+            global_batch=global_batch,
+            candidates=candidates,
+            noise=noise,
+        )
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
+        restore(snap)
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()

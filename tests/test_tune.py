@@ -1,0 +1,263 @@
+"""tune on the CPU with a simulated memory limit: exact max, OOM safety, bit-exact restore."""
+
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tilefit.errors import TilefitError
+from tilefit.tuning import TuneResult, tune
+from tilefit.tuning.executor import is_oom
+from tilefit.tuning.simulate import MemoryLimitMode
+
+LIMIT_BYTES = 400_000
+
+
+class Net(nn.Module):
+    """An MLP with BatchNorm (buffers incl. num_batches_tracked), Dropout (RNG), a frozen
+    layer (requires_grad False) and a submodule left in eval mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.body = nn.Sequential(nn.Linear(16, 48), nn.BatchNorm1d(48), nn.ReLU(),
+                                  nn.Dropout(0.2), nn.Linear(48, 4))
+        self.body[1].eval()  # a mode that must survive
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(self.frozen(x))
+
+
+def make_batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(b, 16), torch.randint(0, 4, (b,))
+
+
+def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+def fresh() -> tuple[Net, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    # one real step so the optimizer has state (exp_avg, step counts) and params have grads
+    loss_fn(model, make_batch(8)).backward()
+    opt.step()
+    loss_fn(model, make_batch(8)).backward()  # leave gradients in place
+    return model, opt
+
+
+def state_of(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "grads": {n: None if p.grad is None else p.grad.clone()
+                  for n, p in model.named_parameters()},
+        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+        "modes": {n: m.training for n, m in model.named_modules()},
+        "opt": copy.deepcopy(opt.state_dict()),
+        "torch_rng": torch.get_rng_state(),
+        "numpy_rng": np.random.get_state(),
+        "python_rng": random.getstate(),
+    }
+
+
+def assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
+    for key in ("params", "buffers"):
+        assert before[key].keys() == after[key].keys()
+        for name in before[key]:
+            assert torch.equal(before[key][name], after[key][name]), (key, name)
+    for name, g in before["grads"].items():
+        h = after["grads"][name]
+        assert (g is None and h is None) or torch.equal(g, h), name
+    assert before["requires_grad"] == after["requires_grad"]
+    assert before["modes"] == after["modes"]
+    o1, o2 = before["opt"], after["opt"]
+    assert o1["param_groups"] == o2["param_groups"]
+    assert o1["state"].keys() == o2["state"].keys()
+    for pid, s in o1["state"].items():
+        assert s.keys() == o2["state"][pid].keys()
+        for k, v in s.items():
+            assert torch.equal(v, o2["state"][pid][k]), (pid, k)
+    assert torch.equal(before["torch_rng"], after["torch_rng"])
+    n1, n2 = before["numpy_rng"], after["numpy_rng"]
+    assert n1[0] == n2[0] and np.array_equal(n1[1], n2[1]) and n1[2:] == n2[2:]
+    assert before["python_rng"] == after["python_rng"]
+
+
+def fits_directly(b: int, limit_bytes: int, budget_bytes: int) -> bool:
+    """A second way to answer "does b fit?": two plain steps on a deep copy, in our own loop."""
+    model, opt = fresh()  # seeded: the same weights, gradients and optimizer state
+    live = [*model.parameters(), *model.buffers(),
+            *(p.grad for p in model.parameters() if p.grad is not None),
+            *(v for s in opt.state.values() for v in s.values())]
+    mode = MemoryLimitMode(limit_bytes, live)
+    try:
+        with mode:
+            for _ in range(2):
+                batch = make_batch(b)  # held through backward, as a training loop holds it
+                loss_fn(model, batch).backward()
+                del batch
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    except torch.OutOfMemoryError:
+        return False
+    return mode.peak_bytes <= budget_bytes
+
+
+def test_memory_limit_mode_counts_storages_once() -> None:
+    with MemoryLimitMode(None) as mode:
+        a = torch.empty(1000)  # 1000 * 4 B = 4000 B
+        view = a[10:]  # same storage: not counted again
+        b = a.add_(1)  # in place: same storage
+        assert mode.live_bytes == 4000
+        c = torch.empty(250, dtype=torch.float64)  # 250 * 8 = 2000 B
+        assert mode.live_bytes == 6000
+        del a, view, b
+        assert mode.live_bytes == 2000  # freed when the last reference went
+        del c
+    assert mode.peak_bytes == 6000 and mode.live_bytes == 0
+
+
+def test_memory_limit_mode_raises_a_real_oom() -> None:
+    with pytest.raises(torch.OutOfMemoryError) as info, MemoryLimitMode(10_000):
+        keep = [torch.empty(1000) for _ in range(3)]  # 4000 B each: the 3rd makes 12000
+        del keep
+    assert is_oom(info.value)
+    assert is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not is_oom(RuntimeError("shape mismatch"))
+
+
+def test_tune_finds_exact_max_and_restores_state() -> None:
+    model, opt = fresh()
+    before = state_of(model, opt)
+    result = tune(model, make_batch, loss_fn=loss_fn, optimizer=opt,
+                  memory_limit_bytes=LIMIT_BYTES, margin=0.1, measure_throughput=False)
+    assert isinstance(result, TuneResult)
+    assert_same(before, state_of(model, opt))
+    budget = int(LIMIT_BYTES * 0.9)  # 360000
+    assert result.budget_bytes == budget
+    best = result.max_fitting_batch_size
+    assert best > 8
+    # checked by a second method: our own two-step loop under the same simulated device
+    assert fits_directly(best, LIMIT_BYTES, budget)
+    assert not fits_directly(best + 1, LIMIT_BYTES, budget)
+    fit_trials = [t for t in result.trials if t["kind"] == "fit"]
+    lightning_bound = 2 * best.bit_length()  # doubling to 2^k > best, bisecting 2^(k-1)
+    assert len(fit_trials) < lightning_bound
+    assert result.batch_size == result.candidates[-1] == best  # untimed: the largest
+    assert result.accumulation_steps == 1 and result.samples_per_s is None
+    for t in result.trials:
+        assert set(t) == {"kind", "batch_size", "fits", "samples_per_s", "peak_memory_bytes",
+                          "time_s"}
+    d = result.to_dict()
+    assert d["batch_size"] == result.batch_size and isinstance(d["trials"], list)
+
+
+def test_global_batch_is_kept_exact_and_prediction_is_first_probe() -> None:
+    model, opt = fresh()
+    before = state_of(model, opt)
+    result = tune(model, make_batch, loss_fn=loss_fn, optimizer=opt, memory_limit_bytes=LIMIT_BYTES,
+                  global_batch=32, max_batch=20, predicted_max_batch=20)
+    assert_same(before, state_of(model, opt))  # timing steps restored too
+    assert result.trials[0]["batch_size"] == 20 and result.trials[0]["kind"] == "fit"
+    assert result.max_fitting_batch_size == 20  # capped: 20 fits far below the limit
+    # divisors of 32 up to 20: 1 2 4 8 16, all powers of two
+    assert result.candidates == (1, 2, 4, 8, 16)
+    timed = [t for t in result.trials if t["kind"] == "throughput"]
+    assert [t["batch_size"] for t in timed] == [1, 2, 4, 8, 16]
+    assert all(t["samples_per_s"] > 0 for t in timed)
+    assert result.samples_per_s == max(  # the chosen size's score is its fastest repeat
+        t["samples_per_s"] for t in timed if t["batch_size"] == result.batch_size)
+    assert 32 % result.batch_size == 0
+    assert result.batch_size * result.accumulation_steps == 32
+
+
+class Interrupt(Exception):
+    pass
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, Interrupt])
+def test_interrupted_mid_trial_restores_everything(error: type[BaseException]) -> None:
+    model, opt = fresh()
+    before = state_of(model, opt)
+    calls = {"n": 0}
+
+    def interrupting_batch(b: int) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 4:  # second trial, second step: weights and state already changed
+            raise error()
+        return make_batch(b)
+
+    with pytest.raises(error):
+        tune(model, interrupting_batch, loss_fn=loss_fn, optimizer=opt,
+             memory_limit_bytes=LIMIT_BYTES)
+    assert calls["n"] == 4
+    assert_same(before, state_of(model, opt))
+
+
+def test_optimizer_factory_and_dict_batches_with_default_loss() -> None:
+    class HFLike(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> Any:
+            return {"loss": nn.functional.cross_entropy(self.lin(x), labels)}
+
+    model = HFLike()
+    result = tune(model, lambda b: {"x": torch.randn(b, 8), "labels": torch.zeros(b).long()},
+                  optimizer=lambda params: torch.optim.SGD(params, lr=0.1), max_batch=24,
+                  measure_throughput=False)
+    # no memory limit on the CPU: the cap 24 is the answer; 2, 4, 8, 16, 24
+    assert result.max_fitting_batch_size == 24
+    assert [t["batch_size"] for t in result.trials] == [2, 4, 8, 16, 24]
+
+
+def test_clear_errors() -> None:
+    model, opt = fresh()
+    with pytest.raises(TilefitError, match="loss_fn"):
+        tune(model, make_batch, optimizer=opt, memory_limit_bytes=LIMIT_BYTES)
+    with pytest.raises(TilefitError, match="memory limit or a largest batch"):
+        tune(model, make_batch, loss_fn=loss_fn, optimizer=opt)
+    with pytest.raises(TilefitError, match="not even a batch of 1"):
+        tune(model, make_batch, loss_fn=loss_fn, optimizer=opt, memory_limit_bytes=20_000)
+    with pytest.raises(TilefitError, match="positive whole number"):
+        tune(model, make_batch, loss_fn=loss_fn, optimizer=opt, max_batch=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_memory_is_given_back() -> None:
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10)).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    result = tune(model, lambda b: (torch.randn(b, 256, device="cuda"),
+                                    torch.randint(0, 10, (b,), device="cuda")),
+                  loss_fn=loss_fn, optimizer=opt, max_batch=4096, device="cuda")
+    assert result.max_fitting_batch_size == 4096
+    assert torch.cuda.memory_allocated() <= before
+
+
+def test_tilefit_tune_stays_the_function_after_the_package_is_imported() -> None:
+    import tilefit
+    import tilefit.tuning.search  # the package is tilefit.tuning: tilefit.tune stays the function
+
+    model = nn.Linear(4, 2)
+    result = tilefit.tune(model, lambda b: (torch.randn(b, 4), torch.zeros(b).long()),
+                          loss_fn=loss_fn_linear, optimizer=torch.optim.SGD(model.parameters()),
+                          max_batch=3, measure_throughput=False)
+    assert result.max_fitting_batch_size == 3  # 2 fits, 4 > cap -> 3 (the cap) fits
+    assert [t["batch_size"] for t in result.trials] == [2, 3]
+
+
+def loss_fn_linear(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])
