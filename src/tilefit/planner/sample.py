@@ -6,9 +6,9 @@ from dataclasses import dataclass, fields
 
 from tilefit.estimator import Estimate
 from tilefit.tracing import Trace
+from tilefit.tracing.records import MICRO_PHASES
 
 STATE_CATEGORIES = ("parameters", "gradients", "optimizer_state")
-MICRO_PHASES = ("forward", "backward", "recompute")  # run once per micro-batch
 WORK_PHASES = MICRO_PHASES
 
 
@@ -56,55 +56,17 @@ class Sample:
 
 def category_peaks(tr: Trace, *, rounded: bool) -> dict[str, int]:
     """The largest live bytes of each category over the whole trace."""
-    out: dict[str, int] = {}
     cats = {s.category for s in tr.storages}
-    for cat in cats:
-        delta = [0] * (tr.n_events + 2)
-        for s in tr.storages:
-            if s.category != cat:
-                continue
-            size = tr.target.round(s.nbytes) if rounded else s.nbytes
-            delta[s.alloc_at + 1] += size
-            if s.free_at is not None:
-                delta[s.free_at + 1] -= size
-        live = best = 0
-        for d in delta:
-            live += d
-            best = max(best, live)
-        out[cat] = best
-    return out
+    return {cat: max(tr.live_bytes_timeline(rounded=rounded,
+                                            keep=lambda s, c=cat: s.category == c))
+            for cat in cats}
 
 
 def work_peak(tr: Trace, *, rounded: bool) -> int:
     """Peak live bytes of non-state storages allocated by forward, backward or recompute."""
-    delta = [0] * (tr.n_events + 2)
-    for s in tr.storages:
-        if s.category in STATE_CATEGORIES or s.phase not in WORK_PHASES:
-            continue
-        size = tr.target.round(s.nbytes) if rounded else s.nbytes
-        delta[s.alloc_at + 1] += size
-        if s.free_at is not None:
-            delta[s.free_at + 1] -= size
-    live = best = 0
-    for d in delta:
-        live += d
-        best = max(best, live)
-    return best
-
-
-def phase_peaks(tr: Trace, *, rounded: bool) -> tuple[int, int, int]:
-    """(forward/backward peak, the same for accumulation 1, optimizer-step peak)."""
-    timeline = tr.live_bytes_timeline(rounded=rounded)
-    fb = fb1 = opt = 0
-    for j, live in enumerate(timeline):
-        op = tr.ops[j - 1] if 0 < j <= len(tr.ops) else None
-        if op is not None and op.phase not in MICRO_PHASES:
-            opt = max(opt, live)
-            continue
-        fb = max(fb, live)
-        if op is None or op.micro == 0:
-            fb1 = max(fb1, live)
-    return fb, fb1, opt
+    return max(tr.live_bytes_timeline(
+        rounded=rounded,
+        keep=lambda s: s.category not in STATE_CATEGORIES and s.phase in WORK_PHASES))
 
 
 def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int) -> Sample:
@@ -113,7 +75,7 @@ def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int) -> Sample
     fixed_time = est.step_time_s - micro_time * a
     rounded = tr.target.kind == "cuda"
     cats = category_peaks(tr, rounded=rounded)
-    fb, fb1, opt = phase_peaks(tr, rounded=rounded)
+    fb, fb1, opt = tr.phase_peaks(rounded=rounded)
     if max(fb, opt) != est.peak_memory_bytes:  # the pieces cover every event
         raise AssertionError(f"phase peaks {fb}, {opt} miss the trace peak "
                              f"{est.peak_memory_bytes}")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tilefit.tracing.target import Target
 
 PHASES = ("forward", "backward", "recompute", "optimizer", "zero_grad", "scaler")
+MICRO_PHASES = ("forward", "backward", "recompute")  # run once per micro-batch
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
 
 
@@ -73,10 +75,14 @@ class Trace:
     warnings: tuple[str, ...] = field(default=())
 
     # ---- memory -------------------------------------------------------------------------
-    def live_bytes_timeline(self, *, rounded: bool = True) -> list[int]:
-        """Live tensor bytes after each event (index 0 = before the first op)."""
+    def live_bytes_timeline(self, *, rounded: bool = True,
+                            keep: Callable[[StorageRecord], bool] | None = None) -> list[int]:
+        """Live tensor bytes after each event (index 0 = before the first op), of every
+        storage or of those ``keep`` selects."""
         delta = [0] * (self.n_events + 2)
         for s in self.storages:
+            if keep is not None and not keep(s):
+                continue
             size = self.target.round(s.nbytes) if rounded else s.nbytes
             delta[s.alloc_at + 1] += size
             if s.free_at is not None:
@@ -92,6 +98,23 @@ class Trace:
         timeline = self.live_bytes_timeline(rounded=rounded)
         best = max(range(len(timeline)), key=timeline.__getitem__)
         return timeline[best], best
+
+    def phase_peaks(self, *, rounded: bool = True) -> tuple[int, int, int]:
+        """(peak during forward/backward/recompute, the same over micro-batch 0 only -- the
+        peak without accumulation --, peak during the optimizer step, zero_grad and loss
+        scaler). Each is close to affine in the batch size while their maximum is not: at
+        small batches the optimizer step holds the peak, at large ones the backward."""
+        timeline = self.live_bytes_timeline(rounded=rounded)
+        fb = fb1 = opt = 0
+        for j, live in enumerate(timeline):
+            op = self.ops[j - 1] if 0 < j <= len(self.ops) else None
+            if op is not None and op.phase not in MICRO_PHASES:
+                opt = max(opt, live)
+                continue
+            fb = max(fb, live)
+            if op is None or op.micro == 0:
+                fb1 = max(fb1, live)
+        return fb, fb1, opt
 
     def breakdown_at(self, index: int, *, rounded: bool = True) -> dict[str, int]:
         """Live bytes by category at a timeline index."""

@@ -304,7 +304,14 @@ def _trace(model: ModelSpec, batch: Any, *, loss_fn: LossFn | None, optimizer: O
                 raise TilefitError("the model has no trainable parameters",
                                    expected="at least one parameter with requires_grad=True",
                                    given="none", fix="unfreeze the parameters to train")
-            opt = make_optimizer(optimizer, params, foreach=target.foreach)
+            try:
+                opt = make_optimizer(optimizer, params, foreach=target.foreach)
+            except USER_CODE_ERRORS as exc:
+                raise TilefitError(
+                    f"the optimizer could not be created: {type(exc).__name__}: {exc}",
+                    expected="a name (adamw, sgd, ...) or a factory params -> Optimizer",
+                    given=repr(optimizer), fix="call the factory once on model.parameters() "
+                    "to see the full error") from None
             scaler_state = None
             if precision == "fp16-mixed":
                 scaler_state = (torch.full((1,), SCALER_INIT), torch.zeros(1, dtype=torch.int32),

@@ -51,6 +51,7 @@ class TuneResult:
     global_batch: int | None = None
     candidates: tuple[int, ...] = ()
     noise: float = 0.0  # relative spread of the repeated timings
+    predicted_max_batch: int | None = None  # the first probe (the estimator's prediction)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -127,6 +128,7 @@ def tune(
     margin: float = DEFAULT_MARGIN,
     steps_per_trial: int = DEFAULT_STEPS_PER_TRIAL,
     predicted_max_batch: int | None = None,
+    predict: bool = True,
     measure_throughput: bool = True,
     on_trial: Callable[[Trial], None] | None = None,
 ) -> TuneResult:
@@ -138,7 +140,8 @@ def tune(
     global_batch: keep it exact with accumulation; the chosen batch divides it.
     memory_limit_bytes: simulate a device of this size (works on the CPU).
     margin: fraction of memory kept free (see DEFAULT_MARGIN).
-    predicted_max_batch: the estimator's predicted maximum, used as the first probe.
+    predicted_max_batch: the first probe; by default (``predict``) the estimator predicts it
+    from two fake-tensor traces of the step (no run on the device).
     on_trial: called with each Trial as it completes (progress display).
 
     Model, optimizer, RNG states and module modes are exactly as before when tune returns or
@@ -194,6 +197,12 @@ def tune(
             margin=margin, steps_per_trial=steps_per_trial, warmup_steps=WARMUP_STEPS,
             repeats=REPEATS, min_timed_steps=MIN_TIMED_STEPS, on_trial=on_trial,
         )
+        if predicted_max_batch is None and predict:
+            from tilefit.tuning.predict import predict_max_batch
+
+            predicted_max_batch = predict_max_batch(
+                model, make_batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
+                device=dev, budget_bytes=ex.budget_bytes, cap=cap)
         search = find_max_batch(ex.fit, start=predicted_max_batch, max_batch=cap)
         if search.max_batch == 0:
             raise TilefitError(
@@ -229,6 +238,7 @@ def tune(
             global_batch=global_batch,
             candidates=candidates,
             noise=noise,
+            predicted_max_batch=predicted_max_batch,
         )
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before

@@ -1,0 +1,95 @@
+"""The estimator's predicted largest batch, as tune's first probe.
+
+The step is traced on fake tensors (no real run, nothing allocated on the device) at two
+batch sizes; its peak is affine in the batch (the activations and temporaries grow with it,
+parameters, gradients and optimizer state do not), so two traces give the batch at which the
+peak reaches the budget. tune still confirms it with a real trial and brackets from there.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tilefit.errors import TilefitError
+
+PROBE_BATCHES = (1, 2)
+MAX_REFINE_TRACES = 3
+# tune's precisions that the tracer names the same way
+_PRECISION = {"fp32": "fp32", "tf32": "tf32", "bf16-mixed": "bf16-mixed",
+              "fp16-mixed": "fp16-mixed", "bf16": "bf16"}
+
+
+def _optimizer_factory(optimizer: Any) -> Callable[[Any], torch.optim.Optimizer]:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        cls = type(optimizer)
+        accepted = inspect.signature(cls.__init__).parameters
+        # defaults can hold entries the constructor does not take (AdamW's
+        # decoupled_weight_decay): keep what it accepts
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        return lambda params: cls(params, **defaults)
+    return optimizer
+
+
+def predict_max_batch(model: nn.Module, make_batch: Callable[[int], Any], *,
+                      loss_fn: Any, optimizer: Any, precision: str, device: torch.device,
+                      budget_bytes: int | None, cap: int | None) -> int | None:
+    """The largest batch whose predicted peak fits ``budget_bytes``, or None when there is no
+    budget or the step cannot be traced (tune then searches from its default start)."""
+    if budget_bytes is None or precision not in _PRECISION:
+        return None
+    from tilefit.estimator import cublas_workspace_bytes
+    from tilefit.hardware import get_device
+    from tilefit.tracing import trace
+
+    target: Any = "cpu"
+    extra = 0
+    if device.type == "cuda":
+        target = get_device("auto")
+        extra = cublas_workspace_bytes(target)  # counted by the caching allocator too
+    def pieces_at(b: int) -> tuple[int, int]:
+        tr = trace(model, make_batch(b), loss_fn=loss_fn, optimizer=_optimizer_factory(optimizer),
+                   precision=_PRECISION[precision], device=target)
+        fb, _, opt = tr.phase_peaks(rounded=device.type == "cuda")
+        return fb + extra, opt + extra
+
+    # Each piece (forward/backward peak, optimizer-step peak) is affine in b at large b, but
+    # at small b a fixed-size temporary can hold the piece's peak; so extrapolate from the
+    # last two traces, trace at the prediction, and repeat (a secant search on fake tensors).
+    try:
+        points = [(b, pieces_at(b)) for b in PROBE_BATCHES]
+        guess = _solve(points[-2], points[-1], budget_bytes)
+        for _ in range(MAX_REFINE_TRACES):
+            if guess is None or guess <= points[-1][0] or (cap is not None and guess >= cap):
+                break
+            points.append((guess, pieces_at(guess)))
+            nxt = _solve(points[-2], points[-1], budget_bytes)
+            if nxt is None or abs(nxt - guess) <= max(1, 0.02 * guess):
+                guess = nxt if nxt is not None else guess
+                break
+            guess = nxt
+    except TilefitError:
+        return None
+    if guess is None:
+        return cap
+    return max(1, min(guess, cap) if cap is not None else guess)
+
+
+def _solve(lo: tuple[int, tuple[int, int]], hi: tuple[int, tuple[int, int]],
+           budget_bytes: int) -> int | None:
+    """The largest b whose pieces, each on the line through two traces, fit the budget."""
+    (b1, p1), (b2, p2) = lo, hi
+    best = math.inf
+    for y1, y2 in zip(p1, p2, strict=True):
+        slope = (y2 - y1) / (b2 - b1)
+        fixed = y1 - slope * b1
+        if slope > 0:
+            best = min(best, (budget_bytes - fixed) / slope)
+        elif fixed > budget_bytes:
+            return 1
+    return None if best == math.inf else max(1, math.floor(best))
