@@ -101,3 +101,22 @@ def test_gemm_command_accepts_the_cpu() -> None:
     data = json.loads(r.stdout)
     assert data["gpu"] == "cpu" and data["waves"] == 1
     assert data["flops"] == 2 * 64**3  # 524288
+
+
+def test_bench_gemm_model_measures_the_steps_own_gemms() -> None:
+    # GPT-2 with one layer, batch 1 x 16 tokens, fp32 on the CPU. Its plain GEMMs per step:
+    # forward c_attn 16x2304x768, c_proj 16x768x768, c_fc 16x3072x768, mlp c_proj
+    # 16x768x3072, lm_head 16x50257x768; backward two per weight (dgrad, wgrad) -- shapes
+    # repeat, so the rows are the distinct ones, each with its count per step.
+    r = runner.invoke(app, ["bench", "gemm", "--model", "gpt2", "--layers", "1", "--seq", "16",
+                            "--quick", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["sweep"] == "model" and data["dtype"] == "fp32"
+    shapes = {(row["m"], row["n"], row["k"]) for row in data["rows"]}
+    assert (16, 2304, 768) in shapes  # c_attn forward (Conv1D: addmm of x and W)
+    assert (768, 2304, 16) in shapes  # its weight gradient: K = tokens
+    assert (16, 50257, 768) in shapes  # lm_head forward
+    counts = {(row["m"], row["n"], row["k"]): row["x"] for row in data["rows"]}
+    assert counts[(16, 768, 768)] == 2  # attn.c_proj forward and its dgrad share the shape
+    assert all(set(row) >= ROW_KEYS for row in data["rows"])

@@ -87,16 +87,52 @@ def gemm(
                               "tf32 or fp32 on a GPU."),
     quick: bool = typer.Option(False, "--quick", help="Fewer points, shorter timing."),
     plot: str = typer.Option(None, "--plot", help="Save a PNG plot to this file."),
+    model: str = typer.Option(None, "--model", help="Measure the distinct GEMM shapes of this "
+                              "model's traced training step instead of a sweep."),
+    batch: int = typer.Option(1, "--batch", help="With --model: the micro-batch."),
+    seq: int = typer.Option(None, "--seq", help="With --model: tokens per sample."),
+    layers: int = typer.Option(None, "--layers", help="With --model: build it with this many "
+                               "layers (the shapes repeat per layer)."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Delivered TFLOP/s against batch for a linear layer's three GEMMs, or time against K / N
-    one step at a time; each row measured and predicted."""
+    one step at a time, or a model's own GEMMs (--model); each row measured and predicted."""
     with user_errors():
-        result = run_bench(device, sweep, in_features, out_features, m, n, dtype, quick, plot)
+        if model is not None:
+            result = run_model_bench(device, model, batch, seq, layers, quick)
+        else:
+            result = run_bench(device, sweep, in_features, out_features, m, n, dtype, quick,
+                               plot)
     if json_out:
         print_json(result)
         return
     render(result)
+
+
+def run_model_bench(device: str, model: str, batch: int, seq: int | None,
+                    layers: int | None, quick: bool) -> dict[str, Any]:
+    import numpy as np
+
+    from tilefit.bench.model_gemms import model_gemm_shapes
+    from tilefit.bench.sweeps import run_sweep
+    from tilefit.calibrate.fit import error_summary
+    from tilefit.calibrate.run import live_kind_device
+    from tilefit.cli.model_options import load
+    from tilefit.estimator.workloads import Recipe, default_precision
+
+    dev = live_kind_device(device)
+    work = load(model, seq, None, None)
+    if layers is not None:
+        work = work.with_config(num_hidden_layers=layers)
+    recipe = Recipe(batch_size=batch, precision=default_precision(dev))
+    dt, shapes = model_gemm_shapes(work, recipe, dev)
+    rows = run_sweep(shapes, dt, dev, quick=quick)
+    med, p90 = error_summary(np.array([abs(r.error) for r in rows])) if rows else (0.0, 0.0)
+    return {
+        "device": dev.name, "display_name": dev.display_name, "device_source": dev.source,
+        "sweep": "model", "model": work.name, "dtype": dt, "rows": [r.to_dict() for r in rows],
+        "median_abs_error": med, "p90_abs_error": p90, "plot": None,
+    }
 
 
 def run_bench(device: str, sweep: str, in_features: int | None, out_features: int | None,
@@ -142,11 +178,16 @@ def run_bench(device: str, sweep: str, in_features: int | None, out_features: in
 def render(result: dict[str, Any]) -> None:
     from rich.table import Table
 
-    t = Table(title=f"{result['sweep']} sweep, {result['dtype']} on {result['display_name']}")
-    for col in ("GEMM", "M x N x K", "measured us", "TFLOP/s", "predicted us", "error"):
+    per_model = result["sweep"] == "model"
+    title = (f"GEMMs of {result['model']}'s training step" if per_model
+             else f"{result['sweep']} sweep") + f", {result['dtype']} on {result['display_name']}"
+    t = Table(title=title)
+    first = "module (phase) x per step" if per_model else "GEMM"
+    for col in (first, "M x N x K", "measured us", "TFLOP/s", "predicted us", "error"):
         t.add_column(col, justify="right")
     for r in result["rows"]:
-        t.add_row(r["label"], f"{r['m']} x {r['n']} x {r['k']}",
+        label = f"{r['label']} x{r['x']}" if per_model else r["label"]
+        t.add_row(label, f"{r['m']} x {r['n']} x {r['k']}",
                   f"{r['measured_time_s'] * 1e6:.1f}", f"{r['measured_tflops']:.3f}",
                   f"{r['predicted_time_s'] * 1e6:.1f}", f"{r['error']:+.0%}")
     console.print(t)
