@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from tilefit.cli import model_options as mo
-from tilefit.cli.common import GPU_HELP, JSON_OPTION, console, err_console, print_json, user_errors
+from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
 
 
 def register(app: typer.Typer) -> None:
@@ -14,15 +14,13 @@ def register(app: typer.Typer) -> None:
 
 def estimate(
     model: str = mo.MODEL_ARG,
-    gpu: str = typer.Option("a100-80gb", "--gpu", help=GPU_HELP + " Or cpu for this machine."),
-    batch: int = typer.Option(8, "--batch", help="Micro-batch size (samples per forward)."),
+    gpu: str = mo.GPU_OPTION,
+    batch: int = mo.BATCH_OPTION,
     seq: int | None = mo.SEQ_OPTION,
     precision: str | None = mo.PRECISION_OPTION,
     optimizer: str = mo.OPTIMIZER_OPTION,
-    grad_checkpointing: bool = typer.Option(False, "--grad-checkpointing",
-                                            help="Recompute activations in backward."),
-    accumulation: int = typer.Option(1, "--accumulation",
-                                     help="Gradient accumulation steps per optimizer step."),
+    grad_checkpointing: bool = mo.CHECKPOINTING_OPTION,
+    accumulation: int = mo.ACCUMULATION_OPTION,
     attention: str = mo.ATTENTION_OPTION,
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,

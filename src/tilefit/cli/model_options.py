@@ -8,6 +8,14 @@ import typer
 
 from tilefit.errors import TilefitError
 
+GPU_OPTION = typer.Option(
+    "a100-80gb", "--gpu", help="Catalog name or alias (see `tilefit gpus`), a TOML spec file, "
+    "auto (the live GPU), or cpu (this machine).")
+BATCH_OPTION = typer.Option(8, "--batch", help="Micro-batch size (samples per forward).")
+CHECKPOINTING_OPTION = typer.Option(False, "--grad-checkpointing",
+                                    help="Recompute activations in backward.")
+ACCUMULATION_OPTION = typer.Option(1, "--accumulation",
+                                   help="Gradient accumulation steps per optimizer step.")
 MODEL_ARG = typer.Argument(
     ..., help="A catalog name (`tilefit models`), a path to a Hugging Face config.json, or "
     "package.module:function returning an nn.Module (with --input-shape).")
