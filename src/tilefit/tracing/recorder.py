@@ -13,8 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tilefit.tracing.records import GemmShape, OpRecord, StorageRecord
-from tilefit.tracing.shapes import classify, gemm_shapes, op_flops
-from tilefit.tracing.torch_compat import ModulePath
+from tilefit.tracing.shapes import classify, gemm_shapes, op_flops, packet_name
+from tilefit.tracing.torch_compat import DataDependentOutputException, ModulePath
 
 _SKIP = {"prim.device.default", "profiler._record_function_enter_new.default",
          "profiler._record_function_exit._RecordFunction"}
@@ -56,6 +56,7 @@ class Recorder(TorchDispatchMode):
         self._attn_by_uid: dict[int, dict[str, Any]] = {}
         self.no_formula: dict[str, int] = {}
         self.recording = True
+        self.stand_in_reads = 0  # .item() calls in the optimizer answered with a stand-in
 
     def set_root(self, root_name: str) -> None:
         """The root module's class name, which ModuleTracker puts before every path."""
@@ -111,6 +112,21 @@ class Recorder(TorchDispatchMode):
                 free_at=self._free_at.get(uid), category=category, phase=phase,
                 module=self._alloc_module[uid]))
         return tuple(out)
+
+    # ---- values the optimizer reads ---------------------------------------------------------
+    def _stand_in_scalar(self, func: Any, args: tuple[Any, ...]) -> Any:
+        """A value for .item() in the optimizer step. Optimizers that scale their update by
+        a norm read it on the host (torch.optim.Adafactor: param.norm().item()); on fake
+        tensors there is no value, but it only scales the update and no shape depends on it,
+        so 1 stands in. Anywhere else a value can steer control flow: the error stands."""
+        if self.phase not in ("optimizer", "scaler", "zero_grad") or \
+                packet_name(func) != "aten._local_scalar_dense":
+            raise
+        self.stand_in_reads += 1
+        t = args[0]
+        if t.dtype == torch.bool:
+            return True
+        return 1.0 if t.is_floating_point() else 1
 
     # ---- replaying the steady step ------------------------------------------------------
     @contextlib.contextmanager
@@ -190,7 +206,10 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except DataDependentOutputException:
+            out = self._stand_in_scalar(func, args)
         if not self.recording:
             return out
         name = str(func)

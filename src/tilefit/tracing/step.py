@@ -23,7 +23,7 @@ from tilefit.tracing.optimizers import (
     optimizer_state_tensors,
 )
 from tilefit.tracing.recorder import Recorder
-from tilefit.tracing.records import Trace
+from tilefit.tracing.records import MICRO_PHASES, Trace
 from tilefit.tracing.target import Target
 from tilefit.tracing.torch_compat import FAKE_ERRORS, FakeTensorMode, ModulePath, new_fake_mode
 
@@ -217,22 +217,26 @@ def _explain_fake_errors(recorder: Recorder) -> Iterator[None]:
     except FAKE_ERRORS as exc:
         func = getattr(exc, "func", None)
         op = str(func) if func is not None else type(exc).__name__
-        name = recorder.failing_module
-        where = f"module {name!r}" if name else "code outside any module (the loss function?)"
+        name = recorder.failing_module if recorder.phase in MICRO_PHASES else ""
+        where = (f"module {name!r}" if name else
+                 f"the {recorder.phase} step" if recorder.phase not in MICRO_PHASES else
+                 "code outside any module (the loss function?)")
         raise TilefitError(
             f"the model cannot run on fake tensors: {op} in {where} needs real values or a "
             "real kernel",
             expected="a training step whose control flow does not depend on tensor values "
             "(no .item(), .tolist(), nonzero() or data-dependent branches) and ops with "
             "fake/meta implementations",
-            given=f"{type(exc).__name__} from {op} in module {where}",
+            given=f"{type(exc).__name__} from {op} in {where}",
             fix="move the value-dependent code out of the step (e.g. compute it once before "
             "training), or register a fake implementation for the custom op with "
             "torch.library.register_fake",
         ) from None
     except USER_CODE_ERRORS as exc:
-        name = recorder.failing_module
-        where = f"module {name!r}" if name else "code outside any module (the loss function?)"
+        name = recorder.failing_module if recorder.phase in MICRO_PHASES else ""
+        where = (f"module {name!r}" if name else
+                 f"the {recorder.phase} step" if recorder.phase not in MICRO_PHASES else
+                 "code outside any module (the loss function?)")
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise TilefitError(
             f"one training step of the model failed in {where}: {type(exc).__name__}: {first}",
@@ -381,6 +385,10 @@ def _trace(model: ModelSpec, batch: Any, *, loss_fn: LossFn | None, optimizer: O
                     marks["o0"], marks["z0"] = marks["o"], marks["z"]
     samples, tokens = _samples_and_tokens(fbatch)
     warnings = []
+    if recorder.stand_in_reads:
+        warnings.append(f"the optimizer read {recorder.stand_in_reads} value(s) from tensors "
+                        "(.item()); on fake tensors 1 stood in for each (they scale the "
+                        "update; no shape depends on them)")
     if router is not None and router.choices.get("math"):
         warnings.append(f"attention ran the math kernel {router.choices['math']} time(s) per "
                         "step: it materialises the S x S scores (fp32 or unsupported head dim "

@@ -20,6 +20,7 @@ from torch.utils.flop_counter import flop_registry
 
 __all__ = [
     "FAKE_ERRORS",
+    "DataDependentOutputException",
     "FakeTensor",
     "FakeTensorMode",
     "ModulePath",
