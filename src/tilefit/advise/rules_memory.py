@@ -16,6 +16,8 @@ OPTIMIZER_SHARE = 0.3
 # below this share of the GPU's memory, memory is not what limits the step: no memory findings
 # (each costs a re-trace), unless the step does not fit
 MEMORY_PRESSURE = 0.5
+# below this share of the peak, activations are not worth recomputing
+MIN_ACTIVATION_SHARE = 0.05
 GIB = 2**30
 
 
@@ -29,6 +31,10 @@ def _mem_finding(w: WhatIf, rule: str, title: str, dimension: str, current: obje
     ok = saved > 0 and after.fits and (not e.fits or after.step_time_s <= e.step_time_s * 1.005)
     severity = ("high" if (not e.fits and after.fits) or share >= 0.25 else
                 "medium" if share >= 0.10 else "low") if ok else "info"
+    if not e.fits:  # say first that the step does not fit, and whether this fix is enough
+        title = (f"the step needs {e.total_memory_bytes / GIB:.1f} GiB of "
+                 f"{e.device.memory_bytes / GIB:.0f} GiB; "
+                 + ("this makes it fit: " if after.fits else "not enough alone: ") + title)
     return Finding(
         rule=rule, severity=severity, title=title, modules=(), dimension=dimension,
         current=current, suggested=suggested, fix=fix,
@@ -101,7 +107,9 @@ def memory_findings(w: WhatIf) -> list[Finding]:
         f = _optimizer_candidate(w)
         if f:
             out.append(f)
-    if act_share >= DOMINANT_SHARE or not e.fits:
+    # checkpointing shrinks activations only: no use when the peak holds few of them (a peak
+    # in the optimizer step)
+    if act_share >= DOMINANT_SHARE or (not e.fits and act_share >= MIN_ACTIVATION_SHARE):
         f = _checkpoint_candidate(w)
         if f:
             out.append(f)
