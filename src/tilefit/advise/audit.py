@@ -92,7 +92,7 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
         recipe = Recipe(batch_size=batch_size, precision=prec, optimizer=optimizer,
                         grad_checkpointing=grad_checkpointing,
                         accumulation_steps=accumulation_steps, attention=attention)
-        tr = _traced(lambda: trace_workload(work, recipe, device), work.name)
+        tr = trace_workload(work, recipe, device)
         name, seq, retrace_fn = work.name, work.seq_len, (
             lambda wk, rc: trace_workload(wk, rc, device))
     else:
@@ -108,10 +108,9 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
 
             def loss_fn(m: Any, b: Any) -> Any:
                 return stand_in_loss(m(b))
-        tr = _traced(lambda: trace(
-            model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=prec,
-            grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation_steps,
-            attention=attention, device=device), type(model).__name__)
+        tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=prec,
+                   grad_checkpointing=grad_checkpointing,
+                   accumulation_steps=accumulation_steps, attention=attention, device=device)
         work, seq, retrace_fn = None, None, None
         if stand_in:
             extra_notes.append("no loss_fn given: the loss is a stand-in (mean of the output)")
@@ -142,11 +141,6 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
                  findings=ordered, retraces=w.retraces,
                  elapsed_s=time.perf_counter() - t0, confirmation=confirmation,
                  notes=tuple(notes))
-
-
-def _traced(fn: Callable[[], Any], name: str) -> Any:
-    """Run the trace (the tracer turns errors in the user's step into TilefitError)."""
-    return fn()
 
 
 def _confirm(w: WhatIf, findings: tuple[Finding, ...]) -> dict[str, float] | None:
