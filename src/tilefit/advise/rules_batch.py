@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, severity_of
 from tilefit.advise.whatif import WhatIf, gemm_time_with
+from tilefit.batches import REAL_GAIN, is_friendly
 from tilefit.estimator.cost import CostContext, gemm_dtype
 from tilefit.gemm import analyze_gemm
 from tilefit.tracing.records import GemmShape
@@ -56,7 +57,9 @@ def _batch_finding(w: WhatIf, rule: str, new_b: int, title: str, reason: str) ->
         peak_memory_before_bytes=w.estimate.peak_memory_bytes,
         peak_memory_after_bytes=after.peak_memory_bytes, method="retrace", per_sample=True,
         samples_before=b, samples_after=new_b)
-    ok = after.fits and f.predicted_speedup >= MIN_RECOMMENDED_SPEEDUP
+    # a batch off the hardware-friendly sizes must win by a real margin (tilefit.batches)
+    needed = MIN_RECOMMENDED_SPEEDUP if is_friendly(new_b) else 1 + REAL_GAIN
+    ok = after.fits and f.predicted_speedup >= needed
     return replace(f, recommended=ok, severity=severity_of(f.predicted_speedup) if ok else "info")
 
 
@@ -113,6 +116,9 @@ def wave_findings(w: WhatIf) -> list[Finding]:
         if nb == b:
             continue
         t = gemm_time_with(w.trace, w.device, precision, _scaler(tokens, nb * seq)) / nb
+        # a batch off the friendly sizes must win by a real margin (tilefit.batches)
+        if not is_friendly(nb) and t > base * (1 - REAL_GAIN):
+            continue
         if t < best * (1 - 1e-9):
             best, best_b = t, nb
     if best_b == b or best > base * (1 - MIN_WAVE_GAIN):

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tilefit.batches import REAL_GAIN
 from tilefit.errors import TilefitError
 from tilefit.planner.rows import PlanRow
 
 OBJECTIVES = ("throughput", "memory")
-# A micro-batch that is neither a multiple of 8 nor a power of two is kept only when it beats
-# the best friendly one of its recipe by this much (a "real gain", not model noise).
-REAL_GAIN = 0.05
 
 
 def check_objective(objective: str) -> None:

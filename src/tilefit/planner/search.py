@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tilefit.batches import is_friendly
 from tilefit.errors import TilefitError
 from tilefit.estimator import MFU_DTYPE, estimate_trace
 from tilefit.estimator.workloads import Recipe, trace_workload
@@ -14,7 +15,7 @@ from tilefit.planner.affine import SweepModel
 from tilefit.planner.offload import OffloadLink, offload_peak_bytes, offload_step_time_s
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.sample import Sample, sample_of
-from tilefit.planner.space import OPTIMIZER_LABELS, RecipeSpec, is_friendly
+from tilefit.planner.space import OPTIMIZER_LABELS, RecipeSpec
 from tilefit.tracing import Trace
 
 if TYPE_CHECKING:

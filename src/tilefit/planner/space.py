@@ -9,14 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tilefit.batches import is_friendly
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device
-
-# Hardware-friendly micro-batches: multiples of 8 keep the batch dimension of the GEMMs
-# Tensor-Core aligned for fp16/bf16 (NVIDIA "Matrix Multiplication Background" guide: dims
-# multiples of 8 for fp16), and powers of two are what the Hugging Face single-GPU guide
-# recommends for the batch size (shared/reference/performance.md section 3).
-FRIENDLY_MULTIPLE = 8
 
 # What a change of optimizer means for training, shown in the plan's "changes" column.
 OPTIMIZER_LABELS = {
@@ -26,10 +21,6 @@ OPTIMIZER_LABELS = {
 # Optimizers the planner may propose in place of the user's (only when allowed, or when
 # nothing else fits; always marked as a change to the training algorithm).
 ALTERNATIVE_OPTIMIZERS = ("adamw-8bit", "adafactor", "sgd")
-
-
-def is_friendly(micro_batch: int) -> bool:
-    return micro_batch % FRIENDLY_MULTIPLE == 0 or (micro_batch & (micro_batch - 1)) == 0
 
 
 def divisors(n: int) -> list[int]:
