@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -55,15 +56,13 @@ class ModulePath:
             from torch.utils.module_tracker import ModuleTracker
 
             self._tracker: Any = ModuleTracker()
-            self._exact = False
         else:
             self._tracker = ModTracker()
-            self._tracker.register_user_hooks(pre_fw_hook=self._pre_fw,
-                                              post_fw_hook=self._post_fw)
-            self._exact = True
+        self._handles: list[Any] = []
 
     def _pre_fw(self, mod: Any, inputs: Any) -> None:
-        self.last_entered = self._tracker.get_known_fqn(mod) or type(mod).__name__
+        known = getattr(self._tracker, "get_known_fqn", None)
+        self.last_entered = (known(mod) if known is not None else None) or type(mod).__name__
         if self.is_bw:
             self.recompute_depth += 1
 
@@ -77,19 +76,30 @@ class ModulePath:
 
     @property
     def is_bw(self) -> bool:
-        return bool(self._tracker.is_bw)
+        # inside autograd's engine (the graph task id is -1 outside backward)
+        return torch._C._current_graph_task_id() != -1
 
     @property
     def recomputing(self) -> bool:
-        if self._exact:
-            return self.recompute_depth > 0
-        return False
+        return self.recompute_depth > 0
 
     def __enter__(self) -> ModulePath:
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+
         self._tracker.__enter__()
+        # global module hooks (public API), registered after the tracker's so that its names
+        # are known: they count forwards that run inside backward (checkpoint recompute)
+        self._handles = [register_module_forward_pre_hook(self._pre_fw),
+                         register_module_forward_hook(self._post_fw, always_call=True)]
         return self
 
     def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
         self._tracker.__exit__(*exc)
 
 
