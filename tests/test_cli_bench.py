@@ -120,3 +120,15 @@ def test_bench_gemm_model_measures_the_steps_own_gemms() -> None:
     counts = {(row["m"], row["n"], row["k"]): row["x"] for row in data["rows"]}
     assert counts[(16, 768, 768)] == 2  # attn.c_proj forward and its dgrad share the shape
     assert all(set(row) >= ROW_KEYS for row in data["rows"])
+
+
+def test_bench_step_measures_a_real_step_beside_the_estimate() -> None:
+    # A real CPU step of a one-layer GPT-2: its peak (MemTracker on the real tensors) is what
+    # the fake-tensor trace predicted, to the byte; the time is measured (median of steps).
+    r = runner.invoke(app, ["bench", "step", "gpt2", "--layers", "1", "--batch", "1", "--seq",
+                            "16", "--steps", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["measured_peak_memory_bytes"] == data["predicted_peak_memory_bytes"]
+    assert data["measured_step_time_s"] > 0 and data["predicted_step_time_s"] > 0
+    assert data["recipe"]["precision"] == "fp32"
