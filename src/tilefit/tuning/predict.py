@@ -65,12 +65,19 @@ def predict_max_batch(model: nn.Module, make_batch: Callable[[int], Any], *,
         points = [(b, pieces_at(b)) for b in PROBE_BATCHES]
         guess = _solve(points[-2], points[-1], budget_bytes)
         for _ in range(MAX_REFINE_TRACES):
-            if guess is None or guess <= points[-1][0] or (cap is not None and guess >= cap):
+            if guess is None:  # no piece grows with the batch
+                guess = cap
+            if guess is None or guess == points[-1][0]:
                 break
-            points.append((guess, pieces_at(guess)))
+            if cap is not None:
+                guess = min(guess, cap)
+            here = pieces_at(guess)
+            points.append((guess, here))
+            if guess == cap and max(here) <= budget_bytes:
+                break  # the largest allowed batch fits
             nxt = _solve(points[-2], points[-1], budget_bytes)
             if nxt is None or abs(nxt - guess) <= max(1, 0.02 * guess):
-                guess = nxt if nxt is not None else guess
+                guess = guess if nxt is None else nxt
                 break
             guess = nxt
     except TilefitError:
