@@ -85,6 +85,12 @@ def test_estimate_cli_json(cli):
     assert data["tokens_per_step"] == 2 * 64
     assert set(data["memory_breakdown"]) == {"parameters", "gradients", "optimizer_state",
                                              "activations", "temporaries", "inputs"}
+    op_keys = {"op", "phase", "module", "input_shapes", "output_shapes", "dtype", "flops",
+               "bytes", "time_s"}
+    assert data["ops"] and all(op_keys <= set(op) for op in data["ops"])
+    # the per-op times add up to the step (each op counted as often as it runs per step)
+    total = sum(op["time_s"] * op["repeats"] for op in data["ops"])
+    assert abs(total - data["step_time_s"]) <= 1e-9 * data["step_time_s"]
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -24,7 +24,8 @@ def estimate(
     attention: str = mo.ATTENTION_OPTION,
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
-    ops: bool = typer.Option(False, "--ops", help="With --json: include every op record."),
+    ops: bool = typer.Option(True, "--ops/--no-ops", help="With --json: include every op record "
+                             "of the steady step (--no-ops for the summary only)."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Predict one training step's time and peak memory on a GPU, traced on fake tensors."""
