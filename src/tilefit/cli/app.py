@@ -16,17 +16,17 @@ app = typer.Typer(
 
 # One line per command module; each module defines register(app). Modules are imported here,
 # so a command module must not import torch at import time (gemm / linear / gpus stay fast).
-COMMAND_MODULES: tuple[str, ...] = (
-    "tilefit.cli.gpus",
-    "tilefit.cli.gemm",
-    "tilefit.cli.linear",
-    "tilefit.cli.models",
-    "tilefit.cli.estimate",
-    "tilefit.cli.bench",
-    "tilefit.cli.calibrate",
+COMMAND_MODULES: tuple[str, ...] = (  # in the order `tilefit --help` lists them
     "tilefit.cli.audit",
+    "tilefit.cli.estimate",
     "tilefit.cli.plan",
     "tilefit.cli.tune",
+    "tilefit.cli.bench",
+    "tilefit.cli.calibrate",
+    "tilefit.cli.gpus",
+    "tilefit.cli.models",
+    "tilefit.cli.gemm",
+    "tilefit.cli.linear",
 )
 
 for _name in COMMAND_MODULES:

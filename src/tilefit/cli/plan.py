@@ -35,8 +35,7 @@ def plan(
     top: int = typer.Option(15, "--top", help="Rows of the ranked table to show."),
     json_out: bool = JSON_OPTION,
 ) -> None:
-    """Combine batch size, accumulation, checkpointing, precision, attention, optimizer and
-    offload into the fastest (or smallest) recipe that fits, with configs to paste."""
+    """Choose batch, accumulation, checkpointing, precision and optimizer together, with configs."""
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
