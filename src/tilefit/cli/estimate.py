@@ -49,3 +49,7 @@ def estimate(
         return
     shape = f"batch {batch}" + (f" x seq {work.seq_len}" if work.seq_len else "")
     print_estimate(console, result, f"tilefit estimate: {work.name}, {shape}")
+    if not result.fits:
+        console.print(f"[bold red]does not fit:[/] `tilefit audit {model} --gpu {gpu}` says "
+                      "what would make it fit, `tilefit plan` chooses a recipe that does",
+                      highlight=False)
