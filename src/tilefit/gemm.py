@@ -214,7 +214,7 @@ def analyze_gemm(m: int, n: int, k: int, dtype: str | DType, device: Device, *,
         error = (
             "fp8 GEMMs need every dimension divisible by 16 (torch._scaled_mm and Transformer "
             "Engine refuse other shapes): pad to "
-            + ", ".join(f"{n_}={alignment_bytes_pad(v, 16)}" for n_, v in
+            + ", ".join(f"{n_}={round_up(v, 16)}" for n_, v in
                         (("m", m), ("n", n), ("k", k)) if v % 16)
         )
     if device.kind == "cpu":  # --- CPU path: packing model, no tiles or waves (gemm_cpu.py)
@@ -291,10 +291,6 @@ def _analyze_cpu(
                 f"{analysis.peak_tflops * 1e3:.0f} GFLOP/s")
     object.__setattr__(analysis, "verdict", text)
     return analysis
-
-
-def alignment_bytes_pad(value: int, multiple: int) -> int:
-    return round_up(value, multiple)
 
 
 def verdict(a: GemmAnalysis) -> str:

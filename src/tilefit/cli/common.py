@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -15,8 +15,6 @@ from tilefit.errors import TilefitError
 
 console = Console()  # stdout: tables and reports
 err_console = Console(stderr=True)  # diagnostics; with --json, everything but the JSON
-
-T = TypeVar("T")
 
 JSON_OPTION = typer.Option(False, "--json", help="Print only JSON on stdout.")
 GPU_HELP = "Catalog name or alias (see `tilefit gpus`), a TOML spec file, or auto."
@@ -42,8 +40,3 @@ def user_errors() -> Iterator[None]:
     except TilefitError as exc:
         err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
-
-
-def run(fn: Callable[[], T]) -> T:
-    with user_errors():
-        return fn()

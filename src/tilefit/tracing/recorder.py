@@ -54,7 +54,6 @@ class Recorder(TorchDispatchMode):
         self.category: dict[int, str] = {}
         self.attention_backend: str | None = None  # set by the attention router per call
         self._attn_by_uid: dict[int, dict[str, Any]] = {}
-        self.no_formula: dict[str, int] = {}
         self.recording = True
         self.stand_in_reads = 0  # .item() calls in the optimizer answered with a stand-in
 
