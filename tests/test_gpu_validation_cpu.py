@@ -52,4 +52,3 @@ def test_estimate_checks_summarise_rows(gv) -> None:
     step = gv.check_estimate_step_time(rows)
     assert step["status"] == "pass" and step["median_error"] == pytest.approx(0.11)
     assert gv.check_estimate_memory([])["status"] == "pending"
-    assert callable(gv.check_tune)  # needs a GPU: runs bench_tune_search's CUDA check
