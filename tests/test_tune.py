@@ -14,7 +14,7 @@ from torch import nn
 from tilefit.errors import TilefitError
 from tilefit.tuning import TuneResult, tune
 from tilefit.tuning.executor import is_oom
-from tilefit.tuning.simulate import MemoryLimitMode
+from tilefit.tuning.simulate import OOM_ERROR, MemoryLimitMode
 
 LIMIT_BYTES = 400_000
 
@@ -107,7 +107,7 @@ def fits_directly(b: int, limit_bytes: int, budget_bytes: int) -> bool:
                 del batch
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-    except torch.OutOfMemoryError:
+    except OOM_ERROR:
         return False
     return mode.peak_bytes <= budget_bytes
 
@@ -127,7 +127,7 @@ def test_memory_limit_mode_counts_storages_once() -> None:
 
 
 def test_memory_limit_mode_raises_a_real_oom() -> None:
-    with pytest.raises(torch.OutOfMemoryError) as info, MemoryLimitMode(10_000):
+    with pytest.raises(OOM_ERROR) as info, MemoryLimitMode(10_000):
         keep = [torch.empty(1000) for _ in range(3)]  # 4000 B each: the 3rd makes 12000
         del keep
     assert is_oom(info.value)

@@ -22,7 +22,7 @@ from torch import nn
 
 from tilefit.errors import TilefitError
 from tilefit.tuning.search import FitProbe
-from tilefit.tuning.simulate import MemoryLimitMode
+from tilefit.tuning.simulate import OOM_ERROR, MemoryLimitMode
 from tilefit.tuning.state import Snapshot, restore_weights
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -61,7 +61,7 @@ class Trial:
 def is_oom(exc: BaseException) -> bool:
     """The device's out-of-memory error: torch.OutOfMemoryError, or a RuntimeError whose
     message says "out of memory" (older builds, MPS, some CUDA paths)."""
-    if isinstance(exc, torch.OutOfMemoryError):
+    if isinstance(exc, OOM_ERROR):
         return True
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 

@@ -19,6 +19,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+# torch.OutOfMemoryError is the top-level name from torch 2.5; torch.cuda.OutOfMemoryError
+# (the same class) is older.
+OOM_ERROR: type[Exception] = getattr(torch, "OutOfMemoryError", None) or \
+    torch.cuda.OutOfMemoryError
+
 
 class MemoryLimitMode(TorchDispatchMode):
     """Track live storage bytes; raise OutOfMemoryError past ``limit_bytes`` (None: no limit).
@@ -72,7 +77,7 @@ class MemoryLimitMode(TorchDispatchMode):
         if self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
             over = self.live_bytes
             del out  # the failed allocation is not kept, as on a real device
-            raise torch.OutOfMemoryError(
+            raise OOM_ERROR(
                 f"simulated device out of memory: {over} bytes live > limit "
                 f"{self.limit_bytes} bytes (tilefit memory_limit_bytes)"
             )
