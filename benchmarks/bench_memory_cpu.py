@@ -22,7 +22,7 @@ from workloads import CASES, Case
 
 
 def measured_peak_bytes(case: Case) -> int:
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from tilefit.bench.step import memtracker_peak_bytes
 
     torch.manual_seed(0)
     model = case.build()
@@ -31,18 +31,15 @@ def measured_peak_bytes(case: Case) -> int:
     model.train()
     batch = case.batch()
     opt = case.optimizer(model.parameters())
-    tracker = MemTracker()
-    tracker.track_external(model, opt, batch)
-    with tracker:
-        for _ in range(2):
-            loss = case.loss_fn(model, batch)
-            loss.backward()
-            del loss
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            tracker.reset_mod_stats()
-    snap = tracker.get_tracker_snapshot("peak")
-    return int(snap[torch.device("cpu")]["Total"])
+
+    def step() -> None:
+        loss = case.loss_fn(model, batch)
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return memtracker_peak_bytes(model, opt, batch, step)
 
 
 def predicted_peak_bytes(case: Case) -> tuple[int, float]:

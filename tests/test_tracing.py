@@ -29,7 +29,7 @@ def _tokens(b: int, s: int, vocab: int = 1000) -> dict[str, torch.Tensor]:
 
 def _memtracker_peak(build, batch, loss_fn, make_opt, checkpointing: bool = False) -> int:
     """Peak live tensor bytes of two real CPU steps, by PyTorch's MemTracker."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from tilefit.bench.step import memtracker_peak_bytes
 
     torch.manual_seed(0)
     model = build()
@@ -37,17 +37,15 @@ def _memtracker_peak(build, batch, loss_fn, make_opt, checkpointing: bool = Fals
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     opt = make_opt(model.parameters())
-    mt = MemTracker()
-    mt.track_external(model, opt, batch)
-    with mt:
-        for _ in range(2):
-            loss = loss_fn(model, batch)
-            loss.backward()
-            del loss
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            mt.reset_mod_stats()
-    return int(mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+
+    def step() -> None:
+        loss = loss_fn(model, batch)
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return memtracker_peak_bytes(model, opt, batch, step)
 
 
 def _ce(model, batch):

@@ -92,7 +92,7 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
             sync()
             peak = int(torch.cuda.max_memory_allocated())
         else:
-            peak = _cpu_peak(model, opt, batch, step)
+            peak = memtracker_peak_bytes(model, opt, batch, step)
         for _ in range(max(0, warmup - 2)):
             step()
         times = []
@@ -108,14 +108,16 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
                            step_times_s=tuple(times), peak_memory_bytes=peak)
 
 
-def _cpu_peak(model: Any, opt: Any, batch: Any, step: Any) -> int:
+def memtracker_peak_bytes(model: Any, opt: Any, batch: Any, step: Any, steps: int = 2) -> int:
+    """Peak live tensor bytes of ``steps`` calls of ``step()`` on real CPU tensors, by PyTorch's
+    MemTracker (its own accounting, independent of tilefit's tracer)."""
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
     tracker.track_external(model, opt, batch)
     with tracker:
-        for _ in range(2):
+        for _ in range(steps):
             step()
             tracker.reset_mod_stats()
     return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
