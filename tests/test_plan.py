@@ -19,6 +19,7 @@ from tilefit.planner.rank import choose, prune_unfriendly, rank
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.sample import Sample
 from tilefit.planner.space import check_global_batch, micro_batch_candidates, precisions
+from tilefit.vocab import Recipe
 
 GIB = 2**30
 
@@ -109,7 +110,7 @@ def test_peak_pieces_are_extrapolated_separately() -> None:
     model state) does. Extrapolating the max itself would miss it."""
     from tilefit.hardware import get_device
     from tilefit.planner.search import Depth, row_from
-    from tilefit.planner.space import RecipeSpec
+    from tilefit.vocab import Recipe
 
     def sample(b: int, layers: int) -> Sample:
         return Sample(micro_batch=b, layers=layers, peak_bytes=10 + 5 * layers,
@@ -119,7 +120,7 @@ def test_peak_pieces_are_extrapolated_separately() -> None:
                       work_peak_bytes=0, micro_flops=1.0, param_count=1.0)
 
     model = SweepModel(tuple(sample(b, k) for k in (1, 2) for b in (1, 4)))
-    row = row_from(RecipeSpec("bf16-mixed", "adamw", False, "sdpa"), model, 2, 4,
+    row = row_from(Recipe(precision="bf16-mixed", optimizer="adamw", attention="sdpa"), model, 2, 4,
                    Depth("num_hidden_layers", 32, (1, 2)), get_device("a100-80gb"), 10**12,
                    None, "adamw")
     # backward piece: 10 + 5 x 32 = 170; optimizer piece: 4 + 8 x 32 = 260 (the max of the
@@ -127,14 +128,21 @@ def test_peak_pieces_are_extrapolated_separately() -> None:
     assert row.predicted_peak_memory_bytes == 260
 
 
+def _with_micro(row: PlanRow, micro: int) -> PlanRow:
+    """The row at another (unfriendly) micro-batch, its figures unchanged."""
+    return dataclasses.replace(row, recipe=row.recipe.with_batch(micro), friendly=False)
+
+
 # ---- ranking -----------------------------------------------------------------------------
 def _row(micro: int, peak_gib: float, step_s: float, budget_gib: float = 20, **kw: object
          ) -> PlanRow:
     g = 32
-    return PlanRow(micro_batch=micro, accumulation_steps=g // micro,
-                   precision=str(kw.pop("precision", "bf16-mixed")),
-                   optimizer=str(kw.pop("optimizer", "adamw")),
-                   grad_checkpointing=bool(kw.pop("ckpt", False)), attention="sdpa",
+    recipe = Recipe(batch_size=micro, accumulation_steps=g // micro,
+                    precision=str(kw.pop("precision", "bf16-mixed")),
+                    optimizer=str(kw.pop("optimizer", "adamw")),
+                    grad_checkpointing=bool(kw.pop("ckpt", False)), attention="sdpa",
+                    peft=bool(kw.pop("peft", False)))
+    return PlanRow(recipe=recipe,
                    predicted_peak_memory_bytes=int(peak_gib * GIB), predicted_step_time_s=step_s,
                    samples_per_s=g / step_s, tokens_per_s=None, mfu=0.0,
                    budget_bytes=int(budget_gib * GIB), **kw)  # type: ignore[arg-type]
@@ -176,8 +184,8 @@ def test_offload_only_when_no_gpu_plan_fits() -> None:
 
 def test_unfriendly_micro_batch_kept_only_for_a_real_gain() -> None:
     friendly = _row(8, 10, 1.0)
-    small_gain = dataclasses.replace(_row(8, 10, 0.97), micro_batch=12, friendly=False)
-    big_gain = dataclasses.replace(_row(8, 10, 0.8), micro_batch=12, friendly=False)
+    small_gain = _with_micro(_row(8, 10, 0.97), 12)
+    big_gain = _with_micro(_row(8, 10, 0.8), 12)
     assert prune_unfriendly([friendly, small_gain]) == [friendly]  # 3% faster < 5%
     assert prune_unfriendly([friendly, big_gain]) == [friendly, big_gain]  # 25% faster
 
@@ -277,7 +285,7 @@ def test_layer_lever_matches_the_full_trace() -> None:
     from tilefit.hardware import get_device
     from tilefit.models import load_workload
     from tilefit.planner.search import Depth, depth_of, sweep, trace_sample
-    from tilefit.planner.space import RecipeSpec
+    from tilefit.vocab import Recipe
 
     work = load_workload("llama-3.2-1b", seq_len=64).with_config(
         num_hidden_layers=6, hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -285,7 +293,7 @@ def test_layer_lever_matches_the_full_trace() -> None:
     depth = depth_of(work)
     assert depth.lever and depth.traced == (1, 2) and depth.full == 6
     dev = get_device("a100-80gb")
-    spec = RecipeSpec("bf16-mixed", "adamw", False, "sdpa")
+    spec = Recipe(precision="bf16-mixed", optimizer="adamw", attention="sdpa")
     model = sweep(work, spec, [1, 8], depth, dev)
     full = trace_sample(work, spec, 4, 6, Depth(None, 6, (6,)), dev, 2)
     for metric in ("peak_bytes", "peak_optimizer_bytes", "micro_time_s", "param_count",

@@ -12,7 +12,8 @@ import torch
 from typer.testing import CliRunner
 
 from tilefit.cli.app import app
-from tilefit.cli.tune import parse_bytes, parse_shape
+from tilefit.cli.model_options import parse_shape
+from tilefit.cli.tune import parse_bytes
 from tilefit.errors import TilefitError
 from tilefit.tuning.integrations import lightning as tl
 from tilefit.tuning.integrations.hf import precision_of, split_effective_batch, tune_trainer
@@ -143,5 +144,5 @@ def test_cli_tune_errors_exit_2() -> None:
                               "--memory-limit", "lots"])
     assert out.exit_code == 2 and "memory size not understood" in out.output
     out = runner.invoke(app, ["tune", "tests.fixtures.tiny_models:mlp", "--input-shape", "32",
-                              "--device", "cpu"])
+                              "--gpu", "cpu"])
     assert out.exit_code == 2 and "memory limit or a largest batch" in out.output

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tilefit.advise.findings import Finding
 from tilefit.advise.rules_batch import memory_bound_findings, wave_findings
@@ -17,6 +16,11 @@ from tilefit.advise.whatif import WhatIf
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate, estimate_trace
 from tilefit.hardware import Device, get_device
+from tilefit.tracing.records import Trace
+from tilefit.vocab import Recipe, default_precision, parse_precision
+
+if TYPE_CHECKING:
+    from tilefit.models import Workload
 
 DEFAULT_GPU = "a100-80gb"
 DEFAULT_BATCH = 8
@@ -30,7 +34,7 @@ RULES: tuple[Callable[[WhatIf], list[Finding]], ...] = (
 class Audit:
     model: str
     device: Device
-    recipe: Any  # Recipe
+    recipe: Recipe
     seq_len: int | None
     estimate: Estimate
     findings: tuple[Finding, ...]
@@ -58,6 +62,20 @@ def order(findings: list[Finding]) -> tuple[Finding, ...]:
                                                  -f.memory_saved_bytes)))
 
 
+@dataclass(frozen=True)
+class _Subject:
+    """What is audited: the traced step, its recipe, and how to trace a variant of it."""
+
+    name: str
+    seq_len: int | None
+    recipe: Recipe
+    trace: Trace
+    workload: Workload | None  # None for an nn.Module: no what-if that needs a re-trace
+    retrace_fn: Callable[[Workload, Recipe], Trace] | None
+    modules: dict[str, Any] | None  # the module's layers by name (nn.Module input)
+    notes: tuple[str, ...] = ()
+
+
 def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
           batch_size: int = DEFAULT_BATCH, seq_len: int | None = None,
           precision: str | None = None, optimizer: str = "adamw",
@@ -73,74 +91,93 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
     ``confirm``: re-trace the top weight-dimension finding's fix and record how close the
     cheap rewrite was (Audit.confirmation).
     """
-    from tilefit.estimator.workloads import Recipe, default_precision, trace_workload
-    from tilefit.models import Workload, load_workload
+    from tilefit.models import Workload
 
     t0 = time.perf_counter()
-    extra_notes: list[str] = []
     device = get_device(gpu)
-    prec = precision or default_precision(device)
+    recipe = Recipe(batch_size=batch_size,
+                    precision=parse_precision(precision).name if precision
+                    else default_precision(device),
+                    optimizer=str(optimizer), grad_checkpointing=grad_checkpointing,
+                    accumulation_steps=accumulation_steps, attention=attention)
     if isinstance(model, str | Workload):
         if batch is not None:
             raise TilefitError("a batch is given with a named model",
                                expected="batch_size= for catalog/config models; batch= only "
                                "with an nn.Module", given=type(batch).__name__,
                                fix="drop batch= and pass batch_size=")
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        work = model if isinstance(model, Workload) else load_workload(
-            model, seq_len=seq_len, input_shape=input_shape, task=task)
-        recipe = Recipe(batch_size=batch_size, precision=prec, optimizer=optimizer,
-                        grad_checkpointing=grad_checkpointing,
-                        accumulation_steps=accumulation_steps, attention=attention)
-        tr = trace_workload(work, recipe, device)
-        name, seq, retrace_fn = work.name, work.seq_len, (
-            lambda wk, rc: trace_workload(wk, rc, device))
+        subject = _workload_subject(model, recipe, device, seq_len=seq_len,
+                                    input_shape=input_shape, task=task)
     else:
-        if batch is None:
-            raise TilefitError("an nn.Module (or factory) needs an example batch",
-                               expected="audit(model, batch, ...)", given="no batch",
-                               fix="pass one batch as your DataLoader yields it")
-        from tilefit.tracing import trace
+        subject = _module_subject(model, batch, recipe, device, optimizer=optimizer,
+                                  loss_fn=loss_fn)
+    return _run_rules(subject, device, confirm=confirm, started_s=t0)
 
-        stand_in = loss_fn is None and not isinstance(batch, dict)
-        if stand_in:
-            from tilefit.models.factory import stand_in_loss
 
-            def loss_fn(m: Any, b: Any) -> Any:
-                return stand_in_loss(m(b))
-        tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=prec,
-                   grad_checkpointing=grad_checkpointing,
-                   accumulation_steps=accumulation_steps, attention=attention, device=device)
-        work, seq, retrace_fn = None, None, None
-        if stand_in:
-            extra_notes.append("no loss_fn given: the loss is a stand-in (mean of the output)")
-        name = type(model).__name__ if not callable(model) or hasattr(model, "forward") else \
-            getattr(model, "__name__", "model")
-        b = tr.samples_per_micro_batch
-        recipe = Recipe(batch_size=b, precision=prec, optimizer=str(optimizer),
-                        grad_checkpointing=grad_checkpointing,
-                        accumulation_steps=accumulation_steps, attention=attention)
-    est = estimate_trace(tr, device)
-    w = WhatIf(workload=work, recipe=recipe, device=device, trace=tr, estimate=est,
-               retrace_fn=retrace_fn)
-    if work is None and hasattr(model, "named_modules"):
-        w._modules = dict(model.named_modules())  # type: ignore[attr-defined]  # layer names
+def _workload_subject(model: str | Workload, recipe: Recipe, device: Device, *,
+                      seq_len: int | None, input_shape: tuple[int, ...] | None,
+                      task: str | None) -> _Subject:
+    """A catalog model, config.json or factory: every what-if can re-trace it."""
+    from tilefit.estimator.workloads import trace_workload
+    from tilefit.models import Workload, load_workload
+
+    work = model if isinstance(model, Workload) else load_workload(
+        model, seq_len=seq_len, input_shape=input_shape, task=task)
+    notes = ("the loss is a stand-in (mean of the model's output)",) if work.is_factory else ()
+    return _Subject(name=work.name, seq_len=work.seq_len, recipe=recipe,
+                    trace=trace_workload(work, recipe, device), workload=work,
+                    retrace_fn=lambda wk, rc: trace_workload(wk, rc, device), modules=None,
+                    notes=notes)
+
+
+def _module_subject(model: Any, batch: Any, recipe: Recipe, device: Device, *,
+                    optimizer: Any, loss_fn: Any) -> _Subject:
+    """An nn.Module (or factory) with an example batch: traced as given, never re-traced."""
+    if batch is None:
+        raise TilefitError("an nn.Module (or factory) needs an example batch",
+                           expected="audit(model, batch, ...)", given="no batch",
+                           fix="pass one batch as your DataLoader yields it")
+    from tilefit.tracing import trace
+
+    notes = []
+    if loss_fn is None and not isinstance(batch, dict):
+        from tilefit.models.factory import stand_in_loss
+
+        def loss_fn(m: Any, b: Any) -> Any:
+            return stand_in_loss(m(b))
+        notes.append("no loss_fn given: the loss is a stand-in (mean of the output)")
+    tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=recipe.precision,
+               grad_checkpointing=recipe.grad_checkpointing,
+               accumulation_steps=recipe.accumulation_steps, attention=recipe.attention,
+               device=device)
+    notes.append("model given as an nn.Module: batch, sequence and memory what-ifs need a "
+                 "re-trace and were skipped; pass a catalog name, config.json or factory for "
+                 "them")
+    name = type(model).__name__ if not callable(model) or hasattr(model, "forward") else \
+        getattr(model, "__name__", "model")
+    return _Subject(name=name, seq_len=None,
+                    recipe=recipe.with_batch(tr.samples_per_micro_batch), trace=tr,
+                    workload=None, retrace_fn=None,
+                    modules=dict(model.named_modules()) if hasattr(model, "named_modules")
+                    else None, notes=tuple(notes))
+
+
+def _run_rules(subject: _Subject, device: Device, *, confirm: bool,
+               started_s: float) -> Audit:
+    est = estimate_trace(subject.trace, device)
+    w = WhatIf(workload=subject.workload, recipe=subject.recipe, device=device,
+               trace=subject.trace, estimate=est, retrace_fn=subject.retrace_fn)
+    if subject.modules is not None:
+        w._modules = subject.modules  # type: ignore[attr-defined]  # layer names
     found: list[Finding] = []
     for rule in RULES:
         found.extend(rule(w))
     ordered = order(found)
     confirmation = _confirm(w, ordered) if confirm else None
-    notes = list(extra_notes)
-    if work is None:
-        notes.append("model given as an nn.Module: batch, sequence and memory what-ifs need a "
-                     "re-trace and were skipped; pass a catalog name, config.json or factory for "
-                     "them")
-    elif work.is_factory:
-        notes.append("the loss is a stand-in (mean of the model's output)")
-    return Audit(model=name, device=device, recipe=recipe, seq_len=seq, estimate=est,
-                 findings=ordered, retraces=w.retraces,
-                 elapsed_s=time.perf_counter() - t0, confirmation=confirmation,
-                 notes=tuple(notes))
+    return Audit(model=subject.name, device=device, recipe=subject.recipe,
+                 seq_len=subject.seq_len, estimate=est, findings=ordered,
+                 retraces=w.retraces, elapsed_s=time.perf_counter() - started_s,
+                 confirmation=confirmation, notes=subject.notes)
 
 
 def _confirm(w: WhatIf, findings: tuple[Finding, ...]) -> dict[str, float] | None:

@@ -13,9 +13,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
 from tilefit.estimator.workloads import Recipe
 from tilefit.models import Workload
+from tilefit.vocab import PRECISIONS, parse_precision
 
 
 @dataclass(frozen=True)
@@ -32,10 +34,10 @@ class StepMeasurement:
 def _autocast(kind: str, precision: str) -> Any:
     import torch
 
-    low = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
+    low = parse_precision(precision).autocast_dtype
     if low is None:
         return contextlib.nullcontext()
-    return torch.autocast(kind, dtype=low)
+    return torch.autocast(kind, dtype=torch_dtype(low))
 
 
 def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
@@ -54,15 +56,16 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
         raise TilefitError("bench step measures one micro-batch per optimizer step",
                            expected="--accumulation 1", given=str(recipe.accumulation_steps),
                            fix="drop --accumulation")
-    if recipe.precision == "fp16-mixed":
+    if recipe.spec.grad_scaler:
         raise TilefitError("bench step does not run a grad scaler yet",
-                           expected="fp32, tf32, bf16-mixed or bf16", given="fp16-mixed",
-                           fix="use --precision bf16-mixed")
+                           expected="a precision without loss scaling: " + ", ".join(
+                               p.name for p in PRECISIONS if not p.grad_scaler),
+                           given=recipe.precision, fix="use --precision bf16-mixed")
     torch.manual_seed(0)
     with torch.device(kind):
         model = workload.build("sdpa" if recipe.attention == "auto" else recipe.attention)
-    if recipe.precision == "bf16":
-        model = model.to(torch.bfloat16)
+    if recipe.spec.param_dtype != "fp32":
+        model = model.to(torch_dtype(recipe.spec.param_dtype))
     if recipe.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -70,7 +73,7 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(recipe.optimizer, params, foreach=kind == "cuda")
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = recipe.precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = recipe.spec.allow_tf32
 
     def step() -> None:
         with _autocast(kind, recipe.precision):

@@ -7,6 +7,7 @@ from typing import Any
 import typer
 
 from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
+from tilefit.cli.model_options import OPTIMIZER_OPTION, PRECISION_OPTION
 
 bench_app = typer.Typer(help="Measure on the live device (CPU or CUDA GPU) beside the model.",
                         no_args_is_help=True)
@@ -24,10 +25,8 @@ def step(
     device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
     batch: int = typer.Option(4, "--batch", help="Micro-batch size."),
     seq: int = typer.Option(None, "--seq", help="Tokens per sample."),
-    precision: str = typer.Option(None, "--precision",
-                                  help="fp32, tf32, bf16-mixed or bf16 (default: fp32 on the "
-                                  "CPU, bf16-mixed on a GPU with bf16)."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="sgd, adam, adamw, adafactor."),
+    precision: str = PRECISION_OPTION,
+    optimizer: str = OPTIMIZER_OPTION,
     grad_checkpointing: bool = typer.Option(False, "--grad-checkpointing"),
     layers: int = typer.Option(None, "--layers", help="Build the model with this many layers "
                                "(num_hidden_layers), to fit a small device."),
@@ -39,15 +38,15 @@ def step(
     estimate's prediction for the same device."""
     from tilefit.bench.step import measure_step
     from tilefit.calibrate.run import live_kind_device
-    from tilefit.cli.model_options import load
-    from tilefit.estimator.workloads import Recipe, default_precision, estimate_workload
+    from tilefit.cli.model_options import load, precision_name
+    from tilefit.estimator.workloads import Recipe, estimate_workload
 
     with user_errors():
         dev = live_kind_device(device)
         work = load(model, seq, input_shape, None)
         if layers is not None:
             work = work.with_config(num_hidden_layers=layers)
-        recipe = Recipe(batch_size=batch, precision=precision or default_precision(dev),
+        recipe = Recipe(batch_size=batch, precision=precision_name(precision, dev),
                         optimizer=optimizer, grad_checkpointing=grad_checkpointing)
         predicted = estimate_workload(work, recipe, dev)
         measured = measure_step(work, recipe, dev.kind, steps=steps)

@@ -29,14 +29,14 @@ def estimate(
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Predict one training step's time and peak memory on a GPU, traced on fake tensors."""
-    from tilefit.estimator.workloads import Recipe, default_precision, estimate_workload
+    from tilefit.estimator.workloads import Recipe, estimate_workload
     from tilefit.hardware import get_device
     from tilefit.report.terminal import print_estimate
 
     with user_errors():
         device = get_device(gpu)
         work = mo.load(model, seq, input_shape, task)
-        recipe = Recipe(batch_size=batch, precision=precision or default_precision(device),
+        recipe = Recipe(batch_size=batch, precision=mo.precision_name(precision, device),
                         optimizer=optimizer, grad_checkpointing=grad_checkpointing,
                         accumulation_steps=accumulation, attention=attention)
         result = estimate_workload(work, recipe, device)

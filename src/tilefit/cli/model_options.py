@@ -1,12 +1,23 @@
-"""The options shared by the commands that take a model (estimate, audit, plan)."""
+"""The options shared by the commands that take a model (estimate, audit, plan, tune)."""
 
 from __future__ import annotations
 
-import os
+import re
+from typing import TYPE_CHECKING
 
 import typer
 
 from tilefit.errors import TilefitError
+from tilefit.vocab import (
+    ATTENTIONS,
+    OPTIMIZER_NAMES,
+    PRECISION_NAMES,
+    default_precision,
+    parse_precision,
+)
+
+if TYPE_CHECKING:
+    from tilefit.hardware import Device
 
 GPU_OPTION = typer.Option(
     "a100-80gb", "--gpu", help="Catalog name or alias (see `tilefit gpus`), a TOML spec file, "
@@ -22,11 +33,10 @@ MODEL_ARG = typer.Argument(
 SEQ_OPTION = typer.Option(None, "--seq", help="Tokens per sample (default: the model's own).")
 PRECISION_OPTION = typer.Option(
     None, "--precision",
-    help="fp32, tf32, fp16-mixed, bf16-mixed or bf16 (default: bf16-mixed where the GPU has "
-    "bf16, else fp16-mixed).")
-OPTIMIZER_OPTION = typer.Option("adamw", "--optimizer",
-                                help="sgd, adam, adamw, adafactor or adamw-8bit.")
-ATTENTION_OPTION = typer.Option("auto", "--attention", help="auto, sdpa or eager.")
+    help=", ".join(PRECISION_NAMES) + " (default: bf16-mixed where the GPU has bf16, else "
+    "fp16-mixed; fp32 on the CPU).")
+OPTIMIZER_OPTION = typer.Option("adamw", "--optimizer", help=", ".join(OPTIMIZER_NAMES) + ".")
+ATTENTION_OPTION = typer.Option("auto", "--attention", help=", ".join(ATTENTIONS) + ".")
 INPUT_SHAPE_OPTION = typer.Option(
     None, "--input-shape", help="One sample's shape for module:function models, e.g. 3,224,224.")
 TASK_OPTION = typer.Option(
@@ -34,22 +44,29 @@ TASK_OPTION = typer.Option(
 
 
 def parse_shape(text: str | None) -> tuple[int, ...] | None:
+    """'3,224,224', '3x224x224' or '3 224 224' -> (3, 224, 224): one sample's shape."""
     if text is None:
         return None
+    parts = [p for p in re.split(r"[,x ]+", text.strip()) if p]
     try:
-        dims = tuple(int(p) for p in text.replace("x", ",").split(",") if p.strip())
+        dims = tuple(int(p) for p in parts)
     except ValueError:
         dims = ()
     if not dims or any(d <= 0 for d in dims):
         raise TilefitError("--input-shape must be positive integers separated by commas",
                            expected="e.g. 3,224,224 (one sample, no batch dimension)",
-                           given=repr(text), fix="write the shape of one sample")
+                           given=repr(text), fix="write it like --input-shape 3,224,224")
     return dims
+
+
+def precision_name(text: str | None, device: Device) -> str:
+    """The canonical precision for --precision (any accepted spelling), or the device's
+    default when it is not given."""
+    return parse_precision(text).name if text else default_precision(device)
 
 
 def load(model: str, seq: int | None, input_shape: str | None, task: str | None):  # type: ignore[no-untyped-def]
     """The Workload for the command line's model options."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs ship with tilefit; never download
     from tilefit.models import load_workload
 
     return load_workload(model, seq_len=seq, input_shape=parse_shape(input_shape), task=task)

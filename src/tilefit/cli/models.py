@@ -13,9 +13,6 @@ def register(app: typer.Typer) -> None:
 
 def models(json_out: bool = JSON_OPTION) -> None:
     """List the model catalog: task, parameters (computed from each config), shapes, source."""
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs ship with tilefit; never download
     from tilefit.models.params import catalog_models
 
     with user_errors():

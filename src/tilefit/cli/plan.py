@@ -36,9 +36,6 @@ def plan(
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Choose batch, accumulation, checkpointing, precision and optimizer together, with configs."""
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from tilefit.planner import plan as run_plan
     from tilefit.planner.plan import check_fraction
     from tilefit.planner.space import check_global_batch

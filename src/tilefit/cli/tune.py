@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import typer
 
+from tilefit.cli import model_options as mo
 from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
 from tilefit.errors import TilefitError
 
@@ -16,7 +18,6 @@ UNITS: dict[str, int] = {
     "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
-OPTIMIZERS = ("adamw", "adam", "sgd")
 
 
 def register(app: typer.Typer) -> None:
@@ -41,39 +42,21 @@ def parse_bytes(text: str) -> int:
     return value
 
 
-def parse_shape(text: str | None) -> tuple[int, ...] | None:
-    """'3,224,224' or '3x224x224' -> (3, 224, 224)."""
-    if text is None:
-        return None
-    parts = [p for p in re.split(r"[,x ]+", text.strip()) if p]
-    try:
-        shape = tuple(int(p) for p in parts)
-    except ValueError:
-        shape = ()
-    if not shape or any(d < 1 for d in shape):
-        raise TilefitError(
-            "input shape not understood",
-            expected="positive whole numbers separated by commas, without the batch dimension",
-            given=repr(text),
-            fix="write it like --input-shape 3,224,224",
-        )
-    return shape
-
-
 def tune_command(
-    model: str = typer.Argument(..., help="Catalog name, config.json path, or package.module:fn."),
-    device: str = typer.Option("auto", "--device", help="cuda, cpu or auto (cuda if present)."),
+    model: str = mo.MODEL_ARG,
+    gpu: str = typer.Option(
+        "auto", "--gpu", help="The live device to tune on: auto (the CUDA GPU if there is "
+        "one, else the CPU), cuda, cuda:N or cpu."),
     global_batch: int = typer.Option(None, "--global-batch",
                                      help="Keep this many samples per optimizer step exact."),
     memory_limit: str = typer.Option(None, "--memory-limit",
                                      help="Simulate a device of this size: bytes, 2GiB, 500MB."),
     max_batch: int = typer.Option(None, "--max-batch", help="Never try more than this."),
-    seq: int = typer.Option(None, "--seq", help="Tokens per sample (language models)."),
-    input_shape: str = typer.Option(None, "--input-shape",
-                                    help="One sample's shape for factories, e.g. 3,224,224."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw, adam or sgd."),
-    precision: str = typer.Option("fp32", "--precision",
-                                  help="fp32, tf32, bf16-mixed, fp16-mixed or bf16."),
+    seq: int | None = mo.SEQ_OPTION,
+    input_shape: str | None = mo.INPUT_SHAPE_OPTION,
+    task: str | None = mo.TASK_OPTION,
+    optimizer: str = mo.OPTIMIZER_OPTION,
+    precision: str | None = mo.PRECISION_OPTION,
     margin: float = typer.Option(None, "--margin",
                                  help="Fraction of memory kept free (default 0.10)."),
     plot: str = typer.Option(None, "--plot", help="Write samples/s against batch size here."),
@@ -81,8 +64,9 @@ def tune_command(
 ) -> None:
     """Run real training steps to find the largest batch that fits and the fastest aligned one."""
     with user_errors():
-        result = _run(model, device, global_batch, memory_limit, max_batch, seq, input_shape,
-                      optimizer, precision, margin, show_progress=True)
+        options = TuneOptions(model, gpu, global_batch, memory_limit, max_batch, seq,
+                              input_shape, task, optimizer, precision, margin)
+        result = _run(options, show_progress=True)
         if plot:
             from tilefit.tuning.plot import plot_throughput
 
@@ -93,30 +77,84 @@ def tune_command(
     _render(result, plot)
 
 
-def _run(model: str, device: str, global_batch: int | None, memory_limit: str | None,
-         max_batch: int | None, seq: int | None, input_shape: str | None, optimizer: str,
-         precision: str, margin: float | None, *, show_progress: bool) -> Any:
+@dataclass(frozen=True)
+class TuneOptions:
+    """The command line of `tilefit tune`, as given."""
+
+    model: str
+    gpu: str
+    global_batch: int | None
+    memory_limit: str | None
+    max_batch: int | None
+    seq: int | None
+    input_shape: str | None
+    task: str | None
+    optimizer: str
+    precision: str | None
+    margin: float | None
+
+
+def live_device(gpu: str) -> Any:
+    """The torch device that --gpu names: auto is the CUDA GPU when there is one."""
     import torch
 
-    from tilefit.models import load_workload
-    from tilefit.tuning import DEFAULT_MARGIN, tune
-
-    if optimizer not in OPTIMIZERS:
-        raise TilefitError(f"unknown optimizer {optimizer!r}", expected=", ".join(OPTIMIZERS),
-                           given=repr(optimizer), fix="pass --optimizer adamw")
-    limit_bytes = None if memory_limit is None else parse_bytes(memory_limit)
-    workload = load_workload(model, seq_len=seq, input_shape=parse_shape(input_shape))
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     from tilefit.tuning.tuner import resolve_device
 
-    torch_device = resolve_device(dev)
+    name = gpu.strip().lower()
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_device(name)
+
+
+def live_precision(text: str | None, device: Any) -> str:
+    """--precision, or the default for the live device (as the other commands default for a
+    catalog GPU: bf16-mixed where it has bf16, fp32 on the CPU)."""
+    from tilefit.hardware import detect_live_device
+    from tilefit.vocab import default_precision, parse_precision
+
+    if text:
+        return parse_precision(text).name
+    if device.type != "cuda":
+        return "fp32"
+    try:
+        return default_precision(detect_live_device(device.index or 0))
+    except TilefitError:  # a GPU the catalog does not know
+        import torch
+
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "fp16-mixed"
+
+
+def optimizer_factory(name: str) -> Any:
+    """params -> the optimizer --optimizer names, as the other commands trace it."""
+    from tilefit.tracing.optimizers import make_optimizer
+    from tilefit.vocab import OPTIMIZER_NAMES
+
+    key = name.strip().lower()
+    if key not in OPTIMIZER_NAMES:
+        raise TilefitError(f"unknown optimizer {name!r}", expected=", ".join(OPTIMIZER_NAMES),
+                           given=repr(name), fix="pass --optimizer adamw")
+    if key == "adamw-8bit":
+        try:
+            import bitsandbytes as bnb  # type: ignore[import-not-found]
+        except ImportError:
+            raise TilefitError(
+                "--optimizer adamw-8bit runs bitsandbytes' AdamW8bit, which is not installed",
+                expected="the bitsandbytes package", given="import bitsandbytes failed",
+                fix="pip install bitsandbytes, or pass --optimizer adamw") from None
+        return lambda params: bnb.optim.AdamW8bit(params, lr=1e-4)
+    return lambda params: make_optimizer(key, list(params), foreach=None)
+
+
+def _run(options: TuneOptions, *, show_progress: bool) -> Any:
+    from tilefit.tuning import DEFAULT_MARGIN, tune
+
+    factory = optimizer_factory(options.optimizer)
+    limit_bytes = None if options.memory_limit is None else parse_bytes(options.memory_limit)
+    torch_device = live_device(options.gpu)
+    precision = live_precision(options.precision, torch_device)
+    workload = mo.load(options.model, options.seq, options.input_shape, options.task)
     module = workload.build().to(torch_device)
     module.train()
-    factories = {
-        "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4),
-        "adam": lambda params: torch.optim.Adam(params, lr=1e-4),
-        "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
-    }
 
     def make_batch(b: int) -> Any:
         return workload.make_batch(b, torch_device)
@@ -124,10 +162,11 @@ def _run(model: str, device: str, global_batch: int | None, memory_limit: str | 
     progress, on_trial = _progress(show_progress)
     try:
         return tune(
-            module, make_batch, loss_fn=workload.loss_fn, optimizer=factories[optimizer],
-            precision=precision, device=torch_device, global_batch=global_batch,
-            max_batch=max_batch, memory_limit_bytes=limit_bytes,
-            margin=DEFAULT_MARGIN if margin is None else margin, on_trial=on_trial,
+            module, make_batch, loss_fn=workload.loss_fn, optimizer=factory,
+            precision=precision, device=torch_device, global_batch=options.global_batch,
+            max_batch=options.max_batch, memory_limit_bytes=limit_bytes,
+            margin=DEFAULT_MARGIN if options.margin is None else options.margin,
+            on_trial=on_trial,
         )
     finally:
         if progress is not None:

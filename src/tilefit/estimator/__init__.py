@@ -9,6 +9,7 @@ from tilefit.estimator.cost import CostContext, op_time_s
 from tilefit.estimator.result import Estimate, ModuleSummary, OpCost
 from tilefit.hardware import Device, get_device
 from tilefit.tracing.records import Trace
+from tilefit.vocab import MICRO_PHASES, OPTIMIZER_PHASES, parse_precision
 
 __all__ = ["Estimate", "ModuleSummary", "OpCost", "cublas_workspace_bytes", "estimate",
            "estimate_trace", "overhead_bytes"]
@@ -22,9 +23,6 @@ MIB = 1024**2
 CUDA_CONTEXT_BYTES = 512 * MIB
 CUBLAS_WORKSPACE_BYTES_SM90 = 32 * MIB
 CUBLAS_WORKSPACE_BYTES = 8 * MIB + 128 * 1024
-
-MFU_DTYPE = {"fp32": "fp32", "tf32": "tf32", "fp16-mixed": "fp16", "bf16-mixed": "bf16",
-             "bf16": "bf16"}
 
 
 def cublas_workspace_bytes(device: Device) -> int:
@@ -67,7 +65,7 @@ def estimate_trace(tr: Trace, device: Device) -> Estimate:
     steady = tr.ops_of_step(1)
     costs: list[OpCost] = []
     for op in steady:
-        if op.phase in ("forward", "backward", "recompute"):
+        if op.phase in MICRO_PHASES:
             # micro-batch 0 runs once; micro-batch 1 (traced when accumulating) stands for
             # the other a - 1, which accumulate into existing gradients
             repeats = 1 if op.micro == 0 and (a == 1 or tr.traced_micro_steps == 2) else (
@@ -82,8 +80,8 @@ def estimate_trace(tr: Trace, device: Device) -> Estimate:
     modules: dict[str, list[float]] = {}
     for c in costs:
         by_phase[c.record.phase] += c.time_s * c.repeats
-        key = c.record.module or ("(optimizer)" if c.record.phase in
-                                  ("optimizer", "zero_grad", "scaler") else "(outside modules)")
+        key = c.record.module or ("(optimizer)" if c.record.phase in OPTIMIZER_PHASES
+                                  else "(outside modules)")
         m = modules.setdefault(key, [0.0, 0, 0, 0])
         m[0] += c.time_s * c.repeats
         m[1] += c.record.flops * c.repeats
@@ -97,7 +95,7 @@ def estimate_trace(tr: Trace, device: Device) -> Estimate:
     breakdown = tr.breakdown_at(at, rounded=rounded)
     samples = tr.samples_per_micro_batch * a
     tokens = tr.tokens_per_micro_batch * a if tr.tokens_per_micro_batch is not None else None
-    mfu_dtype = MFU_DTYPE[tr.precision]
+    mfu_dtype = parse_precision(tr.precision).compute_dtype
     if not device.supports(mfu_dtype):
         mfu_dtype = "fp32"
     mfu = model_flops / step_time / device.peak(mfu_dtype) if step_time > 0 else 0.0

@@ -2,41 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate, estimate_trace
 from tilefit.hardware import Device, get_device
 from tilefit.models import Workload
 from tilefit.tracing import Trace
+from tilefit.vocab import Recipe, default_precision
 
-
-@dataclass(frozen=True)
-class Recipe:
-    """How a workload is trained: everything but the model and the device."""
-
-    batch_size: int
-    precision: str = "bf16-mixed"
-    optimizer: str = "adamw"
-    grad_checkpointing: bool = False
-    accumulation_steps: int = 1
-    attention: str = "auto"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"batch_size": self.batch_size, "precision": self.precision,
-                "optimizer": self.optimizer, "grad_checkpointing": self.grad_checkpointing,
-                "accumulation_steps": self.accumulation_steps, "attention": self.attention}
-
-
-def default_precision(device: Device) -> str:
-    """bf16 mixed precision where the part has bf16 (Ampere and later), else fp16 mixed
-    precision with loss scaling, else fp32 (the CPU)."""
-    if device.kind == "cpu":
-        return "fp32"
-    if device.supports("bf16"):
-        return "bf16-mixed"
-    return "fp16-mixed" if device.supports("fp16") else "fp32"
+__all__ = ["Recipe", "check_batch", "default_precision", "estimate_workload",
+           "trace_workload"]
 
 
 def trace_workload(workload: Workload, recipe: Recipe, device: str | Device) -> Trace:

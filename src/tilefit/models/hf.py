@@ -7,6 +7,7 @@ FakeTensorMode or on the meta device no weight memory is allocated.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -92,13 +93,30 @@ def check_model_type(config: Mapping[str, Any], origin: str) -> str:
     return str(model_type)
 
 
+@contextmanager
+def hub_offline() -> Iterator[None]:
+    """HF_HUB_OFFLINE=1 for the duration of a call into transformers, then as it was: tilefit
+    builds models from configs it ships (from_config) and must never reach the hub, but the
+    user's own process keeps its setting."""
+    before = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = before
+
+
 def make_config(config: Mapping[str, Any]) -> PretrainedConfig:
     """A fresh transformers config object from the dict (the dict is not changed)."""
-    from transformers import AutoConfig
+    with hub_offline():
+        from transformers import AutoConfig
 
-    clean = transformers_config_dict(config)
-    model_type = clean.pop("model_type")
-    return AutoConfig.for_model(model_type, **clean)
+        clean = transformers_config_dict(config)
+        model_type = clean.pop("model_type")
+        return AutoConfig.for_model(model_type, **clean)
 
 
 def default_task(config: Mapping[str, Any]) -> str:
@@ -225,7 +243,7 @@ def build_model(config: Mapping[str, Any], task: str, attention: str) -> torch.n
     auto_class = getattr(transformers, _TASK_MAPPINGS[task][1])
     # fp32 master weights whatever dtype the checkpoint was published in; the precision of a
     # recipe (bf16-mixed, ...) is applied by the tracer, not here.
-    with _skip_init_without_data():
+    with _skip_init_without_data(), hub_offline():
         model = auto_class.from_config(cfg, attn_implementation=attention, dtype=torch.float32)
     if task == "causal-lm" and getattr(model, "loss_type", "") is None:
         # GPT2LMHeadModel's name matches no loss family, so transformers falls back to its

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from tilefit.dtypes import parse_dtype
 from tilefit.planner.multigpu import ShardedSetup
 from tilefit.planner.offload import REDUCE_BUCKET_ELEMENTS
 from tilefit.planner.rows import PlanRow
@@ -21,8 +22,6 @@ TORCH_OPTIM = {
     "adafactor": "torch.optim.Adafactor(model.parameters(), lr=lr)",
     "sgd": "torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)",
 }
-LIGHTNING_PRECISION = {"bf16-mixed": "bf16-mixed", "fp16-mixed": "16-mixed", "bf16": "bf16-true",
-                       "fp32": "32-true", "tf32": "32-true"}
 
 
 def hf_training_arguments(row: PlanRow, *, deepspeed_path: str | None = None) -> dict[str, Any]:
@@ -30,9 +29,7 @@ def hf_training_arguments(row: PlanRow, *, deepspeed_path: str | None = None) ->
         "per_device_train_batch_size": row.micro_batch,
         "gradient_accumulation_steps": row.accumulation_steps,
         "gradient_checkpointing": row.grad_checkpointing,
-        "bf16": row.precision in ("bf16-mixed", "bf16"),
-        "fp16": row.precision == "fp16-mixed",
-        "tf32": row.precision == "tf32",
+        **row.recipe.spec.hf_flags(),
         "optim": HF_OPTIM.get(row.optimizer, row.optimizer),
     }
     if row.offload:
@@ -58,7 +55,7 @@ def hf_python(row: PlanRow) -> str:
 def lightning(row: PlanRow) -> dict[str, Any]:
     out: dict[str, Any] = {
         "trainer": {"accelerator": "gpu", "devices": 1,
-                    "precision": LIGHTNING_PRECISION[row.precision],
+                    "precision": row.recipe.spec.lightning,
                     "accumulate_grad_batches": row.accumulation_steps},
         "dataloader": {"batch_size": row.micro_batch},
         "model": {"gradient_checkpointing_enable": row.grad_checkpointing,
@@ -70,7 +67,8 @@ def lightning(row: PlanRow) -> dict[str, Any]:
 
 
 def torch_loop(row: PlanRow) -> str:
-    amp = {"bf16-mixed": "torch.bfloat16", "fp16-mixed": "torch.float16"}.get(row.precision)
+    prec = row.recipe.spec
+    amp = f"torch.{parse_dtype(prec.autocast_dtype).torch_name}" if prec.autocast_dtype else None
     lines = [
         "import torch",
         f"# micro-batch {row.micro_batch} x {row.accumulation_steps} accumulation steps = "
@@ -78,27 +76,27 @@ def torch_loop(row: PlanRow) -> str:
         f"loader = torch.utils.data.DataLoader(dataset, batch_size={row.micro_batch}, "
         "shuffle=True, pin_memory=True)",
     ]
-    if row.precision == "tf32":
+    if prec.allow_tf32:
         lines.append("torch.backends.cuda.matmul.allow_tf32 = True")
-    if row.precision == "bf16":
-        lines.append("model = model.to(torch.bfloat16)")
+    if prec.param_dtype != "fp32":
+        lines.append(f"model = model.to(torch.{parse_dtype(prec.param_dtype).torch_name})")
     if row.grad_checkpointing:
         lines.append("model.gradient_checkpointing_enable()  # HF models; else "
                      "torch.utils.checkpoint per block")
     lines.append(f"opt = {TORCH_OPTIM.get(row.optimizer, row.optimizer)}")
-    if row.precision == "fp16-mixed":
+    if prec.grad_scaler:
         lines.append("scaler = torch.amp.GradScaler('cuda')")
     lines.append("for i, batch in enumerate(loader):")
     ctx = (f"torch.autocast('cuda', dtype={amp})" if amp else "torch.autocast('cuda', "
            "enabled=False)")
     lines.append(f"    with {ctx}:")
     lines.append(f"        loss = model(**batch).loss / {row.accumulation_steps}")
-    if row.precision == "fp16-mixed":
+    if prec.grad_scaler:
         lines.append("    scaler.scale(loss).backward()")
     else:
         lines.append("    loss.backward()")
     lines.append(f"    if (i + 1) % {row.accumulation_steps} == 0:")
-    lines.append("        scaler.step(opt); scaler.update()" if row.precision == "fp16-mixed"
+    lines.append("        scaler.step(opt); scaler.update()" if prec.grad_scaler
                  else "        opt.step()")
     lines.append("        opt.zero_grad(set_to_none=True)")
     return "\n".join(lines)
@@ -110,8 +108,8 @@ def deepspeed_offload(row: PlanRow) -> dict[str, Any]:
         "train_batch_size": row.global_batch,
         "train_micro_batch_size_per_gpu": row.micro_batch,
         "gradient_accumulation_steps": row.accumulation_steps,
-        "bf16": {"enabled": row.precision in ("bf16", "bf16-mixed")},
-        "fp16": {"enabled": row.precision == "fp16-mixed"},
+        "bf16": {"enabled": row.recipe.spec.half_dtype == "bf16"},
+        "fp16": {"enabled": row.recipe.spec.half_dtype == "fp16"},
         "zero_optimization": {
             "stage": 2,
             "offload_optimizer": {"device": "cpu", "pin_memory": True},
@@ -150,7 +148,7 @@ def peft_config() -> dict[str, Any]:
 
 def multi_gpu_configs(setup: ShardedSetup, row: PlanRow) -> dict[str, Any]:
     """FSDP2 through accelerate (or torchrun), and the DeepSpeed ZeRO-3 equivalent."""
-    mixed = {"bf16-mixed": "bf16", "bf16": "bf16", "fp16-mixed": "fp16"}.get(row.precision, "no")
+    mixed = row.recipe.spec.half_dtype or "no"  # accelerate's mixed_precision
     accelerate_fsdp = {
         "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",
         "num_processes": setup.gpus, "mixed_precision": mixed,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,11 +25,12 @@ from tilefit.planner.search import (
     SWEEP_ACCUMULATION,
     Depth,
     depth_of,
+    half_parameter_bytes,
     row_from,
     safe_sweep,
     trace_sample,
 )
-from tilefit.planner.space import RecipeSpec
+from tilefit.vocab import Recipe
 
 # The share of the GPU's memory a plan may use: the caching allocator fragments (PyTorch's
 # CUDA memory notes: reserved exceeds allocated by a few to ~10 percent on long runs), so
@@ -121,7 +121,6 @@ def _load(model: str | Workload, seq_len: int | None, input_shape: tuple[int, ..
           task: str | None) -> Workload:
     if isinstance(model, Workload):
         return model.with_seq_len(seq_len) if seq_len is not None else model
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from tilefit.models import load_workload
 
     return load_workload(model, seq_len=seq_len, input_shape=input_shape, task=task)
@@ -136,12 +135,12 @@ class _Planner:
         self.budget, self.optimizer, self.depth, self.link = budget, optimizer, depth, link
         friendly, others = space.micro_batch_candidates(global_batch)
         self.micro_batches = sorted(friendly + others)
-        self.sweeps: dict[tuple[RecipeSpec, bool], SweepModel] = {}
+        self.sweeps: dict[tuple[Recipe, bool], SweepModel] = {}
         self.rows: list[PlanRow] = []
         self.notes: list[str] = []
         self.traces = 0
 
-    def add(self, spec: RecipeSpec, *, offload: bool = False) -> None:
+    def add(self, spec: Recipe, *, offload: bool = False) -> None:
         model = safe_sweep(self.work, spec, self.micro_batches, self.depth, self.device,
                            self.notes)
         self.traces += len(self.depth.traced) * len({min(self.micro_batches),
@@ -169,14 +168,13 @@ class _Planner:
                    and (offload or not r.offload) for r in self.rows)
 
     def confirm(self, row: PlanRow) -> tuple[PlanRow, Confirmation]:
-        spec = RecipeSpec(row.precision, row.optimizer, row.grad_checkpointing, row.attention,
-                          peft=row.peft)
+        spec = row.recipe
         s = trace_sample(self.work, spec, row.micro_batch, self.depth.full,
                          Depth(None, self.depth.full, (self.depth.full,)), self.device,
                          row.accumulation_steps)
         self.traces += 1
         if row.offload:
-            params16 = s.parameters_bytes if row.precision == "bf16" else s.parameters_bytes / 2
+            params16 = half_parameter_bytes(s.parameters_bytes, row.precision)
             peak = offload_peak_bytes(params16, s.work_peak_bytes, s.param_count)
             step = offload_step_time_s(s.micro_time_s, row.accumulation_steps,
                                        s.param_count, self.link)
@@ -242,7 +240,8 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
         off_prec = "bf16" if device.supports("bf16") else space.precisions(device)[0]
         att = "sdpa" if hf_model else "auto"
         for ckpt in (False, True):
-            p.add(RecipeSpec(off_prec, optimizer, ckpt, att), offload=True)
+            p.add(Recipe(precision=off_prec, optimizer=optimizer, grad_checkpointing=ckpt,
+                         attention=att), offload=True)
     if allow_optimizer_change or not p.any_fits(allow_optimizer_change=False, offload=True):
         for spec in space.optimizer_recipes(device, optimizer, hf_model=hf_model):
             p.add(spec)
@@ -320,12 +319,13 @@ def _multi_gpu(p: _Planner, optimizer: str, hf_model: bool, budget: int
     (the offload sweep: FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16) gathers 16-bit
     parameters, so no autocast weight copies), at the micro-batch."""
     att = "sdpa" if hf_model else "auto"
-    mixed = p.sweeps.get((RecipeSpec(space.precisions(p.device)[0], optimizer, False, att),
-                          False))
+    mixed_recipe = Recipe(precision=space.precisions(p.device)[0], optimizer=optimizer,
+                          attention=att)
+    mixed = p.sweeps.get((mixed_recipe, False))
     if mixed is None:
         return None
     layers = p.depth.full if p.depth.lever else None
-    best: tuple[ShardedSetup, RecipeSpec] | None = None
+    best: tuple[ShardedSetup, Recipe] | None = None
     for (spec, offload), model16 in p.sweeps.items():
         if not offload:
             continue
@@ -334,8 +334,7 @@ def _multi_gpu(p: _Planner, optimizer: str, hf_model: bool, budget: int
             x = mixed.predict_all(b, layers)
             y = model16.predict_all(b, layers)
             state = x["parameters_bytes"] + x["gradients_bytes"] + x["optimizer_state_bytes"]
-            params16 = y["parameters_bytes"] if spec.precision == "bf16" else \
-                y["parameters_bytes"] / 2
+            params16 = half_parameter_bytes(y["parameters_bytes"], spec.precision)
             cands.append((b, state, params16, y["work_peak_bytes"], y["micro_time_s"]))
         setup = smallest_setup(p.global_batch, cands, p.depth.full, budget)
         if setup is not None and (best is None or (setup.gpus, setup.compute_time_s)
@@ -344,10 +343,13 @@ def _multi_gpu(p: _Planner, optimizer: str, hf_model: bool, budget: int
     if best is None:
         return {"gpus": None, "note": "no sharded setup of up to 64 GPUs fits"}
     setup, spec = best
-    row = PlanRow(setup.micro_batch, setup.accumulation_steps,
-                  space.precisions(p.device)[0], optimizer, spec.grad_checkpointing,
-                  spec.attention, round(setup.per_gpu_peak_bytes), setup.compute_time_s,
-                  0.0, None, 0.0, budget)
+    row = PlanRow(
+        recipe=dataclasses.replace(mixed_recipe, batch_size=setup.micro_batch,
+                       accumulation_steps=setup.accumulation_steps,
+                       grad_checkpointing=spec.grad_checkpointing, attention=spec.attention),
+        predicted_peak_memory_bytes=round(setup.per_gpu_peak_bytes),
+        predicted_step_time_s=setup.compute_time_s, samples_per_s=0.0, tokens_per_s=None,
+        mfu=0.0, budget_bytes=budget)
     return {**setup.to_dict(), "engine": "FSDP2 (torchrun / accelerate) or DeepSpeed ZeRO-3",
             "recipe": {"precision": row.precision, "optimizer": optimizer,
                        "grad_checkpointing": spec.grad_checkpointing,

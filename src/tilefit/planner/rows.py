@@ -5,30 +5,54 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tilefit.vocab import Recipe
+
 
 @dataclass(frozen=True)
 class PlanRow:
-    micro_batch: int
-    accumulation_steps: int
-    precision: str
-    optimizer: str
-    grad_checkpointing: bool
-    attention: str
+    recipe: Recipe  # micro-batch, accumulation steps, precision, optimizer, ...
     predicted_peak_memory_bytes: int  # tensors only; the budget already excludes overhead
     predicted_step_time_s: float  # one optimizer step (all micro-batches)
     samples_per_s: float
     tokens_per_s: float | None
     mfu: float
     budget_bytes: int
-    peft: bool = False
     offload: bool = False
     changes_optimizer: bool = False  # a different training algorithm than the user's
     changes: tuple[str, ...] = field(default=())  # what it changes about training, in words
     friendly: bool = True  # micro-batch a multiple of 8 or a power of two
 
     @property
+    def micro_batch(self) -> int:
+        return self.recipe.batch_size
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.recipe.accumulation_steps
+
+    @property
+    def precision(self) -> str:
+        return self.recipe.precision
+
+    @property
+    def optimizer(self) -> str:
+        return self.recipe.optimizer
+
+    @property
+    def grad_checkpointing(self) -> bool:
+        return self.recipe.grad_checkpointing
+
+    @property
+    def attention(self) -> str:
+        return self.recipe.attention
+
+    @property
+    def peft(self) -> bool:
+        return self.recipe.peft
+
+    @property
     def global_batch(self) -> int:
-        return self.micro_batch * self.accumulation_steps
+        return self.recipe.global_batch
 
     @property
     def fits(self) -> bool:

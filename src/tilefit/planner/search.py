@@ -6,17 +6,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tilefit.batches import is_friendly
+from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
-from tilefit.estimator import MFU_DTYPE, estimate_trace
-from tilefit.estimator.workloads import Recipe, trace_workload
+from tilefit.estimator import estimate_trace
+from tilefit.estimator.workloads import trace_workload
 from tilefit.hardware import Device
 from tilefit.models import Workload
 from tilefit.planner.affine import SweepModel
 from tilefit.planner.offload import OffloadLink, offload_peak_bytes, offload_step_time_s
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.sample import Sample, sample_of
-from tilefit.planner.space import OPTIMIZER_LABELS, RecipeSpec
+from tilefit.planner.space import OPTIMIZER_LABELS
 from tilefit.tracing import Trace
+from tilefit.vocab import Recipe, parse_precision
 
 if TYPE_CHECKING:
     import torch
@@ -61,26 +63,31 @@ def depth_of(workload: Workload, *, use_lever: bool | None = None) -> Depth:
 
 def mfu_dtype_for(precision: str, device: Device) -> str:
     """The dtype whose dense peak MFU is measured against (as the estimator does)."""
-    dt = MFU_DTYPE[precision]
+    dt = parse_precision(precision).compute_dtype
     return dt if device.supports(dt) else "fp32"
 
 
-def trace_sample(workload: Workload, spec: RecipeSpec, micro_batch: int, layers: int,
+def half_parameter_bytes(parameters_bytes: float, precision: str) -> float:
+    """The parameters' bytes in 16 bits: as traced when the weights are already 16-bit,
+    else half the fp32 figure (what the GPU holds when the fp32 master copy is offloaded or
+    sharded)."""
+    return parameters_bytes if parse_precision(precision).param_dtype != "fp32" \
+        else parameters_bytes / 2
+
+
+def trace_sample(workload: Workload, spec: Recipe, micro_batch: int, layers: int,
                  depth: Depth, device: Device, accumulation_steps: int) -> Sample:
     work = workload
     if depth.field is not None and layers != depth.full:
         work = workload.with_config(**{depth.field: layers})
-    if spec.precision == "bf16" or spec.peft:
+    if spec.spec.param_dtype != "fp32" or spec.peft:
         tr = trace_built(work, micro_batch, spec, accumulation_steps, device)
     else:
-        recipe = Recipe(batch_size=micro_batch, precision=spec.precision,
-                        optimizer=spec.optimizer, grad_checkpointing=spec.grad_checkpointing,
-                        accumulation_steps=accumulation_steps, attention=spec.attention)
-        tr = trace_workload(work, recipe, device)
+        tr = trace_workload(work, spec.with_batch(micro_batch, accumulation_steps), device)
     return sample_of(tr, estimate_trace(tr, device), micro_batch, layers)
 
 
-def trace_built(work: Workload, micro_batch: int, spec: RecipeSpec,
+def trace_built(work: Workload, micro_batch: int, spec: Recipe,
                 accumulation_steps: int, device: Device) -> Trace:
     """A step of the model held in bf16 (DeepSpeed's bf16 mode: no autocast, no fp32 weights on
     the GPU: the tracer's precision="bf16") and/or with LoRA adapters (tilefit.planner.peft)
@@ -96,11 +103,8 @@ def trace_built(work: Workload, micro_batch: int, spec: RecipeSpec,
         if spec.peft:
             # the frozen base model in 16 bits, as LoRA fine-tuning loads it
             # (from_pretrained(torch_dtype=bfloat16)); the adapters stay fp32 under autocast
-            import torch
-
-            low = torch.float16 if spec.precision == "fp16-mixed" else torch.bfloat16
             m = add_lora(m)
-            cast_floating(m, low, frozen_only=True)
+            cast_floating(m, torch_dtype(spec.spec.half_dtype or "bf16"), frozen_only=True)
         return m
 
     return trace(build, work.make_batch(micro_batch, device="meta"), loss_fn=work.loss_fn,
@@ -110,7 +114,7 @@ def trace_built(work: Workload, micro_batch: int, spec: RecipeSpec,
                  accumulation_steps=accumulation_steps, attention="auto", device=device)
 
 
-def sweep(workload: Workload, spec: RecipeSpec, micro_batches: list[int], depth: Depth,
+def sweep(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Depth,
           device: Device) -> SweepModel:
     """Trace the recipe at the smallest and the largest micro-batch (at each traced depth)."""
     points = sorted({min(micro_batches), max(micro_batches)})
@@ -119,7 +123,7 @@ def sweep(workload: Workload, spec: RecipeSpec, micro_batches: list[int], depth:
     return SweepModel(tuple(samples))
 
 
-def changes_of(spec: RecipeSpec, user_optimizer: str, offload: bool) -> tuple[str, ...]:
+def changes_of(spec: Recipe, user_optimizer: str, offload: bool) -> tuple[str, ...]:
     out: list[str] = []
     if spec.peft:
         from tilefit.planner.peft import LORA_ALPHA, LORA_RANK
@@ -130,12 +134,13 @@ def changes_of(spec: RecipeSpec, user_optimizer: str, offload: bool) -> tuple[st
         out.append(f"optimizer {OPTIMIZER_LABELS.get(user_optimizer, user_optimizer)} -> "
                    f"{OPTIMIZER_LABELS.get(spec.optimizer, spec.optimizer)}: a different "
                    "training algorithm (retune the learning rate)")
-    if spec.precision in ("bf16-mixed", "fp16-mixed"):
-        out.append(f"{spec.precision[:4]} autocast "
+    prec = spec.spec
+    if prec.autocast_dtype:
+        out.append(f"{prec.autocast_dtype} autocast "
                    + ("(fp32 adapters)" if spec.peft else "(fp32 weights)"))
-    elif spec.precision == "bf16":
-        out.append("bf16 weights on the GPU, fp32 master copy on the CPU")
-    elif spec.precision == "tf32":
+    elif prec.param_dtype != "fp32":
+        out.append(f"{prec.param_dtype} weights on the GPU, fp32 master copy on the CPU")
+    elif prec.allow_tf32:
         out.append("TF32 matmuls (10-bit mantissa inputs)")
     if spec.grad_checkpointing:
         out.append("recomputes activations in backward (same math)")
@@ -144,7 +149,7 @@ def changes_of(spec: RecipeSpec, user_optimizer: str, offload: bool) -> tuple[st
     return tuple(out)
 
 
-def row_from(spec: RecipeSpec, model: SweepModel, micro_batch: int, global_batch: int,
+def row_from(spec: Recipe, model: SweepModel, micro_batch: int, global_batch: int,
              depth: Depth, device: Device, budget_bytes: int, tokens_per_sample: int | None,
              user_optimizer: str, *, offload: OffloadLink | None = None) -> PlanRow:
     layers = depth.full if depth.lever else None
@@ -155,25 +160,23 @@ def row_from(spec: RecipeSpec, model: SweepModel, micro_batch: int, global_batch
                    p["peak_optimizer_bytes"])
         step = accum * p["micro_time_s"] + p["fixed_time_s"]
     else:
-        params16 = p["parameters_bytes"] if spec.precision == "bf16" else p["parameters_bytes"] / 2
+        params16 = half_parameter_bytes(p["parameters_bytes"], spec.precision)
         peak = offload_peak_bytes(params16, p["work_peak_bytes"], p["param_count"])
         step = offload_step_time_s(p["micro_time_s"], accum, p["param_count"], offload)
     flops = accum * p["micro_flops"]
     mfu = flops / step / device.peak(mfu_dtype_for(spec.precision, device)) if step > 0 else 0.0
     return PlanRow(
-        micro_batch=micro_batch, accumulation_steps=accum, precision=spec.precision,
-        optimizer=spec.optimizer, grad_checkpointing=spec.grad_checkpointing,
-        attention=spec.attention, predicted_peak_memory_bytes=round(peak),
+        recipe=spec.with_batch(micro_batch, accum), predicted_peak_memory_bytes=round(peak),
         predicted_step_time_s=step, samples_per_s=global_batch / step if step else 0.0,
         tokens_per_s=(global_batch * tokens_per_sample / step
                       if (tokens_per_sample and step) else None),
-        mfu=mfu, budget_bytes=budget_bytes, offload=offload is not None, peft=spec.peft,
+        mfu=mfu, budget_bytes=budget_bytes, offload=offload is not None,
         changes_optimizer=spec.optimizer != user_optimizer,
         changes=changes_of(spec, user_optimizer, offload is not None),
         friendly=is_friendly(micro_batch))
 
 
-def safe_sweep(workload: Workload, spec: RecipeSpec, micro_batches: list[int], depth: Depth,
+def safe_sweep(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Depth,
                device: Device, notes: list[str]) -> SweepModel | None:
     """The sweep, or None with a note when the recipe cannot run (e.g. Adafactor without
     torch.optim.Adafactor)."""

@@ -2,16 +2,17 @@
 
 The global batch is the user's training recipe (it sets the gradient noise and the learning
 rate schedule), so every candidate keeps micro_batch x accumulation_steps == global_batch
-exactly; only divisors of the global batch are micro-batch candidates.
+exactly; only divisors of the global batch are micro-batch candidates. A recipe here is a
+tilefit.vocab.Recipe whose batch is set per trace (Recipe.with_batch); Recipe.key() is the
+recipe without its batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tilefit.batches import is_friendly
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device
+from tilefit.vocab import Recipe, device_precisions
 
 # What a change of optimizer means for training, shown in the plan's "changes" column.
 OPTIMIZER_LABELS = {
@@ -69,34 +70,13 @@ def micro_batch_candidates(global_batch: int) -> tuple[list[int], list[int]]:
     return [d for d in ds if is_friendly(d)], [d for d in ds if not is_friendly(d)]
 
 
-@dataclass(frozen=True)
-class RecipeSpec:
-    """A training recipe without its micro-batch: what the planner traces."""
-
-    precision: str
-    optimizer: str
-    grad_checkpointing: bool
-    attention: str
-    peft: bool = False  # LoRA adapters on frozen weights (tilefit.planner.peft)
-
-    def key(self) -> tuple[str, str, bool, str]:
-        return (self.precision, self.optimizer, self.grad_checkpointing, self.attention)
-
-
 def precisions(device: Device) -> list[str]:
-    """Mixed precision in the dtype the part has (bf16 on Ampere and later, fp16 with loss
-    scaling before: V100 and T4 have no bf16, NVIDIA Volta/Turing whitepapers), then full
-    precision: tf32 where the part has TF32 Tensor Cores, else fp32."""
-    out: list[str] = []
-    if device.supports("bf16"):
-        out.append("bf16-mixed")
-    elif device.supports("fp16"):
-        out.append("fp16-mixed")
-    out.append("tf32" if device.supports("tf32") else "fp32")
-    return out
+    """The precision names worth planning on the device, best first
+    (tilefit.vocab.device_precisions)."""
+    return [p.name for p in device_precisions(device)]
 
 
-def base_recipes(device: Device, optimizer: str, *, hf_model: bool) -> list[RecipeSpec]:
+def base_recipes(device: Device, optimizer: str, *, hf_model: bool) -> list[Recipe]:
     """The recipes that keep the user's optimizer: mixed precision with SDPA, with and
     without gradient checkpointing; mixed precision with eager attention and full precision
     with SDPA, without checkpointing. Checkpointing is crossed with the fastest attention and
@@ -106,23 +86,26 @@ def base_recipes(device: Device, optimizer: str, *, hf_model: bool) -> list[Reci
     activations are twice the bytes of bf16 ones)."""
     precs = precisions(device)
     att = "sdpa" if hf_model else "auto"
-    out = [RecipeSpec(precs[0], optimizer, False, att), RecipeSpec(precs[0], optimizer, True, att)]
+    out = [Recipe(precision=precs[0], optimizer=optimizer, attention=att),
+           Recipe(precision=precs[0], optimizer=optimizer, grad_checkpointing=True,
+                  attention=att)]
     if hf_model:
-        out.append(RecipeSpec(precs[0], optimizer, False, "eager"))
-    out.extend(RecipeSpec(p, optimizer, False, att) for p in precs[1:])
+        out.append(Recipe(precision=precs[0], optimizer=optimizer, attention="eager"))
+    out.extend(Recipe(precision=p, optimizer=optimizer, attention=att) for p in precs[1:])
     return out
 
 
-def optimizer_recipes(device: Device, optimizer: str, *, hf_model: bool) -> list[RecipeSpec]:
+def optimizer_recipes(device: Device, optimizer: str, *, hf_model: bool) -> list[Recipe]:
     """Recipes that change the optimizer: mixed precision, the fastest attention."""
     prec = precisions(device)[0]
     att = "sdpa" if hf_model else "auto"
-    return [RecipeSpec(prec, opt, ckpt, att) for opt in ALTERNATIVE_OPTIMIZERS
-            if opt != optimizer for ckpt in (False, True)]
+    return [Recipe(precision=prec, optimizer=opt, grad_checkpointing=ckpt, attention=att)
+            for opt in ALTERNATIVE_OPTIMIZERS if opt != optimizer for ckpt in (False, True)]
 
 
-def peft_recipes(device: Device, optimizer: str) -> list[RecipeSpec]:
+def peft_recipes(device: Device, optimizer: str) -> list[Recipe]:
     """LoRA with the user's optimizer, mixed precision, SDPA, with and without checkpointing
     (Hugging Face models only: the adapters wrap their linear layers)."""
     prec = precisions(device)[0]
-    return [RecipeSpec(prec, optimizer, ckpt, "sdpa", peft=True) for ckpt in (False, True)]
+    return [Recipe(precision=prec, optimizer=optimizer, grad_checkpointing=ckpt,
+                   attention="sdpa", peft=True) for ckpt in (False, True)]

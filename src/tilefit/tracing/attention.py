@@ -66,21 +66,17 @@ class AttentionRouter:
         q, k, mask = a["query"], a["key"], a["attn_mask"]
         backend = "math" if self.force_math else choose_backend(self.target, q, k, mask)
         self.choices[backend] = self.choices.get(backend, 0) + 1
-        self.recorder.attention_backend = backend
+        if backend == "math":
+            with self.recorder.attention_backend("math"), sdpa_kernel([SDPBackend.MATH]):
+                return func(*args, **kwargs)
+        fused = {**a, "dropout_p": 0.0}
+        if not fused["enable_gqa"]:
+            del fused["enable_gqa"]  # torch < 2.5 has no enable_gqa
         try:
-            if backend == "math":
-                with sdpa_kernel([SDPBackend.MATH]):
-                    return func(*args, **kwargs)
-            fused = {**a, "dropout_p": 0.0}
-            if not fused["enable_gqa"]:
-                del fused["enable_gqa"]  # torch < 2.5 has no enable_gqa
-            try:
-                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                    return func(**fused)
-            except RuntimeError:
-                # the CPU stand-in rejects this input: fall back to the math decomposition
-                self.recorder.attention_backend = "math"
-                with sdpa_kernel([SDPBackend.MATH]):
-                    return func(*args, **kwargs)
-        finally:
-            self.recorder.attention_backend = None
+            with self.recorder.attention_backend(backend), \
+                    sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return func(**fused)
+        except RuntimeError:
+            # the CPU stand-in rejects this input: fall back to the math decomposition
+            with self.recorder.attention_backend("math"), sdpa_kernel([SDPBackend.MATH]):
+                return func(*args, **kwargs)

@@ -8,8 +8,11 @@ from typing import Any
 import torch
 
 from tilefit.errors import TilefitError
+from tilefit.vocab import OPTIMIZER_NAMES
 
-OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "adafactor", "adamw-8bit")
+__all__ = ["OPTIMIZER_NAMES", "AdamW8bitModel", "OptimizerSpec", "make_optimizer",
+           "optimizer_state_tensors"]
+
 OptimizerSpec = str | Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 # bitsandbytes' 8-bit optimizers quantise each state blockwise with one fp32 absmax per block
@@ -54,7 +57,9 @@ class AdamW8bitModel(torch.optim.Optimizer):
 
 
 def make_optimizer(spec: OptimizerSpec, params: list[torch.nn.Parameter], *,
-                   foreach: bool) -> torch.optim.Optimizer:
+                   foreach: bool | None) -> torch.optim.Optimizer:
+    """The optimizer a name stands for, with tilefit's default hyper-parameters (they do not
+    change what the step allocates or moves), or the factory's product."""
     if callable(spec) and not isinstance(spec, str):
         return spec(params)
     name = str(spec).lower()

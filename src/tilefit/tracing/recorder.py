@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tilefit.tracing.records import GemmShape, OpRecord, StorageRecord
 from tilefit.tracing.shapes import classify, gemm_shapes, op_flops, packet_name
 from tilefit.tracing.torch_compat import DataDependentOutputException, ModulePath
+from tilefit.vocab import OPTIMIZER_PHASES, Phase
 
 _SKIP = {"prim.device.default", "profiler._record_function_enter_new.default",
          "profiler._record_function_exit._RecordFunction"}
@@ -32,6 +34,16 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(x)
 
 
+@dataclass(frozen=True)
+class StepMarks:
+    """Event indices that bound the phases of one traced step."""
+
+    forward: int  # the first forward op
+    optimizer: int  # the first op of the optimizer step (after every micro-batch)
+    zero_grad: int  # the first op after the optimizer step
+    end: int  # the event index after the step
+
+
 class Recorder(TorchDispatchMode):
     """Records ops (shapes, FLOPs, bytes, module, phase) and storage lifetimes."""
 
@@ -39,10 +51,10 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.tracker = tracker
         self.set_root(root_name)
-        self.phase = "setup"
-        self.step = 0
-        self.micro = 0
-        self.events = 0
+        self._phase: str = "setup"
+        self._step = 0
+        self._micro = 0
+        self._events = 0
         self.ops: list[OpRecord] = []
         self._uid_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._next_uid = 0
@@ -52,10 +64,39 @@ class Recorder(TorchDispatchMode):
         self._alloc_phase: dict[int, str] = {}
         self._alloc_module: dict[int, str] = {}
         self.category: dict[int, str] = {}
-        self.attention_backend: str | None = None  # set by the attention router per call
+        self._attention_backend: str | None = None  # the router's choice for the current call
         self._attn_by_uid: dict[int, dict[str, Any]] = {}
-        self.recording = True
+        self._recording = True
         self.stand_in_reads = 0  # .item() calls in the optimizer answered with a stand-in
+
+    # ---- where the step is --------------------------------------------------------------
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @property
+    def events(self) -> int:
+        """Ops recorded so far: the index of the next event."""
+        return self._events
+
+    def enter_phase(self, phase: Phase) -> None:
+        self._phase = phase
+
+    def begin_step(self, step: int) -> None:
+        """Step 0 creates the optimizer state lazily; step 1 is the steady state."""
+        self._step, self._micro = step, 0
+
+    def begin_micro(self, micro: int) -> None:
+        self._micro = micro
+
+    @contextlib.contextmanager
+    def attention_backend(self, backend: str) -> Iterator[None]:
+        """The SDPA kernel the attention router chose for the ops recorded inside."""
+        self._attention_backend = backend
+        try:
+            yield
+        finally:
+            self._attention_backend = None
 
     def set_root(self, root_name: str) -> None:
         """The root module's class name, which ModuleTracker puts before every path."""
@@ -82,7 +123,7 @@ class Recorder(TorchDispatchMode):
         return uid
 
     def _on_free(self, uid: int) -> None:
-        self._free_at[uid] = self.events
+        self._free_at[uid] = self._events
 
     def register_existing(self, tree: Any, category: str) -> None:
         """Storages alive before the step (parameters, buffers, inputs)."""
@@ -118,7 +159,7 @@ class Recorder(TorchDispatchMode):
         a norm read it on the host (torch.optim.Adafactor: param.norm().item()); on fake
         tensors there is no value, but it only scales the update and no shape depends on it,
         so 1 stands in. Anywhere else a value can steer control flow: the error stands."""
-        if self.phase not in ("optimizer", "scaler", "zero_grad") or \
+        if self._phase not in OPTIMIZER_PHASES or \
                 packet_name(func) != "aten._local_scalar_dense":
             raise
         self.stand_in_reads += 1
@@ -131,17 +172,17 @@ class Recorder(TorchDispatchMode):
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Ops run but are not recorded and their tensors are not tracked."""
-        self.recording = False
+        self._recording = False
         try:
             yield
         finally:
-            self.recording = True
+            self._recording = True
 
     def replay(self, start: int, end: int, step: int) -> list[tuple[int, int | None]]:
         """Record events [start, end) again, now: the same ops, and copies of the storages
         they allocated with the same lifetimes. Returns (new uid, original free_at) of the
         copies still alive at ``end``; ``settle`` gives them a free time."""
-        offset = self.events - start
+        offset = self._events - start
         self.ops.extend(dataclasses.replace(op, step=step) for op in self.ops[start:end])
         pending: list[tuple[int, int | None]] = []
         for uid in [u for u, a in self._alloc_at.items() if start <= a < end]:
@@ -158,20 +199,22 @@ class Recorder(TorchDispatchMode):
                 self._free_at[new] = freed + offset
             else:
                 pending.append((new, freed))
-        self.events += end - start
+        self._events += end - start
         return pending
 
-    def settle(self, pending: list[tuple[int, int | None]], *, o0: int, z0: int, o1: int,
-               z1: int, end: int) -> None:
+    def settle(self, pending: list[tuple[int, int | None]], *, first: StepMarks,
+               steady: StepMarks) -> None:
         """Free the replayed storages that outlived the backward where their originals were
         freed: during the optimizer step (same offset into it) or at zero_grad."""
         for uid, freed in pending:
             if freed is None:
                 continue
-            if freed < z0:
-                self._free_at[uid] = min(o1 + (freed - o0), z1)
+            if freed < first.zero_grad:
+                self._free_at[uid] = min(steady.optimizer + (freed - first.optimizer),
+                                         steady.zero_grad)
             else:
-                self._free_at[uid] = min(z1 + (freed - z0), end)
+                self._free_at[uid] = min(steady.zero_grad + (freed - first.zero_grad),
+                                         steady.end)
 
     # ---- context ----------------------------------------------------------------------
     @property
@@ -197,9 +240,9 @@ class Recorder(TorchDispatchMode):
 
     @property
     def effective_phase(self) -> str:
-        if self.phase == "backward" and self.tracker.recomputing:
+        if self._phase == "backward" and self.tracker.recomputing:
             return "recompute"
-        return self.phase
+        return self._phase
 
     # ---- the mode ---------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
@@ -209,12 +252,12 @@ class Recorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         except DataDependentOutputException:
             out = self._stand_in_scalar(func, args)
-        if not self.recording:
+        if not self._recording:
             return out
         name = str(func)
         if name in _SKIP:
             return out
-        at = self.events
+        at = self._events
         module = self.module
         inputs = list(_tensors((args, kwargs)))
         outputs = list(_tensors(out))
@@ -238,10 +281,10 @@ class Recorder(TorchDispatchMode):
             input_shapes=tuple(tuple(t.shape) for t in inputs),
             output_shapes=tuple(tuple(t.shape) for t in outputs),
             dtype=str(ref.dtype).removeprefix("torch.") if ref is not None else "",
-            flops=int(flops), bytes=int(nbytes), kind=kind, step=self.step, micro=self.micro,
+            flops=int(flops), bytes=int(nbytes), kind=kind, step=self._step, micro=self._micro,
             gemms=gemms, attention=attention, alloc_bytes=alloc,
         ))
-        self.events += 1
+        self._events += 1
         return out
 
     def _attention_info(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -252,7 +295,7 @@ class Recorder(TorchDispatchMode):
         q, k = (args[1], args[2]) if backward else (args[0], args[1])
         b, hq, sq, d = q.shape
         info: dict[str, Any] = {
-            "backend": self.attention_backend or "flash", "causal": False, "b": b, "hq": hq,
+            "backend": self._attention_backend or "flash", "causal": False, "b": b, "hq": hq,
             "hkv": k.shape[1], "sq": sq, "sk": k.shape[2], "d": d,
             "dtype": str(q.dtype).removeprefix("torch."),
         }

@@ -7,10 +7,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tilefit.tracing.target import Target
+from tilefit.vocab import CATEGORIES, MICRO_PHASES, PHASES, Category, OpKind, Phase
 
-PHASES = ("forward", "backward", "recompute", "optimizer", "zero_grad", "scaler")
-MICRO_PHASES = ("forward", "backward", "recompute")  # run once per micro-batch
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
+__all__ = ["CATEGORIES", "MICRO_PHASES", "PHASES", "GemmShape", "OpRecord", "StorageRecord",
+           "Trace"]
 
 
 @dataclass(frozen=True)
@@ -27,14 +27,14 @@ class GemmShape:
 @dataclass(frozen=True)
 class OpRecord:
     op: str  # aten overload, e.g. "aten.mm.default"
-    phase: str  # forward, backward, recompute, optimizer, zero_grad, scaler
+    phase: Phase  # tilefit.vocab.PHASES
     module: str  # the innermost module's path, "" for code outside any module
     input_shapes: tuple[tuple[int, ...], ...]
     output_shapes: tuple[tuple[int, ...], ...]
     dtype: str  # torch dtype of the first output (or input) tensor, e.g. "bfloat16"
     flops: int  # from torch.utils.flop_counter's formulas where it has one
     bytes: int  # bytes read + written by the kernel(s); 0 for views
-    kind: str  # "gemm", "conv", "attention", "memory", "view"
+    kind: OpKind  # tilefit.vocab.OP_KINDS: what the cost model does with it
     step: int  # 0: first step (lazy optimizer state), 1: steady-state step
     micro: int  # micro-batch index within the step
     gemms: tuple[GemmShape, ...] = ()
@@ -51,8 +51,8 @@ class StorageRecord:
     nbytes: int
     alloc_at: int  # event index (op count) when it became live; -1 if before the trace
     free_at: int | None  # event index when freed; None if alive at the end
-    category: str
-    phase: str  # the phase that allocated it ("setup" for pre-existing storages)
+    category: Category
+    phase: Phase  # the phase that allocated it ("setup" for pre-existing storages)
     module: str
 
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device, get_device
 from tilefit.tracing.attention import AttentionRouter
@@ -22,13 +24,18 @@ from tilefit.tracing.optimizers import (
     make_optimizer,
     optimizer_state_tensors,
 )
-from tilefit.tracing.recorder import Recorder
-from tilefit.tracing.records import MICRO_PHASES, Trace
+from tilefit.tracing.recorder import Recorder, StepMarks
+from tilefit.tracing.records import Trace
 from tilefit.tracing.target import Target
 from tilefit.tracing.torch_compat import FAKE_ERRORS, FakeTensorMode, ModulePath, new_fake_mode
+from tilefit.vocab import (
+    ATTENTIONS,
+    MICRO_PHASES,
+    Precision,
+    check_precision_supported,
+    parse_precision,
+)
 
-PRECISIONS = ("fp32", "tf32", "fp16-mixed", "bf16-mixed", "bf16")
-ATTENTIONS = ("auto", "eager", "sdpa")
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 ModelSpec = nn.Module | Callable[[], nn.Module]
 
@@ -47,10 +54,7 @@ def resolve_target(device: str | Device) -> tuple[Target, Device | None]:
 
 def check_options(precision: str, optimizer: OptimizerSpec, attention: str,
                   accumulation_steps: int, device: Device | None) -> None:
-    if precision not in PRECISIONS:
-        raise TilefitError(f"unknown precision {precision!r}",
-                           expected="one of " + ", ".join(PRECISIONS), given=repr(precision),
-                           fix="bf16-mixed is the usual choice on Ampere and later GPUs")
+    spec = parse_precision(precision)
     if isinstance(optimizer, str) and optimizer.lower() not in OPTIMIZER_NAMES:
         raise TilefitError(f"unknown optimizer {optimizer!r}",
                            expected="one of " + ", ".join(OPTIMIZER_NAMES),
@@ -65,14 +69,7 @@ def check_options(precision: str, optimizer: OptimizerSpec, attention: str,
                            expected="1, 2, 4, ...", given=repr(accumulation_steps),
                            fix="pass the number of micro-batches per optimizer step")
     if device is not None:
-        needs = {"bf16-mixed": "bf16", "bf16": "bf16", "fp16-mixed": "fp16", "tf32": "tf32"}
-        want = needs.get(precision)
-        if want and not device.supports(want):
-            alt = "fp16-mixed" if device.supports("fp16") else "fp32"
-            raise TilefitError(
-                f"{device.display_name} has no {want} math, so precision {precision} cannot run",
-                expected="a precision the GPU supports", given=precision,
-                fix=f"use precision {alt} on this GPU")
+        check_precision_supported(spec, device)
 
 
 def _fake_like(t: torch.Tensor, mode: FakeTensorMode, dtype: torch.dtype | None = None
@@ -128,14 +125,18 @@ def fake_batch(batch: Any, mode: FakeTensorMode, float_dtype: torch.dtype | None
 
 
 def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    if not isinstance(batch, dict):
+    """model(**batch).loss for dict batches (Hugging Face models with labels in the batch):
+    the loss of a step when no loss_fn is given, for trace, estimate and tune alike."""
+    if not isinstance(batch, Mapping):
         raise TilefitError(
             "no loss_fn given and the batch is not a dict",
             expected="a dict batch for a model that returns .loss (Hugging Face), or loss_fn",
-            given=type(batch).__name__,
-            fix="pass loss_fn=lambda model, batch: your_loss(model(batch))")
+            given=f"a batch of type {type(batch).__name__}",
+            fix="pass loss_fn=lambda model, batch: criterion(model(batch[0]), batch[1])")
     out = model(**batch)
     loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
     if loss is None:
         raise TilefitError(
             "the model's output has no .loss",
@@ -207,6 +208,19 @@ USER_CODE_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, A
                     AssertionError, NotImplementedError)
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _where(recorder: Recorder) -> str:
+    """Where in the step an error happened, in words."""
+    if recorder.phase not in MICRO_PHASES:
+        return f"the {recorder.phase} step"
+    name = recorder.failing_module
+    return f"module {name!r}" if name else "code outside any module (the loss function?)"
+
+
 @contextlib.contextmanager
 def _explain_fake_errors(recorder: Recorder) -> Iterator[None]:
     """Errors raised inside the user's step become a TilefitError naming the op and module."""
@@ -217,10 +231,7 @@ def _explain_fake_errors(recorder: Recorder) -> Iterator[None]:
     except FAKE_ERRORS as exc:
         func = getattr(exc, "func", None)
         op = str(func) if func is not None else type(exc).__name__
-        name = recorder.failing_module if recorder.phase in MICRO_PHASES else ""
-        where = (f"module {name!r}" if name else
-                 f"the {recorder.phase} step" if recorder.phase not in MICRO_PHASES else
-                 "code outside any module (the loss function?)")
+        where = _where(recorder)
         raise TilefitError(
             f"the model cannot run on fake tensors: {op} in {where} needs real values or a "
             "real kernel",
@@ -233,18 +244,49 @@ def _explain_fake_errors(recorder: Recorder) -> Iterator[None]:
             "torch.library.register_fake",
         ) from None
     except USER_CODE_ERRORS as exc:
-        name = recorder.failing_module if recorder.phase in MICRO_PHASES else ""
-        where = (f"module {name!r}" if name else
-                 f"the {recorder.phase} step" if recorder.phase not in MICRO_PHASES else
-                 "code outside any module (the loss function?)")
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        where = _where(recorder)
         raise TilefitError(
-            f"one training step of the model failed in {where}: {type(exc).__name__}: {first}",
+            f"one training step of the model failed in {where}: {type(exc).__name__}: "
+            f"{_first_line(exc)}",
             expected="a model whose forward, loss and backward run on the given batch",
             given=f"{type(exc).__name__} in {where} ({recorder.phase})",
             fix="check the batch shape (--batch, --seq, --input-shape) against the model, and "
             "run the model once on a real batch of that shape to see the full error",
         ) from None
+
+
+@dataclass(frozen=True)
+class TraceOptions:
+    """What the traced step does besides the model and the batch (validated)."""
+
+    loss_fn: LossFn
+    optimizer: OptimizerSpec
+    precision: Precision
+    grad_checkpointing: bool
+    accumulation_steps: int
+    attention: str
+    replay_steady_step: bool
+
+    @property
+    def low_dtype(self) -> torch.dtype | None:
+        """Autocast's dtype, None without autocast."""
+        low = self.precision.autocast_dtype
+        return torch_dtype(low) if low else None
+
+    @property
+    def pure_bf16(self) -> bool:
+        return self.precision.param_dtype == "bf16"
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """The fake model, batch and optimizer one trace runs."""
+
+    model: nn.Module
+    batch: Any
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scaler_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
 
 def trace(
@@ -268,58 +310,93 @@ def trace(
     from the first step's records rather than run twice; its optimizer step always runs.
     ``replay_steady_step=False`` runs both steps in full (a check of that assumption for
     models whose second forward differs, such as lazy modules)."""
-    with quiet_transformers():
-        return _trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
-                      grad_checkpointing=grad_checkpointing,
-                      accumulation_steps=accumulation_steps, attention=attention,
-                      device=device, replay_steady_step=replay_steady_step)
-
-
-def _trace(model: ModelSpec, batch: Any, *, loss_fn: LossFn | None, optimizer: OptimizerSpec,
-           precision: str, grad_checkpointing: bool, accumulation_steps: int, attention: str,
-           device: str | Device, replay_steady_step: bool) -> Trace:
     target, dev = resolve_target(device)
     check_options(precision, optimizer, attention, accumulation_steps, dev)
-    loss_fn = loss_fn or default_loss
+    options = TraceOptions(
+        loss_fn=loss_fn or default_loss, optimizer=optimizer,
+        precision=parse_precision(precision), grad_checkpointing=grad_checkpointing,
+        accumulation_steps=accumulation_steps, attention=attention,
+        replay_steady_step=replay_steady_step)
+    with quiet_transformers():
+        return _trace(model, batch, options, target)
+
+
+def _trace(model: ModelSpec, batch: Any, options: TraceOptions, target: Target) -> Trace:
     mode = new_fake_mode()
-    pure_bf16 = precision == "bf16"
-    low = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision)
     tracker = ModulePath()
     recorder = Recorder(tracker, "")
+    with _explain_build_errors():
+        prep = _prepare(model, batch, options, target, recorder, mode)
+    recorder.set_root(type(prep.model).__name__)
+    router = AttentionRouter(target, recorder) if target.kind == "cuda" else None
+    autocast = _autocast_for(target, options.low_dtype, router)
+    with mode:
+        recorder.register_existing(list(prep.model.parameters()) +
+                                   list(prep.model.buffers()), "parameters")
+        recorder.register_existing(prep.batch, "inputs")
+        if prep.scaler_state is not None:
+            recorder.register_existing(prep.scaler_state, "optimizer_state")
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(tracker)
+            stack.enter_context(recorder)
+            if autocast is not None:
+                stack.enter_context(autocast)
+            stack.enter_context(gpu_mask_semantics())
+            stack.enter_context(_explain_fake_errors(recorder))
+            _run_two_steps(prep, options, recorder, autocast)
+    return _to_trace(prep, options, target, recorder, router)
+
+
+def _build_model(model: ModelSpec, mode: FakeTensorMode) -> nn.Module:
+    """The fake model: the factory's product built under the fake mode, or a fake copy."""
+    if isinstance(model, nn.Module):
+        return fake_copy(model, mode)
+    with mode:
+        built = model()
+    if not isinstance(built, nn.Module):
+        raise TilefitError("the model factory did not return an nn.Module",
+                           expected="a zero-argument callable returning torch.nn.Module",
+                           given=type(built).__name__, fix="return the module")
+    return built
+
+
+def _prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target,
+             recorder: Recorder, mode: FakeTensorMode) -> _Prepared:
+    fmodel = _build_model(model, mode)
+    with mode:
+        _set_attention(fmodel, options.attention)
+        if options.pure_bf16:
+            cast_floating(fmodel, torch.bfloat16)
+        if options.grad_checkpointing:
+            _enable_checkpointing(fmodel,
+                                  _recompute_contexts(target, recorder, options.low_dtype))
+        fmodel.train()
+        fbatch = fake_batch(batch, mode, torch.bfloat16 if options.pure_bf16 else None)
+        params = [p for p in fmodel.parameters() if p.requires_grad]
+        if not params:
+            raise TilefitError("the model has no trainable parameters",
+                               expected="at least one parameter with requires_grad=True",
+                               given="none", fix="unfreeze the parameters to train")
+        try:
+            opt = make_optimizer(options.optimizer, params, foreach=target.foreach)
+        except USER_CODE_ERRORS as exc:
+            raise TilefitError(
+                f"the optimizer could not be created: {type(exc).__name__}: {exc}",
+                expected="a name (adamw, sgd, ...) or a factory params -> Optimizer",
+                given=repr(options.optimizer), fix="call the factory once on "
+                "model.parameters() to see the full error") from None
+        scaler_state = None
+        if options.precision.grad_scaler:
+            scaler_state = (torch.full((1,), SCALER_INIT), torch.zeros(1, dtype=torch.int32),
+                            torch.zeros(1))
+    return _Prepared(fmodel, fbatch, params, opt, scaler_state)
+
+
+@contextlib.contextmanager
+def _explain_build_errors() -> Iterator[None]:
+    """Errors while building the fake model become a TilefitError."""
     try:
-        with mode:
-            fmodel = model() if not isinstance(model, nn.Module) else None
-        if fmodel is None:
-            fmodel = fake_copy(model, mode)  # type: ignore[arg-type]
-        elif not isinstance(fmodel, nn.Module):
-            raise TilefitError("the model factory did not return an nn.Module",
-                               expected="a zero-argument callable returning torch.nn.Module",
-                               given=type(fmodel).__name__, fix="return the module")
-        with mode:
-            _set_attention(fmodel, attention)
-            if pure_bf16:
-                cast_floating(fmodel, torch.bfloat16)
-            if grad_checkpointing:
-                _enable_checkpointing(fmodel, _recompute_contexts(target, recorder, low))
-            fmodel.train()
-            fbatch = fake_batch(batch, mode, torch.bfloat16 if pure_bf16 else None)
-            params = [p for p in fmodel.parameters() if p.requires_grad]
-            if not params:
-                raise TilefitError("the model has no trainable parameters",
-                                   expected="at least one parameter with requires_grad=True",
-                                   given="none", fix="unfreeze the parameters to train")
-            try:
-                opt = make_optimizer(optimizer, params, foreach=target.foreach)
-            except USER_CODE_ERRORS as exc:
-                raise TilefitError(
-                    f"the optimizer could not be created: {type(exc).__name__}: {exc}",
-                    expected="a name (adamw, sgd, ...) or a factory params -> Optimizer",
-                    given=repr(optimizer), fix="call the factory once on model.parameters() "
-                    "to see the full error") from None
-            scaler_state = None
-            if precision == "fp16-mixed":
-                scaler_state = (torch.full((1,), SCALER_INIT), torch.zeros(1, dtype=torch.int32),
-                                torch.zeros(1))
+        yield
     except TilefitError:
         raise
     except FAKE_ERRORS as exc:
@@ -328,62 +405,58 @@ def _trace(model: ModelSpec, batch: Any, *, loss_fn: LossFn | None, optimizer: O
                            given=type(exc).__name__,
                            fix="build the model on the meta device and pass the module") from None
     except USER_CODE_ERRORS as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise TilefitError(f"the model could not be built: {type(exc).__name__}: {first}",
+        raise TilefitError(f"the model could not be built: {type(exc).__name__}: "
+                           f"{_first_line(exc)}",
                            expected="a model (or factory) that builds without real data",
                            given=type(exc).__name__,
                            fix="build it once in plain PyTorch to see the full error") from None
 
-    recorder.set_root(type(fmodel).__name__)
-    router = AttentionRouter(target, recorder) if target.kind == "cuda" else None
-    autocast: CudaAutocast | _CpuAutocast | None = None
+
+def _autocast_for(target: Target, low: torch.dtype | None,
+                  router: AttentionRouter | None) -> CudaAutocast | _CpuAutocast | None:
+    """The CUDA target casts under mixed precision and routes SDPA always; the CPU target
+    follows CPU autocast's policy under mixed precision."""
     if target.kind == "cuda":
-        autocast = CudaAutocast(low, router)  # casts under mixed precision, routes SDPA always
-    elif low is not None:
-        autocast = _CpuAutocast(low)
-    traced_micro = min(accumulation_steps, 2)
-    with mode:
-        recorder.register_existing(list(fmodel.parameters()) + list(fmodel.buffers()),
-                                   "parameters")
-        recorder.register_existing(fbatch, "inputs")
-        if scaler_state is not None:
-            recorder.register_existing(scaler_state, "optimizer_state")
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(tracker)
-            stack.enter_context(recorder)
-            if autocast is not None:
-                stack.enter_context(autocast)
-            stack.enter_context(gpu_mask_semantics())
-            stack.enter_context(_explain_fake_errors(recorder))
-            marks: dict[str, int] = {}
-            for step in (0, 1):
-                recorder.step = step
-                if step == 1 and replay_steady_step:
-                    pending = recorder.replay(marks["f"], marks["o"], step=1)
-                    with recorder.paused():  # the replayed backward made these gradients
-                        for p in params:
-                            p.grad = torch.zeros_like(p)
-                else:
-                    marks["f"] = recorder.events
-                    for micro in range(traced_micro):
-                        recorder.micro = micro
-                        _micro_step(fmodel, fbatch, loss_fn, recorder, autocast,
-                                    accumulation_steps, scaler_state)
-                        recorder.label([p.grad for p in params if p.grad is not None],
-                                       "gradients")
-                    recorder.micro = 0
-                    pending = []
-                marks["o"] = recorder.events
-                _optimizer_step(opt, params, recorder, scaler_state)
-                marks["z"] = recorder.events
-                recorder.phase = "zero_grad"
-                opt.zero_grad(set_to_none=True)
-                if step == 1 and pending:
-                    recorder.settle(pending, o0=marks["o0"], z0=marks["z0"],
-                                    o1=marks["o"], z1=marks["z"], end=recorder.events)
-                if step == 0:
-                    marks["o0"], marks["z0"] = marks["o"], marks["z"]
-    samples, tokens = _samples_and_tokens(fbatch)
+        return CudaAutocast(low, router)
+    return _CpuAutocast(low) if low is not None else None
+
+
+def _run_two_steps(prep: _Prepared, options: TraceOptions, recorder: Recorder,
+                   autocast: Any) -> None:
+    """Step 0 (lazy optimizer state), then the steady step 1, whose forward and backward
+    are replayed from step 0 unless ``options.replay_steady_step`` is off."""
+    traced_micro = min(options.accumulation_steps, 2)
+    first: StepMarks | None = None
+    for step in (0, 1):
+        recorder.begin_step(step)
+        forward_at = recorder.events
+        pending: list[tuple[int, int | None]] = []
+        if first is not None and options.replay_steady_step:
+            pending = recorder.replay(first.forward, first.optimizer, step=1)
+            with recorder.paused():  # the replayed backward made these gradients
+                for p in prep.params:
+                    p.grad = torch.zeros_like(p)
+        else:
+            for micro in range(traced_micro):
+                recorder.begin_micro(micro)
+                _micro_step(prep, options, recorder, autocast)
+                recorder.label([p.grad for p in prep.params if p.grad is not None],
+                               "gradients")
+            recorder.begin_micro(0)
+        optimizer_at = recorder.events
+        _optimizer_step(prep, recorder)
+        zero_grad_at = recorder.events
+        recorder.enter_phase("zero_grad")
+        prep.optimizer.zero_grad(set_to_none=True)
+        marks = StepMarks(forward_at, optimizer_at, zero_grad_at, recorder.events)
+        if first is not None and pending:
+            recorder.settle(pending, first=first, steady=marks)
+        first = first or marks
+
+
+def _to_trace(prep: _Prepared, options: TraceOptions, target: Target, recorder: Recorder,
+              router: AttentionRouter | None) -> Trace:
+    samples, tokens = _samples_and_tokens(prep.batch)
     warnings = []
     if recorder.stand_in_reads:
         warnings.append(f"the optimizer read {recorder.stand_in_reads} value(s) from tensors "
@@ -393,57 +466,63 @@ def _trace(model: ModelSpec, batch: Any, *, loss_fn: LossFn | None, optimizer: O
         warnings.append(f"attention ran the math kernel {router.choices['math']} time(s) per "
                         "step: it materialises the S x S scores (fp32 or unsupported head dim "
                         "or mask)")
+    optimizer = options.optimizer
     return Trace(
-        target=target, precision=precision,
+        target=target, precision=options.precision.name,
         optimizer=optimizer if isinstance(optimizer, str) else getattr(
             optimizer, "__name__", "custom"),
-        attention=attention, grad_checkpointing=grad_checkpointing,
-        accumulation_steps=accumulation_steps, traced_micro_steps=traced_micro,
+        attention=options.attention, grad_checkpointing=options.grad_checkpointing,
+        accumulation_steps=options.accumulation_steps,
+        traced_micro_steps=min(options.accumulation_steps, 2),
         ops=tuple(recorder.ops), storages=recorder.storages(), n_events=recorder.events,
-        param_count=sum(p.numel() for p in fmodel.parameters()),
-        trainable_param_count=sum(p.numel() for p in params),
+        param_count=sum(p.numel() for p in prep.model.parameters()),
+        trainable_param_count=sum(p.numel() for p in prep.params),
         samples_per_micro_batch=samples, tokens_per_micro_batch=tokens,
         warnings=tuple(warnings),
     )
 
 
-def _optimizer_step(opt: torch.optim.Optimizer, params: list[nn.Parameter],
-                    recorder: Recorder, scaler_state: Any) -> None:
-    grads = [p.grad for p in params if p.grad is not None]
-    if scaler_state is not None:
-        recorder.phase = "scaler"
-        scale, _, found_inf = scaler_state
+def _optimizer_step(prep: _Prepared, recorder: Recorder) -> None:
+    grads = [p.grad for p in prep.params if p.grad is not None]
+    if prep.scaler_state is not None:
+        recorder.enter_phase("scaler")
+        scale, _, found_inf = prep.scaler_state
         torch._amp_foreach_non_finite_check_and_unscale_(
             grads, found_inf, scale.double().reciprocal().float())
-    recorder.phase = "optimizer"
-    opt.step()
-    recorder.label(optimizer_state_tensors(opt), "optimizer_state")
-    if scaler_state is not None:
-        recorder.phase = "scaler"
-        scale, growth, found_inf = scaler_state
+    recorder.enter_phase("optimizer")
+    prep.optimizer.step()
+    recorder.label(optimizer_state_tensors(prep.optimizer), "optimizer_state")
+    if prep.scaler_state is not None:
+        recorder.enter_phase("scaler")
+        scale, growth, found_inf = prep.scaler_state
         torch._amp_update_scale_(scale, growth, found_inf, SCALER_GROWTH, SCALER_BACKOFF,
                                  SCALER_INTERVAL)
 
 
-def _micro_step(model: nn.Module, batch: Any, loss_fn: LossFn, recorder: Recorder,
-                autocast: Any, accumulation_steps: int, scaler_state: Any) -> None:
-    recorder.phase = "forward"
-    if autocast is not None:
-        autocast.begin_forward()
-    loss = loss_fn(model, batch)
+def check_scalar_loss(loss: Any) -> torch.Tensor:
+    """The loss, or an error when loss_fn did not return a one-element tensor."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TilefitError("loss_fn must return a scalar tensor",
                            expected="a tensor with one element",
                            given=type(loss).__name__ if not isinstance(loss, torch.Tensor)
                            else f"a tensor of shape {tuple(loss.shape)}",
                            fix="reduce the loss, e.g. loss.mean()")
-    if accumulation_steps > 1:
-        loss = loss / accumulation_steps
-    if scaler_state is not None:
-        loss = loss * scaler_state[0]
+    return loss
+
+
+def _micro_step(prep: _Prepared, options: TraceOptions, recorder: Recorder,
+                autocast: Any) -> None:
+    recorder.enter_phase("forward")
+    if autocast is not None:
+        autocast.begin_forward()
+    loss = check_scalar_loss(options.loss_fn(prep.model, prep.batch))
+    if options.accumulation_steps > 1:
+        loss = loss / options.accumulation_steps
+    if prep.scaler_state is not None:
+        loss = loss * prep.scaler_state[0]
     if autocast is not None:
         autocast.end_forward()
-    recorder.phase = "backward"
+    recorder.enter_phase("backward")
     loss.backward()
     del loss
     if autocast is not None:

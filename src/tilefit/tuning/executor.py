@@ -20,24 +20,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
+from tilefit.tracing.step import check_scalar_loss, default_loss
 from tilefit.tuning.search import FitProbe
 from tilefit.tuning.simulate import OOM_ERROR, MemoryLimitMode
 from tilefit.tuning.state import Snapshot, restore_weights
+from tilefit.vocab import parse_precision
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
-
-# precision -> autocast dtype (None: no autocast). "bf16" means the user already holds bf16
-# weights, so steps run as they are.
-AUTOCAST: dict[str, torch.dtype | None] = {
-    "fp32": None,
-    "tf32": None,
-    "bf16": None,
-    "bf16-mixed": torch.bfloat16,
-    "fp16-mixed": torch.float16,
-}
-
 
 MIN_REPEAT_S = 0.05  # each timed repeat lasts at least this long (timeit autorange uses 0.2 s)
 MAX_CYCLES_PER_REPEAT = 20  # ... but never more optimizer steps than this per repeat
@@ -64,30 +56,6 @@ def is_oom(exc: BaseException) -> bool:
     if isinstance(exc, OOM_ERROR):
         return True
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
-
-
-def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """model(**batch).loss for dict batches (Hugging Face models with labels in the batch)."""
-    if not isinstance(batch, Mapping):
-        raise TilefitError(
-            "tune needs a loss_fn for batches that are not dicts",
-            expected="loss_fn(model, batch) -> scalar tensor, or a dict batch for a model that "
-            "returns .loss",
-            given=f"a batch of type {type(batch).__name__}",
-            fix="pass loss_fn=lambda model, batch: criterion(model(batch[0]), batch[1])",
-        )
-    out = model(**batch)
-    loss = getattr(out, "loss", None)
-    if loss is None and isinstance(out, Mapping):
-        loss = out.get("loss")
-    if loss is None:
-        raise TilefitError(
-            "the model's output has no loss",
-            expected="model(**batch).loss, i.e. labels in the batch",
-            given=f"an output of type {type(out).__name__} without .loss",
-            fix="add labels to the batch, or pass loss_fn=...",
-        )
-    return loss
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
@@ -168,7 +136,8 @@ class Executor:
         self.loss_fn = loss_fn or default_loss
         self.optimizer = optimizer
         self.snap = snap
-        self.autocast_dtype = AUTOCAST[precision]
+        low = parse_precision(precision).autocast_dtype
+        self.autocast_dtype = torch_dtype(low) if low else None
         self.device = device
         self.memory_limit_bytes = memory_limit_bytes
         self.steps_per_trial = steps_per_trial
@@ -209,16 +178,7 @@ class Executor:
 
     def _loss(self, batch: Any) -> torch.Tensor:
         with self._autocast():
-            loss = self.loss_fn(self.model, batch)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TilefitError(
-                "loss_fn must return a scalar tensor",
-                expected="a tensor with one element",
-                given=type(loss).__name__ if not isinstance(loss, torch.Tensor)
-                else f"a tensor of shape {tuple(loss.shape)}",
-                fix="reduce the loss, e.g. return loss.mean()",
-            )
-        return loss
+            return check_scalar_loss(self.loss_fn(self.model, batch))
 
     def _steps(self, batch_size: int, accumulation: int, cycles: int,
                opt: torch.optim.Optimizer, watch: _PeakWatch | None = None) -> None:

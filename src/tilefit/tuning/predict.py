@@ -20,10 +20,6 @@ from tilefit.errors import TilefitError
 
 PROBE_BATCHES = (1, 2)
 MAX_REFINE_TRACES = 3
-# tune's precisions that the tracer names the same way
-_PRECISION = {"fp32": "fp32", "tf32": "tf32", "bf16-mixed": "bf16-mixed",
-              "fp16-mixed": "fp16-mixed", "bf16": "bf16"}
-
 
 def _optimizer_factory(optimizer: Any) -> Callable[[Any], torch.optim.Optimizer]:
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -41,7 +37,7 @@ def predict_max_batch(model: nn.Module, make_batch: Callable[[int], Any], *,
                       budget_bytes: int | None, cap: int | None) -> int | None:
     """The largest batch whose predicted peak fits ``budget_bytes``, or None when there is no
     budget or the step cannot be traced (tune then searches from its default start)."""
-    if budget_bytes is None or precision not in _PRECISION:
+    if budget_bytes is None:
         return None
     from tilefit.estimator import cublas_workspace_bytes
     from tilefit.hardware import get_device
@@ -54,7 +50,7 @@ def predict_max_batch(model: nn.Module, make_batch: Callable[[int], Any], *,
         extra = cublas_workspace_bytes(target)  # counted by the caching allocator too
     def pieces_at(b: int) -> tuple[int, int]:
         tr = trace(model, make_batch(b), loss_fn=loss_fn, optimizer=_optimizer_factory(optimizer),
-                   precision=_PRECISION[precision], device=target)
+                   precision=precision, device=target)
         fb, _, opt = tr.phase_peaks(rounded=device.type == "cuda")
         return fb + extra, opt + extra
 

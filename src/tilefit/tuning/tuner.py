@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from tilefit.dtypes import parse_dtype
 from tilefit.errors import TilefitError
-from tilefit.tuning.executor import AUTOCAST, Executor, LossFn, OptimizerArg, Trial
+from tilefit.tuning.executor import Executor, LossFn, OptimizerArg, Trial
 from tilefit.tuning.search import (
     accumulation_for,
     candidate_sizes,
@@ -23,6 +24,7 @@ from tilefit.tuning.search import (
     find_max_batch,
 )
 from tilefit.tuning.state import restore, snapshot
+from tilefit.vocab import Precision, parse_precision
 
 # Fraction of device memory kept free. Not a measurement: a policy. The caching allocator
 # fragments (PyTorch "CUDA memory management" notes: reserved > allocated), and batches later
@@ -107,11 +109,35 @@ def preferred_multiple(device: torch.device, precision: str) -> int:
         return CPU_MULTIPLE
     from tilefit.hardware import detect_live_device
 
-    dtype = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(precision, precision)
+    dtype = parse_precision(precision).compute_dtype
     try:
         return detect_live_device(device.index or 0).multiple(dtype)
     except TilefitError:  # a GPU missing from the catalog: the general 16-byte rule
-        return max(1, 16 // (2 if dtype in ("bf16", "fp16") else 4))
+        return max(1, 16 // parse_dtype(dtype).bytes)
+
+
+@dataclass(frozen=True)
+class TuneRequest:
+    """tune's options, validated: what to search and under which limits."""
+
+    precision: Precision
+    device: torch.device
+    global_batch: int | None
+    max_batch: int | None
+    memory_limit_bytes: int | None
+    margin: float
+    steps_per_trial: int
+    predicted_max_batch: int | None
+    predict: bool
+    measure_throughput: bool
+
+    @property
+    def cap(self) -> int | None:
+        """The largest batch to try: max_batch, and no more than the global batch."""
+        if self.global_batch is None:
+            return self.max_batch
+        return self.global_batch if self.max_batch is None else min(self.max_batch,
+                                                                     self.global_batch)
 
 
 def tune(
@@ -147,6 +173,42 @@ def tune(
     Model, optimizer, RNG states and module modes are exactly as before when tune returns or
     raises (KeyboardInterrupt included).
     """
+    request = make_request(
+        precision=precision, device=device, global_batch=global_batch, max_batch=max_batch,
+        memory_limit_bytes=memory_limit_bytes, margin=margin,
+        steps_per_trial=steps_per_trial, predicted_max_batch=predicted_max_batch,
+        predict=predict, measure_throughput=measure_throughput)
+    check_model_and_optimizer(model, optimizer, request)
+    user_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    snap = snapshot(model, user_opt)
+    tf32_before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        if request.precision.allow_tf32:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        ex = Executor(
+            model=model, make_batch=make_batch, loss_fn=loss_fn, optimizer=optimizer, snap=snap,
+            precision=request.precision.name, device=request.device,
+            memory_limit_bytes=request.memory_limit_bytes, margin=request.margin,
+            steps_per_trial=request.steps_per_trial, warmup_steps=WARMUP_STEPS,
+            repeats=REPEATS, min_timed_steps=MIN_TIMED_STEPS, on_trial=on_trial,
+        )
+        first_probe = _first_probe(model, make_batch, loss_fn, optimizer, request, ex)
+        return _search(ex, request, first_probe)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
+        restore(snap)
+        gc.collect()
+        if request.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def make_request(*, precision: str, device: str | torch.device | None,
+                 global_batch: int | None, max_batch: int | None,
+                 memory_limit_bytes: int | None, margin: float, steps_per_trial: int,
+                 predicted_max_batch: int | None, predict: bool,
+                 measure_throughput: bool) -> TuneRequest:
+    """tune's options checked (each error says what was expected and the fix)."""
     for name, value in (("global_batch", global_batch), ("max_batch", max_batch),
                         ("memory_limit_bytes", memory_limit_bytes),
                         ("steps_per_trial", steps_per_trial),
@@ -155,15 +217,27 @@ def tune(
     if not 0 <= margin < 1:
         raise TilefitError("margin must be a fraction in [0, 1)", expected="e.g. 0.1",
                            given=repr(margin), fix="pass margin=0.1 to keep 10% free")
-    if precision not in AUTOCAST:
-        raise TilefitError(f"unknown precision {precision!r}", expected=", ".join(AUTOCAST),
-                           given=repr(precision), fix="pass precision='bf16-mixed', for example")
+    dev = resolve_device(device)
+    if dev.type == "cpu" and memory_limit_bytes is None and max_batch is None:
+        raise TilefitError(
+            "on the CPU tune needs a memory limit or a largest batch to stop at",
+            expected="memory_limit_bytes (simulate a GPU's memory) or max_batch",
+            given="neither",
+            fix="pass memory_limit_bytes=16 * 2**30 (CLI: --memory-limit 16GiB) or max_batch",
+        )
+    return TuneRequest(parse_precision(precision), dev, global_batch, max_batch,
+                       memory_limit_bytes, margin, steps_per_trial, predicted_max_batch,
+                       predict, measure_throughput)
+
+
+def check_model_and_optimizer(model: nn.Module, optimizer: OptimizerArg,
+                              request: TuneRequest) -> None:
     if not (isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)):
         raise TilefitError("optimizer must be an optimizer or a factory",
                            expected="torch.optim.AdamW(model.parameters()) or params -> Optimizer",
                            given=type(optimizer).__name__,
                            fix="pass optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4)")
-    dev = resolve_device(device)
+    dev = request.device
     wrong = {str(p.device) for p in model.parameters() if p.device.type != dev.type
              or (dev.index is not None and p.device.index != dev.index)}
     if wrong:
@@ -173,76 +247,52 @@ def tune(
             given=f"parameters on {', '.join(sorted(wrong))}",
             fix=f"call model.to('{dev}') before tune (tilefit does not move your model)",
         )
-    if dev.type == "cpu" and memory_limit_bytes is None and max_batch is None:
+
+
+def _first_probe(model: nn.Module, make_batch: Callable[[int], Any], loss_fn: LossFn | None,
+                 optimizer: OptimizerArg, request: TuneRequest, ex: Executor) -> int | None:
+    """The search's first batch: the user's, or the estimator's predicted largest fit."""
+    if request.predicted_max_batch is not None or not request.predict:
+        return request.predicted_max_batch
+    from tilefit.tuning.predict import predict_max_batch
+
+    return predict_max_batch(
+        model, make_batch, loss_fn=loss_fn, optimizer=optimizer,
+        precision=request.precision.name, device=request.device,
+        budget_bytes=ex.budget_bytes, cap=request.cap)
+
+
+def _search(ex: Executor, request: TuneRequest, first_probe: int | None) -> TuneResult:
+    """The exact largest batch that fits, then the fastest friendly batch up to it."""
+    search = find_max_batch(ex.fit, start=first_probe, max_batch=request.cap)
+    if search.max_batch == 0:
         raise TilefitError(
-            "on the CPU tune needs a memory limit or a largest batch to stop at",
-            expected="memory_limit_bytes (simulate a GPU's memory) or max_batch",
-            given="neither",
-            fix="pass memory_limit_bytes=16 * 2**30 (CLI: --memory-limit 16GiB) or max_batch",
+            "not even a batch of 1 fits in the memory budget",
+            expected=f"a step within {ex.budget_bytes} bytes "
+            f"({1 - request.margin:.0%} of {ex.capacity_bytes})",
+            given="batch size 1 ran out of memory",
+            fix="lower the margin, use mixed precision, gradient checkpointing or a "
+            "lighter optimizer (see `tilefit plan`)",
         )
-    cap = max_batch
-    if global_batch is not None:
-        cap = global_batch if cap is None else min(cap, global_batch)
-
-    user_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-    snap = snapshot(model, user_opt)
-    tf32_before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    try:
-        if precision == "tf32":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-        ex = Executor(
-            model=model, make_batch=make_batch, loss_fn=loss_fn, optimizer=optimizer, snap=snap,
-            precision=precision, device=dev, memory_limit_bytes=memory_limit_bytes,
-            margin=margin, steps_per_trial=steps_per_trial, warmup_steps=WARMUP_STEPS,
-            repeats=REPEATS, min_timed_steps=MIN_TIMED_STEPS, on_trial=on_trial,
-        )
-        if predicted_max_batch is None and predict:
-            from tilefit.tuning.predict import predict_max_batch
-
-            predicted_max_batch = predict_max_batch(
-                model, make_batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
-                device=dev, budget_bytes=ex.budget_bytes, cap=cap)
-        search = find_max_batch(ex.fit, start=predicted_max_batch, max_batch=cap)
-        if search.max_batch == 0:
-            raise TilefitError(
-                "not even a batch of 1 fits in the memory budget",
-                expected=f"a step within {ex.budget_bytes} bytes "
-                f"({1 - margin:.0%} of {ex.capacity_bytes})",
-                given="batch size 1 ran out of memory",
-                fix="lower the margin, use mixed precision, gradient checkpointing or a "
-                "lighter optimizer (see `tilefit plan`)",
-            )
-        candidates = candidate_sizes(
-            search.max_batch, multiple=preferred_multiple(dev, precision),
-            global_batch=global_batch,
-        )
-        chosen, rate, noise = candidates[-1], None, 0.0
-        if measure_throughput:
-            measured: dict[int, list[float]] = {}
-            for b in candidates:
-                rates = ex.throughput(b, accumulation_for(global_batch, b))
-                if rates:
-                    measured[b] = rates
-            if measured:
-                choice = choose_batch(measured)
-                chosen, rate, noise = choice.batch_size, choice.samples_per_s, choice.noise
-        return TuneResult(
-            batch_size=chosen,
-            max_fitting_batch_size=search.max_batch,
-            accumulation_steps=accumulation_for(global_batch, chosen),
-            samples_per_s=rate,
-            trials=tuple(t.to_dict() for t in ex.trials),
-            budget_bytes=ex.budget_bytes,
-            capacity_bytes=ex.capacity_bytes,
-            global_batch=global_batch,
-            candidates=candidates,
-            noise=noise,
-            predicted_max_batch=predicted_max_batch,
-        )
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
-        restore(snap)
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+    candidates = candidate_sizes(
+        search.max_batch, multiple=preferred_multiple(request.device, request.precision.name),
+        global_batch=request.global_batch,
+    )
+    chosen, rate, noise = candidates[-1], None, 0.0
+    if request.measure_throughput:
+        measured: dict[int, list[float]] = {}
+        for b in candidates:
+            rates = ex.throughput(b, accumulation_for(request.global_batch, b))
+            if rates:
+                measured[b] = rates
+        if measured:
+            choice = choose_batch(measured)
+            chosen, rate, noise = choice.batch_size, choice.samples_per_s, choice.noise
+    return TuneResult(
+        batch_size=chosen, max_fitting_batch_size=search.max_batch,
+        accumulation_steps=accumulation_for(request.global_batch, chosen),
+        samples_per_s=rate, trials=tuple(t.to_dict() for t in ex.trials),
+        budget_bytes=ex.budget_bytes, capacity_bytes=ex.capacity_bytes,
+        global_batch=request.global_batch, candidates=candidates, noise=noise,
+        predicted_max_batch=first_probe,
+    )

@@ -20,6 +20,7 @@ from typing import Any
 from tilefit.errors import TilefitError
 from tilefit.tuning.search import accumulation_for
 from tilefit.tuning.tuner import DEFAULT_MARGIN, TuneResult, tune
+from tilefit.vocab import precision_from_hf
 
 
 def effective_batch(per_device: int, accumulation: int) -> int:
@@ -43,13 +44,10 @@ def split_effective_batch(effective: int, micro_batch: int) -> tuple[int, int]:
 
 
 def precision_of(args: Any) -> str:
-    if getattr(args, "bf16", False):
-        return "bf16-mixed"
-    if getattr(args, "fp16", False):
-        return "fp16-mixed"
-    if getattr(args, "tf32", False):
-        return "tf32"
-    return "fp32"
+    """The precision a Hugging Face TrainingArguments runs (tilefit.vocab's name)."""
+    return precision_from_hf(bool(getattr(args, "bf16", False)),
+                             bool(getattr(args, "fp16", False)),
+                             bool(getattr(args, "tf32", False))).name
 
 
 def _make_batch_fn(trainer: Any, model: Any) -> Any:

@@ -1,0 +1,200 @@
+"""tilefit's vocabulary: precisions, training recipes, op kinds, phases, memory categories.
+
+One definition of each, torch-free (the gemm / linear / gpus commands import nothing heavy).
+Every module that needs to know what "bf16-mixed" means — its autocast dtype, whether a
+GradScaler runs, what the device must support, how Hugging Face or Lightning spell it — asks
+the ``Precision`` here instead of keeping a table of its own.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from tilefit.errors import TilefitError
+
+if TYPE_CHECKING:
+    from tilefit.hardware.device import Device
+
+# ---- op kinds, phases, memory categories (what a trace records) --------------------------
+OpKind = Literal["gemm", "conv", "attention", "memory", "view", "unknown"]
+Phase = Literal["setup", "forward", "backward", "recompute", "optimizer", "zero_grad", "scaler"]
+Category = Literal["parameters", "gradients", "optimizer_state", "activations", "temporaries",
+                   "inputs"]
+Attention = Literal["auto", "eager", "sdpa"]
+
+OP_KINDS: tuple[str, ...] = get_args(OpKind)
+PHASES: tuple[str, ...] = get_args(Phase)[1:]  # the phases of a step ("setup" precedes it)
+MICRO_PHASES: tuple[str, ...] = ("forward", "backward", "recompute")  # once per micro-batch
+OPTIMIZER_PHASES: tuple[str, ...] = ("optimizer", "zero_grad", "scaler")  # once per step
+CATEGORIES: tuple[str, ...] = get_args(Category)
+ATTENTIONS: tuple[str, ...] = get_args(Attention)
+
+# ---- optimizers (tilefit.tracing.optimizers builds them) ------------------------------------
+OPTIMIZER_NAMES: tuple[str, ...] = ("sgd", "adam", "adamw", "adafactor", "adamw-8bit")
+
+# ---- precisions ---------------------------------------------------------------------------
+PrecisionName = Literal["fp32", "tf32", "fp16-mixed", "bf16-mixed", "bf16"]
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a training step uses floating point.
+
+    Dtype fields hold tilefit dtype names (tilefit.dtypes: fp32, tf32, fp16, bf16)."""
+
+    name: str  # the canonical spelling, a PrecisionName
+    compute_dtype: str  # the GEMMs' math dtype, whose dense peak MFU is measured against
+    autocast_dtype: str | None  # torch.autocast's low-precision dtype; None: no autocast
+    param_dtype: str  # the dtype the weights are held in (bf16 for pure bf16 training)
+    grad_scaler: bool  # fp16 needs loss scaling (torch.amp.GradScaler)
+    requires: str | None  # the dtype the device must support; None: any device
+    lightning: str  # Lightning Trainer(precision=...)
+    description: str
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def half_dtype(self) -> str | None:
+        """The 16-bit dtype of the step (autocast's or the weights'), None for fp32/tf32:
+        what DeepSpeed's and accelerate's bf16/fp16 switches mean."""
+        return self.autocast_dtype or (self.param_dtype if self.param_dtype != "fp32" else None)
+
+    @property
+    def allow_tf32(self) -> bool:
+        """fp32 tensors whose matmuls run on TF32 Tensor Cores
+        (torch.backends.cuda.matmul.allow_tf32)."""
+        return self.compute_dtype == "tf32"
+
+    def hf_flags(self) -> dict[str, bool]:
+        """Hugging Face TrainingArguments' precision switches (bf16 / fp16 / tf32). HF has no
+        pure-bf16 switch: its bf16=True is autocast, and pure bf16 comes from loading the
+        model with torch_dtype=torch.bfloat16."""
+        half = self.half_dtype
+        return {"bf16": half == "bf16", "fp16": half == "fp16", "tf32": self.allow_tf32}
+
+    def supported_by(self, device: Device) -> bool:
+        return self.requires is None or device.supports(self.requires)
+
+
+PRECISIONS: tuple[Precision, ...] = (
+    Precision("fp32", "fp32", None, "fp32", False, None, "32-true",
+              "fp32 weights and math (TF32 off)", ("32", "32-true", "float32", "full")),
+    Precision("tf32", "tf32", None, "fp32", False, "tf32", "32-true",
+              "fp32 weights, matmuls on TF32 Tensor Cores", ("tensorfloat32",)),
+    Precision("fp16-mixed", "fp16", "fp16", "fp32", True, "fp16", "16-mixed",
+              "fp32 weights, fp16 autocast with loss scaling",
+              ("16-mixed", "fp16", "16", "amp-fp16", "float16-mixed")),
+    Precision("bf16-mixed", "bf16", "bf16", "fp32", False, "bf16", "bf16-mixed",
+              "fp32 weights, bf16 autocast", ("amp", "amp-bf16", "bfloat16-mixed")),
+    Precision("bf16", "bf16", None, "bf16", False, "bf16", "bf16-true",
+              "bf16 weights, gradients, optimizer state and math (no fp32 master copy)",
+              ("bf16-true", "bfloat16", "pure-bf16")),
+)
+PRECISION_NAMES: tuple[str, ...] = tuple(p.name for p in PRECISIONS)
+assert get_args(PrecisionName) == PRECISION_NAMES
+
+
+def parse_precision(text: str | Precision) -> Precision:
+    """A Precision from its name or an alias (case-insensitive; Lightning's spellings
+    included). Unknown names are an error listing the choices and the closest ones."""
+    if isinstance(text, Precision):
+        return text
+    key = str(text).strip().lower().replace("_", "-")
+    for p in PRECISIONS:
+        if key == p.name or key in p.aliases:
+            return p
+    spellings = [*PRECISION_NAMES, *(a for p in PRECISIONS for a in p.aliases)]
+    close = difflib.get_close_matches(key, spellings, n=3, cutoff=0.5)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise TilefitError(
+        f"unknown precision {text!r}{hint}",
+        expected="one of " + ", ".join(PRECISION_NAMES),
+        given=repr(text),
+        fix="pass --precision bf16-mixed on Ampere and later GPUs, fp16-mixed before, "
+        "fp32 on the CPU")
+
+
+def precision_from_hf(bf16: bool, fp16: bool, tf32: bool | None) -> Precision:
+    """The precision Hugging Face TrainingArguments(bf16=, fp16=, tf32=) runs."""
+    if bf16:
+        return parse_precision("bf16-mixed")
+    if fp16:
+        return parse_precision("fp16-mixed")
+    return parse_precision("tf32" if tf32 else "fp32")
+
+
+def device_precisions(device: Device) -> list[Precision]:
+    """The precisions worth trying on a device, best first: mixed precision in the 16-bit
+    dtype the part has (bf16 on Ampere and later; fp16 with loss scaling before: V100 and T4
+    have no bf16), then full precision: tf32 where the part has TF32 Tensor Cores, else
+    fp32."""
+    mixed = [p for p in PRECISIONS if p.autocast_dtype and p.supported_by(device)]
+    out = sorted(mixed, key=lambda p: p.autocast_dtype != "bf16")[:1]
+    tf32 = parse_precision("tf32")
+    out.append(tf32 if tf32.supported_by(device) else parse_precision("fp32"))
+    return out
+
+
+def default_precision(device: Device) -> str:
+    """bf16 mixed precision where the part has bf16, else fp16 mixed precision, else fp32
+    (the CPU, and GPUs without 16-bit Tensor Cores)."""
+    if device.kind == "cpu":
+        return "fp32"
+    first = device_precisions(device)[0]
+    return first.name if first.autocast_dtype else "fp32"
+
+
+def check_precision_supported(precision: str | Precision, device: Device) -> Precision:
+    """The Precision, or an error when the device has no math for it."""
+    p = parse_precision(precision)
+    if not p.supported_by(device):
+        raise TilefitError(
+            f"{device.display_name} has no {p.requires} math, so precision {p.name} cannot run",
+            expected="a precision the device supports", given=p.name,
+            fix=f"use --precision {default_precision(device)} on this device")
+    return p
+
+
+# ---- recipes -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Recipe:
+    """How a model is trained: everything but the model and the device. Estimate, audit,
+    plan and tune all describe a training step by one of these."""
+
+    batch_size: int = 1  # the micro-batch: samples per forward/backward
+    precision: str = "bf16-mixed"  # a PrecisionName
+    optimizer: str = "adamw"  # a tracing.optimizers name
+    grad_checkpointing: bool = False
+    accumulation_steps: int = 1
+    attention: str = "auto"  # an Attention name
+    peft: bool = False  # LoRA adapters on frozen weights (tilefit.planner.peft)
+
+    def __post_init__(self) -> None:
+        canonical = parse_precision(self.precision).name  # an unknown name is an error
+        if canonical != self.precision:
+            raise TilefitError(
+                f"Recipe takes canonical precision names, not {self.precision!r}",
+                expected="one of " + ", ".join(PRECISION_NAMES), given=repr(self.precision),
+                fix=f"Recipe(precision={canonical!r}) (tilefit.vocab.parse_precision "
+                "turns a user's spelling into the canonical one)")
+
+    @property
+    def spec(self) -> Precision:
+        return parse_precision(self.precision)
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.accumulation_steps
+
+    def with_batch(self, batch_size: int, accumulation_steps: int | None = None) -> Recipe:
+        return replace(self, batch_size=batch_size, accumulation_steps=(
+            self.accumulation_steps if accumulation_steps is None else accumulation_steps))
+
+    def key(self) -> tuple[str, str, bool, str, bool]:
+        """What the recipe is without its batch: the planner's unit of tracing."""
+        return (self.precision, self.optimizer, self.grad_checkpointing, self.attention,
+                self.peft)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
