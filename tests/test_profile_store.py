@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from tilefit.calibrate.store import load_profile, profile_path, save_profile
 from tilefit.errors import TilefitError
 from tilefit.gemm import analyze_gemm
 from tilefit.hardware import get_device
 from tilefit.hardware.cpu import cpu_model_name
 from tilefit.hardware.profile import MODEL_CPU, MODEL_GPU, GemmFit, Profile
+from tilefit.hardware.profiles import load_profile, profile_path, save_profile
 
 
 @pytest.fixture(autouse=True)

@@ -143,7 +143,7 @@ def cpu_device(*, use_profile: bool = True) -> Device:
     """This machine's CPU as a Device (name "cpu", kind "cpu")."""
     import torch
 
-    from tilefit.calibrate.store import load_profile
+    from tilefit.hardware.profiles import load_profile
 
     threads = torch.get_num_threads()
     model = cpu_model_name()

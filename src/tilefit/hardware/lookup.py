@@ -206,7 +206,7 @@ def detect_live_device(index: int = 0, *, use_profile: bool = True) -> Device:
 def with_profile(device: Device) -> Device:
     """``device`` with its calibration profile's fitted terms, when `tilefit calibrate` stored
     one for it (profiles/<name>.json in the cache directory); else ``device`` unchanged."""
-    from tilefit.calibrate.store import load_profile
+    from tilefit.hardware.profiles import load_profile
 
     profile = load_profile(device.name)
     if profile is None or profile.kind != device.kind:

@@ -1,6 +1,9 @@
 """Where profiles live: <user cache dir>/profiles/<device>.json (TILEFIT_CACHE_DIR overrides).
 
-No torch import: get_device() reads profiles on every lookup.
+The on-disk side of ``tilefit.hardware.profile.Profile``: `tilefit calibrate` saves what it
+fitted with ``save_profile``; device lookup reads it back with ``load_profile``.
+
+No torch import: device lookup reads profiles.
 """
 
 from __future__ import annotations
