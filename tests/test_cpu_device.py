@@ -10,11 +10,6 @@ from tilefit.gemm import analyze_gemm
 from tilefit.hardware import get_device
 
 
-@pytest.fixture(autouse=True)
-def no_profile(tmp_path, monkeypatch):
-    monkeypatch.setenv("TILEFIT_CACHE_DIR", str(tmp_path))
-
-
 def meminfo_total_bytes() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):

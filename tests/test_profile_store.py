@@ -14,13 +14,6 @@ from tilefit.hardware.profile import MODEL_CPU, MODEL_GPU, GemmFit, Profile
 from tilefit.hardware.profiles import load_profile, profile_path, save_profile
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TILEFIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("TILEFIT_NO_PROFILE", raising=False)
-    return tmp_path
-
-
 def cpu_profile(threads: int) -> Profile:
     fit = GemmFit(dtype="fp32", model=MODEL_CPU, call_overhead_s=1e-6, s_per_flop=1e-11,
                   s_per_a_element=1e-10, s_per_b_element=1e-10, s_per_c_element=2e-10,
@@ -32,10 +25,10 @@ def cpu_profile(threads: int) -> Profile:
                    duration_s=12.0)
 
 
-def test_round_trip(cache) -> None:
+def test_round_trip(tilefit_cache) -> None:
     p = cpu_profile(2)
     path = save_profile(p)
-    assert path == cache / "profiles" / "cpu.json"
+    assert path == tilefit_cache / "profiles" / "cpu.json"
     back = load_profile("cpu")
     assert back is not None
     assert back.path == str(path)
@@ -44,7 +37,7 @@ def test_round_trip(cache) -> None:
     assert "path" not in json.loads(path.read_text())
 
 
-def test_missing_and_unreadable(cache) -> None:
+def test_missing_and_unreadable() -> None:
     assert load_profile("cpu") is None
     profile_path("cpu").parent.mkdir(parents=True)
     profile_path("cpu").write_text('{"device": "cpu"}')
@@ -52,7 +45,7 @@ def test_missing_and_unreadable(cache) -> None:
         load_profile("cpu")
 
 
-def test_cpu_device_uses_profile_and_says_so(cache) -> None:
+def test_cpu_device_uses_profile_and_says_so() -> None:
     import torch
 
     path = save_profile(cpu_profile(torch.get_num_threads()))
@@ -70,7 +63,7 @@ def test_cpu_device_uses_profile_and_says_so(cache) -> None:
     assert a.alignment["m"].factor == 0.5 and a.alignment["n"].factor == 1.0
 
 
-def test_cpu_profile_with_other_thread_count_is_ignored(cache, monkeypatch) -> None:
+def test_cpu_profile_with_other_thread_count_is_ignored(monkeypatch) -> None:
     import torch
 
     save_profile(cpu_profile(torch.get_num_threads() + 7))
@@ -81,7 +74,7 @@ def test_cpu_profile_with_other_thread_count_is_ignored(cache, monkeypatch) -> N
     assert load_profile("cpu") is None
 
 
-def test_gpu_profile_replaces_efficiency(cache) -> None:
+def test_gpu_profile_replaces_efficiency() -> None:
     base = get_device("h200")
     assert base.profile is None
     fit = GemmFit(dtype="bf16", model=MODEL_GPU, call_overhead_s=5e-6, gemm_efficiency=0.41)
