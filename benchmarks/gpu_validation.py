@@ -61,9 +61,9 @@ def gemm_shapes(count: int) -> list[tuple[tuple[int, int, int], bool]]:
 
 def check_gemm(dtype: str, count: int) -> dict[str, Any]:
     from tilefit.calibrate.run import calibrate, measure_samples
-    from tilefit.calibrate.store import save_profile
     from tilefit.gemm import analyze_gemm
     from tilefit.hardware.lookup import detect_live_device
+    from tilefit.hardware.profiles import save_profile
 
     start = time.perf_counter()
     os.environ["TILEFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="tilefit-val-")

@@ -15,12 +15,6 @@ ROW_KEYS = {"label", "x", "m", "n", "k", "dtype", "measured_time_s", "measured_t
             "predicted_time_s", "predicted_tflops", "error"}
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TILEFIT_CACHE_DIR", str(tmp_path))
-    return tmp_path
-
-
 def test_bench_n_sweep_json_and_plot(tmp_path) -> None:
     png = tmp_path / "n.png"
     r = runner.invoke(app, ["bench", "gemm", "--sweep", "n", "--m", "16", "--in", "24",
@@ -75,7 +69,7 @@ def test_cuda_without_gpu_exits_2() -> None:
         assert r.exit_code == 2 and "needs a CUDA GPU" in r.stderr
 
 
-def test_calibrate_json_saves_profile(cache, monkeypatch) -> None:
+def test_calibrate_json_saves_profile(tilefit_cache, monkeypatch) -> None:
     import tilefit.calibrate.run as run
 
     # A tiny grid so the test takes a second: 8 shapes, fp32 only, a 16 MiB copy.
@@ -87,8 +81,8 @@ def test_calibrate_json_saves_profile(cache, monkeypatch) -> None:
     r = runner.invoke(app, ["calibrate", "--device", "cpu", "--quick", "--json"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
-    assert data["path"] == str(cache / "profiles" / "cpu.json")
-    assert json.loads((cache / "profiles" / "cpu.json").read_text())["device"] == "cpu"
+    assert data["path"] == str(tilefit_cache / "profiles" / "cpu.json")
+    assert json.loads((tilefit_cache / "profiles" / "cpu.json").read_text())["device"] == "cpu"
     assert data["kind"] == "cpu" and data["quick"] is True
     assert [g["dtype"] for g in data["gemm"]] == ["fp32"] and data["gemm"][0]["shapes"] >= 6
     assert data["bandwidth_bytes_per_s"] > 0 and data["peak_flops_per_s"]["fp32"] > 0

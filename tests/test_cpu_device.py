@@ -10,11 +10,6 @@ from tilefit.gemm import analyze_gemm
 from tilefit.hardware import get_device
 
 
-@pytest.fixture(autouse=True)
-def no_profile(tmp_path, monkeypatch):
-    monkeypatch.setenv("TILEFIT_CACHE_DIR", str(tmp_path))
-
-
 def meminfo_total_bytes() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):
@@ -58,3 +53,12 @@ def test_cpu_gemm_model_without_profile_by_hand() -> None:
     assert large.predicted_tflops <= d.peak("fp32") / 1e12
     assert small.waves == 1 and small.split_k == 1
     assert "GFLOP/s" in large.verdict
+
+
+def test_the_cpu_probe_runs_once_per_process() -> None:
+    from tilefit.hardware.cpu import probe_cpu
+
+    first, second = get_device("cpu"), get_device("host")
+    assert probe_cpu.cache_info().misses == 1
+    assert first.peak_flops_per_s == second.peak_flops_per_s
+    assert first.launch_overhead_s == second.launch_overhead_s

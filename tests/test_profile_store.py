@@ -6,19 +6,18 @@ import json
 
 import pytest
 
-from tilefit.calibrate.store import load_profile, profile_path, save_profile
 from tilefit.errors import TilefitError
 from tilefit.gemm import analyze_gemm
 from tilefit.hardware import get_device
-from tilefit.hardware.cpu import cpu_model_name
+from tilefit.hardware.cpu import cpu_model_name, fresh_alloc_s_per_byte
 from tilefit.hardware.profile import MODEL_CPU, MODEL_GPU, GemmFit, Profile
-
-
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TILEFIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("TILEFIT_NO_PROFILE", raising=False)
-    return tmp_path
+from tilefit.hardware.profiles import (
+    clear_profile_cache,
+    load_profile,
+    profile_path,
+    save_profile,
+    stored_profile,
+)
 
 
 def cpu_profile(threads: int) -> Profile:
@@ -32,10 +31,24 @@ def cpu_profile(threads: int) -> Profile:
                    duration_s=12.0)
 
 
-def test_round_trip(cache) -> None:
+def h200_profile(launch_s: float) -> Profile:
+    fit = GemmFit(dtype="bf16", model=MODEL_GPU, call_overhead_s=launch_s, gemm_efficiency=0.41)
+    return Profile(device="h200", display_name="NVIDIA H200", kind="cuda",
+                   created="2026-11-29T12:00:00+00:00", torch_version="2.13.0", threads=None,
+                   peak_flops_per_s={"bf16": 989e12}, bandwidth_bytes_per_s=4.32e12, gemm=(fit,))
+
+
+def write_behind_the_cache(profile: Profile) -> None:
+    """Write a profile file the way another process would: not through save_profile."""
+    path = profile_path(profile.device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile.to_dict()))
+
+
+def test_round_trip(tilefit_cache) -> None:
     p = cpu_profile(2)
     path = save_profile(p)
-    assert path == cache / "profiles" / "cpu.json"
+    assert path == tilefit_cache / "profiles" / "cpu.json"
     back = load_profile("cpu")
     assert back is not None
     assert back.path == str(path)
@@ -44,7 +57,7 @@ def test_round_trip(cache) -> None:
     assert "path" not in json.loads(path.read_text())
 
 
-def test_missing_and_unreadable(cache) -> None:
+def test_missing_and_unreadable() -> None:
     assert load_profile("cpu") is None
     profile_path("cpu").parent.mkdir(parents=True)
     profile_path("cpu").write_text('{"device": "cpu"}')
@@ -52,7 +65,7 @@ def test_missing_and_unreadable(cache) -> None:
         load_profile("cpu")
 
 
-def test_cpu_device_uses_profile_and_says_so(cache) -> None:
+def test_cpu_device_uses_profile_and_says_so() -> None:
     import torch
 
     path = save_profile(cpu_profile(torch.get_num_threads()))
@@ -68,9 +81,11 @@ def test_cpu_device_uses_profile_and_says_so(cache) -> None:
     a = analyze_gemm(101, 100, 100, "fp32", d)
     assert a.predicted_time_s == pytest.approx(4.946e-5)
     assert a.alignment["m"].factor == 0.5 and a.alignment["n"].factor == 1.0
+    # the profile has no first-touch figure: the once-per-process measurement fills it in
+    assert d.fresh_alloc_s_per_byte == fresh_alloc_s_per_byte()
 
 
-def test_cpu_profile_with_other_thread_count_is_ignored(cache, monkeypatch) -> None:
+def test_cpu_profile_with_other_thread_count_is_ignored(monkeypatch) -> None:
     import torch
 
     save_profile(cpu_profile(torch.get_num_threads() + 7))
@@ -81,19 +96,16 @@ def test_cpu_profile_with_other_thread_count_is_ignored(cache, monkeypatch) -> N
     assert load_profile("cpu") is None
 
 
-def test_gpu_profile_replaces_efficiency(cache) -> None:
+def test_gpu_profile_replaces_efficiency() -> None:
     base = get_device("h200")
     assert base.profile is None
-    fit = GemmFit(dtype="bf16", model=MODEL_GPU, call_overhead_s=5e-6, gemm_efficiency=0.41)
-    save_profile(Profile(device="h200", display_name="NVIDIA H200", kind="cuda",
-                         created="2026-11-29T12:00:00+00:00", torch_version="2.13.0",
-                         threads=None, peak_flops_per_s={"bf16": 989e12},
-                         bandwidth_bytes_per_s=4.32e12, gemm=(fit,)))
+    path = save_profile(h200_profile(launch_s=5e-6))
     d = get_device("h200")
+    assert d.profile is not None and d.profile.path == str(path)
     assert d.launch_overhead_s == 5e-6
     assert d.gemm_efficiency == base.gemm_efficiency  # dtypes without a fit keep the catalog's
     assert d.bandwidth_efficiency == pytest.approx(0.9)  # 4.32 / 4.8 TB/s
-    assert "calibrated profile" in d.source
+    assert d.source == f"{base.source}; calibrated profile {path} from 2026-11-29"
     # 8192^3 bf16 is math-bound and fills whole waves: math time scales as 1/efficiency.
     t_base = analyze_gemm(8192, 8192, 8192, "bf16", base).math_time_s
     t_cal = analyze_gemm(8192, 8192, 8192, "bf16", d).math_time_s
@@ -101,3 +113,44 @@ def test_gpu_profile_replaces_efficiency(cache) -> None:
     # tf32 was not calibrated: its math time is the catalog model's
     assert analyze_gemm(8192, 8192, 8192, "tf32", d).math_time_s == pytest.approx(
         analyze_gemm(8192, 8192, 8192, "tf32", base).math_time_s)
+
+
+def test_lookup_reads_a_profile_once_per_process() -> None:
+    path = save_profile(h200_profile(launch_s=5e-6))
+    first = get_device("h200")
+    assert first.launch_overhead_s == 5e-6 and str(path) in first.source
+    write_behind_the_cache(h200_profile(launch_s=7e-6))
+    # get_device keeps what it read; load_profile reads the file now
+    assert get_device("h200").launch_overhead_s == 5e-6
+    assert stored_profile("h200") is first.profile
+    fresh = load_profile("h200")
+    assert fresh is not None and fresh.gemm[0].call_overhead_s == 7e-6
+    clear_profile_cache()
+    assert get_device("h200").launch_overhead_s == 7e-6
+
+
+def test_an_absent_profile_is_remembered_until_one_is_saved() -> None:
+    assert get_device("h200").profile is None
+    write_behind_the_cache(h200_profile(launch_s=7e-6))
+    assert get_device("h200").profile is None  # the absence was cached
+    save_profile(h200_profile(launch_s=5e-6))  # a save in this process is seen at once
+    assert get_device("h200").launch_overhead_s == 5e-6
+
+
+def test_the_cache_follows_the_cache_dir_and_the_off_switch(tmp_path, monkeypatch) -> None:
+    save_profile(h200_profile(launch_s=5e-6))
+    assert get_device("h200").profile is not None
+    monkeypatch.setenv("TILEFIT_NO_PROFILE", "1")
+    assert get_device("h200").profile is None and stored_profile("h200") is None
+    monkeypatch.delenv("TILEFIT_NO_PROFILE")
+    assert get_device("h200").profile is not None
+    monkeypatch.setenv("TILEFIT_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert get_device("h200").profile is None  # another cache dir, another (absent) file
+
+
+def test_an_unreadable_profile_is_an_error_on_every_lookup() -> None:
+    profile_path("h200").parent.mkdir(parents=True)
+    profile_path("h200").write_text("{")
+    for _ in range(2):
+        with pytest.raises(TilefitError, match="unreadable"):
+            get_device("h200")

@@ -29,7 +29,7 @@ def live_device(kind: str) -> Device:
     from tilefit.hardware.lookup import detect_live_device
 
     if kind == "cpu":
-        return cpu_device(use_profile=False)
+        return cpu_device()  # no profile: the probe's figures
     if kind == "cuda":
         require_cuda()
         return detect_live_device(use_profile=False)

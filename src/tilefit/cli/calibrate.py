@@ -20,7 +20,7 @@ def calibrate(
     """Fit the GEMM cost model to this device and store the profile that get_device uses."""
     from tilefit.calibrate.run import calibrate as run_calibration
     from tilefit.calibrate.run import device_kind
-    from tilefit.calibrate.store import save_profile
+    from tilefit.hardware.profiles import save_profile
 
     with user_errors():
         kind = device_kind(device)

@@ -1,5 +1,6 @@
 """The CPU of this machine as a Device: cores and memory read from the OS, peak FLOP/s,
-bandwidth and per-call overhead measured (a short probe) or taken from a calibration profile.
+bandwidth and per-call overhead measured (a short probe, once per process) or taken from the
+calibration profile that device lookup passes in.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def probe_cpu() -> CpuProbe:
     bandwidth = 2 * src.numel() * 4 / t  # each byte read once and written once
     one_a, one_b = torch.ones(1, 1), torch.ones(1, 1)
     overhead = _best_time(lambda: torch.mm(one_a, one_b), 201)
-    fresh = measure_fresh_alloc_s_per_byte()
+    fresh = fresh_alloc_s_per_byte()
     return CpuProbe(peaks, bandwidth, overhead, time.perf_counter() - start, fresh)
 
 
@@ -114,6 +115,13 @@ def probe_cpu() -> CpuProbe:
 # whose pages fault on first touch; smaller ones are reused from the heap.
 FRESH_ALLOC_MIN_BYTES = 32 * 1024**2
 FRESH_PROBE_BYTES = 128 * 1024**2
+
+
+@functools.lru_cache(maxsize=1)
+def fresh_alloc_s_per_byte() -> float:
+    """``measure_fresh_alloc_s_per_byte``, measured once per process (the probe's figure, and
+    the fallback for a profile that lacks one)."""
+    return measure_fresh_alloc_s_per_byte()
 
 
 def measure_fresh_alloc_s_per_byte() -> float:
@@ -139,15 +147,16 @@ def profile_applies(profile: Profile, threads: int, model: str) -> str | None:
     return None
 
 
-def cpu_device(*, use_profile: bool = True) -> Device:
-    """This machine's CPU as a Device (name "cpu", kind "cpu")."""
-    import torch
+def cpu_device(profile: Profile | None = None) -> Device:
+    """This machine's CPU as a Device (name "cpu", kind "cpu").
 
-    from tilefit.calibrate.store import load_profile
+    ``profile``: a calibration of this CPU (get_device("cpu") passes the stored one), used when
+    it fits this process (same thread count and CPU model); else the probe's figures.
+    """
+    import torch
 
     threads = torch.get_num_threads()
     model = cpu_model_name()
-    profile = load_profile("cpu") if use_profile else None
     ignored = ""
     if profile is not None:
         why = profile_applies(profile, threads, model)
@@ -158,7 +167,7 @@ def cpu_device(*, use_profile: bool = True) -> Device:
         peaks = dict(profile.peak_flops_per_s)
         bandwidth = profile.bandwidth_bytes_per_s
         overhead = profile.call_overhead_s
-        fresh = profile.fresh_alloc_s_per_byte or measure_fresh_alloc_s_per_byte()
+        fresh = profile.fresh_alloc_s_per_byte or fresh_alloc_s_per_byte()
         source = (f"calibrated profile {profile.path} from {profile.date()} "
                   f"(torch {profile.torch_version}, {profile.threads} threads)")
     else:

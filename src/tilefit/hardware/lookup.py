@@ -1,4 +1,8 @@
-"""Finding a Device: by catalog name or alias, from a user's TOML spec file, or the live GPU."""
+"""Finding a Device: by catalog name or alias, from a user's TOML spec file, or the live GPU.
+
+A named or live device comes with its stored calibration, read through one function,
+``tilefit.hardware.profiles.stored_profile`` (once per process per profile file).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from typing import Any
 from tilefit.errors import TilefitError, close_matches
 from tilefit.hardware.catalog import CATALOG
 from tilefit.hardware.device import Device
+from tilefit.hardware.profiles import stored_profile
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -53,7 +58,7 @@ def get_device(spec: str | Device) -> Device:
     if text.lower() in ("cpu", "host"):  # this machine's CPU, measured or calibrated
         from tilefit.hardware.cpu import cpu_device
 
-        return cpu_device()
+        return cpu_device(stored_profile("cpu"))
     if text.lower() == "cuda":  # the live GPU, whatever it is
         return detect_live_device()
     if text.lower().endswith(".toml") or Path(text).is_file():
@@ -206,9 +211,7 @@ def detect_live_device(index: int = 0, *, use_profile: bool = True) -> Device:
 def with_profile(device: Device) -> Device:
     """``device`` with its calibration profile's fitted terms, when `tilefit calibrate` stored
     one for it (profiles/<name>.json in the cache directory); else ``device`` unchanged."""
-    from tilefit.calibrate.store import load_profile
-
-    profile = load_profile(device.name)
+    profile = stored_profile(device.name)
     if profile is None or profile.kind != device.kind:
         return device
     # gemm_efficiency stays the catalog's: tilefit.gemm reads each dtype's fitted efficiency

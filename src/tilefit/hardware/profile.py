@@ -1,7 +1,7 @@
 """A measured profile of one device: what `tilefit calibrate` fitted, layered on the Device.
 
 Pure data (no torch): the GEMM cost model reads the fitted terms from here, the store in
-``tilefit.calibrate.store`` saves and loads it as JSON.
+``tilefit.hardware.profiles`` saves and loads it as JSON.
 """
 
 from __future__ import annotations

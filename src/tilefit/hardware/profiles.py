@@ -1,6 +1,11 @@
 """Where profiles live: <user cache dir>/profiles/<device>.json (TILEFIT_CACHE_DIR overrides).
 
-No torch import: get_device() reads profiles on every lookup.
+The on-disk side of ``tilefit.hardware.profile.Profile``: `tilefit calibrate` saves what it
+fitted with ``save_profile``; device lookup (tilefit.hardware.lookup) applies it through
+``stored_profile``, which reads each profile file once per process. ``load_profile`` reads the
+file now, every call.
+
+No torch import: device lookup reads profiles.
 """
 
 from __future__ import annotations
@@ -37,14 +42,45 @@ def save_profile(profile: Profile) -> Path:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)  # atomic: a reader never sees half a file
+    _STORED.pop(path, None)  # the next lookup in this process sees the new profile
     return path
 
 
+def _profiles_off() -> bool:
+    """True when TILEFIT_NO_PROFILE asks for datasheet/probe figures only."""
+    return os.environ.get(NO_PROFILE_ENV, "") not in ("", "0")
+
+
 def load_profile(device: str) -> Profile | None:
-    """The stored profile of ``device``, or None when there is none (or profiles are off)."""
-    if os.environ.get(NO_PROFILE_ENV, "") not in ("", "0"):
+    """The stored profile of ``device``, read from disk now; None when there is none (or
+    profiles are off)."""
+    if _profiles_off():
+        return None
+    return _read(device, profile_path(device))
+
+
+# stored_profile's answers, by profile file path (a new TILEFIT_CACHE_DIR is a new key).
+_STORED: dict[Path, Profile | None] = {}
+
+
+def stored_profile(device: str) -> Profile | None:
+    """The profile device lookup applies to ``device``: ``load_profile``'s answer, read from
+    disk the first time this process asks for it (an absent file is remembered too).
+    ``save_profile`` and ``clear_profile_cache`` make the next call read again."""
+    if _profiles_off():
         return None
     path = profile_path(device)
+    if path not in _STORED:
+        _STORED[path] = _read(device, path)  # an unreadable file raises and is not cached
+    return _STORED[path]
+
+
+def clear_profile_cache() -> None:
+    """Forget what ``stored_profile`` read, so that the next lookup reads the files again."""
+    _STORED.clear()
+
+
+def _read(device: str, path: Path) -> Profile | None:
     if not path.is_file():
         return None
     try:
