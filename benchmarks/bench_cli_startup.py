@@ -1,8 +1,8 @@
 """Startup time of the fast commands (gemm, linear, gpus): wall time of a fresh interpreter
 running the command, a few repetitions each, min / median / max printed.
 
-The design target (DESIGN.md, `gemm`): these commands import no torch and start in a fraction
-of a second. This script prints the figures; it asserts nothing.
+The design target (docs/references.md, section 12): these commands import no torch and start
+in a fraction of a second. This script prints the figures; it asserts nothing.
 
     python benchmarks/bench_cli_startup.py [--repeat 5]
 """

@@ -94,7 +94,7 @@ def test_a100_fc_layer_near_the_guides_250_tflops() -> None:
 
 @pytest.mark.parametrize("gpu", ["h100-sxm", "h200"])
 def test_hopper_8192_cubed_near_measured(gpu: str) -> None:
-    # shared/reference/hardware.md: bf16 8192^3 on H200 measured 770-800 TFLOP/s of 989;
+    # docs/references.md, section 6: bf16 8192^3 on H200 measured 770-800 TFLOP/s of 989;
     # "maximum achievable" H100 795. Tolerance: the measured range widened by ~4%: 740..830.
     g = analyze_gemm(8192, 8192, 8192, "bf16", get_device(gpu))
     assert 740 <= g.predicted_tflops <= 830, g.predicted_tflops

@@ -73,7 +73,7 @@ def test_alignment_16_bytes_elsewhere(name: str) -> None:
     assert d.multiple("fp8") == 16  # 16 / 1
 
 
-# Values copied from shared/reference/hardware.md (vendor datasheets, dense peaks).
+# Values copied from docs/references.md, section 5 (vendor datasheets, dense peaks).
 @pytest.mark.parametrize(
     ("name", "dtype", "tflops", "bandwidth_gbs", "sms"),
     [

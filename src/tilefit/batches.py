@@ -5,7 +5,7 @@ from __future__ import annotations
 # Hardware-friendly micro-batches: multiples of 8 keep the batch dimension of the GEMMs
 # Tensor-Core aligned for fp16/bf16 (NVIDIA "Matrix Multiplication Background" guide: dims
 # multiples of 8 for fp16), and powers of two are what the Hugging Face single-GPU guide
-# recommends for the batch size (shared/reference/performance.md section 3).
+# recommends for the batch size (docs/references.md, section 8).
 FRIENDLY_MULTIPLE = 8
 # A batch that is neither is proposed only when it is predicted at least this much faster
 # per sample than the friendly alternative: a real gain, beyond the cost model's own error.

@@ -3,7 +3,7 @@
 Pure arithmetic, no torch: C (M x N) = A (M x K) @ B (K x N).
 
 The time model (NVIDIA "Matrix Multiplication Background" and "Linear/Fully-Connected
-Layers" user's guides; shared/reference/performance.md):
+Layers" user's guides; docs/references.md, sections 1-4):
 
 - math time: the output is cut into tiles (cuBLAS's tile set below); tiles run in waves of
   one tile per SM, so a wave costs the time of one tile's 2*Tm*Tn*K FLOPs at the per-SM
@@ -69,7 +69,7 @@ MIN_K_PER_SPLIT = 256  # split-K pieces shorter than this are not worth the redu
 #   efficiency"; EleutherAI (Anthony et al. 2024) measure a few percent between multiples
 #   of 8 and 64 for fp16: 0.93-0.97 here.
 # - 4 B (an even fp16 dim not a multiple of 8): H100, d_ff 10922 ran at 273 TFLOP/s vs.
-#   398 at 10944 (shared/reference/performance.md): 0.69.
+#   398 at 10944 (docs/references.md, section 4): 0.69.
 # - 8 B: between the 4 B and 16 B figures: 0.8.
 # - 2 B / 1 B (odd fp16 or int8 dims): the guide's Figure 2 (cuBLAS 11) shows odd K slower
 #   than even K; 0.5 here, refined by calibration.

@@ -2,7 +2,7 @@
 
 A linear layer y = x W^T with x of shape (T, in), T = batch x sequence tokens, runs three
 GEMMs per training step (NVIDIA "Linear/Fully-Connected Layers User's Guide", Table 1;
-shared/reference/performance.md section 1):
+docs/references.md, section 1):
 
 | phase            | output     | M x N, reduction K |
 |------------------|------------|--------------------|

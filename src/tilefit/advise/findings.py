@@ -7,8 +7,8 @@ from typing import Any
 
 SEVERITIES = ("high", "medium", "low", "info")
 # A fix must gain at least this much to be recommended: below it the prediction is within the
-# cost model's own error (shared/reference/performance.md: the GEMM model is calibrated to a
-# few percent), so calling it a speedup would be noise.
+# cost model's own error (docs/references.md, section 10), so calling it a speedup would be
+# noise.
 MIN_RECOMMENDED_SPEEDUP = 1.005
 
 

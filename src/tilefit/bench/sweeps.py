@@ -1,7 +1,7 @@
 """The sweeps of NVIDIA's GEMM guides, measured on the live device beside the model.
 
 - batch: a linear layer (in -> out) at growing batch T, its three training GEMMs
-  ("Linear/Fully-Connected Layers User's Guide", Table 1 / shared/reference/performance.md):
+  ("Linear/Fully-Connected Layers User's Guide", Table 1; docs/references.md, section 1):
   forward M=T, N=out, K=in; activation gradient M=T, N=in, K=out; weight gradient M=out,
   N=in, K=T. Delivered FLOP/s rise with T until the GEMMs become math-bound.
 - k: time against K at fixed M, N, one step at a time: the steps at multiples of 8 (and

@@ -16,7 +16,7 @@ __all__ = ["Estimate", "ModuleSummary", "OpCost", "cublas_workspace_bytes", "est
 
 MIB = 1024**2
 # Memory a GPU process holds beyond its tensors: the CUDA context of a PyTorch process
-# (300 MiB - 2 GiB depending on the part and libraries, shared/reference/performance.md;
+# (300 MiB - 2 GiB depending on the part and libraries, docs/references.md, section 7;
 # 512 MiB with lazy module loading, the default since CUDA 11.7) and cuBLAS's workspace
 # (PyTorch's default CUBLAS_WORKSPACE_CONFIG: :4096:8 = 32 MiB on sm90+,
 # :4096:2:16:8 = 8 MiB + 128 KiB before).

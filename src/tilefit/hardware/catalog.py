@@ -1,7 +1,7 @@
 """The device catalog: datasheet facts for the GPUs people train on, each with its source.
 
-Figures are dense (no 2:4 sparsity), as collected in shared/reference/hardware.md from the
-vendors' datasheets and whitepapers. Memory capacities are the datasheet's GB read as GiB
+Figures are dense (no 2:4 sparsity), from the vendors' datasheets and whitepapers as collected
+in docs/references.md, section 5. Memory capacities are the datasheet's GB read as GiB
 (HBM and GDDR capacities are binary); what CUDA can use is 0.5-1.5 GiB less, which the
 estimator books as overhead. Bandwidths are the datasheet's GB/s (powers of ten).
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from tilefit.hardware.device import ALIGN_DATACENTER_BYTES, GB, GIB, TB, Device
 
 # gemm_efficiency: fraction of the dense peak that the best cuBLAS kernels reach on large,
-# aligned shapes before tile and wave quantization. Sources (shared/reference/hardware.md,
+# aligned shapes before tile and wave quantization. Sources (docs/references.md, section 6:
 # "maximum achievable matmul FLOPs", bf16, best of a large sweep): A100 271/312 = 0.87,
 # H100 795/989 = 0.80 after waves (0.82 before), B200 1745/2250 = 0.78. H200 measured here:
 # 770-800 of 989 on 8192^3. NVIDIA's FC-layer guide quotes ~250 of 312 TFLOP/s on A100 for a
@@ -27,7 +27,7 @@ EFF_BLACKWELL = 0.80
 EFF_DEFAULT = 0.80
 
 # bandwidth_efficiency: a device-to-device copy on an H200 measured 4.3 of 4.8 TB/s (0.90,
-# shared/reference/hardware.md); used for every part until calibrated.
+# docs/references.md, section 6); used for every part until calibrated.
 BW_EFF = 0.90
 
 # launch_overhead_s: the floor of one CUDA kernel's time (launch latency and the

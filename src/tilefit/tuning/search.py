@@ -5,7 +5,7 @@ is monotone (if b fits, every smaller batch fits). ``fits`` returns a bool, or a
 that also carries the peak memory of the trial and the memory budget; with peaks the search
 extrapolates memory as an affine function of the batch size (memory is close to affine in
 batch size: parameters, gradients and optimizer state are fixed, activations grow linearly —
-see DESIGN.md "plan"), so it lands on the answer in a handful of trials. Without peaks it
+docs/references.md, section 11), so it lands on the answer in a handful of trials. Without peaks it
 grows or shrinks geometrically to bracket the answer and bisects.
 
 ``candidate_sizes`` and ``choose_batch`` are the throughput half: which hardware-friendly sizes

@@ -1,0 +1,73 @@
+"""The code cites only files that ship with the repository.
+
+Sources are cited by the repository's references page (docs/) and a section number; a path
+outside the repository (a shared notes folder, a design document that is not checked in) is a
+dead reference for every reader but its author.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCANNED = ("src", "tests", "benchmarks")
+REFERENCES = ROOT / "docs" / "references.md"
+# Built by concatenation so that this file does not match itself.
+FORBIDDEN = ("shared" + "/reference", ".." + "/shared", "DESIGN" + ".md")
+CITE = "docs/" + "references.md"
+# e.g. "<CITE>, section 7" or "<CITE>, sections 1-4"
+CITATION = re.compile(re.escape(CITE) + r",\s+sections?\s+(\d+)(?:\s*-\s*(\d+))?")
+HEADING = re.compile(r"^## (\d+)\. \S", re.MULTILINE)
+
+
+def _files() -> list[Path]:
+    out = []
+    for top in SCANNED:
+        for path in sorted((ROOT / top).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+                out.append(path)
+    return out
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_bytes().decode("utf-8", errors="replace").splitlines()
+
+
+def _where(path: Path, lineno: int) -> str:
+    return f"{path.relative_to(ROOT)}:{lineno}"
+
+
+def test_no_reference_to_files_outside_the_repository() -> None:
+    hits = [
+        f"{_where(path, i)}: {needle!r}"
+        for path in _files()
+        for i, line in enumerate(_lines(path), 1)
+        for needle in FORBIDDEN
+        if needle in line
+    ]
+    assert not hits, f"cite {CITE}, section N instead:\n" + "\n".join(hits)
+
+
+def test_every_cited_section_exists() -> None:
+    sections = {int(n) for n in HEADING.findall(REFERENCES.read_text(encoding="utf-8"))}
+    assert sections, f"no '## N. Title' headings in {REFERENCES}"
+    missing, bare = [], []
+    for path in _files():
+        for i, line in enumerate(_lines(path), 1):
+            if CITE not in line:
+                continue
+            cited = CITATION.findall(line)
+            if not cited:
+                bare.append(_where(path, i))
+            for first, last in cited:
+                for n in range(int(first), int(last or first) + 1):
+                    if n not in sections:
+                        missing.append(f"{_where(path, i)}: section {n}")
+    assert not missing, f"sections not in {CITE}:\n" + "\n".join(missing)
+    assert not bare, f"cite {CITE} with ', section N' on the same line:\n" + "\n".join(bare)
+
+
+def test_the_code_cites_the_references() -> None:
+    # Guards the two tests above against scanning nothing.
+    assert any(CITE in line for path in _files() for line in _lines(path))
