@@ -6,6 +6,7 @@ from __future__ import annotations
 from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, severity_of
 from tilefit.advise.whatif import WhatIf
 from tilefit.errors import TilefitError
+from tilefit.vocab import default_precision, parse_precision
 
 
 def _finding(w: WhatIf, rule: str, title: str, dimension: str, current: str, suggested: str,
@@ -38,15 +39,16 @@ def precision_findings(w: WhatIf) -> list[Finding]:
             "precision('high'); TrainingArguments(tf32=True))",
             f"fp32 GEMMs take {share:.1%} of the step; PyTorch runs fp32 matmuls without TF32 "
             "by default since 1.12 (convolutions already use it).", after, "precision"))
-    if w.device.supports("bf16") and w.can_retrace:
+    mixed = default_precision(w.device)
+    if parse_precision(mixed).autocast_dtype == "bf16" and w.can_retrace:
         try:
-            after = w.retrace(precision="bf16-mixed")
+            after = w.retrace(precision=mixed)
         except TilefitError:
             after = None
         if after is not None:
             out.append(_finding(
                 w, "fp32-gemms", "the step runs in fp32; bf16 autocast halves activation "
-                "memory and uses Tensor Cores", "precision", "fp32", "bf16-mixed",
+                "memory and uses Tensor Cores", "precision", "fp32", mixed,
                 "TrainingArguments(bf16=True), or torch.autocast('cuda', dtype=torch.bfloat16) "
                 "around the forward and loss",
                 f"fp32 GEMMs take {share:.1%} of the step; under autocast they run in bf16 and "

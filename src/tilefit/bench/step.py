@@ -60,7 +60,8 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
         raise TilefitError("bench step does not run a grad scaler yet",
                            expected="a precision without loss scaling: " + ", ".join(
                                p.name for p in PRECISIONS if not p.grad_scaler),
-                           given=recipe.precision, fix="use --precision bf16-mixed")
+                           given=recipe.precision, fix="use --precision " + next(
+                               p.name for p in PRECISIONS if p.autocast_dtype == "bf16"))
     torch.manual_seed(0)
     with torch.device(kind):
         model = workload.build("sdpa" if recipe.attention == "auto" else recipe.attention)

@@ -108,9 +108,9 @@ def live_device(gpu: str) -> Any:
 
 def live_precision(text: str | None, device: Any) -> str:
     """--precision, or the default for the live device (as the other commands default for a
-    catalog GPU: bf16-mixed where it has bf16, fp32 on the CPU)."""
+    catalog GPU: tilefit.vocab.default_precision)."""
     from tilefit.hardware import detect_live_device
-    from tilefit.vocab import default_precision, parse_precision
+    from tilefit.vocab import PRECISIONS, default_precision, parse_precision
 
     if text:
         return parse_precision(text).name
@@ -121,7 +121,8 @@ def live_precision(text: str | None, device: Any) -> str:
     except TilefitError:  # a GPU the catalog does not know
         import torch
 
-        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "fp16-mixed"
+        half = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return next(p.name for p in PRECISIONS if p.autocast_dtype == half)
 
 
 def optimizer_factory(name: str) -> Any:

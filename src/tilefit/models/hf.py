@@ -242,7 +242,7 @@ def build_model(config: Mapping[str, Any], task: str, attention: str) -> torch.n
         cfg.pad_token_id = (eos[0] if isinstance(eos, list | tuple) else eos) or 0
     auto_class = getattr(transformers, _TASK_MAPPINGS[task][1])
     # fp32 master weights whatever dtype the checkpoint was published in; the precision of a
-    # recipe (bf16-mixed, ...) is applied by the tracer, not here.
+    # recipe (tilefit.vocab.Precision) is applied by the tracer, not here.
     with _skip_init_without_data(), hub_offline():
         model = auto_class.from_config(cfg, attn_implementation=attention, dtype=torch.float32)
     if task == "causal-lm" and getattr(model, "loss_type", "") is None:

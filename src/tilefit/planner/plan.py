@@ -228,6 +228,26 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
         depth = Depth(None, 1, (1,))
     p = _Planner(work, device, global_batch, budget, optimizer, depth, link)
     hf_model = not work.is_factory
+    _trace_recipes(p, optimizer, hf_model=hf_model, allow_peft=allow_peft,
+                   allow_optimizer_change=allow_optimizer_change)
+    rows = rank.rank(rank.prune_unfriendly(p.rows), objective, allow_optimizer_change)
+    best, conf, reason, rows = _choose(p, rows, objective, allow_optimizer_change,
+                                       confirm=confirm)
+    multi = _when_nothing_fits(p, rows, optimizer, hf_model, budget)
+    cfg = configs.single_gpu_configs(best) if best is not None else {}
+    return Plan(
+        model=work.name, device=device, global_batch=global_batch, seq_len=work.seq_len,
+        objective=objective, memory_fraction=memory_fraction, budget_bytes=budget,
+        overhead_bytes=overhead, rows=tuple(rows), best=best, reason=reason, confirmation=conf,
+        configs=cfg, multi_gpu=multi, notes=tuple(p.notes), traces=p.traces,
+        wall_time_s=time.perf_counter() - started)
+
+
+def _trace_recipes(p: _Planner, optimizer: str, *, hf_model: bool, allow_peft: bool,
+                   allow_optimizer_change: bool) -> None:
+    """The user's optimizer first; LoRA when allowed; CPU offload when nothing fits; other
+    optimizers when allowed or when still nothing fits."""
+    device = p.device
     if allow_peft and not hf_model:
         p.notes.append("PEFT/LoRA is planned for Hugging Face models only (the adapters wrap "
                        "their linear layers): --allow-peft adds no plans for a factory")
@@ -249,48 +269,47 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
         p.notes.insert(0, "deep model: each recipe traced at "
                        f"{', '.join(map(str, p.depth.traced))} of {p.depth.full} layers and "
                        "extrapolated (affine in the layer count)")
-    rows = rank.rank(rank.prune_unfriendly(p.rows), objective, allow_optimizer_change)
 
-    best, conf, reason = None, None, ""
+
+def _choose(p: _Planner, rows: list[PlanRow], objective: str, allow_change: bool, *,
+            confirm: bool) -> tuple[PlanRow | None, Confirmation | None, str, list[PlanRow]]:
+    """The best plan that fits, confirmed by a full trace (the next one when the full trace
+    does not fit). The confirmed figures replace the chosen row's in the table: one plan,
+    one set of figures."""
     candidates = [r for r in rows if r.fits]
     for _ in range(MAX_CONFIRMS):
-        chosen = rank.choose(candidates, objective, allow_optimizer_change)
+        chosen = rank.choose(candidates, objective, allow_change)
         if chosen is None:
             break
+        reason = _why(chosen, rows, objective, allow_change)
         if not confirm:
-            best, reason = chosen, _why(chosen, rows, objective, allow_optimizer_change)
-            break
-        confirmed, c = p.confirm(chosen)
+            return chosen, None, reason, rows
+        confirmed, conf = p.confirm(chosen)
         if confirmed.fits:
-            best, conf = confirmed, c
-            reason = _why(chosen, rows, objective, allow_optimizer_change)
-            break
+            return confirmed, conf, reason, [confirmed if r is chosen else r for r in rows]
         p.notes.append(f"{chosen.recipe_label()} at micro-batch {chosen.micro_batch}: the full "
                        f"trace needs {confirmed.predicted_peak_memory_bytes / 2**30:.1f} GiB, "
                        "over the budget; next plan tried")
         candidates = [r for r in candidates if r is not chosen]
-    if best is None:
-        reason = (f"nothing fits on one {device.display_name} "
-                  f"(budget {budget / 2**30:.1f} GiB) at global batch {global_batch}")
+    reason = (f"nothing fits on one {p.device.display_name} "
+              f"(budget {p.budget / 2**30:.1f} GiB) at global batch {p.global_batch}")
+    return None, None, reason, rows
 
+
+def _when_nothing_fits(p: _Planner, rows: list[PlanRow], optimizer: str, hf_model: bool,
+                       budget: int) -> dict[str, Any] | None:
+    """When no plan keeps the optimizer on one GPU: a note with the smallest one, and the
+    fewest GPUs that would fit."""
     keeps = [r for r in rows if not r.offload and not r.changes_optimizer and not r.peft]
-    if keeps and not any(r.fits for r in keeps):
-        smallest = min(keeps, key=lambda r: r.predicted_peak_memory_bytes)
-        p.notes.append(
-            f"with {optimizer} on the GPU alone nothing fits: the smallest plan "
-            f"({smallest.recipe_label()}, micro-batch {smallest.micro_batch}) needs "
-            f"{smallest.predicted_peak_memory_bytes / 2**30:.1f} GiB of "
-            f"{budget / 2**30:.1f} GiB")
-    multi = None
-    if keeps and not any(r.fits for r in keeps):
-        multi = _multi_gpu(p, optimizer, hf_model, budget)
-    cfg = configs.single_gpu_configs(best) if best is not None else {}
-    return Plan(
-        model=work.name, device=device, global_batch=global_batch, seq_len=work.seq_len,
-        objective=objective, memory_fraction=memory_fraction, budget_bytes=budget,
-        overhead_bytes=overhead, rows=tuple(rows), best=best, reason=reason, confirmation=conf,
-        configs=cfg, multi_gpu=multi, notes=tuple(p.notes), traces=p.traces,
-        wall_time_s=time.perf_counter() - started)
+    if not keeps or any(r.fits for r in keeps):
+        return None
+    smallest = min(keeps, key=lambda r: r.predicted_peak_memory_bytes)
+    p.notes.append(
+        f"with {optimizer} on the GPU alone nothing fits: the smallest plan "
+        f"({smallest.recipe_label()}, micro-batch {smallest.micro_batch}) needs "
+        f"{smallest.predicted_peak_memory_bytes / 2**30:.1f} GiB of "
+        f"{budget / 2**30:.1f} GiB")
+    return _multi_gpu(p, optimizer, hf_model, budget)
 
 
 def _why(row: PlanRow, rows: list[PlanRow], objective: str, allow_change: bool) -> str:
