@@ -71,3 +71,31 @@ def test_every_cited_section_exists() -> None:
 def test_the_code_cites_the_references() -> None:
     # Guards the two tests above against scanning nothing.
     assert any(CITE in line for path in _files() for line in _lines(path))
+
+
+# ---- one vocabulary, short functions (issue: codebase a newcomer can read) ----------------
+MAX_FUNCTION_LINES = 80
+PRECISION_HOMES = 3  # the vocabulary, and at most two files that document or parse input
+
+
+def test_precision_spellings_live_in_the_vocabulary() -> None:
+    import tilefit.vocab as vocab
+
+    spelled = "bf16" + "-mixed"
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "src").rglob("*.py")
+                   if spelled in p.read_text(encoding="utf-8"))
+    assert str(Path(vocab.__file__).resolve().relative_to(ROOT)) in files
+    assert len(files) <= PRECISION_HOMES, f"{spelled!r} spelled in: {files}"
+
+
+def test_no_function_is_longer_than_the_limit() -> None:
+    import ast
+
+    long_ones = []
+    for path in sorted((ROOT / "src").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long_ones.append(f"{_where(path, node.lineno)} {node.name}: {lines} lines")
+    assert not long_ones, "split these into named steps:\n" + "\n".join(long_ones)

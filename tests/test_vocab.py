@@ -1,0 +1,72 @@
+"""The vocabulary: precisions parse from every spelling users write, and each Precision's
+facts agree with what PyTorch, Hugging Face and Lightning do with it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tilefit.errors import TilefitError
+from tilefit.hardware import get_device
+from tilefit.vocab import (
+    PRECISION_NAMES,
+    Recipe,
+    check_precision_supported,
+    default_precision,
+    device_precisions,
+    parse_precision,
+    precision_from_hf,
+)
+
+
+@pytest.mark.parametrize(("spelling", "name"), [
+    ("bf16-mixed", "bf16-mixed"), ("BF16_MIXED", "bf16-mixed"),
+    # Lightning's Trainer(precision=...) spellings (lightning.fabric.connector)
+    ("16-mixed", "fp16-mixed"), ("bf16-true", "bf16"), ("32-true", "fp32"), ("32", "fp32"),
+    ("tf32", "tf32")])
+def test_spellings(spelling: str, name: str) -> None:
+    assert parse_precision(spelling).name == name
+
+
+def test_unknown_precision_suggests_close_names() -> None:
+    with pytest.raises(TilefitError, match="did you mean bf16-mixed"):
+        parse_precision("bf16-mixd")
+
+
+def test_lightning_spellings_round_trip() -> None:
+    # each precision's Lightning spelling parses back to a precision with the same math
+    for name in PRECISION_NAMES:
+        p = parse_precision(name)
+        back = parse_precision(p.lightning)
+        assert (back.autocast_dtype, back.param_dtype) == (p.autocast_dtype, p.param_dtype)
+
+
+def test_hf_flags_match_training_arguments() -> None:
+    # TrainingArguments: bf16=True is bf16 autocast, fp16=True fp16 autocast with a scaler
+    assert precision_from_hf(True, False, None).name == "bf16-mixed"
+    assert precision_from_hf(False, True, None).grad_scaler
+    assert precision_from_hf(False, False, True).allow_tf32
+    for name in PRECISION_NAMES:
+        p = parse_precision(name)
+        flags = p.hf_flags()
+        if p.autocast_dtype:  # the flags select the same autocast dtype again
+            assert precision_from_hf(flags["bf16"], flags["fp16"], flags["tf32"]) == p
+
+
+def test_device_precisions_and_defaults() -> None:
+    # V100: fp16 Tensor Cores, no bf16, no TF32 (Volta whitepaper); A100: bf16 and TF32
+    assert [p.name for p in device_precisions(get_device("v100"))] == ["fp16-mixed", "fp32"]
+    assert [p.name for p in device_precisions(get_device("a100-80gb"))] == ["bf16-mixed",
+                                                                          "tf32"]
+    assert default_precision(get_device("t4")) == "fp16-mixed"
+    with pytest.raises(TilefitError, match="no bf16 math"):
+        check_precision_supported("bf16-mixed", get_device("v100"))
+
+
+def test_recipe_takes_canonical_names() -> None:
+    r = Recipe(batch_size=4, accumulation_steps=8)
+    assert r.global_batch == 32 and r.with_batch(2).global_batch == 16
+    assert r.key() == Recipe(batch_size=1).key()
+    with pytest.raises(TilefitError, match="canonical"):
+        Recipe(precision="16-mixed")
+    with pytest.raises(TilefitError, match="unknown precision"):
+        Recipe(precision="fp12")
