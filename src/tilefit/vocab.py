@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 # ---- op kinds, phases, memory categories (what a trace records) --------------------------
 OpKind = Literal["gemm", "conv", "attention", "memory", "view", "unknown"]
-Phase = Literal["setup", "forward", "backward", "recompute", "optimizer", "zero_grad", "scaler"]
+Phase = Literal["setup", "forward", "backward", "recompute", "clip_grad", "optimizer",
+                "zero_grad", "scaler"]
 Category = Literal["parameters", "gradients", "optimizer_state", "activations", "temporaries",
                    "inputs"]
 Attention = Literal["auto", "eager", "sdpa"]
@@ -27,7 +28,8 @@ Attention = Literal["auto", "eager", "sdpa"]
 OP_KINDS: tuple[str, ...] = get_args(OpKind)
 PHASES: tuple[str, ...] = get_args(Phase)[1:]  # the phases of a step ("setup" precedes it)
 MICRO_PHASES: tuple[str, ...] = ("forward", "backward", "recompute")  # once per micro-batch
-OPTIMIZER_PHASES: tuple[str, ...] = ("optimizer", "zero_grad", "scaler")  # once per step
+# once per optimizer step
+OPTIMIZER_PHASES: tuple[str, ...] = ("clip_grad", "optimizer", "zero_grad", "scaler")
 CATEGORIES: tuple[str, ...] = get_args(Category)
 ATTENTIONS: tuple[str, ...] = get_args(Attention)
 
@@ -169,6 +171,7 @@ class Recipe:
     accumulation_steps: int = 1
     attention: str = "auto"  # an Attention name
     peft: bool = False  # LoRA adapters on frozen weights (tilefit.planner.peft)
+    max_grad_norm: float | None = None  # gradient clipping (HF Trainer's default: 1.0)
 
     def __post_init__(self) -> None:
         canonical = parse_precision(self.precision).name  # an unknown name is an error
@@ -191,10 +194,10 @@ class Recipe:
         return replace(self, batch_size=batch_size, accumulation_steps=(
             self.accumulation_steps if accumulation_steps is None else accumulation_steps))
 
-    def key(self) -> tuple[str, str, bool, str, bool]:
+    def key(self) -> tuple[str, str, bool, str, bool, float | None]:
         """What the recipe is without its batch: the planner's unit of tracing."""
         return (self.precision, self.optimizer, self.grad_checkpointing, self.attention,
-                self.peft)
+                self.peft, self.max_grad_norm)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

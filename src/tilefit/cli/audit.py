@@ -30,6 +30,7 @@ def audit(
     attention: str = mo.ATTENTION_OPTION,
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
+    max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
     html: Path | None = HTML_OPTION,
     confirm: bool = typer.Option(False, "--confirm", help="Re-trace the top dimension fix to "
                                  "confirm the quick what-if (one more trace)."),
@@ -52,7 +53,8 @@ def audit(
         result = run_audit(work, gpu=device, batch_size=batch, precision=precision,
                            optimizer=optimizer, grad_checkpointing=grad_checkpointing,
                            accumulation_steps=accumulation, attention=attention,
-                           confirm=confirm)
+                           confirm=confirm,
+                           max_grad_norm=mo.max_grad_norm(max_grad_norm, work))
         if html is not None:
             from tilefit.report.html import write_html
 

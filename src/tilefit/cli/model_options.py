@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -37,6 +37,11 @@ PRECISION_OPTION = typer.Option(
     "fp16-mixed; fp32 on the CPU).")
 OPTIMIZER_OPTION = typer.Option("adamw", "--optimizer", help=", ".join(OPTIMIZER_NAMES) + ".")
 ATTENTION_OPTION = typer.Option("auto", "--attention", help=", ".join(ATTENTIONS) + ".")
+MAX_GRAD_NORM_OPTION = typer.Option(
+    None, "--max-grad-norm",
+    help="Clip the gradients' total norm at this value before each optimizer step, or 'none'. "
+    "Default: 1.0 for Hugging Face models (the Trainer's default), none for module:function "
+    "models.")
 INPUT_SHAPE_OPTION = typer.Option(
     None, "--input-shape", help="One sample's shape for module:function models, e.g. 3,224,224.")
 TASK_OPTION = typer.Option(
@@ -63,6 +68,30 @@ def precision_name(text: str | None, device: Device) -> str:
     """The canonical precision for --precision (any accepted spelling), or the device's
     default when it is not given."""
     return parse_precision(text).name if text else default_precision(device)
+
+
+# transformers.TrainingArguments(max_grad_norm=1.0): the Trainer clips by default
+HF_TRAINER_MAX_GRAD_NORM = 1.0
+
+
+def max_grad_norm(text: str | None, work: Any) -> float | None:
+    """--max-grad-norm: a positive number or 'none'; by default what the model's usual
+    training loop does (the HF Trainer's 1.0 for Hugging Face models, no clipping for
+    plain modules)."""
+    if text is None:
+        return None if work.is_factory else HF_TRAINER_MAX_GRAD_NORM
+    if text.strip().lower() in ("none", "off", "no"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise TilefitError(
+            "--max-grad-norm must be a positive number or 'none'",
+            expected="e.g. 1.0 (the Hugging Face Trainer's default)", given=repr(text),
+            fix="pass --max-grad-norm 1.0, or --max-grad-norm none to train without clipping")
+    return value
 
 
 def load(model: str, seq: int | None, input_shape: str | None, task: str | None):  # type: ignore[no-untyped-def]

@@ -23,8 +23,7 @@ def plan(
         help="Share of GPU memory a plan may use, in (0, 1]; the rest is headroom for the "
         "allocator's fragmentation."),
     objective: str = typer.Option("throughput", "--objective", help="throughput or memory."),
-    optimizer: str = typer.Option("adamw", "--optimizer",
-                                  help="Your optimizer: sgd, adam, adamw, adafactor, adamw-8bit."),
+    optimizer: str = mo.OPTIMIZER_OPTION,
     allow_optimizer_change: bool = typer.Option(
         False, "--allow-optimizer-change",
         help="Also rank other optimizers (a different training algorithm)."),
@@ -32,6 +31,7 @@ def plan(
         False, "--allow-peft", help="Also rank LoRA fine-tuning (frozen weights, adapters)."),
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
+    max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
     top: int = typer.Option(15, "--top", help="Rows of the ranked table to show."),
     json_out: bool = JSON_OPTION,
 ) -> None:
@@ -48,7 +48,8 @@ def plan(
         result = run_plan(work, gpu=gpu, global_batch=global_batch,
                           memory_fraction=memory_fraction, objective=objective,
                           optimizer=optimizer, allow_optimizer_change=allow_optimizer_change,
-                          allow_peft=allow_peft)
+                          allow_peft=allow_peft,
+                          max_grad_norm=mo.max_grad_norm(max_grad_norm, work))
     if work.is_factory:
         err_console.print("note: the loss is a stand-in (mean of the model's output)",
                           highlight=False)

@@ -7,6 +7,7 @@ from typing import Any
 
 from tilefit.estimator.cost import CostContext, op_time_s
 from tilefit.estimator.result import Estimate, ModuleSummary, OpCost
+from tilefit.estimator.steptime import step_timeline
 from tilefit.hardware import Device, get_device
 from tilefit.tracing.records import Trace
 from tilefit.vocab import MICRO_PHASES, OPTIMIZER_PHASES, parse_precision
@@ -44,7 +45,7 @@ def overhead_bytes(device: Device) -> int:
 def estimate(model: Any, batch: Any, *, loss_fn: Any = None, optimizer: Any = "adamw",
              precision: str = "fp32", grad_checkpointing: bool = False,
              accumulation_steps: int = 1, attention: str = "auto",
-             device: str | Device = "cpu") -> Estimate:
+             device: str | Device = "cpu", max_grad_norm: float | None = None) -> Estimate:
     """Predict one training step's time and peak memory on ``device`` (a catalog name, a
     Device, or "cpu" for this machine) without running it: the step is traced on fake
     tensors as the device would run it, then costed op by op."""
@@ -53,7 +54,7 @@ def estimate(model: Any, batch: Any, *, loss_fn: Any = None, optimizer: Any = "a
     dev = get_device(device)
     tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
                grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation_steps,
-               attention=attention, device=dev)
+               attention=attention, device=dev, max_grad_norm=max_grad_norm)
     return estimate_trace(tr, dev)
 
 
@@ -73,7 +74,8 @@ def estimate_trace(tr: Trace, device: Device) -> Estimate:
         else:
             repeats = 1
         costs.append(OpCost(op, op_time_s(op, device, ctx), repeats))
-    step_time = sum(c.time_s * c.repeats for c in costs)
+    timeline = step_timeline(costs, device, tr.trainable_param_tensors)
+    step_time = timeline.step_time_s
     hw_flops = sum(c.record.flops * c.repeats for c in costs)
     model_flops = sum(c.record.flops * c.repeats for c in costs if c.record.phase != "recompute")
     by_phase: dict[str, float] = defaultdict(float)
@@ -113,5 +115,6 @@ def estimate_trace(tr: Trace, device: Device) -> Estimate:
         tokens_per_s=tokens / step_time if (tokens and step_time) else None,
         mfu=mfu, mfu_dtype=mfu_dtype, time_by_phase_s=dict(by_phase), ops=tuple(costs),
         modules=module_summaries, warnings=tuple(warnings), param_count=tr.param_count,
-        accumulation_steps=a,
+        accumulation_steps=a, host_time_s=timeline.host_s, device_time_s=timeline.device_s,
+        host_bound_fraction=timeline.host_bound_fraction,
     )

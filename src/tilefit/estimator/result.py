@@ -50,7 +50,7 @@ class Estimate:
     peak_memory_bytes: int  # highest live tensor bytes over the first and a steady step
     memory_breakdown: dict[str, int]  # live bytes by category at the peak
     overhead_bytes: int  # CUDA context and library workspaces, apart from tensors
-    step_time_s: float  # one optimizer step, all micro-batches included
+    step_time_s: float  # one optimizer step, all micro-batches included (host and device)
     flops: int  # model FLOPs of one optimizer step (checkpoint recompute excluded)
     hardware_flops: int  # FLOPs executed, recompute included
     samples_per_step: int
@@ -59,12 +59,15 @@ class Estimate:
     tokens_per_s: float | None
     mfu: float  # model FLOP/s over the dense peak of the training dtype
     mfu_dtype: str
-    time_by_phase_s: dict[str, float]
+    time_by_phase_s: dict[str, float]  # device time of each phase (ops x repeats)
     ops: tuple[OpCost, ...]
     modules: tuple[ModuleSummary, ...]
     warnings: tuple[str, ...] = field(default=())
     param_count: int = 0
     accumulation_steps: int = 1
+    host_time_s: float = 0.0  # the host's issue time (eager PyTorch; GPU targets)
+    device_time_s: float = 0.0  # the device's busy time
+    host_bound_fraction: float = 0.0  # share of the step the GPU waits for the host
 
     @property
     def total_memory_bytes(self) -> int:
@@ -100,6 +103,9 @@ class Estimate:
             "device_memory_bytes": self.device.memory_bytes,
             "fits": self.fits,
             "step_time_s": self.step_time_s,
+            "host_time_s": self.host_time_s,
+            "device_time_s": self.device_time_s,
+            "host_bound_fraction": self.host_bound_fraction,
             "flops": self.flops,
             "hardware_flops": self.hardware_flops,
             "samples_per_step": self.samples_per_step,

@@ -29,7 +29,8 @@ def trace_workload(workload: Workload, recipe: Recipe, device: str | Device) -> 
         workload.make_batch(recipe.batch_size, device="meta"),
         loss_fn=workload.loss_fn, optimizer=recipe.optimizer, precision=recipe.precision,
         grad_checkpointing=recipe.grad_checkpointing,
-        accumulation_steps=recipe.accumulation_steps, attention="auto", device=dev)
+        accumulation_steps=recipe.accumulation_steps, attention="auto", device=dev,
+        max_grad_norm=recipe.max_grad_norm)
 
 
 def estimate_workload(workload: Workload, recipe: Recipe, device: str | Device) -> Estimate:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
 from tilefit.dtypes import DTYPE_NAMES, DType, parse_dtype
 from tilefit.errors import TilefitError
+from tilefit.hardware.host import DEFAULT_HOST, HostModel
 from tilefit.hardware.profile import Profile
 
 GIB = 1024**3
@@ -48,6 +49,8 @@ class Device:
     gemm_efficiency: float = 0.80
     bandwidth_efficiency: float = 0.90
     launch_overhead_s: float = 4e-6
+    # the host that issues the device's ops (eager PyTorch): seconds per op, per launch
+    host: HostModel = DEFAULT_HOST
     kind: str = "cuda"  # "cuda" or "cpu"
     # CPU only: a newly allocated buffer of at least fresh_alloc_min_bytes costs its first-touch
     # page faults (glibc serves it with mmap and returns it to the OS on free; the CUDA caching
@@ -114,6 +117,7 @@ class Device:
         )
         d["aliases"] = list(self.aliases)
         d["profile"] = None if self.profile is None else self.profile.to_dict()
+        d["host"] = asdict(self.host)
         return d
 
 

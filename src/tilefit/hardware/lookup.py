@@ -15,6 +15,7 @@ from typing import Any
 from tilefit.errors import TilefitError, close_matches
 from tilefit.hardware.catalog import CATALOG
 from tilefit.hardware.device import Device
+from tilefit.hardware.host import DEFAULT_HOST, HostModel
 from tilefit.hardware.profiles import stored_profile
 
 if sys.version_info >= (3, 11):
@@ -91,6 +92,22 @@ def get_device(spec: str | Device) -> Device:
 _REQUIRED = ("name", "sms", "memory_bytes", "bandwidth_bytes_per_s", "peak_flops_per_s")
 
 
+def _host_table(table: Any, path: Path) -> HostModel:
+    """A [host] table: HostModel fields over the defaults (seconds per op)."""
+    known = {f.name for f in dataclasses.fields(HostModel)}
+    if not isinstance(table, dict) or set(table) - known:
+        raise TilefitError(
+            f"GPU spec file {str(path)!r} has a [host] table tilefit cannot read",
+            expected="[host] with keys among " + ", ".join(sorted(known)),
+            given=repr(table), fix="e.g. [host] forward_op_s = 8e-6")
+    try:
+        return HostModel(**{**dataclasses.asdict(DEFAULT_HOST), **table})
+    except (TypeError, ValueError) as exc:
+        raise TilefitError(f"GPU spec file {str(path)!r}: bad [host] value",
+                           expected="non-negative seconds", given=str(exc),
+                           fix="e.g. [host] forward_op_s = 8e-6") from None
+
+
 def load_spec_file(path: Path) -> Device:
     """A Device from a user's TOML file with the Device's own field names.
 
@@ -124,6 +141,8 @@ def load_spec_file(path: Path) -> Device:
             given=", ".join(unknown),
             fix="rename or remove those keys",
         )
+    if "host" in data:
+        data["host"] = _host_table(data["host"], path)
     if "compute_capability" in data and data["compute_capability"] is not None:
         cc = str(data["compute_capability"]).split(".")
         data["compute_capability"] = (int(cc[0]), int(cc[1]) if len(cc) > 1 else 0)

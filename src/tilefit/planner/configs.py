@@ -30,6 +30,8 @@ def hf_training_arguments(row: PlanRow, *, deepspeed_path: str | None = None) ->
         "gradient_accumulation_steps": row.accumulation_steps,
         "gradient_checkpointing": row.grad_checkpointing,
         **row.recipe.spec.hf_flags(),
+        # the Trainer clips at 1.0 unless told otherwise; 0 turns clipping off
+        "max_grad_norm": row.recipe.max_grad_norm or 0.0,
         "optim": HF_OPTIM.get(row.optimizer, row.optimizer),
     }
     if row.offload:
@@ -56,7 +58,8 @@ def lightning(row: PlanRow) -> dict[str, Any]:
     out: dict[str, Any] = {
         "trainer": {"accelerator": "gpu", "devices": 1,
                     "precision": row.recipe.spec.lightning,
-                    "accumulate_grad_batches": row.accumulation_steps},
+                    "accumulate_grad_batches": row.accumulation_steps,
+                    "gradient_clip_val": row.recipe.max_grad_norm},
         "dataloader": {"batch_size": row.micro_batch},
         "model": {"gradient_checkpointing_enable": row.grad_checkpointing,
                   "attn_implementation": row.attention},
@@ -96,6 +99,11 @@ def torch_loop(row: PlanRow) -> str:
     else:
         lines.append("    loss.backward()")
     lines.append(f"    if (i + 1) % {row.accumulation_steps} == 0:")
+    if row.recipe.max_grad_norm is not None:
+        if prec.grad_scaler:
+            lines.append("        scaler.unscale_(opt)")
+        lines.append("        torch.nn.utils.clip_grad_norm_(model.parameters(), "
+                     f"{row.recipe.max_grad_norm})")
     lines.append("        scaler.step(opt); scaler.update()" if prec.grad_scaler
                  else "        opt.step()")
     lines.append("        opt.zero_grad(set_to_none=True)")
@@ -117,7 +125,7 @@ def deepspeed_offload(row: PlanRow) -> dict[str, Any]:
             "overlap_comm": True,
             "reduce_bucket_size": REDUCE_BUCKET_ELEMENTS,
         },
-        "gradient_clipping": 1.0,
+        "gradient_clipping": row.recipe.max_grad_norm or 0.0,
     }
 
 

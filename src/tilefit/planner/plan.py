@@ -133,6 +133,7 @@ class _Planner:
                  optimizer: str, depth: Depth, link: OffloadLink) -> None:
         self.work, self.device, self.global_batch = work, device, global_batch
         self.budget, self.optimizer, self.depth, self.link = budget, optimizer, depth, link
+        self.max_grad_norm: float | None = None
         friendly, others = space.micro_batch_candidates(global_batch)
         self.micro_batches = sorted(friendly + others)
         self.sweeps: dict[tuple[Recipe, bool], SweepModel] = {}
@@ -141,6 +142,7 @@ class _Planner:
         self.traces = 0
 
     def add(self, spec: Recipe, *, offload: bool = False) -> None:
+        spec = dataclasses.replace(spec, max_grad_norm=self.max_grad_norm)  # the user's clip
         model = safe_sweep(self.work, spec, self.micro_batches, self.depth, self.device,
                            self.notes)
         self.traces += len(self.depth.traced) * len({min(self.micro_batches),
@@ -196,6 +198,7 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
          seq_len: int | None = None, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
          objective: str = "throughput", optimizer: str = "adamw",
          allow_optimizer_change: bool = False, allow_peft: bool = False,
+         max_grad_norm: float | None = None,
          input_shape: tuple[int, ...] | None = None, task: str | None = None,
          confirm: bool = True, layer_lever: bool | None = None,
          pcie_bytes_per_s: float | None = None,
@@ -227,6 +230,7 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
     except TilefitError:
         depth = Depth(None, 1, (1,))
     p = _Planner(work, device, global_batch, budget, optimizer, depth, link)
+    p.max_grad_norm = max_grad_norm
     hf_model = not work.is_factory
     _trace_recipes(p, optimizer, hf_model=hf_model, allow_peft=allow_peft,
                    allow_optimizer_change=allow_optimizer_change)

@@ -111,7 +111,8 @@ def trace_built(work: Workload, micro_batch: int, spec: Recipe,
                  optimizer=spec.optimizer,
                  precision=spec.precision,
                  grad_checkpointing=spec.grad_checkpointing,
-                 accumulation_steps=accumulation_steps, attention="auto", device=device)
+                 accumulation_steps=accumulation_steps, attention="auto", device=device,
+                 max_grad_norm=spec.max_grad_norm)
 
 
 def sweep(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Depth,

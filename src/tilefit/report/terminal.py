@@ -38,6 +38,11 @@ def summary_table(e: Estimate, title: str) -> Table:
     t.add_row("step time", fmt_time(e.step_time_s) + "  (" + ", ".join(
         f"{k} {fmt_time(v)}" for k, v in sorted(e.time_by_phase_s.items(), key=lambda kv: -kv[1])
         if v > 0) + ")")
+    if e.device.kind == "cuda":
+        t.add_row("host", f"{fmt_time(e.host_time_s)} to issue the ops (eager PyTorch), GPU "
+                  f"busy {fmt_time(e.device_time_s)}; the GPU waits for the host "
+                  f"{e.host_bound_fraction:.0%} of the step"
+                  + (" [bold yellow](host-bound)[/]" if e.host_bound_fraction >= 0.2 else ""))
     if e.tokens_per_s is not None:
         t.add_row("throughput", f"{e.tokens_per_s:,.0f} tokens/s, {e.samples_per_s:,.1f} "
                   "samples/s")

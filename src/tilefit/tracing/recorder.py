@@ -162,7 +162,8 @@ class Recorder(TorchDispatchMode):
         if self._phase not in OPTIMIZER_PHASES or \
                 packet_name(func) != "aten._local_scalar_dense":
             raise
-        self.stand_in_reads += 1
+        if self._phase != "scaler":  # GradScaler's found_inf read is expected, not a guess
+            self.stand_in_reads += 1
         t = args[0]
         if t.dtype == torch.bool:
             return True

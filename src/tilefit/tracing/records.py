@@ -73,6 +73,7 @@ class Trace:
     samples_per_micro_batch: int
     tokens_per_micro_batch: int | None
     warnings: tuple[str, ...] = field(default=())
+    trainable_param_tensors: int = 0  # parameter tensors the optimizer steps
 
     # ---- memory -------------------------------------------------------------------------
     def live_bytes_timeline(self, *, rounded: bool = True,

@@ -72,6 +72,19 @@ def check_options(precision: str, optimizer: OptimizerSpec, attention: str,
         check_precision_supported(spec, device)
 
 
+def check_max_grad_norm(max_grad_norm: float | None) -> None:
+    if max_grad_norm is None:
+        return
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, int | float) \
+            or not max_grad_norm > 0:
+        raise TilefitError(
+            "max_grad_norm must be a positive number (or None: no clipping)",
+            expected="e.g. 1.0, the Hugging Face Trainer's default",
+            given=repr(max_grad_norm),
+            fix="pass --max-grad-norm 1.0 (the Trainer's default), or --max-grad-norm none "
+            "(max_grad_norm=None) to train without clipping")
+
+
 def _fake_like(t: torch.Tensor, mode: FakeTensorMode, dtype: torch.dtype | None = None
                ) -> torch.Tensor:
     with mode:
@@ -266,6 +279,8 @@ class TraceOptions:
     accumulation_steps: int
     attention: str
     replay_steady_step: bool
+    max_grad_norm: float | None = None  # clip_grad_norm_ before the optimizer step
+    foreach: bool | None = None  # the target's foreach default (CUDA: True)
 
     @property
     def low_dtype(self) -> torch.dtype | None:
@@ -301,6 +316,7 @@ def trace(
     attention: str = "auto",
     device: str | Device = "cpu",
     replay_steady_step: bool = True,
+    max_grad_norm: float | None = None,
 ) -> Trace:
     """Trace two training steps (the first creates optimizer state lazily; the second is the
     steady state) of ``model`` on ``batch`` as ``device`` would run them, on fake tensors.
@@ -309,14 +325,18 @@ def trace(
     tensors; only the optimizer state around them differs), so by default they are replayed
     from the first step's records rather than run twice; its optimizer step always runs.
     ``replay_steady_step=False`` runs both steps in full (a check of that assumption for
-    models whose second forward differs, such as lazy modules)."""
+    models whose second forward differs, such as lazy modules). ``max_grad_norm``: clip the
+    gradients' total norm before each optimizer step, as the Hugging Face Trainer (1.0 by
+    default) and Lightning's gradient_clip_val do."""
     target, dev = resolve_target(device)
     check_options(precision, optimizer, attention, accumulation_steps, dev)
+    check_max_grad_norm(max_grad_norm)
     options = TraceOptions(
         loss_fn=loss_fn or default_loss, optimizer=optimizer,
         precision=parse_precision(precision), grad_checkpointing=grad_checkpointing,
         accumulation_steps=accumulation_steps, attention=attention,
-        replay_steady_step=replay_steady_step)
+        replay_steady_step=replay_steady_step, max_grad_norm=max_grad_norm,
+        foreach=target.foreach)
     with quiet_transformers():
         return _trace(model, batch, options, target)
 
@@ -444,7 +464,7 @@ def _run_two_steps(prep: _Prepared, options: TraceOptions, recorder: Recorder,
                                "gradients")
             recorder.begin_micro(0)
         optimizer_at = recorder.events
-        _optimizer_step(prep, recorder)
+        _optimizer_step(prep, options, recorder)
         zero_grad_at = recorder.events
         recorder.enter_phase("zero_grad")
         prep.optimizer.zero_grad(set_to_none=True)
@@ -477,18 +497,29 @@ def _to_trace(prep: _Prepared, options: TraceOptions, target: Target, recorder: 
         ops=tuple(recorder.ops), storages=recorder.storages(), n_events=recorder.events,
         param_count=sum(p.numel() for p in prep.model.parameters()),
         trainable_param_count=sum(p.numel() for p in prep.params),
+        trainable_param_tensors=len(prep.params),
         samples_per_micro_batch=samples, tokens_per_micro_batch=tokens,
         warnings=tuple(warnings),
     )
 
 
-def _optimizer_step(prep: _Prepared, recorder: Recorder) -> None:
+def _optimizer_step(prep: _Prepared, options: TraceOptions, recorder: Recorder) -> None:
+    """What a training loop does once per optimizer step: GradScaler's unscale (fp16),
+    gradient clipping, the optimizer step (skipped by GradScaler only after reading
+    found_inf on the host: a sync), the scale update."""
     grads = [p.grad for p in prep.params if p.grad is not None]
     if prep.scaler_state is not None:
         recorder.enter_phase("scaler")
         scale, _, found_inf = prep.scaler_state
         torch._amp_foreach_non_finite_check_and_unscale_(
             grads, found_inf, scale.double().reciprocal().float())
+    if options.max_grad_norm is not None:
+        recorder.enter_phase("clip_grad")
+        torch.nn.utils.clip_grad_norm_(prep.params, options.max_grad_norm,
+                                       foreach=options.foreach)
+    if prep.scaler_state is not None:
+        recorder.enter_phase("scaler")
+        prep.scaler_state[2].item()  # GradScaler.step: found_inf read on the host
     recorder.enter_phase("optimizer")
     prep.optimizer.step()
     recorder.label(optimizer_state_tensors(prep.optimizer), "optimizer_state")

@@ -1,0 +1,123 @@
+"""Measure the host side of eager PyTorch on this machine: seconds per issued op.
+
+Real training steps of miniature models (the catalog's GPT-2, Llama and BERT blocks at
+width 64, two layers, eight tokens: every kernel takes well under a microsecond) are timed
+phase by phase; the same step traced by tilefit counts the ops each phase issues. The forward,
+backward and optimizer costs per op are the pooled ratios of time to op count; the
+optimizer's per-tensor Python work and per-op cost are fitted together by least squares.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tilefit.hardware.host import DEFAULT_HOST, HostModel
+
+# Miniature versions of catalog models: the same module structure, tiny widths.
+MINIATURES: dict[str, dict[str, Any]] = {
+    "gpt2": {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256, "n_positions": 64},
+    "llama-3.2-1b": {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                     "vocab_size": 256, "bos_token_id": 0, "eos_token_id": 1},
+    "bert-base-uncased": {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                          "num_attention_heads": 2, "vocab_size": 256},
+}
+SEQ_LEN = 8
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass(frozen=True)
+class HostSample:
+    """One miniature model: measured seconds and traced op counts per phase."""
+
+    model: str
+    time_s: dict[str, float]  # fastest of the repeats, per phase
+    ops: dict[str, int]  # aten ops the phase issues (tilefit's trace)
+    param_tensors: int
+
+
+@dataclass(frozen=True)
+class HostFit:
+    host: HostModel
+    samples: tuple[HostSample, ...]
+    threads: int
+
+    def predicted_s(self, sample: HostSample) -> dict[str, float]:
+        h = self.host
+        return {"forward": sample.ops["forward"] * h.forward_op_s,
+                "backward": sample.ops["backward"] * h.backward_op_s,
+                "optimizer": sample.ops["optimizer"] * h.optimizer_op_s
+                + sample.param_tensors * h.optimizer_tensor_s}
+
+
+def measure_sample(name: str, *, repeats: int = 20, warmup: int = 5) -> HostSample:
+    """Time real CPU steps of one miniature model, and count its ops from a trace."""
+    import torch
+
+    from tilefit.estimator.workloads import trace_workload
+    from tilefit.models import load_workload
+    from tilefit.tracing.hf_compat import quiet_transformers
+    from tilefit.vocab import Recipe
+
+    work = load_workload(name, seq_len=SEQ_LEN).with_config(**MINIATURES[name])
+    with quiet_transformers():
+        model = work.build("sdpa")
+        model.train()
+        batch = work.make_batch(1, device="cpu")
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+        best = dict.fromkeys(PHASES, float("inf"))
+        for i in range(warmup + repeats):
+            t0 = time.perf_counter()
+            loss = work.loss_fn(model, batch)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t3 = time.perf_counter()
+            if i >= warmup:
+                for phase, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                    best[phase] = min(best[phase], dt)
+    # the CUDA target's op stream (foreach optimizer), fp32: no autocast casts
+    tr = trace_workload(work, Recipe(batch_size=1, precision="fp32"), "a100-80gb")
+    steady = tr.ops_of_step(1)
+    ops = {p: sum(1 for o in steady if o.phase == p or (p == "backward" and
+                                                          o.phase == "recompute"))
+           for p in PHASES}
+    ops["optimizer"] += sum(1 for o in steady if o.phase == "zero_grad")
+    return HostSample(name, best, ops, len(params))
+
+
+def fit_host(samples: list[HostSample], *, launch_s: float = DEFAULT_HOST.launch_s,
+             source: str = "") -> HostModel:
+    """Per-op costs from measured samples (pooled ratios; least squares for the optimizer's
+    per-op and per-tensor terms, clipped at zero)."""
+    import numpy as np
+
+    def ratio(phase: str) -> float:
+        return sum(s.time_s[phase] for s in samples) / max(1, sum(s.ops[phase]
+                                                                  for s in samples))
+
+    a = np.array([[s.ops["optimizer"], s.param_tensors] for s in samples], dtype=float)
+    y = np.array([s.time_s["optimizer"] for s in samples])
+    (per_op, per_tensor), *_ = np.linalg.lstsq(a, y, rcond=None)
+    if per_op < 0 or per_tensor < 0:  # degenerate samples: all of it per op
+        per_op, per_tensor = ratio("optimizer"), 0.0
+    return HostModel(forward_op_s=ratio("forward"), backward_op_s=ratio("backward"),
+                     optimizer_op_s=float(per_op), optimizer_tensor_s=float(per_tensor),
+                     launch_s=launch_s, source=source)
+
+
+def measure_host(*, repeats: int = 20) -> HostFit:
+    """The host model of this machine (its CPU, its PyTorch)."""
+    import platform
+
+    import torch
+
+    samples = [measure_sample(name, repeats=repeats) for name in MINIATURES]
+    source = (f"measured on {platform.processor() or platform.machine()}, torch "
+              f"{torch.__version__}, {torch.get_num_threads()} thread(s)")
+    return HostFit(fit_host(samples, source=source), tuple(samples), torch.get_num_threads())

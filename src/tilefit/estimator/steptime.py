@@ -1,0 +1,61 @@
+"""The step's time from its costed ops: device time alone on the CPU, where the host runs
+every op itself; host and device timelines on a GPU (tilefit.estimator.timeline)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tilefit.estimator.result import OpCost
+from tilefit.estimator.timeline import Block, Item, Timeline, simulate
+from tilefit.hardware.device import Device
+from tilefit.hardware.host import HostModel
+from tilefit.tracing.records import OpRecord
+from tilefit.vocab import MICRO_PHASES
+
+# Ops after which the host waits for the device: a value read on the host (.item(),
+# bool(tensor)), as GradScaler's step does with found_inf and Adafactor with its norms.
+SYNC_OPS = frozenset({"aten._local_scalar_dense.default", "aten.is_nonzero.default",
+                      "aten.item.default", "aten.equal.default"})
+
+
+def host_time_s(op: OpRecord, host: HostModel) -> float:
+    """What issuing the op costs the host: the issuer's per-op cost, and a kernel launch
+    unless it is a view (views launch nothing)."""
+    if op.phase == "forward":
+        issue = host.forward_op_s
+    elif op.phase in MICRO_PHASES:  # backward and recompute: the autograd engine
+        issue = host.backward_op_s
+    else:
+        issue = host.optimizer_op_s
+    return issue + (0.0 if op.kind == "view" else host.launch_s)
+
+
+def _blocks(costs: Sequence[OpCost], host: HostModel, param_tensors: int) -> list[Block]:
+    """Consecutive ops with the same repeat count form a block (a micro-batch that runs
+    accumulation - 1 times is one block); the optimizer's per-tensor Python work opens the
+    optimizer step."""
+    blocks: list[Block] = []
+    items: list[Item] = []
+    repeats = None
+    opened_optimizer = False
+    for c in costs:
+        if c.repeats != repeats and items:
+            blocks.append(Block(tuple(items), repeats or 1))
+            items = []
+        repeats = c.repeats
+        if c.record.phase not in MICRO_PHASES and not opened_optimizer:
+            opened_optimizer = True
+            items.append(Item(param_tensors * host.optimizer_tensor_s, 0.0))
+        items.append(Item(host_time_s(c.record, host), c.time_s, c.record.op in SYNC_OPS))
+    if items:
+        blocks.append(Block(tuple(items), repeats or 1))
+    return blocks
+
+
+def step_timeline(costs: Sequence[OpCost], device: Device, param_tensors: int) -> Timeline:
+    """The step's timelines. On the CPU the host runs each op itself: its per-op overhead is
+    already the device's per-call cost (calibrated), so the step is the sum of op times."""
+    if device.kind != "cuda":
+        total = sum(c.time_s * c.repeats for c in costs)
+        return Timeline(step_time_s=total, host_s=total, device_s=total, device_idle_s=0.0)
+    return simulate(_blocks(costs, device.host, param_tensors))

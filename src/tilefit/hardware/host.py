@@ -1,0 +1,46 @@
+"""The host side of eager PyTorch: what issuing one op costs the CPU.
+
+Every op of an eager training step is issued from the host before the GPU can run it: the
+forward from Python (module code, the Python binding, the dispatcher, autograd recording),
+the backward from the autograd engine in C++, the optimizer from Python loops over the
+parameters and its foreach calls. Each non-view op also launches a kernel. The figures
+depend on the host CPU and the PyTorch version: ``tilefit calibrate`` measures them on the
+machine it runs on (benchmarks/bench_host_overhead.py prints the fit), and the defaults
+below are such a measurement, with its source (docs/references.md, section 14).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HostModel:
+    """Seconds of host time per issued op, by who issues it."""
+
+    forward_op_s: float  # an aten op of the forward (Python module code issues it)
+    backward_op_s: float  # an aten op the autograd engine issues (backward, recompute)
+    optimizer_op_s: float  # an aten op of the optimizer step (foreach calls, scaler)
+    optimizer_tensor_s: float  # the optimizer's Python work per parameter tensor per step
+    launch_s: float  # a CUDA kernel launch (cudaLaunchKernel) on top of issuing the op
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("forward_op_s", "backward_op_s", "optimizer_op_s", "optimizer_tensor_s",
+                     "launch_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"HostModel.{name} must be >= 0, got {getattr(self, name)}")
+
+
+# Measured on a 2-core AMD EPYC VM with torch 2.13 (CPU build), one thread: real steps of
+# miniature GPT-2, Llama and BERT models (2 layers, width 64, 8 tokens) whose kernels take
+# well under a microsecond, fitted per issuer (benchmarks/bench_host_overhead.py, median of
+# three rounds: forward 11.8, backward 4.3, optimizer 14.6 us per op; the per-tensor term
+# fitted to zero). The CPU kernels of those tiny ops stand in for the CUDA runtime's per-op
+# work except the launch itself: a bare cuLaunchKernel takes 3.0 us of host time (PyTorch's
+# tritonbench, GB200; docs/references.md, section 14).
+DEFAULT_HOST = HostModel(
+    forward_op_s=11.8e-6, backward_op_s=4.3e-6, optimizer_op_s=14.6e-6,
+    optimizer_tensor_s=0.0, launch_s=3.0e-6,
+    source="defaults measured on a 2-core AMD EPYC, torch 2.13 (docs/references.md, "
+    "section 14); `tilefit calibrate` on your machine replaces them")
