@@ -234,7 +234,7 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
     best, conf, reason, rows = _choose(p, rows, objective, allow_optimizer_change,
                                        confirm=confirm)
     multi = _when_nothing_fits(p, rows, optimizer, hf_model, budget)
-    cfg = configs.single_gpu_configs(best) if best is not None else {}
+    cfg = configs.single_gpu_configs(best, work.task) if best is not None else {}
     return Plan(
         model=work.name, device=device, global_batch=global_batch, seq_len=work.seq_len,
         objective=objective, memory_fraction=memory_fraction, budget_bytes=budget,
