@@ -168,7 +168,7 @@ class Recipe:
     grad_checkpointing: bool = False
     accumulation_steps: int = 1
     attention: str = "auto"  # an Attention name
-    peft: bool = False  # LoRA adapters on frozen weights (tilefit.planner.peft)
+    peft: bool = False  # LoRA adapters on frozen weights (tilefit.planner.lora, peft)
 
     def __post_init__(self) -> None:
         canonical = parse_precision(self.precision).name  # an unknown name is an error
