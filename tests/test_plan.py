@@ -215,12 +215,12 @@ def test_configs_follow_the_row() -> None:
     hf = hf_training_arguments(row)
     assert (hf["per_device_train_batch_size"], hf["gradient_accumulation_steps"]) == (8, 4)
     assert hf["bf16"] and hf["gradient_checkpointing"] and "deepspeed" not in hf
-    assert "deepspeed" not in single_gpu_configs(row)
+    assert "deepspeed" not in single_gpu_configs(row, "causal-lm")
     offloaded = _row(2, 10, 1.0, offload=True, precision="bf16")
     ds = deepspeed_offload(offloaded)
     assert ds["train_batch_size"] == 32 and ds["gradient_accumulation_steps"] == 16
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
-    assert "deepspeed" in single_gpu_configs(offloaded)
+    assert "deepspeed" in single_gpu_configs(offloaded, "causal-lm")
 
 
 # ---- real plans of tiny models -----------------------------------------------------------

@@ -170,7 +170,7 @@ class Recipe:
     grad_checkpointing: bool = False
     accumulation_steps: int = 1
     attention: str = "auto"  # an Attention name
-    peft: bool = False  # LoRA adapters on frozen weights (tilefit.planner.peft)
+    peft: bool = False  # LoRA adapters on frozen weights (tilefit.planner.lora, peft)
     max_grad_norm: float | None = None  # gradient clipping (HF Trainer's default: 1.0)
 
     def __post_init__(self) -> None:

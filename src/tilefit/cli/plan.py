@@ -28,7 +28,8 @@ def plan(
         False, "--allow-optimizer-change",
         help="Also rank other optimizers (a different training algorithm)."),
     allow_peft: bool = typer.Option(
-        False, "--allow-peft", help="Also rank LoRA fine-tuning (frozen weights, adapters)."),
+        False, "--allow-peft",
+        help="Also rank LoRA fine-tuning (frozen weights, adapters; needs peft)."),
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,

@@ -12,6 +12,7 @@ from tilefit.hardware import Device, get_device
 from tilefit.models import Workload
 from tilefit.planner import configs, rank, space
 from tilefit.planner.affine import SweepModel
+from tilefit.planner.lora import require_peft
 from tilefit.planner.multigpu import ShardedSetup, smallest_setup
 from tilefit.planner.offload import (
     HOST_BANDWIDTH_BYTES_PER_S,
@@ -232,13 +233,15 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
     p = _Planner(work, device, global_batch, budget, optimizer, depth, link)
     p.max_grad_norm = max_grad_norm
     hf_model = not work.is_factory
+    if allow_peft and hf_model:
+        require_peft()  # before any tracing: LoRA is traced with the peft library itself
     _trace_recipes(p, optimizer, hf_model=hf_model, allow_peft=allow_peft,
                    allow_optimizer_change=allow_optimizer_change)
     rows = rank.rank(rank.prune_unfriendly(p.rows), objective, allow_optimizer_change)
     best, conf, reason, rows = _choose(p, rows, objective, allow_optimizer_change,
                                        confirm=confirm)
     multi = _when_nothing_fits(p, rows, optimizer, hf_model, budget)
-    cfg = configs.single_gpu_configs(best) if best is not None else {}
+    cfg = configs.single_gpu_configs(best, work.task) if best is not None else {}
     return Plan(
         model=work.name, device=device, global_batch=global_batch, seq_len=work.seq_len,
         objective=objective, memory_fraction=memory_fraction, budget_bytes=budget,

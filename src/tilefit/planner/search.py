@@ -21,6 +21,8 @@ from tilefit.tracing import Trace
 from tilefit.vocab import Recipe, parse_precision
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
 # Models deeper than this are traced at LEVER_LAYERS layers and extrapolated (affine in the
@@ -90,24 +92,21 @@ def trace_sample(workload: Workload, spec: Recipe, micro_batch: int, layers: int
 def trace_built(work: Workload, micro_batch: int, spec: Recipe,
                 accumulation_steps: int, device: Device) -> Trace:
     """A step of the model held in bf16 (DeepSpeed's bf16 mode: no autocast, no fp32 weights on
-    the GPU: the tracer's precision="bf16") and/or with LoRA adapters (tilefit.planner.peft)
-    on a 16-bit frozen base."""
-    from tilefit.planner.peft import add_lora
+    the GPU: the tracer's precision="bf16") and/or with peft's LoRA adapters
+    (tilefit.planner.lora) on a 16-bit frozen base."""
     from tilefit.tracing import trace
-    from tilefit.tracing.step import cast_floating
 
     attention = "sdpa" if spec.attention == "auto" and not work.is_factory else spec.attention
 
     def build() -> torch.nn.Module:
-        m = work.build(attention)
-        if spec.peft:
-            # the frozen base model in 16 bits, as LoRA fine-tuning loads it
-            # (from_pretrained(torch_dtype=bfloat16)); the adapters stay fp32 under autocast
-            m = add_lora(m)
-            cast_floating(m, torch_dtype(spec.spec.half_dtype or "bf16"), frozen_only=True)
-        return m
+        return work.build(attention)
 
-    return trace(build, work.make_batch(micro_batch, device="meta"), loss_fn=work.loss_fn,
+    model: torch.nn.Module | Callable[[], torch.nn.Module] = build
+    if spec.peft:  # built on the meta device, not by a factory: see tilefit.planner.lora
+        from tilefit.planner.lora import build_lora_model
+
+        model = build_lora_model(work, attention, torch_dtype(spec.spec.half_dtype or "bf16"))
+    return trace(model, work.make_batch(micro_batch, device="meta"), loss_fn=work.loss_fn,
                  optimizer=spec.optimizer,
                  precision=spec.precision,
                  grad_checkpointing=spec.grad_checkpointing,
@@ -127,7 +126,7 @@ def sweep(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Dep
 def changes_of(spec: Recipe, user_optimizer: str, offload: bool) -> tuple[str, ...]:
     out: list[str] = []
     if spec.peft:
-        from tilefit.planner.peft import LORA_ALPHA, LORA_RANK
+        from tilefit.planner.configs import LORA_ALPHA, LORA_RANK
 
         out.append(f"LoRA r={LORA_RANK} alpha={LORA_ALPHA} on all linear layers, base weights "
                    "frozen in 16 bits: trains adapters, not the model (a different recipe)")

@@ -1,0 +1,130 @@
+"""LoRA plans trace the peft library itself: peft.get_peft_model(model, LoraConfig(**the
+config the plan emits)). The traced trainable parameter count is checked against peft's own
+count on a real CPU model and against r * (in + out) summed over the wrapped layers."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+peft = pytest.importorskip("peft")
+
+from tilefit.errors import TilefitError  # noqa: E402
+from tilefit.models import Workload, load_workload  # noqa: E402
+from tilefit.planner.configs import LORA_RANK, peft_config  # noqa: E402
+
+# Tiny configs: 2 layers, hidden 64, so that the real CPU model and its traces take ~1 s.
+TINY = {
+    "gpt2": dict(num_hidden_layers=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64),
+    "llama-3.2-1b": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         vocab_size=512),
+}
+
+
+def tiny(name: str) -> Workload:
+    return load_workload(name, seq_len=16).with_config(**TINY[name])
+
+
+def hand_lora_count(name: str) -> int:
+    """r * (in + out) for each layer peft's "all-linear" wraps (the output head excluded)."""
+    c = TINY[name]
+    if name == "gpt2":  # Conv1D: c_attn d -> 3d, attn.c_proj d -> d, c_fc d -> 4d, c_proj 4d -> d
+        d = c["n_embd"]
+        shapes = [(d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)]
+    else:
+        d, i = c["hidden_size"], c["intermediate_size"]
+        q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+        shapes = [(d, q), (d, kv), (d, kv), (q, d), (d, i), (d, i), (i, d)]
+    return c["num_hidden_layers"] * sum(LORA_RANK * (n_in + n_out) for n_in, n_out in shapes)
+
+
+WRAPPED = {"gpt2": {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"},
+           "llama-3.2-1b": {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                            "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                            "mlp.down_proj"}}
+
+
+def traced_trainable(work: Workload) -> int:
+    from tilefit.hardware import get_device
+    from tilefit.planner.search import trace_built
+    from tilefit.vocab import Recipe
+
+    spec = Recipe(precision="bf16-mixed", attention="sdpa", peft=True)
+    return trace_built(work, 2, spec, 1, get_device("a100-80gb")).trainable_param_count
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_traced_trainable_count_is_peft_count(name: str) -> None:
+    work = tiny(name)
+    real = peft.get_peft_model(work.build("sdpa"), peft.LoraConfig(**peft_config(work.task)))
+    trainable, _ = real.get_nb_trainable_parameters()
+    assert traced_trainable(work) == trainable == hand_lora_count(name)
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_peft_wraps_every_linear_but_the_head_on_a_16_bit_base(name: str) -> None:
+    import torch
+
+    from tilefit.planner.lora import build_lora_model
+
+    model = build_lora_model(tiny(name), "sdpa", torch.bfloat16)
+    wrapped = {n for n, m in model.named_modules()
+               if isinstance(m, peft.tuners.lora.LoraLayer)}
+    assert {".".join(n.split(".")[-2:]) for n in wrapped} == WRAPPED[name]
+    assert len(wrapped) == TINY[name]["num_hidden_layers"] * len(WRAPPED[name])
+    assert not any("lm_head" in n for n in wrapped)
+    for n, p in model.named_parameters():  # peft froze the base; cast_floating made it 16-bit
+        assert (p.dtype, p.requires_grad) == ((torch.float32, True) if "lora_" in n
+                                              else (torch.bfloat16, False)), n
+
+
+def test_task_type_follows_the_task() -> None:
+    assert peft_config("causal-lm")["task_type"] == "CAUSAL_LM"
+    assert peft_config("seq-cls")["task_type"] == "SEQ_CLS"
+    assert peft_config("masked-lm")["task_type"] is None
+    assert peft_config("image-cls")["modules_to_save"] == ["classifier"]
+
+
+def test_lora_plan_emits_the_config_it_traced(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tilefit.planner import plan
+
+    seen: list[dict[str, Any]] = []
+    real_get = peft.get_peft_model
+
+    def spy(model: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
+        # before the call: peft rewrites target_modules="all-linear" into the layer names
+        seen.append({k: getattr(config, k) for k in peft_config("causal-lm")})
+        return real_get(model, config, *args, **kwargs)
+
+    monkeypatch.setattr(peft, "get_peft_model", spy)
+    # 33 M parameters, most of them in the (tied) embedding: LoRA's frozen 16-bit base saves
+    # ~14 B each (0.4 GiB), more than the memory objective's tie (1% of the budget)
+    work = tiny("llama-3.2-1b").with_config(hidden_size=512, intermediate_size=1024,
+                                            num_attention_heads=8, head_dim=64,
+                                            vocab_size=64000)
+    p = plan(work, gpu="rtx-4090", global_batch=8, allow_peft=True, objective="memory",
+             confirm=False)
+    assert p.best is not None and p.best.peft
+    emitted = p.configs["peft_lora_config"]
+    assert seen and all(s == emitted for s in seen)
+    assert emitted == {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
+                       "target_modules": "all-linear", "task_type": "CAUSAL_LM"}
+
+
+def test_allow_peft_without_peft_says_pip_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from tilefit.cli.app import app
+    from tilefit.planner import plan
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
+    with pytest.raises(TilefitError, match="pip install peft"):
+        plan(tiny("gpt2"), gpu="a100-80gb", global_batch=8, allow_peft=True)
+    r = CliRunner().invoke(app, ["plan", "gpt2", "--gpu", "a100-80gb", "--global-batch", "8",
+                                 "--allow-peft"])
+    assert r.exit_code == 2 and "pip install peft" in r.output, r.output
