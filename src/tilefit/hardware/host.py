@@ -42,5 +42,5 @@ class HostModel:
 DEFAULT_HOST = HostModel(
     forward_op_s=11.8e-6, backward_op_s=4.3e-6, optimizer_op_s=14.6e-6,
     optimizer_tensor_s=0.0, launch_s=3.0e-6,
-    source="defaults measured on a 2-core AMD EPYC, torch 2.13 (docs/references.md, "
-    "section 14); `tilefit calibrate` on your machine replaces them")
+    source="defaults measured on a 2-core AMD EPYC, torch 2.13 "
+    "(docs/references.md, section 14); `tilefit calibrate` on your machine replaces them")
