@@ -74,11 +74,17 @@ def _module_map(w: WhatIf) -> dict[str, Any]:
         if w.workload is not None:
             import torch
 
+            from tilefit.tracing.step import USER_CODE_ERRORS
+
             try:
                 with torch.device("meta"):
                     model = w.workload.build()
                 cache = dict(model.named_modules())
-            except Exception:
+            except (TilefitError, *USER_CODE_ERRORS):
+                # the trace built it on fake tensors; on the meta device a factory may still
+                # fail (it reads a tensor's value), or a transformers model without SDPA
+                # (traced with eager attention): no layer names then, the rest of the finding
+                # stands
                 cache = {}
         w._modules = cache  # type: ignore[attr-defined]
     return cache
@@ -246,7 +252,7 @@ def dimension_findings(w: WhatIf) -> list[Finding]:
                 try:
                     after = w.retrace(w.workload.with_config(
                         **{o.config_field: o.field_value(new)}))
-                except Exception:
+                except TilefitError:
                     continue  # (e.g. hidden not divisible by heads): no what-if, no finding
                 method = "retrace"
             else:
