@@ -14,7 +14,6 @@ from dataclasses import replace
 from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, severity_of
 from tilefit.advise.whatif import WhatIf, gemm_time_with
 from tilefit.batches import REAL_GAIN, is_friendly
-from tilefit.estimator.cost import CostContext, gemm_dtype
 from tilefit.gemm import analyze_gemm
 from tilefit.tracing.records import GemmShape
 
@@ -67,18 +66,9 @@ def memory_bound_findings(w: WhatIf) -> list[Finding]:
     tokens = _tokens(w)
     if tokens is None or not w.can_retrace:
         return []
-    ctx = CostContext(precision=w.trace.precision)
-    bound_ops = []
-    for c in w.estimate.ops:
-        r = c.record
-        if r.kind != "gemm":
-            continue
-        for g in r.gemms:
-            if tokens not in (g.m, g.n, g.k):
-                continue
-            dt = gemm_dtype(g.dtype, conv=False, device=w.device, ctx=ctx)
-            if analyze_gemm(g.m, g.n, g.k, dt, w.device, batch=g.batch).bound == "memory":
-                bound_ops.append((c, g, dt))
+    bound_ops = [(c, g, dt) for c, g, dt in w.estimate.gemms()
+                 if c.record.kind == "gemm" and tokens in (g.m, g.n, g.k)
+                 and analyze_gemm(g.m, g.n, g.k, dt, w.device, batch=g.batch).bound == "memory"]
     share = sum(c.time_s * c.repeats for c, _, _ in bound_ops) / w.estimate.step_time_s
     if share < MIN_MEMORY_BOUND_SHARE:
         return []
@@ -109,13 +99,12 @@ def wave_findings(w: WhatIf) -> list[Finding]:
         return []
     b = w.recipe.batch_size
     seq = w.workload.seq_len
-    precision = w.trace.precision
-    base = gemm_time_with(w.trace, w.device, precision, lambda g: g) / b
+    base = gemm_time_with(w.estimate, lambda g: g) / b
     best, best_b = base, b
     for nb in range(max(1, b - WAVE_NEIGHBOURS), b + WAVE_NEIGHBOURS + 1):
         if nb == b:
             continue
-        t = gemm_time_with(w.trace, w.device, precision, _scaler(tokens, nb * seq)) / nb
+        t = gemm_time_with(w.estimate, _scaler(tokens, nb * seq)) / nb
         # a batch off the friendly sizes must win by a real margin (tilefit.batches)
         if not is_friendly(nb) and t > base * (1 - REAL_GAIN):
             continue

@@ -17,7 +17,6 @@ from tilefit.advise.origins import TOKEN, WEIGHT, Origin, config_fields, nearest
 from tilefit.advise.whatif import WhatIf
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate
-from tilefit.estimator.cost import CostContext, gemm_dtype
 from tilefit.estimator.result import OpCost
 
 # a misaligned dimension whose GEMMs take less than this share of the step is not worth a
@@ -36,22 +35,15 @@ class _Hit:
 
 def misaligned_dims(e: Estimate) -> dict[int, _Hit]:
     """Dimension value -> the steady-step GEMM ops that have it off the multiple."""
-    ctx = CostContext(precision=e.precision)
-    device = e.device
     hits: dict[int, _Hit] = {}
-    for c in e.ops:
-        r = c.record
-        if r.kind not in ("gemm", "conv") or not r.gemms:
-            continue
-        for g in r.gemms:
-            dt = gemm_dtype(g.dtype, conv=r.kind == "conv", device=device, ctx=ctx)
-            mult = device.multiple(dt)
-            for v in {g.m, g.n, g.k}:
-                if v % mult:
-                    h = hits.setdefault(v, _Hit(v, mult, dt, []))
-                    h.multiple = max(h.multiple, mult)
-                    if c not in h.ops:
-                        h.ops.append(c)
+    for c, g, dt in e.gemms():
+        mult = e.device.multiple(dt)
+        for v in {g.m, g.n, g.k}:
+            if v % mult:
+                h = hits.setdefault(v, _Hit(v, mult, dt, []))
+                h.multiple = max(h.multiple, mult)
+                if c not in h.ops:
+                    h.ops.append(c)
     return hits
 
 

@@ -102,18 +102,9 @@ class WhatIf:
         return self._cache[key]
 
 
-def gemm_time_with(tr: Trace, device: Device, precision: str,
-                   swap: Callable[[GemmShape], GemmShape]) -> float:
+def gemm_time_with(e: Estimate, swap: Callable[[GemmShape], GemmShape]) -> float:
     """Time of the steady step's GEMM ops with each GEMM shape mapped through ``swap``
     (a quick GEMM-only what-if for batch candidates)."""
-    from tilefit.estimator.cost import CostContext, gemm_dtype, gemm_time_s
+    from tilefit.estimator.cost import gemm_time_s
 
-    ctx = CostContext(precision=precision)
-    total = 0.0
-    for op in tr.ops_of_step(1):
-        if op.kind not in ("gemm", "conv"):
-            continue
-        for g in op.gemms:
-            dt = gemm_dtype(g.dtype, conv=op.kind == "conv", device=device, ctx=ctx)
-            total += gemm_time_s(swap(g), dt, device)
-    return total
+    return sum(gemm_time_s(swap(g), dt, e.device) for _, g, dt in e.gemms())

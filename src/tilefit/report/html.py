@@ -10,7 +10,6 @@ from pathlib import Path
 from tilefit.advise import Audit
 from tilefit.advise.rules_dims import misaligned_dims
 from tilefit.errors import TilefitError
-from tilefit.estimator.cost import CostContext, gemm_dtype
 from tilefit.report.audit_terminal import gain_text
 from tilefit.report.terminal import fmt_bytes, fmt_time
 
@@ -79,25 +78,18 @@ def _roofline(a: Audit) -> bytes:
 
     e = a.estimate
     bad_values = set(misaligned_dims(e))
-    ctx = CostContext(precision=e.precision)
     points = []
     dtypes = []
     seen = set()
-    for c in e.ops:
-        r = c.record
-        if r.kind not in ("gemm", "conv"):
+    for c, g, dt in e.gemms():
+        if (g, dt) in seen:
             continue
-        for g in r.gemms:
-            dt = gemm_dtype(g.dtype, conv=r.kind == "conv", device=e.device, ctx=ctx)
-            key = (g, dt)
-            if key in seen:
-                continue
-            seen.add(key)
-            an = analyze_gemm(g.m, g.n, g.k, dt, e.device, batch=g.batch)
-            dtypes.append(dt)
-            points.append((an.arithmetic_intensity, an.predicted_tflops,
-                           bool({g.m, g.n, g.k} & bad_values),
-                           f"{g.m}x{g.n}x{g.k} {r.module or 'loss'}"))
+        seen.add((g, dt))
+        analysis = analyze_gemm(g.m, g.n, g.k, dt, e.device, batch=g.batch)
+        dtypes.append(dt)
+        points.append((analysis.arithmetic_intensity, analysis.predicted_tflops,
+                       bool({g.m, g.n, g.k} & bad_values),
+                       f"{g.m}x{g.n}x{g.k} {c.record.module or 'loss'}"))
     dtype = max(set(dtypes), key=dtypes.count) if dtypes else "fp32"
     return roofline_png(points, e.device.name, e.device.peak(dtype) / 1e12,
                         e.device.bandwidth_bytes_per_s, dtype)
