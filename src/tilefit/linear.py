@@ -27,7 +27,7 @@ from typing import Any
 
 from tilefit.dtypes import DType, parse_dtype
 from tilefit.errors import TilefitError
-from tilefit.gemm import GemmAnalysis, analyze_gemm
+from tilefit.gemm import GemmAnalysis, analyze_gemm, round_up
 from tilefit.hardware.device import Device
 
 PHASES: tuple[str, ...] = ("forward", "activation_grad", "weight_grad")
@@ -182,10 +182,6 @@ def _min_math_bound_batch(seq: int, in_f: int, out_f: int, dt: DType, device: De
     return lo
 
 
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
 def _next_pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
 
@@ -246,7 +242,7 @@ def _recommend(in_f: int, out_f: int, seq: int, dt: DType, device: Device,
     batch_multiple = token_multiple // math.gcd(token_multiple, seq)
     max_batch = max(1, MAX_SEARCH_TOKENS // seq)
     b_min = _min_math_bound_batch(seq, in_f, out_f, dt, device, max_batch)
-    b_aligned = None if b_min is None else _round_up(b_min, batch_multiple)
+    b_aligned = None if b_min is None else round_up(b_min, batch_multiple)
     # batch_multiple is a power of two (a power-of-two token multiple over a gcd), so this
     # is the smallest power of two that is both aligned and math-bound
     b_pow2 = None if b_min is None else max(_next_pow2(b_min), batch_multiple)
@@ -271,7 +267,7 @@ def _recommend(in_f: int, out_f: int, seq: int, dt: DType, device: Device,
             + (f", the smallest power of two {b_pow2}" if b_pow2 != b_aligned else "")
         )
     if misaligned:
-        fixes = ", ".join(f"{b}->{_round_up(b, batch_multiple)}" for b in misaligned)
+        fixes = ", ".join(f"{b}->{round_up(b, batch_multiple)}" for b in misaligned)
         which = (f"batch {misaligned[0]} gives" if len(misaligned) == 1 else
                  f"batches {', '.join(map(str, misaligned))} give")
         notes.append(
@@ -283,7 +279,7 @@ def _recommend(in_f: int, out_f: int, seq: int, dt: DType, device: Device,
         if dim % token_multiple:
             notes.append(
                 f"{name}={dim} is not a multiple of {token_multiple}; "
-                f"{_round_up(dim, token_multiple)} would be aligned"
+                f"{round_up(dim, token_multiple)} would be aligned"
             )
     return LinearRecommendations(
         min_math_bound_batch=b_min, min_math_bound_batch_aligned=b_aligned,

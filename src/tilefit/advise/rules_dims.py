@@ -18,6 +18,7 @@ from tilefit.advise.whatif import WhatIf
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate
 from tilefit.estimator.result import OpCost
+from tilefit.gemm import analyze_gemm, round_up
 
 # a misaligned dimension whose GEMMs take less than this share of the step is not worth a
 # finding (its fix cannot gain more than the share itself)
@@ -121,8 +122,6 @@ def _reason(w: WhatIf, hit: _Hit, after_step_s: float) -> str:
     for c in hit.ops:
         by_phase[c.record.phase] += c.time_s * c.repeats
         n_by_phase[c.record.phase] += 1
-    from tilefit.gemm import analyze_gemm
-
     top = max(hit.ops, key=lambda c: c.time_s)
     g = next(x for x in top.record.gemms if hit.value in (x.m, x.n, x.k))
     a = analyze_gemm(g.m, g.n, g.k, hit.dtype, w.device, batch=g.batch)
@@ -199,7 +198,7 @@ def _token_fix(w: WhatIf, o: Origin, mult: int) -> tuple[int, str, int]:
     batch size, the last partial batch included."""
     pad = mult
     seq = w.workload.seq_len
-    new_seq = -(-seq // pad) * pad
+    new_seq = round_up(seq, pad)
     fix = (f"pad every batch to a multiple of {pad} tokens: DataCollatorWithPadding(tokenizer, "
            f"pad_to_multiple_of={pad}) (or tokenizer(..., padding='max_length', max_length="
            f"{new_seq})); the padding is masked out of the loss")
