@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import typer
 
@@ -34,17 +35,22 @@ TASK_OPTION = typer.Option(
 
 
 def parse_shape(text: str | None) -> tuple[int, ...] | None:
+    """'3,224,224', '3x224x224' or '3 224 224' -> (3, 224, 224)."""
     if text is None:
         return None
+    parts = [p for p in re.split(r"[,x ]+", text.strip()) if p]
     try:
-        dims = tuple(int(p) for p in text.replace("x", ",").split(",") if p.strip())
+        shape = tuple(int(p) for p in parts)
     except ValueError:
-        dims = ()
-    if not dims or any(d <= 0 for d in dims):
-        raise TilefitError("--input-shape must be positive integers separated by commas",
-                           expected="e.g. 3,224,224 (one sample, no batch dimension)",
-                           given=repr(text), fix="write the shape of one sample")
-    return dims
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise TilefitError(
+            "input shape not understood",
+            expected="positive whole numbers separated by commas, without the batch dimension",
+            given=repr(text),
+            fix="write it like --input-shape 3,224,224",
+        )
+    return shape
 
 
 def load(model: str, seq: int | None, input_shape: str | None, task: str | None):  # type: ignore[no-untyped-def]

@@ -8,6 +8,7 @@ from typing import Any
 import typer
 
 from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
+from tilefit.cli.model_options import parse_shape
 from tilefit.errors import TilefitError
 
 # Decimal units are powers of 1000 and binary units powers of 1024 (IEC 80000-13).
@@ -39,25 +40,6 @@ def parse_bytes(text: str) -> int:
         raise TilefitError("memory size must be positive", expected="at least 1 byte",
                            given=repr(text), fix="write it like 24GiB")
     return value
-
-
-def parse_shape(text: str | None) -> tuple[int, ...] | None:
-    """'3,224,224' or '3x224x224' -> (3, 224, 224)."""
-    if text is None:
-        return None
-    parts = [p for p in re.split(r"[,x ]+", text.strip()) if p]
-    try:
-        shape = tuple(int(p) for p in parts)
-    except ValueError:
-        shape = ()
-    if not shape or any(d < 1 for d in shape):
-        raise TilefitError(
-            "input shape not understood",
-            expected="positive whole numbers separated by commas, without the batch dimension",
-            given=repr(text),
-            fix="write it like --input-shape 3,224,224",
-        )
-    return shape
 
 
 def tune_command(
