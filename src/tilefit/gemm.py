@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from tilefit.dtypes import DType, parse_dtype
-from tilefit.errors import TilefitError
+from tilefit.errors import check_positive_int
 from tilefit.hardware.device import Device
 
 if TYPE_CHECKING:
@@ -147,13 +147,9 @@ class GemmAnalysis:
 
 def check_dims(**dims: int) -> None:
     for name, value in dims.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise TilefitError(
-                f"GEMM dimension {name} must be a positive integer",
-                expected="an integer >= 1",
-                given=repr(value),
-                fix=f"pass a whole number of elements for {name}",
-            )
+        check_positive_int(value, f"GEMM dimension {name} must be a positive integer",
+                           expected="an integer >= 1",
+                           fix=f"pass a whole number of elements for {name}")
 
 
 def gemm_flops(m: int, n: int, k: int) -> int:

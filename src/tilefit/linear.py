@@ -22,11 +22,11 @@ batch is found by bisection over every integer batch up to a cap, not just the g
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from tilefit.dtypes import DType, parse_dtype
-from tilefit.errors import TilefitError
+from tilefit.errors import TilefitError, check_positive_int
 from tilefit.gemm import GemmAnalysis, analyze_gemm, round_up
 from tilefit.hardware.device import Device
 
@@ -66,11 +66,7 @@ class LinearTotal:
     aligned: bool  # T is a multiple of the device's element multiple for this dtype
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "batch": self.batch, "tokens": self.tokens, "flops": self.flops,
-            "predicted_time_s": self.predicted_time_s, "predicted_tflops": self.predicted_tflops,
-            "bound": self.bound, "aligned": self.aligned,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -90,19 +86,10 @@ class LinearRecommendations:
     notes: tuple[str, ...]  # plain-language advice derived from the fields above
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "min_math_bound_batch": self.min_math_bound_batch,
-            "min_math_bound_batch_aligned": self.min_math_bound_batch_aligned,
-            "min_math_bound_batch_pow2": self.min_math_bound_batch_pow2,
-            "batch_multiple": self.batch_multiple,
-            "token_multiple": self.token_multiple,
-            "aligned_batches": list(self.aligned_batches),
-            "misaligned_batches": list(self.misaligned_batches),
-            "max_intensity": self.max_intensity,
-            "ops_per_byte": self.ops_per_byte,
-            "search_max_batch": self.search_max_batch,
-            "notes": list(self.notes),
-        }
+        d = asdict(self)
+        d.update(aligned_batches=list(self.aligned_batches),
+                 misaligned_batches=list(self.misaligned_batches), notes=list(self.notes))
+        return d
 
 
 @dataclass(frozen=True)
@@ -146,14 +133,9 @@ def phase_shapes(
 
 
 def _check_positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise TilefitError(
-            f"{name} must be a positive integer",
-            expected="a whole number >= 1",
-            given=repr(value),
-            fix=f"pass {name} as a count (features, samples or tokens), e.g. 4096",
-        )
-    return value
+    return check_positive_int(
+        value, f"{name} must be a positive integer", expected="a whole number >= 1",
+        fix=f"pass {name} as a count (features, samples or tokens), e.g. 4096")
 
 
 def _phase_gemms(tokens: int, in_f: int, out_f: int, dt: DType, device: Device
