@@ -26,13 +26,14 @@ MIN_WAVE_GAIN = 0.02
 WAVE_NEIGHBOURS = 4
 
 
-def _token_step(whatif: WhatIf) -> tuple[int, int] | None:
-    """(batch size, sequence length) of a step with a token dimension that can be re-traced;
-    None otherwise (no finding then)."""
+def _token_step(whatif: WhatIf) -> tuple[int, int, int] | None:
+    """(batch size, sequence length, tokens = batch x seq) of a step with a token dimension
+    that can be re-traced; None otherwise (no finding then)."""
     work = whatif.workload
     if work is None or work.seq_len is None or not whatif.can_retrace:
         return None
-    return whatif.recipe.batch_size, work.seq_len
+    batch = whatif.recipe.batch_size
+    return batch, work.seq_len, batch * work.seq_len
 
 
 def _batch_finding(whatif: WhatIf, rule: str, new_batch: int, title: str,
@@ -67,8 +68,7 @@ def memory_bound_findings(whatif: WhatIf) -> list[Finding]:
     step = _token_step(whatif)
     if step is None:
         return []
-    batch, seq = step
-    tokens = batch * seq
+    batch, seq, tokens = step
     bound_ops = [(c, g, dt) for c, g, dt in whatif.estimate.gemms()
                  if c.record.kind == "gemm" and tokens in (g.m, g.n, g.k)
                  and _bound(whatif, g, dt) == "memory"]
@@ -93,8 +93,7 @@ def wave_findings(whatif: WhatIf) -> list[Finding]:
     step = _token_step(whatif)
     if step is None:
         return []
-    batch, seq = step
-    tokens = batch * seq
+    batch, seq, tokens = step
     base = gemm_time_with(whatif.estimate, lambda g: g) / batch
     best, best_batch = base, batch
     for candidate in range(max(1, batch - WAVE_NEIGHBOURS), batch + WAVE_NEIGHBOURS + 1):
