@@ -36,10 +36,7 @@ def plot_linear(analysis: LinearAnalysis, path: str | Path,
             fix="create the folder first, or pass a path in the current folder",
         )
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
@@ -97,7 +94,8 @@ def _png_bytes(fig) -> bytes:  # type: ignore[no-untyped-def]
     return buf.getvalue()
 
 
-def _pyplot():  # type: ignore[no-untyped-def]
+def pyplot():  # type: ignore[no-untyped-def]
+    """matplotlib.pyplot on the non-interactive Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,7 +108,7 @@ def roofline_png(points: list[tuple[float, float, bool, str]], device_name: str,
                  peak_tflops: float, bandwidth_bytes_per_s: float, dtype: str) -> bytes:
     """Every GEMM of the step on the device's roofline: (FLOP/byte, predicted TFLOP/s,
     misaligned, label). The roof is min(peak, bandwidth x intensity) (Williams et al., 2009)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     if points:
         xs = [p[0] for p in points]
@@ -148,7 +146,7 @@ def roofline_png(points: list[tuple[float, float, bool, str]], device_name: str,
 
 def bars_png(labels: list[str], values: list[float], xlabel: str, title: str) -> bytes:
     """A horizontal bar chart (largest on top): time by module, memory by category."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 0.9 + 0.32 * max(len(labels), 1)), dpi=110)
     ax.barh(labels[::-1], values[::-1], color="tab:blue")
     ax.set_xlabel(xlabel)
