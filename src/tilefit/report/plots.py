@@ -4,9 +4,13 @@ so that importing this module (and the commands that may plot) stays fast and he
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from tilefit.errors import TilefitError
 from tilefit.linear import PHASES, LinearAnalysis
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 PHASE_LABELS = {
     "forward": "forward (M=T, N=out, K=in)",
@@ -15,11 +19,8 @@ PHASE_LABELS = {
 }
 
 
-def plot_linear(analysis: LinearAnalysis, path: str | Path,
-                highlight: tuple[int, ...] = ()) -> Path:
-    """Write a PNG of predicted TFLOP/s against batch size for the three training GEMMs
-    (the NVIDIA FC-layer guide's throughput-vs-batch figure, predicted by tilefit's model).
-    ``highlight``: batch sizes to mark (the ones the user asked about)."""
+def _png_path(path: str | Path) -> Path:
+    """The plot's path, once it is known to name a PNG file in an existing folder."""
     out = Path(path)
     if out.suffix.lower() != ".png":
         raise TilefitError(
@@ -35,7 +36,15 @@ def plot_linear(analysis: LinearAnalysis, path: str | Path,
             given=str(path),
             fix="create the folder first, or pass a path in the current folder",
         )
+    return out
 
+
+def plot_linear(analysis: LinearAnalysis, path: str | Path,
+                highlight: tuple[int, ...] = ()) -> Path:
+    """Write a PNG of predicted TFLOP/s against batch size for the three training GEMMs
+    (the NVIDIA FC-layer guide's throughput-vs-batch figure, predicted by tilefit's model).
+    ``highlight``: batch sizes to mark (the ones the user asked about)."""
+    out = _png_path(path)
     plt = pyplot()
     import matplotlib.ticker
 
@@ -82,7 +91,7 @@ def plot_linear(analysis: LinearAnalysis, path: str | Path,
 
 # ---- audit figures: PNG bytes for the self-contained HTML report ----------------------------
 
-def _png_bytes(fig) -> bytes:  # type: ignore[no-untyped-def]
+def _png_bytes(fig: Figure) -> bytes:
     import io
 
     import matplotlib.pyplot as plt
@@ -94,7 +103,7 @@ def _png_bytes(fig) -> bytes:  # type: ignore[no-untyped-def]
     return buf.getvalue()
 
 
-def pyplot():  # type: ignore[no-untyped-def]
+def pyplot() -> Any:  # the matplotlib.pyplot module
     """matplotlib.pyplot on the non-interactive Agg backend (no display needed)."""
     import matplotlib
 
