@@ -243,6 +243,15 @@ def test_with_config_unknown_field_suggests() -> None:
     assert "vocab_size" in err.value.fix
 
 
+def test_a_config_transformers_rejects_is_a_tilefit_error() -> None:
+    # transformers 5 checks hidden_size % num_attention_heads when the config is made (as
+    # huggingface_hub's StrictDataclassError); older versions when the model is built
+    try:
+        load_workload("llama-2-7b").with_config(hidden_size=1000)
+    except TilefitError as err:
+        assert "transformers rejects the config" in err.problem
+
+
 def test_with_config_rechecks_the_sequence_length() -> None:
     with pytest.raises(TilefitError, match="at most 512 tokens"):
         load_workload("gpt2", seq_len=1024).with_config(n_positions=512)

@@ -40,6 +40,14 @@ class TilefitError(Exception):
         return "\n".join(lines)
 
 
+def check_positive_int(value: object, problem: str, *, expected: str, fix: str) -> int:
+    """``value`` when it is a whole number >= 1 (a bool is not one), else a TilefitError with
+    ``problem``, ``expected`` and ``fix``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise TilefitError(problem, expected=expected, given=repr(value), fix=fix)
+    return value
+
+
 def close_matches(word: str, candidates: list[str], n: int = 3) -> list[str]:
     """The candidates nearest to ``word`` (difflib's ratio), best first."""
     import difflib

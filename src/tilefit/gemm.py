@@ -24,12 +24,15 @@ padded work is >= the real work.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from tilefit.dtypes import DType, parse_dtype
-from tilefit.errors import TilefitError
+from tilefit.errors import check_positive_int
 from tilefit.hardware.device import Device
+
+if TYPE_CHECKING:
+    from tilefit.hardware.profile import GemmFit
 
 # cuBLAS tile shapes (Tm x Tn), from the Matrix Multiplication Background guide's list of
 # "typical tile dimensions": 256x128, 128x256, 128x128, 256x64, 64x256, 128x64, 64x128, 64x64.
@@ -95,6 +98,7 @@ def alignment_factor(dim: int, dtype: DType, device: Device) -> float:
 
 
 def round_up(x: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` (>= 1) that is >= ``x``."""
     return -(-x // multiple) * multiple
 
 
@@ -143,13 +147,9 @@ class GemmAnalysis:
 
 def check_dims(**dims: int) -> None:
     for name, value in dims.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise TilefitError(
-                f"GEMM dimension {name} must be a positive integer",
-                expected="an integer >= 1",
-                given=repr(value),
-                fix=f"pass a whole number of elements for {name}",
-            )
+        check_positive_int(value, f"GEMM dimension {name} must be a positive integer",
+                           expected="an integer >= 1",
+                           fix=f"pass a whole number of elements for {name}")
 
 
 def gemm_flops(m: int, n: int, k: int) -> int:
@@ -180,6 +180,52 @@ def _candidate_time(
     return max(math_s, mem_s) + launches * device.launch_overhead_s, math_s, mem_s, ctas, waves
 
 
+@dataclass(frozen=True)
+class _Problem:
+    """What is known of a GEMM before any time model: sizes, work, traffic, alignment."""
+
+    m: int
+    n: int
+    k: int
+    batch: int
+    dt: DType
+    device: Device
+    peak: float  # the device's dense peak FLOP/s in dt
+    flops: int
+    nbytes: int
+    alignment: dict[str, DimAlignment]
+    error: str | None  # set when the kernel would refuse to run (fp8 misaligned)
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.nbytes
+
+    @property
+    def ops_per_byte(self) -> float:
+        return self.peak / self.device.bandwidth_bytes_per_s
+
+    @property
+    def bound(self) -> str:
+        return "memory" if self.intensity < self.ops_per_byte else "math"
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """The time model's pick: the fastest tile and split-K on a GPU, one BLAS call on a CPU."""
+
+    tile: tuple[int, int]
+    split_k: int
+    tiles: int
+    waves: int
+    tile_efficiency: float
+    wave_efficiency: float
+    alignment_efficiency: float
+    math_time_s: float
+    memory_time_s: float
+    predicted_time_s: float
+    predicted_tflops: float
+
+
 def analyze_gemm(m: int, n: int, k: int, dtype: str | DType, device: Device, *,
                  batch: int = 1) -> GemmAnalysis:
     """Analyse C(MxN) = A(MxK) B(KxN) in ``dtype`` on ``device``; ``batch`` independent
@@ -187,12 +233,25 @@ def analyze_gemm(m: int, n: int, k: int, dtype: str | DType, device: Device, *,
     check_dims(m=m, n=n, k=k, batch=batch)
     dt = parse_dtype(dtype)
     peak = device.peak(dt)
-    flops = batch * gemm_flops(m, n, k)
-    nbytes = batch * gemm_bytes(m, n, k, dt)
-    intensity = flops / nbytes
-    ratio = peak / device.bandwidth_bytes_per_s
+    alignment = _alignment(m, n, k, dt, device)
+    fit = None
+    if device.kind == "cpu":  # --- CPU path: packing model, no tiles or waves (gemm_cpu.py)
+        from tilefit.gemm_cpu import cpu_fit
+
+        fit = cpu_fit(device, dt)
+        # the fitted factor replaces the GPU table's
+        alignment = {name: replace(a, factor=1.0 if a.aligned else fit.misaligned_factor)
+                     for name, a in alignment.items()}
+    problem = _Problem(m, n, k, batch, dt, device, peak, flops=batch * gemm_flops(m, n, k),
+                       nbytes=batch * gemm_bytes(m, n, k, dt), alignment=alignment,
+                       error=_fp8_error(dt, m, n, k))
+    kernel = _gpu_kernel(problem) if fit is None else _cpu_kernel(problem, fit)
+    return _analysis(problem, kernel)
+
+
+def _alignment(m: int, n: int, k: int, dt: DType, device: Device) -> dict[str, DimAlignment]:
     mult = device.multiple(dt)
-    alignment = {
+    return {
         name: DimAlignment(
             multiple=mult,
             aligned=v % mult == 0,
@@ -201,26 +260,31 @@ def analyze_gemm(m: int, n: int, k: int, dtype: str | DType, device: Device, *,
         )
         for name, v in (("m", m), ("n", n), ("k", k))
     }
-    align = min(a.factor for a in alignment.values())
+
+
+def _fp8_error(dt: DType, m: int, n: int, k: int) -> str | None:
+    if dt.name != "fp8" or not any(v % 16 for v in (m, n, k)):
+        return None
+    return (
+        "fp8 GEMMs need every dimension divisible by 16 (torch._scaled_mm and Transformer "
+        "Engine refuse other shapes): pad to "
+        + ", ".join(f"{n_}={round_up(v, 16)}" for n_, v in
+                    (("m", m), ("n", n), ("k", k)) if v % 16)
+    )
+
+
+def _gpu_kernel(p: _Problem) -> _Kernel:
+    """The candidate (tile x split-K) of least time, as cuBLAS's heuristic is modelled."""
+    m, n, k, batch, device = p.m, p.n, p.k, p.batch, p.device
+    align = min(a.factor for a in p.alignment.values())
     # Streaming operands needs only 16-byte vector loads; the 128-byte rule of A100-class
     # parts is about Tensor Core tiles. So the memory-bound time pays for misalignment only
     # below 16 bytes.
     mem_align = min(
-        1.0 if alignment_bytes_of(v, dt, 16) >= 16 else a.factor
-        for v, a in zip((m, n, k), alignment.values(), strict=True)
+        1.0 if alignment_bytes_of(v, p.dt, 16) >= 16 else a.factor
+        for v, a in zip((m, n, k), p.alignment.values(), strict=True)
     )
-    error = None
-    if dt.name == "fp8" and any(v % 16 for v in (m, n, k)):
-        error = (
-            "fp8 GEMMs need every dimension divisible by 16 (torch._scaled_mm and Transformer "
-            "Engine refuse other shapes): pad to "
-            + ", ".join(f"{n_}={round_up(v, 16)}" for n_, v in
-                        (("m", m), ("n", n), ("k", k)) if v % 16)
-        )
-    if device.kind == "cpu":  # --- CPU path: packing model, no tiles or waves (gemm_cpu.py)
-        return _analyze_cpu(m, n, k, dt, device, flops, nbytes, intensity, ratio, alignment,
-                            error, batch)
-    rate_per_sm = peak * _gemm_efficiency(device, dt) / device.sms
+    rate_per_sm = p.peak * _gemm_efficiency(device, p.dt) / device.sms
     bw = device.bandwidth_bytes_per_s * device.bandwidth_efficiency
     best: tuple[float, ...] | None = None
     for tm, tn in TILES:
@@ -229,25 +293,18 @@ def analyze_gemm(m: int, n: int, k: int, dtype: str | DType, device: Device, *,
                               batch * math.ceil(m / tm) * math.ceil(n / tn) >= device.sms):
                 continue
             t, math_s, mem_s, ctas, waves = _candidate_time(
-                m, n, k, tm, tn, split, dt, device, rate_per_sm, bw, align, batch, mem_align)
+                m, n, k, tm, tn, split, p.dt, device, rate_per_sm, bw, align, batch, mem_align)
             if best is None or t < best[0]:
                 best = (t, math_s, mem_s, ctas, waves, tm, tn, split)
     assert best is not None
     t, math_s, mem_s, ctas, waves, tm, tn, split = best
-    tile_eff = (m * n) / (round_up(m, int(tm)) * round_up(n, int(tn)))
-    wave_eff = ctas / (waves * device.sms)
-    bound = "memory" if intensity < ratio else "math"
-    analysis = GemmAnalysis(
-        m=m, n=n, k=k, dtype=dt.name, gpu=device.name, flops=flops, bytes=nbytes,
-        arithmetic_intensity=intensity, ops_per_byte=ratio, bound=bound, alignment=alignment,
+    return _Kernel(
         tile=(int(tm), int(tn)), split_k=int(split), tiles=int(ctas), waves=int(waves),
-        tile_efficiency=tile_eff, wave_efficiency=wave_eff, alignment_efficiency=align,
+        tile_efficiency=(m * n) / (round_up(m, int(tm)) * round_up(n, int(tn))),
+        wave_efficiency=ctas / (waves * device.sms), alignment_efficiency=align,
         math_time_s=math_s, memory_time_s=mem_s, predicted_time_s=t,
-        predicted_tflops=flops / t / 1e12, peak_tflops=peak / 1e12, error=error, verdict="",
-        batch=batch,
+        predicted_tflops=p.flops / t / 1e12,
     )
-    object.__setattr__(analysis, "verdict", verdict(analysis))
-    return analysis
 
 
 def _gemm_efficiency(device: Device, dt: DType) -> float:
@@ -259,67 +316,68 @@ def _gemm_efficiency(device: Device, dt: DType) -> float:
     return device.gemm_efficiency
 
 
-def _analyze_cpu(
-    m: int, n: int, k: int, dt: DType, device: Device, flops: int, nbytes: int,
-    intensity: float, ratio: float, alignment: dict[str, DimAlignment], error: str | None,
-    batch: int = 1,
-) -> GemmAnalysis:
-    """The CPU's GemmAnalysis: one call of the BLAS, no tiles or waves (tilefit.gemm_cpu);
-    a bmm of ``batch`` GEMMs pays the call overhead once and the work ``batch`` times."""
-    from tilefit.gemm_cpu import cpu_fit
-
-    fit = cpu_fit(device, dt)
-    aligned = all(a.aligned for a in alignment.values())
-    for a in alignment.values():  # the fitted factor replaces the GPU table's
-        object.__setattr__(a, "factor", 1.0 if a.aligned else fit.misaligned_factor)
-    _, math_s, mem_s = fit.cpu_time_s(m, n, k, aligned)
-    math_s, mem_s = batch * math_s, batch * mem_s
+def _cpu_kernel(p: _Problem, fit: GemmFit) -> _Kernel:
+    """One call of the BLAS, no tiles or waves (tilefit.gemm_cpu); a bmm of ``batch`` GEMMs
+    pays the call overhead once and the work ``batch`` times."""
+    aligned = all(a.aligned for a in p.alignment.values())
+    _, math_s, mem_s = fit.cpu_time_s(p.m, p.n, p.k, aligned)
+    math_s, mem_s = p.batch * math_s, p.batch * mem_s
     t = fit.call_overhead_s + math_s + mem_s
-    analysis = GemmAnalysis(
-        m=m, n=n, k=k, dtype=dt.name, gpu=device.name, flops=flops, bytes=nbytes,
-        arithmetic_intensity=intensity, ops_per_byte=ratio,
-        bound="memory" if intensity < ratio else "math", alignment=alignment,
-        tile=(m, n), split_k=1, tiles=1, waves=1, tile_efficiency=1.0, wave_efficiency=1.0,
+    return _Kernel(
+        tile=(p.m, p.n), split_k=1, tiles=1, waves=1, tile_efficiency=1.0, wave_efficiency=1.0,
         alignment_efficiency=1.0 if aligned else fit.misaligned_factor,
         math_time_s=math_s, memory_time_s=mem_s, predicted_time_s=t,
-        predicted_tflops=flops / t / 1e12, peak_tflops=device.peak(dt) / 1e12, error=error,
-        verdict="", batch=batch,
+        predicted_tflops=p.flops / t / 1e12,
     )
-    text = verdict(analysis)
-    if text.startswith("efficient"):  # CPU rates read in GFLOP/s, not TFLOP/s
-        text = (f"efficient: aligned, {analysis.predicted_tflops * 1e3:.0f} of "
-                f"{analysis.peak_tflops * 1e3:.0f} GFLOP/s")
-    object.__setattr__(analysis, "verdict", text)
-    return analysis
 
 
-def verdict(a: GemmAnalysis) -> str:
+def _analysis(p: _Problem, kern: _Kernel) -> GemmAnalysis:
+    return GemmAnalysis(
+        m=p.m, n=p.n, k=p.k, dtype=p.dt.name, gpu=p.device.name, flops=p.flops,
+        bytes=p.nbytes, arithmetic_intensity=p.intensity, ops_per_byte=p.ops_per_byte,
+        bound=p.bound, alignment=p.alignment, tile=kern.tile, split_k=kern.split_k,
+        tiles=kern.tiles, waves=kern.waves, tile_efficiency=kern.tile_efficiency,
+        wave_efficiency=kern.wave_efficiency, alignment_efficiency=kern.alignment_efficiency,
+        math_time_s=kern.math_time_s, memory_time_s=kern.memory_time_s,
+        predicted_time_s=kern.predicted_time_s, predicted_tflops=kern.predicted_tflops,
+        peak_tflops=p.peak / 1e12, error=p.error, verdict=_verdict(p, kern),
+        batch=p.batch,
+    )
+
+
+def _verdict(p: _Problem, kern: _Kernel) -> str:
     """One line: what limits this GEMM and the fix."""
-    if a.error:
-        return "ERROR: " + a.error
-    off = {n: al for n, al in a.alignment.items() if not al.aligned}
+    if p.error:
+        return "ERROR: " + p.error
+    off = {n: al for n, al in p.alignment.items() if not al.aligned}
     parts: list[str] = []
     if off:
         fixes = ", ".join(f"{n}={al.suggested}" for n, al in off.items())
         parts.append(
             f"{', '.join(off)} off the multiple of {next(iter(off.values())).multiple} "
-            f"for {a.dtype} on {a.gpu} (runs at {a.alignment_efficiency:.0%} speed): pad to {fixes}"
+            f"for {p.dt.name} on {p.device.name} (runs at {kern.alignment_efficiency:.0%} "
+            f"speed): pad to {fixes}"
         )
-    if a.bound == "memory":
-        small, value = min((("m", a.m), ("n", a.n), ("k", a.k)), key=lambda kv: kv[1])
+    if p.bound == "memory":
+        small, value = min((("m", p.m), ("n", p.n), ("k", p.k)), key=lambda kv: kv[1])
         parts.append(
-            f"memory-bound (intensity {a.arithmetic_intensity:.1f} < {a.ops_per_byte:.1f} "
+            f"memory-bound (intensity {p.intensity:.1f} < {p.ops_per_byte:.1f} "
             f"FLOP/B): the smallest dimension, {small}={value}, limits data reuse; for a linear "
             "layer, more tokens per step (batch x sequence) raise it"
         )
-    if a.wave_efficiency < 0.75 and a.waves <= 4:
+    if kern.wave_efficiency < 0.75 and kern.waves <= 4:
         parts.append(
-            f"last wave {a.wave_efficiency:.0%} full ({a.tiles} tiles on "
-            f"{a.tiles / (a.waves * a.wave_efficiency):.0f} SMs x {a.waves} waves)"
+            f"last wave {kern.wave_efficiency:.0%} full ({kern.tiles} tiles on "
+            f"{kern.tiles / (kern.waves * kern.wave_efficiency):.0f} SMs x {kern.waves} waves)"
         )
-    if a.tile_efficiency < 0.9:
-        parts.append(f"tile quantization wastes {1 - a.tile_efficiency:.0%} of the output tiles")
-    if not parts:
-        return (f"efficient: math-bound, aligned, {a.predicted_tflops:.0f} of "
-                f"{a.peak_tflops:.0f} TFLOP/s")
-    return "; ".join(parts)
+    if kern.tile_efficiency < 0.9:
+        parts.append(
+            f"tile quantization wastes {1 - kern.tile_efficiency:.0%} of the output tiles")
+    if parts:
+        return "; ".join(parts)
+    peak_tflops = p.peak / 1e12
+    if p.device.kind == "cpu":  # CPU rates read in GFLOP/s, not TFLOP/s
+        return (f"efficient: aligned, {kern.predicted_tflops * 1e3:.0f} of "
+                f"{peak_tflops * 1e3:.0f} GFLOP/s")
+    return (f"efficient: math-bound, aligned, {kern.predicted_tflops:.0f} of "
+            f"{peak_tflops:.0f} TFLOP/s")

@@ -22,12 +22,12 @@ batch is found by bisection over every integer batch up to a cap, not just the g
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from tilefit.dtypes import DType, parse_dtype
-from tilefit.errors import TilefitError
-from tilefit.gemm import GemmAnalysis, analyze_gemm
+from tilefit.errors import TilefitError, check_positive_int
+from tilefit.gemm import GemmAnalysis, analyze_gemm, round_up
 from tilefit.hardware.device import Device
 
 PHASES: tuple[str, ...] = ("forward", "activation_grad", "weight_grad")
@@ -66,11 +66,7 @@ class LinearTotal:
     aligned: bool  # T is a multiple of the device's element multiple for this dtype
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "batch": self.batch, "tokens": self.tokens, "flops": self.flops,
-            "predicted_time_s": self.predicted_time_s, "predicted_tflops": self.predicted_tflops,
-            "bound": self.bound, "aligned": self.aligned,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -90,19 +86,10 @@ class LinearRecommendations:
     notes: tuple[str, ...]  # plain-language advice derived from the fields above
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "min_math_bound_batch": self.min_math_bound_batch,
-            "min_math_bound_batch_aligned": self.min_math_bound_batch_aligned,
-            "min_math_bound_batch_pow2": self.min_math_bound_batch_pow2,
-            "batch_multiple": self.batch_multiple,
-            "token_multiple": self.token_multiple,
-            "aligned_batches": list(self.aligned_batches),
-            "misaligned_batches": list(self.misaligned_batches),
-            "max_intensity": self.max_intensity,
-            "ops_per_byte": self.ops_per_byte,
-            "search_max_batch": self.search_max_batch,
-            "notes": list(self.notes),
-        }
+        d = asdict(self)
+        d.update(aligned_batches=list(self.aligned_batches),
+                 misaligned_batches=list(self.misaligned_batches), notes=list(self.notes))
+        return d
 
 
 @dataclass(frozen=True)
@@ -146,14 +133,9 @@ def phase_shapes(
 
 
 def _check_positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise TilefitError(
-            f"{name} must be a positive integer",
-            expected="a whole number >= 1",
-            given=repr(value),
-            fix=f"pass {name} as a count (features, samples or tokens), e.g. 4096",
-        )
-    return value
+    return check_positive_int(
+        value, f"{name} must be a positive integer", expected="a whole number >= 1",
+        fix=f"pass {name} as a count (features, samples or tokens), e.g. 4096")
 
 
 def _phase_gemms(tokens: int, in_f: int, out_f: int, dt: DType, device: Device
@@ -180,10 +162,6 @@ def _min_math_bound_batch(seq: int, in_f: int, out_f: int, dt: DType, device: De
         else:
             lo = mid + 1
     return lo
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
 
 
 def _next_pow2(x: int) -> int:
@@ -246,7 +224,7 @@ def _recommend(in_f: int, out_f: int, seq: int, dt: DType, device: Device,
     batch_multiple = token_multiple // math.gcd(token_multiple, seq)
     max_batch = max(1, MAX_SEARCH_TOKENS // seq)
     b_min = _min_math_bound_batch(seq, in_f, out_f, dt, device, max_batch)
-    b_aligned = None if b_min is None else _round_up(b_min, batch_multiple)
+    b_aligned = None if b_min is None else round_up(b_min, batch_multiple)
     # batch_multiple is a power of two (a power-of-two token multiple over a gcd), so this
     # is the smallest power of two that is both aligned and math-bound
     b_pow2 = None if b_min is None else max(_next_pow2(b_min), batch_multiple)
@@ -271,7 +249,7 @@ def _recommend(in_f: int, out_f: int, seq: int, dt: DType, device: Device,
             + (f", the smallest power of two {b_pow2}" if b_pow2 != b_aligned else "")
         )
     if misaligned:
-        fixes = ", ".join(f"{b}->{_round_up(b, batch_multiple)}" for b in misaligned)
+        fixes = ", ".join(f"{b}->{round_up(b, batch_multiple)}" for b in misaligned)
         which = (f"batch {misaligned[0]} gives" if len(misaligned) == 1 else
                  f"batches {', '.join(map(str, misaligned))} give")
         notes.append(
@@ -283,7 +261,7 @@ def _recommend(in_f: int, out_f: int, seq: int, dt: DType, device: Device,
         if dim % token_multiple:
             notes.append(
                 f"{name}={dim} is not a multiple of {token_multiple}; "
-                f"{_round_up(dim, token_multiple)} would be aligned"
+                f"{round_up(dim, token_multiple)} would be aligned"
             )
     return LinearRecommendations(
         min_math_bound_batch=b_min, min_math_bound_batch_aligned=b_aligned,

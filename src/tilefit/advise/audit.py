@@ -48,9 +48,9 @@ class Audit:
         return tuple(f for f in self.findings if f.recommended)
 
     def to_dict(self) -> dict[str, Any]:
-        e = self.estimate.to_dict(include_ops=False)
         return {"model": self.model, "gpu": self.device.name, "seq_len": self.seq_len,
-                "recipe": self.recipe.to_dict(), "estimate": e,
+                "recipe": self.recipe.to_dict(),
+                "estimate": self.estimate.to_dict(include_ops=False),
                 "findings": [f.to_dict() for f in self.findings],
                 "retraces": self.retraces, "elapsed_s": self.elapsed_s,
                 "confirmation": self.confirmation, "notes": list(self.notes)}
@@ -167,33 +167,29 @@ def _module_subject(model: Any, batch: Any, recipe: Recipe, device: Device, *,
 def _run_rules(subject: _Subject, device: Device, *, confirm: bool,
                started_s: float) -> Audit:
     est = estimate_trace(subject.trace, device)
-    w = WhatIf(workload=subject.workload, recipe=subject.recipe, device=device,
-               trace=subject.trace, estimate=est, retrace_fn=subject.retrace_fn)
-    if subject.modules is not None:
-        w._modules = subject.modules  # type: ignore[attr-defined]  # layer names
-    found: list[Finding] = []
-    for rule in RULES:
-        found.extend(rule(w))
-    ordered = order(found)
-    confirmation = _confirm(w, ordered) if confirm else None
+    whatif = WhatIf(workload=subject.workload, recipe=subject.recipe, device=device,
+                    trace=subject.trace, estimate=est, retrace_fn=subject.retrace_fn,
+                    named_modules=subject.modules)
+    ordered = order([f for rule in RULES for f in rule(whatif)])
+    confirmation = _confirm(whatif, ordered) if confirm else None
     return Audit(model=subject.name, device=device, recipe=subject.recipe,
                  seq_len=subject.seq_len, estimate=est, findings=ordered,
-                 retraces=w.retraces, elapsed_s=time.perf_counter() - started_s,
+                 retraces=whatif.retraces, elapsed_s=time.perf_counter() - started_s,
                  confirmation=confirmation, notes=subject.notes)
 
 
-def _confirm(w: WhatIf, findings: tuple[Finding, ...]) -> dict[str, float] | None:
+def _confirm(whatif: WhatIf, findings: tuple[Finding, ...]) -> dict[str, float] | None:
     """Re-trace the top rewrite finding's fix: how close is the cheap what-if?"""
     top = next((f for f in findings if f.method == "rewrite" and f.recommended), None)
-    if top is None or not w.can_retrace or w.workload.config is None:
+    if top is None or not whatif.can_retrace or whatif.workload.config is None:
         return None
     from tilefit.advise.origins import config_fields
 
-    field_ = next((o.config_field for o in config_fields(w.workload)
-                   if o.value == top.current and o.dimension == top.dimension), None)
+    field_ = next((origin.config_field for origin in config_fields(whatif.workload)
+                   if origin.value == top.current and origin.dimension == top.dimension), None)
     if field_ is None:
         return None
-    full = w.retrace(w.workload.with_config(**{field_: top.suggested}))
+    full = whatif.retrace(whatif.workload.with_config(**{field_: top.suggested}))
     return {"rewrite_step_time_s": top.step_time_after_s, "retrace_step_time_s":
             full.step_time_s, "rewrite_speedup": top.predicted_speedup,
-            "retrace_speedup": w.estimate.step_time_s / full.step_time_s}
+            "retrace_speedup": whatif.estimate.step_time_s / full.step_time_s}

@@ -9,9 +9,10 @@ the config or the layer, a token dimension by padding the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import gcd
+from math import lcm
 from typing import Any
 
+from tilefit.gemm import round_up
 from tilefit.models import Workload
 
 WEIGHT = "weight"
@@ -93,11 +94,6 @@ def is_batch_rows(value: int, batch_size: int) -> bool:
     return value == batch_size
 
 
-def lcm(a: int, b: int) -> int:
-    return a * b // gcd(a, b)
-
-
 def nearest_aligned(value: int, multiple: int, step: int = 1) -> int:
     """The smallest value >= ``value`` that is a multiple of both ``multiple`` and ``step``."""
-    m = lcm(multiple, step)
-    return -(-value // m) * m
+    return round_up(value, lcm(multiple, step))

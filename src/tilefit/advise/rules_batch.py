@@ -10,11 +10,11 @@ says whether it fits.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, severity_of
-from tilefit.advise.whatif import WhatIf, gemm_time_with
+from tilefit.advise.whatif import WhatIf, gemm_time_with, swap_gemm_dim
 from tilefit.batches import REAL_GAIN, is_friendly
-from tilefit.estimator.cost import CostContext, gemm_dtype
 from tilefit.gemm import analyze_gemm
 from tilefit.tracing.records import GemmShape
 
@@ -26,107 +26,92 @@ MIN_WAVE_GAIN = 0.02
 WAVE_NEIGHBOURS = 4
 
 
-def _tokens(w: WhatIf) -> int | None:
-    if w.workload is None or w.workload.seq_len is None:
+def _token_step(whatif: WhatIf) -> tuple[int, int, int] | None:
+    """(batch size, sequence length, tokens = batch x seq) of a step with a token dimension
+    that can be re-traced; None otherwise (no finding then)."""
+    work = whatif.workload
+    if work is None or work.seq_len is None or not whatif.can_retrace:
         return None
-    return w.recipe.batch_size * w.workload.seq_len
+    batch = whatif.recipe.batch_size
+    return batch, work.seq_len, batch * work.seq_len
 
 
-def _scaler(old_tokens: int, new_tokens: int):  # type: ignore[no-untyped-def]
-    def swap(g: GemmShape) -> GemmShape:
-        return replace(g, m=new_tokens if g.m == old_tokens else g.m,
-                       n=new_tokens if g.n == old_tokens else g.n,
-                       k=new_tokens if g.k == old_tokens else g.k)
-    return swap
-
-
-def _batch_finding(w: WhatIf, rule: str, new_b: int, title: str, reason: str) -> Finding | None:
-    after = w.retrace(batch_size=new_b)
-    b = w.recipe.batch_size
+def _batch_finding(whatif: WhatIf, rule: str, new_batch: int, title: str,
+                   reason: str) -> Finding:
+    after = whatif.retrace(batch_size=new_batch)
+    batch = whatif.recipe.batch_size
     f = Finding(
         rule=rule, severity="info", title=title, modules=(), dimension="batch size",
-        current=b, suggested=new_b,
-        fix=f"per_device_train_batch_size={new_b} in TrainingArguments (or your DataLoader's "
-            f"batch_size={new_b}); keep the global batch with gradient_accumulation_steps if "
-            "the recipe needs it",
-        reason=reason + (f" At batch {new_b} the step is predicted to "
+        current=batch, suggested=new_batch,
+        fix=f"per_device_train_batch_size={new_batch} in TrainingArguments (or your "
+            f"DataLoader's batch_size={new_batch}); keep the global batch with "
+            "gradient_accumulation_steps if the recipe needs it",
+        reason=reason + (f" At batch {new_batch} the step is predicted to "
                          f"{'fit' if after.fits else 'NOT fit'} "
                          f"({after.total_memory_bytes / 2**30:.1f} GiB of "
-                         f"{w.device.memory_bytes / 2**30:.0f} GiB)."),
-        step_time_before_s=w.estimate.step_time_s, step_time_after_s=after.step_time_s,
-        peak_memory_before_bytes=w.estimate.peak_memory_bytes,
+                         f"{whatif.device.memory_bytes / 2**30:.0f} GiB)."),
+        step_time_before_s=whatif.estimate.step_time_s, step_time_after_s=after.step_time_s,
+        peak_memory_before_bytes=whatif.estimate.peak_memory_bytes,
         peak_memory_after_bytes=after.peak_memory_bytes, method="retrace", per_sample=True,
-        samples_before=b, samples_after=new_b)
+        samples_before=batch, samples_after=new_batch)
     # a batch off the hardware-friendly sizes must win by a real margin (tilefit.batches)
-    needed = MIN_RECOMMENDED_SPEEDUP if is_friendly(new_b) else 1 + REAL_GAIN
+    needed = MIN_RECOMMENDED_SPEEDUP if is_friendly(new_batch) else 1 + REAL_GAIN
     ok = after.fits and f.predicted_speedup >= needed
     return replace(f, recommended=ok, severity=severity_of(f.predicted_speedup) if ok else "info")
 
 
-def memory_bound_findings(w: WhatIf) -> list[Finding]:
-    tokens = _tokens(w)
-    if tokens is None or not w.can_retrace:
+def _bound(whatif: WhatIf, g: GemmShape, dtype: str) -> str:
+    return analyze_gemm(g.m, g.n, g.k, dtype, whatif.device, batch=g.batch).bound
+
+
+def memory_bound_findings(whatif: WhatIf) -> list[Finding]:
+    step = _token_step(whatif)
+    if step is None:
         return []
-    ctx = CostContext(precision=w.trace.precision)
-    bound_ops = []
-    for c in w.estimate.ops:
-        r = c.record
-        if r.kind != "gemm":
-            continue
-        for g in r.gemms:
-            if tokens not in (g.m, g.n, g.k):
-                continue
-            dt = gemm_dtype(g.dtype, conv=False, device=w.device, ctx=ctx)
-            if analyze_gemm(g.m, g.n, g.k, dt, w.device, batch=g.batch).bound == "memory":
-                bound_ops.append((c, g, dt))
-    share = sum(c.time_s * c.repeats for c, _, _ in bound_ops) / w.estimate.step_time_s
+    batch, seq, tokens = step
+    bound_ops = [(c, g, dt) for c, g, dt in whatif.estimate.gemms()
+                 if c.record.kind == "gemm" and tokens in (g.m, g.n, g.k)
+                 and _bound(whatif, g, dt) == "memory"]
+    share = sum(c.time_s * c.repeats for c, _, _ in bound_ops) / whatif.estimate.step_time_s
     if share < MIN_MEMORY_BOUND_SHARE:
         return []
-    b = w.recipe.batch_size
-    seq = w.workload.seq_len
-    new_b = None
-    for factor in (2, 4, 8, 16, 32, MAX_BATCH_FACTOR):
-        nt = b * factor * seq
-        if all(analyze_gemm(*(nt if d == tokens else d for d in (g.m, g.n, g.k)), dt, w.device,
-                            batch=g.batch).bound == "math" for _, g, dt in bound_ops):
-            new_b = b * factor
-            break
-    if new_b is None:
+    new_batch = next((batch * factor for factor in (2, 4, 8, 16, 32, MAX_BATCH_FACTOR)
+                      if all(_bound(whatif, swap_gemm_dim(g, tokens, batch * factor * seq), dt)
+                             == "math" for _, g, dt in bound_ops)), None)
+    if new_batch is None:
         return []
-    reason = (f"{len(bound_ops)} GEMM op(s) with {tokens} tokens (batch {b} x seq {seq}) are "
-              f"memory-bound, {share:.1%} of the step: their arithmetic intensity is below the "
-              f"{w.device.name}'s FLOP/byte ratio. From batch {new_b} all of them are "
-              "math-bound.")
-    f = _batch_finding(w, "small-batch", new_b,
-                       f"GEMMs are memory-bound at batch {b}; math-bound from batch {new_b}",
-                       reason)
-    return [f] if f else []
+    reason = (f"{len(bound_ops)} GEMM op(s) with {tokens} tokens (batch {batch} x seq {seq}) "
+              f"are memory-bound, {share:.1%} of the step: their arithmetic intensity is below "
+              f"the {whatif.device.name}'s FLOP/byte ratio. From batch {new_batch} all of them "
+              "are math-bound.")
+    return [_batch_finding(
+        whatif, "small-batch", new_batch,
+        f"GEMMs are memory-bound at batch {batch}; math-bound from batch {new_batch}", reason)]
 
 
-def wave_findings(w: WhatIf) -> list[Finding]:
-    tokens = _tokens(w)
-    if tokens is None or not w.can_retrace:
+def wave_findings(whatif: WhatIf) -> list[Finding]:
+    step = _token_step(whatif)
+    if step is None:
         return []
-    b = w.recipe.batch_size
-    seq = w.workload.seq_len
-    precision = w.trace.precision
-    base = gemm_time_with(w.trace, w.device, precision, lambda g: g) / b
-    best, best_b = base, b
-    for nb in range(max(1, b - WAVE_NEIGHBOURS), b + WAVE_NEIGHBOURS + 1):
-        if nb == b:
+    batch, seq, tokens = step
+    base = gemm_time_with(whatif.estimate, lambda g: g) / batch
+    best, best_batch = base, batch
+    for candidate in range(max(1, batch - WAVE_NEIGHBOURS), batch + WAVE_NEIGHBOURS + 1):
+        if candidate == batch:
             continue
-        t = gemm_time_with(w.trace, w.device, precision, _scaler(tokens, nb * seq)) / nb
+        swap = partial(swap_gemm_dim, old=tokens, new=candidate * seq)
+        per_sample_s = gemm_time_with(whatif.estimate, swap) / candidate
         # a batch off the friendly sizes must win by a real margin (tilefit.batches)
-        if not is_friendly(nb) and t > base * (1 - REAL_GAIN):
+        if not is_friendly(candidate) and per_sample_s > base * (1 - REAL_GAIN):
             continue
-        if t < best * (1 - 1e-9):
-            best, best_b = t, nb
-    if best_b == b or best > base * (1 - MIN_WAVE_GAIN):
+        if per_sample_s < best * (1 - 1e-9):
+            best, best_batch = per_sample_s, candidate
+    if best_batch == batch or best > base * (1 - MIN_WAVE_GAIN):
         return []
     reason = (f"wave quantization: at {tokens} tokens the GEMM tiles fill the last wave of "
-              f"{w.device.sms} SMs poorly; at batch {best_b} the GEMMs are predicted "
+              f"{whatif.device.sms} SMs poorly; at batch {best_batch} the GEMMs are predicted "
               f"{base / best:.3f}x faster per sample (GEMM-only screen, confirmed by re-tracing "
               "the step).")
-    f = _batch_finding(w, "wave-quantization", best_b,
-                       f"batch {best_b} fills the GEMMs' last wave better than batch {b}", reason)
-    return [f] if f else []
+    return [_batch_finding(
+        whatif, "wave-quantization", best_batch,
+        f"batch {best_batch} fills the GEMMs' last wave better than batch {batch}", reason)]

@@ -13,15 +13,26 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tilefit.estimator import Estimate, estimate_trace
+from tilefit.estimator.workloads import Recipe
 from tilefit.hardware import Device
+from tilefit.models import Workload
 from tilefit.tracing.records import GemmShape, OpRecord, Trace
+
+if TYPE_CHECKING:
+    import torch.nn as nn
 
 
 def _swap(shape: tuple[int, ...], old: int, new: int) -> tuple[int, ...]:
     return tuple(new if d == old else d for d in shape)
+
+
+def swap_gemm_dim(g: GemmShape, old: int, new: int) -> GemmShape:
+    """The GEMM with each of M, N, K that equals ``old`` replaced by ``new``."""
+    return replace(g, m=new if g.m == old else g.m, n=new if g.n == old else g.n,
+                   k=new if g.k == old else g.k)
 
 
 def _numel(shapes: tuple[tuple[int, ...], ...]) -> int:
@@ -39,8 +50,7 @@ def rewrite_op(op: OpRecord, old: int, new: int) -> OpRecord:
     outs = tuple(_swap(s, old, new) for s in op.output_shapes)
     before = _numel(op.input_shapes + op.output_shapes)
     ratio = _numel(ins + outs) / before if before else 1.0
-    gemms = tuple(replace(g, m=new if g.m == old else g.m, n=new if g.n == old else g.n,
-                          k=new if g.k == old else g.k) for g in op.gemms)
+    gemms = tuple(swap_gemm_dim(g, old, new) for g in op.gemms)
     if op.gemms:
         old_work = sum(g.batch * g.m * g.n * g.k for g in op.gemms)
         new_work = sum(g.batch * g.m * g.n * g.k for g in gemms)
@@ -58,25 +68,25 @@ def rewrite_op(op: OpRecord, old: int, new: int) -> OpRecord:
 def rewrite_dim(tr: Trace, old: int, new: int) -> Trace:
     """The trace with every occurrence of dimension ``old`` replaced by ``new``. Memory
     (storages) is kept: the what-if is for time."""
-    return replace(tr, ops=tuple(rewrite_op(o, old, new) for o in tr.ops))
-
-
-def gemm_count(tr: Trace, value: int) -> int:
-    return sum(1 for o in tr.ops_of_step(1) for g in o.gemms if value in (g.m, g.n, g.k))
+    return replace(tr, ops=tuple(rewrite_op(op, old, new) for op in tr.ops))
 
 
 @dataclass
 class WhatIf:
     """The audited step plus a cache of re-traces keyed by (workload, recipe)."""
 
-    workload: Any  # tilefit.models.Workload (None for a traced nn.Module: no re-traces)
-    recipe: Any  # tilefit.estimator.workloads.Recipe
+    workload: Workload | None  # None for a traced nn.Module: no re-traces
+    recipe: Recipe
     device: Device
     trace: Trace
     estimate: Estimate
-    retrace_fn: Callable[[Any, Any], Trace] | None = None
+    retrace_fn: Callable[[Workload, Recipe], Trace] | None = None
     retraces: int = 0
-    _cache: dict[Any, Estimate] = field(default_factory=dict)
+    # layer path -> module, for fixes written as layer constructors: the audited nn.Module's
+    # own, else filled on first use with the workload built on the meta device
+    # (rules_dims._module_map)
+    named_modules: dict[str, nn.Module] | None = None
+    _cache: dict[tuple[Workload, Recipe], Estimate] = field(default_factory=dict)
 
     def with_dim(self, old: int, new: int) -> Estimate:
         return estimate_trace(rewrite_dim(self.trace, old, new), self.device)
@@ -88,32 +98,23 @@ class WhatIf:
     def can_retrace(self) -> bool:
         return self.retrace_fn is not None and self.workload is not None
 
-    def retrace(self, workload: Any = None, **recipe_changes: Any) -> Estimate:
+    def retrace(self, workload: Workload | None = None, **recipe_changes: Any) -> Estimate:
         """Trace and estimate the workload (default: the audited one) with recipe changes."""
         if not self.can_retrace:
             raise RuntimeError("no re-trace available for a model given as an nn.Module")
         work = workload if workload is not None else self.workload
+        assert work is not None and self.retrace_fn is not None
         recipe = replace(self.recipe, **recipe_changes)
         key = (work, recipe)
         if key not in self._cache:
-            assert self.retrace_fn is not None
             self.retraces += 1
             self._cache[key] = estimate_trace(self.retrace_fn(work, recipe), self.device)
         return self._cache[key]
 
 
-def gemm_time_with(tr: Trace, device: Device, precision: str,
-                   swap: Callable[[GemmShape], GemmShape]) -> float:
+def gemm_time_with(e: Estimate, swap: Callable[[GemmShape], GemmShape]) -> float:
     """Time of the steady step's GEMM ops with each GEMM shape mapped through ``swap``
     (a quick GEMM-only what-if for batch candidates)."""
-    from tilefit.estimator.cost import CostContext, gemm_dtype, gemm_time_s
+    from tilefit.estimator.cost import gemm_time_s
 
-    ctx = CostContext(precision=precision)
-    total = 0.0
-    for op in tr.ops_of_step(1):
-        if op.kind not in ("gemm", "conv"):
-            continue
-        for g in op.gemms:
-            dt = gemm_dtype(g.dtype, conv=op.kind == "conv", device=device, ctx=ctx)
-            total += gemm_time_s(swap(g), dt, device)
-    return total
+    return sum(gemm_time_s(swap(g), dt, e.device) for _, g, dt in e.gemms())

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from tilefit.bench.sweeps import SweepShape
-from tilefit.estimator.cost import CostContext, gemm_dtype
-from tilefit.estimator.workloads import Recipe, trace_workload
+from tilefit.estimator.workloads import Recipe, estimate_workload
 from tilefit.hardware.device import Device
 from tilefit.models import Workload
 
@@ -16,20 +15,14 @@ def model_gemm_shapes(workload: Workload, recipe: Recipe, device: Device
     """(the dtype the step's GEMMs run in, one SweepShape per distinct plain GEMM of the
     steady step: label "module (phase)", x = how many times it runs per step). Batched GEMMs
     (bmm) are left out: torch.mm times one GEMM."""
-    tr = trace_workload(workload, recipe, device)
-    ctx = CostContext(precision=recipe.precision)
     counts: Counter[tuple[int, int, int, str]] = Counter()
     where: dict[tuple[int, int, int, str], str] = {}
-    for op in tr.ops_of_step(1):
-        if op.kind not in ("gemm", "conv"):
+    for c, g, dt in estimate_workload(workload, recipe, device).gemms():
+        if g.batch != 1:
             continue
-        for g in op.gemms:
-            if g.batch != 1:
-                continue
-            dt = gemm_dtype(g.dtype, conv=op.kind == "conv", device=device, ctx=ctx)
-            key = (g.m, g.n, g.k, dt)
-            counts[key] += 1
-            where.setdefault(key, f"{op.module or '-'} ({op.phase})")
+        key = (g.m, g.n, g.k, dt)
+        counts[key] += 1
+        where.setdefault(key, f"{c.record.module or '-'} ({c.record.phase})")
     if not counts:
         return "fp32", []
     dtype = Counter({k[3]: v for k, v in counts.items()}).most_common(1)[0][0]

@@ -5,14 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from tilefit.bench.sweeps import SweepRow
+from tilefit.report.plots import pyplot
 
 
 def plot_sweep(rows: list[SweepRow], sweep: str, title: str, path: str | Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     labels = list(dict.fromkeys(r.label for r in rows))
     for i, label in enumerate(labels):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tilefit.estimator.cost import CostContext, gemm_dtype
 from tilefit.hardware.device import Device
-from tilefit.tracing.records import OpRecord
+from tilefit.tracing.records import GemmShape, OpRecord
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,16 @@ class Estimate:
     @property
     def fits(self) -> bool:
         return self.total_memory_bytes <= self.device.memory_bytes
+
+    def gemms(self) -> Iterator[tuple[OpCost, GemmShape, str]]:
+        """Every GEMM of the steady step's GEMM and convolution ops: (its op, its shape, the
+        dtype it runs in on this device)."""
+        ctx = CostContext(precision=self.precision)
+        for c in self.ops:
+            if c.record.kind in ("gemm", "conv"):
+                for g in c.record.gemms:
+                    yield c, g, gemm_dtype(g.dtype, conv=c.record.kind == "conv",
+                                           device=self.device, ctx=ctx)
 
     def modules_by_pattern(self) -> tuple[ModuleSummary, ...]:
         """Module times with layer indices folded (h.0.mlp, h.1.mlp -> h.*.mlp)."""

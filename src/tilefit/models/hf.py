@@ -109,6 +109,17 @@ def hub_offline() -> Iterator[None]:
             os.environ["HF_HUB_OFFLINE"] = before
 
 
+def config_rejections() -> tuple[type[Exception], ...]:
+    """What transformers raises for a config it rejects: TypeError or ValueError, which the
+    strict config classes of transformers 5 wrap in huggingface_hub's StrictDataclassError
+    (LlamaConfig: hidden_size not a multiple of num_attention_heads)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # a huggingface_hub without strict dataclasses (transformers 4)
+        return (TypeError, ValueError)
+    return (TypeError, ValueError, StrictDataclassError)
+
+
 def make_config(config: Mapping[str, Any]) -> PretrainedConfig:
     """A fresh transformers config object from the dict (the dict is not changed)."""
     with hub_offline():

@@ -237,7 +237,7 @@ def _hf_workload(
     hf.check_task(config, task)
     try:
         cfg = hf.make_config(config)
-    except (TypeError, ValueError) as exc:
+    except hf.config_rejections() as exc:
         raise TilefitError(
             f"transformers rejects the config of {name}: {exc}",
             expected="a config.json whose fields transformers accepts",

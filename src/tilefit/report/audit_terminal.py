@@ -23,10 +23,10 @@ def gain_text(f: Finding) -> str:
     return ", ".join(parts)
 
 
-def print_findings(console: Console, a: Audit) -> None:
+def print_findings(console: Console, audit: Audit) -> None:
     """One block per finding: title and predicted gain, modules, change, fix, reason."""
     console.rule("findings, by predicted gain (each fix re-estimated)")
-    for i, f in enumerate(a.findings, 1):
+    for i, f in enumerate(audit.findings, 1):
         style = SEVERITY_STYLE.get(f.severity, "")
         tag = f.severity if f.recommended else "not recommended"
         console.print(f"[bold]{i}.[/] [{style}]\\[{tag}][/] [bold]{f.title}[/]", highlight=False)
@@ -41,16 +41,17 @@ def print_findings(console: Console, a: Audit) -> None:
         console.print()
 
 
-def print_audit(console: Console, a: Audit) -> None:
-    shape = f"batch {a.recipe.batch_size}" + (f" x seq {a.seq_len}" if a.seq_len else "")
-    console.print(summary_table(a.estimate, f"tilefit audit: {a.model}, {shape}"))
-    if a.findings:
-        print_findings(console, a)
+def print_audit(console: Console, audit: Audit) -> None:
+    shape = f"batch {audit.recipe.batch_size}" + (f" x seq {audit.seq_len}" if audit.seq_len
+                                                  else "")
+    console.print(summary_table(audit.estimate, f"tilefit audit: {audit.model}, {shape}"))
+    if audit.findings:
+        print_findings(console, audit)
     else:
         console.print("no findings: every GEMM dimension is on the multiple, the batch keeps "
                       "the GEMMs math-bound, and memory is not the limit.")
-    console.print(modules_table(a.estimate))
-    for n in a.notes:
-        console.print(f"[dim]note: {n}[/]")
-    for w in a.estimate.warnings:
-        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+    console.print(modules_table(audit.estimate))
+    for note in audit.notes:
+        console.print(f"[dim]note: {note}[/]")
+    for warning in audit.estimate.warnings:
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False)

@@ -4,9 +4,13 @@ so that importing this module (and the commands that may plot) stays fast and he
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from tilefit.errors import TilefitError
 from tilefit.linear import PHASES, LinearAnalysis
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 PHASE_LABELS = {
     "forward": "forward (M=T, N=out, K=in)",
@@ -15,11 +19,8 @@ PHASE_LABELS = {
 }
 
 
-def plot_linear(analysis: LinearAnalysis, path: str | Path,
-                highlight: tuple[int, ...] = ()) -> Path:
-    """Write a PNG of predicted TFLOP/s against batch size for the three training GEMMs
-    (the NVIDIA FC-layer guide's throughput-vs-batch figure, predicted by tilefit's model).
-    ``highlight``: batch sizes to mark (the ones the user asked about)."""
+def _png_path(path: str | Path) -> Path:
+    """The plot's path, once it is known to name a PNG file in an existing folder."""
     out = Path(path)
     if out.suffix.lower() != ".png":
         raise TilefitError(
@@ -35,11 +36,16 @@ def plot_linear(analysis: LinearAnalysis, path: str | Path,
             given=str(path),
             fix="create the folder first, or pass a path in the current folder",
         )
+    return out
 
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot_linear(analysis: LinearAnalysis, path: str | Path,
+                highlight: tuple[int, ...] = ()) -> Path:
+    """Write a PNG of predicted TFLOP/s against batch size for the three training GEMMs
+    (the NVIDIA FC-layer guide's throughput-vs-batch figure, predicted by tilefit's model).
+    ``highlight``: batch sizes to mark (the ones the user asked about)."""
+    out = _png_path(path)
+    plt = pyplot()
     import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
@@ -85,7 +91,7 @@ def plot_linear(analysis: LinearAnalysis, path: str | Path,
 
 # ---- audit figures: PNG bytes for the self-contained HTML report ----------------------------
 
-def _png_bytes(fig) -> bytes:  # type: ignore[no-untyped-def]
+def _png_bytes(fig: Figure) -> bytes:
     import io
 
     import matplotlib.pyplot as plt
@@ -97,7 +103,8 @@ def _png_bytes(fig) -> bytes:  # type: ignore[no-untyped-def]
     return buf.getvalue()
 
 
-def _pyplot():  # type: ignore[no-untyped-def]
+def pyplot() -> Any:  # the matplotlib.pyplot module
+    """matplotlib.pyplot on the non-interactive Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,7 +117,7 @@ def roofline_png(points: list[tuple[float, float, bool, str]], device_name: str,
                  peak_tflops: float, bandwidth_bytes_per_s: float, dtype: str) -> bytes:
     """Every GEMM of the step on the device's roofline: (FLOP/byte, predicted TFLOP/s,
     misaligned, label). The roof is min(peak, bandwidth x intensity) (Williams et al., 2009)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     if points:
         xs = [p[0] for p in points]
@@ -148,7 +155,7 @@ def roofline_png(points: list[tuple[float, float, bool, str]], device_name: str,
 
 def bars_png(labels: list[str], values: list[float], xlabel: str, title: str) -> bytes:
     """A horizontal bar chart (largest on top): time by module, memory by category."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 0.9 + 0.32 * max(len(labels), 1)), dpi=110)
     ax.barh(labels[::-1], values[::-1], color="tab:blue")
     ax.set_xlabel(xlabel)

@@ -27,83 +27,103 @@ def fmt_time(s: float) -> str:
     return f"{s * 1e6:.1f} us"
 
 
-def summary_table(e: Estimate, title: str) -> Table:
-    t = Table(title=title, show_header=False, box=box.SIMPLE, pad_edge=False)
-    t.add_column("quantity", style="bold")
-    t.add_column("value")
-    t.add_row("GPU", f"{e.device.display_name} ({e.device.name})")
-    t.add_row("recipe", f"{e.precision}, {e.optimizer}"
-              + (f", accumulation {e.accumulation_steps}" if e.accumulation_steps > 1 else ""))
-    t.add_row("parameters", f"{e.param_count / 1e6:,.1f} M")
-    t.add_row("step time", fmt_time(e.step_time_s) + "  (" + ", ".join(
-        f"{k} {fmt_time(v)}" for k, v in sorted(e.time_by_phase_s.items(), key=lambda kv: -kv[1])
-        if v > 0) + ")")
-    if e.device.kind == "cuda":
-        t.add_row("host", f"{fmt_time(e.host_time_s)} to issue the ops (eager PyTorch), GPU "
-                  f"busy {fmt_time(e.device_time_s)}; the GPU waits for the host "
-                  f"{e.host_bound_fraction:.0%} of the step"
-                  + (" [bold yellow](host-bound)[/]" if e.host_bound_fraction >= 0.2 else ""))
-    if e.tokens_per_s is not None:
-        t.add_row("throughput", f"{e.tokens_per_s:,.0f} tokens/s, {e.samples_per_s:,.1f} "
-                  "samples/s")
+HOST_BOUND_SHOWN = 0.2  # a step whose GPU waits this share of the time is called host-bound
+
+
+def phase_times(estimate: Estimate) -> str:
+    """'backward 2.10 ms, forward 1.02 ms': the step's time by phase, largest first."""
+    return ", ".join(f"{k} {fmt_time(v)}" for k, v in sorted(estimate.time_by_phase_s.items(),
+                                                            key=lambda kv: -kv[1]) if v > 0)
+
+
+def memory_by_category(estimate: Estimate) -> list[tuple[str, int]]:
+    """The live bytes at the peak by category, largest first, empty categories left out."""
+    return [(k, v) for k, v in sorted(estimate.memory_breakdown.items(), key=lambda kv: -kv[1])
+            if v]
+
+
+def host_line(estimate: Estimate) -> str:
+    """The host's issue time beside the GPU's busy time, and how long the GPU waits."""
+    bound = estimate.host_bound_fraction
+    return (f"{fmt_time(estimate.host_time_s)} to issue the ops (eager PyTorch), GPU busy "
+            f"{fmt_time(estimate.device_time_s)}; the GPU waits for the host {bound:.0%} of "
+            "the step" + (" [bold yellow](host-bound)[/]" if bound >= HOST_BOUND_SHOWN else ""))
+
+
+def summary_table(estimate: Estimate, title: str) -> Table:
+    table = Table(title=title, show_header=False, box=box.SIMPLE, pad_edge=False)
+    table.add_column("quantity", style="bold")
+    table.add_column("value")
+    device = estimate.device
+    table.add_row("GPU", f"{device.display_name} ({device.name})")
+    accumulation = estimate.accumulation_steps
+    table.add_row("recipe", f"{estimate.precision}, {estimate.optimizer}"
+                  + (f", accumulation {accumulation}" if accumulation > 1 else ""))
+    table.add_row("parameters", f"{estimate.param_count / 1e6:,.1f} M")
+    table.add_row("step time", f"{fmt_time(estimate.step_time_s)}  ({phase_times(estimate)})")
+    if device.kind == "cuda":
+        table.add_row("host", host_line(estimate))
+    if estimate.tokens_per_s is not None:
+        table.add_row("throughput", f"{estimate.tokens_per_s:,.0f} tokens/s, "
+                      f"{estimate.samples_per_s:,.1f} samples/s")
     else:
-        t.add_row("throughput", f"{e.samples_per_s:,.1f} samples/s")
-    t.add_row("FLOPs / step", f"{e.flops:.3e} (model), MFU {e.mfu:.1%} of the {e.mfu_dtype} peak")
-    total = e.total_memory_bytes
-    verdict = "fits" if e.fits else "DOES NOT FIT"
-    style = "green" if e.fits else "bold red"
-    t.add_row("peak memory", f"{fmt_bytes(e.peak_memory_bytes)} tensors + "
-              f"{fmt_bytes(e.overhead_bytes)} CUDA context/workspace = {fmt_bytes(total)} of "
-              f"{fmt_bytes(e.device.memory_bytes)}: [{style}]{verdict}[/]")
-    return t
+        table.add_row("throughput", f"{estimate.samples_per_s:,.1f} samples/s")
+    table.add_row("FLOPs / step", f"{estimate.flops:.3e} (model), MFU {estimate.mfu:.1%} of the "
+                  f"{estimate.mfu_dtype} peak")
+    verdict = "fits" if estimate.fits else "DOES NOT FIT"
+    style = "green" if estimate.fits else "bold red"
+    table.add_row("peak memory", f"{fmt_bytes(estimate.peak_memory_bytes)} tensors + "
+                  f"{fmt_bytes(estimate.overhead_bytes)} CUDA context/workspace = "
+                  f"{fmt_bytes(estimate.total_memory_bytes)} of "
+                  f"{fmt_bytes(device.memory_bytes)}: [{style}]{verdict}[/]")
+    return table
 
 
-def memory_table(e: Estimate) -> Table:
-    t = Table(title="memory at the peak", box=box.SIMPLE_HEAD, pad_edge=False)
-    t.add_column("category")
-    t.add_column("bytes", justify="right")
-    t.add_column("share", justify="right")
-    t.add_column("")
-    peak = max(e.peak_memory_bytes, 1)
-    for k, v in sorted(e.memory_breakdown.items(), key=lambda kv: -kv[1]):
-        if v == 0:
-            continue
-        share = v / peak
-        t.add_row(k, fmt_bytes(v), f"{share:.0%}", "#" * max(1, round(share * 30)))
-    return t
+def memory_table(estimate: Estimate) -> Table:
+    table = Table(title="memory at the peak", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("category")
+    table.add_column("bytes", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("")
+    peak = max(estimate.peak_memory_bytes, 1)
+    for category, nbytes in memory_by_category(estimate):
+        share = nbytes / peak
+        table.add_row(category, fmt_bytes(nbytes), f"{share:.0%}",
+                      "#" * max(1, round(share * 30)))
+    return table
 
 
-def modules_table(e: Estimate, limit: int = 10) -> Table:
-    t = Table(title="time by module (layers folded: h.*.mlp = all h.N.mlp)",
-              box=box.SIMPLE_HEAD, pad_edge=False)
-    t.add_column("module")
-    t.add_column("time / step", justify="right")
-    t.add_column("share", justify="right")
-    t.add_column("TFLOP/s", justify="right")
-    step = max(e.step_time_s, 1e-30)
-    for m in e.modules_by_pattern()[:limit]:
+def modules_table(estimate: Estimate, limit: int = 10) -> Table:
+    table = Table(title="time by module (layers folded: h.*.mlp = all h.N.mlp)",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("module")
+    table.add_column("time / step", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("TFLOP/s", justify="right")
+    step = max(estimate.step_time_s, 1e-30)
+    for m in estimate.modules_by_pattern()[:limit]:
         rate = m.flops / m.time_s / 1e12 if m.time_s > 0 else 0.0
-        t.add_row(m.module or "(root)", fmt_time(m.time_s), f"{m.time_s / step:.1%}",
-                  f"{rate:.1f}" if m.flops else "-")
-    return t
+        table.add_row(m.module or "(root)", fmt_time(m.time_s), f"{m.time_s / step:.1%}",
+                      f"{rate:.1f}" if m.flops else "-")
+    return table
 
 
-def ops_table(e: Estimate, limit: int = 10) -> Table:
-    t = Table(title="slowest ops (one occurrence each)", box=box.SIMPLE_HEAD, pad_edge=False)
+def ops_table(estimate: Estimate, limit: int = 10) -> Table:
+    table = Table(title="slowest ops (one occurrence each)", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("op", "phase", "module", "shapes", "time", "kind"):
-        t.add_column(col, justify="right" if col == "time" else "left", overflow="fold")
-    for c in sorted(e.ops, key=lambda c: -c.time_s)[:limit]:
+        table.add_column(col, justify="right" if col == "time" else "left", overflow="fold")
+    for c in sorted(estimate.ops, key=lambda c: -c.time_s)[:limit]:
         r = c.record
         shapes = " x ".join(str(list(s)) for s in r.input_shapes[:3])
-        t.add_row(r.op.removeprefix("aten.").removesuffix(".default"), r.phase, r.module or "-",
-                  shapes, fmt_time(c.time_s), r.kind)
-    return t
+        table.add_row(r.op.removeprefix("aten.").removesuffix(".default"), r.phase,
+                      r.module or "-", shapes, fmt_time(c.time_s), r.kind)
+    return table
 
 
-def print_estimate(console: Console, e: Estimate, title: str, *, top: int = 10) -> None:
-    console.print(summary_table(e, title))
-    console.print(memory_table(e))
-    console.print(modules_table(e, top))
-    console.print(ops_table(e, top))
-    for w in e.warnings:
-        console.print(f"[yellow]note:[/] {w}", highlight=False)
+def print_estimate(console: Console, estimate: Estimate, title: str, *, top: int = 10) -> None:
+    console.print(summary_table(estimate, title))
+    console.print(memory_table(estimate))
+    console.print(modules_table(estimate, top))
+    console.print(ops_table(estimate, top))
+    for warning in estimate.warnings:
+        console.print(f"[yellow]note:[/] {warning}", highlight=False)

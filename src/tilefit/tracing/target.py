@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tilefit.gemm import round_up
 from tilefit.hardware.device import Device
 
 # The CUDA caching allocator rounds every block up to a multiple of 512 bytes
@@ -31,8 +32,7 @@ class Target:
     def round(self, nbytes: int) -> int:
         if nbytes <= 0:
             return 0
-        r = self.alloc_round_bytes
-        return -(-nbytes // r) * r
+        return round_up(nbytes, self.alloc_round_bytes)
 
     @property
     def sm(self) -> int:
