@@ -339,3 +339,28 @@ def test_html_report_renders_in_headless_chromium(gpt2_audit, tmp_path: Path) ->
     # the top of the page is not all white: the title and summary rendered
     assert float(pixels[:400].mean()) < 0.99
     assert not math.isnan(float(pixels.mean()))
+
+
+def test_a_host_bound_step_gets_a_cuda_graph_finding() -> None:
+    """gpt2 at batch 1 x 128 tokens on an A100: the host issues ~1,600 ops (about 22 ms at
+    the shipped per-op costs) for ~11 ms of GPU work. Under CUDA graphs the step is the GPU's
+    busy time plus one graph launch: that is the finding's 'after'."""
+    from tilefit.advise import audit
+
+    result = audit("gpt2", gpu="a100-80gb", batch_size=1, seq_len=128)
+    est = result.estimate
+    assert est.host_bound_fraction > 0.3
+    (finding,) = [f for f in result.findings if f.rule == "host-bound"]
+    launch_s = est.device.host.launch_s
+    assert finding.step_time_after_s == pytest.approx(est.device_time_s + launch_s, rel=1e-9)
+    assert finding.predicted_speedup == pytest.approx(
+        est.step_time_s / (est.device_time_s + launch_s), rel=1e-9)
+    assert "reduce-overhead" in finding.fix and finding.recommended
+
+
+def test_a_device_bound_step_has_no_host_finding() -> None:
+    from tilefit.advise import audit
+
+    result = audit("gpt2", gpu="a100-80gb", batch_size=8, seq_len=1024)
+    assert result.estimate.host_bound_fraction < 0.10
+    assert not [f for f in result.findings if f.rule == "host-bound"]

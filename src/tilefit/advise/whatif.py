@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tilefit.estimator import Estimate, estimate_trace
 from tilefit.estimator.workloads import Recipe
 from tilefit.hardware import Device
+from tilefit.hardware.host import HostModel
 from tilefit.models import Workload
 from tilefit.tracing.records import GemmShape, OpRecord, Trace
 
@@ -93,6 +94,10 @@ class WhatIf:
 
     def with_precision_cost(self, precision: str) -> Estimate:
         return estimate_trace(replace(self.trace, precision=precision), self.device)
+
+    def with_host(self, host: HostModel) -> Estimate:
+        """The same step issued by another host (CUDA graphs: no per-op host cost)."""
+        return estimate_trace(self.trace, replace(self.device, host=host))
 
     @property
     def can_retrace(self) -> bool:
