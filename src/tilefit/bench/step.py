@@ -8,6 +8,7 @@ MemTracker over the first two steps (live tensor bytes, what the estimate predic
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -19,6 +20,11 @@ from tilefit.estimator.workloads import Recipe
 from tilefit.models import Workload
 from tilefit.vocab import PRECISIONS, parse_precision
 
+# Repeated steps whose spread (max - min over the median) exceeds this are reported as
+# noisy: a policy, checked against benchmarks/bench_step_cpu.py on a quiet machine and with
+# --load (its output prints every row's spread).
+NOISY_SPREAD = 0.10
+
 
 @dataclass(frozen=True)
 class StepMeasurement:
@@ -26,9 +32,24 @@ class StepMeasurement:
     step_time_s: float  # median of the timed steps
     step_times_s: tuple[float, ...]
     peak_memory_bytes: int
+    threads: int = 0  # torch.get_num_threads() while measuring
+    load_average: float = 0.0  # the machine's 1-minute load average after measuring
+    cores: int = 0
+
+    @property
+    def spread(self) -> float:
+        """(slowest - fastest) / median of the timed steps."""
+        times = self.step_times_s
+        return (max(times) - min(times)) / self.step_time_s if len(times) > 1 else 0.0
+
+    @property
+    def noisy(self) -> bool:
+        """The repeats disagree more than a quiet machine's would: do not trust the figure
+        to better than ``spread``."""
+        return self.spread > NOISY_SPREAD
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "spread": self.spread, "noisy": self.noisy}
 
 
 def _autocast(kind: str, precision: str) -> Any:
@@ -109,7 +130,9 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old_tf32
     return StepMeasurement(device=kind, step_time_s=statistics.median(times),
-                           step_times_s=tuple(times), peak_memory_bytes=peak)
+                           step_times_s=tuple(times), peak_memory_bytes=peak,
+                           threads=torch.get_num_threads(), load_average=os.getloadavg()[0],
+                           cores=os.cpu_count() or 0)
 
 
 def memtracker_peak_bytes(model: Any, opt: Any, batch: Any, step: Any, steps: int = 2) -> int:

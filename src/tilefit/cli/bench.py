@@ -59,6 +59,8 @@ def step(
         "predicted_peak_memory_bytes": predicted.peak_memory_bytes,
         "peak_memory_error": predicted.peak_memory_bytes / measured.peak_memory_bytes - 1,
         "step_times_s": list(measured.step_times_s), "device_source": dev.source,
+        "step_time_spread": measured.spread, "noisy": measured.noisy,
+        "threads": measured.threads, "load_average": measured.load_average,
     }
     if json_out:
         print_json(row)
@@ -71,6 +73,13 @@ def step(
                   f"predicted {row['predicted_peak_memory_bytes'] / 2**20:9.1f} MiB  "
                   f"error {row['peak_memory_error']:+.1%}")
     err_console.print(f"device numbers: {dev.source}", highlight=False)
+    if measured.noisy:
+        err_console.print(
+            f"[bold yellow]noisy machine:[/] the {len(measured.step_times_s)} timed steps "
+            f"spread {measured.spread:.0%} (load average {measured.load_average:.1f} on "
+            f"{measured.cores} cores, {measured.threads} threads): the measured time is not "
+            "trustworthy to better than that; rerun on a quiet machine (or with more --steps)",
+            highlight=False)
 
 
 @bench_app.command("gemm")
