@@ -25,6 +25,7 @@ from tilefit.tuning.integrations.hf import (
     train_with_memory_limit,
     tune_trainer,
 )
+from tilefit.tuning.simulate import MemoryLimitMode
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -282,25 +283,42 @@ def test_streaming_dataset_is_read_lazily_and_its_batch_trains(tmp_path: Path) -
     assert 64 % result.batch_size == 0
     assert trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps \
         == 64
-    assert stream.read <= 64 + 1  # no more than the largest batch tried (and the end probe)
+    assert stream.read == 64  # read once, as far as one optimizer step's samples
     assert trains_within_cap(trainer) <= CAP_BYTES
 
 
 def test_short_streams_wrap_around_and_empty_ones_are_an_error() -> None:
-    samples = hf._sample_source(StreamedTokens(n=3))
-    batch = samples(7)
+    pool = hf.read_samples(StreamedTokens(n=3), 64)
+    assert len(pool) == 3
+    batch = hf._pick(pool, 0, 7)
     assert len(batch) == 7 and torch.equal(batch[3]["input_ids"], batch[0]["input_ids"])
     with pytest.raises(TilefitError, match="no samples"):
-        hf._sample_source(StreamedTokens(n=0))(2)
+        hf.read_samples(StreamedTokens(n=0), 2)
 
 
 def test_the_trainer_collator_and_column_removal_make_the_batches(tmp_path: Path) -> None:
     trainer = make_trainer(gpt2(), TokenData(n=5), tmp_path)
     registered = len(trainer.accelerator._dataloaders)
-    batch = hf.make_batch_fn(trainer)(7)  # more than the dataset holds: wraps around
+    batch = hf.make_batch_fn(trainer, 7)(7)  # more than the dataset holds: wraps around
     assert set(batch) == {"input_ids", "labels"}  # "text" removed as Trainer removes it
     assert batch["input_ids"].shape == (7, SEQ_TOKENS)
     assert len(trainer.accelerator._dataloaders) == registered  # the Trainer is unchanged
+
+
+def test_the_other_micro_batches_of_a_step_are_held_as_train_holds_them(tmp_path: Path) -> None:
+    # Trainer fetches all gradient_accumulation_steps micro-batches of an optimizer step onto
+    # the device before the first forward: a batch of 8 with an effective batch of 40 has
+    # the other 32 samples in memory too, until the next batch is made.
+    trainer = make_trainer(gpt2(), TokenData(n=16), tmp_path)
+    make_batch = hf.make_batch_fn(trainer, 40)
+    sample_bytes = 2 * SEQ_TOKENS * 8  # input_ids and labels, int64
+    with MemoryLimitMode(None) as mode:
+        small = make_batch(8)
+        assert mode.live_bytes == 40 * sample_bytes
+        del small
+        whole = make_batch(40)  # the whole step in one micro-batch: nothing else held
+        assert mode.live_bytes == 40 * sample_bytes
+        assert whole["input_ids"].shape == (40, SEQ_TOKENS)
 
 
 @pytest.mark.parametrize(("dataset", "words"), [

@@ -9,7 +9,8 @@ batch (per_device_train_batch_size * gradient_accumulation_steps) unchanged.
 
 The trials run what ``trainer.train()`` will run: the Trainer's own ``compute_loss`` (a
 subclass's too), batches of its own dataset through the collator its train dataloader uses
-(map-style or iterable), its optimizer, its precision flags (bf16 / fp16 / tf32), activation
+(map-style or iterable), with the optimizer step's other micro-batches held on the device as
+train() holds them, its optimizer, its precision flags (bf16 / fp16 / tf32), activation
 (gradient) checkpointing when the arguments ask for it, and the model in train mode.
 
 Unlike ``auto_find_batch_size`` (which halves on OOM and leaves accumulation alone, so the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -109,30 +111,24 @@ def _trainer_data(trainer: Any) -> tuple[Any, Callable[[list[Any]], Any]]:
     return loader.dataset, loader.collate_fn
 
 
-def _sample_source(dataset: Any) -> Callable[[int], list[Any]]:
-    """samples(b): b samples of the dataset, from the start, wrapping around when it has fewer.
-    An iterable (streaming) dataset is read once, lazily, as far as the largest b asks."""
+def read_samples(dataset: Any, n: int) -> list[Any]:
+    """The first ``n`` samples of the dataset (all of them when it has fewer), read once
+    before tuning so that every trial draws on host memory, as a data loader does. An
+    iterable (streaming) dataset is read only that far."""
     if not isinstance(dataset, torch.utils.data.IterableDataset) and hasattr(dataset, "__len__"):
-        n = len(dataset)
-        if n == 0:
-            raise _empty_dataset(dataset)
-        return lambda b: [dataset[i % n] for i in range(b)]
-    pool: list[Any] = []
-    stream = iter(dataset)
-    done = False
+        pool = [dataset[i] for i in range(min(n, len(dataset)))]
+    else:
+        pool = list(itertools.islice(iter(dataset), n))
+    if not pool:
+        raise _empty_dataset(dataset)
+    return pool
 
-    def samples(b: int) -> list[Any]:
-        nonlocal done
-        while not done and len(pool) < b:
-            try:
-                pool.append(next(stream))
-            except StopIteration:
-                done = True
-        if not pool:
-            raise _empty_dataset(dataset)
-        return [pool[i % len(pool)] for i in range(b)]
 
-    return samples
+def _pick(pool: list[Any], start: int, stop: int) -> list[Any]:
+    """Samples start..stop-1, wrapping around the pool; dict samples copied so that a
+    collator that pops or sets keys leaves the pool intact."""
+    picked = (pool[i % len(pool)] for i in range(start, stop))
+    return [dict(s) if isinstance(s, dict) else s for s in picked]
 
 
 def _empty_dataset(dataset: Any) -> TilefitError:
@@ -153,29 +149,46 @@ def describe(value: Any) -> str:
     return type(value).__name__
 
 
-def make_batch_fn(trainer: Any) -> Callable[[int], Any]:
-    """make_batch(b): b samples of the Trainer's dataset through its train collator."""
+def make_batch_fn(trainer: Any, effective: int) -> Callable[[int], Any]:
+    """make_batch(b): b samples through the Trainer's train collator.
+
+    train() fetches every micro-batch of an optimizer step before the first forward
+    (Trainer.get_batch_samples; accelerate moves each to the device) and holds them through
+    the step; so each call also puts the step's other ``effective - b`` samples on the model's
+    device, held until the next call: their memory counts as it will in training.
+    """
+    from accelerate.utils import send_to_device
+
     dataset, collate = _trainer_data(trainer)
-    samples = _sample_source(dataset)
+    pool = read_samples(dataset, effective)
+    device = next(trainer.model.parameters()).device
+    held: list[Any] = []
 
     def make_batch(b: int) -> Any:
-        picked = samples(b)
-        try:
-            return collate(picked)
-        except USER_ERRORS as exc:
-            if is_oom(exc):
-                raise
-            raise TilefitError(
-                f"the Trainer's data collator could not batch {b} samples: "
-                f"{type(exc).__name__}: {_first_line(exc)}",
-                expected="samples the collator can stack: the same keys in each, equal lengths "
-                "unless the collator pads",
-                given=f"samples like {describe(picked[0])}",
-                fix="pass a padding collator (DataCollatorWithPadding, "
-                "DataCollatorForLanguageModeling) or pad/truncate the dataset to one length",
-            ) from None
+        held.clear()
+        batch = _collate(collate, _pick(pool, 0, b))
+        if b < effective:
+            held.append(send_to_device(_collate(collate, _pick(pool, b, effective)), device))
+        return batch
 
     return make_batch
+
+
+def _collate(collate: Callable[[list[Any]], Any], samples: list[Any]) -> Any:
+    try:
+        return collate(samples)
+    except USER_ERRORS as exc:
+        if is_oom(exc):
+            raise
+        raise TilefitError(
+            f"the Trainer's data collator could not batch {len(samples)} samples: "
+            f"{type(exc).__name__}: {_first_line(exc)}",
+            expected="samples the collator can stack: the same keys in each, equal lengths "
+            "unless the collator pads",
+            given=f"samples like {describe(samples[0])}",
+            fix="pass a padding collator (DataCollatorWithPadding, "
+            "DataCollatorForLanguageModeling) or pad/truncate the dataset to one length",
+        ) from None
 
 
 # ---- the loss: what Trainer.training_step runs ----------------------------------------------
@@ -381,7 +394,7 @@ def tune_trainer(
     args = trainer.args
     model = trainer.model
     effective = effective_batch(args.per_device_train_batch_size, args.gradient_accumulation_steps)
-    make_batch = make_batch_fn(trainer)
+    make_batch = make_batch_fn(trainer, effective)
     device = next(model.parameters()).device
     with _explain_step_errors(trainer), checkpointing_as_trainer(trainer):
         result = tune(
