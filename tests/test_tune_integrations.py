@@ -1,4 +1,5 @@
-"""Hugging Face and Lightning helpers, and the `tilefit tune` command."""
+"""Lightning helpers and the `tilefit tune` command (the Hugging Face Trainer is tested against
+the real transformers.Trainer in test_integration_hf.py)."""
 
 from __future__ import annotations
 
@@ -16,65 +17,6 @@ from tilefit.cli.model_options import parse_shape
 from tilefit.cli.tune import parse_bytes
 from tilefit.errors import TilefitError
 from tilefit.tuning.integrations import lightning as tl
-from tilefit.tuning.integrations.hf import precision_of, split_effective_batch, tune_trainer
-
-
-def test_split_effective_batch_keeps_the_product() -> None:
-    assert split_effective_batch(32, 8) == (8, 4)  # 8 * 4 = 32
-    assert split_effective_batch(96, 24) == (24, 4)  # 24 * 4 = 96
-    with pytest.raises(TilefitError, match="does not divide"):
-        split_effective_batch(32, 12)
-
-
-def test_precision_from_training_arguments() -> None:
-    assert precision_of(SimpleNamespace(bf16=True, fp16=False)) == "bf16-mixed"
-    assert precision_of(SimpleNamespace(bf16=False, fp16=True)) == "fp16-mixed"
-    assert precision_of(SimpleNamespace(bf16=False, fp16=False, tf32=False)) == "fp32"
-
-
-class FakeTrainer:
-    """The attributes tune_trainer reads from transformers.Trainer (which needs accelerate,
-    not installed here): model, args, train_dataset, data_collator, the optimizer classmethod."""
-
-    def __init__(self, model: torch.nn.Module, dataset: list[dict[str, Any]]) -> None:
-        self.model = model
-        self.train_dataset = dataset
-        self.args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=8,
-                                    remove_unused_columns=True, bf16=False, fp16=False,
-                                    tf32=False, learning_rate=1e-3)
-        self._train_batch_size = 4
-        self.label_names = ["labels"]
-
-    @staticmethod
-    def get_optimizer_cls_and_kwargs(args: Any, model: Any = None) -> tuple[Any, dict[str, Any]]:
-        return torch.optim.AdamW, {"lr": args.learning_rate}
-
-    @staticmethod
-    def data_collator(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
-
-
-def test_tune_trainer_on_a_tiny_gpt2() -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
-                                       n_positions=16))
-    ids = torch.arange(16) % 64
-    dataset = [{"input_ids": ids, "labels": ids, "text": "unused column"} for _ in range(4)]
-    trainer = FakeTrainer(model, dataset)
-    trainer.args.train_batch_size = property(lambda s: s.per_device_train_batch_size)
-    before = [p.detach().clone() for p in model.parameters()]
-    result = tune_trainer(trainer, memory_limit_bytes=3_000_000, measure_throughput=False)
-    args = trainer.args
-    assert args.per_device_train_batch_size == result.batch_size
-    # the effective batch 4 * 8 = 32 is unchanged
-    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 32
-    assert 32 % args.per_device_train_batch_size == 0
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-    # untimed, the largest divisor of 32 that fits is chosen
-    assert result.batch_size == max(d for d in (1, 2, 4, 8, 16, 32)
-                                    if d <= result.max_fitting_batch_size)
 
 
 def test_lightning_is_imported_only_when_used() -> None:
