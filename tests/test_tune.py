@@ -282,3 +282,54 @@ def test_the_estimators_prediction_starts_the_search_next_to_the_exact_maximum()
     assert with_pred.max_fitting_batch_size == exact
     assert abs(with_pred.predicted_max_batch - exact) <= 0.01 * exact
     assert with_pred.fit_trials < without.fit_trials
+
+
+class Scale(nn.Module):
+    """loss = sum(x * w) for x of shape (b, 64): memory small enough to count by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.w).sum()
+
+
+def test_the_users_dataset_at_rest_is_not_charged_to_the_device() -> None:
+    # By hand, fp32, 64 features (256 B a row), SGD without momentum (no optimizer state).
+    # The backward's peak holds w (256 B), its gradient being reduced (256 B), the batch x
+    # (256 b B, the device's copy of data[:b]), grad * x (256 b B, before the sum over the
+    # batch), the loss and the ones it starts from (4 B each): 520 + 512 b bytes. The forward
+    # holds x, x * w and the previous loss, less. Under 6764 B the largest b is 12 (6664 B;
+    # 13 needs 7176 B), whatever the size of the dataset the batch is sliced from: the
+    # dataset (64 KiB to 16 MiB here, each over the limit) stays on the host.
+    limit_bytes = 6764
+    expected_peak_bytes = 520 + 512 * 12
+    answers = []
+    for rows in (256, 4096, 65536):
+        data = torch.randn(rows, 64)
+        model = Scale()
+        result = tune(model, lambda b, data=data: data[:b], loss_fn=lambda m, x: m(x),
+                      optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                      memory_limit_bytes=limit_bytes, margin=0, measure_throughput=False)
+        fit = {t["batch_size"]: t for t in result.trials if t["kind"] == "fit"}
+        assert fit[12]["fits"] and fit[12]["peak_memory_bytes"] == expected_peak_bytes
+        answers.append(result.max_fitting_batch_size)
+    # a second method: batches made fresh on the "device" (no dataset at all)
+    fresh_result = tune(Scale(), lambda b: torch.randn(b, 64), loss_fn=lambda m, x: m(x),
+                        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                        memory_limit_bytes=limit_bytes, margin=0, measure_throughput=False)
+    assert answers == [12, 12, 12] == [fresh_result.max_fitting_batch_size] * 3
+
+
+def test_views_of_memory_the_device_does_not_hold_are_not_counted() -> None:
+    host = torch.zeros(1000)  # 4000 B made before the mode: the user's data at rest
+    with MemoryLimitMode(None) as mode:
+        view = host[:10]  # a view of the host tensor: nothing allocated
+        host.add_(1)  # in place on the host tensor: nothing allocated
+        assert mode.live_bytes == 0
+        copy = mode.device_copy({"x": view, "n": 3})  # the device's copy: 10 * 4 = 40 B
+        assert mode.live_bytes == 40 and copy["n"] == 3 and torch.equal(copy["x"], view)
+        assert mode.device_copy(copy)["x"] is copy["x"]  # already on the device: kept
+        del copy
+        assert mode.live_bytes == 0

@@ -192,7 +192,7 @@ class Executor:
             for _ in range(accumulation):
                 if watch is not None:
                     watch.phase("forward")
-                batch = _to_device(self.make_batch(batch_size), self.device)
+                batch = self._on_device(self.make_batch(batch_size), watch)
                 loss = self._loss(batch)
                 if watch is not None:
                     watch.phase("backward")
@@ -204,6 +204,15 @@ class Executor:
         if watch is not None:
             watch.end()
         del batch, loss
+
+    def _on_device(self, batch: Any, watch: _PeakWatch | None) -> Any:
+        """The batch as the device holds it. Under the simulated cap a tensor still on the
+        host (a view of the user's dataset, say) is charged as the copy the device would
+        receive, its own elements, never the dataset it is a view of."""
+        batch = _to_device(batch, self.device)
+        if watch is not None and watch.mode is not None:
+            batch = watch.mode.device_copy(batch)
+        return batch
 
     # --- memory bookkeeping ---
 
