@@ -1,9 +1,10 @@
 """Real training steps at a given batch size: OOM-safe fit trials and timed throughput trials.
 
 One step is what the user's training loop does: make a batch, forward and loss (under autocast
-for mixed precision), backward, optimizer step, zero_grad(set_to_none=True). After every trial
-the weights, gradients and optimizer state are put back (``state.restore_weights``), so every
-trial starts from the state the user handed in.
+for mixed precision), backward, optimizer step, zero_grad(set_to_none=True), with every module
+in train mode (``state.train_mode``: dropout on, as in training). After every trial the
+weights, gradients, optimizer state and module attributes are put back
+(``state.restore_weights``), so every trial starts from the state the user handed in.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tilefit.errors import TilefitError
 from tilefit.tracing.step import check_scalar_loss, default_loss
 from tilefit.tuning.search import FitProbe
 from tilefit.tuning.simulate import OOM_ERROR, MemoryLimitMode
-from tilefit.tuning.state import Snapshot, restore_weights
+from tilefit.tuning.state import Snapshot, restore_weights, train_mode
 from tilefit.vocab import parse_precision
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -158,6 +159,8 @@ class Executor:
     # --- one step ---
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
+        """The trial's optimizer; also puts the model in train mode for the trial."""
+        train_mode(self.model)
         if isinstance(self.optimizer, torch.optim.Optimizer):
             return self.optimizer
         opt = self.optimizer(self.model.parameters())

@@ -23,7 +23,7 @@ from tilefit.tuning.search import (
     choose_batch,
     find_max_batch,
 )
-from tilefit.tuning.state import restore, snapshot
+from tilefit.tuning.state import restore, snapshot, train_mode
 from tilefit.vocab import Precision, parse_precision
 
 # Fraction of device memory kept free. Not a measurement: a policy. The caching allocator
@@ -170,8 +170,11 @@ def tune(
     from two fake-tensor traces of the step (no run on the device).
     on_trial: called with each Trial as it completes (progress display).
 
-    Model, optimizer, RNG states and module modes are exactly as before when tune returns or
-    raises (KeyboardInterrupt included).
+    The trials run with every module in train mode (``model.train()``, as Hugging Face's
+    Trainer and most loops train; a ``from_pretrained`` model arrives in eval mode, where
+    dropout allocates nothing). Model (parameters, buffers, gradients, every module's own
+    attributes, see ``tuning.state``), optimizer, RNG states and module modes are exactly as
+    before when tune returns or raises (KeyboardInterrupt included).
     """
     request = make_request(
         precision=precision, device=device, global_batch=global_batch, max_batch=max_batch,
@@ -183,6 +186,7 @@ def tune(
     snap = snapshot(model, user_opt)
     tf32_before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     try:
+        train_mode(model)  # trials run as training does (from_pretrained leaves eval mode)
         if request.precision.allow_tf32:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
