@@ -232,7 +232,7 @@ def test_clear_errors() -> None:
         tune(model, make_batch, optimizer=opt, memory_limit_bytes=LIMIT_BYTES)
     with pytest.raises(TilefitError, match="memory limit or a largest batch"):
         tune(model, make_batch, loss_fn=loss_fn, optimizer=opt)
-    with pytest.raises(TilefitError, match="not even a batch of 1"):
+    with pytest.raises(TilefitError, match="persistent state alone"):
         tune(model, make_batch, loss_fn=loss_fn, optimizer=opt, memory_limit_bytes=20_000)
     with pytest.raises(TilefitError, match="positive whole number"):
         tune(model, make_batch, loss_fn=loss_fn, optimizer=opt, max_batch=0)
@@ -508,3 +508,67 @@ def test_attributes_outside_the_containers_followed_are_kept_by_reference() -> N
     assert model.holder is holder and holder.hits == 1  # out of scope, as documented
     assert model.nested == [[{"t": model.nested[0][0]["t"]}]]
     assert torch.equal(model.nested[0][0]["t"], torch.ones(2))
+
+
+# nn.Linear(256, 256) trained with AdamW, by hand: 256 * 256 + 256 = 65,792 fp32 parameters,
+# 263,168 B; gradients the same; AdamW keeps exp_avg and exp_avg_sq (2 x 263,168 B) and a
+# 4-byte fp32 step count per parameter tensor (2): 526,344 B. Together 1,052,680 B.
+LINEAR_PARAMS_BYTES, LINEAR_ADAMW_BYTES, LINEAR_STATE_BYTES = 263_168, 526_344, 1_052_680
+
+
+def linear_sum(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).sum()
+
+
+@pytest.mark.parametrize("user_optimizer", [False, True])
+def test_a_cap_below_the_persistent_state_says_so_in_gib(user_optimizer: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256)
+    optimizer: Any = lambda params: torch.optim.AdamW(params)  # noqa: E731
+    source = "traced"  # a factory's optimizer has no state before the first step
+    if user_optimizer:
+        optimizer = torch.optim.AdamW(model.parameters())
+        linear_sum(model, torch.randn(2, 256)).backward()
+        optimizer.step()  # the state exists: it is measured
+        source = "measured"
+    with pytest.raises(TilefitError) as info:
+        tune(model, lambda b: torch.randn(b, 256), loss_fn=linear_sum, optimizer=optimizer,
+             memory_limit_bytes=1_000_000, margin=0, measure_throughput=False)
+    err = info.value
+    assert err.problem == ("the model's persistent state alone, 0.00098 GiB (1,052,680 B), "
+                           "exceeds the memory budget of 0.00093 GiB (1,000,000 B): no batch "
+                           "can fit")
+    assert LINEAR_STATE_BYTES / 2**30 == pytest.approx(0.00098, abs=5e-6)
+    assert err.given == (
+        "parameters and buffers 0.00025 GiB (263,168 B) + gradients 0.00025 GiB (263,168 B) "
+        f"+ optimizer state 0.00049 GiB (526,344 B) ({source}) = 0.00098 GiB (1,052,680 B)")
+    assert "batch size 1 ran out of memory" not in str(err)
+    assert "tilefit plan MODEL --gpu GPU" in err.fix
+
+
+def test_a_cap_above_the_state_but_below_batch_1_says_what_is_left() -> None:
+    # 100,000 B left over the state: AdamW's step alone needs more (its denominator
+    # sqrt(exp_avg_sq) is a temporary the size of the weight, 256 * 256 * 4 = 262,144 B)
+    limit_bytes = LINEAR_STATE_BYTES + 100_000
+    with pytest.raises(TilefitError) as info:
+        tune(nn.Linear(256, 256), lambda b: torch.randn(b, 256), loss_fn=linear_sum,
+             optimizer=lambda params: torch.optim.AdamW(params),
+             memory_limit_bytes=limit_bytes, margin=0, measure_throughput=False)
+    err = info.value
+    assert err.problem == "not even a batch of 1 fits in the memory budget"
+    assert "= 0.00098 GiB (1,052,680 B), leaving 9.3e-05 GiB (100,000 B)" in err.given
+
+
+def test_the_plan_command_the_errors_name_parses() -> None:
+    import typer
+
+    from tilefit.cli.app import app
+    from tilefit.tuning.tuner import PLAN_COMMAND
+
+    words = PLAN_COMMAND.split()
+    assert words[:2] == ["tilefit", "plan"]
+    args = [{"MODEL": "gpt2", "GPU": "a100-80gb", "N": "32"}.get(w, w) for w in words[2:]]
+    plan = typer.main.get_command(app).commands["plan"]
+    ctx = plan.make_context("plan", args)  # raises on a missing or unknown option
+    assert ctx.params["model"] == "gpt2" and ctx.params["global_batch"] == 32
+    assert ctx.params["allow_peft"] and ctx.params["allow_optimizer_change"]

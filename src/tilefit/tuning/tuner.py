@@ -270,14 +270,7 @@ def _search(ex: Executor, request: TuneRequest, first_probe: int | None) -> Tune
     """The exact largest batch that fits, then the fastest friendly batch up to it."""
     search = find_max_batch(ex.fit, start=first_probe, max_batch=request.cap)
     if search.max_batch == 0:
-        raise TilefitError(
-            "not even a batch of 1 fits in the memory budget",
-            expected=f"a step within {ex.budget_bytes} bytes "
-            f"({1 - request.margin:.0%} of {ex.capacity_bytes})",
-            given="batch size 1 ran out of memory",
-            fix="lower the margin, use mixed precision, gradient checkpointing or a "
-            "lighter optimizer (see `tilefit plan`)",
-        )
+        raise nothing_fits(ex, request)
     candidates = candidate_sizes(
         search.max_batch, multiple=preferred_multiple(request.device, request.precision.name),
         global_batch=request.global_batch,
@@ -300,3 +293,55 @@ def _search(ex: Executor, request: TuneRequest, first_probe: int | None) -> Tune
         global_batch=request.global_batch, candidates=candidates, noise=noise,
         predicted_max_batch=first_probe,
     )
+
+
+def gib(nbytes: int) -> str:
+    """Bytes in GiB, with the exact count where two decimals would read 0.00."""
+    if nbytes >= 0.01 * 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    return f"{nbytes / 2**30:.2g} GiB ({nbytes:,} B)"
+
+
+# What `tilefit plan` needs to rank every way of shrinking a step (its --global-batch is
+# required; other optimizers and LoRA are ranked only when allowed).
+PLAN_COMMAND = ("tilefit plan MODEL --gpu GPU --global-batch N --allow-optimizer-change "
+                "--allow-peft")
+PLAN_FIX = (f"`{PLAN_COMMAND}` ranks precisions, optimizers, gradient checkpointing, LoRA "
+            "and offload by what fits")
+
+
+def nothing_fits(ex: Executor, request: TuneRequest) -> TilefitError:
+    """Why not even a batch of 1 fits: the persistent state alone exceeds the budget (say
+    how much, and what would shrink it), or what it leaves is too little for one sample."""
+    from tilefit.tuning.predict import persistent_state
+
+    state = persistent_state(ex.model, ex.make_batch, loss_fn=ex.loss_fn,
+                             optimizer=ex.optimizer, precision=request.precision.name,
+                             device=request.device)
+    budget = ex.budget_bytes
+    of = "" if ex.capacity_bytes is None or budget == ex.capacity_bytes else \
+        f" = {1 - request.margin:.0%} of {gib(ex.capacity_bytes)}"
+    opt = ("optimizer state unknown (the step could not be traced)"
+           if state.optimizer_state_bytes is None else
+           f"optimizer state {gib(state.optimizer_state_bytes)} ({state.optimizer_source})")
+    parts = (f"parameters and buffers {gib(state.parameters_bytes)} + gradients "
+             f"{gib(state.gradients_bytes)} + {opt} = {gib(state.total_bytes)}")
+    if budget is not None and state.total_bytes > budget:
+        return TilefitError(
+            f"the model's persistent state alone, {gib(state.total_bytes)}, exceeds the "
+            f"memory budget of {gib(budget)}{of}: no batch can fit",
+            expected="parameters, gradients and optimizer state within the budget, with "
+            "room left for a batch's activations",
+            given=parts,
+            fix="a device with more memory, a lighter optimizer (--optimizer sgd, adafactor "
+            "or adamw-8bit: less optimizer state), bf16 weights (--precision bf16: half the "
+            f"parameters, gradients and state), or LoRA; {PLAN_FIX}")
+    room = "" if budget is None else f", leaving {gib(budget - state.total_bytes)} of " \
+        f"the {gib(budget)} budget{of}"
+    return TilefitError(
+        "not even a batch of 1 fits in the memory budget",
+        expected="a step at batch 1 (its activations, and the optimizer step's temporaries) "
+        "within the memory the persistent state leaves",
+        given=f"batch size 1 ran out of memory; persistent state {parts}{room}",
+        fix="gradient checkpointing, mixed precision (--precision bf16-mixed), shorter "
+        f"samples (--seq) or a smaller --margin; {PLAN_FIX}")
