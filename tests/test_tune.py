@@ -538,7 +538,7 @@ def test_a_cap_below_the_persistent_state_says_so_in_gib(user_optimizer: bool) -
     assert err.problem == ("the model's persistent state alone, 0.00098 GiB (1,052,680 B), "
                            "exceeds the memory budget of 0.00093 GiB (1,000,000 B): no batch "
                            "can fit")
-    assert LINEAR_STATE_BYTES / 2**30 == pytest.approx(0.00098, abs=5e-6)
+    assert pytest.approx(0.00098, abs=5e-6) == LINEAR_STATE_BYTES / 2**30
     assert err.given == (
         "parameters and buffers 0.00025 GiB (263,168 B) + gradients 0.00025 GiB (263,168 B) "
         f"+ optimizer state 0.00049 GiB (526,344 B) ({source}) = 0.00098 GiB (1,052,680 B)")
