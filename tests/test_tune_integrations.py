@@ -157,6 +157,14 @@ def test_cli_tune_json_and_plot(tmp_path: Any) -> None:
     assert data["max_fitting_batch_size"] == 16  # capped by --max-batch
     assert data["candidates"] == [1, 2, 4, 8, 16]  # divisors of 16, all friendly
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
+    # progress without a terminal: plain lines on stderr, the outlook first, one per trial
+    lines = [line for line in out.stderr.splitlines() if line.startswith("tune [")]
+    outlook = next(i for i, line in enumerate(lines) if "trials (" in line)
+    trial_lines = [line for line in lines if "trial " in line and " at batch " in line]
+    assert len(trial_lines) == len(data["trials"]) and lines.index(trial_lines[0]) > outlook
+    expected = int(lines[outlook].split("about ")[1].split(" trials")[0])
+    assert expected == len(data["trials"])  # 1 fit trial (the cap) + 5 timed candidates
+    assert f"trial 1 of ~{expected}: fit at batch 16: fits" in trial_lines[0]
 
 
 def test_cli_tune_errors_exit_2() -> None:

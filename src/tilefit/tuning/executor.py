@@ -14,7 +14,7 @@ import gc
 import math
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from torch import nn
 from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
 from tilefit.tracing.step import check_scalar_loss, default_loss
+from tilefit.tuning.outlook import TrialShape
 from tilefit.tuning.search import FitProbe
 from tilefit.tuning.simulate import OOM_ERROR, MemoryLimitMode
 from tilefit.tuning.state import Snapshot, restore_weights, train_mode
@@ -269,7 +270,37 @@ class Executor:
         if self.on_trial is not None:
             self.on_trial(trial)
 
+    @property
+    def trial_shape(self) -> TrialShape:
+        return TrialShape(self.steps_per_trial, self.warmup_steps, self.repeats,
+                          self.min_timed_steps, MIN_REPEAT_S, MAX_CYCLES_PER_REPEAT)
+
     # --- trials ---
+
+    def time_steps(self, batch_sizes: Sequence[int]) -> list[float] | None:
+        """Wall time of one step at each batch size in turn, run as the fit trials run (under
+        the simulated cap when there is one), or None on OOM. Not a recorded trial: it
+        tells how long the trials will take before they run."""
+        opt = self._new_optimizer()
+        times_s: list[float] = []
+        failed = True
+        try:
+            with self._memory(opt, self.memory_limit_bytes is not None) as watch:
+                for b in batch_sizes:
+                    _sync(self.device)
+                    start = time.perf_counter()
+                    self._steps(b, 1, 1, opt, watch)
+                    _sync(self.device)
+                    times_s.append(time.perf_counter() - start)
+            failed = False
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            traceback.clear_frames(exc.__traceback__)
+            del exc
+        finally:
+            self._cleanup(opt, failed=failed)
+        return None if failed else times_s
 
     def fit(self, batch_size: int) -> FitProbe:
         """Run ``steps_per_trial`` steps at ``batch_size``; did they fit within the budget?"""

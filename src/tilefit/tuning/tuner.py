@@ -17,6 +17,7 @@ from torch import nn
 from tilefit.dtypes import parse_dtype
 from tilefit.errors import TilefitError
 from tilefit.tuning.executor import Executor, LossFn, OptimizerArg, Trial
+from tilefit.tuning.outlook import Outlook, outlook, per_sample_s, timing_batch
 from tilefit.tuning.search import (
     accumulation_for,
     candidate_sizes,
@@ -157,6 +158,7 @@ def tune(
     predict: bool = True,
     measure_throughput: bool = True,
     on_trial: Callable[[Trial], None] | None = None,
+    on_outlook: Callable[[Outlook], None] | None = None,
 ) -> TuneResult:
     """Find the largest batch that fits, then the fastest hardware-friendly batch up to it.
 
@@ -169,6 +171,10 @@ def tune(
     predicted_max_batch: the first probe; by default (``predict``) the estimator predicts it
     from two fake-tensor traces of the step (no run on the device).
     on_trial: called with each Trial as it completes (progress display).
+    on_outlook: called once before the first trial with what tune expects to run: about how
+    many trials and how long (from steps timed at batch 1 and at a quarter of the expected
+    largest batch: three extra steps that run only when this is given). Not called when
+    there is no batch to expect (no prediction, no cap) or those steps run out of memory.
 
     The trials run with every module in train mode (``model.train()``, as Hugging Face's
     Trainer and most loops train; a ``from_pretrained`` model arrives in eval mode, where
@@ -198,6 +204,10 @@ def tune(
             repeats=REPEATS, min_timed_steps=MIN_TIMED_STEPS, on_trial=on_trial,
         )
         first_probe = _first_probe(model, make_batch, loss_fn, optimizer, request, ex)
+        if on_outlook is not None:
+            expected = _outlook(ex, request, first_probe)
+            if expected is not None:
+                on_outlook(expected)
         return _search(ex, request, first_probe)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
@@ -264,6 +274,24 @@ def _first_probe(model: nn.Module, make_batch: Callable[[int], Any], loss_fn: Lo
         model, make_batch, loss_fn=loss_fn, optimizer=optimizer,
         precision=request.precision.name, device=request.device,
         budget_bytes=ex.budget_bytes, cap=request.cap)
+
+
+def _outlook(ex: Executor, request: TuneRequest, first_probe: int | None) -> Outlook | None:
+    """Time a step at batch 1 (twice: the first warms up) and at a larger batch, and
+    expect."""
+    b = timing_batch(first_probe, request.cap)
+    times_s = ex.time_steps([1, 1, b])
+    if times_s is None:
+        return None
+    _, at_1, at_b = times_s
+    has_peaks = request.memory_limit_bytes is not None or request.device.type == "cuda"
+    return outlook(
+        step_s_at_1=at_1, step_s_per_sample=per_sample_s(at_1, b, at_b),
+        first_probe=first_probe,
+        cap=request.cap, has_peaks=has_peaks,
+        multiple=preferred_multiple(request.device, request.precision.name),
+        global_batch=request.global_batch, measure_throughput=request.measure_throughput,
+        shape=ex.trial_shape)
 
 
 def _search(ex: Executor, request: TuneRequest, first_probe: int | None) -> TuneResult:
