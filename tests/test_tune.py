@@ -513,7 +513,11 @@ def test_attributes_outside_the_containers_followed_are_kept_by_reference() -> N
 # nn.Linear(256, 256) trained with AdamW, by hand: 256 * 256 + 256 = 65,792 fp32 parameters,
 # 263,168 B; gradients the same; AdamW keeps exp_avg and exp_avg_sq (2 x 263,168 B) and a
 # 4-byte fp32 step count per parameter tensor (2): 526,344 B. Together 1,052,680 B.
-LINEAR_PARAMS_BYTES, LINEAR_ADAMW_BYTES, LINEAR_STATE_BYTES = 263_168, 526_344, 1_052_680
+LINEAR_PARAMS_BYTES = (256 * 256 + 256) * 4
+LINEAR_ADAMW_BYTES = 2 * LINEAR_PARAMS_BYTES + 2 * 4
+LINEAR_STATE_BYTES = 2 * LINEAR_PARAMS_BYTES + LINEAR_ADAMW_BYTES
+assert (LINEAR_PARAMS_BYTES, LINEAR_ADAMW_BYTES, LINEAR_STATE_BYTES) == (
+    263_168, 526_344, 1_052_680)
 
 
 def linear_sum(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -539,9 +543,10 @@ def test_a_cap_below_the_persistent_state_says_so_in_gib(user_optimizer: bool) -
                            "exceeds the memory budget of 0.00093 GiB (1,000,000 B): no batch "
                            "can fit")
     assert pytest.approx(0.00098, abs=5e-6) == LINEAR_STATE_BYTES / 2**30
+    p, a, total = LINEAR_PARAMS_BYTES, LINEAR_ADAMW_BYTES, LINEAR_STATE_BYTES
     assert err.given == (
-        "parameters and buffers 0.00025 GiB (263,168 B) + gradients 0.00025 GiB (263,168 B) "
-        f"+ optimizer state 0.00049 GiB (526,344 B) ({source}) = 0.00098 GiB (1,052,680 B)")
+        f"parameters and buffers 0.00025 GiB ({p:,} B) + gradients 0.00025 GiB ({p:,} B) "
+        f"+ optimizer state 0.00049 GiB ({a:,} B) ({source}) = 0.00098 GiB ({total:,} B)")
     assert "batch size 1 ran out of memory" not in str(err)
     assert "tilefit plan MODEL --gpu GPU" in err.fix
 
