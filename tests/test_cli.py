@@ -103,7 +103,15 @@ def test_linear_json_is_only_json(cli) -> None:
     assert len(data["rows"]) == 15  # 5 batches x 3 GEMMs
     assert {r["phase"] for r in data["rows"]} == {"forward", "activation_grad", "weight_grad"}
     for row in data["rows"]:
-        assert {"batch", "tokens", "phase"} | GEMM_KEYS <= set(row)
+        assert {"batch", "tokens", "phase", "gemm_batch"} | GEMM_KEYS <= set(row)
+        assert row["gemm_batch"] == 1  # one GEMM per call: no bmm in a linear layer
+    # each row carries the batch size asked for (the GEMM's count of batched GEMMs, 1, used
+    # to overwrite it), three GEMMs per batch, and its tokens are batch x seq (seq 1)
+    assert [r["batch"] for r in data["rows"]] == [b for b in (8, 64, 128, 256, 512)
+                                                   for _ in range(3)]
+    assert all(r["tokens"] == r["batch"] for r in data["rows"])
+    forward = [r for r in data["rows"] if r["phase"] == "forward"]
+    assert [r["m"] for r in forward] == [8, 64, 128, 256, 512]  # forward's M is T
     assert [t["batch"] for t in data["totals"]] == [8, 64, 128, 256, 512]
     for t in data["totals"]:
         assert {"flops", "predicted_time_s", "predicted_tflops"} <= set(t)

@@ -15,21 +15,25 @@ from tilefit.errors import TilefitError
 from tilefit.tuning import TuneResult, tune
 from tilefit.tuning.executor import is_oom
 from tilefit.tuning.simulate import OOM_ERROR, MemoryLimitMode
+from tilefit.tuning.state import restore, snapshot
 
 LIMIT_BYTES = 400_000
 
 
 class Net(nn.Module):
     """An MLP with BatchNorm (buffers incl. num_batches_tracked), Dropout (RNG), a frozen
-    layer (requires_grad False) and a submodule left in eval mode."""
+    layer (requires_grad False) and a submodule left in eval mode (the trials run it in train
+    mode, and its mode must come back). The batch norm sees 48 channels of 2 values per
+    sample, so that it trains at batch 1 too (one value per channel cannot)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.frozen = nn.Linear(16, 16)
         self.frozen.requires_grad_(False)
-        self.body = nn.Sequential(nn.Linear(16, 48), nn.BatchNorm1d(48), nn.ReLU(),
-                                  nn.Dropout(0.2), nn.Linear(48, 4))
-        self.body[1].eval()  # a mode that must survive
+        self.body = nn.Sequential(nn.Linear(16, 96), nn.Unflatten(1, (48, 2)),
+                                  nn.BatchNorm1d(48), nn.ReLU(), nn.Dropout(0.2), nn.Flatten(),
+                                  nn.Linear(96, 4))
+        self.body[2].eval()  # a mode that must survive
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(self.frozen(x))
@@ -95,6 +99,7 @@ def assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
 def fits_directly(b: int, limit_bytes: int, budget_bytes: int) -> bool:
     """A second way to answer "does b fit?": two plain steps on a deep copy, in our own loop."""
     model, opt = fresh()  # seeded: the same weights, gradients and optimizer state
+    model.train()  # as tune's trials run it
     live = [*model.parameters(), *model.buffers(),
             *(p.grad for p in model.parameters() if p.grad is not None),
             *(v for s in opt.state.values() for v in s.values())]
@@ -227,7 +232,7 @@ def test_clear_errors() -> None:
         tune(model, make_batch, optimizer=opt, memory_limit_bytes=LIMIT_BYTES)
     with pytest.raises(TilefitError, match="memory limit or a largest batch"):
         tune(model, make_batch, loss_fn=loss_fn, optimizer=opt)
-    with pytest.raises(TilefitError, match="not even a batch of 1"):
+    with pytest.raises(TilefitError, match="persistent state alone"):
         tune(model, make_batch, loss_fn=loss_fn, optimizer=opt, memory_limit_bytes=20_000)
     with pytest.raises(TilefitError, match="positive whole number"):
         tune(model, make_batch, loss_fn=loss_fn, optimizer=opt, max_batch=0)
@@ -282,3 +287,293 @@ def test_the_estimators_prediction_starts_the_search_next_to_the_exact_maximum()
     assert with_pred.max_fitting_batch_size == exact
     assert abs(with_pred.predicted_max_batch - exact) <= 0.01 * exact
     assert with_pred.fit_trials < without.fit_trials
+
+
+class Scale(nn.Module):
+    """loss = sum(x * w) for x of shape (b, 64): memory small enough to count by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.w).sum()
+
+
+def test_the_users_dataset_at_rest_is_not_charged_to_the_device() -> None:
+    # By hand, fp32, 64 features (256 B a row), SGD without momentum (no optimizer state).
+    # The backward's peak holds w (256 B), its gradient being reduced (256 B), the batch x
+    # (256 b B, the device's copy of data[:b]), grad * x (256 b B, before the sum over the
+    # batch), the loss and the ones it starts from (4 B each): 520 + 512 b bytes. The forward
+    # holds x, x * w and the previous loss, less. Under 6764 B the largest b is 12 (6664 B;
+    # 13 needs 7176 B), whatever the size of the dataset the batch is sliced from: the
+    # dataset (64 KiB to 16 MiB here, each over the limit) stays on the host.
+    limit_bytes = 6764
+    expected_peak_bytes = 520 + 512 * 12
+    answers = []
+    for rows in (256, 4096, 65536):
+        data = torch.randn(rows, 64)
+        model = Scale()
+        result = tune(model, lambda b, data=data: data[:b], loss_fn=lambda m, x: m(x),
+                      optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                      memory_limit_bytes=limit_bytes, margin=0, measure_throughput=False)
+        fit = {t["batch_size"]: t for t in result.trials if t["kind"] == "fit"}
+        assert fit[12]["fits"] and fit[12]["peak_memory_bytes"] == expected_peak_bytes
+        answers.append(result.max_fitting_batch_size)
+    # a second method: batches made fresh on the "device" (no dataset at all)
+    fresh_result = tune(Scale(), lambda b: torch.randn(b, 64), loss_fn=lambda m, x: m(x),
+                        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                        memory_limit_bytes=limit_bytes, margin=0, measure_throughput=False)
+    assert answers == [12, 12, 12] == [fresh_result.max_fitting_batch_size] * 3
+
+
+def test_views_of_memory_the_device_does_not_hold_are_not_counted() -> None:
+    host = torch.zeros(1000)  # 4000 B made before the mode: the user's data at rest
+    with MemoryLimitMode(None) as mode:
+        view = host[:10]  # a view of the host tensor: nothing allocated
+        host.add_(1)  # in place on the host tensor: nothing allocated
+        assert mode.live_bytes == 0
+        copy = mode.device_copy({"x": view, "n": 3})  # the device's copy: 10 * 4 = 40 B
+        assert mode.live_bytes == 40 and copy["n"] == 3 and torch.equal(copy["x"], view)
+        assert mode.device_copy(copy)["x"] is copy["x"]  # already on the device: kept
+        del copy
+        assert mode.live_bytes == 0
+
+
+class Pretrained(nn.Module):
+    """Two dropouts between linear layers; put in eval mode as from_pretrained leaves it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5), nn.ReLU(),
+                                 nn.Linear(64, 64), nn.Dropout(0.5), nn.Linear(64, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def pretrained() -> Pretrained:
+    torch.manual_seed(0)
+    return Pretrained().eval()
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def own_loop_fits(b: int, train: bool, limit_bytes: int) -> bool:
+    """A second method: two steps in our own loop, in the mode given, under the same cap."""
+    model = pretrained().train(train)
+    opt = sgd(model.parameters())
+    mode = MemoryLimitMode(limit_bytes, [*model.parameters(), *model.buffers()])
+    try:
+        with mode:
+            for _ in range(2):
+                batch = make_batch_64(b)
+                loss_fn(model, batch).backward()
+                del batch
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    except OOM_ERROR:
+        return False
+    return True
+
+
+def make_batch_64(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(b, 64), torch.randint(0, 4, (b,))
+
+
+def largest(fits: Any) -> int:
+    """The largest b with fits(b), for a monotone fits: doubling, then bisection."""
+    lo, hi = 0, 1
+    while fits(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:  # lo fits, hi does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def test_trials_run_in_train_mode_and_the_modes_come_back() -> None:
+    limit_bytes = 90_000
+    model = pretrained()
+    seen: list[bool] = []  # the mode each dropout ran in, whoever called it
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.register_forward_pre_hook(lambda mod, args: seen.append(mod.training))
+    result = tune(model, make_batch_64, loss_fn=loss_fn, optimizer=sgd,
+                  memory_limit_bytes=limit_bytes, margin=0, measure_throughput=False)
+    assert seen and all(seen)  # dropout on in every trial
+    assert not any(m.training for m in model.modules())  # eval again, every module
+    in_train = largest(lambda b: own_loop_fits(b, True, limit_bytes))
+    in_eval = largest(lambda b: own_loop_fits(b, False, limit_bytes))
+    # dropout's outputs and masks cost memory only in training: measuring in eval mode would
+    # choose a batch that runs out of memory once training starts
+    assert in_train < in_eval
+    assert result.max_fitting_batch_size == in_train
+    assert own_loop_fits(result.batch_size, True, limit_bytes)
+
+
+class Metered(nn.Module):
+    """A classifier whose forward updates a torchmetrics Metric and plain Python state: a
+    counter, a list it appends to, a dict, a tensor attribute changed in place, and an
+    attribute it adds on its first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torchmetrics
+
+        self.lin = nn.Linear(16, 4)
+        self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=4)
+        self.calls = 0
+        self.seen: list[int] = []
+        self.stats: dict[str, Any] = {"batches": 0}
+        self.total = torch.zeros(())
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.lin(x)
+        self.accuracy.update(logits.detach(), y)
+        self.calls += 1
+        self.seen.append(x.shape[0])
+        self.stats["batches"] += 1
+        self.total += x.shape[0]
+        if not hasattr(self, "first_batch"):
+            self.first_batch = x.shape[0]
+        return nn.functional.cross_entropy(logits, y)
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Equal as data: tensors by value, containers item by item, modules by their own
+    attributes; callables and other objects are not compared here (deepcopy copies them)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, nn.Module):
+        return type(a) is type(b)  # compared module by module by the caller
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            same_value(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(
+            same_value(x, y) for x, y in zip(a, b, strict=True))
+    if a is None or isinstance(a, bool | int | float | str | torch.device | torch.dtype):
+        return a == b
+    return True
+
+
+def test_every_modules_own_state_is_restored_as_deepcopy_sees_it() -> None:
+    torch.manual_seed(0)
+    model = Metered()
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    model(x, y)  # the user's own step before tuning: the metric holds one update
+    accuracy_before = model.accuracy.compute()  # caches _computed, which must come back too
+    before = copy.deepcopy(model)
+    counts = []
+
+    def loss(m: Metered, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = m(**batch)
+        counts.append(m.accuracy._update_count)  # during the trial
+        return out
+
+    tune(model, lambda b: {"x": torch.randn(b, 16), "y": torch.randint(0, 4, (b,))},
+         loss_fn=loss, optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+         memory_limit_bytes=200_000, max_batch=64, predicted_max_batch=64)
+    # the trials did update the metric (two steps per fit trial, timed steps after), and
+    # none of it is left
+    assert max(counts) > 1
+    assert model.accuracy._update_count == before.accuracy._update_count == 1
+    assert torch.equal(model.accuracy.compute(), accuracy_before)
+    assert (model.calls, model.seen, model.stats) == (1, [8], {"batches": 1})
+    assert model.total.item() == 8 and model.first_batch == 8
+    for (name, m), (_, ref) in zip(model.named_modules(), before.named_modules(), strict=True):
+        assert vars(m).keys() == vars(ref).keys(), name
+        for key, value in vars(m).items():
+            assert same_value(value, vars(ref)[key]), (name, key)
+
+
+def test_attributes_outside_the_containers_followed_are_kept_by_reference() -> None:
+    class Holder:
+        def __init__(self) -> None:
+            self.hits = 0
+
+    model = nn.Linear(4, 2)
+    holder = Holder()
+    model.holder = holder  # an arbitrary object: bound back by reference, not rolled back
+    model.nested = [[{"t": torch.ones(2)}]]
+    snap = snapshot(model, None)
+    holder.hits += 1
+    model.nested[0][0]["t"].add_(1)
+    model.nested[0].append("new")
+    model.holder = None
+    restore(snap)
+    assert model.holder is holder and holder.hits == 1  # out of scope, as documented
+    assert model.nested == [[{"t": model.nested[0][0]["t"]}]]
+    assert torch.equal(model.nested[0][0]["t"], torch.ones(2))
+
+
+# nn.Linear(256, 256) trained with AdamW, by hand: 256 * 256 + 256 = 65,792 fp32 parameters,
+# 263,168 B; gradients the same; AdamW keeps exp_avg and exp_avg_sq (2 x 263,168 B) and a
+# 4-byte fp32 step count per parameter tensor (2): 526,344 B. Together 1,052,680 B.
+LINEAR_PARAMS_BYTES = (256 * 256 + 256) * 4
+LINEAR_ADAMW_BYTES = 2 * LINEAR_PARAMS_BYTES + 2 * 4
+LINEAR_STATE_BYTES = 2 * LINEAR_PARAMS_BYTES + LINEAR_ADAMW_BYTES
+assert (LINEAR_PARAMS_BYTES, LINEAR_ADAMW_BYTES, LINEAR_STATE_BYTES) == (
+    263_168, 526_344, 1_052_680)
+
+
+def linear_sum(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).sum()
+
+
+@pytest.mark.parametrize("user_optimizer", [False, True])
+def test_a_cap_below_the_persistent_state_says_so_in_gib(user_optimizer: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256)
+    optimizer: Any = lambda params: torch.optim.AdamW(params)  # noqa: E731
+    source = "traced"  # a factory's optimizer has no state before the first step
+    if user_optimizer:
+        optimizer = torch.optim.AdamW(model.parameters())
+        linear_sum(model, torch.randn(2, 256)).backward()
+        optimizer.step()  # the state exists: it is measured
+        source = "measured"
+    with pytest.raises(TilefitError) as info:
+        tune(model, lambda b: torch.randn(b, 256), loss_fn=linear_sum, optimizer=optimizer,
+             memory_limit_bytes=1_000_000, margin=0, measure_throughput=False)
+    err = info.value
+    assert err.problem == ("the model's persistent state alone, 0.00098 GiB (1,052,680 B), "
+                           "exceeds the memory budget of 0.00093 GiB (1,000,000 B): no batch "
+                           "can fit")
+    assert pytest.approx(0.00098, abs=5e-6) == LINEAR_STATE_BYTES / 2**30
+    p, a, total = LINEAR_PARAMS_BYTES, LINEAR_ADAMW_BYTES, LINEAR_STATE_BYTES
+    assert err.given == (
+        f"parameters and buffers 0.00025 GiB ({p:,} B) + gradients 0.00025 GiB ({p:,} B) "
+        f"+ optimizer state 0.00049 GiB ({a:,} B) ({source}) = 0.00098 GiB ({total:,} B)")
+    assert "batch size 1 ran out of memory" not in str(err)
+    assert "tilefit plan MODEL --gpu GPU" in err.fix
+
+
+def test_a_cap_above_the_state_but_below_batch_1_says_what_is_left() -> None:
+    # 100,000 B left over the state: AdamW's step alone needs more (its denominator
+    # sqrt(exp_avg_sq) is a temporary the size of the weight, 256 * 256 * 4 = 262,144 B)
+    limit_bytes = LINEAR_STATE_BYTES + 100_000
+    with pytest.raises(TilefitError) as info:
+        tune(nn.Linear(256, 256), lambda b: torch.randn(b, 256), loss_fn=linear_sum,
+             optimizer=lambda params: torch.optim.AdamW(params),
+             memory_limit_bytes=limit_bytes, margin=0, measure_throughput=False)
+    err = info.value
+    assert err.problem == "not even a batch of 1 fits in the memory budget"
+    assert "= 0.00098 GiB (1,052,680 B), leaving 9.3e-05 GiB (100,000 B)" in err.given
+
+
+def test_the_plan_command_the_errors_name_parses() -> None:
+    import typer
+
+    from tilefit.cli.app import app
+    from tilefit.tuning.tuner import PLAN_COMMAND
+
+    words = PLAN_COMMAND.split()
+    assert words[:2] == ["tilefit", "plan"]
+    args = [{"MODEL": "gpt2", "GPU": "a100-80gb", "N": "32"}.get(w, w) for w in words[2:]]
+    plan = typer.main.get_command(app).commands["plan"]
+    ctx = plan.make_context("plan", args)  # raises on a missing or unknown option
+    assert ctx.params["model"] == "gpt2" and ctx.params["global_batch"] == 32
+    assert ctx.params["allow_peft"] and ctx.params["allow_optimizer_change"]

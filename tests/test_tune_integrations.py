@@ -19,6 +19,27 @@ from tilefit.errors import TilefitError
 from tilefit.tuning.integrations import lightning as tl
 
 
+def test_tune_trainer_runs_an_eval_mode_model_in_train_mode() -> None:
+    # from_pretrained returns a model in eval mode; the trials must train it with dropout on
+    # (tune puts it in train mode), and give the modes back
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
+                                       n_positions=16)).eval()
+    seen: list[bool] = []
+    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts
+    for m in dropouts:
+        m.register_forward_pre_hook(lambda mod, args: seen.append(mod.training))
+    ids = torch.arange(16) % 64
+    trainer = FakeTrainer(model, [{"input_ids": ids, "labels": ids} for _ in range(4)])
+    trainer.args.train_batch_size = 4  # what the Trainer's arguments report
+    tune_trainer(trainer, memory_limit_bytes=3_000_000, measure_throughput=False)
+    assert len(seen) >= len(dropouts) and all(seen)
+    assert not any(m.training for m in model.modules())
+
+
 def test_lightning_is_imported_only_when_used() -> None:
     if importlib.util.find_spec("lightning") or importlib.util.find_spec("pytorch_lightning"):
         pytest.skip("Lightning is installed here")
@@ -78,6 +99,14 @@ def test_cli_tune_json_and_plot(tmp_path: Any) -> None:
     assert data["max_fitting_batch_size"] == 16  # capped by --max-batch
     assert data["candidates"] == [1, 2, 4, 8, 16]  # divisors of 16, all friendly
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
+    # progress without a terminal: plain lines on stderr, the outlook first, one per trial
+    lines = [line for line in out.stderr.splitlines() if line.startswith("tune [")]
+    outlook = next(i for i, line in enumerate(lines) if "trials (" in line)
+    trial_lines = [line for line in lines if "trial " in line and " at batch " in line]
+    assert len(trial_lines) == len(data["trials"]) and lines.index(trial_lines[0]) > outlook
+    expected = int(lines[outlook].split("about ")[1].split(" trials")[0])
+    assert expected == len(data["trials"])  # 1 fit trial (the cap) + 5 timed candidates
+    assert f"trial 1 of ~{expected}: fit at batch 16: fits" in trial_lines[0]
 
 
 def test_cli_tune_errors_exit_2() -> None:

@@ -49,8 +49,12 @@ class LinearRow:
     gemm: GemmAnalysis
 
     def to_dict(self) -> dict[str, Any]:
-        return {"batch": self.batch, "tokens": self.tokens, "phase": self.phase,
-                **self.gemm.to_dict()}
+        """The row's batch, tokens and phase, then the GEMM's fields; the GEMM's own ``batch``
+        (its count of batched GEMMs, 1 here) is renamed ``gemm_batch`` so that it cannot
+        overwrite the row's batch size."""
+        gemm = self.gemm.to_dict()
+        gemm["gemm_batch"] = gemm.pop("batch")
+        return {**gemm, "batch": self.batch, "tokens": self.tokens, "phase": self.phase}
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ def models(json_out: bool = JSON_OPTION) -> None:
             "-" if r.default_seq_len is None else str(r.default_seq_len),
         )
     console.print(table)
-    console.print("max seq: the position limit; seq: the default tokens per sample (--seq-len).")
+    console.print("max seq: the position limit; seq: the default tokens per sample (--seq).")
     console.print("Parameters are counted from each model built on the meta device; configs are "
                   "the hub's config.json (`--json` has each source). Also accepted: a path to a "
                   "config.json, or package.module:function returning an nn.Module.")

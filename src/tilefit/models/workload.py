@@ -88,7 +88,7 @@ class Workload:
                 "batch size must be a positive whole number",
                 expected="an integer >= 1",
                 given=repr(batch_size),
-                fix="pass e.g. --batch-size 8",
+                fix="pass e.g. --batch 8 (batch_size=8 in Python)",
             )
         if self.config is None:
             assert self.input_shape is not None
@@ -248,9 +248,9 @@ def _hf_workload(
         if seq_len is not None:
             raise TilefitError(
                 f"{name} is an image model; it takes no seq_len",
-                expected="no --seq-len for image classification",
+                expected="no --seq for image classification",
                 given=f"seq_len={seq_len}",
-                fix="leave --seq-len out (the image size comes from the config: image_size)",
+                fix="leave --seq out (the image size comes from the config: image_size)",
             )
         if input_shape is not None:
             size = cfg.image_size
@@ -268,9 +268,9 @@ def _hf_workload(
         if input_shape is not None:
             raise TilefitError(
                 f"{name} takes token sequences; input_shape is for module:function factories",
-                expected="--seq-len for text models",
+                expected="--seq (seq_len= in Python) for text models",
                 given=f"input_shape={tuple(input_shape)}",
-                fix="use --seq-len instead of --input-shape",
+                fix="use --seq instead of --input-shape",
             )
         resolved_seq = hf.choose_seq_len(task, cfg) if seq_len is None else seq_len
         hf.check_seq_len(name, cfg, resolved_seq)

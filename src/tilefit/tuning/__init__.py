@@ -2,6 +2,7 @@
 global batch kept by accumulation, all state restored. See ``tuner.tune``."""
 
 from tilefit.tuning.executor import Trial, is_oom
+from tilefit.tuning.outlook import Outlook
 from tilefit.tuning.search import FitProbe, FitSearch, candidate_sizes, choose_batch, find_max_batch
 from tilefit.tuning.tuner import DEFAULT_MARGIN, TuneResult, tune
 
@@ -9,6 +10,7 @@ __all__ = [
     "DEFAULT_MARGIN",
     "FitProbe",
     "FitSearch",
+    "Outlook",
     "Trial",
     "TuneResult",
     "candidate_sizes",

@@ -1,9 +1,10 @@
 """Real training steps at a given batch size: OOM-safe fit trials and timed throughput trials.
 
 One step is what the user's training loop does: make a batch, forward and loss (under autocast
-for mixed precision), backward, optimizer step, zero_grad(set_to_none=True). After every trial
-the weights, gradients and optimizer state are put back (``state.restore_weights``), so every
-trial starts from the state the user handed in.
+for mixed precision), backward, optimizer step, zero_grad(set_to_none=True), with every module
+in train mode (``state.train_mode``: dropout on, as in training). After every trial the
+weights, gradients, optimizer state and module attributes are put back
+(``state.restore_weights``), so every trial starts from the state the user handed in.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import gc
 import math
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -23,9 +24,10 @@ from torch import nn
 from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
 from tilefit.tracing.step import check_scalar_loss, default_loss
+from tilefit.tuning.outlook import TrialShape
 from tilefit.tuning.search import FitProbe
 from tilefit.tuning.simulate import OOM_ERROR, MemoryLimitMode
-from tilefit.tuning.state import Snapshot, restore_weights
+from tilefit.tuning.state import Snapshot, restore_weights, train_mode
 from tilefit.vocab import parse_precision
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -158,6 +160,8 @@ class Executor:
     # --- one step ---
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
+        """The trial's optimizer; also puts the model in train mode for the trial."""
+        train_mode(self.model)
         if isinstance(self.optimizer, torch.optim.Optimizer):
             return self.optimizer
         opt = self.optimizer(self.model.parameters())
@@ -192,7 +196,7 @@ class Executor:
             for _ in range(accumulation):
                 if watch is not None:
                     watch.phase("forward")
-                batch = _to_device(self.make_batch(batch_size), self.device)
+                batch = self._on_device(self.make_batch(batch_size), watch)
                 loss = self._loss(batch)
                 if watch is not None:
                     watch.phase("backward")
@@ -204,6 +208,15 @@ class Executor:
         if watch is not None:
             watch.end()
         del batch, loss
+
+    def _on_device(self, batch: Any, watch: _PeakWatch | None) -> Any:
+        """The batch as the device holds it. Under the simulated cap a tensor still on the
+        host (a view of the user's dataset, say) is charged as the copy the device would
+        receive, its own elements, never the dataset it is a view of."""
+        batch = _to_device(batch, self.device)
+        if watch is not None and watch.mode is not None:
+            batch = watch.mode.device_copy(batch)
+        return batch
 
     # --- memory bookkeeping ---
 
@@ -257,7 +270,37 @@ class Executor:
         if self.on_trial is not None:
             self.on_trial(trial)
 
+    @property
+    def trial_shape(self) -> TrialShape:
+        return TrialShape(self.steps_per_trial, self.warmup_steps, self.repeats,
+                          self.min_timed_steps, MIN_REPEAT_S, MAX_CYCLES_PER_REPEAT)
+
     # --- trials ---
+
+    def time_steps(self, batch_sizes: Sequence[int]) -> list[float] | None:
+        """Wall time of one step at each batch size in turn, run as the fit trials run (under
+        the simulated cap when there is one), or None on OOM. Not a recorded trial: it
+        tells how long the trials will take before they run."""
+        opt = self._new_optimizer()
+        times_s: list[float] = []
+        failed = True
+        try:
+            with self._memory(opt, self.memory_limit_bytes is not None) as watch:
+                for b in batch_sizes:
+                    _sync(self.device)
+                    start = time.perf_counter()
+                    self._steps(b, 1, 1, opt, watch)
+                    _sync(self.device)
+                    times_s.append(time.perf_counter() - start)
+            failed = False
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            traceback.clear_frames(exc.__traceback__)
+            del exc
+        finally:
+            self._cleanup(opt, failed=failed)
+        return None if failed else times_s
 
     def fit(self, batch_size: int) -> FitProbe:
         """Run ``steps_per_trial`` steps at ``batch_size``; did they fit within the budget?"""

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from tilefit.errors import TilefitError
 
 PROBE_BATCHES = (1, 2)
 MAX_REFINE_TRACES = 3
+
 
 def _optimizer_factory(optimizer: Any) -> Callable[[Any], torch.optim.Optimizer]:
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -96,3 +98,70 @@ def _solve(lo: tuple[int, tuple[int, int]], hi: tuple[int, tuple[int, int]],
         elif fixed > budget_bytes:
             return 1
     return None if best == math.inf else max(1, math.floor(best))
+
+
+@dataclass(frozen=True)
+class PersistentState:
+    """What a training step keeps on the device whatever the batch: the floor of every trial.
+
+    Parameters and buffers are measured on the model (each storage once); gradients are
+    computed, one per trainable parameter of its size; the optimizer state is measured on the
+    user's optimizer when it already holds state for every trainable parameter, else read off
+    a fake-tensor trace of one step at batch 1 (None when the step cannot be traced)."""
+
+    parameters_bytes: int  # parameters and buffers
+    gradients_bytes: int
+    optimizer_state_bytes: int | None
+    optimizer_source: str  # "measured", "traced" or "unknown"
+
+    @property
+    def total_bytes(self) -> int:
+        return self.parameters_bytes + self.gradients_bytes + (self.optimizer_state_bytes or 0)
+
+
+def _unique_bytes(tensors: Iterable[Any]) -> int:
+    sizes: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            storage = t.untyped_storage()
+            sizes[storage._cdata] = int(storage.nbytes())
+    return sum(sizes.values())
+
+
+def _measured_optimizer_state(optimizer: Any, trainable: list[nn.Parameter]) -> int | None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return None
+    if any(p not in optimizer.state or not optimizer.state[p] for p in trainable):
+        return None  # the state is made by the first step: not there yet
+    return _unique_bytes(v for s in optimizer.state.values() for v in s.values())
+
+
+def _traced_optimizer_state(model: nn.Module, make_batch: Callable[[int], Any], *,
+                            loss_fn: Any, optimizer: Any, precision: str,
+                            device: torch.device) -> int | None:
+    from tilefit.hardware import get_device
+    from tilefit.tracing import trace
+
+    try:
+        target: Any = get_device("auto") if device.type == "cuda" else "cpu"
+        tr = trace(model, make_batch(1), loss_fn=loss_fn,
+                   optimizer=_optimizer_factory(optimizer), precision=precision, device=target)
+    except TilefitError:
+        return None
+    timeline = tr.live_bytes_timeline(rounded=False,
+                                      keep=lambda s: s.category == "optimizer_state")
+    return max(timeline)
+
+
+def persistent_state(model: nn.Module, make_batch: Callable[[int], Any], *, loss_fn: Any,
+                     optimizer: Any, precision: str, device: torch.device) -> PersistentState:
+    """The model's persistent state: parameters, buffers, gradients and optimizer state."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    params = _unique_bytes([*model.parameters(), *model.buffers()])
+    grads = sum(p.numel() * p.element_size() for p in trainable)
+    measured = _measured_optimizer_state(optimizer, trainable)
+    if measured is not None:
+        return PersistentState(params, grads, measured, "measured")
+    traced = _traced_optimizer_state(model, make_batch, loss_fn=loss_fn, optimizer=optimizer,
+                                     precision=precision, device=device)
+    return PersistentState(params, grads, traced, "unknown" if traced is None else "traced")

@@ -3,10 +3,18 @@ takes the total past the limit raises ``torch.OutOfMemoryError`` from inside the
 where a real device would fail. This is how the whole search runs on the CPU in tests and
 benchmarks.
 
-Counting: every storage an op returns is registered once (keyed by the StorageImpl pointer,
-so views and in-place results are not double counted) with a weakref finalizer that subtracts
-its bytes when the storage is freed. PyTorch preserves the Python object of a live storage,
-so the finalizer fires when the storage itself dies, not when a wrapper is collected.
+What is counted is what the device would hold: the ``preexisting`` tensors (the model's
+persistent state: parameters, buffers, gradients, optimizer state) and every storage an op
+allocates while the mode is on. An op's output that aliases one of its inputs (a view, an
+in-place result) allocates nothing: it is counted only if that input's storage already is.
+So a slice of the user's dataset (``data[:b]``, a view of a host tensor that may hold
+millions of rows) is never charged the whole dataset; ``device_copy`` charges the batch as
+the device would receive it, a copy of its own elements.
+
+Counting: every new storage is registered once (keyed by the StorageImpl pointer, so views
+and in-place results are not double counted) with a weakref finalizer that subtracts its
+bytes when the storage is freed. PyTorch preserves the Python object of a live storage, so
+the finalizer fires when the storage itself dies, not when a wrapper is collected.
 """
 
 from __future__ import annotations
@@ -17,12 +25,22 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 # torch.OutOfMemoryError is the top-level name from torch 2.5; torch.cuda.OutOfMemoryError
 # (the same class) is older.
 OOM_ERROR: type[Exception] = getattr(torch, "OutOfMemoryError", None) or \
     torch.cuda.OutOfMemoryError
+
+
+def _storage(t: Any) -> torch.UntypedStorage | None:
+    """The storage of a real tensor; None for anything else (meta, sparse, not a tensor)."""
+    if not isinstance(t, torch.Tensor) or t.is_meta:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, ...)
+        return None
 
 
 class MemoryLimitMode(TorchDispatchMode):
@@ -45,11 +63,8 @@ class MemoryLimitMode(TorchDispatchMode):
         self.baseline_bytes = self.live_bytes
 
     def _track(self, t: torch.Tensor) -> None:
-        if not isinstance(t, torch.Tensor) or t.is_meta:
-            return
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, ...)
+        storage = _storage(t)
+        if storage is None:
             return
         key = storage._cdata
         if key in self._live:
@@ -69,10 +84,31 @@ class MemoryLimitMode(TorchDispatchMode):
         nbytes = self._live.pop(key, 0)
         self.live_bytes -= nbytes
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage is counted (on the simulated device)."""
+        storage = _storage(t)
+        return storage is not None and storage._cdata in self._live
+
+    def device_copy(self, tree: Any) -> Any:
+        """``tree`` with every tensor the device does not hold replaced by a copy of its own
+        elements, counted: what ``batch.to("cuda")`` gives for a batch on the host (a view
+        such as ``data[:b]`` is copied as its b rows, not its dataset). Call inside the mode."""
+        leaves, spec = tree_flatten(tree)
+        if not any(isinstance(t, torch.Tensor) and not self.holds(t) for t in leaves):
+            return tree
+        copied = [t.clone() if isinstance(t, torch.Tensor) and _storage(t) is not None
+                  and not self.holds(t) else t for t in leaves]
+        return tree_unflatten(copied, spec)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        # storages the inputs already had: an output on one of them is a view or an in-place
+        # result, not an allocation (and if that input is not counted, neither is the view)
+        inputs = {s._cdata for s in map(_storage, tree_flatten((args, kwargs))[0])
+                  if s is not None}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+            storage = _storage(t)
+            if storage is not None and storage._cdata not in inputs:
                 self._track(t)
         if self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
             over = self.live_bytes

@@ -17,13 +17,14 @@ from torch import nn
 from tilefit.dtypes import parse_dtype
 from tilefit.errors import TilefitError
 from tilefit.tuning.executor import Executor, LossFn, OptimizerArg, Trial
+from tilefit.tuning.outlook import Outlook, outlook, per_sample_s, timing_batch
 from tilefit.tuning.search import (
     accumulation_for,
     candidate_sizes,
     choose_batch,
     find_max_batch,
 )
-from tilefit.tuning.state import restore, snapshot
+from tilefit.tuning.state import restore, snapshot, train_mode
 from tilefit.vocab import Precision, parse_precision
 
 # Fraction of device memory kept free. Not a measurement: a policy. The caching allocator
@@ -157,6 +158,7 @@ def tune(
     predict: bool = True,
     measure_throughput: bool = True,
     on_trial: Callable[[Trial], None] | None = None,
+    on_outlook: Callable[[Outlook], None] | None = None,
 ) -> TuneResult:
     """Find the largest batch that fits, then the fastest hardware-friendly batch up to it.
 
@@ -169,9 +171,16 @@ def tune(
     predicted_max_batch: the first probe; by default (``predict``) the estimator predicts it
     from two fake-tensor traces of the step (no run on the device).
     on_trial: called with each Trial as it completes (progress display).
+    on_outlook: called once before the first trial with what tune expects to run: about how
+    many trials and how long (from steps timed at batch 1 and at a quarter of the expected
+    largest batch: three extra steps that run only when this is given). Not called when
+    there is no batch to expect (no prediction, no cap) or those steps run out of memory.
 
-    Model, optimizer, RNG states and module modes are exactly as before when tune returns or
-    raises (KeyboardInterrupt included).
+    The trials run with every module in train mode (``model.train()``, as Hugging Face's
+    Trainer and most loops train; a ``from_pretrained`` model arrives in eval mode, where
+    dropout allocates nothing). Model (parameters, buffers, gradients, every module's own
+    attributes, see ``tuning.state``), optimizer, RNG states and module modes are exactly as
+    before when tune returns or raises (KeyboardInterrupt included).
     """
     request = make_request(
         precision=precision, device=device, global_batch=global_batch, max_batch=max_batch,
@@ -183,6 +192,7 @@ def tune(
     snap = snapshot(model, user_opt)
     tf32_before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     try:
+        train_mode(model)  # trials run as training does (from_pretrained leaves eval mode)
         if request.precision.allow_tf32:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -194,6 +204,10 @@ def tune(
             repeats=REPEATS, min_timed_steps=MIN_TIMED_STEPS, on_trial=on_trial,
         )
         first_probe = _first_probe(model, make_batch, loss_fn, optimizer, request, ex)
+        if on_outlook is not None:
+            expected = _outlook(ex, request, first_probe)
+            if expected is not None:
+                on_outlook(expected)
         return _search(ex, request, first_probe)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
@@ -262,18 +276,29 @@ def _first_probe(model: nn.Module, make_batch: Callable[[int], Any], loss_fn: Lo
         budget_bytes=ex.budget_bytes, cap=request.cap)
 
 
+def _outlook(ex: Executor, request: TuneRequest, first_probe: int | None) -> Outlook | None:
+    """Time a step at batch 1 (twice: the first warms up) and at a larger batch, and
+    expect."""
+    b = timing_batch(first_probe, request.cap)
+    times_s = ex.time_steps([1, 1, b])
+    if times_s is None:
+        return None
+    _, at_1, at_b = times_s
+    has_peaks = request.memory_limit_bytes is not None or request.device.type == "cuda"
+    return outlook(
+        step_s_at_1=at_1, step_s_per_sample=per_sample_s(at_1, b, at_b),
+        first_probe=first_probe,
+        cap=request.cap, has_peaks=has_peaks,
+        multiple=preferred_multiple(request.device, request.precision.name),
+        global_batch=request.global_batch, measure_throughput=request.measure_throughput,
+        shape=ex.trial_shape)
+
+
 def _search(ex: Executor, request: TuneRequest, first_probe: int | None) -> TuneResult:
     """The exact largest batch that fits, then the fastest friendly batch up to it."""
     search = find_max_batch(ex.fit, start=first_probe, max_batch=request.cap)
     if search.max_batch == 0:
-        raise TilefitError(
-            "not even a batch of 1 fits in the memory budget",
-            expected=f"a step within {ex.budget_bytes} bytes "
-            f"({1 - request.margin:.0%} of {ex.capacity_bytes})",
-            given="batch size 1 ran out of memory",
-            fix="lower the margin, use mixed precision, gradient checkpointing or a "
-            "lighter optimizer (see `tilefit plan`)",
-        )
+        raise nothing_fits(ex, request)
     candidates = candidate_sizes(
         search.max_batch, multiple=preferred_multiple(request.device, request.precision.name),
         global_batch=request.global_batch,
@@ -296,3 +321,55 @@ def _search(ex: Executor, request: TuneRequest, first_probe: int | None) -> Tune
         global_batch=request.global_batch, candidates=candidates, noise=noise,
         predicted_max_batch=first_probe,
     )
+
+
+def gib(nbytes: int) -> str:
+    """Bytes in GiB, with the exact count where two decimals would read 0.00."""
+    if nbytes >= 0.01 * 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    return f"{nbytes / 2**30:.2g} GiB ({nbytes:,} B)"
+
+
+# What `tilefit plan` needs to rank every way of shrinking a step (its --global-batch is
+# required; other optimizers and LoRA are ranked only when allowed).
+PLAN_COMMAND = ("tilefit plan MODEL --gpu GPU --global-batch N --allow-optimizer-change "
+                "--allow-peft")
+PLAN_FIX = (f"`{PLAN_COMMAND}` ranks precisions, optimizers, gradient checkpointing, LoRA "
+            "and offload by what fits")
+
+
+def nothing_fits(ex: Executor, request: TuneRequest) -> TilefitError:
+    """Why not even a batch of 1 fits: the persistent state alone exceeds the budget (say
+    how much, and what would shrink it), or what it leaves is too little for one sample."""
+    from tilefit.tuning.predict import persistent_state
+
+    state = persistent_state(ex.model, ex.make_batch, loss_fn=ex.loss_fn,
+                             optimizer=ex.optimizer, precision=request.precision.name,
+                             device=request.device)
+    budget = ex.budget_bytes
+    of = "" if ex.capacity_bytes is None or budget == ex.capacity_bytes else \
+        f" = {1 - request.margin:.0%} of {gib(ex.capacity_bytes)}"
+    opt = ("optimizer state unknown (the step could not be traced)"
+           if state.optimizer_state_bytes is None else
+           f"optimizer state {gib(state.optimizer_state_bytes)} ({state.optimizer_source})")
+    parts = (f"parameters and buffers {gib(state.parameters_bytes)} + gradients "
+             f"{gib(state.gradients_bytes)} + {opt} = {gib(state.total_bytes)}")
+    if budget is not None and state.total_bytes > budget:
+        return TilefitError(
+            f"the model's persistent state alone, {gib(state.total_bytes)}, exceeds the "
+            f"memory budget of {gib(budget)}{of}: no batch can fit",
+            expected="parameters, gradients and optimizer state within the budget, with "
+            "room left for a batch's activations",
+            given=parts,
+            fix="a device with more memory, a lighter optimizer (--optimizer sgd, adafactor "
+            "or adamw-8bit: less optimizer state), bf16 weights (--precision bf16: half the "
+            f"parameters, gradients and state), or LoRA; {PLAN_FIX}")
+    room = "" if budget is None else f", leaving {gib(budget - state.total_bytes)} of " \
+        f"the {gib(budget)} budget{of}"
+    return TilefitError(
+        "not even a batch of 1 fits in the memory budget",
+        expected="a step at batch 1 (its activations, and the optimizer step's temporaries) "
+        "within the memory the persistent state leaves",
+        given=f"batch size 1 ran out of memory; persistent state {parts}{room}",
+        fix="gradient checkpointing, mixed precision (--precision bf16-mixed), shorter "
+        f"samples (--seq) or a smaller --margin; {PLAN_FIX}")
