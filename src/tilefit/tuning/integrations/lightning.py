@@ -342,8 +342,13 @@ def _smallest(*caps: int | None) -> int | None:
 def tune_lightning(trainer: Any, pl_module: Any, options: FinderOptions) -> LightningTuneResult:
     """tune on the Trainer's module, optimizer, precision and train data (see the module doc);
     nothing is applied. Call it with the Trainer set up (as at on_fit_start)."""
+    from lightning.pytorch.utilities.parsing import lightning_getattr
+
     precision = precision_of_trainer(trainer)
     loader = train_dataloader_of(trainer)
+    if data_source(trainer).is_module():  # a loader ignoring the attribute: know it now
+        name = options.batch_arg_name
+        check_loader_follows(loader, name, lightning_getattr(pl_module, name))
     per_epoch = samples_per_epoch(loader)
 
     def loss_fn(model: Any, batch: Any) -> Any:
@@ -376,12 +381,16 @@ def apply_batch_size(trainer: Any, pl_module: Any, batch_arg_name: str,
         source.instance = rebatch_loader(source.instance, batch_size)
     if getattr(trainer.fit_loop, "_combined_loader", None) is not None:
         trainer.fit_loop._combined_loader = None  # a loader built already is rebuilt
-    built = train_dataloader_of(trainer).batch_size
-    if built != batch_size:
+    check_loader_follows(train_dataloader_of(trainer), batch_arg_name, batch_size)
+
+
+def check_loader_follows(loader: Any, batch_arg_name: str, batch_size: int) -> None:
+    """An error unless the loader batches ``batch_size`` samples, the attribute's value."""
+    if loader.batch_size != batch_size:
         raise TilefitError(
             f"train_dataloader() does not use self.{batch_arg_name}",
-            expected=f"a DataLoader with batch_size={batch_size} after setting it",
-            given=f"batch_size={built}",
+            expected=f"a DataLoader with batch_size={batch_size}, the attribute's value",
+            given=f"batch_size={loader.batch_size}",
             fix=f"build the DataLoader with batch_size=self.{batch_arg_name}")
 
 
