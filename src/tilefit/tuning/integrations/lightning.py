@@ -12,8 +12,9 @@ Trainer will use, capped at the samples of one epoch, then applies it: ``batch_s
 module / datamodule / their hparams (as Lightning's ``lightning_setattr`` does) when the
 dataloader comes from ``train_dataloader()``, or a rebuilt DataLoader when it was passed to
 ``fit(train_dataloaders=...)``; with ``global_batch`` also ``trainer.accumulate_grad_batches``.
-What it needs (the attribute, a supported precision, automatic optimization) is checked in
-``setup``, before any trial.
+What it needs (the attribute, a loader that uses it, a supported precision, automatic
+optimization, one device) is checked before any trial: in ``setup``, or from the first loader
+built.
 
 How the trials run. Lightning's BatchSizeFinder runs each trial as a shortened real fit loop
 (``fit_loop.run()`` with ``max_steps`` lowered), after saving a checkpoint to disk and
