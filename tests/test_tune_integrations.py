@@ -57,18 +57,6 @@ def test_lightning_pure_parts() -> None:
     assert tl.first_optimizer(opt) is opt
     assert tl.first_optimizer(([opt], ["scheduler"])) is opt
     assert tl.first_optimizer({"optimizer": opt, "lr_scheduler": None}) is opt
-    module = SimpleNamespace(batch_size=8)
-    dm = SimpleNamespace()
-    owner = tl.batch_size_owner(module, dm, "batch_size")
-    assert owner is module
-    tl.set_batch_size(owner, "batch_size", 48)
-    assert module.batch_size == 48
-    hp_module = SimpleNamespace(hparams={"batch_size": 8})
-    owner = tl.batch_size_owner(hp_module, None, "batch_size")
-    tl.set_batch_size(owner, "batch_size", 16)
-    assert hp_module.hparams["batch_size"] == 16
-    with pytest.raises(TilefitError, match="no 'batch_size'"):
-        tl.batch_size_owner(SimpleNamespace(), None, "batch_size")
 
 
 def test_parse_bytes_and_shape() -> None:
