@@ -1,6 +1,7 @@
-"""The Lightning helper inherits tune's train mode: an eval-mode submodule (as from_pretrained
-leaves one inside a LightningModule) trains with dropout on during the trials, and Lightning's
-own training then finds the modes as they were."""
+"""The Lightning helper tunes what Lightning runs: Lightning 2.6's fit loop calls no train(),
+so an eval-mode submodule (a frozen pretrained backbone, a BatchNorm left in eval) trains in
+eval mode; the trials run it so too (tune(keep_modes=True)), and the modes are as they were
+afterwards."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class Classifier(L.LightningModule):  # type: ignore[misc, name-defined]
         return DataLoader(data, batch_size=self.batch_size)
 
 
-def test_lightning_callback_trains_an_eval_mode_submodule_in_train_mode() -> None:
+def test_lightning_callback_runs_the_modes_lightning_trains_in() -> None:
     from tilefit.tuning.integrations.lightning import tilefit_batch_size_finder
 
     torch.manual_seed(0)
@@ -49,7 +50,7 @@ def test_lightning_callback_trains_an_eval_mode_submodule_in_train_mode() -> Non
                         enable_model_summary=False)
     trainer.fit(module)
     assert finder.result is not None and finder.result.trials
-    # tune's trials (every call but the last) ran dropout in train mode; Lightning's own
-    # step (the last call) found the eval mode the user left, as Lightning keeps it
-    assert len(seen) > 1 and all(seen[:-1]) and seen[-1] is False
+    # Lightning's own step (the last call) ran the submodule in the eval mode the user left;
+    # tune's trials (every call before it) ran it the same way
+    assert len(seen) > 1 and seen[-1] is False and not any(seen)
     assert not module.net.training and module.training

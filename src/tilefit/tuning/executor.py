@@ -132,6 +132,7 @@ class Executor:
         repeats: int,
         min_timed_steps: int,
         on_trial: Callable[[Trial], None] | None = None,
+        keep_modes: bool = False,
     ) -> None:
         self.model = model
         self.make_batch = make_batch
@@ -147,6 +148,7 @@ class Executor:
         self.repeats = repeats
         self.min_timed_steps = min_timed_steps
         self.on_trial = on_trial
+        self.keep_modes = keep_modes  # trials run in the modules' own modes (Lightning)
         self.trials: list[Trial] = []
         capacity = memory_limit_bytes
         if capacity is None and device.type == "cuda":
@@ -160,8 +162,10 @@ class Executor:
     # --- one step ---
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
-        """The trial's optimizer; also puts the model in train mode for the trial."""
-        train_mode(self.model)
+        """The trial's optimizer; also puts the model in train mode for the trial (unless
+        the loop being tuned keeps the modules' own modes)."""
+        if not self.keep_modes:
+            train_mode(self.model)
         if isinstance(self.optimizer, torch.optim.Optimizer):
             return self.optimizer
         opt = self.optimizer(self.model.parameters())

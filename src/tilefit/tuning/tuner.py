@@ -159,6 +159,7 @@ def tune(
     measure_throughput: bool = True,
     on_trial: Callable[[Trial], None] | None = None,
     on_outlook: Callable[[Outlook], None] | None = None,
+    keep_modes: bool = False,
 ) -> TuneResult:
     """Find the largest batch that fits, then the fastest hardware-friendly batch up to it.
 
@@ -178,8 +179,10 @@ def tune(
 
     The trials run with every module in train mode (``model.train()``, as Hugging Face's
     Trainer and most loops train; a ``from_pretrained`` model arrives in eval mode, where
-    dropout allocates nothing). Model (parameters, buffers, gradients, every module's own
-    attributes, see ``tuning.state``), optimizer, RNG states and module modes are exactly as
+    dropout allocates nothing), unless ``keep_modes``: then in the modes the modules are in,
+    for loops that train them as the user left them (Lightning 2.6's fit loop calls no
+    ``train()``; a BatchNorm the user froze in eval mode stays so). Model (parameters,
+    buffers, gradients, every module's own attributes, see ``tuning.state``), optimizer, RNG states and module modes are exactly as
     before when tune returns or raises (KeyboardInterrupt included).
     """
     request = make_request(
@@ -192,7 +195,8 @@ def tune(
     snap = snapshot(model, user_opt)
     tf32_before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     try:
-        train_mode(model)  # trials run as training does (from_pretrained leaves eval mode)
+        if not keep_modes:
+            train_mode(model)  # trials run as training does (from_pretrained leaves eval mode)
         if request.precision.allow_tf32:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -202,6 +206,7 @@ def tune(
             memory_limit_bytes=request.memory_limit_bytes, margin=request.margin,
             steps_per_trial=request.steps_per_trial, warmup_steps=WARMUP_STEPS,
             repeats=REPEATS, min_timed_steps=MIN_TIMED_STEPS, on_trial=on_trial,
+            keep_modes=keep_modes,
         )
         first_probe = _first_probe(model, make_batch, loss_fn, optimizer, request, ex)
         if on_outlook is not None:

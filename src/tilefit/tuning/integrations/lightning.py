@@ -362,7 +362,8 @@ def tune_lightning(trainer: Any, pl_module: Any, options: FinderOptions) -> Ligh
             device=trainer.strategy.root_device, global_batch=options.global_batch,
             max_batch=_smallest(options.max_batch, per_epoch),
             memory_limit_bytes=options.memory_limit_bytes, margin=options.margin,
-            measure_throughput=options.measure_throughput)
+            measure_throughput=options.measure_throughput,
+            keep_modes=True)  # Lightning 2.6 trains the modules in the modes they are in
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
     return LightningTuneResult(**{**fields, "precision": precision.name,
                                   "samples_per_epoch": per_epoch})
