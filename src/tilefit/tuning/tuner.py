@@ -25,7 +25,7 @@ from tilefit.tuning.search import (
     find_max_batch,
 )
 from tilefit.tuning.state import restore, snapshot, train_mode
-from tilefit.vocab import Precision, parse_precision
+from tilefit.vocab import PRECISIONS, Precision, parse_precision
 
 # Fraction of device memory kept free. Not a measurement: a policy. The caching allocator
 # fragments (PyTorch "CUDA memory management" notes: reserved > allocated), and batches later
@@ -40,6 +40,8 @@ WARMUP_STEPS = 2  # untimed steps before timing (allocator, autotuning, caches)
 REPEATS = 3  # timed repeats per candidate; their spread is the noise band of the choice
 MIN_TIMED_STEPS = 3  # micro-batches per timed repeat at least
 CPU_MULTIPLE = 8  # the CPU has no Tensor Core rule; multiples of 8 suit SIMD widths
+# the mixed precision to suggest: bf16 autocast (tilefit.vocab)
+MIXED = next(p.name for p in PRECISIONS if p.autocast_dtype == "bf16")
 
 
 @dataclass(frozen=True)
@@ -182,8 +184,9 @@ def tune(
     dropout allocates nothing), unless ``keep_modes``: then in the modes the modules are in,
     for loops that train them as the user left them (Lightning 2.6's fit loop calls no
     ``train()``; a BatchNorm the user froze in eval mode stays so). Model (parameters,
-    buffers, gradients, every module's own attributes, see ``tuning.state``), optimizer, RNG states and module modes are exactly as
-    before when tune returns or raises (KeyboardInterrupt included).
+    buffers, gradients, every module's own attributes, see ``tuning.state``), optimizer, RNG
+    states and module modes are exactly as before when tune returns or raises
+    (KeyboardInterrupt included).
     """
     request = make_request(
         precision=precision, device=device, global_batch=global_batch, max_batch=max_batch,
@@ -376,5 +379,5 @@ def nothing_fits(ex: Executor, request: TuneRequest) -> TilefitError:
         expected="a step at batch 1 (its activations, and the optimizer step's temporaries) "
         "within the memory the persistent state leaves",
         given=f"batch size 1 ran out of memory; persistent state {parts}{room}",
-        fix="gradient checkpointing, mixed precision (--precision bf16-mixed), shorter "
+        fix=f"gradient checkpointing, mixed precision (--precision {MIXED}), shorter "
         f"samples (--seq) or a smaller --margin; {PLAN_FIX}")
