@@ -97,9 +97,11 @@ FAMILY_EFFICIENCY: Mapping[str, float] = MappingProxyType({
 ATTENTION_EFFICIENCY: Mapping[tuple[str, str], float] = MappingProxyType({
     ("flash", "forward"): 0.84, ("flash", "backward"): 0.72,
     ("efficient", "forward"): 0.52, ("efficient", "backward"): 0.46})
-# A factor on the attention efficiency by architecture, for kernels that do not use a part's
-# newest Tensor Core instructions (docs/references.md, section 15).
-ATTENTION_ARCH_FACTOR: Mapping[str, float] = MappingProxyType({})
+# PyTorch's fused attention kernels are FlashAttention-2's generation: written for Ampere's
+# mma instructions, they do not use Hopper's wgmma/TMA or Blackwell's tcgen05, so on those
+# parts they reach a smaller share of the dense peak (docs/references.md, section 15).
+ATTENTION_ARCH_FACTOR: Mapping[str, float] = MappingProxyType({
+    "Hopper": 0.48})
 
 
 @dataclass(frozen=True)
