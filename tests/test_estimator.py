@@ -203,3 +203,36 @@ def test_flash_attention_on_hopper_runs_at_flashattention2s_share_of_the_peak() 
     rate = 989e12 * 0.82 * 0.84 * 0.48
     assert op_time_s(rec, get_device("h100-sxm"), CostContext("fp32")) == pytest.approx(
         flops / rate + 4e-6)
+
+
+def test_flash_attention_on_blackwell_runs_at_the_corpus_fitted_share() -> None:
+    # B200 fp16: 2250 TFLOP/s x gemm_efficiency 0.80 x flash forward 0.84 x the Blackwell
+    # factor 0.196 fitted on FlashAttention-2's B200 records (benchmarks/bench_gpu_corpus.py):
+    # 296.4 TFLOP/s. The corpus's 32 x 512 configuration, 32 heads of 64: 4*32*32*512^2*64 =
+    # 6.872e10 FLOPs -> 231.9 us, plus one 4 us launch; the issue measured 308.4 TFLOP/s.
+    from tilefit.estimator.cost import CostContext, op_time_s
+    from tilefit.tracing.records import OpRecord
+
+    info = {"backend": "flash", "direction": "forward", "causal": False, "b": 32, "hq": 32,
+            "hkv": 32, "sq": 512, "sk": 512, "d": 64, "dtype": "float16"}
+    flops = 4 * 32 * 32 * 512 * 512 * 64
+    rec = OpRecord("aten._scaled_dot_product_flash_attention.default", "forward", "attn",
+                   (), (), "float16", flops, 4 * 32 * 32 * 512 * 64 * 2, "attention", 1, 0,
+                   attention=info)
+    t = op_time_s(rec, get_device("b200"), CostContext("fp32"))
+    assert t == pytest.approx(flops / (2250e12 * 0.80 * 0.84 * 0.196) + 4e-6)
+    assert flops / t / 1e12 == pytest.approx(308.4, rel=0.06)
+
+
+def test_the_gpu_host_issues_ops_at_the_corpus_fitted_multiples_of_the_cpu_measurement() -> None:
+    # CPU measurement (docs/references.md, section 14): forward 11.8, backward 4.3 us per op;
+    # eager CUDA steps of the corpus: 1.356x and 3.678x -> 16.0 and 15.8 us; the optimizer's
+    # 14.6 us and the 3.0 us launch unchanged
+    from tilefit.hardware.host import CPU_MEASURED_HOST, DEFAULT_HOST
+
+    assert CPU_MEASURED_HOST.forward_op_s == pytest.approx(11.8e-6)
+    assert DEFAULT_HOST.forward_op_s == pytest.approx(16.0e-6, rel=1e-3)
+    assert DEFAULT_HOST.backward_op_s == pytest.approx(15.8e-6, rel=1e-3)
+    assert DEFAULT_HOST.optimizer_op_s == CPU_MEASURED_HOST.optimizer_op_s == 14.6e-6
+    assert DEFAULT_HOST.launch_s == 3.0e-6
+    assert get_device("a100-80gb").host == DEFAULT_HOST

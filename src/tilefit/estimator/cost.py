@@ -100,8 +100,11 @@ ATTENTION_EFFICIENCY: Mapping[tuple[str, str], float] = MappingProxyType({
 # PyTorch's fused attention kernels are FlashAttention-2's generation: written for Ampere's
 # mma instructions, they do not use Hopper's wgmma/TMA or Blackwell's tcgen05, so on those
 # parts they reach a smaller share of the dense peak (docs/references.md, section 15).
+# Hopper: 0.35 / 0.73 of peak (FlashAttention-3 paper). Blackwell: 0.196, fitted on the GPU
+# corpus's fit split (FlashAttention-2 on a B200, docs/references.md, section 13;
+# benchmarks/bench_gpu_corpus.py): 15% of the B200's dense peak.
 ATTENTION_ARCH_FACTOR: Mapping[str, float] = MappingProxyType({
-    "Hopper": 0.48})
+    "Hopper": 0.48, "Blackwell": 0.196})
 
 
 @dataclass(frozen=True)
