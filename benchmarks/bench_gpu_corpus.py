@@ -47,12 +47,17 @@ set from, or that this benchmark fits on, are "fit".
   and the end-to-end figure is the target, so none of it may inform the fit.
 
 Fitted (few, physically meaningful, never per record; KNOBS): the host's per-op issue cost
-of the forward and of the autograd engine (scales on tilefit.hardware.host.DEFAULT_HOST), the
-Blackwell factor of the FlashAttention-2 generation kernels, and the bandwidth share of the
-three kernel families a BertLayer spends its memory-bound time in. Coordinate descent over a
-log grid per knob minimises the mean |log(predicted / measured)| over the fit records. Each
-fitted knob is then tried alone on the held-out records: "adopt" when it lowers their error,
-not when no held-out record moves (a knob the holdout cannot test stays at its default).
+of the forward and of the autograd engine (multiples of the CPU measurement,
+tilefit.hardware.host), the Blackwell factor of the FlashAttention-2 generation kernels,
+and the bandwidth share of the three kernel families a BertLayer spends its memory-bound time
+in. The fit starts from tilefit as it was before it (PRIOR: CPU-measured host costs, no
+Blackwell factor) and runs coordinate descent over a log grid per knob, minimising the mean
+|log(predicted / measured)| over the fit records. Each fitted knob is then set alone on top
+of PRIOR and tried on the held-out records: "adopt" when it lowers their error, not when no
+held-out record moves (a knob the holdout cannot test keeps its prior value). The adopted
+values are tilefit's shipped defaults (SHIPPED); every table shows the error before the fit,
+with the shipped defaults, and with the refit values.
+
 The predictions use no timing on this machine: they are deterministic (checked below by
 predicting a record of each kind twice from fresh traces).
 
@@ -73,7 +78,7 @@ import time
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +99,12 @@ from tilefit.estimator.steptime import host_time_s
 from tilefit.estimator.timeline import Block, Item, simulate
 from tilefit.gemm import analyze_gemm
 from tilefit.hardware import Device, get_device
-from tilefit.hardware.host import HostModel
+from tilefit.hardware.host import (
+    CPU_MEASURED_HOST,
+    CUDA_BACKWARD_ISSUE_SCALE,
+    CUDA_FORWARD_ISSUE_SCALE,
+    HostModel,
+)
 from tilefit.models import Workload, load_workload
 from tilefit.tracing import OpRecord, Trace, trace
 from tilefit.tracing.shapes import attention_flops
@@ -112,19 +122,29 @@ LAYER_FIT_BATCHES = (4, 16, 64)  # of 4, 8, 16, 32, 64, 128 in every layer serie
 # ---- the parameters a fit may change ------------------------------------------------------
 @dataclass(frozen=True)
 class Params:
-    """What the fit may change: kernel efficiencies and the host's per-op issue costs."""
+    """What the fit may change: kernel efficiencies and the host's per-op issue costs. The
+    defaults are what tilefit ships."""
 
     efficiency: KernelEfficiency = DEFAULT_EFFICIENCY
-    host_forward_scale: float = 1.0  # multiplies HostModel.forward_op_s (Python issues)
-    host_backward_scale: float = 1.0  # multiplies HostModel.backward_op_s (autograd engine)
+    # HostModel.forward_op_s (Python issues) and .backward_op_s (the autograd engine) as
+    # multiples of the CPU measurement (tilefit.hardware.host.CPU_MEASURED_HOST)
+    host_forward_scale: float = CUDA_FORWARD_ISSUE_SCALE
+    host_backward_scale: float = CUDA_BACKWARD_ISSUE_SCALE
 
     def device(self, dev: Device) -> Device:
-        if self.host_forward_scale == 1.0 and self.host_backward_scale == 1.0:
-            return dev
         host = dataclasses.replace(
-            dev.host, forward_op_s=dev.host.forward_op_s * self.host_forward_scale,
-            backward_op_s=dev.host.backward_op_s * self.host_backward_scale)
-        return dataclasses.replace(dev, host=host)
+            dev.host, forward_op_s=CPU_MEASURED_HOST.forward_op_s * self.host_forward_scale,
+            backward_op_s=CPU_MEASURED_HOST.backward_op_s * self.host_backward_scale)
+        return dev if host == dev.host else dataclasses.replace(dev, host=host)
+
+
+SHIPPED = Params()
+# tilefit before this fit: the CPU-measured host costs, no Blackwell attention factor. The
+# fit starts here, so that what it reports is what the corpus says, not what was adopted.
+PRIOR = Params(
+    efficiency=dataclasses.replace(DEFAULT_EFFICIENCY, attention_arch={
+        k: v for k, v in DEFAULT_EFFICIENCY.attention_arch.items() if k != "Blackwell"}),
+    host_forward_scale=1.0, host_backward_scale=1.0)
 
 
 @dataclass(frozen=True)
@@ -195,18 +215,37 @@ def split_of(kind: str, rec: dict[str, Any]) -> str:
     return "holdout"
 
 
+def group_of(kind: str, rec: dict[str, Any]) -> str:
+    """The part of the corpus a record belongs to, for the medians by group: GEMMs and e2e
+    records by source (e2e also by precision), attention by kernel, layers by pass."""
+    if kind == "gemm":
+        return {"zzc": "zzc0721 (source 1)", "mli": "mli (source 2)"}.get(
+            rec["id"][:3], "Bekman (source 3)")
+    if kind == "attention":
+        return "flash-attn 2" if rec["impl"].startswith("flash-attn") else "eager pytorch"
+    if kind == "layer":
+        return rec["pass"]
+    return f"{rec['id'].split('-')[0]} {rec['precision']}"
+
+
 @dataclass(frozen=True)
 class Row:
     kind: str
     id: str
     series: str
+    group: str
     gpu: str
     batch: int
     split: str
     unit: str
     measured: float
-    predicted: float  # with the shipped defaults
-    fitted: float = math.nan  # with the fitted parameters
+    prior: float  # tilefit before the corpus fit (PRIOR)
+    predicted: float  # the shipped defaults (SHIPPED)
+    fitted: float  # the parameters the fit finds from PRIOR
+
+    @property
+    def error_prior(self) -> float:
+        return self.prior / self.measured - 1
 
     @property
     def error(self) -> float:
@@ -217,7 +256,7 @@ class Row:
         return self.fitted / self.measured - 1
 
 
-@dataclass
+@dataclass(frozen=True)
 class Predictor:
     """A record's prediction as a function of the Params (traces are made once)."""
 
@@ -228,14 +267,14 @@ class Predictor:
     series: str = ""
     batch: int = 0
     split: str = "holdout"
-    cost_s: float = field(default=0.0)  # seconds spent tracing it
+    cost_s: float = 0.0  # seconds spent tracing it
     trace: Trace | None = None  # e2e: the step's trace, for the time breakdown
 
-    def row(self, default: Params, fitted: Params | None) -> Row:
+    def row(self, fitted: Params) -> Row:
         measured = next(iter(self.rec["measured"].values()))
-        return Row(self.kind, self.rec["id"], self.series, self.rec["gpu"], self.batch,
-                   self.split, self.unit, float(measured), self.predict(default),
-                   self.predict(fitted) if fitted is not None else math.nan)
+        return Row(self.kind, self.rec["id"], self.series, group_of(self.kind, self.rec),
+                   self.rec["gpu"], self.batch, self.split, self.unit, float(measured),
+                   self.predict(PRIOR), self.predict(SHIPPED), self.predict(fitted))
 
 
 # ---- the loop period of a sequence of ops ---------------------------------------------------
@@ -382,9 +421,7 @@ def eager_attention_predictor(rec: dict[str, Any]) -> Predictor:
                               d_.host) for ph in phases)
         return rec["flops"] / t / 1e12
 
-    pred = _attention_predictor(rec, predict, "pytorch")
-    pred.cost_s = spent
-    return pred
+    return _attention_predictor(rec, predict, "pytorch", spent)
 
 
 def _in(op: OpRecord, phase: str, module: str) -> bool:
@@ -392,10 +429,10 @@ def _in(op: OpRecord, phase: str, module: str) -> bool:
 
 
 def _attention_predictor(rec: dict[str, Any], predict: Callable[[Params], float],
-                         impl: str) -> Predictor:
+                         impl: str, cost_s: float = 0.0) -> Predictor:
     return Predictor("attention", rec, predict, "TFLOP/s",
                      series=f"attention/{rec['gpu']}/{impl}/{rec['pass']}",
-                     batch=rec["batch"], split=split_of("attention", rec))
+                     batch=rec["batch"], split=split_of("attention", rec), cost_s=cost_s)
 
 
 def attention_predictor(rec: dict[str, Any]) -> Predictor:
@@ -532,6 +569,9 @@ def fit_loss(preds: Sequence[Predictor], p: Params) -> float:
     return sum(logs) / len(logs)
 
 
+FIT_TOLERANCE = 1e-9  # a knob moves only for a gain in mean |log error| above this
+
+
 def fit(preds: Sequence[Predictor], start: Params, sweeps: int = 3) -> tuple[Params, float]:
     """Coordinate descent over KNOBS' grids on the fit records; the starting value is always
     a candidate, so the loss never rises."""
@@ -542,9 +582,9 @@ def fit(preds: Sequence[Predictor], start: Params, sweeps: int = 3) -> tuple[Par
             for value in (*knob.grid, knob.get(best)):
                 cand = knob.set(best, value)
                 loss = fit_loss(preds, cand)
-                if loss < best_loss - 1e-12:
+                if loss < best_loss - FIT_TOLERANCE:
                     best, best_loss = cand, loss
-        if best_loss >= before - 1e-9:
+        if best_loss >= before - FIT_TOLERANCE:
             break
     return best, best_loss
 
@@ -561,38 +601,53 @@ def _median_abs(xs: Sequence[float]) -> float:
 
 def print_rows(kind: str, rows: Sequence[Row]) -> None:
     print(f"\n== {kind}: {len(rows)} records (error = predicted / measured - 1, on the "
-          f"published {rows[0].unit if rows else ''}) ==")
-    print(f"{'id':52} {'split':7} {'gpu':14} {'batch':>5} {'measured':>9} {'predicted':>9} "
-          f"{'error':>7} {'fitted':>9} {'error':>7}")
+          f"published {rows[0].unit if rows else ''}; before: tilefit before the corpus fit, "
+          "refit: the fit's own values) ==")
+    print(f"{'id':52} {'split':7} {'gpu':14} {'batch':>5} {'measured':>9} {'before':>7} "
+          f"{'shipped':>9} {'error':>7} {'refit':>7}")
     for r in rows:
         print(f"{r.id[:52]:52} {r.split:7} {r.gpu:14} {r.batch:5d} {r.measured:9.2f} "
-              f"{r.predicted:9.2f} {_pct(r.error)} {r.fitted:9.2f} {_pct(r.error_fitted)}")
+              f"{_pct(r.error_prior)} {r.predicted:9.2f} {_pct(r.error)} "
+              f"{_pct(r.error_fitted)}")
+
+
+def _cell(errs: Sequence[float]) -> str:
+    return f"{_median_abs(errs):6.1%} [{max(abs(e) for e in errs):6.1%}]"
 
 
 def print_medians(rows: Sequence[Row]) -> None:
     print("\n== median |error| by kind and split (max |error| in brackets) ==")
-    print(f"{'kind':10} {'split':8} {'n':>3} {'defaults':>18} {'fitted':>18}")
+    print(f"{'kind':10} {'split':8} {'n':>3} {'before the fit':>18} {'shipped':>18} "
+          f"{'refit':>18}")
     for kind in KINDS:
         for split in ("fit", "holdout", "all"):
             sel = [r for r in rows if r.kind == kind and split in (r.split, "all")]
-            if not sel:
-                continue
-            cells = []
-            for errs in ([r.error for r in sel], [r.error_fitted for r in sel]):
-                worst = max(abs(e) for e in errs)
-                cells.append(f"{_median_abs(errs):6.1%} [{worst:6.1%}]")
-            print(f"{kind:10} {split:8} {len(sel):3d} {cells[0]:>18} {cells[1]:>18}")
+            if sel:
+                print(f"{kind:10} {split:8} {len(sel):3d} "
+                      f"{_cell([r.error_prior for r in sel]):>18} "
+                      f"{_cell([r.error for r in sel]):>18} "
+                      f"{_cell([r.error_fitted for r in sel]):>18}")
+
+
+def print_groups(rows: Sequence[Row]) -> None:
+    print("\n== median |error| by group within each kind and split, shipped defaults (before "
+          "the fit in brackets) ==")
+    keys = sorted({(KINDS.index(r.kind), r.group, r.split) for r in rows})
+    for k, group, split in keys:
+        sel = [r for r in rows if r.kind == KINDS[k] and r.group == group and r.split == split]
+        print(f"{KINDS[k]:10} {group:24} {split:8} n={len(sel):2d}  "
+              f"{_cell([r.error for r in sel])}  ({_cell([r.error_prior for r in sel])})")
 
 
 def print_by_batch(rows: Sequence[Row]) -> None:
     """Every series' error at each of its batch sizes; e2e also pooled by batch size."""
-    print("\n== error by batch size within each series: defaults (fitted) ==")
+    print("\n== error by batch size within each series: shipped (before the fit) ==")
     series: dict[str, list[Row]] = defaultdict(list)
     for r in rows:
         if r.kind in ("e2e", "layer", "attention"):
             series[f"{r.kind}: {r.series}"].append(r)
     for name in sorted(series):
-        cells = [f"b={r.batch} {_pct(r.error)} ({_pct(r.error_fitted)})"
+        cells = [f"b={r.batch} {_pct(r.error)} ({_pct(r.error_prior)})"
                  for r in sorted(series[name], key=lambda r: r.batch)]
         print(f"{name}\n    " + "; ".join(cells))
     print("\n== e2e: median |error| by batch size, all series pooled ==")
@@ -601,15 +656,15 @@ def print_by_batch(rows: Sequence[Row]) -> None:
         sel = [r for r in rows if r.kind == "e2e" and lo <= r.batch <= hi]
         if sel:
             print(f"batch {lo:>3}-{hi if hi < 100_000 else 'up':>3}: n={len(sel):2d} "
-                  f"defaults {_median_abs([r.error for r in sel]):6.1%}  fitted "
-                  f"{_median_abs([r.error_fitted for r in sel]):6.1%}")
+                  f"shipped {_median_abs([r.error for r in sel]):6.1%}  before the fit "
+                  f"{_median_abs([r.error_prior for r in sel]):6.1%}")
 
 
-def print_worst(rows: Sequence[Row], n: int = 10) -> None:
-    print(f"\n== the {n} worst records (defaults) ==")
+def print_worst(rows: Sequence[Row], n: int = 12) -> None:
+    print(f"\n== the {n} worst records (shipped defaults) ==")
     for r in sorted(rows, key=lambda r: -abs(r.error))[:n]:
         print(f"{r.kind:9} {r.id[:56]:56} {r.split:7} {_pct(r.error)} "
-              f"(fitted {_pct(r.error_fitted)})")
+              f"(before the fit {_pct(r.error_prior)})")
 
 
 @dataclass(frozen=True)
@@ -617,34 +672,33 @@ class Ablation:
     """One fitted knob alone on the held-out records: does it earn its place as a default?"""
 
     knob: str
-    default: float
+    prior: float
     fitted: float
+    shipped: float
     moved: int  # held-out records whose prediction it changes by more than 0.1%
-    loss_default: float  # mean |log(predicted/measured)| over the held-out records
+    loss_prior: float  # mean |log(predicted/measured)| over the held-out records
     loss_knob: float
 
     @property
     def verdict(self) -> str:
-        if self.fitted == self.default:
-            return "unchanged"
+        if self.fitted == self.prior:
+            return "the fit keeps it"
         if self.moved == 0:
             return "not adopted: no held-out record tests it"
-        return "adopt" if self.loss_knob < self.loss_default else "not adopted: holdout worse"
+        return "adopt" if self.loss_knob < self.loss_prior else "not adopted: holdout worse"
 
 
-def ablate(preds: Sequence[Predictor], default: Params, fitted: Params) -> list[Ablation]:
+def ablate(preds: Sequence[Predictor], fitted: Params) -> list[Ablation]:
+    """Each knob set alone to its fitted value on top of PRIOR, on the held-out records."""
     holdout = [x for x in preds if x.split == "holdout"]
-    base = [x.predict(default) for x in holdout]
+    base = [x.predict(PRIOR) for x in holdout]
     loss0 = _mean_log(holdout, base)
     out = []
     for knob in KNOBS:
-        value = knob.get(fitted)
-        if value == knob.get(default):
-            out.append(Ablation(knob.name, value, value, 0, loss0, loss0))
-            continue
-        new = [x.predict(knob.set(default, value)) for x in holdout]
+        prior, value = knob.get(PRIOR), knob.get(fitted)
+        new = base if value == prior else [x.predict(knob.set(PRIOR, value)) for x in holdout]
         moved = sum(abs(b / a - 1) > 1e-3 for a, b in zip(base, new, strict=True))
-        out.append(Ablation(knob.name, knob.get(default), value, moved, loss0,
+        out.append(Ablation(knob.name, prior, value, knob.get(SHIPPED), moved, loss0,
                             _mean_log(holdout, new)))
     return out
 
@@ -656,12 +710,13 @@ def _mean_log(preds: Sequence[Predictor], values: Sequence[float]) -> float:
 
 
 def print_fit(loss0: float, loss1: float, ablations: Sequence[Ablation]) -> None:
-    print("\n== fitted on the fit split (mean |log(predicted/measured)| over the fit records "
-          f"{loss0:.4f} -> {loss1:.4f}); each knob alone on the held-out records ==")
-    print(f"{'knob':28} {'default':>8} {'fitted':>8} {'moves':>5} {'holdout loss':>21}  verdict")
+    print("\n== the fit, from tilefit before it, on the fit records (mean |log(predicted/"
+          f"measured)| {loss0:.4f} -> {loss1:.4f}); each knob alone on the held-out records ==")
+    print(f"{'knob':28} {'before':>7} {'fitted':>7} {'shipped':>7} {'moves':>5} "
+          f"{'holdout loss':>17}  verdict")
     for a in ablations:
-        print(f"{a.knob:28} {a.default:8.3f} {a.fitted:8.3f} {a.moved:5d} "
-              f"{a.loss_default:9.4f} -> {a.loss_knob:7.4f}  {a.verdict}")
+        print(f"{a.knob:28} {a.prior:7.3f} {a.fitted:7.3f} {a.shipped:7.3f} {a.moved:5d} "
+              f"{a.loss_prior:7.4f} -> {a.loss_knob:7.4f}  {a.verdict}")
 
 
 def time_shares(tr: Trace, dev: Device, p: Params) -> dict[str, float]:
@@ -677,26 +732,25 @@ def time_shares(tr: Trace, dev: Device, p: Params) -> dict[str, float]:
 
 
 def print_breakdown(preds: Sequence[Predictor], p: Params) -> None:
-    """Where the predicted time goes, for the worst e2e record of each precision."""
-    worst: dict[str, Predictor] = {}
+    """Where the predicted time goes, for the worst e2e record of each source and precision."""
+    worst: dict[str, tuple[float, Predictor]] = {}
     for x in preds:
         if x.kind != "e2e" or x.trace is None:
             continue
         err = abs(x.predict(p) / next(iter(x.rec["measured"].values())) - 1)
-        prec = x.rec["precision"]
-        if prec not in worst or err > abs(worst[prec].predict(p) /
-                                          next(iter(worst[prec].rec["measured"].values())) - 1):
-            worst[prec] = x
+        group = group_of("e2e", x.rec)
+        if group not in worst or err > worst[group][0]:
+            worst[group] = (err, x)
     if not worst:
         return
-    print("\n== where the predicted time goes: the worst e2e record of each precision "
-          "(share of device time; host-bound: share of the step the GPU waits) ==")
-    for prec, x in sorted(worst.items()):
+    print("\n== where the predicted time goes: the worst e2e record of each source and "
+          "precision (share of device time; host-bound: share of the step the GPU waits) ==")
+    for _, x in sorted(worst.values(), key=lambda ex: ex[1].rec["id"]):
         assert x.trace is not None
         shares = time_shares(x.trace, get_device(x.rec["gpu"]), p)
         cells = ", ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])
                           if v >= 0.005)
-        print(f"{x.rec['id']} ({prec}): {cells}")
+        print(f"{x.rec['id']}: {cells}")
 
 
 # ---- main ---------------------------------------------------------------------------------
@@ -711,7 +765,7 @@ def build(kinds: Sequence[str], quick: bool) -> list[Predictor]:
     return preds
 
 
-def determinism_check(preds: Sequence[Predictor], default: Params) -> str:
+def determinism_check(preds: Sequence[Predictor], params: Params) -> str:
     """Predict the cheapest record of each kind again from scratch (a fresh trace): the
     figures must be identical to the last bit, since nothing is timed on this machine."""
     same, checked = True, 0
@@ -722,7 +776,7 @@ def determinism_check(preds: Sequence[Predictor], default: Params) -> str:
         first = min(of_kind, key=lambda x: x.cost_s)
         _TRACES.clear()
         again = PREDICTORS[kind](first.rec)
-        same &= again.predict(default) == first.predict(default)
+        same &= again.predict(params) == first.predict(params)
         checked += 1
     verdict = "identical" if same else "DIFFERENT"
     return (f"{checked} records (one per kind) predicted twice from fresh traces: {verdict}; "
@@ -738,23 +792,23 @@ def main(argv: list[str] | None = None) -> int:
     kinds = [k for k in KINDS if k in args.kinds.split(",")]
     start, load0 = time.perf_counter(), os.getloadavg()
     preds = build(kinds, args.quick)
-    default = Params()
     fit_preds = [x for x in preds if x.split == "fit" and x.kind in ("attention", "layer")]
-    fitted, loss1 = fit(fit_preds, default) if fit_preds else (default, math.nan)
-    loss0 = fit_loss(fit_preds, default) if fit_preds else math.nan
-    rows = [x.row(default, fitted) for x in preds]
+    fitted, loss1 = fit(fit_preds, PRIOR) if fit_preds else (PRIOR, math.nan)
+    loss0 = fit_loss(fit_preds, PRIOR) if fit_preds else math.nan
+    rows = [x.row(fitted) for x in preds]
     print("tilefit against the public GPU corpus (benchmarks/gpu_corpus; "
           "docs/references.md, section 13)" + (" -- QUICK: every third e2e record" if
                                                 args.quick else ""))
     for kind in kinds:
         print_rows(kind, [r for r in rows if r.kind == kind])
     print_medians(rows)
+    print_groups(rows)
     print_by_batch(rows)
     print_worst(rows)
-    print_fit(loss0, loss1, ablate(preds, default, fitted))
-    print_breakdown(preds, default)
+    print_fit(loss0, loss1, ablate(preds, fitted))
+    print_breakdown(preds, SHIPPED)
     print("\n== determinism and machine load ==")
-    print("predictions: " + determinism_check(preds, default))
+    print("predictions: " + determinism_check(preds, SHIPPED))
     load1 = os.getloadavg()
     print(f"machine load (os.getloadavg, 1/5/15 min): {load0[0]:.2f} {load0[1]:.2f} "
           f"{load0[2]:.2f} at the start, {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} at "
