@@ -120,3 +120,119 @@ def test_estimate_cli_bad_input_exits_2_with_the_fix(cli, args, needle):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
+
+
+# ---- kernel families of the memory-bound ops (tilefit.estimator.cost) ---------------------
+# A100 80GB: 2039 GB/s at bandwidth_efficiency 0.90 = 1835.1 GB/s, and a 4 us launch floor.
+# An op that moves 1_835_100_000 bytes takes 1 ms at the copy's bandwidth, 1/f ms at a share
+# f of it, plus the launch.
+_A100_COPY_BYTES_PER_MS = 1_835_100_000
+# One distinct share per family, so that a wrong mapping shows as a wrong time.
+_SHARES = {"elementwise": 0.8, "reduction": 0.625, "normalization": 0.5, "softmax": 0.4,
+           "embedding_backward": 0.25, "indexing": 0.2, "copy": 1.0, "foreach": 0.32}
+
+
+@pytest.mark.parametrize(("op", "family", "expected_ms"), [
+    ("aten.gelu_backward.default", "elementwise", 1 / 0.8 + 0.004),  # 1.254 ms
+    ("aten.sum.dim_IntList", "reduction", 1 / 0.625 + 0.004),  # 1.604 ms
+    ("aten.native_layer_norm_backward.default", "normalization", 1 / 0.5 + 0.004),  # 2.004
+    ("aten._log_softmax.default", "softmax", 1 / 0.4 + 0.004),  # 2.504 ms
+    ("aten.nll_loss_backward.default", "softmax", 1 / 0.4 + 0.004),  # the cross-entropy
+    ("aten.embedding_dense_backward.default", "embedding_backward", 1 / 0.25 + 0.004),  # 4.004
+    ("aten.gather.default", "indexing", 1 / 0.2 + 0.004),  # 5.004 ms
+    ("aten._to_copy.default", "copy", 1 / 1.0 + 0.004),  # 1.004 ms: a cast is a copy
+    ("aten._foreach_addcdiv_.ScalarList", "foreach", 1 / 0.32 + 0.004),  # 3.129 ms
+])
+def test_a_memory_bound_op_runs_at_its_familys_share_of_the_copy_bandwidth(
+        op: str, family: str, expected_ms: float) -> None:
+    from tilefit.estimator.cost import (
+        DEFAULT_EFFICIENCY,
+        CostContext,
+        KernelEfficiency,
+        op_family,
+        op_time_s,
+    )
+    from tilefit.tracing.records import OpRecord
+
+    assert op_family(op) == family
+    dev = get_device("a100-80gb")
+    rec = OpRecord(op, "backward", "m", ((1,),), ((1,),), "float16", 0,
+                   _A100_COPY_BYTES_PER_MS, "memory", 1, 0)
+    shares = KernelEfficiency(bandwidth=_SHARES)
+    assert op_time_s(rec, dev, CostContext("fp32", shares)) == pytest.approx(expected_ms * 1e-3)
+    # the shipped shares: the same arithmetic with the family's default
+    default = 1 / DEFAULT_EFFICIENCY.bandwidth[family] + 0.004
+    assert op_time_s(rec, dev, CostContext("fp32")) == pytest.approx(default * 1e-3)
+
+
+def test_every_memory_op_of_a_traced_step_has_a_family_and_views_cost_nothing() -> None:
+    from tilefit.estimator.cost import KERNEL_FAMILIES, op_family
+
+    build, batch = _linear_step(b=8, din=64, dout=64)
+    e = estimate(build, batch, loss_fn=_sum, optimizer="adamw", precision="bf16-mixed",
+                 device="a100-80gb")
+    memory = [c.record for c in e.ops if c.record.kind == "memory"]
+    assert memory and all(op_family(r.op) in KERNEL_FAMILIES for r in memory)
+    assert {op_family(r.op) for r in memory} >= {"copy", "foreach"}  # autocast casts, AdamW
+    assert all(c.time_s == 0 for c in e.ops if c.record.kind == "view")
+
+
+def test_kernel_efficiencies_are_checked() -> None:
+    from tilefit.estimator.cost import FAMILY_EFFICIENCY, KernelEfficiency
+
+    with pytest.raises(ValueError, match="each of"):
+        KernelEfficiency(bandwidth={"elementwise": 1.0})
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        KernelEfficiency(bandwidth={**FAMILY_EFFICIENCY, "softmax": 1.5})
+
+
+def test_flash_attention_on_hopper_runs_at_flashattention2s_share_of_the_peak() -> None:
+    # H100 SXM fp16: 989 TFLOP/s dense x gemm_efficiency 0.82 x flash forward 0.84 x the
+    # Hopper factor 0.48 (FlashAttention-2 at 35% of the H100's peak): 327.0 TFLOP/s. A
+    # forward of b=8, 16 heads, 4096 tokens, d=128: 4*8*16*4096^2*128 = 1.0995e12 FLOPs ->
+    # 3.362 ms, plus one launch of 4 us (its 0.27 GB at 3.0 TB/s take 0.09 ms: math-bound).
+    from tilefit.estimator.cost import CostContext, op_time_s
+    from tilefit.tracing.records import OpRecord
+
+    info = {"backend": "flash", "direction": "forward", "causal": False, "b": 8, "hq": 16,
+            "hkv": 16, "sq": 4096, "sk": 4096, "d": 128, "dtype": "float16"}
+    flops = 4 * 8 * 16 * 4096 * 4096 * 128
+    rec = OpRecord("aten._scaled_dot_product_flash_attention.default", "forward", "attn",
+                   (), (), "float16", flops, 4 * 8 * 16 * 4096 * 128 * 2, "attention", 1, 0,
+                   attention=info)
+    rate = 989e12 * 0.82 * 0.84 * 0.48
+    assert op_time_s(rec, get_device("h100-sxm"), CostContext("fp32")) == pytest.approx(
+        flops / rate + 4e-6)
+
+
+def test_flash_attention_on_blackwell_runs_at_the_corpus_fitted_share() -> None:
+    # B200 fp16: 2250 TFLOP/s x gemm_efficiency 0.80 x flash forward 0.84 x the Blackwell
+    # factor 0.196 fitted on FlashAttention-2's B200 records (benchmarks/bench_gpu_corpus.py):
+    # 296.4 TFLOP/s. The corpus's 32 x 512 configuration, 32 heads of 64: 4*32*32*512^2*64 =
+    # 6.872e10 FLOPs -> 231.9 us, plus one 4 us launch; the issue measured 308.4 TFLOP/s.
+    from tilefit.estimator.cost import CostContext, op_time_s
+    from tilefit.tracing.records import OpRecord
+
+    info = {"backend": "flash", "direction": "forward", "causal": False, "b": 32, "hq": 32,
+            "hkv": 32, "sq": 512, "sk": 512, "d": 64, "dtype": "float16"}
+    flops = 4 * 32 * 32 * 512 * 512 * 64
+    rec = OpRecord("aten._scaled_dot_product_flash_attention.default", "forward", "attn",
+                   (), (), "float16", flops, 4 * 32 * 32 * 512 * 64 * 2, "attention", 1, 0,
+                   attention=info)
+    t = op_time_s(rec, get_device("b200"), CostContext("fp32"))
+    assert t == pytest.approx(flops / (2250e12 * 0.80 * 0.84 * 0.196) + 4e-6)
+    assert flops / t / 1e12 == pytest.approx(308.4, rel=0.06)
+
+
+def test_the_gpu_host_issues_ops_at_the_corpus_fitted_multiples_of_the_cpu_measurement() -> None:
+    # CPU measurement (docs/references.md, section 14): forward 11.8, backward 4.3 us per op;
+    # eager CUDA steps of the corpus: 1.356x and 3.678x -> 16.0 and 15.8 us; the optimizer's
+    # 14.6 us and the 3.0 us launch unchanged
+    from tilefit.hardware.host import CPU_MEASURED_HOST, DEFAULT_HOST
+
+    assert CPU_MEASURED_HOST.forward_op_s == pytest.approx(11.8e-6)
+    assert DEFAULT_HOST.forward_op_s == pytest.approx(16.0e-6, rel=1e-3)
+    assert DEFAULT_HOST.backward_op_s == pytest.approx(15.8e-6, rel=1e-3)
+    assert DEFAULT_HOST.optimizer_op_s == CPU_MEASURED_HOST.optimizer_op_s == 14.6e-6
+    assert DEFAULT_HOST.launch_s == 3.0e-6
+    assert get_device("a100-80gb").host == DEFAULT_HOST

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from tilefit.estimator.cost import CostContext, op_time_s
+from tilefit.estimator.cost import DEFAULT_EFFICIENCY, CostContext, KernelEfficiency, op_time_s
 from tilefit.estimator.result import Estimate, ModuleSummary, OpCost
 from tilefit.estimator.steptime import step_timeline
 from tilefit.hardware import Device, get_device
@@ -58,10 +58,12 @@ def estimate(model: Any, batch: Any, *, loss_fn: Any = None, optimizer: Any = "a
     return estimate_trace(tr, dev)
 
 
-def estimate_trace(tr: Trace, device: Device) -> Estimate:
+def estimate_trace(tr: Trace, device: Device,
+                   efficiency: KernelEfficiency = DEFAULT_EFFICIENCY) -> Estimate:
     """Cost a trace on a device: the steady-state step's ops for time, the whole run's
-    memory timeline for the peak."""
-    ctx = CostContext(precision=tr.precision)
+    memory timeline for the peak. ``efficiency``: the kernel efficiencies beyond the
+    device's own terms (tilefit.estimator.cost; the corpus benchmark varies them)."""
+    ctx = CostContext(precision=tr.precision, efficiency=efficiency)
     a = tr.accumulation_steps
     steady = tr.ops_of_step(1)
     costs: list[OpCost] = []

@@ -5,23 +5,147 @@ context) -> seconds.
 - Fused attention kernels: their FLOPs at a fraction of the GEMM rate, or their bytes at the
   bandwidth, whichever is slower.
 - Everything else: bytes over the achieved bandwidth, with one kernel launch as the floor.
+  The achieved bandwidth depends on the kernel's family (elementwise, reduction,
+  normalization, softmax and losses, embedding backward, indexing, copies and casts, foreach
+  optimizer kernels): ``op_family`` names it from the aten op, ``KernelEfficiency`` holds
+  each family's share of the device's copy bandwidth.
 - Views launch nothing and cost nothing.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal, get_args
 
 from tilefit.gemm import analyze_gemm
 from tilefit.hardware.device import Device
 from tilefit.tracing.records import GemmShape, OpRecord
 
+# ---- kernel families of the memory-bound ops -----------------------------------------------
+# A family is a cost-model concept: kernels of one family reach a similar share of the
+# device's copy bandwidth (docs/references.md, section 15).
+KernelFamily = Literal["elementwise", "reduction", "normalization", "softmax",
+                       "embedding_backward", "indexing", "copy", "foreach"]
+KERNEL_FAMILIES: tuple[str, ...] = get_args(KernelFamily)
+
+# The family of an aten op by its packet name (the op without its overload). Ops not listed
+# are elementwise: torch's pointwise kernels, fills, dropout's RNG, activation backward.
+_FAMILY_BY_PACKET: Mapping[str, KernelFamily] = MappingProxyType({
+    **dict.fromkeys((
+        "aten.sum", "aten.mean", "aten.amax", "aten.amin", "aten.max", "aten.min",
+        "aten.argmax", "aten.argmin", "aten.var", "aten.std", "aten.var_mean", "aten.std_mean",
+        "aten.norm", "aten.linalg_vector_norm", "aten.any", "aten.all", "aten.prod",
+        "aten.logsumexp", "aten.cumsum", "aten.cumprod", "aten.count_nonzero"), "reduction"),
+    **dict.fromkeys((
+        "aten.native_layer_norm", "aten.native_layer_norm_backward", "aten._fused_rms_norm",
+        "aten._fused_rms_norm_backward", "aten.native_group_norm",
+        "aten.native_group_norm_backward", "aten.native_batch_norm",
+        "aten.native_batch_norm_backward", "aten._native_batch_norm_legit",
+        "aten._native_batch_norm_legit_functional", "aten._native_batch_norm_legit_no_training",
+        "aten.cudnn_batch_norm", "aten.cudnn_batch_norm_backward"), "normalization"),
+    **dict.fromkeys((
+        "aten._softmax", "aten._log_softmax", "aten._softmax_backward_data",
+        "aten._log_softmax_backward_data", "aten.nll_loss_forward", "aten.nll_loss_backward",
+        "aten.nll_loss2d_forward", "aten.nll_loss2d_backward"), "softmax"),
+    **dict.fromkeys(("aten.embedding_dense_backward", "aten.embedding_backward",
+                     "aten._embedding_bag_backward"), "embedding_backward"),
+    **dict.fromkeys((
+        "aten.embedding", "aten.index", "aten._unsafe_index", "aten.index_select",
+        "aten.index_put", "aten.index_put_", "aten._index_put_impl_", "aten.index_add",
+        "aten.index_add_", "aten.gather", "aten.scatter", "aten.scatter_", "aten.scatter_add",
+        "aten.scatter_add_", "aten.scatter_reduce", "aten.masked_scatter", "aten.take"),
+        "indexing"),
+    **dict.fromkeys((
+        "aten._to_copy", "aten.copy_", "aten.copy", "aten._copy_from",
+        "aten._copy_from_and_resize", "aten.clone", "aten.contiguous", "aten.cat",
+        "aten.stack", "aten.constant_pad_nd", "aten.slice_backward", "aten.select_backward",
+        "aten.repeat"), "copy"),
+})
+# Multi-tensor kernels (torch.optim's foreach and fused paths, GradScaler's unscale).
+_FAMILY_BY_PREFIX: tuple[tuple[str, KernelFamily], ...] = (
+    ("aten._foreach_", "foreach"), ("aten._fused_", "foreach"), ("aten._amp_", "foreach"))
+
+
+@functools.lru_cache(maxsize=8192)
+def op_family(op: str) -> KernelFamily:
+    """The kernel family of an aten op ("aten.add.Tensor" or its packet "aten.add")."""
+    packet = op.rsplit(".", 1)[0] if op.count(".") >= 2 else op
+    family = _FAMILY_BY_PACKET.get(packet)
+    if family is not None:
+        return family
+    for prefix, fam in _FAMILY_BY_PREFIX:
+        if packet.startswith(prefix):
+            return fam
+    return "elementwise"
+
+
+# Each family's share of the device's achieved copy bandwidth (Device.bandwidth_efficiency
+# is a measured copy: docs/references.md, section 6). 1.0 until a measurement says
+# otherwise; each value's source: docs/references.md, section 15.
+FAMILY_EFFICIENCY: Mapping[str, float] = MappingProxyType({
+    "elementwise": 1.0, "reduction": 1.0, "normalization": 1.0, "softmax": 1.0,
+    "embedding_backward": 1.0, "indexing": 1.0, "copy": 1.0, "foreach": 1.0})
+
+# Fused attention efficiency relative to a large GEMM on the same part
+# (docs/references.md, section 15). FlashAttention-2 (Dao, 2023, A100) reaches up to 73% of
+# peak forward and 63% backward, where cuBLAS GEMMs reach ~87%: 0.84 and 0.72. The
+# memory-efficient (cutlass/xformers) kernel and FlashAttention-1 reach 30-50%: 0.52 and
+# 0.46 here.
+ATTENTION_EFFICIENCY: Mapping[tuple[str, str], float] = MappingProxyType({
+    ("flash", "forward"): 0.84, ("flash", "backward"): 0.72,
+    ("efficient", "forward"): 0.52, ("efficient", "backward"): 0.46})
+# PyTorch's fused attention kernels are FlashAttention-2's generation: written for Ampere's
+# mma instructions, they do not use Hopper's wgmma/TMA or Blackwell's tcgen05, so on those
+# parts they reach a smaller share of the dense peak (docs/references.md, section 15).
+# Hopper: 0.35 / 0.73 of peak (FlashAttention-3 paper). Blackwell: 0.196, fitted on the GPU
+# corpus's fit split (FlashAttention-2 on a B200, docs/references.md, section 13;
+# benchmarks/bench_gpu_corpus.py): 15% of the B200's dense peak.
+ATTENTION_ARCH_FACTOR: Mapping[str, float] = MappingProxyType({
+    "Hopper": 0.48, "Blackwell": 0.196})
+
+
+@dataclass(frozen=True)
+class KernelEfficiency:
+    """The cost model's kernel efficiencies beyond the Device's own terms: a share of the
+    copy bandwidth per memory-bound family, a share of the GEMM rate per fused attention
+    kernel and direction, and an architecture factor for the attention kernels."""
+
+    bandwidth: Mapping[str, float] = field(default_factory=lambda: FAMILY_EFFICIENCY,
+                                           hash=False)
+    attention: Mapping[tuple[str, str], float] = field(
+        default_factory=lambda: ATTENTION_EFFICIENCY, hash=False)
+    attention_arch: Mapping[str, float] = field(default_factory=lambda: ATTENTION_ARCH_FACTOR,
+                                                hash=False)
+
+    def __post_init__(self) -> None:
+        missing = set(KERNEL_FAMILIES) - set(self.bandwidth)
+        if missing or set(self.bandwidth) - set(KERNEL_FAMILIES):
+            raise ValueError(f"bandwidth efficiencies must name each of {KERNEL_FAMILIES}")
+        values = [*self.bandwidth.values(), *self.attention.values(),
+                  *self.attention_arch.values()]
+        if any(not 0 < v <= 1 for v in values):
+            raise ValueError(f"kernel efficiencies must be in (0, 1], got {values}")
+        for name in ("bandwidth", "attention", "attention_arch"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+
+    def family(self, op: str) -> float:
+        return self.bandwidth[op_family(op)]
+
+    def attention_share(self, backend: str, direction: str, architecture: str) -> float:
+        base = self.attention.get((backend, direction), 0.5)
+        return base * self.attention_arch.get(architecture, 1.0)
+
+
+DEFAULT_EFFICIENCY = KernelEfficiency()
+
 
 @dataclass(frozen=True)
 class CostContext:
     precision: str  # the recipe's precision: fp32 runs GEMMs as tf32 only when asked
+    efficiency: KernelEfficiency = DEFAULT_EFFICIENCY
 
 
 CostFn = Callable[[OpRecord, Device, CostContext], float]
@@ -77,9 +201,12 @@ def gemm_time_s(shape: GemmShape, dtype: str, device: Device) -> float:
                         batch=shape.batch).predicted_time_s
 
 
-def memory_time_s(nbytes: int, device: Device, launches: int = 1) -> float:
-    return nbytes / (device.bandwidth_bytes_per_s * device.bandwidth_efficiency) + \
-        launches * device.launch_overhead_s
+def memory_time_s(nbytes: int, device: Device, launches: int = 1,
+                  family_efficiency: float = 1.0) -> float:
+    """Bytes at the device's achieved bandwidth (times the kernel family's share of it),
+    plus the launches' floor."""
+    bandwidth = device.bandwidth_bytes_per_s * device.bandwidth_efficiency * family_efficiency
+    return nbytes / bandwidth + launches * device.launch_overhead_s
 
 
 @register_cost("view")
@@ -89,14 +216,14 @@ def _view(op: OpRecord, device: Device, ctx: CostContext) -> float:
 
 @register_cost("memory")
 def _memory(op: OpRecord, device: Device, ctx: CostContext) -> float:
-    return memory_time_s(op.bytes, device)
+    return memory_time_s(op.bytes, device, family_efficiency=ctx.efficiency.family(op.op))
 
 
 @register_cost("unknown")
 def _unknown(op: OpRecord, device: Device, ctx: CostContext) -> float:
     # no FLOP formula and not a known memory-bound family: costed as memory-bound, and the
     # estimate lists it in a warning
-    return memory_time_s(op.bytes, device)
+    return memory_time_s(op.bytes, device, family_efficiency=ctx.efficiency.family(op.op))
 
 
 @register_cost("gemm")
@@ -113,12 +240,6 @@ def _conv(op: OpRecord, device: Device, ctx: CostContext) -> float:
     return max(gemm_s, memory_time_s(op.bytes, device))
 
 
-# Fused attention efficiency relative to a large GEMM on the same part. FlashAttention-2
-# (Dao, 2023, A100) reaches up to 73% of peak forward and 63% backward, where cuBLAS GEMMs
-# reach ~87%: 0.84 and 0.72. The memory-efficient (cutlass/xformers) kernel and
-# FlashAttention-1 reach 30-50%: 0.52 and 0.46 here.
-ATTENTION_EFFICIENCY = {("flash", "forward"): 0.84, ("flash", "backward"): 0.72,
-                        ("efficient", "forward"): 0.52, ("efficient", "backward"): 0.46}
 # A causal kernel skips the key blocks above the diagonal: with 128-row blocks it does
 # 1/2 + 128/(2 S) of the full work (FlashAttention-2, section 3.1.1, causal masking).
 ATTENTION_BLOCK = 128
@@ -136,8 +257,9 @@ def _attention(op: OpRecord, device: Device, ctx: CostContext) -> float:
     work = op.flops
     if info.get("causal") and info.get("sq") == info.get("sk") and info.get("sq"):
         work = work * min(1.0, 0.5 + ATTENTION_BLOCK / (2 * info["sq"]))
-    eff = ATTENTION_EFFICIENCY.get((backend if backend in ("flash", "efficient") else "flash",
-                                    direction), 0.5)
+    eff = ctx.efficiency.attention_share(
+        backend if backend in ("flash", "efficient") else "flash", direction,
+        device.architecture)
     math_s = work / (device.peak(dtype) * device.gemm_efficiency * eff)
     mem_s = op.bytes / (device.bandwidth_bytes_per_s * device.bandwidth_efficiency)
     return max(math_s, mem_s) + ATTENTION_LAUNCHES.get(direction, 1) * device.launch_overhead_s

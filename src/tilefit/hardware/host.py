@@ -6,12 +6,14 @@ the backward from the autograd engine in C++, the optimizer from Python loops ov
 parameters and its foreach calls. Each non-view op also launches a kernel. The figures
 depend on the host CPU and the PyTorch version: ``tilefit calibrate`` measures them on the
 machine it runs on (benchmarks/bench_host_overhead.py prints the fit), and the defaults
-below are such a measurement, with its source (docs/references.md, section 14).
+below are such a measurement, with its source (docs/references.md, section 14), scaled to
+what an eager CUDA step pays per op (fitted on the public GPU corpus:
+docs/references.md, section 15).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,29 @@ class HostModel:
 # fitted to zero). The CPU kernels of those tiny ops stand in for the CUDA runtime's per-op
 # work except the launch itself: a bare cuLaunchKernel takes 3.0 us of host time (PyTorch's
 # tritonbench, GB200; docs/references.md, section 14).
-DEFAULT_HOST = HostModel(
+CPU_MEASURED_HOST = HostModel(
     forward_op_s=11.8e-6, backward_op_s=4.3e-6, optimizer_op_s=14.6e-6,
     optimizer_tensor_s=0.0, launch_s=3.0e-6,
-    source="defaults measured on a 2-core AMD EPYC, torch 2.13 "
-    "(docs/references.md, section 14); `tilefit calibrate` on your machine replaces them")
+    source="measured on a 2-core AMD EPYC, torch 2.13 (docs/references.md, section 14)")
+
+# An eager CUDA step issues each op more slowly than those CPU steps do. Fitted on the public
+# GPU corpus's fit split (docs/references.md, section 15; benchmarks/bench_gpu_corpus.py:
+# transformers BertLayer steps on a V100 with PyTorch 1.13 at host-bound batch sizes), the
+# forward's per-op cost is 1.356x the CPU figure and the autograd engine's 3.678x (16.0 and
+# 15.8 us per op); the held-out batch sizes and launch-bound matmuls confirm both. The
+# scales mix the CUDA path's own per-op work (device guards, streams, the caching allocator,
+# the engine's device thread) with that host's CPU and PyTorch version. The optimizer's
+# figure is not scaled: no record of the corpus tests it.
+CUDA_FORWARD_ISSUE_SCALE = 1.356
+CUDA_BACKWARD_ISSUE_SCALE = 3.678
+
+
+def for_cuda(host: HostModel) -> HostModel:
+    """The per-op issue costs of an eager CUDA step, from a CPU measurement of them."""
+    return replace(host, forward_op_s=host.forward_op_s * CUDA_FORWARD_ISSUE_SCALE,
+                   backward_op_s=host.backward_op_s * CUDA_BACKWARD_ISSUE_SCALE,
+                   source=host.source + "; eager CUDA issue scales fitted on the GPU corpus "
+                   "(docs/references.md, section 15)")
+
+
+DEFAULT_HOST = for_cuda(CPU_MEASURED_HOST)
