@@ -288,3 +288,21 @@ def test_replayed_steady_step_equals_running_it(kwargs):
     assert [(o.op, o.phase, o.module, o.step, o.bytes, o.flops) for o in fast.ops] == \
         [(o.op, o.phase, o.module, o.step, o.bytes, o.flops) for o in full.ops]
     assert fast.breakdown_at(fast.peak()[1]) == full.breakdown_at(full.peak()[1])
+
+
+def test_dropout_on_a_cuda_target_is_the_fused_kernel_with_a_bool_mask() -> None:
+    """CUDA's dropout is native_dropout: the fp32 output (32 x 64 x 4 B = 8192 B) and a bool
+    mask (32 x 64 x 1 B = 2048 B) that the backward keeps; the CPU decomposes it (bernoulli_,
+    div_, mul) with a mask in the input's dtype."""
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5))
+
+    batch = torch.empty(32, 64, device="meta")
+    loss = lambda m, b: m(b).sum()  # noqa: E731
+    gpu = trace(build, batch, loss_fn=loss, optimizer="sgd", device="a100-80gb")
+    (fused,) = [o for o in gpu.ops_of_step(1) if o.op == "aten.native_dropout.default"]
+    assert fused.alloc_bytes == (32 * 64 * 4, 32 * 64)
+    assert any(o.op == "aten.native_dropout_backward.default" for o in gpu.ops_of_step(1))
+    cpu = trace(build, batch, loss_fn=loss, optimizer="sgd", device="cpu")
+    ops = {o.op for o in cpu.ops_of_step(1)}
+    assert "aten.native_dropout.default" not in ops and "aten.bernoulli_.float" in ops

@@ -70,6 +70,22 @@ PROMOTE: set[Callable[..., Any]] = _fns(
 _LOW = (torch.float16, torch.bfloat16)
 _NO_RESULT = object()
 _CE_SIG = inspect.signature(F.cross_entropy)
+_DROPOUT_SIG = inspect.signature(F.dropout)
+
+
+def cuda_dropout(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """F.dropout as CUDA runs it: ATen's dropout takes the fused kernel for a CUDA input with
+    0 < p < 1 (is_fused_kernel_acceptable in ATen's Dropout.cpp): native_dropout, which
+    returns the output and a bool mask that its backward keeps. The CPU decomposes it into
+    bernoulli_, div_ and mul, keeping a mask in the input's dtype. _NO_RESULT when the
+    fused kernel does not apply (eval, p of 0 or 1, in place, empty)."""
+    bound = _DROPOUT_SIG.bind(*args, **kwargs)
+    bound.apply_defaults()
+    x, p = bound.arguments["input"], bound.arguments["p"]
+    if not bound.arguments["training"] or bound.arguments["inplace"] or not 0 < p < 1 \
+            or not isinstance(x, T) or x.numel() == 0:
+        return _NO_RESULT
+    return torch.native_dropout(x, p, True)[0]
 
 
 class CudaAutocast(TorchFunctionMode):
@@ -129,6 +145,10 @@ class CudaAutocast(TorchFunctionMode):
                     return result
         if self.router is not None and func is F.scaled_dot_product_attention:
             return self.router(func, args, kwargs)
+        if self.router is not None and func is F.dropout:  # the CUDA target's kernel
+            result = cuda_dropout(args, kwargs)
+            if result is not _NO_RESULT:
+                return result
         return func(*args, **kwargs)
 
     def _apply_policy(self, func: Callable[..., Any], args: tuple[Any, ...],
