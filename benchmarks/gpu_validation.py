@@ -13,6 +13,10 @@ Checks, each a section of the one JSON written to OUT.json:
 3. estimate_step_time: step time within 15% of the measured median step (same runs).
 4. tune: on three models the chosen batch's samples/s within 3% of an exhaustive sweep
    (benchmarks/bench_tune_search.py's CUDA check).
+5. host: the per-op host issue costs of eager CUDA on this machine (miniature models,
+   tilefit.calibrate.host.measure_host(device="cuda")) beside the shipped defaults
+   (tilefit.hardware.host.DEFAULT_HOST, fitted on the public corpus): the figures the
+   two-timeline step model uses, measured for this GPU machine's own CPU.
 
 Without CUDA it writes {"status": "skipped", ...} and exits 0 with a message, so it is safe to
 import and run anywhere; the CPU-only parts (shape lists, summaries, hooks' pending answers)
@@ -147,6 +151,25 @@ def check_tune(scale: int = 8) -> dict[str, Any]:
             "worst_ratio": worst, "rows": rows}
 
 
+def check_host() -> dict[str, Any]:
+    """Eager CUDA's per-op host costs measured here, beside the shipped defaults."""
+    from dataclasses import asdict
+
+    from tilefit.calibrate.host import measure_host
+    from tilefit.hardware.host import DEFAULT_HOST
+
+    try:
+        fit = measure_host(device="cuda")
+    except Exception as exc:  # report, don't lose the other sections
+        return {"status": "error", "reason": f"{type(exc).__name__}: {exc}"}
+    measured, default = asdict(fit.host), asdict(DEFAULT_HOST)
+    ratio = {k: measured[k] / default[k] for k in measured
+             if isinstance(default[k], float) and default[k] > 0}
+    return {"status": "measured", "measured": measured, "default": default,
+            "measured_over_default": ratio,
+            "samples": [asdict(s) for s in fit.samples], "threads": fit.threads}
+
+
 def _pending(module: str, target: str) -> dict[str, Any]:
     import importlib.util
 
@@ -185,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         result["estimate_memory"] = check_estimate_memory(rows)
         result["estimate_step_time"] = check_estimate_step_time(rows)
         result["tune"] = check_tune()
+        result["host"] = check_host()
         statuses = [v["status"] for v in result.values() if isinstance(v, dict)]
         result["status"] = "fail" if "fail" in statuses else "pass"
         g = result["gemm"]

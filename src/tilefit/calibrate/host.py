@@ -52,9 +52,16 @@ class HostFit:
                 + sample.param_tensors * h.optimizer_tensor_s}
 
 
-def measure_sample(name: str, *, repeats: int = 20, warmup: int = 5) -> HostSample:
-    """Time real CPU steps of one miniature model, and count its ops from a trace."""
+def measure_sample(name: str, *, repeats: int = 20, warmup: int = 5,
+                   device: str = "cpu") -> HostSample:
+    """Time real steps of one miniature model on ``device``, and count its ops from a trace.
+    On a GPU the kernels of these tiny ops finish before the next is issued, so each phase's
+    time (synchronised at its end) is the host's issue time of its ops, launches included."""
     import torch
+
+    def sync() -> None:
+        if device != "cpu":
+            torch.cuda.synchronize()
 
     from tilefit.estimator.workloads import trace_workload
     from tilefit.models import load_workload
@@ -63,20 +70,24 @@ def measure_sample(name: str, *, repeats: int = 20, warmup: int = 5) -> HostSamp
 
     work = load_workload(name, seq_len=SEQ_LEN).with_config(**MINIATURES[name])
     with quiet_transformers():
-        model = work.build("sdpa")
+        model = work.build("sdpa").to(device)
         model.train()
-        batch = work.make_batch(1, device="cpu")
+        batch = work.make_batch(1, device=device)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
         best = dict.fromkeys(PHASES, float("inf"))
         for i in range(warmup + repeats):
+            sync()
             t0 = time.perf_counter()
             loss = work.loss_fn(model, batch)
+            sync()
             t1 = time.perf_counter()
             loss.backward()
+            sync()
             t2 = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            sync()
             t3 = time.perf_counter()
             if i >= warmup:
                 for phase, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2), strict=True):
@@ -111,13 +122,19 @@ def fit_host(samples: list[HostSample], *, launch_s: float = DEFAULT_HOST.launch
                      launch_s=launch_s, source=source)
 
 
-def measure_host(*, repeats: int = 20) -> HostFit:
-    """The host model of this machine (its CPU, its PyTorch)."""
+def measure_host(*, repeats: int = 20, device: str = "cpu") -> HostFit:
+    """The host model of this machine (its CPU, its PyTorch). On the CPU the per-op costs
+    stand for eager CUDA's after tilefit.hardware.host.for_cuda (the fitted CUDA path
+    scales) plus a launch each; measured on a GPU ("cuda") they are eager CUDA's own,
+    launches included (launch_s = 0: already in each op's figure)."""
     import platform
 
     import torch
 
-    samples = [measure_sample(name, repeats=repeats) for name in MINIATURES]
-    source = (f"measured on {platform.processor() or platform.machine()}, torch "
-              f"{torch.__version__}, {torch.get_num_threads()} thread(s)")
-    return HostFit(fit_host(samples, source=source), tuple(samples), torch.get_num_threads())
+    samples = [measure_sample(name, repeats=repeats, device=device) for name in MINIATURES]
+    where = torch.cuda.get_device_name() if device != "cpu" else "the CPU"
+    source = (f"measured on {platform.processor() or platform.machine()} issuing to {where}, "
+              f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+    launch_s = DEFAULT_HOST.launch_s if device == "cpu" else 0.0
+    return HostFit(fit_host(samples, launch_s=launch_s, source=source), tuple(samples),
+                   torch.get_num_threads())
