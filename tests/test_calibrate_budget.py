@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from tilefit.bench.timing import Timing
 from tilefit.calibrate.grid import (
     SLOW_SHARE,
     GridOption,
@@ -16,6 +17,7 @@ from tilefit.calibrate.grid import (
     grid_options,
     plan_grids,
 )
+from tilefit.hardware.cpu import cpu_device
 
 # A made-up device: fp32 at 1 GFLOP/s, 0.1 s to build a shape's input buffers, no call
 # overhead, a 20 ms timing minimum.
@@ -128,3 +130,42 @@ def test_describe_cut_says_what_was_skipped(chosen, rounds_done, expected) -> No
     ladder = grid_options("cpu", quick=True)
     option = None if chosen is None else ladder[chosen]
     assert describe_cut(ladder[0], option, rounds_done) == expected
+
+
+def test_rounds_stop_at_the_deadline(monkeypatch) -> None:
+    import tilefit.calibrate.run as run
+
+    # A fake clock: each measured shape takes 1 s. 3 shapes, deadline 7 s: round 1 ends at
+    # 3 s, round 2 would end at 6 s (runs), round 3 at 9 s > 7 s (not started).
+    now = [0.0]
+
+    def fake_time_gemm(*_args: object, **_kw: object) -> Timing:
+        now[0] += 1.0
+        return Timing(1e-3, 1e-3, 1e-3, 5)
+
+    monkeypatch.setattr(run, "time_gemm", fake_time_gemm)
+    steps: list[tuple[int, int]] = []
+    samples, done = run.measure_rounds(
+        [(8, 8, 8), (16, 8, 8), (9, 8, 8)], "fp32", cpu_device(use_profile=False), 0.01, 3,
+        deadline_s=7.0, step=lambda r, j: steps.append((r, j)), clock=lambda: now[0])
+    assert done == 2 and now[0] == 6.0
+    assert steps == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
+    assert [s.aligned for s in samples] == [True, True, False]  # 9 is off the multiple of 4
+
+
+def test_probe_rate_is_the_faster_of_two_windows(monkeypatch) -> None:
+    import dataclasses
+
+    import tilefit.calibrate.run as run
+
+    # The probe's 10th-percentile call: 1 ms for 512^3 = 2 * 512^3 / 1e-3 = 268.4 GFLOP/s.
+    monkeypatch.setattr(run, "time_gemm", lambda *a, **kw: Timing(2e-3, 1e-3, 3e-3, 5))
+    cpu = cpu_device(use_profile=False)
+    stalled = dataclasses.replace(cpu, peak_flops_per_s={"fp32": 100e9, "bf16": 1e9})
+    fast = dataclasses.replace(cpu, peak_flops_per_s={"fp32": 300e9, "bf16": 1e9})
+    assert run.probe_costs(["fp32"], stalled, 0.02, 1e-6)["fp32"].flops_per_s == \
+        pytest.approx(2 * 512**3 / 1e-3)
+    costs = run.probe_costs(["fp32", "bf16"], fast, 0.02, 1e-6)
+    assert costs["fp32"].flops_per_s == 300e9  # the device probe's window was faster
+    assert costs["bf16"].flops_per_s == pytest.approx(2 * 512**3 / 1e-3)
+    assert costs["fp32"].call_overhead_s == 1e-6 and costs["fp32"].min_time_s == 0.02
