@@ -37,7 +37,7 @@ GPU_DTYPES = ("bf16", "fp16", "tf32", "fp32")
 # start-up, saving the profile and a burst of load the plan could not foresee.
 QUICK_TIME_BUDGET_S = 150.0
 # The probe that prices each dtype: large enough to run at the kernel's rate (on the CPU
-# 512^3 fp32 delivers ~90% of 1536^3's FLOP/s here), small enough to cost a second where that
+# 512^3 fp32 delivers 95% of 1536^3's FLOP/s here), small enough to cost a second where that
 # rate is 1.5 GFLOP/s (bf16 without a bf16 kernel: 7 calls of 0.18 s).
 PROBE_SHAPES: dict[str, Shape] = {"cpu": (512, 512, 512), "cuda": (4096, 4096, 4096)}
 FIT_RESERVE_S = 1.0  # per dtype: the fit and the profile (a 36-shape CPU fit: 0.04 s here)
