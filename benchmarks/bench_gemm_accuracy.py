@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from tilefit.calibrate.fit import error_summary
-from tilefit.calibrate.grid import calibration_grid, held_out_shapes
+from tilefit.calibrate.grid import all_grid_shapes, held_out_shapes
 from tilefit.calibrate.run import device_kind, live_device, measure_samples
 from tilefit.gemm import analyze_gemm
 from tilefit.hardware import get_device
@@ -62,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     calibrated = get_device(kind)
     raw = live_device(kind)
-    exclude = set(calibration_grid(kind, True)) | set(calibration_grid(kind, False))
-    shapes = held_out_shapes(args.count, args.lo, args.hi, exclude)
+    shapes = held_out_shapes(args.count, args.lo, args.hi, all_grid_shapes(kind))
     samples = measure_samples([s for s, _ in shapes], args.dtype, raw, 0.02,
                               rounds=args.rounds)
     rows = []

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from tilefit.calibrate.fit import GemmSample, fit_cpu, fit_gpu, is_aligned
-from tilefit.calibrate.grid import calibration_grid, held_out_shapes
+from tilefit.calibrate.grid import all_grid_shapes, calibration_grid, grid_options, held_out_shapes
 from tilefit.gemm import analyze_gemm
 from tilefit.hardware import get_device
 from tilefit.hardware.profile import MODEL_CPU, GemmFit
@@ -48,6 +48,17 @@ def test_cpu_fit_exact_without_noise() -> None:
         assert getattr(fit, name) == pytest.approx(getattr(TRUE, name), rel=1e-3), name
 
 
+def test_every_quick_grid_recovers_the_cpu_model() -> None:
+    # The grids a time budget may shrink --quick to (fewer rounds, smaller dims, 2 sizes per
+    # dimension) still tell the model's 6 terms apart: noise-free times give them back.
+    for option in grid_options("cpu", quick=True):
+        fit = fit_cpu(synthetic(option.shapes, noise=0.0), "fp32")
+        for name in ("call_overhead_s", "s_per_flop", "s_per_a_element", "s_per_b_element",
+                     "s_per_c_element", "misaligned_factor"):
+            assert getattr(fit, name) == pytest.approx(getattr(TRUE, name), rel=1e-3), \
+                (option.describe(), name)
+
+
 def test_cpu_fit_drops_stalled_measurements() -> None:
     samples = synthetic(calibration_grid("cpu", quick=True), noise=0.02)
     # Three runs stalled by another process: 20x slower (the 16 ms slices seen on a busy VM).
@@ -78,7 +89,8 @@ def test_gpu_fit_recovers_efficiency_and_launch() -> None:
 
 
 def test_held_out_shapes_avoid_grid_and_split_aligned() -> None:
-    grid = set(calibration_grid("cpu", quick=True))
+    grid = all_grid_shapes("cpu")
+    assert set(calibration_grid("cpu", quick=True)) < grid
     shapes = held_out_shapes(100, 32, 2048, grid)
     assert len(shapes) == 100 and not grid & {s for s, _ in shapes}
     aligned = [s for s, a in shapes if a]

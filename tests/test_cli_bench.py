@@ -69,15 +69,26 @@ def test_cuda_without_gpu_exits_2() -> None:
         assert r.exit_code == 2 and "needs a CUDA GPU" in r.stderr
 
 
-def test_calibrate_json_saves_profile(tilefit_cache, monkeypatch) -> None:
-    import tilefit.calibrate.run as run
+TINY_GRID = ((16, 16, 16), (16, 64, 32), (64, 16, 48), (48, 48, 64), (64, 64, 64),
+             (17, 33, 64), (32, 17, 16), (80, 24, 40))
 
-    # A tiny grid so the test takes a second: 8 shapes, fp32 only, a 16 MiB copy.
-    monkeypatch.setattr(run, "calibration_grid", lambda kind, quick: [
-        (16, 16, 16), (16, 64, 32), (64, 16, 48), (48, 48, 64), (64, 64, 64), (17, 33, 64),
-        (32, 17, 16), (80, 24, 40)])
-    monkeypatch.setattr(run, "CPU_DTYPES", ("fp32",))
+
+@pytest.fixture
+def tiny_calibration(monkeypatch):
+    """A tiny grid so a calibration takes a second: 8 shapes, a 64^3 probe, a 16 MiB copy;
+    two options (3 rounds, or 6 of the shapes once) for a budget to choose from."""
+    import tilefit.calibrate.run as run
+    from tilefit.calibrate.grid import GridOption
+
+    ladder = (GridOption(TINY_GRID, 3), GridOption(TINY_GRID[:6], 1))
+    monkeypatch.setattr(run, "grid_options", lambda kind, quick: ladder)
+    monkeypatch.setattr(run, "PROBE_SHAPES", {"cpu": (64, 64, 64)})
     monkeypatch.setattr(run, "COPY_BYTES", 16 * 1024**2)
+    return run
+
+
+def test_calibrate_json_saves_profile(tilefit_cache, tiny_calibration, monkeypatch) -> None:
+    monkeypatch.setattr(tiny_calibration, "CPU_DTYPES", ("fp32",))
     r = runner.invoke(app, ["calibrate", "--device", "cpu", "--quick", "--json"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
@@ -86,6 +97,48 @@ def test_calibrate_json_saves_profile(tilefit_cache, monkeypatch) -> None:
     assert data["kind"] == "cpu" and data["quick"] is True
     assert [g["dtype"] for g in data["gemm"]] == ["fp32"] and data["gemm"][0]["shapes"] >= 6
     assert data["bandwidth_bytes_per_s"] > 0 and data["peak_flops_per_s"]["fp32"] > 0
+    cal = data["calibration"]
+    assert cal["time_budget_s"] == 150.0 and cal["reference_dtype"] == "fp32"
+    (fp32,) = cal["dtypes"]
+    assert fp32["relative_rate"] == 1.0 and fp32["probe_shape"] == [64, 64, 64]
+    # a second or two of work in a 150 s budget: the whole grid, nothing skipped
+    assert fp32["grid"] == {"shapes": 8, "max_dim": 80, "rounds": 3}
+    assert fp32["rounds_done"] == 3 and fp32["skipped"] == "" and cal["within_budget"]
+
+
+def test_calibrate_progress_is_plain_lines_when_piped(tiny_calibration) -> None:
+    # CliRunner's stderr is not a terminal: one line per step with the elapsed time, the
+    # expected total from the plan on, and no per-shape ticks.
+    r = runner.invoke(app, ["calibrate", "--device", "cpu", "--quick"])
+    assert r.exit_code == 0, r.output
+    lines = r.stderr.splitlines()
+    plan = next(line for line in lines if "plan: fp32" in line)
+    assert "expected" in plan and "of a 150 s budget" in plan
+    assert any(" of ~" in line and "fp32: round 3/3, 8/8 shapes" in line for line in lines)
+    assert not any("1/8 shapes" in line for line in lines)
+    assert all(line.startswith("[") for line in lines)
+    assert "bf16 GEMMs run at " in r.stdout and "% of fp32 here" in r.stdout
+
+
+def test_calibrate_shrinks_to_its_time_budget(tiny_calibration) -> None:
+    # A budget spent before the grids start: fp32 (the reference) still gets the smallest
+    # grid, bf16 is skipped, and both are said.
+    r = runner.invoke(app, ["calibrate", "--device", "cpu", "--quick", "--time-budget",
+                            "0.001", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    fp32, bf16 = data["calibration"]["dtypes"]
+    assert fp32["grid"] == {"shapes": 6, "max_dim": 64, "rounds": 1}
+    assert fp32["skipped"] == "2 of 3 rounds; dims up to 64 instead of 80; 6 shapes instead of 8"
+    assert bf16["fitted"] is False and bf16["grid"] is None
+    assert bf16["skipped"] == "all of it: 8 shapes up to 80 x 3 rounds"
+    assert [g["dtype"] for g in data["gemm"]] == ["fp32"]
+    assert data["calibration"]["within_budget"] is False
+
+
+def test_calibrate_rejects_a_non_positive_budget() -> None:
+    r = runner.invoke(app, ["calibrate", "--quick", "--time-budget", "0"])
+    assert r.exit_code == 2 and "--time-budget must be a positive" in r.stderr
 
 
 def test_gemm_command_accepts_the_cpu() -> None:
