@@ -146,7 +146,7 @@ def test_rounds_stop_at_the_deadline(monkeypatch) -> None:
     monkeypatch.setattr(run, "time_gemm", fake_time_gemm)
     steps: list[tuple[int, int]] = []
     samples, done = run.measure_rounds(
-        [(8, 8, 8), (16, 8, 8), (9, 8, 8)], "fp32", cpu_device(use_profile=False), 0.01, 3,
+        [(8, 8, 8), (16, 8, 8), (9, 8, 8)], "fp32", cpu_device(), 0.01, 3,
         deadline_s=7.0, step=lambda r, j: steps.append((r, j)), clock=lambda: now[0])
     assert done == 2 and now[0] == 6.0
     assert steps == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
@@ -160,7 +160,7 @@ def test_probe_rate_is_the_faster_of_two_windows(monkeypatch) -> None:
 
     # The probe's 10th-percentile call: 1 ms for 512^3 = 2 * 512^3 / 1e-3 = 268.4 GFLOP/s.
     monkeypatch.setattr(run, "time_gemm", lambda *a, **kw: Timing(2e-3, 1e-3, 3e-3, 5))
-    cpu = cpu_device(use_profile=False)
+    cpu = cpu_device()
     stalled = dataclasses.replace(cpu, peak_flops_per_s={"fp32": 100e9, "bf16": 1e9})
     fast = dataclasses.replace(cpu, peak_flops_per_s={"fp32": 300e9, "bf16": 1e9})
     assert run.probe_costs(["fp32"], stalled, 0.02, 1e-6)["fp32"].flops_per_s == \

@@ -154,3 +154,18 @@ def test_an_unreadable_profile_is_an_error_on_every_lookup() -> None:
     for _ in range(2):
         with pytest.raises(TilefitError, match="unreadable"):
             get_device("h200")
+
+
+def test_a_gpu_profiles_measured_host_replaces_the_default(tilefit_cache) -> None:
+    # calibrate on a GPU machine stores eager PyTorch's per-op host costs measured there;
+    # the device then issues ops at those costs, and the profile file round-trips them
+    import dataclasses
+
+    from tilefit.hardware.host import DEFAULT_HOST, HostModel
+
+    host = HostModel(forward_op_s=7e-6, backward_op_s=5e-6, optimizer_op_s=6e-6,
+                     optimizer_tensor_s=0.0, launch_s=0.0, source="measured here")
+    save_profile(dataclasses.replace(h200_profile(5e-6), host=host))
+    dev = get_device("h200")
+    assert dev.host == host and dev.host != DEFAULT_HOST
+    assert get_device("a100-80gb").host == DEFAULT_HOST  # other parts keep the default

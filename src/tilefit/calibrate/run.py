@@ -4,6 +4,7 @@ saves it). Returns a CalibrationResult: what was measured, what the budget cut, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -428,8 +429,15 @@ def calibrate(kind: str, *, quick: bool = False, time_budget_s: float | None = N
         outcome, rows = measure_dtype(plan, costs[plan.dtype], options[0], device, report)
         outcomes.append(outcome)
         samples += rows
-    profile = build_profile(device, kind, quick, terms, outcomes, samples,
-                            time.perf_counter() - start)
+    host = None
+    if kind == "cuda":  # eager PyTorch's per-op host costs, for the two-timeline step model
+        from tilefit.calibrate.host import measure_host
+
+        report.say("host: timing eager steps of miniature models (per-op issue costs)")
+        host = measure_host(device="cuda", repeats=10 if quick else 20).host
+    profile = dataclasses.replace(
+        build_profile(device, kind, quick, terms, outcomes, samples,
+                      time.perf_counter() - start), host=host)
     return CalibrationResult(profile, tuple(samples), tuple(outcomes), budget_s,
                              report.expected_s, profile.duration_s,
                              (terms.warning,) if terms.warning else ())

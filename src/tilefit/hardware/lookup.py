@@ -246,4 +246,6 @@ def with_profile(device: Device) -> Device:
     if profile.bandwidth_bytes_per_s > 0:
         changes["bandwidth_efficiency"] = min(
             1.0, profile.bandwidth_bytes_per_s / device.bandwidth_bytes_per_s)
+    if profile.host is not None:  # this machine's own host, measured by calibrate
+        changes["host"] = profile.host
     return dataclasses.replace(device, **changes)

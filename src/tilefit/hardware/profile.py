@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tilefit.hardware.host import HostModel
+
 # The GEMM time models a profile can hold.
 # - "cpu-packing": t = overhead + (2MNK s_flop + MK s_a + KN s_b + MN s_c) / f_align, with
 #   f_align = misaligned_factor when a dimension is off the device's multiple, else 1. The
@@ -81,6 +83,9 @@ class Profile:
     # What else ran: load average and the OpenMP settings during the measurement (on a busy
     # machine, libgomp's default active wait stalls 2-thread GEMMs; tilefit.calibrate.run).
     environment: dict[str, str] = field(default_factory=dict, hash=False)
+    # cuda: eager PyTorch's per-op host issue costs measured on this machine
+    # (tilefit.calibrate.host), which replace the shipped defaults for this GPU
+    host: HostModel | None = None
 
     def fit_for(self, dtype: str) -> GemmFit | None:
         return next((g for g in self.gemm if g.dtype == dtype), None)
@@ -97,6 +102,7 @@ class Profile:
     def from_dict(cls, data: dict[str, Any], path: str = "") -> Profile:
         d = dict(data)
         d["gemm"] = tuple(GemmFit(**g) for g in d.get("gemm", ()))
+        d["host"] = HostModel(**d["host"]) if d.get("host") else None
         d["peak_flops_per_s"] = {str(k): float(v) for k, v in d["peak_flops_per_s"].items()}
         d["path"] = path
         return cls(**d)
