@@ -44,3 +44,17 @@ def test_time_gemm_cpu() -> None:
     assert t.reps >= 5 and t.p10_s <= t.median_s <= t.p90_s
     # 2*64^3 = 524288 FLOPs: at most 1 TFLOP/s on a CPU -> >= 0.5 us
     assert t.median_s > 5e-7
+
+
+def test_a_step_measurement_is_noisy_when_spread_or_busy() -> None:
+    from tilefit.bench.step import StepMeasurement
+
+    quiet = StepMeasurement("cpu", 1.0, (0.98, 1.0, 1.03), 1, threads=2, load_average=1.7,
+                            cores=2)
+    assert quiet.spread == pytest.approx(0.05) and not quiet.noisy
+    spread = StepMeasurement("cpu", 1.0, (0.9, 1.0, 1.2), 1, threads=2, load_average=1.0,
+                             cores=2)
+    assert spread.spread == pytest.approx(0.3) and spread.noisy
+    busy = StepMeasurement("cpu", 1.0, (1.0, 1.0, 1.01), 1, threads=2, load_average=2.74,
+                           cores=2)
+    assert busy.busy and busy.noisy

@@ -22,8 +22,12 @@ from tilefit.vocab import PRECISIONS, parse_precision
 
 # Repeated steps whose spread (max - min over the median) exceeds this are reported as
 # noisy: a policy, checked against benchmarks/bench_step_cpu.py on a quiet machine and with
-# --load (its output prints every row's spread).
+# --load (its output prints every row's spread). A steady competitor does not spread the
+# steps (one busy process made every step 1.6-2x slower with spreads of 3-14%,
+# benchmarks/results_step_cpu.txt), so a load average above the core count (our own threads
+# included) also marks the machine busy.
 NOISY_SPREAD = 0.10
+BUSY_LOAD_MARGIN = 0.5
 
 
 @dataclass(frozen=True)
@@ -43,13 +47,19 @@ class StepMeasurement:
         return (max(times) - min(times)) / self.step_time_s if len(times) > 1 else 0.0
 
     @property
+    def busy(self) -> bool:
+        """More runnable threads than cores: something else competes for the CPU."""
+        return self.cores > 0 and self.load_average > self.cores + BUSY_LOAD_MARGIN
+
+    @property
     def noisy(self) -> bool:
-        """The repeats disagree more than a quiet machine's would: do not trust the figure
-        to better than ``spread``."""
-        return self.spread > NOISY_SPREAD
+        """The repeats disagree more than a quiet machine's would, or the machine is busy:
+        do not trust the figure."""
+        return self.spread > NOISY_SPREAD or self.busy
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "spread": self.spread, "noisy": self.noisy}
+        return {**asdict(self), "spread": self.spread, "busy": self.busy,
+                "noisy": self.noisy}
 
 
 def _autocast(kind: str, precision: str) -> Any:

@@ -76,9 +76,9 @@ def step(
     if measured.noisy:
         err_console.print(
             f"[bold yellow]noisy machine:[/] the {len(measured.step_times_s)} timed steps "
-            f"spread {measured.spread:.0%} (load average {measured.load_average:.1f} on "
-            f"{measured.cores} cores, {measured.threads} threads): the measured time is not "
-            "trustworthy to better than that; rerun on a quiet machine (or with more --steps)",
+            f"spread {measured.spread:.0%}, load average {measured.load_average:.1f} on "
+            f"{measured.cores} cores ({measured.threads} threads here): the measured time is "
+            "not trustworthy; rerun on a quiet machine (or with more --steps)",
             highlight=False)
 
 
