@@ -70,8 +70,9 @@ def tune_command(
 
     Example, a 2.4 GiB device simulated on the CPU (GPT-2 small is 1.85 GiB of weights,
     gradients and AdamW state): 4 fit trials find that 7 fits, then 4 timed trials
-    choose among 1, 2, 4 and 7. Measured on 2026-11-30 on a 2-core x86 CPU shared with
-    other jobs (load average 5 to 6, torch on 2 threads): 961 s, a step taking 5 to 25 s.
+    choose among 1, 2, 4 and 7. Measured on 2026-11-30 on a 2-core AMD EPYC with torch on
+    2 threads: 103 s on a quiet machine (load average 1.9), 961 s when other jobs loaded it
+    (load average 5 to 6).
 
         tilefit tune gpt2 --seq 64 --max-batch 8 --memory-limit 2.4GiB
     """
