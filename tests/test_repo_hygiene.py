@@ -25,7 +25,9 @@ def _files() -> list[Path]:
     out = []
     for top in SCANNED:
         for path in sorted((ROOT / top).rglob("*")):
-            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+            generated = "__pycache__" in path.parts or any(
+                part.endswith(".egg-info") for part in path.parts)  # pip's copy of the README
+            if path.is_file() and not generated and path.suffix != ".pyc":
                 out.append(path)
     return out
 
