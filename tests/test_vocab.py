@@ -70,3 +70,28 @@ def test_recipe_takes_canonical_names() -> None:
         Recipe(precision="16-mixed")
     with pytest.raises(TilefitError, match="unknown precision"):
         Recipe(precision="fp12")
+
+
+def test_mixed_precision_by_its_half_dtype() -> None:
+    from tilefit.vocab import mixed_precision
+
+    assert mixed_precision("bf16").name == "bf16-mixed"
+    assert mixed_precision("fp16").grad_scaler
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), True, "1.0"])
+def test_max_grad_norm_must_be_positive(value: object) -> None:
+    from tilefit.vocab import check_max_grad_norm
+
+    with pytest.raises(TilefitError, match="--max-grad-norm none"):
+        check_max_grad_norm(value)  # type: ignore[arg-type]
+
+
+def test_every_phase_has_one_issuer() -> None:
+    # the host model and its calibration count a phase's ops under the same issuer
+    from tilefit.hardware.host import issuer_of
+    from tilefit.vocab import OPTIMIZER_PHASES, PHASES
+
+    assert {p: issuer_of(p) for p in PHASES} == {
+        "forward": "forward", "backward": "backward", "recompute": "backward",
+        **dict.fromkeys(OPTIMIZER_PHASES, "optimizer")}

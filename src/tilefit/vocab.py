@@ -117,6 +117,14 @@ def parse_precision(text: str | Precision) -> Precision:
         "fp32 on the CPU")
 
 
+def mixed_precision(half_dtype: str) -> Precision:
+    """The autocast precision of a 16-bit dtype ("bf16" -> bf16-mixed, "fp16" -> fp16-mixed)."""
+    for p in PRECISIONS:
+        if p.autocast_dtype == half_dtype:
+            return p
+    raise ValueError(f"no mixed precision autocasts to {half_dtype!r}")
+
+
 def precision_from_hf(bf16: bool, fp16: bool, tf32: bool | None) -> Precision:
     """The precision Hugging Face TrainingArguments(bf16=, fp16=, tf32=) runs."""
     if bf16:
@@ -156,6 +164,21 @@ def check_precision_supported(precision: str | Precision, device: Device) -> Pre
             expected="a precision the device supports", given=p.name,
             fix=f"use --precision {default_precision(device)} on this device")
     return p
+
+
+def check_max_grad_norm(max_grad_norm: float | None, *, given: str | None = None) -> None:
+    """None (no clipping) or a positive number; else an error with the fix. ``given``: the
+    user's text when it came from the command line."""
+    if max_grad_norm is None:
+        return
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, int | float) \
+            or not max_grad_norm > 0:
+        raise TilefitError(
+            "max_grad_norm must be a positive number (or None: no clipping)",
+            expected="e.g. 1.0, the Hugging Face Trainer's default",
+            given=repr(max_grad_norm) if given is None else given,
+            fix="pass --max-grad-norm 1.0 (the Trainer's default), or --max-grad-norm none "
+            "(max_grad_norm=None) to train without clipping")
 
 
 # ---- recipes -------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
 from tilefit.estimator.workloads import Recipe
 from tilefit.models import Workload
-from tilefit.vocab import PRECISIONS, parse_precision
+from tilefit.vocab import PRECISIONS, mixed_precision, parse_precision
 
 # Repeated steps whose spread (max - min over the median) exceeds this are reported as
 # noisy: a policy, checked against benchmarks/bench_step_cpu.py on a quiet machine and with
@@ -91,8 +91,8 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
         raise TilefitError("bench step does not run a grad scaler yet",
                            expected="a precision without loss scaling: " + ", ".join(
                                p.name for p in PRECISIONS if not p.grad_scaler),
-                           given=recipe.precision, fix="use --precision " + next(
-                               p.name for p in PRECISIONS if p.autocast_dtype == "bf16"))
+                           given=recipe.precision,
+                           fix="use --precision " + mixed_precision("bf16").name)
     torch.manual_seed(0)
     with torch.device(kind):
         model = workload.build("sdpa" if recipe.attention == "auto" else recipe.attention)

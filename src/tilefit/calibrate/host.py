@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tilefit.hardware.host import DEFAULT_HOST, HostModel
+from tilefit.hardware.host import DEFAULT_HOST, ISSUERS, HostModel, issuer_of
 
 # Miniature versions of catalog models: the same module structure, tiny widths.
 MINIATURES: dict[str, dict[str, Any]] = {
@@ -25,7 +25,6 @@ MINIATURES: dict[str, dict[str, Any]] = {
                           "num_attention_heads": 2, "vocab_size": 256},
 }
 SEQ_LEN = 8
-PHASES = ("forward", "backward", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ def measure_sample(name: str, *, repeats: int = 20, warmup: int = 5,
         batch = work.make_batch(1, device=device)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-        best = dict.fromkeys(PHASES, float("inf"))
+        best = dict.fromkeys(ISSUERS, float("inf"))
         for i in range(warmup + repeats):
             sync()
             t0 = time.perf_counter()
@@ -90,15 +89,13 @@ def measure_sample(name: str, *, repeats: int = 20, warmup: int = 5,
             sync()
             t3 = time.perf_counter()
             if i >= warmup:
-                for phase, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                for phase, dt in zip(ISSUERS, (t1 - t0, t2 - t1, t3 - t2), strict=True):
                     best[phase] = min(best[phase], dt)
     # the CUDA target's op stream (foreach optimizer), fp32: no autocast casts
     tr = trace_workload(work, Recipe(batch_size=1, precision="fp32"), "a100-80gb")
     steady = tr.ops_of_step(1)
-    ops = {p: sum(1 for o in steady if o.phase == p or (p == "backward" and
-                                                          o.phase == "recompute"))
-           for p in PHASES}
-    ops["optimizer"] += sum(1 for o in steady if o.phase == "zero_grad")
+    ops = {issuer: sum(1 for o in steady if issuer_of(o.phase) == issuer)
+           for issuer in ISSUERS}
     return HostSample(name, best, ops, len(params))
 
 

@@ -12,6 +12,7 @@ from tilefit.vocab import (
     ATTENTIONS,
     OPTIMIZER_NAMES,
     PRECISION_NAMES,
+    check_max_grad_norm,
     default_precision,
     parse_precision,
 )
@@ -86,11 +87,7 @@ def max_grad_norm(text: str | None, work: Any) -> float | None:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not value > 0:
-        raise TilefitError(
-            "--max-grad-norm must be a positive number or 'none'",
-            expected="e.g. 1.0 (the Hugging Face Trainer's default)", given=repr(text),
-            fix="pass --max-grad-norm 1.0, or --max-grad-norm none to train without clipping")
+    check_max_grad_norm(value, given=repr(text))
     return value
 
 

@@ -123,7 +123,7 @@ def live_precision(text: str | None, device: Any) -> str:
     """--precision, or the default for the live device (as the other commands default for a
     catalog GPU: tilefit.vocab.default_precision)."""
     from tilefit.hardware import detect_live_device
-    from tilefit.vocab import PRECISIONS, default_precision, parse_precision
+    from tilefit.vocab import default_precision, mixed_precision, parse_precision
 
     if text:
         return parse_precision(text).name
@@ -135,7 +135,7 @@ def live_precision(text: str | None, device: Any) -> str:
         import torch
 
         half = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        return next(p.name for p in PRECISIONS if p.autocast_dtype == half)
+        return mixed_precision(half).name
 
 
 def optimizer_factory(name: str) -> Any:

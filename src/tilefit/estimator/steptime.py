@@ -21,13 +21,7 @@ SYNC_OPS = frozenset({"aten._local_scalar_dense.default", "aten.is_nonzero.defau
 def host_time_s(op: OpRecord, host: HostModel) -> float:
     """What issuing the op costs the host: the issuer's per-op cost, and a kernel launch
     unless it is a view (views launch nothing)."""
-    if op.phase == "forward":
-        issue = host.forward_op_s
-    elif op.phase in MICRO_PHASES:  # backward and recompute: the autograd engine
-        issue = host.backward_op_s
-    else:
-        issue = host.optimizer_op_s
-    return issue + (0.0 if op.kind == "view" else host.launch_s)
+    return host.issue_s(op.phase) + (0.0 if op.kind == "view" else host.launch_s)
 
 
 def _blocks(costs: Sequence[OpCost], host: HostModel, param_tensors: int) -> list[Block]:

@@ -15,6 +15,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+# Who issues a phase's ops on the host: Python module code (the forward), the autograd engine
+# (backward and checkpoint recompute), or the optimizer step's loops (clip_grad, optimizer,
+# zero_grad, scaler: tilefit.vocab.OPTIMIZER_PHASES).
+ISSUERS: tuple[str, ...] = ("forward", "backward", "optimizer")
+
+
+def issuer_of(phase: str) -> str:
+    if phase == "forward":
+        return "forward"
+    return "backward" if phase in ("backward", "recompute") else "optimizer"
+
 
 @dataclass(frozen=True)
 class HostModel:
@@ -26,6 +37,10 @@ class HostModel:
     optimizer_tensor_s: float  # the optimizer's Python work per parameter tensor per step
     launch_s: float  # a CUDA kernel launch (cudaLaunchKernel) on top of issuing the op
     source: str = ""
+
+    def issue_s(self, phase: str) -> float:
+        """Host seconds to issue one op of ``phase`` (its kernel launch aside)."""
+        return getattr(self, f"{issuer_of(phase)}_op_s")
 
     def __post_init__(self) -> None:
         for name in ("forward_op_s", "backward_op_s", "optimizer_op_s", "optimizer_tensor_s",
@@ -50,9 +65,10 @@ CPU_MEASURED_HOST = HostModel(
 # GPU corpus's fit split (docs/references.md, section 15; benchmarks/bench_gpu_corpus.py:
 # transformers BertLayer steps on a V100 with PyTorch 1.13 at host-bound batch sizes), the
 # forward's per-op cost is 1.707x the CPU figure and the autograd engine's 3.406x (20.1 and
-# 14.6 us per op; refitted after the CUDA dropout fix changed the traced forward); the held-out batch sizes and launch-bound matmuls confirm both. The
-# scales mix the CUDA path's own per-op work (device guards, streams, the caching allocator,
-# the engine's device thread) with that host's CPU and PyTorch version. The optimizer's
+# 14.6 us per op; refitted after the CUDA dropout fix changed the traced forward); the
+# held-out batch sizes and launch-bound matmuls confirm both. The scales mix the CUDA path's
+# own per-op work (device guards, streams, the caching allocator, the engine's device thread)
+# with that host's CPU and PyTorch version. The optimizer's
 # figure is not scaled: no record of the corpus tests it.
 CUDA_FORWARD_ISSUE_SCALE = 1.707
 CUDA_BACKWARD_ISSUE_SCALE = 3.406

@@ -131,10 +131,11 @@ class _Planner:
     """The search's state: sweeps traced so far, rows, notes, the trace count."""
 
     def __init__(self, work: Workload, device: Device, global_batch: int, budget: int,
-                 optimizer: str, depth: Depth, link: OffloadLink) -> None:
+                 optimizer: str, depth: Depth, link: OffloadLink,
+                 max_grad_norm: float | None = None) -> None:
         self.work, self.device, self.global_batch = work, device, global_batch
         self.budget, self.optimizer, self.depth, self.link = budget, optimizer, depth, link
-        self.max_grad_norm: float | None = None
+        self.max_grad_norm = max_grad_norm  # the user's clip, applied to every recipe
         friendly, others = space.micro_batch_candidates(global_batch)
         self.micro_batches = sorted(friendly + others)
         self.sweeps: dict[tuple[Recipe, bool], SweepModel] = {}
@@ -143,7 +144,7 @@ class _Planner:
         self.traces = 0
 
     def add(self, spec: Recipe, *, offload: bool = False) -> None:
-        spec = dataclasses.replace(spec, max_grad_norm=self.max_grad_norm)  # the user's clip
+        spec = dataclasses.replace(spec, max_grad_norm=self.max_grad_norm)
         model = safe_sweep(self.work, spec, self.micro_batches, self.depth, self.device,
                            self.notes)
         self.traces += len(self.depth.traced) * len({min(self.micro_batches),
@@ -230,8 +231,7 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
         depth = depth_of(work, use_lever=layer_lever)
     except TilefitError:
         depth = Depth(None, 1, (1,))
-    p = _Planner(work, device, global_batch, budget, optimizer, depth, link)
-    p.max_grad_norm = max_grad_norm
+    p = _Planner(work, device, global_batch, budget, optimizer, depth, link, max_grad_norm)
     hf_model = not work.is_factory
     if allow_peft and hf_model:
         require_peft()  # before any tracing: LoRA is traced with the peft library itself

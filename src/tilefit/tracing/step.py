@@ -32,6 +32,7 @@ from tilefit.vocab import (
     ATTENTIONS,
     MICRO_PHASES,
     Precision,
+    check_max_grad_norm,
     check_precision_supported,
     parse_precision,
 )
@@ -70,19 +71,6 @@ def check_options(precision: str, optimizer: OptimizerSpec, attention: str,
                            fix="pass the number of micro-batches per optimizer step")
     if device is not None:
         check_precision_supported(spec, device)
-
-
-def check_max_grad_norm(max_grad_norm: float | None) -> None:
-    if max_grad_norm is None:
-        return
-    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, int | float) \
-            or not max_grad_norm > 0:
-        raise TilefitError(
-            "max_grad_norm must be a positive number (or None: no clipping)",
-            expected="e.g. 1.0, the Hugging Face Trainer's default",
-            given=repr(max_grad_norm),
-            fix="pass --max-grad-norm 1.0 (the Trainer's default), or --max-grad-norm none "
-            "(max_grad_norm=None) to train without clipping")
 
 
 def _fake_like(t: torch.Tensor, mode: FakeTensorMode, dtype: torch.dtype | None = None

@@ -25,7 +25,7 @@ from tilefit.tuning.search import (
     find_max_batch,
 )
 from tilefit.tuning.state import restore, snapshot, train_mode
-from tilefit.vocab import PRECISIONS, Precision, parse_precision
+from tilefit.vocab import Precision, mixed_precision, parse_precision
 
 # Fraction of device memory kept free. Not a measurement: a policy. The caching allocator
 # fragments (PyTorch "CUDA memory management" notes: reserved > allocated), and batches later
@@ -41,7 +41,7 @@ REPEATS = 3  # timed repeats per candidate; their spread is the noise band of th
 MIN_TIMED_STEPS = 3  # micro-batches per timed repeat at least
 CPU_MULTIPLE = 8  # the CPU has no Tensor Core rule; multiples of 8 suit SIMD widths
 # the mixed precision to suggest: bf16 autocast (tilefit.vocab)
-MIXED = next(p.name for p in PRECISIONS if p.autocast_dtype == "bf16")
+MIXED = mixed_precision("bf16").name
 
 
 @dataclass(frozen=True)
