@@ -34,7 +34,8 @@ CATEGORIES: tuple[str, ...] = get_args(Category)
 ATTENTIONS: tuple[str, ...] = get_args(Attention)
 
 # ---- optimizers (tilefit.tracing.optimizers builds them) ------------------------------------
-OPTIMIZER_NAMES: tuple[str, ...] = ("sgd", "adam", "adamw", "adafactor", "adamw-8bit")
+OPTIMIZER_NAMES: tuple[str, ...] = ("sgd", "adam", "adamw", "adamw-fused", "adafactor",
+                                    "adamw-8bit")
 
 # ---- precisions ---------------------------------------------------------------------------
 PrecisionName = Literal["fp32", "tf32", "fp16-mixed", "bf16-mixed", "bf16"]

@@ -12,6 +12,7 @@ from tilefit.advise.rules_batch import memory_bound_findings, wave_findings
 from tilefit.advise.rules_dims import dimension_findings
 from tilefit.advise.rules_host import host_findings
 from tilefit.advise.rules_memory import memory_findings
+from tilefit.advise.rules_optimizer import fused_optimizer_findings
 from tilefit.advise.rules_precision import attention_findings, precision_findings
 from tilefit.advise.whatif import WhatIf
 from tilefit.errors import TilefitError
@@ -28,7 +29,7 @@ DEFAULT_BATCH = 8
 
 RULES: tuple[Callable[[WhatIf], list[Finding]], ...] = (
     dimension_findings, memory_bound_findings, wave_findings, precision_findings,
-    attention_findings, host_findings, memory_findings)
+    attention_findings, host_findings, fused_optimizer_findings, memory_findings)
 
 
 @dataclass(frozen=True)

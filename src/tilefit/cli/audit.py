@@ -24,7 +24,7 @@ def audit(
     batch: int = mo.BATCH_OPTION,
     seq: int | None = mo.SEQ_OPTION,
     precision: str | None = mo.PRECISION_OPTION,
-    optimizer: str = mo.OPTIMIZER_OPTION,
+    optimizer: str | None = mo.OPTIMIZER_OPTION,
     grad_checkpointing: bool = mo.CHECKPOINTING_OPTION,
     accumulation: int = mo.ACCUMULATION_OPTION,
     attention: str = mo.ATTENTION_OPTION,
@@ -51,7 +51,8 @@ def audit(
         device = get_device(gpu)  # "auto" without a GPU: says so and names --gpu
         work = mo.load(model, seq, input_shape, task)
         result = run_audit(work, gpu=device, batch_size=batch, precision=precision,
-                           optimizer=optimizer, grad_checkpointing=grad_checkpointing,
+                           optimizer=mo.optimizer_name(optimizer, work),
+                           grad_checkpointing=grad_checkpointing,
                            accumulation_steps=accumulation, attention=attention,
                            confirm=confirm,
                            max_grad_norm=mo.max_grad_norm(max_grad_norm, work))

@@ -18,7 +18,7 @@ def estimate(
     batch: int = mo.BATCH_OPTION,
     seq: int | None = mo.SEQ_OPTION,
     precision: str | None = mo.PRECISION_OPTION,
-    optimizer: str = mo.OPTIMIZER_OPTION,
+    optimizer: str | None = mo.OPTIMIZER_OPTION,
     grad_checkpointing: bool = mo.CHECKPOINTING_OPTION,
     accumulation: int = mo.ACCUMULATION_OPTION,
     attention: str = mo.ATTENTION_OPTION,
@@ -38,7 +38,8 @@ def estimate(
         device = get_device(gpu)
         work = mo.load(model, seq, input_shape, task)
         recipe = Recipe(batch_size=batch, precision=mo.precision_name(precision, device),
-                        optimizer=optimizer, grad_checkpointing=grad_checkpointing,
+                        optimizer=mo.optimizer_name(optimizer, work),
+                        grad_checkpointing=grad_checkpointing,
                         accumulation_steps=accumulation, attention=attention,
                         max_grad_norm=mo.max_grad_norm(max_grad_norm, work))
         result = estimate_workload(work, recipe, device)

@@ -23,7 +23,7 @@ def plan(
         help="Share of GPU memory a plan may use, in (0, 1]; the rest is headroom for the "
         "allocator's fragmentation."),
     objective: str = typer.Option("throughput", "--objective", help="throughput or memory."),
-    optimizer: str = mo.OPTIMIZER_OPTION,
+    optimizer: str | None = mo.OPTIMIZER_OPTION,
     allow_optimizer_change: bool = typer.Option(
         False, "--allow-optimizer-change",
         help="Also rank other optimizers (a different training algorithm)."),
@@ -48,7 +48,8 @@ def plan(
         work = mo.load(model, seq, input_shape, task)
         result = run_plan(work, gpu=gpu, global_batch=global_batch,
                           memory_fraction=memory_fraction, objective=objective,
-                          optimizer=optimizer, allow_optimizer_change=allow_optimizer_change,
+                          optimizer=mo.optimizer_name(optimizer, work),
+                          allow_optimizer_change=allow_optimizer_change,
                           allow_peft=allow_peft,
                           max_grad_norm=mo.max_grad_norm(max_grad_norm, work))
     if work.is_factory:

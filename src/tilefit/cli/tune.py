@@ -56,7 +56,7 @@ def tune_command(
     seq: int | None = mo.SEQ_OPTION,
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
-    optimizer: str = mo.OPTIMIZER_OPTION,
+    optimizer: str | None = mo.OPTIMIZER_OPTION,
     precision: str | None = mo.PRECISION_OPTION,
     margin: float = typer.Option(None, "--margin",
                                  help="Fraction of memory kept free (default 0.10)."),
@@ -102,7 +102,7 @@ class TuneOptions:
     seq: int | None
     input_shape: str | None
     task: str | None
-    optimizer: str
+    optimizer: str | None
     precision: str | None
     margin: float | None
 
@@ -164,12 +164,12 @@ def _run(options: TuneOptions, *, show_progress: bool) -> Any:
 
     report = TuneReport(err_console, enabled=show_progress)
     try:
-        factory = optimizer_factory(options.optimizer)
         limit_bytes = None if options.memory_limit is None else parse_bytes(options.memory_limit)
+        workload = mo.load(options.model, options.seq, options.input_shape, options.task)
+        factory = optimizer_factory(mo.optimizer_name(options.optimizer, workload))
         torch_device = live_device(options.gpu)
         precision = live_precision(options.precision, torch_device)
         report.line(f"building {options.model} on {torch_device} ({precision})")
-        workload = mo.load(options.model, options.seq, options.input_shape, options.task)
         module = workload.build().to(torch_device)  # tune trains it in train mode
 
         def make_batch(b: int) -> Any:

@@ -21,6 +21,7 @@ from tilefit.tracing.hf_compat import gpu_mask_semantics, quiet_transformers
 from tilefit.tracing.optimizers import (
     OPTIMIZER_NAMES,
     OptimizerSpec,
+    host_step_counters,
     make_optimizer,
     optimizer_state_tensors,
 )
@@ -269,6 +270,7 @@ class TraceOptions:
     replay_steady_step: bool
     max_grad_norm: float | None = None  # clip_grad_norm_ before the optimizer step
     foreach: bool | None = None  # the target's foreach default (CUDA: True)
+    cuda: bool = False  # the target is a CUDA GPU (host memory and device memory differ)
 
     @property
     def low_dtype(self) -> torch.dtype | None:
@@ -324,7 +326,7 @@ def trace(
         precision=parse_precision(precision), grad_checkpointing=grad_checkpointing,
         accumulation_steps=accumulation_steps, attention=attention,
         replay_steady_step=replay_steady_step, max_grad_norm=max_grad_norm,
-        foreach=target.foreach)
+        foreach=target.foreach, cuda=target.kind == "cuda")
     with quiet_transformers():
         return _trace(model, batch, options, target)
 
@@ -459,6 +461,8 @@ def _run_two_steps(prep: _Prepared, options: TraceOptions, recorder: Recorder,
         marks = StepMarks(forward_at, optimizer_at, zero_grad_at, recorder.events)
         if first is not None and pending:
             recorder.settle(pending, first=first, steady=marks)
+        if first is None and options.cuda:  # torch.optim's step counters stay on the CPU
+            recorder.mark_host(host_step_counters(prep.optimizer))
         first = first or marks
 
 
