@@ -112,3 +112,21 @@ def test_cpu_foreach_calls_a_kernel_per_tensor() -> None:
     lerp = next(c for c in ops if c.record.op.startswith("aten._foreach_lerp_"))
     assert kernel_launches(lerp.record, dev) == len(SIZES)
     assert not any(c.record.on_host for c in ops)  # one memory: nothing is "on the host"
+
+
+# ---- the training loop's loss check ----------------------------------------------------------
+
+def test_the_trainers_loss_check_is_one_wait_per_micro_batch() -> None:
+    # HF Trainer, logging_nan_inf_filter=True: torch.isnan(loss) or torch.isinf(loss) after each
+    # micro-batch's backward: two reads on the host; with 3 micro-batches, 3 times each
+    dev = get_device("a100-80gb")
+    tr = trace(_Net, torch.randn(8, 128), loss_fn=lambda m, x: m(x).sum(), optimizer="adamw",
+               device=dev, accumulation_steps=3, loss_sync=True)
+    est = estimate_trace(tr, dev)
+    reads = [c for c in est.ops if c.record.phase == "loss_check" and c.record.op in SYNC_OPS]
+    assert len(reads) == 2 * 2  # two traced micro-batches stand for three
+    assert sum(c.repeats for c in reads) == 2 * 3
+    assert not any(c.record.on_host for c in reads)  # the loss is on the GPU: real waits
+    plain = estimate_trace(trace(_Net, torch.randn(8, 128), loss_fn=lambda m, x: m(x).sum(),
+                                 optimizer="adamw", device=dev, accumulation_steps=3), dev)
+    assert est.step_time_s >= plain.step_time_s  # a wait never makes the step shorter

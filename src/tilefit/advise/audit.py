@@ -84,7 +84,7 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
           grad_checkpointing: bool = False, accumulation_steps: int = 1,
           attention: str = "auto", input_shape: tuple[int, ...] | None = None,
           task: str | None = None, loss_fn: Any = None, confirm: bool = False,
-          max_grad_norm: float | None = None) -> Audit:
+          max_grad_norm: float | None = None, loss_sync: bool = False) -> Audit:
     """Audit one training step of ``model`` on ``gpu``.
 
     ``model``: a catalog name, a config.json path, ``package.module:function`` (with
@@ -103,7 +103,7 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
                     else default_precision(device),
                     optimizer=str(optimizer), grad_checkpointing=grad_checkpointing,
                     accumulation_steps=accumulation_steps, attention=attention,
-                    max_grad_norm=max_grad_norm)
+                    max_grad_norm=max_grad_norm, loss_sync=loss_sync)
     if isinstance(model, str | Workload):
         if batch is not None:
             raise TilefitError("a batch is given with a named model",
@@ -153,7 +153,7 @@ def _module_subject(model: Any, batch: Any, recipe: Recipe, device: Device, *,
     tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=recipe.precision,
                grad_checkpointing=recipe.grad_checkpointing,
                accumulation_steps=recipe.accumulation_steps, attention=recipe.attention,
-               device=device, max_grad_norm=recipe.max_grad_norm)
+               device=device, max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync)
     notes.append("model given as an nn.Module: batch, sequence and memory what-ifs need a "
                  "re-trace and were skipped; pass a catalog name, config.json or factory for "
                  "them")

@@ -31,6 +31,7 @@ def audit(
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
+    loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     html: Path | None = HTML_OPTION,
     confirm: bool = typer.Option(False, "--confirm", help="Re-trace the top dimension fix to "
                                  "confirm the quick what-if (one more trace)."),
@@ -55,7 +56,8 @@ def audit(
                            grad_checkpointing=grad_checkpointing,
                            accumulation_steps=accumulation, attention=attention,
                            confirm=confirm,
-                           max_grad_norm=mo.max_grad_norm(max_grad_norm, work))
+                           max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
+                           loss_sync=mo.loss_sync(loss_sync, work))
         if html is not None:
             from tilefit.report.html import write_html
 

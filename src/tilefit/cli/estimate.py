@@ -25,6 +25,7 @@ def estimate(
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
+    loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     ops: bool = typer.Option(True, "--ops/--no-ops", help="With --json: include every op record "
                              "of the steady step (--no-ops for the summary only)."),
     json_out: bool = JSON_OPTION,
@@ -41,12 +42,11 @@ def estimate(
                         optimizer=mo.optimizer_name(optimizer, work),
                         grad_checkpointing=grad_checkpointing,
                         accumulation_steps=accumulation, attention=attention,
-                        max_grad_norm=mo.max_grad_norm(max_grad_norm, work))
+                        max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
+                        loss_sync=mo.loss_sync(loss_sync, work))
         result = estimate_workload(work, recipe, device)
-    if max_grad_norm is None and recipe.max_grad_norm is not None:
-        err_console.print(f"note: gradients clipped at {recipe.max_grad_norm} (the Hugging Face "
-                          "Trainer's default max_grad_norm; --max-grad-norm none turns it "
-                          "off)", highlight=False)
+    if not work.is_factory:
+        err_console.print(mo.trainer_defaults_note(recipe), highlight=False)
     if work.is_factory:
         err_console.print("note: the loss is a stand-in (mean of the model's output); pass your "
                           "own loss_fn through the Python API for exact numbers", highlight=False)

@@ -88,6 +88,30 @@ def optimizer_name(text: str | None, work: Any) -> str:
     return text
 
 
+LOSS_SYNC_OPTION = typer.Option(
+    None, "--loss-sync/--no-loss-sync",
+    help="The training loop reads the loss on the host after each micro-batch, waiting for "
+    "the GPU. Default: on for Hugging Face models (the Trainer's logging_nan_inf_filter=True), "
+    "off for module:function models.")
+
+
+def loss_sync(flag: bool | None, work: Any) -> bool:
+    """--loss-sync, or by default what the model's usual loop does (the HF Trainer's
+    non-finite loss filter for Hugging Face models; nothing for plain modules)."""
+    return (not work.is_factory) if flag is None else flag
+
+
+def trainer_defaults_note(recipe: Any) -> str:
+    """What the estimate of a Hugging Face model assumed of its training loop."""
+    clip = (f"gradients clipped at {recipe.max_grad_norm}" if recipe.max_grad_norm
+            else "no clipping")
+    sync = "the loss read each micro-batch" if recipe.loss_sync else "no loss read"
+    return (f"note: the training loop as assumed: {clip}, {recipe.optimizer}, {sync} (the "
+            "Hugging Face Trainer's defaults are max_grad_norm=1.0, optim='adamw_torch_fused', "
+            "logging_nan_inf_filter=True; --max-grad-norm, --optimizer and --no-loss-sync "
+            "change them)")
+
+
 # transformers.TrainingArguments(max_grad_norm=1.0): the Trainer clips by default
 HF_TRAINER_MAX_GRAD_NORM = 1.0
 

@@ -33,6 +33,7 @@ def plan(
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
+    loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     top: int = typer.Option(15, "--top", help="Rows of the ranked table to show."),
     json_out: bool = JSON_OPTION,
 ) -> None:
@@ -51,7 +52,8 @@ def plan(
                           optimizer=mo.optimizer_name(optimizer, work),
                           allow_optimizer_change=allow_optimizer_change,
                           allow_peft=allow_peft,
-                          max_grad_norm=mo.max_grad_norm(max_grad_norm, work))
+                          max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
+                          loss_sync=mo.loss_sync(loss_sync, work))
     if work.is_factory:
         err_console.print("note: the loss is a stand-in (mean of the model's output)",
                           highlight=False)

@@ -44,6 +44,9 @@ def hf_training_arguments(row: PlanRow, *, deepspeed_path: str | None = None) ->
         # the Trainer clips at 1.0 unless told otherwise; 0 turns clipping off
         "max_grad_norm": row.recipe.max_grad_norm or 0.0,
         "optim": HF_OPTIM.get(row.optimizer, row.optimizer),
+        # the Trainer reads each micro-batch's loss on the host (a wait for the GPU) unless
+        # told otherwise; the estimate this row came from did the same
+        "logging_nan_inf_filter": row.recipe.loss_sync,
     }
     if row.offload:
         args["deepspeed"] = deepspeed_path or "ds_config.json"

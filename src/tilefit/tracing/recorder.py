@@ -177,12 +177,14 @@ class Recorder(TorchDispatchMode):
         a norm read it on the host (torch.optim.Adafactor: param.norm().item()); on fake
         tensors there is no value, but it only scales the update and no shape depends on it,
         so 1 stands in. Anywhere else a value can steer control flow: the error stands."""
-        if self._phase not in OPTIMIZER_PHASES or \
+        if self._phase not in (*OPTIMIZER_PHASES, "loss_check") or \
                 packet_name(func) != "aten._local_scalar_dense":
             raise
+        t = args[0]
+        if self._phase == "loss_check":  # the loop's non-finite check: the loss is finite
+            return False
         if self._phase != "scaler":  # GradScaler's found_inf read is expected, not a guess
             self.stand_in_reads += 1
-        t = args[0]
         if t.dtype == torch.bool:
             return True
         return 1.0 if t.is_floating_point() else 1
