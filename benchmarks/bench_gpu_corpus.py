@@ -502,12 +502,14 @@ def e2e_workload(rec: dict[str, Any]) -> Workload:
 
 def e2e_recipe(rec: dict[str, Any]) -> Recipe:
     """The record's recipe in tilefit's terms: Adam and LAMB as AdamW (tilefit has no LAMB;
-    both are per-element updates over the same state), SGD with momentum as sgd; gradient
-    clipping at 1.0 where the framework clips (DLE's BertAdam and LAMB clip the global norm;
-    timm's benchmark does not)."""
-    sgd = rec["optimizer"].startswith("sgd")
-    return Recipe(batch_size=rec["batch"], precision=rec["precision"],
-                  optimizer="sgd" if sgd else "adamw",
+    both are per-element updates over the same state), apex's and NVIDIA's fused
+    multi-tensor kernels (FusedAdam, fused LAMB) as AdamW(fused=True), SGD with momentum as
+    sgd; gradient clipping at 1.0 where the framework clips (DLE's BertAdam and LAMB clip the
+    global norm; timm's benchmark does not)."""
+    opt = rec["optimizer"]
+    name = "sgd" if opt.startswith("sgd") else (
+        "adamw-fused" if "fused" in opt.lower() and "unfused" not in opt else "adamw")
+    return Recipe(batch_size=rec["batch"], precision=rec["precision"], optimizer=name,
                   accumulation_steps=rec["accumulation"], attention=E2E_ATTENTION,
                   max_grad_norm=None if rec["framework"].startswith("timm") else 1.0)
 

@@ -46,19 +46,24 @@ IMPLEMENTATIONS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 
 
 def measure(work: Any, batch: int, make_opt: Callable[[Any], torch.optim.Optimizer],
-            steps: int) -> tuple[float, float]:
-    """Median seconds of a real optimizer step (gradients in place) and the spread."""
+            steps: int, device: str = "cpu") -> tuple[float, float]:
+    """Median seconds of a real optimizer step (gradients in place) and the spread, on
+    ``device`` ("cpu" or "cuda": timed to the GPU's completion)."""
     torch.manual_seed(0)
-    model = work.build()
+    model = work.build().to(device)
     model.train()
-    work.loss_fn(model, work.make_batch(batch, "cpu")).backward()
+    work.loss_fn(model, work.make_batch(batch, device)).backward()
     opt = make_opt([p for p in model.parameters() if p.requires_grad])
     for _ in range(2):
         opt.step()
     times = []
     for _ in range(steps):
+        if device != "cpu":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         opt.step()
+        if device != "cpu":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
     return med, (max(times) - min(times)) / med
