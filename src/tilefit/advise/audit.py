@@ -84,7 +84,8 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
           grad_checkpointing: bool = False, accumulation_steps: int = 1,
           attention: str = "auto", input_shape: tuple[int, ...] | None = None,
           task: str | None = None, loss_fn: Any = None, confirm: bool = False,
-          max_grad_norm: float | None = None, loss_sync: bool = False) -> Audit:
+          max_grad_norm: float | None = None, loss_sync: bool = False,
+          fused_ce: bool = False) -> Audit:
     """Audit one training step of ``model`` on ``gpu``.
 
     ``model``: a catalog name, a config.json path, ``package.module:function`` (with
@@ -103,7 +104,7 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
                     else default_precision(device),
                     optimizer=str(optimizer), grad_checkpointing=grad_checkpointing,
                     accumulation_steps=accumulation_steps, attention=attention,
-                    max_grad_norm=max_grad_norm, loss_sync=loss_sync)
+                    max_grad_norm=max_grad_norm, loss_sync=loss_sync, fused_ce=fused_ce)
     if isinstance(model, str | Workload):
         if batch is not None:
             raise TilefitError("a batch is given with a named model",
@@ -137,6 +138,11 @@ def _workload_subject(model: str | Workload, recipe: Recipe, device: Device, *,
 def _module_subject(model: Any, batch: Any, recipe: Recipe, device: Device, *,
                     optimizer: Any, loss_fn: Any) -> _Subject:
     """An nn.Module (or factory) with an example batch: traced as given, never re-traced."""
+    if recipe.fused_ce:
+        raise TilefitError("fused_ce replaces a Hugging Face causal LM's loss; an nn.Module "
+                           "is traced with its own loss_fn", expected="a catalog name or "
+                           "config.json", given=type(model).__name__,
+                           fix="drop fused_ce, or call your fused loss in loss_fn")
     if batch is None:
         raise TilefitError("an nn.Module (or factory) needs an example batch",
                            expected="audit(model, batch, ...)", given="no batch",

@@ -21,7 +21,15 @@ OPTIMIZER_SHARE = 0.3
 MEMORY_PRESSURE = 0.5
 # below this share of the peak, activations are not worth recomputing
 MIN_ACTIVATION_SHARE = 0.05
+# a causal LM's logits are worth not materialising above this share of the peak (one fp32 copy;
+# the eager loss holds more than one: tilefit.tracing.fused_loss)
+LOGITS_SHARE = 0.05
 GIB = 2**30
+LIGER_FIX = ("TrainingArguments(use_liger_kernel=True, liger_kernel_config={"
+             "'fused_linear_cross_entropy': True, 'cross_entropy': False, 'rope': False, "
+             "'rms_norm': False, 'swiglu': False}) (pip install liger-kernel), or "
+             "liger_kernel.transformers.apply_liger_kernel_to_<model>(fused_linear_cross_"
+             "entropy=True) before building the model")
 
 
 def _mem_finding(whatif: WhatIf, rule: str, title: str, dimension: str, current: object,
@@ -82,6 +90,28 @@ def _checkpoint_candidate(whatif: WhatIf) -> Finding | None:
         "forward of each layer).", after)
 
 
+def logits_fp32_bytes(whatif: WhatIf) -> int:
+    """One fp32 copy of a causal LM's logits per micro-batch (transformers' loss upcasts
+    them): tokens x vocabulary x 4 bytes; 0 for other tasks."""
+    work = whatif.workload
+    if work is None or work.task != "causal-lm" or not work.seq_len or work.config is None:
+        return 0
+    return whatif.recipe.batch_size * work.seq_len * int(work.config.get("vocab_size", 0)) * 4
+
+
+def _fused_ce_candidate(whatif: WhatIf) -> Finding | None:
+    if whatif.recipe.fused_ce or logits_fp32_bytes(whatif) == 0:
+        return None
+    after = whatif.retrace(fused_ce=True)
+    logits = logits_fp32_bytes(whatif)
+    return _mem_finding(
+        whatif, "loss-logits", f"the loss's logits are {logits / GIB:.2f} GiB per fp32 copy, "
+        "held whole", "loss", "cross-entropy on full logits", "fused linear cross-entropy",
+        LIGER_FIX, "fused linear cross-entropy (Liger Kernel) computes the logits and their "
+        "gradient a chunk of tokens at a time inside the forward, so they are never whole; "
+        "with fp32 weights under autocast it re-casts the head's weight for each chunk.", after)
+
+
 def _smaller_batch_candidate(whatif: WhatIf) -> Finding | None:
     batch = whatif.recipe.batch_size
     if batch < 2:
@@ -103,8 +133,11 @@ def memory_findings(whatif: WhatIf) -> list[Finding]:
         return []
     estimate = whatif.estimate
     fits = estimate.fits
+    found_loss = []
+    if logits_fp32_bytes(whatif) >= LOGITS_SHARE * estimate.peak_memory_bytes:
+        found_loss = [f for f in (_fused_ce_candidate(whatif),) if f is not None]
     if fits and estimate.total_memory_bytes < MEMORY_PRESSURE * estimate.device.memory_bytes:
-        return []
+        return found_loss
     peak = max(estimate.peak_memory_bytes, 1)
     opt_share = estimate.memory_breakdown.get("optimizer_state", 0) / peak
     act_share = estimate.memory_breakdown.get("activations", 0) / peak
@@ -118,4 +151,4 @@ def memory_findings(whatif: WhatIf) -> list[Finding]:
     if not fits:
         candidates.append(_smaller_batch_candidate)
     found = (candidate(whatif) for candidate in candidates)
-    return [f for f in found if f is not None]
+    return found_loss + [f for f in found if f is not None]

@@ -107,9 +107,11 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = recipe.spec.allow_tf32
 
+    loss_fn = workload.loss_for(recipe.fused_ce)
+
     def step() -> None:
         with _autocast(kind, recipe.precision):
-            loss = workload.loss_fn(model, batch)
+            loss = loss_fn(model, batch)
         loss.backward()
         del loss
         opt.step()

@@ -95,6 +95,12 @@ LOSS_SYNC_OPTION = typer.Option(
     "off for module:function models.")
 
 
+FUSED_CE_OPTION = typer.Option(
+    False, "--fused-ce/--no-fused-ce",
+    help="A causal LM's loss as fused linear cross-entropy (Liger Kernel's; HF "
+    "use_liger_kernel=True): the logits are never held whole.")
+
+
 def loss_sync(flag: bool | None, work: Any) -> bool:
     """--loss-sync, or by default what the model's usual loop does (the HF Trainer's
     non-finite loss filter for Hugging Face models; nothing for plain modules)."""

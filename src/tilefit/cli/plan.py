@@ -34,6 +34,7 @@ def plan(
     task: str | None = mo.TASK_OPTION,
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
+    fused_ce: bool = mo.FUSED_CE_OPTION,
     top: int = typer.Option(15, "--top", help="Rows of the ranked table to show."),
     json_out: bool = JSON_OPTION,
 ) -> None:
@@ -53,7 +54,8 @@ def plan(
                           allow_optimizer_change=allow_optimizer_change,
                           allow_peft=allow_peft,
                           max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
-                          loss_sync=mo.loss_sync(loss_sync, work))
+                          loss_sync=mo.loss_sync(loss_sync, work),
+                          fused_ce=fused_ce)
     if work.is_factory:
         err_console.print("note: the loss is a stand-in (mean of the model's output)",
                           highlight=False)

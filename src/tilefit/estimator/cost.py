@@ -50,7 +50,8 @@ _FAMILY_BY_PACKET: Mapping[str, KernelFamily] = MappingProxyType({
     **dict.fromkeys((
         "aten._softmax", "aten._log_softmax", "aten._softmax_backward_data",
         "aten._log_softmax_backward_data", "aten.nll_loss_forward", "aten.nll_loss_backward",
-        "aten.nll_loss2d_forward", "aten.nll_loss2d_backward"), "softmax"),
+        "aten.nll_loss2d_forward", "aten.nll_loss2d_backward",
+        "tilefit.ce_logsumexp", "tilefit.ce_grad_"), "softmax"),
     **dict.fromkeys(("aten.embedding_dense_backward", "aten.embedding_backward",
                      "aten._embedding_bag_backward"), "embedding_backward"),
     **dict.fromkeys((

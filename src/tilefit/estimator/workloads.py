@@ -27,7 +27,8 @@ def trace_workload(workload: Workload, recipe: Recipe, device: str | Device) -> 
     return trace(
         lambda: workload.build(build_attention),
         workload.make_batch(recipe.batch_size, device="meta"),
-        loss_fn=workload.loss_fn, optimizer=recipe.optimizer, precision=recipe.precision,
+        loss_fn=workload.loss_for(recipe.fused_ce), optimizer=recipe.optimizer,
+        precision=recipe.precision,
         grad_checkpointing=recipe.grad_checkpointing,
         accumulation_steps=recipe.accumulation_steps, attention="auto", device=dev,
         max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync)

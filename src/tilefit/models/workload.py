@@ -105,6 +105,20 @@ class Workload:
             return factory.stand_in_loss(model(batch))
         return model(**batch).loss
 
+    def loss_for(self, fused_ce: bool) -> Any:
+        """The loss function a recipe trains with: the head's own, or (``fused_ce``) a
+        causal LM's loss as fused linear cross-entropy (tilefit.tracing.fused_loss)."""
+        if not fused_ce:
+            return self.loss_fn
+        if self.task != "causal-lm":
+            raise TilefitError(
+                "fused linear cross-entropy applies to a causal LM's loss",
+                expected="a Hugging Face causal LM (task causal-lm)",
+                given=f"{self.name} ({self.task})", fix="drop --fused-ce")
+        from tilefit.tracing.fused_loss import fused_causal_lm_loss
+
+        return fused_causal_lm_loss
+
     def with_config(self, **changes: Any) -> Workload:
         """The same workload with config fields replaced (a what-if: vocab_size=50304, ...).
 

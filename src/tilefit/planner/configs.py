@@ -25,6 +25,11 @@ PEFT_TASK_TYPES: dict[str, str | None] = {"causal-lm": "CAUSAL_LM", "seq-cls": "
 # "adamw_torch_fused" is AdamW(fused=True), the Trainer's default with torch >= 2.8.
 HF_OPTIM = {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adam": "adamw_torch",
             "adamw-8bit": "adamw_bnb_8bit", "adafactor": "adafactor", "sgd": "sgd"}
+# transformers' use_liger_kernel applies every Liger kernel of the model type; this config
+# (TrainingArguments.liger_kernel_config, passed to Liger's apply_liger_kernel_to_<model>)
+# keeps only the fused linear cross-entropy that tilefit estimated
+LIGER_FUSED_CE_ONLY = {"fused_linear_cross_entropy": True, "cross_entropy": False,
+                       "rope": False, "rms_norm": False, "swiglu": False}
 TORCH_OPTIM = {
     "adamw": "torch.optim.AdamW(model.parameters(), lr=lr)",
     "adamw-fused": "torch.optim.AdamW(model.parameters(), lr=lr, fused=True)",
@@ -48,6 +53,9 @@ def hf_training_arguments(row: PlanRow, *, deepspeed_path: str | None = None) ->
         # told otherwise; the estimate this row came from did the same
         "logging_nan_inf_filter": row.recipe.loss_sync,
     }
+    if row.recipe.fused_ce:  # Liger's fused linear cross-entropy alone, as estimated
+        args["use_liger_kernel"] = True
+        args["liger_kernel_config"] = dict(LIGER_FUSED_CE_ONLY)
     if row.offload:
         args["deepspeed"] = deepspeed_path or "ds_config.json"
     return args

@@ -106,7 +106,8 @@ def trace_built(work: Workload, micro_batch: int, spec: Recipe,
         from tilefit.planner.lora import build_lora_model
 
         model = build_lora_model(work, attention, torch_dtype(spec.spec.half_dtype or "bf16"))
-    return trace(model, work.make_batch(micro_batch, device="meta"), loss_fn=work.loss_fn,
+    return trace(model, work.make_batch(micro_batch, device="meta"),
+                 loss_fn=work.loss_for(spec.fused_ce),
                  optimizer=spec.optimizer,
                  precision=spec.precision,
                  grad_checkpointing=spec.grad_checkpointing,

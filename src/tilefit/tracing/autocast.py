@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from tilefit.tracing.torch_compat import is_view
+
 T = torch.Tensor
 
 
@@ -122,7 +124,9 @@ class CudaAutocast(TorchFunctionMode):
     def _cast(self, x: Any, to: torch.dtype) -> Any:
         if not isinstance(x, T) or not x.is_floating_point() or x.dtype in (to, torch.float64):
             return x
-        cacheable = self.cache_weights and x.is_leaf and x.requires_grad
+        # ATen's cached_cast: a leaf that requires grad and is not a view (a weight.t() view
+        # is cast afresh each time)
+        cacheable = self.cache_weights and x.is_leaf and x.requires_grad and not is_view(x)
         if cacheable:
             hit = self._cache.get(id(x))
             if hit is not None and hit[0] is x:
@@ -137,7 +141,8 @@ class CudaAutocast(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if self.enabled and self.dtype is not None:
+        # autocast's kernels are the functional overloads': an out= call runs as written
+        if self.enabled and self.dtype is not None and kwargs.get("out") is None:
             out = self._apply_policy(func, args, kwargs)
             if out is not None:
                 args, kwargs, result = out

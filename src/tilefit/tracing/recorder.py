@@ -345,7 +345,7 @@ def _written(name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     """The tensors an op writes in place. torch's fused optimizers mark the gradients
     mutable but write them back only when they unscale them (a ``grad_scale`` is given)."""
     if not (name.startswith("aten._foreach_") or name.startswith("aten._fused_")
-            or name.startswith("aten._amp_")):
+            or name.startswith("aten._amp_") or name.startswith("tilefit.")):
         return []  # other in-place ops return what they write
     written = written_args(func, args, kwargs)
     if name.startswith("aten._fused_") and kwargs.get("grad_scale") is None and \

@@ -131,3 +131,8 @@ def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> li
         if value is not None:
             out.append(value)
     return out
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view of another tensor's storage (Tensor._is_view)."""
+    return bool(t._is_view())
