@@ -259,7 +259,11 @@ def check_model_and_optimizer(model: nn.Module, optimizer: OptimizerArg,
                            expected="torch.optim.AdamW(model.parameters()) or params -> Optimizer",
                            given=type(optimizer).__name__,
                            fix="pass optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4)")
-    dev = request.device
+    check_on_device(model, request.device)
+
+
+def check_on_device(model: nn.Module, dev: torch.device) -> None:
+    """An error unless every parameter is on ``dev`` (tilefit does not move the model)."""
     wrong = {str(p.device) for p in model.parameters() if p.device.type != dev.type
              or (dev.index is not None and p.device.index != dev.index)}
     if wrong:
