@@ -24,6 +24,9 @@ from tilefit.errors import TilefitError
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0  # a private generator: the user's RNG streams are never touched
 DEFAULT_CONFIDENCE = 0.90
+# Below this relative difference between |G_Bsmall|^2 and |G_Bbig|^2 the two are the same
+# up to float32 rounding of the summed gradients (unit roundoff 6e-8, IEEE 754): no noise.
+SAME_GRADIENT_RELATIVE = 1e-6
 # A global batch this many times the noise scale needs (1 + 2) = 3 times the samples of the
 # most sample-efficient run for the same loss (eq. 2.11): plan's and tune's warning. A policy.
 FAR_ABOVE_NOISE_SCALE = 2.0
@@ -156,6 +159,10 @@ def from_measurements(measurements: Sequence[Measurement], b_small: int, b_big: 
         raise TilefitError("no measurements to estimate the noise scale from",
                            expected="measurements >= 2", given="0", fix="pass measurements=10")
     g2, trace = estimates(measurements, b_small, b_big)
+    small = sum(m.small_sq for m in measurements) / len(measurements)
+    big = sum(m.big_sq for m in measurements) / len(measurements)
+    if small - big <= SAME_GRADIENT_RELATIVE * abs(small):
+        trace = min(trace, 0.0)  # no noise beyond rounding
     check_estimates(g2, trace, b_small, b_big, len(measurements))
     low, high = bootstrap_interval(measurements, b_small, b_big, confidence)
     return NoiseScale(
