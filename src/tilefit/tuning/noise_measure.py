@@ -85,8 +85,9 @@ def noise_scale(
     dev = resolve_device(device)
     check_on_device(model, dev)
     autocast = _autocast_of(precision, dev)
-    snap = snapshot(model, optimizer)
     start_s = time.perf_counter()
+    snap = snapshot(model, optimizer)
+    run: _Run | None = None
     try:
         if checkpoint is not None:
             load_checkpoint(model, checkpoint)
@@ -95,9 +96,13 @@ def noise_scale(
         params = _trainable(model)
         run = _Run(model, make_batch, loss_fn or default_loss, params, dev, autocast)
         found = [run.measure(b_small, b_big // b_small, i) for i in range(measurements)]
+    except BaseException:
+        gc.collect()  # an error's traceback can hold activations (as tune's executor frees)
+        raise
     finally:
+        if run is not None:
+            run.acc.clear()  # the accumulator's memory back before the restore
         restore(snap)
-        gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     lr = None if optimizer is None else float(optimizer.param_groups[0]["lr"])
@@ -181,24 +186,19 @@ class _Run:
 
 
 def grad_sq_norm(params: list[tuple[str, nn.Parameter]], b_small: int, index: int) -> float:
-    """sum of |grad|^2 over the parameters (float64), or a TilefitError naming the
+    """sum of |grad|^2 over the parameters (one device sync), or a TilefitError naming the
     parameters whose gradient is non-finite, or saying that it is exactly zero."""
-    total = 0.0
-    bad: list[str] = []
     with torch.no_grad():
-        for name, p in params:
-            if p.grad is None:
-                continue
-            sq = float(p.grad.double().square().sum())
-            if not math.isfinite(sq):
-                bad.append(name)
-            total += sq
+        sums = [(name, p.grad.float().square().sum()) for name, p in params
+                if p.grad is not None]
+        total = float(torch.stack([s for _, s in sums]).double().sum()) if sums else 0.0
     where = f"measurement {index + 1}, a batch of {b_small}"
-    if bad:
+    if not math.isfinite(total):
+        bad = [name for name, s in sums if not math.isfinite(float(s))]
         raise TilefitError(
             f"the gradient is not finite (nan or inf) in {len(bad)} parameter(s) ({where})",
-            expected="finite gradients", given=", ".join(bad[:5]) + (", ..." if len(bad) > 5
-                                                                      else ""),
+            expected="finite gradients",
+            given=", ".join(bad[:5]) + (", ..." if len(bad) > 5 else ""),
             fix="find the op that overflows (torch.autograd.set_detect_anomaly(True)); in "
             "fp16 measure in bf16-mixed or fp32")
     if total == 0.0:
