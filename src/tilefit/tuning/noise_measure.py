@@ -245,16 +245,26 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_checkpoint(model: nn.Module, path: str | Path) -> None:
-    """Load a checkpoint's weights into the model (strictly: every key must match)."""
+    """Load a checkpoint's weights into the model. Every key must match, except a tied
+    parameter saved once (Hugging Face drops lm_head.weight when it is the embedding)."""
     state = read_state_dict(path)
     try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shapes that differ
         raise TilefitError(
             f"the checkpoint {path} does not match the model",
             expected=f"the state dict of {type(model).__name__}",
-            given=str(exc).splitlines()[0],
-            fix="pass the checkpoint this model's training run saved") from None
+            given=" ".join(str(exc).split())[:300],
+            fix="pass a checkpoint of this model (the same class and configuration)") from None
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {id(by_name[k]) for k in state if k in by_name}
+    missing = [k for k in result.missing_keys if k not in by_name or id(by_name[k]) not in loaded]
+    if missing or result.unexpected_keys:
+        raise TilefitError(
+            f"the checkpoint {path} does not match the model",
+            expected=f"the state dict of {type(model).__name__}",
+            given=f"missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}",
+            fix="pass a checkpoint of this model (the same class and configuration)")
 
 
 def _bad_checkpoint(path: Path, why: str) -> TilefitError:
