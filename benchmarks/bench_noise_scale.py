@@ -13,7 +13,7 @@
    repeated measurements.
 2. Real cases. scikit-learn's bundled digits (an MLP) and the English help text that ships
    with Python (pydoc_data.topics; a character-level MLP language model). Each is trained
-   with plain SGD to a target loss on a fixed evaluation set at 7 or 8 batch sizes, the
+   with plain SGD to a target loss on a fixed evaluation set at 8 or 9 batch sizes, the
    learning rate tuned per batch size (powers of 2, the best of each), averaged over seeds;
    S(B) = S_min (1 + B_crit / B) is fitted to the steps (eq. 2.11), and B_simple measured by
    tilefit on a reference run (batch 32, its best lr) after 10%, 25%, 50% and 100% of its steps
@@ -184,7 +184,8 @@ def text_task() -> Task:
     ev = torch.randint(0, len(starts), (8192,), generator=torch.Generator().manual_seed(0))
     return Task(f"text (Python's pydoc_data help, {len(text):,} chars; char MLP, ctx 8)",
                 x, y, lambda: CharMLP(len(chars)), x[ev], y[ev], target=2.4,
-                batch_sizes=(8, 16, 32, 64, 128, 256, 512), lrs=tuple(0.1 * 2**k for k in range(6)),
+                batch_sizes=(8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+                lrs=tuple(0.1 * 2**k for k in range(7)),
                 max_steps=12000)
 
 

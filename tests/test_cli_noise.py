@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from tests.fixtures.tiny_models import mlp
@@ -59,3 +60,28 @@ def test_tune_time_to_loss_cli() -> None:
     out = runner.invoke(app, ["tune", MODEL, "--input-shape", "32", "--gpu", "cpu",
                               "--max-batch", "8", "--objective", "time-to-loss"])
     assert out.exit_code == 2 and "--noise-scale" in out.output
+
+
+def test_plan_warns_far_above_a_given_noise_scale(tmp_path: Path, monkeypatch: Any) -> None:
+    import tilefit.planner
+
+    class Planned:  # plan itself is tested elsewhere; this checks the warning only
+        def to_dict(self) -> dict[str, Any]:
+            return {"rows": []}
+
+    monkeypatch.setattr(tilefit.planner, "plan", lambda *a, **k: Planned())
+    ns = tmp_path / "ns.json"
+    ns.write_text(json.dumps({"b_simple": 16.0}))
+    runner = CliRunner()
+    for given in ("16", str(ns)):
+        out = runner.invoke(app, ["plan", MODEL, "--input-shape", "32", "--global-batch", "64",
+                                  "--noise-scale", given, "--json"])
+        assert out.exit_code == 0, out.output
+        # 64 = 4 x 16: 1 + 64/16 = 5x the fewest samples (eq. 2.11)
+        assert "5.0x the fewest samples" in json.loads(out.stdout)["warnings"][0]
+    out = runner.invoke(app, ["plan", MODEL, "--input-shape", "32", "--global-batch", "16",
+                              "--noise-scale", "16", "--json"])
+    assert json.loads(out.stdout)["warnings"] == []
+    out = runner.invoke(app, ["plan", MODEL, "--input-shape", "32", "--global-batch", "16",
+                              "--noise-scale", "many"])
+    assert out.exit_code == 2 and "--noise-scale must be a positive number" in out.output

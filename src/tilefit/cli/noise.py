@@ -18,6 +18,31 @@ LOSS_OPTION = typer.Option(
     "(default: model(**batch).loss for dict batches).")
 
 
+PLAN_NOISE_OPTION = typer.Option(
+    None, "--noise-scale", help="The gradient noise scale B_noise in samples, or the JSON "
+    "that `tilefit noise-scale --json` wrote: warn when the global batch is far above it.")
+
+
+def read_noise_scale(text: str) -> float:
+    """A number, or the b_simple of a `tilefit noise-scale --json` file."""
+    import json
+    from pathlib import Path
+
+    try:
+        value = float(text)
+    except ValueError:
+        path = Path(text).expanduser()
+        try:
+            value = float(json.loads(path.read_text(encoding="utf-8"))["b_simple"])
+        except (OSError, ValueError, KeyError, TypeError):
+            value = float("nan")
+    if not value > 0:
+        raise TilefitError("--noise-scale must be a positive number or a noise-scale JSON file",
+                           expected="e.g. 512, or ns.json from `tilefit noise-scale --json`",
+                           given=repr(text), fix="pass --noise-scale 512")
+    return value
+
+
 def register(app: typer.Typer) -> None:
     app.command("noise-scale")(noise_scale_command)
 

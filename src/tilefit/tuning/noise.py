@@ -1,9 +1,9 @@
 """The gradient noise scale and what it says about the batch size: pure arithmetic, no torch.
 
-McCandlish et al., "An Empirical Model of Large-Batch Training" (2018), docs/references.md,
-section 16. With G the true gradient and Sigma the per-sample gradient covariance, a batch of
-B samples has E|G_B|^2 = |G|^2 + tr(Sigma) / B. Two batch sizes give unbiased estimates of
-|G|^2 and tr(Sigma) (its appendix A), whose ratio is the simple noise scale
+McCandlish et al., "An Empirical Model of Large-Batch Training" (2018),
+docs/references.md, section 16. With G the true gradient and Sigma the per-sample gradient
+covariance, a batch of B samples has E|G_B|^2 = |G|^2 + tr(Sigma) / B. Two batch sizes give
+unbiased estimates of |G|^2 and tr(Sigma) (its appendix A), whose ratio is the simple noise scale
 B_simple = tr(Sigma) / |G|^2. The steps and samples to reach a given loss are
 S(B) = S_min (1 + B_noise / B) and E(B) = E_min (1 + B / B_noise) (its eq. 2.11, with
 B_crit = E_min / S_min ~ B_noise); the measuring loop lives in ``noise_measure.py``.
@@ -122,9 +122,10 @@ def bootstrap_interval(measurements: Sequence[Measurement], b_small: int, b_big:
 
 @dataclass(frozen=True)
 class NoiseScale:
-    """The measured simple noise scale B_simple = tr(Sigma) / |G|^2 (docs/references.md,
-    section 16) and what it was measured from. Batch sizes are in samples (a sample is one
-    row of what make_batch returns: a sequence for a language model)."""
+    """The measured simple noise scale B_simple = tr(Sigma) / |G|^2
+    (docs/references.md, section 16) and what it was measured from. Batch sizes are in
+    samples (a sample is one row of what make_batch returns: a sequence for a language
+    model)."""
 
     b_simple: float
     b_simple_low: float  # the bootstrap interval at ``confidence``

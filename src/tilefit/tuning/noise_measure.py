@@ -35,7 +35,7 @@ from tilefit.tuning.noise import (
     from_measurements,
 )
 from tilefit.tuning.state import restore, snapshot, train_mode
-from tilefit.vocab import parse_precision
+from tilefit.vocab import mixed_precision, parse_precision
 
 # A small batch of 8 and a big one of 64 (8 micro-batches): B_big / B_small = 8 keeps the
 # tr(Sigma) difference well above the noise of one measurement; ten measurements of 64 cost
@@ -68,8 +68,8 @@ def noise_scale(
     in memory). optimizer: not stepped; given, its state is kept intact and its class and lr
     are reported for the learning-rate advice. checkpoint: a state dict file or a Hugging
     Face checkpoint folder loaded for the measurement only (the noise scale grows as training
-    proceeds: measure after warm-up, and again from later checkpoints). precision: bf16
-    autocast as training runs; fp16-mixed is measured in fp32 (no loss scaler runs).
+    proceeds: measure after warm-up, and again from later checkpoints). precision: runs
+    under bf16 autocast as training does; fp16 with a loss scaler is measured in fp32.
 
     Runs in train mode unless ``keep_modes``; parameters, buffers, gradients, module
     attributes, optimizer state, modes and RNG states are restored bit for bit.
@@ -200,7 +200,7 @@ def grad_sq_norm(params: list[tuple[str, nn.Parameter]], b_small: int, index: in
             expected="finite gradients",
             given=", ".join(bad[:5]) + (", ..." if len(bad) > 5 else ""),
             fix="find the op that overflows (torch.autograd.set_detect_anomaly(True)); in "
-            "fp16 measure in bf16-mixed or fp32")
+            f"fp16 measure in {mixed_precision('bf16').name} or fp32")
     if total == 0.0:
         raise TilefitError(
             f"the gradient is exactly zero ({where})",

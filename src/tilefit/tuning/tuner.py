@@ -182,8 +182,7 @@ def tune(
     on_trial: Callable[[Trial], None] | None = None,
     on_outlook: Callable[[Outlook], None] | None = None,
     keep_modes: bool = False,
-    objective: str = "samples-per-s",
-    noise_scale: float | NoiseScale | None = None,
+    objective: str = "samples-per-s", noise_scale: float | NoiseScale | None = None,
 ) -> TuneResult:
     """Find the largest batch that fits, then the fastest hardware-friendly batch up to it.
 
@@ -209,21 +208,16 @@ def tune(
     buffers, gradients, every module's own attributes, see ``tuning.state``), optimizer, RNG
     states and module modes are exactly as before when tune returns or raises
     (KeyboardInterrupt included).
-
-    objective="time-to-loss" chooses, among the timed batches, the one that reaches a given
-    loss soonest: S(B) = S_min (1 + B_noise / B) steps (McCandlish et al. 2018) of the
-    measured time each. noise_scale: B_noise in samples or a NoiseScale; without it tune
-    measures B_simple (``tilefit.noise_scale``) on make_batch's batches, which must then be
-    fresh random samples of the real data. The result keeps the samples/s choice beside it
-    (``samples_per_s_batch``, ``time_to_loss_slowdown``) and learning-rate advice.
+    objective="time-to-loss": the timed batch soonest to a given loss, from ``noise_scale``
+    (B_noise or a NoiseScale; else measured on make_batch's batches): ``tuning.objective``.
     """
     check_objective(objective, noise_scale)
-    request = make_request(
+    request = dataclasses.replace(make_request(
         precision=precision, device=device, global_batch=global_batch, max_batch=max_batch,
         memory_limit_bytes=memory_limit_bytes, margin=margin,
         steps_per_trial=steps_per_trial, predicted_max_batch=predicted_max_batch,
-        predict=predict, measure_throughput=measure_throughput or objective != OBJECTIVE_RATE)
-    request = dataclasses.replace(request, objective=objective, noise_scale=noise_scale)
+        predict=predict, measure_throughput=measure_throughput or objective != OBJECTIVE_RATE),
+        objective=objective, noise_scale=noise_scale)
     check_model_and_optimizer(model, optimizer, request)
     user_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     snap = snapshot(model, user_opt)
@@ -236,17 +230,12 @@ def tune(
             torch.backends.cudnn.allow_tf32 = True
         ex = Executor(
             model=model, make_batch=make_batch, loss_fn=loss_fn, optimizer=optimizer, snap=snap,
-            precision=request.precision.name, device=request.device,
-            memory_limit_bytes=request.memory_limit_bytes, margin=request.margin,
-            steps_per_trial=request.steps_per_trial, warmup_steps=WARMUP_STEPS,
-            repeats=REPEATS, min_timed_steps=MIN_TIMED_STEPS, on_trial=on_trial,
-            keep_modes=keep_modes,
-        )
+            precision=request.precision.name, device=request.device, on_trial=on_trial,
+            keep_modes=keep_modes, **_trial_settings(request))
         first_probe = _first_probe(model, make_batch, loss_fn, optimizer, request, ex)
-        if on_outlook is not None:
-            expected = _outlook(ex, request, first_probe)
-            if expected is not None:
-                on_outlook(expected)
+        expected = None if on_outlook is None else _outlook(ex, request, first_probe)
+        if on_outlook is not None and expected is not None:
+            on_outlook(expected)
         return _search(ex, request, first_probe)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
@@ -254,6 +243,12 @@ def tune(
         gc.collect()
         if request.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _trial_settings(request: TuneRequest) -> dict[str, Any]:
+    return {"memory_limit_bytes": request.memory_limit_bytes, "margin": request.margin,
+            "steps_per_trial": request.steps_per_trial, "warmup_steps": WARMUP_STEPS,
+            "repeats": REPEATS, "min_timed_steps": MIN_TIMED_STEPS}
 
 
 def make_request(*, precision: str, device: str | torch.device | None,
