@@ -110,3 +110,14 @@ def test_lightning_monitor_measures_during_training_and_changes_nothing() -> Non
     assert all(isinstance(r, NoiseScale) and r.optimizer == "SGD" for _, r in monitor.results)
     for a, b in zip(measured.parameters(), plain.parameters(), strict=True):
         assert torch.equal(a, b)  # the run is bit for bit the one without the monitor
+
+
+def test_lightning_finder_time_to_loss_measures_on_random_samples() -> None:
+    from tilefit.tuning.integrations.lightning import tilefit_batch_size_finder
+
+    finder = tilefit_batch_size_finder(max_batch=16, objective="time-to-loss")
+    _fit([finder])
+    r = finder.result
+    assert r.objective == "time-to-loss" and isinstance(r.noise_measurement, NoiseScale)
+    assert r.batch_size in {row.batch_size for row in r.time_to_loss}
+    assert r.learning_rate is not None and r.learning_rate.rule == "sgd"

@@ -91,6 +91,8 @@ class FinderOptions:
     margin: float = DEFAULT_MARGIN
     max_batch: int | None = None
     measure_throughput: bool = True
+    objective: str = "samples-per-s"  # or "time-to-loss" (tune's objective)
+    noise_scale: Any = None  # B_noise or a NoiseScale; None: measured on the train data
 
 
 # ---- pure helpers -----------------------------------------------------------------------
@@ -355,6 +357,9 @@ def tune_lightning(trainer: Any, pl_module: Any, options: FinderOptions) -> Ligh
     def loss_fn(model: Any, batch: Any) -> Any:
         return loss_from_step_output(trainer.strategy.training_step(batch, 0))
 
+    noise = options.noise_scale
+    if options.objective == "time-to-loss" and noise is None:
+        noise = noise_scale_lightning(trainer, pl_module)  # random samples: the real noise
     with quiet_logging(trainer, pl_module):
         result = tune(
             pl_module, lightning_batch_maker(trainer, pl_module, loader), loss_fn=loss_fn,
@@ -362,7 +367,8 @@ def tune_lightning(trainer: Any, pl_module: Any, options: FinderOptions) -> Ligh
             device=trainer.strategy.root_device, global_batch=options.global_batch,
             max_batch=_smallest(options.max_batch, per_epoch),
             memory_limit_bytes=options.memory_limit_bytes, margin=options.margin,
-            measure_throughput=options.measure_throughput,
+            measure_throughput=options.measure_throughput, objective=options.objective,
+            noise_scale=noise,
             keep_modes=True)  # Lightning 2.6 trains the modules in the modes they are in
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
     return LightningTuneResult(**{**fields, "precision": precision.name,
@@ -406,13 +412,17 @@ def tilefit_batch_size_finder(
     margin: float | None = None,
     max_batch: int | None = None,
     measure_throughput: bool = True,
+    objective: str = "samples-per-s",
+    noise_scale: Any = None,
 ) -> Any:
     """A Lightning Callback that tunes the batch size at fit start (see the module doc). Its
-    ``result`` is a LightningTuneResult once the fit has started."""
+    ``result`` is a LightningTuneResult once the fit has started. objective="time-to-loss"
+    chooses the batch soonest to a given loss from the gradient noise scale (``noise_scale``,
+    else measured on random samples of the train data; see ``tilefit.tune``)."""
     pl = import_lightning()
     options = FinderOptions(batch_arg_name, global_batch, memory_limit_bytes,
                             DEFAULT_MARGIN if margin is None else margin, max_batch,
-                            measure_throughput)
+                            measure_throughput, objective, noise_scale)
 
     class TilefitBatchSizeFinder(pl.Callback):  # type: ignore[misc, name-defined]
         def __init__(self) -> None:
