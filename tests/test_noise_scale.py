@@ -268,3 +268,15 @@ def test_the_same_batch_every_call_has_no_noise() -> None:
 def test_public_names() -> None:
     assert tilefit.noise_scale is noise_scale
     assert tilefit.NoiseScale.__name__ == "NoiseScale"
+
+
+def test_expanded_percentile_tails() -> None:
+    from statistics import NormalDist
+
+    from tilefit.tuning.noise import expanded_tail, student_t_quantile
+
+    assert student_t_quantile(0.95, 9) == pytest.approx(1.8331, abs=1e-3)  # t tables
+    assert student_t_quantile(0.975, 19) == pytest.approx(2.0930, abs=2e-3)
+    # n = 10 at 90%: Phi(-sqrt(10/9) * 1.8331) = Phi(-1.9322)
+    assert expanded_tail(0.9, 10) == pytest.approx(NormalDist().cdf(-1.9322), abs=2e-4)
+    assert expanded_tail(0.9, 10_000) == pytest.approx(0.05, abs=1e-3)
