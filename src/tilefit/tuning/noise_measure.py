@@ -38,9 +38,11 @@ from tilefit.tuning.state import restore, snapshot, train_mode
 from tilefit.vocab import mixed_precision, parse_precision
 
 # A small batch of 8 and a big one of 64 (8 micro-batches): B_big / B_small = 8 keeps the
-# tr(Sigma) difference well above the noise of one measurement; ten measurements of 64 cost
-# about ten forward/backward passes at the big batch (the target: under 20 training steps).
-# Policy defaults; the interval in the result says whether they resolved the noise scale.
+# tr(Sigma) difference well above the noise of one measurement; ten measurements of 64 are
+# ten forward/backward passes' worth of samples at the big batch: 7 training steps at 64 where
+# compute grows with the batch, 40 to 75 where every micro-batch costs a whole step
+# (benchmarks/results_noise_scale_cpu.txt). Policy defaults; the interval in the result says
+# whether they resolved the noise scale.
 DEFAULT_BATCH_SIZES = (8, 64)
 DEFAULT_MEASUREMENTS = 10
 
@@ -71,7 +73,8 @@ def noise_scale(
     proceeds: measure after warm-up, and again from later checkpoints). precision: runs
     under bf16 autocast as training does; fp16 with a loss scaler is measured in fp32.
 
-    Runs in train mode unless ``keep_modes``; parameters, buffers, gradients, module
+    device: where the model is (default: its parameters' device). Runs in train mode unless
+    ``keep_modes``; parameters, buffers, gradients, module
     attributes, optimizer state, modes and RNG states are restored bit for bit.
     """
     b_small, b_big = check_batch_sizes(*(batch_sizes or DEFAULT_BATCH_SIZES))
@@ -82,7 +85,8 @@ def noise_scale(
                            given=repr(measurements), fix="pass measurements=10")
     from tilefit.tuning.tuner import check_on_device, resolve_device
 
-    dev = resolve_device(device)
+    first = next(model.parameters(), None)
+    dev = resolve_device(device if device is not None or first is None else first.device)
     check_on_device(model, dev)
     autocast = _autocast_of(precision, dev)
     start_s = time.perf_counter()
@@ -154,7 +158,8 @@ class _Run:
         for _ in range(k):
             small_sq += self._micro(b_small, index)
         with torch.no_grad():
-            big_sq = sum(float(a.double().square().sum()) for a in self.acc) / k**2
+            big_sq = float(torch.stack([a.square().sum() for a in self.acc]).double().sum())
+        big_sq /= k**2
         return Measurement(small_sq / k, big_sq)
 
     def _micro(self, b_small: int, index: int) -> float:
