@@ -11,7 +11,7 @@ import typer
 
 from tilefit.cli import model_options as mo
 from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
-from tilefit.cli.noise import DATA_OPTION, LOSS_OPTION, load_data, load_loss
+from tilefit.cli.noise import DATA_OPTION, LOSS_OPTION, build_model, load_data, load_loss
 from tilefit.errors import TilefitError
 
 # Decimal units are powers of 1000 and binary units powers of 1024 (IEC 80000-13).
@@ -184,10 +184,7 @@ def _run(options: TuneOptions, *, show_progress: bool) -> Any:
         torch_device = live_device(options.gpu)
         precision = live_precision(options.precision, torch_device)
         report.line(f"building {options.model} on {torch_device} ({precision})")
-        workload = mo.load(options.model, options.seq, options.input_shape, options.task)
-        module = workload.build().to(torch_device)  # tune trains it in train mode
-
-        make_batch, loss_fn = _batches(options, workload, torch_device)
+        module, make_batch, loss_fn = _model_and_batches(options, torch_device)
 
         report.line("predicting the largest batch from fake-tensor traces of the step, then "
                     "timing a step at batch 1 and at a quarter of that batch")
@@ -203,11 +200,13 @@ def _run(options: TuneOptions, *, show_progress: bool) -> Any:
         report.stop()
 
 
-def _batches(options: TuneOptions, workload: Any, device: Any) -> tuple[Any, Any]:
-    """make_batch and loss_fn: --data and --loss, else the workload's synthetic batches
-    (which have no gradient noise: time-to-loss then needs --noise-scale)."""
+def _model_and_batches(options: TuneOptions, device: Any) -> tuple[Any, Any, Any]:
+    """The module on the device (tune trains it in train mode), make_batch and loss_fn:
+    --data and --loss (a module:function model then needs no --input-shape), else the
+    workload's synthetic batches (no gradient noise: time-to-loss then needs --noise-scale)."""
     if options.data is not None:
-        return load_data(options.data), load_loss(options.loss)
+        module = build_model(options.model, options.seq, options.input_shape, options.task)
+        return module.to(device), load_data(options.data), load_loss(options.loss)
     if options.objective == "time-to-loss" and options.noise_scale is None:
         raise TilefitError(
             "--objective time-to-loss needs the gradient noise scale",
@@ -215,10 +214,13 @@ def _batches(options: TuneOptions, workload: Any, device: Any) -> tuple[Any, Any
             given="neither (synthetic batches are the same on every call: no noise)",
             fix="pass --data mydata:make_data, or --noise-scale from `tilefit noise-scale`")
 
+    workload = mo.load(options.model, options.seq, options.input_shape, options.task)
+
     def make_batch(b: int) -> Any:
         return workload.make_batch(b, device)
 
-    return make_batch, load_loss(options.loss) or workload.loss_fn
+    return (workload.build().to(device), make_batch,
+            load_loss(options.loss) or workload.loss_fn)
 
 
 class TuneReport:

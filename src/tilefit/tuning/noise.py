@@ -347,14 +347,15 @@ def learning_rate_advice(to_batch: int, b_noise: float, rule: LrRule,
     """Advice, with its assumptions stated, for the learning rate at ``to_batch``."""
     frac = lr_fraction(to_batch, b_noise, rule)
     scale = None if from_batch is None else lr_scale(from_batch, to_batch, b_noise, rule)
-    form = "1 / (1 + B_noise/B) (eq. 2.7)" if rule == "sgd" else \
-        "1 / sqrt(1 + B_noise/B) (its Adam discussion; an approximation)"
+    form = ("McCandlish et al.'s eq. 2.7 for SGD, epsilon_opt(B) = epsilon_max / "
+            "(1 + B_noise/B)" if rule == "sgd" else
+            "for Adam tilefit's square-root reading of McCandlish et al. (eq. 2.7 is for "
+            "SGD), epsilon_opt(B) = epsilon_max / sqrt(1 + B_noise/B)")
     head = (f"scale the learning rate tuned at batch {from_batch} by {scale:.3g} for batch "
             f"{to_batch}" if scale is not None else
             f"at batch {to_batch} the best learning rate is about {frac:.2f} x the "
             "largest useful one")
-    text = (f"{head}: McCandlish et al. give epsilon_opt(B) = epsilon_max x {form} with "
-            f"B_noise ~ {b_noise:.3g}. Assumes the lr was near-optimal where it was tuned, "
+    text = (f"{head}: {form}, with B_noise ~ {b_noise:.3g}. Assumes the lr was near-optimal where it was tuned, "
             "the noise scale measured near the loss you train at, and no change of "
             "schedule; check with a short lr sweep.")
     return LearningRateAdvice(rule, b_noise, from_batch, to_batch, scale, frac, text)
