@@ -355,9 +355,9 @@ def learning_rate_advice(to_batch: int, b_noise: float, rule: LrRule,
             f"{to_batch}" if scale is not None else
             f"at batch {to_batch} the best learning rate is about {frac:.2f} x the "
             "largest useful one")
-    text = (f"{head}: {form}, with B_noise ~ {b_noise:.3g}. Assumes the lr was near-optimal where it was tuned, "
-            "the noise scale measured near the loss you train at, and no change of "
-            "schedule; check with a short lr sweep.")
+    text = (f"{head}: {form}, with B_noise ~ {b_noise:.3g}. Assumes the lr was "
+            "near-optimal where it was tuned, the noise scale measured near the loss you "
+            "train at, and no change of schedule; check with a short lr sweep.")
     return LearningRateAdvice(rule, b_noise, from_batch, to_batch, scale, frac, text)
 
 
