@@ -132,9 +132,10 @@ def student_t_quantile(p: float, df: int) -> float:
 
 
 def expanded_tail(confidence: float, n: int) -> float:
-    """The tail probability of Hesterberg's expanded percentile interval (docs/references.md,
-    section 16): the percentile bootstrap is too narrow with few measurements, so its tails
-    are taken at Phi(-sqrt(n / (n - 1)) t_{n-1}) instead of (1 - confidence) / 2."""
+    """The tail probability of Hesterberg's expanded percentile interval
+    (docs/references.md, section 16): the percentile bootstrap is too narrow with few
+    measurements, so its tails are taken at Phi(-sqrt(n / (n - 1)) t_{n-1}) instead of
+    (1 - confidence) / 2."""
     from statistics import NormalDist
 
     tail = (1 - confidence) / 2
