@@ -151,7 +151,12 @@ def render(r: Any) -> None:
                   f"({r.confidence:.0%} interval {r.b_simple_low:,.1f} to {r.b_simple_high:,.1f})")
     console.print(f"|G|^2 {r.gradient_sq_norm:.4g}, tr(Sigma) {r.trace_sigma:.4g}, mean loss "
                   f"{r.loss:.4g}; batch sizes {r.batch_small} and {r.batch_big}, "
-                  f"{r.samples:,} samples, {r.time_s:.1f} s")
+                  f"{r.samples:,} samples, {r.time_s:.2f} s")
+    if r.b_simple > 4 * r.batch_big:
+        err_console.print(f"note: B_simple is {r.b_simple / r.batch_big:.0f}x the big batch, "
+                          "where |G|^2 is hardest to resolve: a big batch nearer B_simple "
+                          f"(--batch-sizes {r.batch_small},{4 * r.batch_big}) narrows the "
+                          "interval", highlight=False)
     t = Table(title="what each batch costs to reach the same loss (eq. 2.11)")
     for col in ("batch", "steps / S_min", "samples / E_min", "SGD lr / max", "Adam lr / max"):
         t.add_column(col, justify="right")
