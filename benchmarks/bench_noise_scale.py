@@ -1,4 +1,4 @@
-"""Benchmark of `tilefit.noise_scale` (docs/references.md, section 16): exact, real, cost.
+"""Benchmark of `tilefit.noise_scale` (docs/references.md, section 17): exact, real, cost.
 
 1. Exact case. Linear least squares, x ~ N(0, C) with C diagonal, y = w*.x + e with
    e ~ N(0, s^2) independent of x, per-sample loss l = (w.x - y)^2 / 2, d = w - w*.

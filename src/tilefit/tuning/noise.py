@@ -1,7 +1,7 @@
 """The gradient noise scale and what it says about the batch size: pure arithmetic, no torch.
 
 McCandlish et al., "An Empirical Model of Large-Batch Training" (2018),
-docs/references.md, section 16. With G the true gradient and Sigma the per-sample gradient
+docs/references.md, section 17. With G the true gradient and Sigma the per-sample gradient
 covariance, a batch of B samples has E|G_B|^2 = |G|^2 + tr(Sigma) / B. Two batch sizes give
 unbiased estimates of |G|^2 and tr(Sigma) (its appendix A), whose ratio is the simple noise scale
 B_simple = tr(Sigma) / |G|^2. The steps and samples to reach a given loss are
@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from tilefit.errors import TilefitError
 
-# Resamples of the percentile bootstrap (Efron & Tibshirani, docs/references.md, section 16):
+# Resamples of the percentile bootstrap (Efron & Tibshirani, docs/references.md, section 17):
 # the interval's end points move by well under 1% between seeds at 2000.
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0  # a private numpy Generator: the user's RNG streams are never touched
@@ -122,7 +122,7 @@ def bootstrap_interval(measurements: Sequence[Measurement], b_small: int, b_big:
 
 def student_t_quantile(p: float, df: int) -> float:
     """The Student t quantile from the normal one by the Cornish-Fisher expansion
-    (Abramowitz & Stegun 26.7.5; docs/references.md, section 16): within 0.01 for df >= 4
+    (Abramowitz & Stegun 26.7.5; docs/references.md, section 17): within 0.01 for df >= 4
     at the usual levels."""
     from statistics import NormalDist
 
@@ -133,7 +133,7 @@ def student_t_quantile(p: float, df: int) -> float:
 
 def expanded_tail(confidence: float, n: int) -> float:
     """The tail probability of Hesterberg's expanded percentile interval
-    (docs/references.md, section 16): the percentile bootstrap is too narrow with few
+    (docs/references.md, section 17): the percentile bootstrap is too narrow with few
     measurements, so its tails are taken at Phi(-sqrt(n / (n - 1)) t_{n-1}) instead of
     (1 - confidence) / 2."""
     from statistics import NormalDist
@@ -148,7 +148,7 @@ def expanded_tail(confidence: float, n: int) -> float:
 @dataclass(frozen=True)
 class NoiseScale:
     """The measured simple noise scale B_simple = tr(Sigma) / |G|^2
-    (docs/references.md, section 16) and what it was measured from. Batch sizes are in
+    (docs/references.md, section 17) and what it was measured from. Batch sizes are in
     samples (a sample is one row of what make_batch returns: a sequence for a language
     model)."""
 
@@ -311,7 +311,7 @@ def choose_time_to_loss(rows: Sequence[TimeToLoss], noise: float) -> TimeToLoss:
 
 def lr_fraction(batch_size: float, b_noise: float, rule: LrRule) -> float:
     """epsilon_opt(B) / epsilon_max: 1 / (1 + B_noise/B) for SGD (eq. 2.7); for Adam the
-    square root of it (the sign-like update; docs/references.md, section 16)."""
+    square root of it (the sign-like update; docs/references.md, section 17)."""
     f = 1 / steps_factor(batch_size, b_noise)
     return f if rule == "sgd" else math.sqrt(f)
 

@@ -5,7 +5,7 @@ micro-batch gives |G_Bsmall|^2 (their mean is the measurement's small-batch valu
 average, accumulated as gradient accumulation does, is the gradient of the big batch,
 |G_Bbig|^2. No optimizer step is taken and no per-sample gradient is formed; the extra
 memory is one fp32 copy of the trainable parameters (the accumulator). The estimator is in
-``noise.py`` (docs/references.md, section 16). Everything a backward pass changes
+``noise.py`` (docs/references.md, section 17). Everything a backward pass changes
 (gradients, buffers such as batch-norm statistics, module attributes), the modes and the
 RNG streams are restored bit for bit afterwards, as tune restores them (``state.py``).
 """

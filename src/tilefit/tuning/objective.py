@@ -3,7 +3,7 @@
 Measured samples/s per batch (tune's throughput trials) and the gradient noise scale (given,
 or measured by ``noise_measure.noise_scale`` on tune's own batches) give the time to a loss at
 each batch, S(B) steps of B / rate(B) seconds (eq. 2.11 of McCandlish et al.,
-docs/references.md, section 16). Larger batches through accumulation are never faster: their
+docs/references.md, section 17). Larger batches through accumulation are never faster: their
 samples/s is the largest fitting batch's while S(B) B = S_min (B + B_noise) keeps growing.
 """
 
