@@ -103,7 +103,6 @@ from tilefit.hardware.host import (
     CPU_MEASURED_HOST,
     CUDA_BACKWARD_ISSUE_SCALE,
     CUDA_FORWARD_ISSUE_SCALE,
-    HostModel,
 )
 from tilefit.models import Workload, load_workload
 from tilefit.tracing import OpRecord, Trace, trace
@@ -278,10 +277,10 @@ class Predictor:
 
 
 # ---- the loop period of a sequence of ops ---------------------------------------------------
-def loop_period_s(ops: Sequence[tuple[OpRecord, float]], host: HostModel) -> float:
+def loop_period_s(ops: Sequence[tuple[OpRecord, float]], device: Device) -> float:
     """Seconds per call of ``ops`` called back to back (a wall-time benchmark's median): the
     steady period of tilefit's host and device timelines."""
-    items = tuple(Item(host_time_s(op, host), t) for op, t in ops)
+    items = tuple(Item(host_time_s(op, device.host, device), t) for op, t in ops)
     return simulate([Block(items, LOOP_REPEATS)]).step_time_s / LOOP_REPEATS
 
 
@@ -302,7 +301,7 @@ def gemm_predictor(rec: dict[str, Any]) -> Predictor:
         if wall_time:
             op = OpRecord("aten.mm.default", "forward", "", (), (), rec["dtype"], a.flops,
                           a.bytes, "gemm", 1, 0)
-            t = loop_period_s([(op, t)], p.device(dev).host)
+            t = loop_period_s([(op, t)], p.device(dev))
         return a.flops / t / 1e12
 
     return Predictor("gemm", rec, predict, "TFLOP/s", series=f"gemm/{rec['gpu']}/{rec['dtype']}",
@@ -346,7 +345,7 @@ def flash_predictor(rec: dict[str, Any]) -> Predictor:
     def predict(p: Params) -> float:
         d = p.device(dev)
         ctx = CostContext("fp32", p.efficiency)
-        t = sum(loop_period_s([(ops[ph], op_time_s(ops[ph], d, ctx))], d.host)
+        t = sum(loop_period_s([(ops[ph], op_time_s(ops[ph], d, ctx))], d)
                 for ph in _passes(rec["pass"]))
         return rec["flops"] / t / 1e12
 
@@ -418,7 +417,7 @@ def eager_attention_predictor(rec: dict[str, Any]) -> Predictor:
     def predict(p: Params) -> float:
         d_ = p.device(dev)
         t = sum(loop_period_s(_costed(tr, d_, p, lambda op, ph=ph: _in(op, ph, "inner")),
-                              d_.host) for ph in phases)
+                              d_) for ph in phases)
         return rec["flops"] / t / 1e12
 
     return _attention_predictor(rec, predict, "pytorch", spent)
@@ -478,7 +477,7 @@ def layer_predictor(rec: dict[str, Any]) -> Predictor:
 
     def predict(p: Params) -> float:
         d = p.device(dev)
-        return rec["flops"]["value"] / loop_period_s(_costed(tr, d, p, keep), d.host) / 1e12
+        return rec["flops"]["value"] / loop_period_s(_costed(tr, d, p, keep), d) / 1e12
 
     return Predictor("layer", rec, predict, "TFLOP/s", series=rec["series"], batch=b,
                      split=split_of("layer", rec), cost_s=spent)
@@ -503,12 +502,14 @@ def e2e_workload(rec: dict[str, Any]) -> Workload:
 
 def e2e_recipe(rec: dict[str, Any]) -> Recipe:
     """The record's recipe in tilefit's terms: Adam and LAMB as AdamW (tilefit has no LAMB;
-    both are per-element updates over the same state), SGD with momentum as sgd; gradient
-    clipping at 1.0 where the framework clips (DLE's BertAdam and LAMB clip the global norm;
-    timm's benchmark does not)."""
-    sgd = rec["optimizer"].startswith("sgd")
-    return Recipe(batch_size=rec["batch"], precision=rec["precision"],
-                  optimizer="sgd" if sgd else "adamw",
+    both are per-element updates over the same state), apex's and NVIDIA's fused
+    multi-tensor kernels (FusedAdam, fused LAMB) as AdamW(fused=True), SGD with momentum as
+    sgd; gradient clipping at 1.0 where the framework clips (DLE's BertAdam and LAMB clip the
+    global norm; timm's benchmark does not)."""
+    opt = rec["optimizer"]
+    name = "sgd" if opt.startswith("sgd") else (
+        "adamw-fused" if "fused" in opt.lower() and "unfused" not in opt else "adamw")
+    return Recipe(batch_size=rec["batch"], precision=rec["precision"], optimizer=name,
                   accumulation_steps=rec["accumulation"], attention=E2E_ATTENTION,
                   max_grad_norm=None if rec["framework"].startswith("timm") else 1.0)
 

@@ -169,6 +169,27 @@ def check_host() -> dict[str, Any]:
             "samples": [asdict(s) for s in fit.samples], "threads": fit.threads}
 
 
+def check_optimizer() -> dict[str, Any]:
+    """Real foreach and fused AdamW steps (GPT-2 small, BERT base) against the predicted
+    optimizer phase on this GPU (docs/references.md, section 16)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_optimizer_cpu import IMPLEMENTATIONS, measure, optimizer_phase
+    from tilefit.hardware import get_device
+    from tilefit.models import load_workload
+
+    dev = get_device("auto")
+    rows = []
+    for name in ("gpt2", "bert-base-uncased"):
+        work = load_workload(name, seq_len=128)
+        for impl in ("foreach", "fused"):
+            real_s, spread = measure(work, 2, IMPLEMENTATIONS[impl], 20, device="cuda")
+            pred_s = optimizer_phase(work, 2, IMPLEMENTATIONS[impl], dev)[0]
+            rows.append({"model": name, "impl": impl, "measured_s": real_s,
+                         "predicted_s": pred_s, "error": pred_s / real_s - 1,
+                         "spread": spread})
+    return {"status": "measured", "device": dev.name, "rows": rows}
+
+
 def _pending(module: str, target: str) -> dict[str, Any]:
     import importlib.util
 
@@ -208,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         result["estimate_step_time"] = check_estimate_step_time(rows)
         result["tune"] = check_tune()
         result["host"] = check_host()
+        try:
+            result["optimizer"] = check_optimizer()
+        except Exception as exc:  # report, don't lose the other sections
+            result["optimizer"] = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"}
         statuses = [v["status"] for v in result.values() if isinstance(v, dict)]
         result["status"] = "fail" if "fail" in statuses else "pass"
         g = result["gemm"]

@@ -49,9 +49,9 @@ def test_step_time_is_the_hosts_and_the_devices_timelines_and_mfu_is_below_one()
     # a second method: the host issues op after op, the device runs each once issued
     issued = done = 0.0
     for c in e.ops:
-        issued += host_time_s(c.record, host)
+        issued += host_time_s(c.record, host, e.device)
         done = max(done, issued) + c.time_s
-        if c.record.op in SYNC_OPS:
+        if c.record.op in SYNC_OPS and not c.record.on_host:
             issued = max(issued, done)
     assert e.step_time_s == pytest.approx(max(issued, done))
     assert e.device_time_s == pytest.approx(sum(c.time_s * c.repeats for c in e.ops))
@@ -106,6 +106,14 @@ def test_estimate_cli_json(cli):
     assert abs(total - data["device_time_s"]) <= 1e-9 * data["device_time_s"]
     assert data["step_time_s"] >= max(data["device_time_s"], data["host_time_s"])
     assert 0 <= data["host_bound_fraction"] < 1
+    # a Hugging Face model trains as the Trainer runs it by default: clipped at 1.0, with
+    # AdamW(fused=True) (optim="adamw_torch_fused" with torch >= 2.8)
+    assert data["recipe"]["optimizer"] == "adamw-fused"
+    assert data["recipe"]["max_grad_norm"] == 1.0
+    phases = {op["phase"] for op in data["ops"]}
+    assert "clip_grad" in phases
+    assert [op["op"] for op in data["ops"] if op["phase"] == "optimizer"].count(
+        "aten._fused_adamw_.default") == 1
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -94,4 +94,5 @@ def test_every_phase_has_one_issuer() -> None:
 
     assert {p: issuer_of(p) for p in PHASES} == {
         "forward": "forward", "backward": "backward", "recompute": "backward",
+        "loss_check": "forward",  # the training loop's Python, like the model's forward
         **dict.fromkeys(OPTIMIZER_PHASES, "optimizer")}

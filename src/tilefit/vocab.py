@@ -19,22 +19,25 @@ if TYPE_CHECKING:
 
 # ---- op kinds, phases, memory categories (what a trace records) --------------------------
 OpKind = Literal["gemm", "conv", "attention", "memory", "view", "unknown"]
-Phase = Literal["setup", "forward", "backward", "recompute", "clip_grad", "optimizer",
-                "zero_grad", "scaler"]
+Phase = Literal["setup", "forward", "backward", "recompute", "loss_check", "clip_grad",
+                "optimizer", "zero_grad", "scaler"]
 Category = Literal["parameters", "gradients", "optimizer_state", "activations", "temporaries",
                    "inputs"]
 Attention = Literal["auto", "eager", "sdpa"]
 
 OP_KINDS: tuple[str, ...] = get_args(OpKind)
 PHASES: tuple[str, ...] = get_args(Phase)[1:]  # the phases of a step ("setup" precedes it)
-MICRO_PHASES: tuple[str, ...] = ("forward", "backward", "recompute")  # once per micro-batch
+# once per micro-batch; loss_check: the training loop reads the loss on the host (the HF
+# Trainer's logging_nan_inf_filter, a loss printed each step): it waits for the GPU
+MICRO_PHASES: tuple[str, ...] = ("forward", "backward", "recompute", "loss_check")
 # once per optimizer step
 OPTIMIZER_PHASES: tuple[str, ...] = ("clip_grad", "optimizer", "zero_grad", "scaler")
 CATEGORIES: tuple[str, ...] = get_args(Category)
 ATTENTIONS: tuple[str, ...] = get_args(Attention)
 
 # ---- optimizers (tilefit.tracing.optimizers builds them) ------------------------------------
-OPTIMIZER_NAMES: tuple[str, ...] = ("sgd", "adam", "adamw", "adafactor", "adamw-8bit")
+OPTIMIZER_NAMES: tuple[str, ...] = ("sgd", "adam", "adamw", "adamw-fused", "adafactor",
+                                    "adamw-8bit")
 
 # ---- precisions ---------------------------------------------------------------------------
 PrecisionName = Literal["fp32", "tf32", "fp16-mixed", "bf16-mixed", "bf16"]
@@ -195,6 +198,9 @@ class Recipe:
     attention: str = "auto"  # an Attention name
     peft: bool = False  # LoRA adapters on frozen weights (tilefit.planner.lora, peft)
     max_grad_norm: float | None = None  # gradient clipping (HF Trainer's default: 1.0)
+    # the loop reads the loss on the host after each micro-batch, waiting for the GPU (HF
+    # Trainer's default logging_nan_inf_filter=True; a loss printed or logged each step)
+    loss_sync: bool = False
 
     def __post_init__(self) -> None:
         canonical = parse_precision(self.precision).name  # an unknown name is an error
@@ -217,10 +223,10 @@ class Recipe:
         return replace(self, batch_size=batch_size, accumulation_steps=(
             self.accumulation_steps if accumulation_steps is None else accumulation_steps))
 
-    def key(self) -> tuple[str, str, bool, str, bool, float | None]:
+    def key(self) -> tuple[str, str, bool, str, bool, float | None, bool]:
         """What the recipe is without its batch: the planner's unit of tracing."""
         return (self.precision, self.optimizer, self.grad_checkpointing, self.attention,
-                self.peft, self.max_grad_norm)
+                self.peft, self.max_grad_norm, self.loss_sync)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

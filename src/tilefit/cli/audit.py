@@ -24,13 +24,14 @@ def audit(
     batch: int = mo.BATCH_OPTION,
     seq: int | None = mo.SEQ_OPTION,
     precision: str | None = mo.PRECISION_OPTION,
-    optimizer: str = mo.OPTIMIZER_OPTION,
+    optimizer: str | None = mo.OPTIMIZER_OPTION,
     grad_checkpointing: bool = mo.CHECKPOINTING_OPTION,
     accumulation: int = mo.ACCUMULATION_OPTION,
     attention: str = mo.ATTENTION_OPTION,
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
+    loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     html: Path | None = HTML_OPTION,
     confirm: bool = typer.Option(False, "--confirm", help="Re-trace the top dimension fix to "
                                  "confirm the quick what-if (one more trace)."),
@@ -51,10 +52,12 @@ def audit(
         device = get_device(gpu)  # "auto" without a GPU: says so and names --gpu
         work = mo.load(model, seq, input_shape, task)
         result = run_audit(work, gpu=device, batch_size=batch, precision=precision,
-                           optimizer=optimizer, grad_checkpointing=grad_checkpointing,
+                           optimizer=mo.optimizer_name(optimizer, work),
+                           grad_checkpointing=grad_checkpointing,
                            accumulation_steps=accumulation, attention=attention,
                            confirm=confirm,
-                           max_grad_norm=mo.max_grad_norm(max_grad_norm, work))
+                           max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
+                           loss_sync=mo.loss_sync(loss_sync, work))
         if html is not None:
             from tilefit.report.html import write_html
 

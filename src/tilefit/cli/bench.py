@@ -7,7 +7,8 @@ from typing import Any
 import typer
 
 from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
-from tilefit.cli.model_options import OPTIMIZER_OPTION, PRECISION_OPTION
+from tilefit.cli.model_options import PRECISION_OPTION
+from tilefit.vocab import OPTIMIZER_NAMES
 
 bench_app = typer.Typer(help="Measure on the live device (CPU or CUDA GPU) beside the model.",
                         no_args_is_help=True)
@@ -26,7 +27,9 @@ def step(
     batch: int = typer.Option(4, "--batch", help="Micro-batch size."),
     seq: int = typer.Option(None, "--seq", help="Tokens per sample."),
     precision: str = PRECISION_OPTION,
-    optimizer: str = OPTIMIZER_OPTION,
+    optimizer: str = typer.Option(
+        "adamw", "--optimizer", help="The optimizer of the plain training loop timed: "
+        + ", ".join(OPTIMIZER_NAMES) + "."),
     grad_checkpointing: bool = typer.Option(False, "--grad-checkpointing"),
     layers: int = typer.Option(None, "--layers", help="Build the model with this many layers "
                                "(num_hidden_layers), to fit a small device."),

@@ -18,13 +18,14 @@ def estimate(
     batch: int = mo.BATCH_OPTION,
     seq: int | None = mo.SEQ_OPTION,
     precision: str | None = mo.PRECISION_OPTION,
-    optimizer: str = mo.OPTIMIZER_OPTION,
+    optimizer: str | None = mo.OPTIMIZER_OPTION,
     grad_checkpointing: bool = mo.CHECKPOINTING_OPTION,
     accumulation: int = mo.ACCUMULATION_OPTION,
     attention: str = mo.ATTENTION_OPTION,
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
+    loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     ops: bool = typer.Option(True, "--ops/--no-ops", help="With --json: include every op record "
                              "of the steady step (--no-ops for the summary only)."),
     json_out: bool = JSON_OPTION,
@@ -38,14 +39,14 @@ def estimate(
         device = get_device(gpu)
         work = mo.load(model, seq, input_shape, task)
         recipe = Recipe(batch_size=batch, precision=mo.precision_name(precision, device),
-                        optimizer=optimizer, grad_checkpointing=grad_checkpointing,
+                        optimizer=mo.optimizer_name(optimizer, work),
+                        grad_checkpointing=grad_checkpointing,
                         accumulation_steps=accumulation, attention=attention,
-                        max_grad_norm=mo.max_grad_norm(max_grad_norm, work))
+                        max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
+                        loss_sync=mo.loss_sync(loss_sync, work))
         result = estimate_workload(work, recipe, device)
-    if max_grad_norm is None and recipe.max_grad_norm is not None:
-        err_console.print(f"note: gradients clipped at {recipe.max_grad_norm} (the Hugging Face "
-                          "Trainer's default max_grad_norm; --max-grad-norm none turns it "
-                          "off)", highlight=False)
+    if not work.is_factory:
+        err_console.print(mo.trainer_defaults_note(recipe), highlight=False)
     if work.is_factory:
         err_console.print("note: the loss is a stand-in (mean of the model's output); pass your "
                           "own loss_fn through the Python API for exact numbers", highlight=False)

@@ -36,7 +36,11 @@ PRECISION_OPTION = typer.Option(
     None, "--precision",
     help=", ".join(PRECISION_NAMES) + " (default: bf16-mixed where the GPU has bf16, else "
     "fp16-mixed; fp32 on the CPU).")
-OPTIMIZER_OPTION = typer.Option("adamw", "--optimizer", help=", ".join(OPTIMIZER_NAMES) + ".")
+OPTIMIZER_OPTION = typer.Option(
+    None, "--optimizer",
+    help=", ".join(OPTIMIZER_NAMES) + " (adamw: torch.optim.AdamW as torch defaults it, foreach "
+    "on a GPU; adamw-fused: AdamW(fused=True)). Default: adamw-fused for Hugging Face models "
+    "(the Trainer's default optim with torch >= 2.8), adamw for module:function models.")
 ATTENTION_OPTION = typer.Option("auto", "--attention", help=", ".join(ATTENTIONS) + ".")
 MAX_GRAD_NORM_OPTION = typer.Option(
     None, "--max-grad-norm",
@@ -69,6 +73,43 @@ def precision_name(text: str | None, device: Device) -> str:
     """The canonical precision for --precision (any accepted spelling), or the device's
     default when it is not given."""
     return parse_precision(text).name if text else default_precision(device)
+
+
+# transformers.TrainingArguments(optim="adamw_torch_fused") with torch >= 2.8
+HF_TRAINER_OPTIMIZER = "adamw-fused"
+
+
+def optimizer_name(text: str | None, work: Any) -> str:
+    """--optimizer, or by default what the model's usual training loop runs: the HF
+    Trainer's fused AdamW for Hugging Face models, torch.optim.AdamW's default for plain
+    modules (checked against tilefit.vocab.OPTIMIZER_NAMES where it is traced)."""
+    if text is None:
+        return "adamw" if work.is_factory else HF_TRAINER_OPTIMIZER
+    return text
+
+
+LOSS_SYNC_OPTION = typer.Option(
+    None, "--loss-sync/--no-loss-sync",
+    help="The training loop reads the loss on the host after each micro-batch, waiting for "
+    "the GPU. Default: on for Hugging Face models (the Trainer's logging_nan_inf_filter=True), "
+    "off for module:function models.")
+
+
+def loss_sync(flag: bool | None, work: Any) -> bool:
+    """--loss-sync, or by default what the model's usual loop does (the HF Trainer's
+    non-finite loss filter for Hugging Face models; nothing for plain modules)."""
+    return (not work.is_factory) if flag is None else flag
+
+
+def trainer_defaults_note(recipe: Any) -> str:
+    """What the estimate of a Hugging Face model assumed of its training loop."""
+    clip = (f"gradients clipped at {recipe.max_grad_norm}" if recipe.max_grad_norm
+            else "no clipping")
+    sync = "the loss read each micro-batch" if recipe.loss_sync else "no loss read"
+    return (f"note: the training loop as assumed: {clip}, {recipe.optimizer}, {sync} (the "
+            "Hugging Face Trainer's defaults are max_grad_norm=1.0, optim='adamw_torch_fused', "
+            "logging_nan_inf_filter=True; --max-grad-norm, --optimizer and --no-loss-sync "
+            "change them)")
 
 
 # transformers.TrainingArguments(max_grad_norm=1.0): the Trainer clips by default

@@ -24,7 +24,7 @@ def plan(
         help="Share of GPU memory a plan may use, in (0, 1]; the rest is headroom for the "
         "allocator's fragmentation."),
     objective: str = typer.Option("throughput", "--objective", help="throughput or memory."),
-    optimizer: str = mo.OPTIMIZER_OPTION,
+    optimizer: str | None = mo.OPTIMIZER_OPTION,
     allow_optimizer_change: bool = typer.Option(
         False, "--allow-optimizer-change",
         help="Also rank other optimizers (a different training algorithm)."),
@@ -34,6 +34,7 @@ def plan(
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
+    loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     top: int = typer.Option(15, "--top", help="Rows of the ranked table to show."),
     noise_scale: str | None = PLAN_NOISE_OPTION,
     json_out: bool = JSON_OPTION,
@@ -52,9 +53,11 @@ def plan(
         work = mo.load(model, seq, input_shape, task)
         result = run_plan(work, gpu=gpu, global_batch=global_batch,
                           memory_fraction=memory_fraction, objective=objective,
-                          optimizer=optimizer, allow_optimizer_change=allow_optimizer_change,
+                          optimizer=mo.optimizer_name(optimizer, work),
+                          allow_optimizer_change=allow_optimizer_change,
                           allow_peft=allow_peft,
-                          max_grad_norm=mo.max_grad_norm(max_grad_norm, work))
+                          max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
+                          loss_sync=mo.loss_sync(loss_sync, work))
     if work.is_factory:
         err_console.print("note: the loss is a stand-in (mean of the model's output)",
                           highlight=False)

@@ -57,7 +57,7 @@ def tune_command(
     seq: int | None = mo.SEQ_OPTION,
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
-    optimizer: str = mo.OPTIMIZER_OPTION,
+    optimizer: str | None = mo.OPTIMIZER_OPTION,
     precision: str | None = mo.PRECISION_OPTION,
     margin: float = typer.Option(None, "--margin",
                                  help="Fraction of memory kept free (default 0.10)."),
@@ -113,7 +113,7 @@ class TuneOptions:
     seq: int | None
     input_shape: str | None
     task: str | None
-    optimizer: str
+    optimizer: str | None
     precision: str | None
     margin: float | None
     objective: str = "samples-per-s"
@@ -179,12 +179,13 @@ def _run(options: TuneOptions, *, show_progress: bool) -> Any:
 
     report = TuneReport(err_console, enabled=show_progress)
     try:
-        factory = optimizer_factory(options.optimizer)
         limit_bytes = None if options.memory_limit is None else parse_bytes(options.memory_limit)
+        workload = _workload(options)
+        factory = optimizer_factory(mo.optimizer_name(options.optimizer, workload))
         torch_device = live_device(options.gpu)
         precision = live_precision(options.precision, torch_device)
         report.line(f"building {options.model} on {torch_device} ({precision})")
-        module, make_batch, loss_fn = _model_and_batches(options, torch_device)
+        module, make_batch, loss_fn = _model_and_batches(options, workload, torch_device)
 
         report.line("predicting the largest batch from fake-tensor traces of the step, then "
                     "timing a step at batch 1 and at a quarter of that batch")
@@ -200,7 +201,25 @@ def _run(options: TuneOptions, *, show_progress: bool) -> Any:
         report.stop()
 
 
-def _model_and_batches(options: TuneOptions, device: Any) -> tuple[Any, Any, Any]:
+@dataclass(frozen=True)
+class _PlainModule:
+    """What the optimizer default needs to know of a module:function model measured on --data
+    without --input-shape (no Workload: the data factory makes the batches)."""
+
+    is_factory: bool = True
+
+
+def _workload(options: TuneOptions) -> Any:
+    from tilefit.models.factory import looks_like_factory
+
+    if options.data is not None and options.input_shape is None \
+            and looks_like_factory(options.model):
+        return _PlainModule()
+    return mo.load(options.model, options.seq, options.input_shape, options.task)
+
+
+def _model_and_batches(options: TuneOptions, workload: Any, device: Any
+                       ) -> tuple[Any, Any, Any]:
     """The module on the device (tune trains it in train mode), make_batch and loss_fn:
     --data and --loss (a module:function model then needs no --input-shape), else the
     workload's synthetic batches (no gradient noise: time-to-loss then needs --noise-scale)."""
@@ -213,8 +232,6 @@ def _model_and_batches(options: TuneOptions, device: Any) -> tuple[Any, Any, Any
             expected="--data (measured on your data) or --noise-scale N",
             given="neither (synthetic batches are the same on every call: no noise)",
             fix="pass --data mydata:make_data, or --noise-scale from `tilefit noise-scale`")
-
-    workload = mo.load(options.model, options.seq, options.input_shape, options.task)
 
     def make_batch(b: int) -> Any:
         return workload.make_batch(b, device)

@@ -45,7 +45,8 @@ def overhead_bytes(device: Device) -> int:
 def estimate(model: Any, batch: Any, *, loss_fn: Any = None, optimizer: Any = "adamw",
              precision: str = "fp32", grad_checkpointing: bool = False,
              accumulation_steps: int = 1, attention: str = "auto",
-             device: str | Device = "cpu", max_grad_norm: float | None = None) -> Estimate:
+             device: str | Device = "cpu", max_grad_norm: float | None = None,
+             loss_sync: bool = False) -> Estimate:
     """Predict one training step's time and peak memory on ``device`` (a catalog name, a
     Device, or "cpu" for this machine) without running it: the step is traced on fake
     tensors as the device would run it, then costed op by op."""
@@ -54,7 +55,8 @@ def estimate(model: Any, batch: Any, *, loss_fn: Any = None, optimizer: Any = "a
     dev = get_device(device)
     tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
                grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation_steps,
-               attention=attention, device=dev, max_grad_norm=max_grad_norm)
+               attention=attention, device=dev, max_grad_norm=max_grad_norm,
+               loss_sync=loss_sync)
     return estimate_trace(tr, dev)
 
 

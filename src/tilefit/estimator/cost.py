@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal, get_args
 
+from tilefit.estimator.multitensor import kernel_launches
 from tilefit.gemm import analyze_gemm
 from tilefit.hardware.device import Device
 from tilefit.tracing.records import GemmShape, OpRecord
@@ -165,6 +166,8 @@ def register_cost(kind: str) -> Callable[[CostFn], CostFn]:
 
 
 def op_time_s(op: OpRecord, device: Device, ctx: CostContext) -> float:
+    if op.on_host:
+        return 0.0  # the device runs nothing: the host does it (tilefit.estimator.steptime)
     try:
         fn = COST_FUNCTIONS[op.kind]
     except KeyError:
@@ -216,14 +219,15 @@ def _view(op: OpRecord, device: Device, ctx: CostContext) -> float:
 
 @register_cost("memory")
 def _memory(op: OpRecord, device: Device, ctx: CostContext) -> float:
-    return memory_time_s(op.bytes, device, family_efficiency=ctx.efficiency.family(op.op))
+    return memory_time_s(op.bytes, device, launches=kernel_launches(op, device),
+                         family_efficiency=ctx.efficiency.family(op.op))
 
 
 @register_cost("unknown")
 def _unknown(op: OpRecord, device: Device, ctx: CostContext) -> float:
     # no FLOP formula and not a known memory-bound family: costed as memory-bound, and the
     # estimate lists it in a warning
-    return memory_time_s(op.bytes, device, family_efficiency=ctx.efficiency.family(op.op))
+    return _memory(op, device, ctx)
 
 
 @register_cost("gemm")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tilefit.estimator.multitensor import kernel_launches
 from tilefit.estimator.result import OpCost
 from tilefit.estimator.timeline import Block, Item, Timeline, simulate
 from tilefit.hardware.device import Device
@@ -18,16 +19,19 @@ SYNC_OPS = frozenset({"aten._local_scalar_dense.default", "aten.is_nonzero.defau
                       "aten.item.default", "aten.equal.default"})
 
 
-def host_time_s(op: OpRecord, host: HostModel) -> float:
-    """What issuing the op costs the host: the issuer's per-op cost, and a kernel launch
-    unless it is a view (views launch nothing)."""
-    return host.issue_s(op.phase) + (0.0 if op.kind == "view" else host.launch_s)
+def host_time_s(op: OpRecord, host: HostModel, device: Device) -> float:
+    """What issuing the op costs the host: the issuer's per-op cost, and its kernel
+    launches (none for a view or an op that runs on the host; a multi-tensor op launches
+    one kernel per chunk list: tilefit.estimator.multitensor)."""
+    launches = 0 if op.kind == "view" else kernel_launches(op, device)
+    return host.issue_s(op.phase) + launches * host.launch_s
 
 
-def _blocks(costs: Sequence[OpCost], host: HostModel, param_tensors: int) -> list[Block]:
+def _blocks(costs: Sequence[OpCost], device: Device, param_tensors: int) -> list[Block]:
     """Consecutive ops with the same repeat count form a block (a micro-batch that runs
     accumulation - 1 times is one block); the optimizer's per-tensor Python work opens the
     optimizer step."""
+    host = device.host
     blocks: list[Block] = []
     items: list[Item] = []
     repeats = None
@@ -40,7 +44,8 @@ def _blocks(costs: Sequence[OpCost], host: HostModel, param_tensors: int) -> lis
         if c.record.phase not in MICRO_PHASES and not opened_optimizer:
             opened_optimizer = True
             items.append(Item(param_tensors * host.optimizer_tensor_s, 0.0))
-        items.append(Item(host_time_s(c.record, host), c.time_s, c.record.op in SYNC_OPS))
+        sync = c.record.op in SYNC_OPS and not c.record.on_host
+        items.append(Item(host_time_s(c.record, host, device), c.time_s, sync))
     if items:
         blocks.append(Block(tuple(items), repeats or 1))
     return blocks
@@ -52,4 +57,4 @@ def step_timeline(costs: Sequence[OpCost], device: Device, param_tensors: int) -
     if device.kind != "cuda":
         total = sum(c.time_s * c.repeats for c in costs)
         return Timeline(step_time_s=total, host_s=total, device_s=total, device_idle_s=0.0)
-    return simulate(_blocks(costs, device.host, param_tensors))
+    return simulate(_blocks(costs, device, param_tensors))

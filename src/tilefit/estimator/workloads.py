@@ -30,7 +30,7 @@ def trace_workload(workload: Workload, recipe: Recipe, device: str | Device) -> 
         loss_fn=workload.loss_fn, optimizer=recipe.optimizer, precision=recipe.precision,
         grad_checkpointing=recipe.grad_checkpointing,
         accumulation_steps=recipe.accumulation_steps, attention="auto", device=dev,
-        max_grad_norm=recipe.max_grad_norm)
+        max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync)
 
 
 def estimate_workload(workload: Workload, recipe: Recipe, device: str | Device) -> Estimate:

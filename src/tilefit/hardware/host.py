@@ -22,7 +22,7 @@ ISSUERS: tuple[str, ...] = ("forward", "backward", "optimizer")
 
 
 def issuer_of(phase: str) -> str:
-    if phase == "forward":
+    if phase in ("forward", "loss_check"):  # Python code: the model's and the loop's
         return "forward"
     return "backward" if phase in ("backward", "recompute") else "optimizer"
 

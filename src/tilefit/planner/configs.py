@@ -21,11 +21,14 @@ LORA_ALPHA = 32
 PEFT_TASK_TYPES: dict[str, str | None] = {"causal-lm": "CAUSAL_LM", "seq-cls": "SEQ_CLS",
                                            "masked-lm": None, "image-cls": None}
 # TrainingArguments(optim=...) names (transformers training_args.OptimizerNames).
-HF_OPTIM = {"adamw": "adamw_torch_fused", "adam": "adamw_torch_fused",
+# "adamw_torch" is torch.optim.AdamW as torch defaults it (foreach on CUDA);
+# "adamw_torch_fused" is AdamW(fused=True), the Trainer's default with torch >= 2.8.
+HF_OPTIM = {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adam": "adamw_torch",
             "adamw-8bit": "adamw_bnb_8bit", "adafactor": "adafactor", "sgd": "sgd"}
 TORCH_OPTIM = {
-    "adamw": "torch.optim.AdamW(model.parameters(), lr=lr, fused=True)",
-    "adam": "torch.optim.Adam(model.parameters(), lr=lr, fused=True)",
+    "adamw": "torch.optim.AdamW(model.parameters(), lr=lr)",
+    "adamw-fused": "torch.optim.AdamW(model.parameters(), lr=lr, fused=True)",
+    "adam": "torch.optim.Adam(model.parameters(), lr=lr)",
     "adamw-8bit": "bitsandbytes.optim.AdamW8bit(model.parameters(), lr=lr)",
     "adafactor": "torch.optim.Adafactor(model.parameters(), lr=lr)",
     "sgd": "torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)",
@@ -41,6 +44,9 @@ def hf_training_arguments(row: PlanRow, *, deepspeed_path: str | None = None) ->
         # the Trainer clips at 1.0 unless told otherwise; 0 turns clipping off
         "max_grad_norm": row.recipe.max_grad_norm or 0.0,
         "optim": HF_OPTIM.get(row.optimizer, row.optimizer),
+        # the Trainer reads each micro-batch's loss on the host (a wait for the GPU) unless
+        # told otherwise; the estimate this row came from did the same
+        "logging_nan_inf_filter": row.recipe.loss_sync,
     }
     if row.offload:
         args["deepspeed"] = deepspeed_path or "ds_config.json"

@@ -132,10 +132,11 @@ class _Planner:
 
     def __init__(self, work: Workload, device: Device, global_batch: int, budget: int,
                  optimizer: str, depth: Depth, link: OffloadLink,
-                 max_grad_norm: float | None = None) -> None:
+                 max_grad_norm: float | None = None, loss_sync: bool = False) -> None:
         self.work, self.device, self.global_batch = work, device, global_batch
         self.budget, self.optimizer, self.depth, self.link = budget, optimizer, depth, link
         self.max_grad_norm = max_grad_norm  # the user's clip, applied to every recipe
+        self.loss_sync = loss_sync  # the user's loop, the same for every recipe
         friendly, others = space.micro_batch_candidates(global_batch)
         self.micro_batches = sorted(friendly + others)
         self.sweeps: dict[tuple[Recipe, bool], SweepModel] = {}
@@ -144,7 +145,8 @@ class _Planner:
         self.traces = 0
 
     def add(self, spec: Recipe, *, offload: bool = False) -> None:
-        spec = dataclasses.replace(spec, max_grad_norm=self.max_grad_norm)
+        spec = dataclasses.replace(spec, max_grad_norm=self.max_grad_norm,
+                                   loss_sync=self.loss_sync)
         model = safe_sweep(self.work, spec, self.micro_batches, self.depth, self.device,
                            self.notes)
         self.traces += len(self.depth.traced) * len({min(self.micro_batches),
@@ -200,7 +202,7 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
          seq_len: int | None = None, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
          objective: str = "throughput", optimizer: str = "adamw",
          allow_optimizer_change: bool = False, allow_peft: bool = False,
-         max_grad_norm: float | None = None,
+         max_grad_norm: float | None = None, loss_sync: bool = False,
          input_shape: tuple[int, ...] | None = None, task: str | None = None,
          confirm: bool = True, layer_lever: bool | None = None,
          pcie_bytes_per_s: float | None = None,
@@ -231,7 +233,8 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
         depth = depth_of(work, use_lever=layer_lever)
     except TilefitError:
         depth = Depth(None, 1, (1,))
-    p = _Planner(work, device, global_batch, budget, optimizer, depth, link, max_grad_norm)
+    p = _Planner(work, device, global_batch, budget, optimizer, depth, link, max_grad_norm,
+                 loss_sync)
     hf_model = not work.is_factory
     if allow_peft and hf_model:
         require_peft()  # before any tracing: LoRA is traced with the peft library itself

@@ -111,7 +111,7 @@ def trace_built(work: Workload, micro_batch: int, spec: Recipe,
                  precision=spec.precision,
                  grad_checkpointing=spec.grad_checkpointing,
                  accumulation_steps=accumulation_steps, attention="auto", device=device,
-                 max_grad_norm=spec.max_grad_norm)
+                 max_grad_norm=spec.max_grad_norm, loss_sync=spec.loss_sync)
 
 
 def sweep(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Depth,

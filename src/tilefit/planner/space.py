@@ -16,7 +16,8 @@ from tilefit.vocab import Recipe, device_precisions
 
 # What a change of optimizer means for training, shown in the plan's "changes" column.
 OPTIMIZER_LABELS = {
-    "adamw": "AdamW", "adam": "Adam", "adamw-8bit": "8-bit AdamW (bitsandbytes)",
+    "adamw": "AdamW", "adamw-fused": "AdamW (fused kernel)", "adam": "Adam",
+    "adamw-8bit": "8-bit AdamW (bitsandbytes)",
     "adafactor": "Adafactor", "sgd": "SGD with momentum",
 }
 # Optimizers the planner may propose in place of the user's (only when allowed, or when

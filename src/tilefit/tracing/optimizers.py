@@ -10,8 +10,14 @@ import torch
 from tilefit.errors import TilefitError
 from tilefit.vocab import OPTIMIZER_NAMES
 
-__all__ = ["OPTIMIZER_NAMES", "AdamW8bitModel", "OptimizerSpec", "make_optimizer",
-           "optimizer_state_tensors"]
+__all__ = [
+    "OPTIMIZER_NAMES",
+    "AdamW8bitModel",
+    "OptimizerSpec",
+    "host_step_counters",
+    "make_optimizer",
+    "optimizer_state_tensors",
+]
 
 OptimizerSpec = str | Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -70,6 +76,8 @@ def make_optimizer(spec: OptimizerSpec, params: list[torch.nn.Parameter], *,
         return torch.optim.Adam(params, lr=lr, foreach=foreach)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, foreach=foreach)
+    if name == "adamw-fused":  # one multi-tensor kernel for the whole update
+        return torch.optim.AdamW(params, lr=lr, fused=True)
     if name == "adafactor":
         if not hasattr(torch.optim, "Adafactor"):
             raise TilefitError(
@@ -93,4 +101,20 @@ def optimizer_state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
         for v in state.values():
             if isinstance(v, torch.Tensor):
                 out.append(v)
+    return out
+
+
+def host_step_counters(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The step counters a CUDA run of ``opt`` keeps in host memory: torch.optim keeps each
+    parameter's ``step`` as a CPU scalar unless the group is fused or capturable (its
+    ``_init_group``), so incrementing and reading it launches no kernel and never waits
+    for the GPU."""
+    out: list[torch.Tensor] = []
+    for group in opt.param_groups:
+        if group.get("fused") or group.get("capturable"):
+            continue
+        for p in group["params"]:
+            step = opt.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor) and step.dim() == 0:
+                out.append(step)
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +15,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tilefit.tracing.records import GemmShape, OpRecord, StorageRecord
 from tilefit.tracing.shapes import classify, gemm_shapes, op_flops, packet_name
-from tilefit.tracing.torch_compat import DataDependentOutputException, ModulePath
+from tilefit.tracing.torch_compat import DataDependentOutputException, ModulePath, written_args
 from tilefit.vocab import OPTIMIZER_PHASES, Phase
 
 _SKIP = {"prim.device.default", "profiler._record_function_enter_new.default",
@@ -66,6 +66,7 @@ class Recorder(TorchDispatchMode):
         self.category: dict[int, str] = {}
         self._attention_backend: str | None = None  # the router's choice for the current call
         self._attn_by_uid: dict[int, dict[str, Any]] = {}
+        self._host_uids: set[int] = set()  # storages that live in host memory on the target
         self._recording = True
         self.stand_in_reads = 0  # .item() calls in the optimizer answered with a stand-in
 
@@ -138,6 +139,23 @@ class Recorder(TorchDispatchMode):
             if uid is not None and uid not in self.category:
                 self.category[uid] = category
 
+    def mark_host(self, tensors: Any) -> None:
+        """These tensors live in host memory on the target (torch.optim's step counters
+        beside CUDA parameters): ops on them alone run on the host."""
+        for t in _tensors(tensors):
+            self._host_uids.add(self._track(t, self._events))
+
+    def _runs_on_host(self, name: str, inputs: list[torch.Tensor]) -> bool:
+        """An op runs on the host when it reads host tensors and nothing larger than a
+        scalar from the device; constants made in the optimizer step are host tensors."""
+        if not self._host_uids:
+            return False
+        if name.startswith("aten.lift_fresh"):
+            return self._phase in OPTIMIZER_PHASES
+        on_host = [self.uid(t) in self._host_uids for t in inputs]
+        return any(on_host) and all(h or t.numel() <= 1 for h, t in zip(on_host, inputs,
+                                                                         strict=True))
+
     def uid(self, t: torch.Tensor) -> int | None:
         return self._uid_of.get(t.untyped_storage())
 
@@ -159,12 +177,14 @@ class Recorder(TorchDispatchMode):
         a norm read it on the host (torch.optim.Adafactor: param.norm().item()); on fake
         tensors there is no value, but it only scales the update and no shape depends on it,
         so 1 stands in. Anywhere else a value can steer control flow: the error stands."""
-        if self._phase not in OPTIMIZER_PHASES or \
+        if self._phase not in (*OPTIMIZER_PHASES, "loss_check") or \
                 packet_name(func) != "aten._local_scalar_dense":
             raise
+        t = args[0]
+        if self._phase == "loss_check":  # the loop's non-finite check: the loss is finite
+            return False
         if self._phase != "scaler":  # GradScaler's found_inf read is expected, not a guess
             self.stand_in_reads += 1
-        t = args[0]
         if t.dtype == torch.bool:
             return True
         return 1.0 if t.is_floating_point() else 1
@@ -275,7 +295,11 @@ class Recorder(TorchDispatchMode):
             flops = 0
         gemms: tuple[GemmShape, ...] = gemm_shapes(func, args, kwargs, out, kind) \
             if kind in ("gemm", "conv") else ()
-        nbytes = 0 if kind == "view" else _traffic(inputs, outputs)
+        nbytes = 0 if kind == "view" else _traffic(
+            inputs, outputs, _written(name, func, args, kwargs))
+        on_host = self._runs_on_host(name, inputs)
+        if on_host:
+            self._host_uids.update(self.uid(t) for t in outputs)
         ref = outputs[0] if outputs else (inputs[0] if inputs else None)
         self.ops.append(OpRecord(
             op=name, phase=self.effective_phase, module=module,
@@ -284,6 +308,7 @@ class Recorder(TorchDispatchMode):
             dtype=str(ref.dtype).removeprefix("torch.") if ref is not None else "",
             flops=int(flops), bytes=int(nbytes), kind=kind, step=self._step, micro=self._micro,
             gemms=gemms, attention=attention, alloc_bytes=alloc,
+            multi_tensor=_multi_tensor(name, args, out), on_host=on_host,
         ))
         self._events += 1
         return out
@@ -315,11 +340,51 @@ class Recorder(TorchDispatchMode):
         return info
 
 
-def _traffic(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
+def _written(name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> list[torch.Tensor]:
+    """The tensors an op writes in place. torch's fused optimizers mark the gradients
+    mutable but write them back only when they unscale them (a ``grad_scale`` is given)."""
+    if not (name.startswith("aten._foreach_") or name.startswith("aten._fused_")
+            or name.startswith("aten._amp_")):
+        return []  # other in-place ops return what they write
+    written = written_args(func, args, kwargs)
+    if name.startswith("aten._fused_") and kwargs.get("grad_scale") is None and \
+            len(written) > 1:
+        written = [written[0], *written[2:]]
+    return list(_tensors(written))
+
+
+def _multi_tensor(name: str, args: tuple[Any, ...], out: Any
+                  ) -> tuple[int, tuple[int, ...]] | None:
+    """(depth, numels of the first list) of a foreach or fused multi-tensor op: the lists
+    its kernel walks together are those of the first list's length and element counts (a
+    list of 0-dim step counters or an empty amsgrad list is not walked), and the result
+    list of an out-of-place op."""
+    if not (name.startswith("aten._foreach_") or name.startswith("aten._fused_")
+            or name.startswith("aten._amp_foreach")):
+        return None
+    first = args[0] if args and isinstance(args[0], list | tuple) else None
+    if not first or not all(isinstance(t, torch.Tensor) for t in first):
+        return None
+    numels = tuple(t.numel() for t in first)
+    lists = [a for a in args if isinstance(a, list | tuple)]
+    if isinstance(out, list | tuple) and out:
+        lists.append(out)
+    depth = sum(1 for lst in lists if len(lst) == len(numels) and all(
+        isinstance(t, torch.Tensor) and t.numel() == n for t, n in zip(lst, numels,
+                                                                       strict=True)))
+    return depth, numels
+
+
+def _traffic(inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+             written: Sequence[torch.Tensor] = ()) -> int:
     """Bytes a kernel reads and writes: each distinct input read once (no more than its
-    storage holds, for broadcast views), each output written once."""
+    storage holds, for broadcast views), each output written once, and each input written
+    in place that the op does not return (``_foreach_mul_``, ``_fused_adamw_``)."""
     seen: set[int] = set()
     total = 0
+    returned = {id(t) for t in outputs}
+    total += sum(t.numel() * t.element_size() for t in written if id(t) not in returned)
     for t in inputs:
         key = id(t)
         if key in seen:

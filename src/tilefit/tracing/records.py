@@ -40,6 +40,14 @@ class OpRecord:
     gemms: tuple[GemmShape, ...] = ()
     alloc_bytes: tuple[int, ...] = ()  # sizes of the storages this op allocated
     attention: dict[str, Any] | None = None  # backend, causal, b, hq, hkv, sq, sk, d
+    # a multi-tensor op (torch.optim's foreach and fused kernels): how many tensor lists its
+    # kernel touches and the element counts of the first list, which decide how many kernels
+    # multi_tensor_apply launches (tilefit.estimator.multitensor)
+    multi_tensor: tuple[int, tuple[int, ...]] | None = None
+    # runs on the host on the target: its tensors live in host memory there (torch.optim's
+    # step counters beside CUDA parameters), so it launches no kernel and never waits for
+    # the device
+    on_host: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -21,6 +21,7 @@ from tilefit.tracing.hf_compat import gpu_mask_semantics, quiet_transformers
 from tilefit.tracing.optimizers import (
     OPTIMIZER_NAMES,
     OptimizerSpec,
+    host_step_counters,
     make_optimizer,
     optimizer_state_tensors,
 )
@@ -269,6 +270,8 @@ class TraceOptions:
     replay_steady_step: bool
     max_grad_norm: float | None = None  # clip_grad_norm_ before the optimizer step
     foreach: bool | None = None  # the target's foreach default (CUDA: True)
+    cuda: bool = False  # the target is a CUDA GPU (host memory and device memory differ)
+    loss_sync: bool = False  # the loop reads the loss on the host after each micro-batch
 
     @property
     def low_dtype(self) -> torch.dtype | None:
@@ -305,6 +308,7 @@ def trace(
     device: str | Device = "cpu",
     replay_steady_step: bool = True,
     max_grad_norm: float | None = None,
+    loss_sync: bool = False,
 ) -> Trace:
     """Trace two training steps (the first creates optimizer state lazily; the second is the
     steady state) of ``model`` on ``batch`` as ``device`` would run them, on fake tensors.
@@ -315,7 +319,10 @@ def trace(
     ``replay_steady_step=False`` runs both steps in full (a check of that assumption for
     models whose second forward differs, such as lazy modules). ``max_grad_norm``: clip the
     gradients' total norm before each optimizer step, as the Hugging Face Trainer (1.0 by
-    default) and Lightning's gradient_clip_val do."""
+    default) and Lightning's gradient_clip_val do. ``loss_sync``: the loop reads the loss on
+    the host after each micro-batch's backward, so the host waits for the GPU there (the HF
+    Trainer's default logging_nan_inf_filter=True does; so does a loss printed or logged
+    to a progress bar each step)."""
     target, dev = resolve_target(device)
     check_options(precision, optimizer, attention, accumulation_steps, dev)
     check_max_grad_norm(max_grad_norm)
@@ -324,7 +331,8 @@ def trace(
         precision=parse_precision(precision), grad_checkpointing=grad_checkpointing,
         accumulation_steps=accumulation_steps, attention=attention,
         replay_steady_step=replay_steady_step, max_grad_norm=max_grad_norm,
-        foreach=target.foreach)
+        loss_sync=loss_sync,
+        foreach=target.foreach, cuda=target.kind == "cuda")
     with quiet_transformers():
         return _trace(model, batch, options, target)
 
@@ -459,6 +467,8 @@ def _run_two_steps(prep: _Prepared, options: TraceOptions, recorder: Recorder,
         marks = StepMarks(forward_at, optimizer_at, zero_grad_at, recorder.events)
         if first is not None and pending:
             recorder.settle(pending, first=first, steady=marks)
+        if first is None and options.cuda:  # torch.optim's step counters stay on the CPU
+            recorder.mark_host(host_step_counters(prep.optimizer))
         first = first or marks
 
 
@@ -543,9 +553,21 @@ def _micro_step(prep: _Prepared, options: TraceOptions, recorder: Recorder,
         autocast.end_forward()
     recorder.enter_phase("backward")
     loss.backward()
-    del loss
     if autocast is not None:
         autocast.end_backward()
+    if options.loss_sync:
+        _check_loss(loss.detach(), recorder)
+    del loss
+
+
+def _check_loss(loss: torch.Tensor, recorder: Recorder) -> None:
+    """What the HF Trainer does after each micro-batch's backward with its default
+    logging_nan_inf_filter=True: ``torch.isnan(loss) or torch.isinf(loss)`` (each a read on
+    the host, so the host waits for the GPU), then adds the loss to its running total."""
+    recorder.enter_phase("loss_check")
+    if torch.isnan(loss) or torch.isinf(loss):
+        return
+    loss.add(0.0)  # the running total's add (tr_loss += tr_loss_step), out of place here
 
 
 class _CpuAutocast:

@@ -113,3 +113,21 @@ def flop_formula(func: Any) -> Callable[..., int] | None:
     """torch.utils.flop_counter's formula for an aten overload, or None."""
     packet = getattr(func, "overloadpacket", func)
     return flop_registry.get(packet)
+
+
+def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The arguments an aten op writes in place (``Tensor(a!)`` in its schema), by position
+    or keyword: what an in-place op that returns nothing (``_foreach_add_``,
+    ``_fused_adamw_``) still writes."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if value is not None:
+            out.append(value)
+    return out
