@@ -31,6 +31,8 @@ _LAZY = {
     "Plan": ("tilefit.planner", "Plan"),
     "tune": ("tilefit.tuning", "tune"),
     "TuneResult": ("tilefit.tuning", "TuneResult"),
+    "noise_scale": ("tilefit.tuning", "noise_scale"),
+    "NoiseScale": ("tilefit.tuning", "NoiseScale"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -21,6 +21,7 @@ COMMAND_MODULES: tuple[str, ...] = (  # in the order `tilefit --help` lists them
     "tilefit.cli.estimate",
     "tilefit.cli.plan",
     "tilefit.cli.tune",
+    "tilefit.cli.noise",
     "tilefit.cli.bench",
     "tilefit.cli.calibrate",
     "tilefit.cli.gpus",

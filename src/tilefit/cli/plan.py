@@ -6,6 +6,7 @@ import typer
 
 from tilefit.cli import model_options as mo
 from tilefit.cli.common import GPU_HELP, JSON_OPTION, console, err_console, print_json, user_errors
+from tilefit.cli.noise import PLAN_NOISE_OPTION, read_noise_scale
 
 
 def register(app: typer.Typer) -> None:
@@ -36,6 +37,7 @@ def plan(
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     fused_ce: bool = mo.FUSED_CE_OPTION,
     top: int = typer.Option(15, "--top", help="Rows of the ranked table to show."),
+    noise_scale: str | None = PLAN_NOISE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Choose batch, accumulation, checkpointing, precision and optimizer together, with configs."""
@@ -43,10 +45,12 @@ def plan(
     from tilefit.planner.plan import check_fraction
     from tilefit.planner.space import check_global_batch
     from tilefit.report.plan import print_plan
+    from tilefit.tuning.noise import far_above_noise_scale
 
     with user_errors():
         check_fraction(memory_fraction)
         check_global_batch(global_batch)
+        b_noise = None if noise_scale is None else read_noise_scale(noise_scale)
         work = mo.load(model, seq, input_shape, task)
         result = run_plan(work, gpu=gpu, global_batch=global_batch,
                           memory_fraction=memory_fraction, objective=objective,
@@ -59,7 +63,10 @@ def plan(
     if work.is_factory:
         err_console.print("note: the loss is a stand-in (mean of the model's output)",
                           highlight=False)
+    warning = None if b_noise is None else far_above_noise_scale(global_batch, b_noise)
+    if warning is not None:
+        err_console.print(f"[yellow]warning:[/] {warning}", highlight=False)
     if json_out:
-        print_json(result.to_dict())
+        print_json({**result.to_dict(), "warnings": [] if warning is None else [warning]})
         return
     print_plan(console, result, top=top)

@@ -11,6 +11,7 @@ import typer
 
 from tilefit.cli import model_options as mo
 from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
+from tilefit.cli.noise import DATA_OPTION, LOSS_OPTION, build_model, load_data, load_loss
 from tilefit.errors import TilefitError
 
 # Decimal units are powers of 1000 and binary units powers of 1024 (IEC 80000-13).
@@ -61,6 +62,15 @@ def tune_command(
     margin: float = typer.Option(None, "--margin",
                                  help="Fraction of memory kept free (default 0.10)."),
     plot: str = typer.Option(None, "--plot", help="Write samples/s against batch size here."),
+    objective: str = typer.Option(
+        "samples-per-s", "--objective",
+        help="samples-per-s (the fastest batch) or time-to-loss (the batch reaching a given "
+        "loss soonest, from the gradient noise scale)."),
+    noise_scale: float | None = typer.Option(
+        None, "--noise-scale", help="B_noise in samples for --objective time-to-loss "
+        "(default: measured on --data)."),
+    data: str | None = DATA_OPTION,
+    loss: str | None = LOSS_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Run real training steps to find the largest batch that fits and the fastest aligned one.
@@ -78,7 +88,8 @@ def tune_command(
     """
     with user_errors():
         options = TuneOptions(model, gpu, global_batch, memory_limit, max_batch, seq,
-                              input_shape, task, optimizer, precision, margin)
+                              input_shape, task, optimizer, precision, margin, objective,
+                              noise_scale, data, loss)
         result = _run(options, show_progress=True)
         if plot:
             from tilefit.tuning.plot import plot_throughput
@@ -105,6 +116,10 @@ class TuneOptions:
     optimizer: str | None
     precision: str | None
     margin: float | None
+    objective: str = "samples-per-s"
+    noise_scale: float | None = None
+    data: str | None = None
+    loss: str | None = None
 
 
 def live_device(gpu: str) -> Any:
@@ -165,27 +180,64 @@ def _run(options: TuneOptions, *, show_progress: bool) -> Any:
     report = TuneReport(err_console, enabled=show_progress)
     try:
         limit_bytes = None if options.memory_limit is None else parse_bytes(options.memory_limit)
-        workload = mo.load(options.model, options.seq, options.input_shape, options.task)
+        workload = _workload(options)
         factory = optimizer_factory(mo.optimizer_name(options.optimizer, workload))
         torch_device = live_device(options.gpu)
         precision = live_precision(options.precision, torch_device)
         report.line(f"building {options.model} on {torch_device} ({precision})")
-        module = workload.build().to(torch_device)  # tune trains it in train mode
-
-        def make_batch(b: int) -> Any:
-            return workload.make_batch(b, torch_device)
+        module, make_batch, loss_fn = _model_and_batches(options, workload, torch_device)
 
         report.line("predicting the largest batch from fake-tensor traces of the step, then "
                     "timing a step at batch 1 and at a quarter of that batch")
         return tune(
-            module, make_batch, loss_fn=workload.loss_fn, optimizer=factory,
+            module, make_batch, loss_fn=loss_fn, optimizer=factory,
             precision=precision, device=torch_device, global_batch=options.global_batch,
             max_batch=options.max_batch, memory_limit_bytes=limit_bytes,
             margin=DEFAULT_MARGIN if options.margin is None else options.margin,
             on_trial=report.trial, on_outlook=report.outlook,
+            objective=options.objective, noise_scale=options.noise_scale,
         )
     finally:
         report.stop()
+
+
+@dataclass(frozen=True)
+class _PlainModule:
+    """What the optimizer default needs to know of a module:function model measured on --data
+    without --input-shape (no Workload: the data factory makes the batches)."""
+
+    is_factory: bool = True
+
+
+def _workload(options: TuneOptions) -> Any:
+    from tilefit.models.factory import looks_like_factory
+
+    if options.data is not None and options.input_shape is None \
+            and looks_like_factory(options.model):
+        return _PlainModule()
+    return mo.load(options.model, options.seq, options.input_shape, options.task)
+
+
+def _model_and_batches(options: TuneOptions, workload: Any, device: Any
+                       ) -> tuple[Any, Any, Any]:
+    """The module on the device (tune trains it in train mode), make_batch and loss_fn:
+    --data and --loss (a module:function model then needs no --input-shape), else the
+    workload's synthetic batches (no gradient noise: time-to-loss then needs --noise-scale)."""
+    if options.data is not None:
+        module = build_model(options.model, options.seq, options.input_shape, options.task)
+        return module.to(device), load_data(options.data), load_loss(options.loss)
+    if options.objective == "time-to-loss" and options.noise_scale is None:
+        raise TilefitError(
+            "--objective time-to-loss needs the gradient noise scale",
+            expected="--data (measured on your data) or --noise-scale N",
+            given="neither (synthetic batches are the same on every call: no noise)",
+            fix="pass --data mydata:make_data, or --noise-scale from `tilefit noise-scale`")
+
+    def make_batch(b: int) -> Any:
+        return workload.make_batch(b, device)
+
+    return (workload.build().to(device), make_batch,
+            load_loss(options.loss) or workload.loss_fn)
 
 
 class TuneReport:
@@ -266,5 +318,25 @@ def _render(result: Any, plot: str | None) -> None:
     console.print(f"chosen batch: [bold green]{result.batch_size}[/] x "
                   f"{result.accumulation_steps} accumulation steps{rate} "
                   f"(noise band {result.noise:.1%})")
+    if result.objective == "time-to-loss":
+        _render_time_to_loss(result)
     if plot:
         console.print(f"plot written to {plot}")
+
+
+def _render_time_to_loss(result: Any) -> None:
+    measured = "" if result.noise_measurement is None else \
+        f" (measured: {result.noise_measurement.b_simple_low:,.1f} to " \
+        f"{result.noise_measurement.b_simple_high:,.1f})"
+    console.print(f"gradient noise scale B_noise ~ {result.b_noise:,.1f} samples{measured}")
+    for row in result.time_to_loss:
+        console.print(f"  batch {row.batch_size}: {_rate(row.samples_per_s)} samples/s, "
+                      f"{row.steps_factor:.2f} x S_min steps, time to the loss "
+                      f"{row.time_factor:.2f} x the best", highlight=False)
+    console.print(f"soonest to a given loss: batch [bold green]{result.batch_size}[/]; the "
+                  f"fastest in samples/s, {result.samples_per_s_batch}, would take "
+                  f"{result.time_to_loss_slowdown:.2f}x as long")
+    if result.learning_rate is not None:
+        console.print(f"learning rate: {result.learning_rate.text}", highlight=False)
+    for warning in result.warnings:
+        err_console.print(f"[yellow]warning:[/] {warning}", highlight=False)

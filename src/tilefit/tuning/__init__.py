@@ -2,6 +2,8 @@
 global batch kept by accumulation, all state restored. See ``tuner.tune``."""
 
 from tilefit.tuning.executor import Trial, is_oom
+from tilefit.tuning.noise import NoiseScale
+from tilefit.tuning.noise_measure import noise_scale
 from tilefit.tuning.outlook import Outlook
 from tilefit.tuning.search import FitProbe, FitSearch, candidate_sizes, choose_batch, find_max_batch
 from tilefit.tuning.tuner import DEFAULT_MARGIN, TuneResult, tune
@@ -10,6 +12,7 @@ __all__ = [
     "DEFAULT_MARGIN",
     "FitProbe",
     "FitSearch",
+    "NoiseScale",
     "Outlook",
     "Trial",
     "TuneResult",
@@ -17,6 +20,7 @@ __all__ = [
     "choose_batch",
     "find_max_batch",
     "is_oom",
+    "noise_scale",
     "tune",
 ]
 

@@ -6,6 +6,7 @@ change is restored in ``finally`` (``state.py``), also on Ctrl-C or an error.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -17,6 +18,8 @@ from torch import nn
 from tilefit.dtypes import parse_dtype
 from tilefit.errors import TilefitError
 from tilefit.tuning.executor import Executor, LossFn, OptimizerArg, Trial
+from tilefit.tuning.noise import LearningRateAdvice, NoiseScale, TimeToLoss
+from tilefit.tuning.objective import check_objective
 from tilefit.tuning.outlook import Outlook, outlook, per_sample_s, timing_batch
 from tilefit.tuning.search import (
     accumulation_for,
@@ -42,6 +45,7 @@ MIN_TIMED_STEPS = 3  # micro-batches per timed repeat at least
 CPU_MULTIPLE = 8  # the CPU has no Tensor Core rule; multiples of 8 suit SIMD widths
 # the mixed precision to suggest: bf16 autocast (tilefit.vocab)
 MIXED = mixed_precision("bf16").name
+OBJECTIVE_RATE = "samples-per-s"
 
 
 @dataclass(frozen=True)
@@ -57,11 +61,25 @@ class TuneResult:
     candidates: tuple[int, ...] = ()
     noise: float = 0.0  # relative spread of the repeated timings
     predicted_max_batch: int | None = None  # the first probe (the estimator's prediction)
+    # objective="time-to-loss" (tuning/objective.py): the noise scale used, the time to the
+    # loss per measured batch, the samples/s choice beside it and how much slower it is
+    objective: str = "samples-per-s"
+    b_noise: float | None = None
+    noise_measurement: NoiseScale | None = None  # when tune measured it
+    time_to_loss: tuple[TimeToLoss, ...] = ()
+    samples_per_s_batch: int | None = None
+    time_to_loss_slowdown: float | None = None  # time of the samples/s choice / the chosen's
+    learning_rate: LearningRateAdvice | None = None
+    warnings: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["trials"] = [dict(t) for t in self.trials]
         d["candidates"] = list(self.candidates)
+        d["time_to_loss"] = [r.to_dict() for r in self.time_to_loss]
+        d["warnings"] = list(self.warnings)
+        if self.noise_measurement is not None:
+            d["noise_measurement"] = self.noise_measurement.to_dict()
         return d
 
     @property
@@ -133,6 +151,8 @@ class TuneRequest:
     predicted_max_batch: int | None
     predict: bool
     measure_throughput: bool
+    objective: str = "samples-per-s"
+    noise_scale: float | NoiseScale | None = None
 
     @property
     def cap(self) -> int | None:
@@ -162,6 +182,7 @@ def tune(
     on_trial: Callable[[Trial], None] | None = None,
     on_outlook: Callable[[Outlook], None] | None = None,
     keep_modes: bool = False,
+    objective: str = "samples-per-s", noise_scale: float | NoiseScale | None = None,
 ) -> TuneResult:
     """Find the largest batch that fits, then the fastest hardware-friendly batch up to it.
 
@@ -187,12 +208,16 @@ def tune(
     buffers, gradients, every module's own attributes, see ``tuning.state``), optimizer, RNG
     states and module modes are exactly as before when tune returns or raises
     (KeyboardInterrupt included).
+    objective="time-to-loss": the timed batch soonest to a given loss, from ``noise_scale``
+    (B_noise or a NoiseScale; else measured on make_batch's batches): ``tuning.objective``.
     """
-    request = make_request(
+    check_objective(objective, noise_scale)
+    request = dataclasses.replace(make_request(
         precision=precision, device=device, global_batch=global_batch, max_batch=max_batch,
         memory_limit_bytes=memory_limit_bytes, margin=margin,
         steps_per_trial=steps_per_trial, predicted_max_batch=predicted_max_batch,
-        predict=predict, measure_throughput=measure_throughput)
+        predict=predict, measure_throughput=measure_throughput or objective != OBJECTIVE_RATE),
+        objective=objective, noise_scale=noise_scale)
     check_model_and_optimizer(model, optimizer, request)
     user_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     snap = snapshot(model, user_opt)
@@ -205,17 +230,12 @@ def tune(
             torch.backends.cudnn.allow_tf32 = True
         ex = Executor(
             model=model, make_batch=make_batch, loss_fn=loss_fn, optimizer=optimizer, snap=snap,
-            precision=request.precision.name, device=request.device,
-            memory_limit_bytes=request.memory_limit_bytes, margin=request.margin,
-            steps_per_trial=request.steps_per_trial, warmup_steps=WARMUP_STEPS,
-            repeats=REPEATS, min_timed_steps=MIN_TIMED_STEPS, on_trial=on_trial,
-            keep_modes=keep_modes,
-        )
+            precision=request.precision.name, device=request.device, on_trial=on_trial,
+            keep_modes=keep_modes, **_trial_settings(request))
         first_probe = _first_probe(model, make_batch, loss_fn, optimizer, request, ex)
-        if on_outlook is not None:
-            expected = _outlook(ex, request, first_probe)
-            if expected is not None:
-                on_outlook(expected)
+        expected = None if on_outlook is None else _outlook(ex, request, first_probe)
+        if on_outlook is not None and expected is not None:
+            on_outlook(expected)
         return _search(ex, request, first_probe)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
@@ -223,6 +243,12 @@ def tune(
         gc.collect()
         if request.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _trial_settings(request: TuneRequest) -> dict[str, Any]:
+    return {"memory_limit_bytes": request.memory_limit_bytes, "margin": request.margin,
+            "steps_per_trial": request.steps_per_trial, "warmup_steps": WARMUP_STEPS,
+            "repeats": REPEATS, "min_timed_steps": MIN_TIMED_STEPS}
 
 
 def make_request(*, precision: str, device: str | torch.device | None,
@@ -259,7 +285,11 @@ def check_model_and_optimizer(model: nn.Module, optimizer: OptimizerArg,
                            expected="torch.optim.AdamW(model.parameters()) or params -> Optimizer",
                            given=type(optimizer).__name__,
                            fix="pass optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4)")
-    dev = request.device
+    check_on_device(model, request.device)
+
+
+def check_on_device(model: nn.Module, dev: torch.device) -> None:
+    """An error unless every parameter is on ``dev`` (tilefit does not move the model)."""
     wrong = {str(p.device) for p in model.parameters() if p.device.type != dev.type
              or (dev.index is not None and p.device.index != dev.index)}
     if wrong:
@@ -303,7 +333,8 @@ def _outlook(ex: Executor, request: TuneRequest, first_probe: int | None) -> Out
 
 
 def _search(ex: Executor, request: TuneRequest, first_probe: int | None) -> TuneResult:
-    """The exact largest batch that fits, then the fastest friendly batch up to it."""
+    """The exact largest batch that fits, then the fastest friendly batch up to it (or the
+    soonest to a loss, objective="time-to-loss")."""
     search = find_max_batch(ex.fit, start=first_probe, max_batch=request.cap)
     if search.max_batch == 0:
         raise nothing_fits(ex, request)
@@ -312,8 +343,8 @@ def _search(ex: Executor, request: TuneRequest, first_probe: int | None) -> Tune
         global_batch=request.global_batch,
     )
     chosen, rate, noise = candidates[-1], None, 0.0
+    measured: dict[int, list[float]] = {}
     if request.measure_throughput:
-        measured: dict[int, list[float]] = {}
         for b in candidates:
             rates = ex.throughput(b, accumulation_for(request.global_batch, b))
             if rates:
@@ -321,14 +352,49 @@ def _search(ex: Executor, request: TuneRequest, first_probe: int | None) -> Tune
         if measured:
             choice = choose_batch(measured)
             chosen, rate, noise = choice.batch_size, choice.samples_per_s, choice.noise
+    extra: dict[str, Any] = {}
+    if request.objective != OBJECTIVE_RATE and measured:
+        extra = _time_to_loss(ex, request, measured, noise, chosen, search.max_batch)
+        chosen = extra.pop("batch_size")
+        rate = max(measured[chosen])
     return TuneResult(
         batch_size=chosen, max_fitting_batch_size=search.max_batch,
         accumulation_steps=accumulation_for(request.global_batch, chosen),
         samples_per_s=rate, trials=tuple(t.to_dict() for t in ex.trials),
         budget_bytes=ex.budget_bytes, capacity_bytes=ex.capacity_bytes,
         global_batch=request.global_batch, candidates=candidates, noise=noise,
-        predicted_max_batch=first_probe,
+        predicted_max_batch=first_probe, objective=request.objective, **extra,
     )
+
+
+def _time_to_loss(ex: Executor, request: TuneRequest, measured: dict[int, list[float]],
+                  noise: float, rate_choice: int, max_batch: int) -> dict[str, Any]:
+    """The time-to-loss choice and the fields it adds; measures the noise scale on the
+    executor's batches when none was given."""
+    from tilefit.tuning import objective
+
+    noise_scale = request.noise_scale
+    if noise_scale is None:
+        from tilefit.tuning.noise_measure import noise_scale as measure
+
+        user_opt = ex.optimizer if isinstance(ex.optimizer, torch.optim.Optimizer) else None
+        noise_scale = measure(
+            ex.model, ex.make_batch, loss_fn=ex.loss_fn, optimizer=user_opt,
+            device=request.device, batch_sizes=objective.measuring_sizes(max_batch),
+            precision=request.precision.name, keep_modes=ex.keep_modes)
+    choice = objective.choose(measured, noise, rate_choice, noise_scale, request.global_batch,
+                              _optimizer_name(ex))
+    fields = objective.summary(choice)
+    fields["batch_size"] = choice.batch_size
+    fields["noise_measurement"] = noise_scale if isinstance(noise_scale, NoiseScale) else None
+    return fields
+
+
+def _optimizer_name(ex: Executor) -> str:
+    """The optimizer's class name (a factory builds one, stateless until it steps)."""
+    if isinstance(ex.optimizer, torch.optim.Optimizer):
+        return type(ex.optimizer).__name__
+    return type(ex.optimizer(ex.model.parameters())).__name__
 
 
 def gib(nbytes: int) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import random
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -32,6 +33,7 @@ import torch
 from tilefit.errors import TilefitError
 from tilefit.tracing.torch_compat import FakeTensor
 from tilefit.tuning.executor import is_oom
+from tilefit.tuning.noise import NoiseScale
 from tilefit.tuning.search import accumulation_for
 from tilefit.tuning.tuner import DEFAULT_MARGIN, TuneResult, tune
 from tilefit.vocab import precision_from_hf
@@ -382,6 +384,8 @@ def tune_trainer(
     predicted_max_batch: int | None = None,
     measure_throughput: bool = True,
     apply: bool = True,
+    objective: str = "samples-per-s",
+    noise_scale: float | NoiseScale | None = None,
 ) -> TuneResult:
     """Tune the trainer's micro-batch on what train() runs; with ``apply`` set the arguments.
 
@@ -390,10 +394,17 @@ def tune_trainer(
     args.per_device_train_batch_size and args.gradient_accumulation_steps (and the Trainer's
     cached batch size); nothing else of the Trainer, its arguments or the model changes.
     Errors from the user's data or loss are TilefitErrors saying what to fix.
+
+    objective="time-to-loss" (see ``tune``): the effective batch stays as the arguments say,
+    so the micro-batch is the samples/s choice; the result adds the noise scale (measured on
+    random samples of the train dataset with ``noise_scale_trainer`` unless given), the
+    learning-rate advice and a warning when the effective batch is far above the noise scale.
     """
     args = trainer.args
     model = trainer.model
     effective = effective_batch(args.per_device_train_batch_size, args.gradient_accumulation_steps)
+    if objective == "time-to-loss" and noise_scale is None:
+        noise_scale = noise_scale_trainer(trainer)
     make_batch = make_batch_fn(trainer, effective)
     device = next(model.parameters()).device
     with _explain_step_errors(trainer), checkpointing_as_trainer(trainer):
@@ -402,10 +413,66 @@ def tune_trainer(
             precision=precision_of(args, model), device=device, global_batch=effective,
             max_batch=max_batch, memory_limit_bytes=memory_limit_bytes, margin=margin,
             predicted_max_batch=predicted_max_batch, measure_throughput=measure_throughput,
+            objective=objective, noise_scale=noise_scale,
         )
     if apply:
         apply_to_args(trainer, effective, result.batch_size)
     return result
+
+
+def random_batch_fn(trainer: Any, seed: int = 0) -> Callable[[int], Any]:
+    """make_batch(b): b samples drawn at random (with replacement, from a private
+    generator) from the Trainer's train dataset, through its train collator; a streamed
+    dataset is read on in its own order."""
+    dataset, collate = _trainer_data(trainer)
+    rng = random.Random(seed)
+    if not isinstance(dataset, torch.utils.data.IterableDataset) and hasattr(dataset, "__len__"):
+        n = len(dataset)
+        if n == 0:
+            raise _empty_dataset(dataset)
+
+        def take(b: int) -> list[Any]:
+            return _pick([dataset[rng.randrange(n)] for _ in range(b)], 0, b)
+    else:
+        stream = iter(dataset)
+
+        def take(b: int) -> list[Any]:
+            samples = list(itertools.islice(stream, b))
+            if len(samples) < b:
+                raise TilefitError(
+                    "the streamed train dataset ran out while measuring the noise scale",
+                    expected="at least measurements x B_big samples",
+                    given=f"{len(samples)} samples left for a batch of {b}",
+                    fix="pass fewer measurements or smaller batch_sizes")
+            return samples
+
+    return lambda b: _collate(collate, take(b))
+
+
+def noise_scale_trainer(
+    trainer: Any,
+    *,
+    batch_sizes: tuple[int, int] | None = None,
+    measurements: int | None = None,
+    checkpoint: str | None = None,
+    seed: int = 0,
+) -> NoiseScale:
+    """The gradient noise scale (``tilefit.noise_scale``) of the Trainer's model on random
+    samples of its train dataset, with its compute_loss, precision, optimizer (state kept)
+    and activation checkpointing. checkpoint: a checkpoint folder of this run
+    (``output_dir/checkpoint-N``) to measure at; the model keeps its own weights. The noise
+    scale grows as training proceeds: measure after warm-up, and from later checkpoints."""
+    from tilefit.tuning.noise_measure import DEFAULT_MEASUREMENTS, noise_scale
+
+    model = trainer.model
+    optimizer = getattr(trainer, "optimizer", None)
+    with _explain_step_errors(trainer), checkpointing_as_trainer(trainer):
+        return noise_scale(
+            model, random_batch_fn(trainer, seed), loss_fn=loss_fn_of(trainer),
+            optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
+            device=next(model.parameters()).device, batch_sizes=batch_sizes,
+            measurements=measurements or DEFAULT_MEASUREMENTS,
+            precision=precision_of(trainer.args, model), checkpoint=checkpoint)
 
 
 @contextlib.contextmanager

@@ -91,6 +91,8 @@ class FinderOptions:
     margin: float = DEFAULT_MARGIN
     max_batch: int | None = None
     measure_throughput: bool = True
+    objective: str = "samples-per-s"  # or "time-to-loss" (tune's objective)
+    noise_scale: Any = None  # B_noise or a NoiseScale; None: measured on the train data
 
 
 # ---- pure helpers -----------------------------------------------------------------------
@@ -355,6 +357,9 @@ def tune_lightning(trainer: Any, pl_module: Any, options: FinderOptions) -> Ligh
     def loss_fn(model: Any, batch: Any) -> Any:
         return loss_from_step_output(trainer.strategy.training_step(batch, 0))
 
+    noise = options.noise_scale
+    if options.objective == "time-to-loss" and noise is None:
+        noise = noise_scale_lightning(trainer, pl_module)  # random samples: the real noise
     with quiet_logging(trainer, pl_module):
         result = tune(
             pl_module, lightning_batch_maker(trainer, pl_module, loader), loss_fn=loss_fn,
@@ -362,7 +367,8 @@ def tune_lightning(trainer: Any, pl_module: Any, options: FinderOptions) -> Ligh
             device=trainer.strategy.root_device, global_batch=options.global_batch,
             max_batch=_smallest(options.max_batch, per_epoch),
             memory_limit_bytes=options.memory_limit_bytes, margin=options.margin,
-            measure_throughput=options.measure_throughput,
+            measure_throughput=options.measure_throughput, objective=options.objective,
+            noise_scale=noise,
             keep_modes=True)  # Lightning 2.6 trains the modules in the modes they are in
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
     return LightningTuneResult(**{**fields, "precision": precision.name,
@@ -406,13 +412,17 @@ def tilefit_batch_size_finder(
     margin: float | None = None,
     max_batch: int | None = None,
     measure_throughput: bool = True,
+    objective: str = "samples-per-s",
+    noise_scale: Any = None,
 ) -> Any:
     """A Lightning Callback that tunes the batch size at fit start (see the module doc). Its
-    ``result`` is a LightningTuneResult once the fit has started."""
+    ``result`` is a LightningTuneResult once the fit has started. objective="time-to-loss"
+    chooses the batch soonest to a given loss from the gradient noise scale (``noise_scale``,
+    else measured on random samples of the train data; see ``tilefit.tune``)."""
     pl = import_lightning()
     options = FinderOptions(batch_arg_name, global_batch, memory_limit_bytes,
                             DEFAULT_MARGIN if margin is None else margin, max_batch,
-                            measure_throughput)
+                            measure_throughput, objective, noise_scale)
 
     class TilefitBatchSizeFinder(pl.Callback):  # type: ignore[misc, name-defined]
         def __init__(self) -> None:
@@ -483,3 +493,95 @@ def simulated_memory_limit(limit_bytes: int) -> Any:
             self._stop()
 
     return SimulatedMemoryLimit()
+
+
+# ---- the gradient noise scale ----------------------------------------------------------------
+
+def random_lightning_batches(trainer: Any, pl_module: Any, loader: Any,
+                             seed: int = 0) -> Callable[[int], Any]:
+    """make_batch(b): b samples drawn at random (with replacement, from a private generator)
+    from the loader's map-style dataset, prepared as the fit loop prepares a batch (collate,
+    precision conversion, on_before_batch_transfer, batch_to_device)."""
+    import random
+
+    n = _length(loader.dataset)
+    from torch.utils.data import IterableDataset
+
+    if n is None or isinstance(loader.dataset, IterableDataset) or n == 0:
+        raise TilefitError(
+            "the noise scale draws random samples from a map-style dataset",
+            expected="a train dataset with __len__ and __getitem__",
+            given=f"{type(loader.dataset).__name__} (streamed or empty)",
+            fix="measure with tilefit.noise_scale and a make_batch that draws from your stream")
+    rng = random.Random(seed)
+    collate = loader.collate_fn
+
+    def make_batch(b: int) -> Any:
+        batch = collate([loader.dataset[rng.randrange(n)] for _ in range(b)])
+        batch = trainer.precision_plugin.convert_input(batch)
+        batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=DATALOADER_IDX)
+        return trainer.strategy.batch_to_device(batch, dataloader_idx=DATALOADER_IDX)
+
+    return make_batch
+
+
+def noise_scale_lightning(trainer: Any, pl_module: Any, *,
+                          batch_sizes: tuple[int, int] | None = None,
+                          measurements: int | None = None, checkpoint: str | None = None,
+                          seed: int = 0) -> Any:
+    """tilefit.noise_scale on the Trainer's module, train data (random samples), precision
+    and training_step's loss, in the modules' own modes (as Lightning trains); the
+    optimizer's state and everything else restored. checkpoint: a .ckpt of this module to
+    measure at (the module keeps its weights). Call it with the Trainer set up (from a
+    callback hook), as ``noise_scale_monitor`` does."""
+    from tilefit.tuning.noise_measure import DEFAULT_MEASUREMENTS, noise_scale
+
+    loader = train_dataloader_of(trainer)
+    optimizers = list(getattr(trainer, "optimizers", None) or [])
+
+    def loss_fn(model: Any, batch: Any) -> Any:
+        return loss_from_step_output(trainer.strategy.training_step(batch, 0))
+
+    with quiet_logging(trainer, pl_module):
+        return noise_scale(
+            pl_module, random_lightning_batches(trainer, pl_module, loader, seed),
+            loss_fn=loss_fn, optimizer=optimizers[0] if optimizers else None,
+            device=trainer.strategy.root_device, batch_sizes=batch_sizes,
+            measurements=measurements or DEFAULT_MEASUREMENTS,
+            precision=precision_of_trainer(trainer).name, checkpoint=checkpoint,
+            keep_modes=True)
+
+
+def noise_scale_monitor(*, at_steps: Iterable[int], batch_sizes: tuple[int, int] | None = None,
+                        measurements: int | None = None) -> Any:
+    """A Lightning Callback measuring the gradient noise scale during training, after the
+    optimizer steps in ``at_steps`` (trainer.global_step; e.g. after warm-up and then every
+    few thousand steps: the noise scale grows as the loss falls). ``results`` holds
+    (global_step, NoiseScale) pairs; the training run itself is not changed."""
+    pl = import_lightning()
+    steps = sorted(set(at_steps))
+    if not steps or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in steps):
+        raise TilefitError("at_steps must be optimizer steps (whole numbers >= 0)",
+                           expected="e.g. at_steps=(200, 2000)", given=repr(at_steps),
+                           fix="pass the global steps after which to measure")
+
+    class NoiseScaleMonitor(pl.Callback):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.at_steps = steps
+            self.results: list[tuple[int, Any]] = []
+
+        def _measure(self, trainer: Any, pl_module: Any) -> None:
+            step = trainer.global_step
+            if step in self.at_steps and all(s != step for s, _ in self.results):
+                self.results.append((step, noise_scale_lightning(
+                    trainer, pl_module, batch_sizes=batch_sizes, measurements=measurements)))
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self._measure(trainer, pl_module)  # at_steps may include 0
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
+            self._measure(trainer, pl_module)
+
+    return NoiseScaleMonitor()
