@@ -360,3 +360,20 @@ def test_cli_json(tmp_path) -> None:
     assert all(p["micro_batch"] * p["accumulation_steps"] == 8 for p in d["plans"])
     assert d["best"]["fits"] and "hf_training_arguments" in d["configs"]
     assert "lightning" in d["configs"]
+
+
+def test_plan_searches_the_same_math_knobs(tiny_gpt2) -> None:  # type: ignore[no-untyped-def]
+    # foreach AdamW: its fused kernel is the same update (no algorithm change); a causal LM
+    # also gets the fused linear cross-entropy loss; both are labelled in the rows' changes
+    from tilefit.planner import plan
+
+    p = plan(tiny_gpt2, gpu="a100-80gb", global_batch=16, optimizer="adamw", confirm=False)
+    fused_opt = [r for r in p.rows if r.optimizer == "adamw-fused"]
+    assert fused_opt and all(r.fuses_optimizer and not r.changes_optimizer for r in fused_opt)
+    assert any("same update in one kernel" in c for c in fused_opt[0].changes)
+    fce = [r for r in p.rows if r.recipe.fused_ce]
+    assert fce and any("fused linear cross-entropy" in c for c in fce[0].changes)
+    args = __import__("tilefit.planner.configs", fromlist=["x"]).hf_training_arguments(fce[0])
+    assert args["use_liger_kernel"] is True
+    assert args["liger_kernel_config"]["fused_linear_cross_entropy"] is True
+    assert args["liger_kernel_config"]["rms_norm"] is False

@@ -38,6 +38,14 @@ ATTENTIONS: tuple[str, ...] = get_args(Attention)
 # ---- optimizers (tilefit.tracing.optimizers builds them) ------------------------------------
 OPTIMIZER_NAMES: tuple[str, ...] = ("sgd", "adam", "adamw", "adamw-fused", "adafactor",
                                     "adamw-8bit")
+# an optimizer -> the same update as one fused kernel (torch.optim's fused=True)
+FUSED_IMPLEMENTATION: dict[str, str] = {"adamw": "adamw-fused"}
+
+
+def same_update(a: str, b: str) -> bool:
+    """Whether two optimizer names are the same training algorithm (one may be the other's
+    fused implementation)."""
+    return a == b or FUSED_IMPLEMENTATION.get(a) == b or FUSED_IMPLEMENTATION.get(b) == a
 
 # ---- precisions ---------------------------------------------------------------------------
 PrecisionName = Literal["fp32", "tf32", "fp16-mixed", "bf16-mixed", "bf16"]

@@ -148,7 +148,8 @@ class _Planner:
 
     def add(self, spec: Recipe, *, offload: bool = False) -> None:
         spec = dataclasses.replace(spec, max_grad_norm=self.max_grad_norm,
-                                   loss_sync=self.loss_sync, fused_ce=self.fused_ce)
+                                   loss_sync=self.loss_sync,
+                                   fused_ce=self.fused_ce or spec.fused_ce)
         model = safe_sweep(self.work, spec, self.micro_batches, self.depth, self.device,
                            self.notes)
         self.traces += len(self.depth.traced) * len({min(self.micro_batches),
@@ -264,6 +265,9 @@ def _trace_recipes(p: _Planner, optimizer: str, *, hf_model: bool, allow_peft: b
         p.notes.append("PEFT/LoRA is planned for Hugging Face models only (the adapters wrap "
                        "their linear layers): --allow-peft adds no plans for a factory")
     for spec in space.base_recipes(device, optimizer, hf_model=hf_model):
+        p.add(spec)
+    for spec in space.same_math_recipes(device, optimizer,
+                                        causal_lm=hf_model and p.work.task == "causal-lm"):
         p.add(spec)
     if allow_peft and hf_model:
         for spec in space.peft_recipes(device, optimizer):

@@ -19,6 +19,7 @@ class PlanRow:
     budget_bytes: int
     offload: bool = False
     changes_optimizer: bool = False  # a different training algorithm than the user's
+    fuses_optimizer: bool = False  # the user's optimizer as its fused kernel (same update)
     changes: tuple[str, ...] = field(default=())  # what it changes about training, in words
     friendly: bool = True  # micro-batch a multiple of 8 or a power of two
 
@@ -85,5 +86,6 @@ class PlanRow:
             "predicted_step_time_s": self.predicted_step_time_s,
             "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu, "fits": self.fits, "changes_optimizer": self.changes_optimizer,
+            "fuses_optimizer": self.fuses_optimizer,
             "changes": list(self.changes),
         }

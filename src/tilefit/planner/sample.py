@@ -69,9 +69,24 @@ def work_peak(tr: Trace, *, rounded: bool) -> int:
         keep=lambda s: s.category not in STATE_CATEGORIES and s.phase in WORK_PHASES))
 
 
+def micro_step_s(est: Estimate) -> float:
+    """One micro-batch's time: its GPU time, or on a GPU the host's time to issue it when
+    that is longer (a host-bound micro-batch takes what the host takes)."""
+    a = est.accumulation_steps
+    device_s = sum(est.time_by_phase_s.get(p, 0.0) for p in MICRO_PHASES) / a
+    if est.device.kind != "cuda":
+        return device_s
+    from tilefit.estimator.steptime import host_time_s
+
+    host, dev = est.device.host, est.device
+    host_s = sum(host_time_s(c.record, host, dev) * c.repeats for c in est.ops
+                 if c.record.phase in MICRO_PHASES) / a
+    return max(device_s, host_s)
+
+
 def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int) -> Sample:
     a = est.accumulation_steps
-    micro_time = sum(est.time_by_phase_s.get(p, 0.0) for p in MICRO_PHASES) / a
+    micro_time = micro_step_s(est)
     fixed_time = est.step_time_s - micro_time * a
     rounded = tr.target.kind == "cuda"
     cats = category_peaks(tr, rounded=rounded)

@@ -18,7 +18,8 @@ from tilefit.planner.rows import PlanRow
 from tilefit.planner.sample import Sample, sample_of
 from tilefit.planner.space import OPTIMIZER_LABELS
 from tilefit.tracing import Trace
-from tilefit.vocab import Recipe, parse_precision
+from tilefit.tracing.fused_loss import fused_ce_affine_tokens
+from tilefit.vocab import Recipe, parse_precision, same_update
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -117,8 +118,15 @@ def trace_built(work: Workload, micro_batch: int, spec: Recipe,
 
 def sweep(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Depth,
           device: Device) -> SweepModel:
-    """Trace the recipe at the smallest and the largest micro-batch (at each traced depth)."""
-    points = sorted({min(micro_batches), max(micro_batches)})
+    """Trace the recipe at the smallest and the largest micro-batch (at each traced depth).
+    A fused-loss recipe starts where its chunking does: below V/H tokens a chunk is one row
+    and the chunk count grows with the tokens, above it the count is about V/H and the step
+    is affine again (tilefit.tracing.fused_loss.chunk_rows)."""
+    low = min(micro_batches)
+    if spec.fused_ce:
+        low = min((b for b in micro_batches if b * (workload.seq_len or 1) >=
+                   fused_ce_affine_tokens(workload.config or {})), default=max(micro_batches))
+    points = sorted({low, max(micro_batches)})
     samples = [trace_sample(workload, spec, b, k, depth, device, SWEEP_ACCUMULATION)
                for k in depth.traced for b in points]
     return SweepModel(tuple(samples))
@@ -132,9 +140,14 @@ def changes_of(spec: Recipe, user_optimizer: str, offload: bool) -> tuple[str, .
         out.append(f"LoRA r={LORA_RANK} alpha={LORA_ALPHA} on all linear layers, base weights "
                    "frozen in 16 bits: trains adapters, not the model (a different recipe)")
     if spec.optimizer != user_optimizer:
+        same = same_update(spec.optimizer, user_optimizer)
         out.append(f"optimizer {OPTIMIZER_LABELS.get(user_optimizer, user_optimizer)} -> "
-                   f"{OPTIMIZER_LABELS.get(spec.optimizer, spec.optimizer)}: a different "
-                   "training algorithm (retune the learning rate)")
+                   f"{OPTIMIZER_LABELS.get(spec.optimizer, spec.optimizer)}: " + (
+                       "the same update in one kernel (fused=True)" if same else
+                       "a different training algorithm (retune the learning rate)"))
+    if spec.fused_ce:
+        out.append("fused linear cross-entropy (Liger Kernel): the logits never whole (same "
+                   "math)")
     prec = spec.spec
     if prec.autocast_dtype:
         out.append(f"{prec.autocast_dtype} autocast "
@@ -172,7 +185,9 @@ def row_from(spec: Recipe, model: SweepModel, micro_batch: int, global_batch: in
         tokens_per_s=(global_batch * tokens_per_sample / step
                       if (tokens_per_sample and step) else None),
         mfu=mfu, budget_bytes=budget_bytes, offload=offload is not None,
-        changes_optimizer=spec.optimizer != user_optimizer,
+        changes_optimizer=not same_update(spec.optimizer, user_optimizer),
+        fuses_optimizer=spec.optimizer != user_optimizer and same_update(spec.optimizer,
+                                                                          user_optimizer),
         changes=changes_of(spec, user_optimizer, offload is not None),
         friendly=is_friendly(micro_batch))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from tilefit.batches import is_friendly
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device
-from tilefit.vocab import Recipe, device_precisions
+from tilefit.vocab import FUSED_IMPLEMENTATION, Recipe, device_precisions
 
 # What a change of optimizer means for training, shown in the plan's "changes" column.
 OPTIMIZER_LABELS = {
@@ -93,6 +93,23 @@ def base_recipes(device: Device, optimizer: str, *, hf_model: bool) -> list[Reci
     if hf_model:
         out.append(Recipe(precision=precs[0], optimizer=optimizer, attention="eager"))
     out.extend(Recipe(precision=p, optimizer=optimizer, attention=att) for p in precs[1:])
+    return out
+
+
+def same_math_recipes(device: Device, optimizer: str, *, causal_lm: bool) -> list[Recipe]:
+    """Changes that keep the math: the optimizer's fused kernel (torch.optim's fused=True)
+    and, for a causal LM, the fused linear cross-entropy loss (Liger Kernel's), each in mixed
+    precision with SDPA, with and without checkpointing (HF models: the loss needs their
+    heads)."""
+    prec = precisions(device)[0]
+    out: list[Recipe] = []
+    fused = FUSED_IMPLEMENTATION.get(optimizer)
+    if fused is not None:
+        out.append(Recipe(precision=prec, optimizer=fused, attention="sdpa" if causal_lm
+                          else "auto"))
+    if causal_lm:
+        out.extend(Recipe(precision=prec, optimizer=fused or optimizer, grad_checkpointing=ckpt,
+                          attention="sdpa", fused_ce=True) for ckpt in (False, True))
     return out
 
 

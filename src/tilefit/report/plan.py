@@ -28,6 +28,10 @@ def short_label(row: PlanRow) -> str:
     parts = [row.precision.replace("-mixed", "")]
     if row.changes_optimizer:
         parts.append(row.optimizer.upper())
+    if row.fuses_optimizer:
+        parts.append("fopt")
+    if row.recipe.fused_ce:
+        parts.append("fce")
     if row.grad_checkpointing:
         parts.append("ckpt")
     if row.attention == "eager":

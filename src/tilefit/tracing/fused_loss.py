@@ -26,7 +26,8 @@ from torch.nn import functional as F
 
 from tilefit.errors import TilefitError
 
-__all__ = ["FusedLinearCrossEntropy", "chunk_rows", "fused_causal_lm_loss"]
+__all__ = ["FusedLinearCrossEntropy", "chunk_rows", "fused_causal_lm_loss",
+           "fused_ce_affine_tokens"]
 
 IGNORE_INDEX = -100
 _ROW_BLOCK = 8  # rows the real implementations handle at a time (their only temporaries)
@@ -38,6 +39,14 @@ def chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
     inc = -(-vocab // hidden)
     rows = -(-tokens // inc)
     return min(1 << (rows - 1).bit_length(), tokens)
+
+
+def fused_ce_affine_tokens(config: dict[str, Any]) -> int:
+    """Tokens from which the chunk count stays near V/H (a chunk of two rows or more): below
+    it every token is its own chunk. A Hugging Face config's vocab_size and hidden width."""
+    vocab = int(config.get("vocab_size") or 0)
+    hidden = int(config.get("hidden_size") or config.get("n_embd") or 0)
+    return 2 * -(-vocab // hidden) if vocab and hidden else 0
 
 
 @torch.library.custom_op("tilefit::ce_logsumexp", mutates_args=())
