@@ -366,6 +366,7 @@ def test_plan_searches_the_same_math_knobs(tiny_gpt2) -> None:  # type: ignore[n
     # foreach AdamW: its fused kernel is the same update (no algorithm change); a causal LM
     # also gets the fused linear cross-entropy loss; both are labelled in the rows' changes
     from tilefit.planner import plan
+    from tilefit.planner.configs import hf_training_arguments
 
     p = plan(tiny_gpt2, gpu="a100-80gb", global_batch=16, optimizer="adamw", confirm=False)
     fused_opt = [r for r in p.rows if r.optimizer == "adamw-fused"]
@@ -373,7 +374,7 @@ def test_plan_searches_the_same_math_knobs(tiny_gpt2) -> None:  # type: ignore[n
     assert any("same update in one kernel" in c for c in fused_opt[0].changes)
     fce = [r for r in p.rows if r.recipe.fused_ce]
     assert fce and any("fused linear cross-entropy" in c for c in fce[0].changes)
-    args = __import__("tilefit.planner.configs", fromlist=["x"]).hf_training_arguments(fce[0])
+    args = hf_training_arguments(fce[0])
     assert args["use_liger_kernel"] is True
     assert args["liger_kernel_config"]["fused_linear_cross_entropy"] is True
     assert args["liger_kernel_config"]["rms_norm"] is False
