@@ -28,6 +28,10 @@ def estimate(
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     ops: bool = typer.Option(True, "--ops/--no-ops", help="With --json: include every op record "
                              "of the steady step (--no-ops for the summary only)."),
+    compile_: bool = typer.Option(False, "--compile", help="Predict the step as "
+                                  "torch.compile (Inductor, default mode) runs it: the "
+                                  "activations its partitioner saves, its fused kernels; the "
+                                  "optimizer step stays eager."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Predict one training step's time and peak memory on a GPU, traced on fake tensors."""
@@ -44,7 +48,7 @@ def estimate(
                         accumulation_steps=accumulation, attention=attention,
                         max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
                         loss_sync=mo.loss_sync(loss_sync, work))
-        result = estimate_workload(work, recipe, device)
+        result = estimate_workload(work, recipe, device, compile=compile_)
     if not work.is_factory:
         err_console.print(mo.trainer_defaults_note(recipe), highlight=False)
     if work.is_factory:
@@ -52,6 +56,7 @@ def estimate(
                           "own loss_fn through the Python API for exact numbers", highlight=False)
     if json_out:
         print_json({"model": work.name, "recipe": recipe.to_dict(),
+                    **({"compile": True} if compile_ else {}),
                     "seq_len": work.seq_len, **result.to_dict(include_ops=ops)})
         return
     shape = f"batch {batch}" + (f" x seq {work.seq_len}" if work.seq_len else "")

@@ -131,3 +131,107 @@ def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> li
         if value is not None:
             out.append(value)
     return out
+
+
+# ---- torch.compile: AOTAutograd's capture, Inductor's partitioner and fusion rules ---------
+# What predicting torch.compile needs (tilefit.tracing.compiled): aot_module_simplified (the
+# forward+backward capture Dynamo's aot_autograd backend uses), Inductor's decomposition table
+# and its partition function (Inductor's joint-graph passes, then AOTAutograd's min-cut
+# rematerialization partitioner), and Inductor's lowering table (which ops it fuses and which
+# it falls back to ATen for). All private; imported lazily (Inductor takes seconds to import).
+COMPILE_MIN_TORCH = (2, 11)
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def compile_support_problem() -> str | None:
+    """Why this torch cannot predict torch.compile (None when it can)."""
+    if torch_version() < COMPILE_MIN_TORCH:
+        return f"torch {torch.__version__} is older than {COMPILE_MIN_TORCH[0]}." \
+               f"{COMPILE_MIN_TORCH[1]}"
+    try:
+        from torch._functorch.aot_autograd import aot_module_simplified  # noqa: F401
+        from torch._inductor import lowering  # noqa: F401
+        from torch._inductor.decomposition import select_decomp_table  # noqa: F401
+        from torch._functorch.partitioners import (  # noqa: F401
+            min_cut_rematerialization_partition,
+        )
+    except ImportError as exc:  # a build without Inductor (or a renamed API)
+        return f"torch {torch.__version__} lacks {exc.name or exc}"
+    return None
+
+
+def inductor_decompositions() -> dict[Any, Callable[..., Any]]:
+    """The decompositions Inductor applies before partitioning (select_decomp_table)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return dict(select_decomp_table())
+
+
+def inductor_partition_fn() -> Callable[..., Any]:
+    """Inductor's partition function: its joint-graph passes, then the min-cut
+    rematerialization partitioner with compiler="inductor"."""
+    import functools
+
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._guards import detect_fake_mode
+    from torch._inductor import compile_fx
+    from torch._inductor.virtualized import V
+
+    fn = getattr(compile_fx, "partition_fn", None) or functools.partial(
+        min_cut_rematerialization_partition, compiler="inductor")
+
+    def partition(gm: Any, joint_inputs: Any, **kwargs: Any) -> Any:
+        # Inductor's joint-graph passes read the fake mode from V, as compile_fx sets it
+        with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+            return fn(gm, joint_inputs, **kwargs)
+
+    return partition
+
+
+def aot_capture(module: torch.nn.Module, args: list[Any], *,
+                fw_compiler: Callable[..., Any], bw_compiler: Callable[..., Any],
+                partition_fn: Callable[..., Any],
+                decompositions: dict[Any, Callable[..., Any]]) -> Callable[..., Any]:
+    """AOTAutograd's capture of ``module(*args)`` (a tuple-returning module of flat tensor
+    arguments): traces the joint forward+backward graph, partitions it with
+    ``partition_fn`` and hands the forward and backward graphs to the compilers. Returns the
+    runtime function (an autograd.Function underneath) that calls what they returned."""
+    from torch._functorch import config
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    # the backward graph is handed to bw_compiler now, not lazily at the first backward
+    eager_bw = {"force_non_lazy_backward_lowering": True} \
+        if hasattr(config, "force_non_lazy_backward_lowering") else {}
+    with config.patch(**eager_bw):
+        return aot_module_simplified(module, args,  # type: ignore[arg-type]
+                                     fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                                     partition_fn=partition_fn, decompositions=decompositions)
+
+
+def inductor_fallback(op: Any) -> bool:
+    """Whether Inductor runs this aten overload as an ATen kernel of its own (a fallback, or
+    no lowering at all) rather than generating code it can fuse."""
+    from torch._inductor import lowering
+
+    if op in lowering.fallbacks:
+        return True
+    packet = getattr(op, "overloadpacket", None)
+    return op not in lowering.lowerings and packet not in lowering.lowerings
+
+
+def boxed_graph_run(interpreter: Any, args: list[Any]) -> Any:
+    """Run an FX graph with ``interpreter`` (a torch.fx.Interpreter), taking the argument
+    list as AOTAutograd's boxed calling convention passes it: the list is cleared so each
+    input is freed at its last use, as a compiled graph frees it."""
+    return interpreter.boxed_run(args)
+
+
+def mark_boxed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a compiled function as taking AOTAutograd's boxed arguments (one list it may
+    clear) rather than ``*args``, so that the runtime lets it free the saved activations."""
+    fn._boxed_call = True  # type: ignore[attr-defined]
+    return fn
