@@ -19,6 +19,7 @@ graph breaks are not predicted. The optimizer step stays eager.
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ from tilefit.tracing.torch_compat import (
     inductor_decompositions,
     inductor_fallback,
     inductor_partition_fn,
+    inductor_realizes_inputs,
     mark_boxed,
 )
 from tilefit.vocab import EXTERN_KINDS
@@ -86,6 +88,16 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
+# Ops whose inputs Inductor realizes in memory beyond its needs_realized_inputs: pooling
+# reads windows of its input (its lowering realizes it; a pointwise producer would be
+# recomputed for every window). Ops that write into a copy of their first input (Inductor's
+# scatter lowering: a buffer initialised from it, then a scatter kernel), so their output is
+# a buffer of its own; their inputs are read inline.
+_WINDOWED = re.compile(r"(aten|prims)\.(_low_memory_max_pool|max_pool|avg_pool|adaptive_)")
+_SCATTER = re.compile(r"aten\.(scatter|index_put|_unsafe_index_put|_unsafe_masked_index_put|"
+                      r"index_add|index_reduce|embedding_dense_backward|_embedding_bag)")
+
+
 def describe_graph(gm: fx.GraphModule) -> tuple[list[GraphNode], dict[str, int]]:
     """The op nodes of a graph as tilefit.tracing.fusion reads them, and each node's index
     by name."""
@@ -110,8 +122,35 @@ def describe_graph(gm: fx.GraphModule) -> tuple[list[GraphNode], dict[str, int]]
                       if u.op == "output" or u in ids)
         out.append(GraphNode(index=index, op=str(target), extern=extern, view=view,
                              inputs=inputs, out_bytes=_nbytes(node.meta.get("val")),
-                             users=users))
+                             users=users, realizes_inputs=not view and (
+                                 inductor_realizes_inputs(target)
+                                 or bool(_WINDOWED.match(str(target)))),
+                             realizes_output=bool(_SCATTER.match(str(target)))))
     return out, {n.name: i for n, i in ids.items() if i >= 0}
+
+
+# A layout copy Inductor makes at the start of a graph: an extern copy, allocated.
+_COPY = NodePlan(fused=False, kernel=None, materialized=True)
+
+
+def channels_last_inputs(gm: fx.GraphModule) -> set[int]:
+    """The graph inputs Inductor copies to channels-last on the CPU: with oneDNN, a graph
+    with convolutions runs them channels-last (its layout optimization, decide_layout_opt),
+    so each 4-d convolution input or weight that arrives as a graph input in another layout
+    is copied once, and the copy is what the backward keeps (docs/references.md,
+    section 17)."""
+    position = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    out = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or classify(node.target) != "conv" or \
+                "backward" in str(node.target):
+            continue
+        for arg in node.args[:2]:
+            val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+            if arg in position and isinstance(val, torch.Tensor) and val.dim() == 4 \
+                    and not val.is_contiguous(memory_format=torch.channels_last):
+                out.add(position[arg])
+    return out
 
 
 class _PlannedInterpreter(fx.Interpreter):
@@ -136,6 +175,7 @@ class _Compiler:
     a boxed function that runs it under the recorder."""
 
     recorder: Any
+    cpu: bool  # the target is the CPU (Inductor's C++ backend with oneDNN)
     kernels: int = 0
     fallbacks: set[str] = field(default_factory=set)
 
@@ -146,8 +186,12 @@ class _Compiler:
         self.fallbacks.update(fallback_ops(gm))
         plans = {name: by_index[i] for name, i in index.items()}
         recorder = self.recorder
+        relayout = channels_last_inputs(gm) if self.cpu else set()
 
         def run(args: list[Any]) -> Any:
+            for i in relayout:  # copied to channels-last as the graph starts: a copy of
+                with recorder.compiled_node(_COPY):  # the same bytes (the graph's views
+                    args[i] = args[i].clone()  # were traced in the original layout)
             return boxed_graph_run(_PlannedInterpreter(gm, plans, recorder), args)
 
         return mark_boxed(run)
@@ -186,13 +230,13 @@ class CompiledStep:
 
 def capture_step(model: nn.Module, batch: Any,
                  loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-                 recorder: Any) -> CompiledStep:
+                 recorder: Any, *, cpu: bool) -> CompiledStep:
     """Capture and partition ``loss_fn(model, batch)`` (call under the trace's fake mode,
-    outside the recorder: tracing records nothing)."""
+    outside the recorder: tracing records nothing); ``cpu``: the target is the CPU."""
     check_compile_supported()
     leaves, spec = tree_flatten(batch)
     module = _LossModule(model, loss_fn, leaves, spec)
-    compiler = _Compiler(recorder)
+    compiler = _Compiler(recorder, cpu)
     fn = aot_capture(module, module.tensors(), fw_compiler=compiler, bw_compiler=compiler,
                      partition_fn=inductor_partition_fn(),
                      decompositions=inductor_decompositions())

@@ -6,7 +6,9 @@ this module groups them.
 The rule. Inductor generates code for pointwise ops, reductions and views and fuses them
 into kernels; it calls ATen (an "extern" kernel) for GEMMs, convolutions, attention and any
 op it has no lowering for, and a fused kernel never spans one of those. Here a fused kernel
-is a maximal run of consecutive non-extern nodes in graph order between extern nodes. It
+is a maximal run of consecutive non-extern nodes in graph order between extern nodes; a node
+whose inputs Inductor realizes in memory (pooling, scatter) starts a new one, and a node
+whose output it builds in a buffer of its own (scatter, index_put) ends one. It
 reads each value produced outside it (a graph input or another kernel's output) once, and
 writes each value of its own that something outside it uses (a later kernel, an extern op,
 the graph's outputs: the activations saved for backward among them). Values used only inside
@@ -35,6 +37,12 @@ class GraphNode:
     inputs: tuple[tuple[int, int], ...]  # (value id, bytes of the tensor read)
     out_bytes: int  # bytes of the tensor(s) it returns
     users: tuple[int, ...]  # indices of the nodes using its value; GRAPH_OUTPUT for outputs
+    # Inductor realizes this op's inputs in memory (pooling reads windows of them; its
+    # needs_realized_inputs): a fused kernel ends before it
+    realizes_inputs: bool = False
+    # Inductor builds this op's output in a buffer of its own (a scatter or index_put writes
+    # into a copy of its input): a fused kernel ends after it
+    realizes_output: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,7 +125,11 @@ def plan_kernels(graph: Sequence[GraphNode], first_kernel_id: int = 0) -> dict[i
         if node.extern:
             close()
             plans[node.index] = NodePlan(fused=False, kernel=None, materialized=True)
-        else:
-            run.append(node)
+            continue
+        if node.realizes_inputs and not node.view:
+            close()
+        run.append(node)
+        if node.realizes_output and not node.view:
+            close()
     close()
     return plans

@@ -395,7 +395,8 @@ def _with_compiled(prep: _Prepared, options: TraceOptions, recorder: Recorder,
             autocast.begin_forward()
         stack.enter_context(gpu_mask_semantics())
         stack.enter_context(_explain_fake_errors(recorder))
-        compiled = capture_step(prep.model, prep.batch, options.loss_fn, recorder)
+        compiled = capture_step(prep.model, prep.batch, options.loss_fn, recorder,
+                                cpu=not options.cuda)
         if autocast is not None:
             autocast.end_forward()
             autocast.end_backward()

@@ -154,11 +154,11 @@ def compile_support_problem() -> str | None:
                f"{COMPILE_MIN_TORCH[1]}"
     try:
         from torch._functorch.aot_autograd import aot_module_simplified  # noqa: F401
-        from torch._inductor import lowering  # noqa: F401
-        from torch._inductor.decomposition import select_decomp_table  # noqa: F401
         from torch._functorch.partitioners import (  # noqa: F401
             min_cut_rematerialization_partition,
         )
+        from torch._inductor import lowering  # noqa: F401
+        from torch._inductor.decomposition import select_decomp_table  # noqa: F401
     except ImportError as exc:  # a build without Inductor (or a renamed API)
         return f"torch {torch.__version__} lacks {exc.name or exc}"
     return None
@@ -221,6 +221,15 @@ def inductor_fallback(op: Any) -> bool:
         return True
     packet = getattr(op, "overloadpacket", None)
     return op not in lowering.lowerings and packet not in lowering.lowerings
+
+
+def inductor_realizes_inputs(op: Any) -> bool:
+    """Whether Inductor realizes this op's inputs in memory before it runs (its lowering
+    reads them as buffers: pooling, random numbers, scatter; needs_realized_inputs)."""
+    from torch._inductor import lowering
+
+    packet = getattr(op, "overloadpacket", None)
+    return op in lowering.needs_realized_inputs or packet in lowering.needs_realized_inputs
 
 
 def boxed_graph_run(interpreter: Any, args: list[Any]) -> Any:
