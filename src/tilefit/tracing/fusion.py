@@ -56,11 +56,13 @@ class NodePlan:
     materialized: bool
 
 
-def _base(nodes: dict[int, GraphNode], value: int) -> int:
-    """The value a view aliases, followed through chains of views."""
+def _base(nodes: dict[int, GraphNode], value: int, nbytes: int = 0) -> tuple[int, int]:
+    """The value a view aliases, followed through chains of views, and the bytes reading
+    the view moves: no more than its base holds (a broadcast reads its base once)."""
     while value >= 0 and nodes[value].view and nodes[value].inputs:
-        value = nodes[value].inputs[0][0]
-    return value
+        value, base_bytes = nodes[value].inputs[0]
+        nbytes = min(nbytes, base_bytes)
+    return value, nbytes
 
 
 def _needed_outside(nodes: dict[int, GraphNode], index: int, group: set[int]) -> bool:
@@ -90,9 +92,9 @@ def _kernel(kernel_id: int, members: list[GraphNode], nodes: dict[int, GraphNode
     read: dict[int, int] = {}
     for m in compute:
         for value, nbytes in m.inputs:
-            if _base(nodes, value) in group:
-                continue
-            read[value] = max(read.get(value, 0), nbytes)
+            base, moved = _base(nodes, value, nbytes)
+            if base not in group:
+                read[value] = max(read.get(value, 0), moved)
     written = {m.index for m in compute if _needed_outside(nodes, m.index, group)}
     write_bytes = sum(nodes[i].out_bytes for i in written)
     return FusedKernel(id=kernel_id, ops=len(compute), read_bytes=sum(read.values()),
