@@ -92,6 +92,7 @@ def estimate_trace(tr: Trace, device: Device,
     for c in costs:
         by_phase[c.record.phase] += c.time_s * c.repeats
         key = c.record.module or ("(optimizer)" if c.record.phase in OPTIMIZER_PHASES
+                                  else "(compiled graph)" if c.record.compiled
                                   else "(outside modules)")
         m = modules.setdefault(key, [0.0, 0, 0, 0])
         m[0] += c.time_s * c.repeats

@@ -21,6 +21,7 @@ from __future__ import annotations
 import operator
 import re
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,10 +64,12 @@ class _LossModule(nn.Module):
     the shape AOTAutograd's capture takes."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-                 leaves: list[Any], spec: Any) -> None:
+                 leaves: list[Any], spec: Any,
+                 context: Callable[[], AbstractContextManager[Any]] = nullcontext) -> None:
         super().__init__()
         self.model = model
         self._loss_fn = loss_fn
+        self._context = context
         self._leaves, self._spec = leaves, spec
         self._tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
 
@@ -77,7 +80,8 @@ class _LossModule(nn.Module):
         leaves = list(self._leaves)
         for i, t in zip(self._tensor_at, tensors, strict=True):
             leaves[i] = t
-        return (self._loss_fn(self.model, tree_unflatten(leaves, self._spec)),)
+        with self._context():
+            return (self._loss_fn(self.model, tree_unflatten(leaves, self._spec)),)
 
 
 def _nbytes(value: Any) -> int:
@@ -230,12 +234,16 @@ class CompiledStep:
 
 def capture_step(model: nn.Module, batch: Any,
                  loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-                 recorder: Any, *, cpu: bool) -> CompiledStep:
+                 recorder: Any, *, cpu: bool,
+                 forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext
+                 ) -> CompiledStep:
     """Capture and partition ``loss_fn(model, batch)`` (call under the trace's fake mode,
-    outside the recorder: tracing records nothing); ``cpu``: the target is the CPU."""
+    outside the recorder: tracing records nothing); ``cpu``: the target is the CPU;
+    ``forward_context``: entered around each trace of the forward (the target's
+    autocast)."""
     check_compile_supported()
     leaves, spec = tree_flatten(batch)
-    module = _LossModule(model, loss_fn, leaves, spec)
+    module = _LossModule(model, loss_fn, leaves, spec, forward_context)
     compiler = _Compiler(recorder, cpu)
     fn = aot_capture(module, module.tensors(), fw_compiler=compiler, bw_compiler=compiler,
                      partition_fn=inductor_partition_fn(),

@@ -387,19 +387,26 @@ def _trace(model: ModelSpec, batch: Any, options: TraceOptions, target: Target) 
 def _with_compiled(prep: _Prepared, options: TraceOptions, recorder: Recorder,
                    autocast: Any) -> _Prepared:
     """Capture the loss computation as torch.compile would, before the recorder runs (the
-    capture records nothing); the target's autocast policy is applied while tracing, so its
-    casts are in the graphs."""
-    with contextlib.ExitStack() as stack:
-        if autocast is not None:
-            stack.enter_context(autocast)
+    capture records nothing). The target's autocast policy applies while the forward is
+    traced, so its casts are in the graphs; only then: AOTAutograd's own Python (its
+    decompositions, functionalization) would otherwise pass through the mode too."""
+
+    @contextlib.contextmanager
+    def forward_autocast() -> Iterator[None]:
+        if autocast is None:
+            yield
+            return
+        with autocast:
             autocast.begin_forward()
-        stack.enter_context(gpu_mask_semantics())
-        stack.enter_context(_explain_fake_errors(recorder))
+            try:
+                yield
+            finally:
+                autocast.end_forward()
+                autocast.end_backward()
+
+    with gpu_mask_semantics(), _explain_fake_errors(recorder):
         compiled = capture_step(prep.model, prep.batch, options.loss_fn, recorder,
-                                cpu=not options.cuda)
-        if autocast is not None:
-            autocast.end_forward()
-            autocast.end_backward()
+                                cpu=not options.cuda, forward_context=forward_autocast)
     return dataclasses.replace(prep, compiled=compiled)
 
 

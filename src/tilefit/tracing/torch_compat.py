@@ -6,6 +6,7 @@ of torch.utils.flop_counter, and ModuleTracker (public since 2.4 in torch.utils)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -206,7 +207,13 @@ def aot_capture(module: torch.nn.Module, args: list[Any], *,
     # the backward graph is handed to bw_compiler now, not lazily at the first backward
     eager_bw = {"force_non_lazy_backward_lowering": True} \
         if hasattr(config, "force_non_lazy_backward_lowering") else {}
-    with config.patch(**eager_bw):
+    try:  # graphs generate their Python code when first called, not after every pass
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+        lazy: Any = _use_lazy_graph_module(True)
+    except ImportError:
+        lazy = contextlib.nullcontext()
+    with config.patch(**eager_bw), lazy:
         return aot_module_simplified(module, args,  # type: ignore[arg-type]
                                      fw_compiler=fw_compiler, bw_compiler=bw_compiler,
                                      partition_fn=partition_fn, decompositions=decompositions)
