@@ -18,7 +18,12 @@ Targets (issue 13): compiled peak within 5% and compiled step time within 25% (m
 the workloads) of tilefit's compile=True prediction; the predicted eager-to-compiled
 speed-up beside the measured one. Thread count and load average are printed.
 
+Overhead (issue 13): ``--overhead N`` times ``tilefit estimate gpt2`` with and without
+``--compile`` (whole CLI runs, alternating, N of each) and prints the median wall times and
+their ratio (target: within 2x).
+
     OMP_NUM_THREADS=1 python benchmarks/bench_compile_cpu.py [--steps 5] [--only gpt2]
+    OMP_NUM_THREADS=1 python benchmarks/bench_compile_cpu.py --overhead 5
 """
 
 from __future__ import annotations
@@ -134,11 +139,38 @@ def predict(case: Case, compiled: bool) -> tuple[int, float, tuple[str, ...]]:
     return est.peak_memory_bytes, est.step_time_s, est.warnings
 
 
+def overhead(runs: int) -> int:
+    """Median wall time of `tilefit estimate gpt2` with and without --compile."""
+    import subprocess
+
+    times: dict[str, list[float]] = {"eager": [], "--compile": []}
+    print(f"load average {os.getloadavg()[0]:.2f} at the start; "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}")
+    for _ in range(runs):
+        for key in times:
+            cmd = [sys.executable, "-m", "tilefit", "estimate", "gpt2", "--json", "--no-ops"]
+            t0 = time.perf_counter()
+            subprocess.run(cmd + ([key] if key != "eager" else []), check=True,
+                           capture_output=True)
+            times[key].append(time.perf_counter() - t0)
+    eager, comp = (statistics.median(v) for v in times.values())
+    print("eager:     " + " ".join(f"{t:.2f}" for t in times["eager"]) + f" s, median {eager:.2f}")
+    print("--compile: " + " ".join(f"{t:.2f}" for t in times["--compile"])
+          + f" s, median {comp:.2f}")
+    print(f"ratio {comp / eager:.2f}x (target 2x); load average {os.getloadavg()[0]:.2f} at "
+          "the end")
+    return 0 if comp <= 2 * eager else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
     parser.add_argument("--only", help="run the workloads whose name contains this")
+    parser.add_argument("--overhead", type=int, default=0,
+                        help="time N CLI estimates of gpt2 with and without --compile instead")
     args = parser.parse_args()
+    if args.overhead:
+        return overhead(args.overhead)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dev = get_device("cpu")
     print(f"CPU numbers: {dev.source}")

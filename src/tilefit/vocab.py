@@ -233,5 +233,5 @@ class Recipe:
 
 # ---- torch.compile (tilefit.tracing.fusion) --------------------------------------------------
 # Op kinds Inductor runs as "extern" ATen kernels, never fused with their neighbours: GEMMs
-# (mm, addmm, bmm), convolutions and fused attention (docs/references.md, section 17).
+# (mm, addmm, bmm), convolutions and fused attention (docs/references.md, section 19).
 EXTERN_KINDS: tuple[str, ...] = ("gemm", "conv", "attention")

@@ -1,7 +1,7 @@
 """The cost of an op of a torch.compile graph (tilefit.tracing.compiled): a fused kernel
 costs its traffic at the device's bandwidth and one launch, on its first op; the other ops
 fused into it cost nothing; extern kernels (GEMMs, convolutions, attention, ops Inductor
-cannot fuse) cost what they cost in eager mode (docs/references.md, section 17)."""
+cannot fuse) cost what they cost in eager mode (docs/references.md, section 19)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ AOTAutograd as Dynamo's Inductor backend does (tilefit.tracing.torch_compat.aot_
 the joint forward+backward graph is traced with Inductor's decompositions and split by
 Inductor's partition function (its joint-graph passes and the min-cut rematerialization
 partitioner), which decides what the forward saves for the backward and what the backward
-recomputes (docs/references.md, section 17). The forward and backward graphs then run, node
+recomputes (docs/references.md, section 19). The forward and backward graphs then run, node
 by node, under the trace's Recorder inside AOTAutograd's own runtime (an autograd.Function:
 its saved tensors live from the forward to the backward, each graph frees a value at its last
 use), so the memory timeline is the compiled step's. Each node carries Inductor's plan for
@@ -141,8 +141,8 @@ def channels_last_inputs(gm: fx.GraphModule) -> set[int]:
     """The graph inputs Inductor copies to channels-last on the CPU: with oneDNN, a graph
     with convolutions runs them channels-last (its layout optimization, decide_layout_opt),
     so each 4-d convolution input or weight that arrives as a graph input in another layout
-    is copied once, and the copy is what the backward keeps (docs/references.md,
-    section 17)."""
+    is copied once, and the copy is what the backward keeps
+    (docs/references.md, section 19)."""
     position = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     out = set()
     for node in gm.graph.nodes:
@@ -257,7 +257,7 @@ def compile_notes(step: CompiledStep) -> list[str]:
         "torch.compile: the loss computation is predicted as one graph (fullgraph=True); "
         "graph breaks are not predicted (torch._dynamo.explain lists a model's), nor "
         "Inductor's autotuning (max-autotune), its buffer reuse, or compile time; fused "
-        "kernels are grouped by a simple rule (docs/references.md, section 17); the "
+        "kernels are grouped by a simple rule (docs/references.md, section 19); the "
         "optimizer step runs eager",
     ]
     if step.fallbacks:

@@ -1,7 +1,7 @@
 """Which ops of a compiled graph Inductor would fuse into one kernel, and what each kernel
-moves: a simple, documented stand-in for Inductor's scheduler (docs/references.md,
-section 17). Pure and torch-free: ``tilefit.tracing.compiled`` describes a graph's nodes,
-this module groups them.
+moves: a simple, documented stand-in for Inductor's scheduler
+(docs/references.md, section 19). Pure and torch-free: ``tilefit.tracing.compiled``
+describes a graph's nodes, this module groups them.
 
 The rule. Inductor generates code for pointwise ops, reductions and views and fuses them
 into kernels; it calls ATen (an "extern" kernel) for GEMMs, convolutions, attention and any
