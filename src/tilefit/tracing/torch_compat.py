@@ -7,6 +7,7 @@ of torch.utils.flop_counter, and ModuleTracker (public since 2.4 in torch.utils)
 from __future__ import annotations
 
 import contextlib
+import unittest.mock
 from collections.abc import Callable
 from typing import Any
 
@@ -213,7 +214,12 @@ def aot_capture(module: torch.nn.Module, args: list[Any], *,
         lazy: Any = _use_lazy_graph_module(True)
     except ImportError:
         lazy = contextlib.nullcontext()
-    with config.patch(**eager_bw), lazy:
+    # AOTAutograd renders each graph as text for its logs whether or not logging is on
+    # (AOTConfig.enable_log, True unless the caller is aot_function; aot_module_simplified
+    # does not expose it): a third of a second for GPT-2, skipped while capturing
+    no_text = unittest.mock.patch.object(torch.fx.GraphModule, "print_readable",
+                                         lambda self, *a, **k: "")
+    with config.patch(**eager_bw), lazy, no_text:
         return aot_module_simplified(module, args,  # type: ignore[arg-type]
                                      fw_compiler=fw_compiler, bw_compiler=bw_compiler,
                                      partition_fn=partition_fn, decompositions=decompositions)
