@@ -116,7 +116,7 @@ def test_compiled_gpu_step_issues_kernels_not_ops() -> None:
     eager = estimate(_mlp, torch.randn(B, IN), **kw)
     comp = estimate(_mlp, torch.randn(B, IN), compile=True, **kw)
     assert comp.host_time_s < eager.host_time_s  # no per-op Python issue cost
-    assert any("graph breaks are not predicted" in w for w in comp.warnings)
+    assert any("graph breaks are not looked for" in w for w in comp.warnings)
 
 
 # ---- the grouping rule, on hand-made graphs ----------------------------------------------
@@ -217,6 +217,18 @@ def test_a_torch_without_what_compile_needs_is_an_error(monkeypatch: pytest.Monk
     result = CliRunner().invoke(app, ["estimate", "gpt2", "--compile", "--seq", "32"])
     assert result.exit_code == 2
     assert "torch >= 2.11" in " ".join(result.output.split())
+
+
+def test_graph_breaks_are_listed_when_asked_for() -> None:
+    def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        y = model(x)
+        print(end="")  # Dynamo cannot trace print: a graph break
+        return y.pow(2).mean()
+
+    tr = trace(_mlp, torch.randn(B, IN), loss_fn=loss, compile=True, graph_breaks=True)
+    assert "1 graph break(s)" in tr.warnings[0] and "print" in tr.warnings[0]
+    with pytest.raises(TilefitError, match="compile=True"):
+        trace(_mlp, torch.randn(B, IN), loss_fn=_loss, graph_breaks=True)
 
 
 def test_checkpointing_with_compile_is_an_error() -> None:

@@ -32,6 +32,9 @@ def estimate(
                                   "torch.compile (Inductor, default mode) runs it: the "
                                   "activations its partitioner saves, its fused kernels; the "
                                   "optimizer step stays eager."),
+    graph_breaks: bool = typer.Option(False, "--graph-breaks", help="With --compile: run "
+                                      "Dynamo over the step and list where it would break "
+                                      "it into several graphs (seconds more)."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Predict one training step's time and peak memory on a GPU, traced on fake tensors."""
@@ -48,7 +51,8 @@ def estimate(
                         accumulation_steps=accumulation, attention=attention,
                         max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
                         loss_sync=mo.loss_sync(loss_sync, work))
-        result = estimate_workload(work, recipe, device, compile=compile_)
+        result = estimate_workload(work, recipe, device, compile=compile_,
+                                   graph_breaks=graph_breaks)
     if not work.is_factory:
         err_console.print(mo.trainer_defaults_note(recipe), highlight=False)
     if work.is_factory:

@@ -47,19 +47,20 @@ def estimate(model: Any, batch: Any, *, loss_fn: Any = None, optimizer: Any = "a
              precision: str = "fp32", grad_checkpointing: bool = False,
              accumulation_steps: int = 1, attention: str = "auto",
              device: str | Device = "cpu", max_grad_norm: float | None = None,
-             loss_sync: bool = False, compile: bool = False) -> Estimate:
+             loss_sync: bool = False, compile: bool = False,
+             graph_breaks: bool = False) -> Estimate:
     """Predict one training step's time and peak memory on ``device`` (a catalog name, a
     Device, or "cpu" for this machine) without running it: the step is traced on fake
     tensors as the device would run it, then costed op by op. ``compile``: the forward and
     backward as torch.compile (Inductor) runs them, costed kernel by kernel
-    (tilefit.estimator.fusion)."""
+    (tilefit.estimator.fusion); ``graph_breaks``: list Dynamo's graph breaks in the notes."""
     from tilefit.tracing import trace
 
     dev = get_device(device)
     tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
                grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation_steps,
                attention=attention, device=dev, max_grad_norm=max_grad_norm,
-               loss_sync=loss_sync, compile=compile)
+               loss_sync=loss_sync, compile=compile, graph_breaks=graph_breaks)
     return estimate_trace(tr, dev)
 
 

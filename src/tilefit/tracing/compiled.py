@@ -37,6 +37,7 @@ from tilefit.tracing.torch_compat import (
     aot_capture,
     boxed_graph_run,
     compile_support_problem,
+    dynamo_graph_breaks,
     inductor_decompositions,
     inductor_fallback,
     inductor_partition_fn,
@@ -222,6 +223,7 @@ class CompiledStep:
     fn: Callable[..., Any]
     inputs: list[torch.Tensor]
     compiler: _Compiler
+    breaks: list[str] | None = None  # Dynamo's graph breaks, when looked for
 
     def loss(self) -> torch.Tensor:
         return self.fn(*self.inputs)[0]  # type: ignore[no-any-return]
@@ -251,14 +253,29 @@ def capture_step(model: nn.Module, batch: Any,
     return CompiledStep(fn, module.tensors(), compiler)
 
 
-def compile_notes(step: CompiledStep) -> list[str]:
-    """What a compile=True trace leaves out, for the estimate's warnings."""
+def graph_breaks(model: nn.Module, batch: Any,
+                 loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> list[str]:
+    """Where Dynamo would break the loss computation into several graphs (one line each):
+    what the one-graph prediction does not model. Costs a Dynamo trace of the step."""
+    return dynamo_graph_breaks(lambda b: loss_fn(model, b), batch)
+
+
+def compile_notes(step: CompiledStep, breaks: list[str] | None = None) -> list[str]:
+    """What a compile=True trace leaves out, for the estimate's warnings; ``breaks``: the
+    graph breaks Dynamo reported (None: not looked for)."""
+    if breaks is None:
+        graphs = "graph breaks are not looked for (--graph-breaks / graph_breaks=True runs " \
+            "Dynamo over the step to list them)"
+    elif breaks:
+        graphs = f"Dynamo breaks it ({len(breaks)} graph break(s)), which is not " \
+            "predicted (the saved activations and kernels differ): " + "; ".join(breaks)
+    else:
+        graphs = "Dynamo reports no graph break"
     notes = [
         "torch.compile: the loss computation is predicted as one graph (fullgraph=True); "
-        "graph breaks are not predicted (torch._dynamo.explain lists a model's), nor "
-        "Inductor's autotuning (max-autotune), its buffer reuse, or compile time; fused "
-        "kernels are grouped by a simple rule (docs/references.md, section 19); the "
-        "optimizer step runs eager",
+        f"{graphs}. Not predicted either: Inductor's autotuning (max-autotune), its buffer "
+        "reuse, compile time; fused kernels are grouped by a simple rule "
+        "(docs/references.md, section 19); the optimizer step runs eager",
     ]
     if step.fallbacks:
         notes.append("torch.compile: ops Inductor cannot fuse, costed as extern ATen kernels: "

@@ -23,6 +23,7 @@ from tilefit.tracing.compiled import (
     capture_step,
     check_compile_supported,
     compile_notes,
+    graph_breaks,
 )
 from tilefit.tracing.hf_compat import gpu_mask_semantics, quiet_transformers
 from tilefit.tracing.optimizers import (
@@ -280,6 +281,7 @@ class TraceOptions:
     cuda: bool = False  # the target is a CUDA GPU (host memory and device memory differ)
     loss_sync: bool = False  # the loop reads the loss on the host after each micro-batch
     compile: bool = False  # forward and backward as torch.compile (Inductor) runs them
+    graph_breaks: bool = False  # with compile: run Dynamo over the step to list its breaks
 
     @property
     def low_dtype(self) -> torch.dtype | None:
@@ -319,6 +321,7 @@ def trace(
     max_grad_norm: float | None = None,
     loss_sync: bool = False,
     compile: bool = False,
+    graph_breaks: bool = False,
 ) -> Trace:
     """Trace two training steps (the first creates optimizer state lazily; the second is the
     steady state) of ``model`` on ``batch`` as ``device`` would run them, on fake tensors.
@@ -334,7 +337,9 @@ def trace(
     Trainer's default logging_nan_inf_filter=True does; so does a loss printed or logged
     to a progress bar each step). ``compile``: the forward and backward as
     ``torch.compile`` (Inductor, default mode) runs them (tilefit.tracing.compiled): the
-    activations its partitioner saves, its fused kernels; the optimizer step stays eager."""
+    activations its partitioner saves, its fused kernels; the optimizer step stays eager.
+    ``graph_breaks`` (with ``compile``): run Dynamo over the step first and list where it
+    would break it into several graphs (the prediction is of one graph); seconds more."""
     target, dev = resolve_target(device)
     check_options(precision, optimizer, attention, accumulation_steps, dev)
     check_max_grad_norm(max_grad_norm)
@@ -343,8 +348,12 @@ def trace(
         precision=parse_precision(precision), grad_checkpointing=grad_checkpointing,
         accumulation_steps=accumulation_steps, attention=attention,
         replay_steady_step=replay_steady_step, max_grad_norm=max_grad_norm,
-        loss_sync=loss_sync, compile=compile,
+        loss_sync=loss_sync, compile=compile, graph_breaks=graph_breaks,
         foreach=target.foreach, cuda=target.kind == "cuda")
+    if graph_breaks and not compile:
+        raise TilefitError("graph_breaks=True looks for torch.compile's graph breaks",
+                           expected="compile=True with graph_breaks=True",
+                           given="compile=False", fix="add --compile (compile=True)")
     if compile:
         if grad_checkpointing:
             raise TilefitError(
@@ -407,6 +416,8 @@ def _with_compiled(prep: _Prepared, options: TraceOptions, recorder: Recorder,
     with gpu_mask_semantics(), _explain_fake_errors(recorder):
         compiled = capture_step(prep.model, prep.batch, options.loss_fn, recorder,
                                 cpu=not options.cuda, forward_context=forward_autocast)
+        if options.graph_breaks:
+            compiled.breaks = graph_breaks(prep.model, prep.batch, options.loss_fn)
     return dataclasses.replace(prep, compiled=compiled)
 
 
@@ -528,7 +539,7 @@ def _to_trace(prep: _Prepared, options: TraceOptions, target: Target, recorder: 
                         "(.item()); on fake tensors 1 stood in for each (they scale the "
                         "update; no shape depends on them)")
     if prep.compiled is not None:
-        warnings.extend(compile_notes(prep.compiled))
+        warnings.extend(compile_notes(prep.compiled, prep.compiled.breaks))
     if router is not None and router.choices.get("math"):
         warnings.append(f"attention ran the math kernel {router.choices['math']} time(s) per "
                         "step: it materialises the S x S scores (fp32 or unsupported head dim "

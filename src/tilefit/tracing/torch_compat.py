@@ -257,3 +257,23 @@ def mark_boxed(fn: Callable[..., Any]) -> Callable[..., Any]:
     clear) rather than ``*args``, so that the runtime lets it free the saved activations."""
     fn._boxed_call = True  # type: ignore[attr-defined]
     return fn
+
+
+def dynamo_graph_breaks(fn: Callable[..., Any], *args: Any) -> list[str]:
+    """Dynamo's graph breaks in ``fn(*args)``: one line each, its reason and where (Dynamo
+    traces ``fn`` without running a compiler; torch._dynamo.explain). Dynamo's caches are
+    reset before and after."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        explained = torch._dynamo.explain(fn)(*args)
+    finally:
+        torch._dynamo.reset()
+    out = []
+    for brk in explained.break_reasons:
+        reason = " ".join(str(brk.reason).split())
+        frame = brk.user_stack[-1] if brk.user_stack else None
+        where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
+        out.append(f"{reason[:160]}{where}")
+    return out
