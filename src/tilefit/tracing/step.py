@@ -350,19 +350,26 @@ def trace(
         replay_steady_step=replay_steady_step, max_grad_norm=max_grad_norm,
         loss_sync=loss_sync, compile=compile, graph_breaks=graph_breaks,
         foreach=target.foreach, cuda=target.kind == "cuda")
-    if graph_breaks and not compile:
+    _check_compile(options)
+    with quiet_transformers():
+        return _trace(model, batch, options, target)
+
+
+def _check_compile(options: TraceOptions) -> None:
+    """compile=True needs a torch that has Inductor, and no checkpointing (yet);
+    graph_breaks=True needs compile=True."""
+    if options.graph_breaks and not options.compile:
         raise TilefitError("graph_breaks=True looks for torch.compile's graph breaks",
                            expected="compile=True with graph_breaks=True",
                            given="compile=False", fix="add --compile (compile=True)")
-    if compile:
-        if grad_checkpointing:
-            raise TilefitError(
-                "compile=True does not predict activation checkpointing yet",
-                expected="grad_checkpointing=False with compile=True",
-                given="grad_checkpointing=True", fix="drop --grad-checkpointing or --compile")
-        check_compile_supported()
-    with quiet_transformers():
-        return _trace(model, batch, options, target)
+    if not options.compile:
+        return
+    if options.grad_checkpointing:
+        raise TilefitError(
+            "compile=True does not predict activation checkpointing yet",
+            expected="grad_checkpointing=False with compile=True",
+            given="grad_checkpointing=True", fix="drop --grad-checkpointing or --compile")
+    check_compile_supported()
 
 
 def _trace(model: ModelSpec, batch: Any, options: TraceOptions, target: Target) -> Trace:
