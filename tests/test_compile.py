@@ -79,6 +79,8 @@ def test_fused_values_allocate_nothing(compiled_trace: Trace) -> None:
     assert erf.fused and erf.alloc_bytes == () and erf.kernel is None
     gemms = [o for o in fwd if o.kind == "gemm"]
     assert len(gemms) == 2 and not any(o.fused for o in gemms)
+    # each op keeps the module whose code made it (Sequential's children are "0", "1", "2")
+    assert [o.module for o in gemms] == ["0", "2"] and erf.module == "1"
 
 
 def test_a_kernel_costs_its_bytes_and_one_launch(compiled_trace: Trace) -> None:
@@ -183,6 +185,10 @@ def test_each_compat_wrapper_works_on_this_torch() -> None:
                    partition_fn=tc.inductor_partition_fn(),
                    decompositions=tc.inductor_decompositions())
     assert seen == ["graph", "graph"]  # forward and backward, both now
+    assert tc.dynamo_graph_breaks(lambda x: x + 1, torch.ones(2)) == []
+    node = next(iter(gm.graph.nodes))
+    node.meta["nn_module_stack"] = {"h.0": ("h.0", nn.Linear)}
+    assert tc.node_module(node) == "h.0"  # record_module_paths: the MLP test above
 
 
 class _Tuple(nn.Module):

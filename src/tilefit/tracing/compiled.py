@@ -43,6 +43,8 @@ from tilefit.tracing.torch_compat import (
     inductor_partition_fn,
     inductor_realizes_inputs,
     mark_boxed,
+    node_module,
+    record_module_paths,
 )
 from tilefit.vocab import EXTERN_KINDS
 
@@ -81,7 +83,7 @@ class _LossModule(nn.Module):
         leaves = list(self._leaves)
         for i, t in zip(self._tensor_at, tensors, strict=True):
             leaves[i] = t
-        with self._context():
+        with self._context(), record_module_paths(self.model):
             return (self._loss_fn(self.model, tree_unflatten(leaves, self._spec)),)
 
 
@@ -170,7 +172,7 @@ class _PlannedInterpreter(fx.Interpreter):
         plan = self._plans.get(n.name)
         if plan is None:
             return super().run_node(n)
-        with self._recorder.compiled_node(plan):
+        with self._recorder.compiled_node(plan, node_module(n)):
             return super().run_node(n)
 
 

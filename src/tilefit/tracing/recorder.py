@@ -70,6 +70,7 @@ class Recorder(TorchDispatchMode):
         self._host_uids: set[int] = set()  # storages that live in host memory on the target
         self._recording = True
         self._node: NodePlan | None = None  # the compiled-graph node running now
+        self._node_module = ""  # the module that node came from
         self.stand_in_reads = 0  # .item() calls in the optimizer answered with a stand-in
 
     # ---- where the step is --------------------------------------------------------------
@@ -102,14 +103,15 @@ class Recorder(TorchDispatchMode):
             self._attention_backend = None
 
     @contextlib.contextmanager
-    def compiled_node(self, plan: NodePlan) -> Iterator[None]:
+    def compiled_node(self, plan: NodePlan, module: str = "") -> Iterator[None]:
         """The ops recorded inside are one node of a compiled graph, run as ``plan`` says
-        (tilefit.tracing.fusion): fused or extern, and whether its value is allocated."""
-        self._node = plan
+        (tilefit.tracing.fusion): fused or extern, and whether its value is allocated;
+        ``module``: the module whose code made the node (no module runs in a graph)."""
+        self._node, self._node_module = plan, module
         try:
             yield
         finally:
-            self._node = None
+            self._node, self._node_module = None, ""
 
     def _compiled_fields(self, first_uid: int) -> dict[str, Any]:
         """The OpRecord fields of an op of a compiled graph; a value Inductor keeps in
@@ -306,7 +308,7 @@ class Recorder(TorchDispatchMode):
         if name in _SKIP:
             return out
         at = self._events
-        module = self.module
+        module = self._node_module or self.module
         inputs = list(_tensors((args, kwargs)))
         outputs = list(_tensors(out))
         before = self._next_uid

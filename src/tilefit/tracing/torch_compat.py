@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import unittest.mock
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -277,3 +277,51 @@ def dynamo_graph_breaks(fn: Callable[..., Any], *args: Any) -> list[str]:
         where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
         out.append(f"{reason[:160]}{where}")
     return out
+
+
+@contextlib.contextmanager
+def record_module_paths(root: torch.nn.Module) -> Iterator[None]:
+    """While AOTAutograd traces ``root``'s forward, tag each graph node with the module
+    that made it (``nn_module_stack`` in its meta, as Dynamo's graphs carry; AOTAutograd
+    copies it to the backward nodes as ``fwd_nn_module_stack``). Uses FX's node-meta
+    propagation (torch.fx.traceback.current_meta), public but not backward compatible."""
+    import torch.fx.traceback as fx_traceback
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
+
+    names = {id(m): name for name, m in root.named_modules() if name}
+    stack: list[Any] = []
+
+    def pre(mod: Any, args: Any) -> None:
+        meta = fx_traceback.current_meta
+        stack.append(meta.get("nn_module_stack"))
+        name = names.get(id(mod))
+        if name is not None:
+            meta["nn_module_stack"] = {name: (name, type(mod))}
+
+    def post(mod: Any, args: Any, out: Any) -> None:
+        if stack:
+            previous = stack.pop()
+            if previous is None:
+                fx_traceback.current_meta.pop("nn_module_stack", None)
+            else:
+                fx_traceback.current_meta["nn_module_stack"] = previous
+
+    handles = [register_module_forward_pre_hook(pre),
+               register_module_forward_hook(post, always_call=True)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def node_module(node: Any) -> str:
+    """The module path a graph node was tagged with (record_module_paths), "" if none."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path if isinstance(path, str) else ""
