@@ -186,6 +186,8 @@ def test_each_compat_wrapper_works_on_this_torch() -> None:
                    decompositions=tc.inductor_decompositions())
     assert seen == ["graph", "graph"]  # forward and backward, both now
     assert tc.dynamo_graph_breaks(lambda x: x + 1, torch.ones(2)) == []
+    leaves, spec = tc.flatten_batch({"a": torch.ones(1), "b": (2, torch.zeros(1))})
+    assert len(leaves) == 3 and set(tc.unflatten_batch(leaves, spec)) == {"a", "b"}
     node = next(iter(gm.graph.nodes))
     node.meta["nn_module_stack"] = {"h.0": ("h.0", nn.Linear)}
     assert tc.node_module(node) == "h.0"  # record_module_paths: the MLP test above

@@ -13,7 +13,9 @@ it (tilefit.tracing.fusion): fused into a kernel or run as an extern ATen kernel
 whether its value is ever allocated.
 
 The whole loss computation is one graph, as torch.compile(fullgraph=True) would capture it:
-graph breaks are not predicted. The optimizer step stays eager.
+graph breaks are not predicted (``graph_breaks`` lists Dynamo's). Module hooks tag each
+node with the module that made it while the forward is traced. The optimizer step stays
+eager.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tilefit.errors import TilefitError
 from tilefit.tracing.fusion import GRAPH_OUTPUT, GraphNode, NodePlan, plan_kernels
@@ -38,6 +39,7 @@ from tilefit.tracing.torch_compat import (
     boxed_graph_run,
     compile_support_problem,
     dynamo_graph_breaks,
+    flatten_batch,
     inductor_decompositions,
     inductor_fallback,
     inductor_partition_fn,
@@ -45,6 +47,7 @@ from tilefit.tracing.torch_compat import (
     mark_boxed,
     node_module,
     record_module_paths,
+    unflatten_batch,
 )
 from tilefit.vocab import EXTERN_KINDS
 
@@ -84,7 +87,7 @@ class _LossModule(nn.Module):
         for i, t in zip(self._tensor_at, tensors, strict=True):
             leaves[i] = t
         with self._context(), record_module_paths(self.model):
-            return (self._loss_fn(self.model, tree_unflatten(leaves, self._spec)),)
+            return (self._loss_fn(self.model, unflatten_batch(leaves, self._spec)),)
 
 
 def _nbytes(value: Any) -> int:
@@ -246,7 +249,7 @@ def capture_step(model: nn.Module, batch: Any,
     ``forward_context``: entered around each trace of the forward (the target's
     autocast)."""
     check_compile_supported()
-    leaves, spec = tree_flatten(batch)
+    leaves, spec = flatten_batch(batch)
     module = _LossModule(model, loss_fn, leaves, spec, forward_context)
     compiler = _Compiler(recorder, cpu)
     fn = aot_capture(module, module.tensors(), fw_compiler=compiler, bw_compiler=compiler,

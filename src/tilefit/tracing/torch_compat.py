@@ -144,6 +144,20 @@ def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> li
 COMPILE_MIN_TORCH = (2, 11)
 
 
+def flatten_batch(batch: Any) -> tuple[list[Any], Any]:
+    """A batch's leaves and the spec to rebuild it (torch.utils._pytree.tree_flatten)."""
+    from torch.utils._pytree import tree_flatten
+
+    return tree_flatten(batch)
+
+
+def unflatten_batch(leaves: list[Any], spec: Any) -> Any:
+    """The batch ``flatten_batch`` took apart, with these leaves (tree_unflatten)."""
+    from torch.utils._pytree import tree_unflatten
+
+    return tree_unflatten(leaves, spec)
+
+
 def torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
