@@ -36,7 +36,9 @@ class GraphNode:
     view: bool  # an alias of its first input (a view, getitem of a tuple): moves nothing
     inputs: tuple[tuple[int, int], ...]  # (value id, bytes of the tensor read)
     out_bytes: int  # bytes of the tensor(s) it returns
-    users: tuple[int, ...]  # indices of the nodes using its value; GRAPH_OUTPUT for outputs
+    # indices of the nodes using its value; GRAPH_OUTPUT for the graph's outputs (a user is
+    # never a graph input, so the id -1 is not ambiguous here)
+    users: tuple[int, ...]
     # Inductor realizes this op's inputs in memory (pooling reads windows of them; its
     # needs_realized_inputs): a fused kernel ends before it
     realizes_inputs: bool = False
