@@ -240,3 +240,8 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+# ---- torch.compile (tilefit.tracing.fusion) --------------------------------------------------
+# Op kinds Inductor runs as "extern" ATen kernels, never fused with their neighbours: GEMMs
+# (mm, addmm, bmm), convolutions and fused attention (docs/references.md, section 19).
+EXTERN_KINDS: tuple[str, ...] = ("gemm", "conv", "attention")

@@ -6,6 +6,7 @@ from collections import defaultdict
 from typing import Any
 
 from tilefit.estimator.cost import DEFAULT_EFFICIENCY, CostContext, KernelEfficiency, op_time_s
+from tilefit.estimator.fusion import compiled_op_time_s
 from tilefit.estimator.result import Estimate, ModuleSummary, OpCost
 from tilefit.estimator.steptime import step_timeline
 from tilefit.hardware import Device, get_device
@@ -46,17 +47,20 @@ def estimate(model: Any, batch: Any, *, loss_fn: Any = None, optimizer: Any = "a
              precision: str = "fp32", grad_checkpointing: bool = False,
              accumulation_steps: int = 1, attention: str = "auto",
              device: str | Device = "cpu", max_grad_norm: float | None = None,
-             loss_sync: bool = False) -> Estimate:
+             loss_sync: bool = False, compile: bool = False,
+             graph_breaks: bool = False) -> Estimate:
     """Predict one training step's time and peak memory on ``device`` (a catalog name, a
     Device, or "cpu" for this machine) without running it: the step is traced on fake
-    tensors as the device would run it, then costed op by op."""
+    tensors as the device would run it, then costed op by op. ``compile``: the forward and
+    backward as torch.compile (Inductor) runs them, costed kernel by kernel
+    (tilefit.estimator.fusion); ``graph_breaks``: list Dynamo's graph breaks in the notes."""
     from tilefit.tracing import trace
 
     dev = get_device(device)
     tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
                grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation_steps,
                attention=attention, device=dev, max_grad_norm=max_grad_norm,
-               loss_sync=loss_sync)
+               loss_sync=loss_sync, compile=compile, graph_breaks=graph_breaks)
     return estimate_trace(tr, dev)
 
 
@@ -77,7 +81,9 @@ def estimate_trace(tr: Trace, device: Device,
                 a if tr.traced_micro_steps == 1 else a - 1)
         else:
             repeats = 1
-        costs.append(OpCost(op, op_time_s(op, device, ctx), repeats))
+        time_s = compiled_op_time_s(op, device, ctx) if op.compiled else \
+            op_time_s(op, device, ctx)
+        costs.append(OpCost(op, time_s, repeats))
     timeline = step_timeline(costs, device, tr.trainable_param_tensors)
     step_time = timeline.step_time_s
     hw_flops = sum(c.record.flops * c.repeats for c in costs)
@@ -87,6 +93,7 @@ def estimate_trace(tr: Trace, device: Device,
     for c in costs:
         by_phase[c.record.phase] += c.time_s * c.repeats
         key = c.record.module or ("(optimizer)" if c.record.phase in OPTIMIZER_PHASES
+                                  else "(compiled graph)" if c.record.compiled
                                   else "(outside modules)")
         m = modules.setdefault(key, [0.0, 0, 0, 0])
         m[0] += c.time_s * c.repeats
@@ -106,7 +113,8 @@ def estimate_trace(tr: Trace, device: Device,
         mfu_dtype = "fp32"
     mfu = model_flops / step_time / device.peak(mfu_dtype) if step_time > 0 else 0.0
     warnings = list(tr.warnings)
-    unknown = sorted({c.record.op for c in costs if c.record.kind == "unknown"})
+    unknown = sorted({c.record.op for c in costs if c.record.kind == "unknown"
+                      and not c.record.fused})  # a fused op is costed by its kernel
     if unknown:
         warnings.append("ops with no FLOP formula, costed as memory-bound (bytes / bandwidth): "
                         + ", ".join(unknown))

@@ -179,9 +179,14 @@ def op_time_s(op: OpRecord, device: Device, ctx: CostContext) -> float:
 def fresh_alloc_time_s(op: OpRecord, device: Device) -> float:
     """First-touch page faults of the large buffers the op allocates (CPU only; measured per
     byte by the CPU probe, zero on GPUs, whose caching allocator reuses blocks)."""
+    return fresh_bytes_time_s(op.alloc_bytes, device)
+
+
+def fresh_bytes_time_s(alloc_bytes: tuple[int, ...], device: Device) -> float:
+    """First-touch page faults of freshly allocated buffers of these sizes (CPU only)."""
     if device.fresh_alloc_s_per_byte <= 0:
         return 0.0
-    fresh = sum(b for b in op.alloc_bytes if b >= device.fresh_alloc_min_bytes)
+    fresh = sum(b for b in alloc_bytes if b >= device.fresh_alloc_min_bytes)
     return fresh * device.fresh_alloc_s_per_byte
 
 

@@ -34,7 +34,7 @@ class OpCost:
 
 @dataclass(frozen=True)
 class ModuleSummary:
-    module: str  # module path, "(optimizer)" or "(outside modules)"
+    module: str  # module path, "(optimizer)", "(compiled graph)" or "(outside modules)"
     time_s: float  # per optimizer step, accumulation included
     flops: int
     bytes: int

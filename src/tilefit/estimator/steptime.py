@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tilefit.estimator.fusion import compiled_launches
 from tilefit.estimator.multitensor import kernel_launches
 from tilefit.estimator.result import OpCost
 from tilefit.estimator.timeline import Block, Item, Timeline, simulate
@@ -22,8 +23,11 @@ SYNC_OPS = frozenset({"aten._local_scalar_dense.default", "aten.is_nonzero.defau
 def host_time_s(op: OpRecord, host: HostModel, device: Device) -> float:
     """What issuing the op costs the host: the issuer's per-op cost, and its kernel
     launches (none for a view or an op that runs on the host; a multi-tensor op launches
-    one kernel per chunk list: tilefit.estimator.multitensor)."""
+    one kernel per chunk list: tilefit.estimator.multitensor). An op of a compiled graph
+    costs its launches alone (tilefit.estimator.fusion)."""
     launches = 0 if op.kind == "view" else kernel_launches(op, device)
+    if op.compiled:  # a compiled graph issues its kernels with no per-op Python work
+        return compiled_launches(op, launches) * host.launch_s
     return host.issue_s(op.phase) + launches * host.launch_s
 
 

@@ -13,7 +13,8 @@ __all__ = ["Recipe", "check_batch", "default_precision", "estimate_workload",
            "trace_workload"]
 
 
-def trace_workload(workload: Workload, recipe: Recipe, device: str | Device) -> Trace:
+def trace_workload(workload: Workload, recipe: Recipe, device: str | Device, *,
+                   compile: bool = False, graph_breaks: bool = False) -> Trace:
     from tilefit.tracing import trace
 
     check_batch(recipe.batch_size)
@@ -31,12 +32,17 @@ def trace_workload(workload: Workload, recipe: Recipe, device: str | Device) -> 
         precision=recipe.precision,
         grad_checkpointing=recipe.grad_checkpointing,
         accumulation_steps=recipe.accumulation_steps, attention="auto", device=dev,
-        max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync)
+        max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync, compile=compile,
+        graph_breaks=graph_breaks)
 
 
-def estimate_workload(workload: Workload, recipe: Recipe, device: str | Device) -> Estimate:
+def estimate_workload(workload: Workload, recipe: Recipe, device: str | Device, *,
+                      compile: bool = False, graph_breaks: bool = False) -> Estimate:
+    """The estimate of one training step; ``compile``: as torch.compile runs its forward
+    and backward (tilefit.tracing.compiled); ``graph_breaks``: list Dynamo's breaks."""
     dev = get_device(device)
-    return estimate_trace(trace_workload(workload, recipe, dev), dev)
+    return estimate_trace(trace_workload(workload, recipe, dev, compile=compile,
+                                         graph_breaks=graph_breaks), dev)
 
 
 def check_batch(batch_size: int) -> None:

@@ -115,8 +115,12 @@ def ops_table(estimate: Estimate, limit: int = 10) -> Table:
     for c in sorted(estimate.ops, key=lambda c: -c.time_s)[:limit]:
         r = c.record
         shapes = " x ".join(str(list(s)) for s in r.input_shapes[:3])
-        table.add_row(r.op.removeprefix("aten.").removesuffix(".default"), r.phase,
-                      r.module or "-", shapes, fmt_time(c.time_s), r.kind)
+        name = r.op.removeprefix("aten.").removesuffix(".default")
+        kind = r.kind
+        if r.kernel is not None:  # a torch.compile kernel, costed on its first op
+            name, kind = f"fused kernel: {name} + {r.kernel.ops - 1} op(s)", "fused"
+            shapes = f"{r.kernel.read_bytes:,} B read, {r.kernel.write_bytes:,} B written"
+        table.add_row(name, r.phase, r.module or "-", shapes, fmt_time(c.time_s), kind)
     return table
 
 

@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from tilefit.tracing.fusion import NodePlan
 from tilefit.tracing.records import GemmShape, OpRecord, StorageRecord
 from tilefit.tracing.shapes import classify, gemm_shapes, op_flops, packet_name
 from tilefit.tracing.torch_compat import DataDependentOutputException, ModulePath, written_args
@@ -68,6 +69,8 @@ class Recorder(TorchDispatchMode):
         self._attn_by_uid: dict[int, dict[str, Any]] = {}
         self._host_uids: set[int] = set()  # storages that live in host memory on the target
         self._recording = True
+        self._node: NodePlan | None = None  # the compiled-graph node running now
+        self._node_module = ""  # the module that node came from
         self.stand_in_reads = 0  # .item() calls in the optimizer answered with a stand-in
 
     # ---- where the step is --------------------------------------------------------------
@@ -98,6 +101,32 @@ class Recorder(TorchDispatchMode):
             yield
         finally:
             self._attention_backend = None
+
+    @contextlib.contextmanager
+    def compiled_node(self, plan: NodePlan, module: str = "") -> Iterator[None]:
+        """The ops recorded inside are one node of a compiled graph, run as ``plan`` says
+        (tilefit.tracing.fusion): fused or extern, and whether its value is allocated;
+        ``module``: the module whose code made the node (no module runs in a graph)."""
+        self._node, self._node_module = plan, module
+        try:
+            yield
+        finally:
+            self._node, self._node_module = None, ""
+
+    def _compiled_fields(self, first_uid: int) -> dict[str, Any]:
+        """The OpRecord fields of an op of a compiled graph; a value Inductor keeps in
+        registers allocates nothing (its storages count 0 bytes)."""
+        plan = self._node
+        if plan is None:
+            return {}
+        fields: dict[str, Any] = {"compiled": True, "fused": plan.fused, "kernel": plan.kernel}
+        if not plan.materialized:
+            for uid in range(first_uid, self._next_uid):
+                self._nbytes[uid] = 0
+            fields["alloc_bytes"] = ()
+        if plan.kernel is not None:  # the kernel is costed once, on its first op
+            self._node = dataclasses.replace(plan, kernel=None)
+        return fields
 
     def set_root(self, root_name: str) -> None:
         """The root module's class name, which ModuleTracker puts before every path."""
@@ -279,7 +308,7 @@ class Recorder(TorchDispatchMode):
         if name in _SKIP:
             return out
         at = self._events
-        module = self.module
+        module = self._node_module or self.module
         inputs = list(_tensors((args, kwargs)))
         outputs = list(_tensors(out))
         before = self._next_uid
@@ -301,6 +330,9 @@ class Recorder(TorchDispatchMode):
         if on_host:
             self._host_uids.update(self.uid(t) for t in outputs)
         ref = outputs[0] if outputs else (inputs[0] if inputs else None)
+        compiled = self._compiled_fields(before)
+        if "alloc_bytes" in compiled:
+            alloc = compiled.pop("alloc_bytes")
         self.ops.append(OpRecord(
             op=name, phase=self.effective_phase, module=module,
             input_shapes=tuple(tuple(t.shape) for t in inputs),
@@ -308,7 +340,7 @@ class Recorder(TorchDispatchMode):
             dtype=str(ref.dtype).removeprefix("torch.") if ref is not None else "",
             flops=int(flops), bytes=int(nbytes), kind=kind, step=self._step, micro=self._micro,
             gemms=gemms, attention=attention, alloc_bytes=alloc,
-            multi_tensor=_multi_tensor(name, args, out), on_host=on_host,
+            multi_tensor=_multi_tensor(name, args, out), on_host=on_host, **compiled,
         ))
         self._events += 1
         return out

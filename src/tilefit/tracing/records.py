@@ -9,8 +9,8 @@ from typing import Any
 from tilefit.tracing.target import Target
 from tilefit.vocab import CATEGORIES, MICRO_PHASES, PHASES, Category, OpKind, Phase
 
-__all__ = ["CATEGORIES", "MICRO_PHASES", "PHASES", "GemmShape", "OpRecord", "StorageRecord",
-           "Trace"]
+__all__ = ["CATEGORIES", "MICRO_PHASES", "PHASES", "FusedKernel", "GemmShape", "OpRecord",
+           "StorageRecord", "Trace"]
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,18 @@ class GemmShape:
     n: int
     k: int
     dtype: str  # tilefit dtype name: fp32, fp16, bf16
+
+
+@dataclass(frozen=True)
+class FusedKernel:
+    """One kernel Inductor generates from several ops of a compiled graph
+    (tilefit.tracing.fusion): what it reads from and writes to memory, once."""
+
+    id: int  # unique within the trace
+    ops: int  # the ops fused into it (views excluded)
+    read_bytes: int  # values made outside it, each read once
+    write_bytes: int  # its values used outside it (or saved for backward), each written once
+    alloc_bytes: tuple[int, ...] = ()  # the buffers it allocates (what it writes)
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,13 @@ class OpRecord:
     # step counters beside CUDA parameters), so it launches no kernel and never waits for
     # the device
     on_host: bool = False
+    # ran inside a torch.compile graph (tilefit.tracing.compiled): no per-op Python issue
+    # cost; ``fused``: Inductor fuses it into a generated kernel, whose whole traffic and one
+    # launch ``kernel`` carries on the kernel's first op (the others cost nothing); an op of
+    # a compiled graph that is not fused runs as an extern ATen kernel, costed as in eager
+    compiled: bool = False
+    fused: bool = False
+    kernel: FusedKernel | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,6 +101,7 @@ class Trace:
     tokens_per_micro_batch: int | None
     warnings: tuple[str, ...] = field(default=())
     trainable_param_tensors: int = 0  # parameter tensors the optimizer steps
+    compiled: bool = False  # forward and backward as torch.compile runs them
 
     # ---- memory -------------------------------------------------------------------------
     def live_bytes_timeline(self, *, rounded: bool = True,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,13 @@ from tilefit.errors import TilefitError
 from tilefit.hardware import Device, get_device
 from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.autocast import CudaAutocast
+from tilefit.tracing.compiled import (
+    CompiledStep,
+    capture_step,
+    check_compile_supported,
+    compile_notes,
+    graph_breaks,
+)
 from tilefit.tracing.hf_compat import gpu_mask_semantics, quiet_transformers
 from tilefit.tracing.optimizers import (
     OPTIMIZER_NAMES,
@@ -272,6 +280,8 @@ class TraceOptions:
     foreach: bool | None = None  # the target's foreach default (CUDA: True)
     cuda: bool = False  # the target is a CUDA GPU (host memory and device memory differ)
     loss_sync: bool = False  # the loop reads the loss on the host after each micro-batch
+    compile: bool = False  # forward and backward as torch.compile (Inductor) runs them
+    graph_breaks: bool = False  # with compile: run Dynamo over the step to list its breaks
 
     @property
     def low_dtype(self) -> torch.dtype | None:
@@ -293,6 +303,7 @@ class _Prepared:
     params: list[nn.Parameter]
     optimizer: torch.optim.Optimizer
     scaler_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    compiled: CompiledStep | None = None  # the captured loss computation (compile=True)
 
 
 def trace(
@@ -309,6 +320,8 @@ def trace(
     replay_steady_step: bool = True,
     max_grad_norm: float | None = None,
     loss_sync: bool = False,
+    compile: bool = False,
+    graph_breaks: bool = False,
 ) -> Trace:
     """Trace two training steps (the first creates optimizer state lazily; the second is the
     steady state) of ``model`` on ``batch`` as ``device`` would run them, on fake tensors.
@@ -322,7 +335,11 @@ def trace(
     default) and Lightning's gradient_clip_val do. ``loss_sync``: the loop reads the loss on
     the host after each micro-batch's backward, so the host waits for the GPU there (the HF
     Trainer's default logging_nan_inf_filter=True does; so does a loss printed or logged
-    to a progress bar each step)."""
+    to a progress bar each step). ``compile``: the forward and backward as
+    ``torch.compile`` (Inductor, default mode) runs them (tilefit.tracing.compiled): the
+    activations its partitioner saves, its fused kernels; the optimizer step stays eager.
+    ``graph_breaks`` (with ``compile``): run Dynamo over the step first and list where it
+    would break it into several graphs (the prediction is of one graph); seconds more."""
     target, dev = resolve_target(device)
     check_options(precision, optimizer, attention, accumulation_steps, dev)
     check_max_grad_norm(max_grad_norm)
@@ -331,10 +348,28 @@ def trace(
         precision=parse_precision(precision), grad_checkpointing=grad_checkpointing,
         accumulation_steps=accumulation_steps, attention=attention,
         replay_steady_step=replay_steady_step, max_grad_norm=max_grad_norm,
-        loss_sync=loss_sync,
+        loss_sync=loss_sync, compile=compile, graph_breaks=graph_breaks,
         foreach=target.foreach, cuda=target.kind == "cuda")
+    _check_compile(options)
     with quiet_transformers():
         return _trace(model, batch, options, target)
+
+
+def _check_compile(options: TraceOptions) -> None:
+    """compile=True needs a torch that has Inductor, and no checkpointing (yet);
+    graph_breaks=True needs compile=True."""
+    if options.graph_breaks and not options.compile:
+        raise TilefitError("graph_breaks=True looks for torch.compile's graph breaks",
+                           expected="compile=True with graph_breaks=True",
+                           given="compile=False", fix="add --compile (compile=True)")
+    if not options.compile:
+        return
+    if options.grad_checkpointing:
+        raise TilefitError(
+            "compile=True does not predict activation checkpointing yet",
+            expected="grad_checkpointing=False with compile=True",
+            given="grad_checkpointing=True", fix="drop --grad-checkpointing or --compile")
+    check_compile_supported()
 
 
 def _trace(model: ModelSpec, batch: Any, options: TraceOptions, target: Target) -> Trace:
@@ -352,6 +387,8 @@ def _trace(model: ModelSpec, batch: Any, options: TraceOptions, target: Target) 
         recorder.register_existing(prep.batch, "inputs")
         if prep.scaler_state is not None:
             recorder.register_existing(prep.scaler_state, "optimizer_state")
+        if options.compile:
+            prep = _with_compiled(prep, options, recorder, autocast)
         with contextlib.ExitStack() as stack:
             stack.enter_context(tracker)
             stack.enter_context(recorder)
@@ -361,6 +398,34 @@ def _trace(model: ModelSpec, batch: Any, options: TraceOptions, target: Target) 
             stack.enter_context(_explain_fake_errors(recorder))
             _run_two_steps(prep, options, recorder, autocast)
     return _to_trace(prep, options, target, recorder, router)
+
+
+def _with_compiled(prep: _Prepared, options: TraceOptions, recorder: Recorder,
+                   autocast: Any) -> _Prepared:
+    """Capture the loss computation as torch.compile would, before the recorder runs (the
+    capture records nothing). The target's autocast policy applies while the forward is
+    traced, so its casts are in the graphs; only then: AOTAutograd's own Python (its
+    decompositions, functionalization) would otherwise pass through the mode too."""
+
+    @contextlib.contextmanager
+    def forward_autocast() -> Iterator[None]:
+        if autocast is None:
+            yield
+            return
+        with autocast:
+            autocast.begin_forward()
+            try:
+                yield
+            finally:
+                autocast.end_forward()
+                autocast.end_backward()
+
+    with gpu_mask_semantics(), _explain_fake_errors(recorder):
+        compiled = capture_step(prep.model, prep.batch, options.loss_fn, recorder,
+                                cpu=not options.cuda, forward_context=forward_autocast)
+        if options.graph_breaks:
+            compiled.breaks = graph_breaks(prep.model, prep.batch, options.loss_fn)
+    return dataclasses.replace(prep, compiled=compiled)
 
 
 def _build_model(model: ModelSpec, mode: FakeTensorMode) -> nn.Module:
@@ -480,6 +545,8 @@ def _to_trace(prep: _Prepared, options: TraceOptions, target: Target, recorder: 
         warnings.append(f"the optimizer read {recorder.stand_in_reads} value(s) from tensors "
                         "(.item()); on fake tensors 1 stood in for each (they scale the "
                         "update; no shape depends on them)")
+    if prep.compiled is not None:
+        warnings.extend(compile_notes(prep.compiled, prep.compiled.breaks))
     if router is not None and router.choices.get("math"):
         warnings.append(f"attention ran the math kernel {router.choices['math']} time(s) per "
                         "step: it materialises the S x S scores (fp32 or unsupported head dim "
@@ -497,7 +564,7 @@ def _to_trace(prep: _Prepared, options: TraceOptions, target: Target, recorder: 
         trainable_param_count=sum(p.numel() for p in prep.params),
         trainable_param_tensors=len(prep.params),
         samples_per_micro_batch=samples, tokens_per_micro_batch=tokens,
-        warnings=tuple(warnings),
+        warnings=tuple(warnings), compiled=prep.compiled is not None,
     )
 
 
@@ -542,9 +609,12 @@ def check_scalar_loss(loss: Any) -> torch.Tensor:
 def _micro_step(prep: _Prepared, options: TraceOptions, recorder: Recorder,
                 autocast: Any) -> None:
     recorder.enter_phase("forward")
+    if prep.compiled is not None:  # its casts are in the graph: no autocast around it
+        autocast = None
     if autocast is not None:
         autocast.begin_forward()
-    loss = check_scalar_loss(options.loss_fn(prep.model, prep.batch))
+    loss = check_scalar_loss(prep.compiled.loss() if prep.compiled is not None
+                             else options.loss_fn(prep.model, prep.batch))
     if options.accumulation_steps > 1:
         loss = loss / options.accumulation_steps
     if prep.scaler_state is not None:

@@ -6,7 +6,9 @@ of torch.utils.flop_counter, and ModuleTracker (public since 2.4 in torch.utils)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import unittest.mock
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -136,3 +138,209 @@ def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> li
 def is_view(t: torch.Tensor) -> bool:
     """Whether ``t`` is a view of another tensor's storage (Tensor._is_view)."""
     return bool(t._is_view())
+
+
+# ---- torch.compile: AOTAutograd's capture, Inductor's partitioner and fusion rules ---------
+# What predicting torch.compile needs (tilefit.tracing.compiled): aot_module_simplified (the
+# forward+backward capture Dynamo's aot_autograd backend uses), Inductor's decomposition table
+# and its partition function (Inductor's joint-graph passes, then AOTAutograd's min-cut
+# rematerialization partitioner), and Inductor's lowering table (which ops it fuses and which
+# it falls back to ATen for). All private; imported lazily (Inductor takes seconds to import).
+COMPILE_MIN_TORCH = (2, 11)
+
+
+def flatten_batch(batch: Any) -> tuple[list[Any], Any]:
+    """A batch's leaves and the spec to rebuild it (torch.utils._pytree.tree_flatten)."""
+    from torch.utils._pytree import tree_flatten
+
+    return tree_flatten(batch)
+
+
+def unflatten_batch(leaves: list[Any], spec: Any) -> Any:
+    """The batch ``flatten_batch`` took apart, with these leaves (tree_unflatten)."""
+    from torch.utils._pytree import tree_unflatten
+
+    return tree_unflatten(leaves, spec)
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def compile_support_problem() -> str | None:
+    """Why this torch cannot predict torch.compile (None when it can)."""
+    if torch_version() < COMPILE_MIN_TORCH:
+        return f"torch {torch.__version__} is older than {COMPILE_MIN_TORCH[0]}." \
+               f"{COMPILE_MIN_TORCH[1]}"
+    try:
+        from torch._functorch.aot_autograd import aot_module_simplified  # noqa: F401
+        from torch._functorch.partitioners import (  # noqa: F401
+            min_cut_rematerialization_partition,
+        )
+        from torch._inductor import lowering  # noqa: F401
+        from torch._inductor.decomposition import select_decomp_table  # noqa: F401
+    except ImportError as exc:  # a build without Inductor (or a renamed API)
+        return f"torch {torch.__version__} lacks {exc.name or exc}"
+    return None
+
+
+def inductor_decompositions() -> dict[Any, Callable[..., Any]]:
+    """The decompositions Inductor applies before partitioning (select_decomp_table)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return dict(select_decomp_table())
+
+
+def inductor_partition_fn() -> Callable[..., Any]:
+    """Inductor's partition function: its joint-graph passes, then the min-cut
+    rematerialization partitioner with compiler="inductor"."""
+    import functools
+
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._guards import detect_fake_mode
+    from torch._inductor import compile_fx
+    from torch._inductor.virtualized import V
+
+    fn = getattr(compile_fx, "partition_fn", None) or functools.partial(
+        min_cut_rematerialization_partition, compiler="inductor")
+
+    def partition(gm: Any, joint_inputs: Any, **kwargs: Any) -> Any:
+        # Inductor's joint-graph passes read the fake mode from V, as compile_fx sets it
+        with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+            return fn(gm, joint_inputs, **kwargs)
+
+    return partition
+
+
+def aot_capture(module: torch.nn.Module, args: list[Any], *,
+                fw_compiler: Callable[..., Any], bw_compiler: Callable[..., Any],
+                partition_fn: Callable[..., Any],
+                decompositions: dict[Any, Callable[..., Any]]) -> Callable[..., Any]:
+    """AOTAutograd's capture of ``module(*args)`` (a tuple-returning module of flat tensor
+    arguments): traces the joint forward+backward graph, partitions it with
+    ``partition_fn`` and hands the forward and backward graphs to the compilers. Returns the
+    runtime function (an autograd.Function underneath) that calls what they returned."""
+    from torch._functorch import config
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    # the backward graph is handed to bw_compiler now, not lazily at the first backward
+    eager_bw = {"force_non_lazy_backward_lowering": True} \
+        if hasattr(config, "force_non_lazy_backward_lowering") else {}
+    try:  # graphs generate their Python code when first called, not after every pass
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+        lazy: Any = _use_lazy_graph_module(True)
+    except ImportError:
+        lazy = contextlib.nullcontext()
+    # AOTAutograd renders each graph as text for its logs whether or not logging is on
+    # (AOTConfig.enable_log, True unless the caller is aot_function; aot_module_simplified
+    # does not expose it): a third of a second for GPT-2, skipped while capturing
+    no_text = unittest.mock.patch.object(torch.fx.GraphModule, "print_readable",
+                                         lambda self, *a, **k: "")
+    with config.patch(**eager_bw), lazy, no_text:
+        return aot_module_simplified(module, args,  # type: ignore[arg-type]
+                                     fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                                     partition_fn=partition_fn, decompositions=decompositions)
+
+
+def inductor_fallback(op: Any) -> bool:
+    """Whether Inductor runs this aten overload as an ATen kernel of its own (a fallback, or
+    no lowering at all) rather than generating code it can fuse."""
+    from torch._inductor import lowering
+
+    if op in lowering.fallbacks:
+        return True
+    packet = getattr(op, "overloadpacket", None)
+    return op not in lowering.lowerings and packet not in lowering.lowerings
+
+
+def inductor_realizes_inputs(op: Any) -> bool:
+    """Whether Inductor realizes this op's inputs in memory before it runs (its lowering
+    reads them as buffers: pooling, random numbers, scatter; needs_realized_inputs)."""
+    from torch._inductor import lowering
+
+    packet = getattr(op, "overloadpacket", None)
+    return op in lowering.needs_realized_inputs or packet in lowering.needs_realized_inputs
+
+
+def boxed_graph_run(interpreter: Any, args: list[Any]) -> Any:
+    """Run an FX graph with ``interpreter`` (a torch.fx.Interpreter), taking the argument
+    list as AOTAutograd's boxed calling convention passes it: the list is cleared so each
+    input is freed at its last use, as a compiled graph frees it."""
+    return interpreter.boxed_run(args)
+
+
+def mark_boxed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a compiled function as taking AOTAutograd's boxed arguments (one list it may
+    clear) rather than ``*args``, so that the runtime lets it free the saved activations."""
+    fn._boxed_call = True  # type: ignore[attr-defined]
+    return fn
+
+
+def dynamo_graph_breaks(fn: Callable[..., Any], *args: Any) -> list[str]:
+    """Dynamo's graph breaks in ``fn(*args)``: one line each, its reason and where (Dynamo
+    traces ``fn`` without running a compiler; torch._dynamo.explain). Dynamo's caches are
+    reset before and after."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        explained = torch._dynamo.explain(fn)(*args)
+    finally:
+        torch._dynamo.reset()
+    out = []
+    for brk in explained.break_reasons:
+        reason = " ".join(str(brk.reason).split())
+        frame = brk.user_stack[-1] if brk.user_stack else None
+        where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
+        out.append(f"{reason[:160]}{where}")
+    return out
+
+
+@contextlib.contextmanager
+def record_module_paths(root: torch.nn.Module) -> Iterator[None]:
+    """While AOTAutograd traces ``root``'s forward, tag each graph node with the module
+    that made it (``nn_module_stack`` in its meta, as Dynamo's graphs carry; AOTAutograd
+    copies it to the backward nodes as ``fwd_nn_module_stack``). Uses FX's node-meta
+    propagation (torch.fx.traceback.current_meta), public but not backward compatible."""
+    import torch.fx.traceback as fx_traceback
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
+
+    names = {id(m): name for name, m in root.named_modules() if name}
+    stack: list[Any] = []
+
+    def pre(mod: Any, args: Any) -> None:
+        meta = fx_traceback.current_meta
+        stack.append(meta.get("nn_module_stack"))
+        name = names.get(id(mod))
+        if name is not None:
+            meta["nn_module_stack"] = {name: (name, type(mod))}
+
+    def post(mod: Any, args: Any, out: Any) -> None:
+        if stack:
+            previous = stack.pop()
+            if previous is None:
+                fx_traceback.current_meta.pop("nn_module_stack", None)
+            else:
+                fx_traceback.current_meta["nn_module_stack"] = previous
+
+    handles = [register_module_forward_pre_hook(pre),
+               register_module_forward_hook(post, always_call=True)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def node_module(node: Any) -> str:
+    """The module path a graph node was tagged with (record_module_paths), "" if none."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path if isinstance(path, str) else ""

@@ -1,0 +1,288 @@
+"""The training step as torch.compile (Inductor, default mode) runs it, on fake tensors.
+
+``capture_step`` hands the step's loss computation (``loss_fn(model, batch)``) to
+AOTAutograd as Dynamo's Inductor backend does (tilefit.tracing.torch_compat.aot_capture):
+the joint forward+backward graph is traced with Inductor's decompositions and split by
+Inductor's partition function (its joint-graph passes and the min-cut rematerialization
+partitioner), which decides what the forward saves for the backward and what the backward
+recomputes (docs/references.md, section 19). The forward and backward graphs then run, node
+by node, under the trace's Recorder inside AOTAutograd's own runtime (an autograd.Function:
+its saved tensors live from the forward to the backward, each graph frees a value at its last
+use), so the memory timeline is the compiled step's. Each node carries Inductor's plan for
+it (tilefit.tracing.fusion): fused into a kernel or run as an extern ATen kernel, and
+whether its value is ever allocated.
+
+The whole loss computation is one graph, as torch.compile(fullgraph=True) would capture it:
+graph breaks are not predicted (``graph_breaks`` lists Dynamo's). Module hooks tag each
+node with the module that made it while the forward is traced. The optimizer step stays
+eager.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from tilefit.errors import TilefitError
+from tilefit.tracing.fusion import GRAPH_OUTPUT, GraphNode, NodePlan, plan_kernels
+from tilefit.tracing.shapes import classify
+from tilefit.tracing.torch_compat import (
+    COMPILE_MIN_TORCH,
+    aot_capture,
+    boxed_graph_run,
+    compile_support_problem,
+    dynamo_graph_breaks,
+    flatten_batch,
+    inductor_decompositions,
+    inductor_fallback,
+    inductor_partition_fn,
+    inductor_realizes_inputs,
+    mark_boxed,
+    node_module,
+    record_module_paths,
+    unflatten_batch,
+)
+from tilefit.vocab import EXTERN_KINDS
+
+
+def check_compile_supported() -> None:
+    """An error naming the torch version needed when this torch cannot predict compile."""
+    problem = compile_support_problem()
+    if problem is None:
+        return
+    need = ".".join(map(str, COMPILE_MIN_TORCH))
+    raise TilefitError(
+        f"predicting torch.compile needs torch >= {need} with Inductor: {problem}",
+        expected=f"torch >= {need} (AOTAutograd's capture, Inductor's partitioner and "
+        "decompositions)", given=f"torch {torch.__version__}",
+        fix=f"pip install 'torch>={need}', or drop --compile (compile=False)")
+
+
+class _LossModule(nn.Module):
+    """``loss_fn(model, batch)`` as a module of the batch's tensors returning ``(loss,)``:
+    the shape AOTAutograd's capture takes."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+                 leaves: list[Any], spec: Any,
+                 context: Callable[[], AbstractContextManager[Any]] = nullcontext) -> None:
+        super().__init__()
+        self.model = model
+        self._loss_fn = loss_fn
+        self._context = context
+        self._leaves, self._spec = leaves, spec
+        self._tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self._leaves[i] for i in self._tensor_at]
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor]:
+        leaves = list(self._leaves)
+        for i, t in zip(self._tensor_at, tensors, strict=True):
+            leaves[i] = t
+        with self._context(), record_module_paths(self.model):
+            return (self._loss_fn(self.model, unflatten_batch(leaves, self._spec)),)
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, tuple | list):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+# Ops whose inputs Inductor realizes in memory beyond its needs_realized_inputs: pooling
+# reads windows of its input (its lowering realizes it; a pointwise producer would be
+# recomputed for every window). Ops that write into a copy of their first input (Inductor's
+# scatter lowering: a buffer initialised from it, then a scatter kernel), so their output is
+# a buffer of its own; their inputs are read inline.
+_WINDOWED = re.compile(r"(aten|prims)\.(_low_memory_max_pool|max_pool|avg_pool|adaptive_)")
+_SCATTER = re.compile(r"aten\.(scatter|index_put|_unsafe_index_put|_unsafe_masked_index_put|"
+                      r"index_add|index_reduce|embedding_dense_backward|_embedding_bag)")
+
+
+def describe_graph(gm: fx.GraphModule) -> tuple[list[GraphNode], dict[str, int]]:
+    """The op nodes of a graph as tilefit.tracing.fusion reads them, and each node's index
+    by name."""
+    ids: dict[fx.Node, int] = {}
+    placeholders = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            placeholders += 1
+            ids[node] = -placeholders
+        elif node.op == "call_function":
+            ids[node] = len(ids) - placeholders
+    out: list[GraphNode] = []
+    for node, index in ids.items():
+        if index < 0:
+            continue
+        target = node.target
+        view = target is operator.getitem or classify(target) == "view"
+        extern = not view and (classify(target) in EXTERN_KINDS or inductor_fallback(target))
+        inputs = tuple((ids[a], _nbytes(a.meta.get("val"))) for a in node.all_input_nodes
+                       if a in ids)
+        users = tuple(GRAPH_OUTPUT if u.op == "output" else ids[u] for u in node.users
+                      if u.op == "output" or u in ids)
+        out.append(GraphNode(index=index, op=str(target), extern=extern, view=view,
+                             inputs=inputs, out_bytes=_nbytes(node.meta.get("val")),
+                             users=users, realizes_inputs=not view and (
+                                 inductor_realizes_inputs(target)
+                                 or bool(_WINDOWED.match(str(target)))),
+                             realizes_output=bool(_SCATTER.match(str(target)))))
+    return out, {n.name: i for n, i in ids.items() if i >= 0}
+
+
+# A layout copy Inductor makes at the start of a graph: an extern copy, allocated.
+_COPY = NodePlan(fused=False, kernel=None, materialized=True)
+
+
+def channels_last_inputs(gm: fx.GraphModule) -> set[int]:
+    """The graph inputs Inductor copies to channels-last on the CPU: with oneDNN, a graph
+    with convolutions runs them channels-last (its layout optimization, decide_layout_opt),
+    so each 4-d convolution input or weight that arrives as a graph input in another layout
+    is copied once, and the copy is what the backward keeps
+    (docs/references.md, section 19)."""
+    position = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    out = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or classify(node.target) != "conv" or \
+                "backward" in str(node.target):
+            continue
+        for arg in node.args[:2]:
+            val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+            if arg in position and isinstance(val, torch.Tensor) and val.dim() == 4 \
+                    and not val.is_contiguous(memory_format=torch.channels_last):
+                out.add(position[arg])
+    return out
+
+
+class _PlannedInterpreter(fx.Interpreter):
+    """Runs a graph node by node, each inside the recorder's ``compiled_node`` context."""
+
+    def __init__(self, gm: fx.GraphModule, plans: dict[str, NodePlan], recorder: Any) -> None:
+        super().__init__(gm)
+        self._plans = plans
+        self._recorder = recorder
+
+    def run_node(self, n: fx.Node) -> Any:
+        plan = self._plans.get(n.name)
+        if plan is None:
+            return super().run_node(n)
+        with self._recorder.compiled_node(plan, node_module(n)):
+            return super().run_node(n)
+
+
+@dataclass
+class _Compiler:
+    """The fw_compiler / bw_compiler AOTAutograd calls: plan each graph's kernels and return
+    a boxed function that runs it under the recorder."""
+
+    recorder: Any
+    cpu: bool  # the target is the CPU (Inductor's C++ backend with oneDNN)
+    kernels: int = 0
+    fallbacks: set[str] = field(default_factory=set)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        nodes, index = describe_graph(gm)
+        by_index = plan_kernels(nodes, first_kernel_id=self.kernels)
+        self.kernels += sum(1 for p in by_index.values() if p.kernel is not None)
+        self.fallbacks.update(fallback_ops(gm))
+        plans = {name: by_index[i] for name, i in index.items()}
+        recorder = self.recorder
+        relayout = channels_last_inputs(gm) if self.cpu else set()
+
+        def run(args: list[Any]) -> Any:
+            for i in relayout:  # copied to channels-last as the graph starts: a copy of
+                with recorder.compiled_node(_COPY):  # the same bytes (the graph's views
+                    args[i] = args[i].clone()  # were traced in the original layout)
+            return boxed_graph_run(_PlannedInterpreter(gm, plans, recorder), args)
+
+        return mark_boxed(run)
+
+
+def fallback_ops(gm: fx.GraphModule) -> set[str]:
+    """The graph's ops Inductor runs as ATen kernels that are not GEMMs, convolutions or
+    attention (ops it has no lowering for): extern kernels the estimate lists."""
+    out = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        kind = classify(node.target)
+        if kind != "view" and kind not in EXTERN_KINDS and inductor_fallback(node.target):
+            out.add(str(node.target))
+    return out
+
+
+@dataclass
+class CompiledStep:
+    """The captured loss computation: call ``loss()`` to run the compiled forward (its
+    backward runs at ``loss.backward()``)."""
+
+    fn: Callable[..., Any]
+    inputs: list[torch.Tensor]
+    compiler: _Compiler
+    breaks: list[str] | None = None  # Dynamo's graph breaks, when looked for
+
+    def loss(self) -> torch.Tensor:
+        return self.fn(*self.inputs)[0]  # type: ignore[no-any-return]
+
+    @property
+    def fallbacks(self) -> tuple[str, ...]:
+        """Ops Inductor cannot fuse beyond GEMMs, convolutions and attention."""
+        return tuple(sorted(self.compiler.fallbacks))
+
+
+def capture_step(model: nn.Module, batch: Any,
+                 loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+                 recorder: Any, *, cpu: bool,
+                 forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext
+                 ) -> CompiledStep:
+    """Capture and partition ``loss_fn(model, batch)`` (call under the trace's fake mode,
+    outside the recorder: tracing records nothing); ``cpu``: the target is the CPU;
+    ``forward_context``: entered around each trace of the forward (the target's
+    autocast)."""
+    check_compile_supported()
+    leaves, spec = flatten_batch(batch)
+    module = _LossModule(model, loss_fn, leaves, spec, forward_context)
+    compiler = _Compiler(recorder, cpu)
+    fn = aot_capture(module, module.tensors(), fw_compiler=compiler, bw_compiler=compiler,
+                     partition_fn=inductor_partition_fn(),
+                     decompositions=inductor_decompositions())
+    return CompiledStep(fn, module.tensors(), compiler)
+
+
+def graph_breaks(model: nn.Module, batch: Any,
+                 loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> list[str]:
+    """Where Dynamo would break the loss computation into several graphs (one line each):
+    what the one-graph prediction does not model. Costs a Dynamo trace of the step."""
+    return dynamo_graph_breaks(lambda b: loss_fn(model, b), batch)
+
+
+def compile_notes(step: CompiledStep, breaks: list[str] | None = None) -> list[str]:
+    """What a compile=True trace leaves out, for the estimate's warnings; ``breaks``: the
+    graph breaks Dynamo reported (None: not looked for)."""
+    if breaks is None:
+        graphs = "graph breaks are not looked for (--graph-breaks / graph_breaks=True runs " \
+            "Dynamo over the step to list them)"
+    elif breaks:
+        graphs = f"Dynamo breaks it ({len(breaks)} graph break(s)), which is not " \
+            "predicted (the saved activations and kernels differ): " + "; ".join(breaks)
+    else:
+        graphs = "Dynamo reports no graph break"
+    notes = [
+        "torch.compile: the loss computation is predicted as one graph (fullgraph=True); "
+        f"{graphs}. Not predicted either: Inductor's autotuning (max-autotune), its buffer "
+        "reuse, compile time; fused kernels are grouped by a simple rule "
+        "(docs/references.md, section 19); the optimizer step runs eager",
+    ]
+    if step.fallbacks:
+        notes.append("torch.compile: ops Inductor cannot fuse, costed as extern ATen kernels: "
+                     + ", ".join(step.fallbacks))
+    return notes

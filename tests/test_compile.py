@@ -1,0 +1,244 @@
+"""compile=True: the step as torch.compile (Inductor) runs it, checked by hand on a tiny MLP.
+
+The MLP is Linear(8, 16) -> GELU -> Linear(16, 4) on a batch of 32, loss = mean(y ** 2), fp32
+on the CPU target, SGD. AOTAutograd's min-cut partitioner (with Inductor's decompositions:
+GELU is 0.5 x (1 + erf(x / sqrt 2))) saves for the backward the first Linear's output h
+(32 x 16 x 4 B = 2048 B), the GELU's output g (2048 B), the second Linear's output y
+(32 x 4 x 4 B = 512 B) and the loss (4 B); the input x and the transposed weight are not new
+storage. Inductor fuses the GELU's five pointwise ops into one kernel, which reads h and
+writes g (2048 B each), and pow + mean into one that reads y (512 B) and writes the loss
+(4 B). Nothing here runs a real torch.compile.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from tilefit.cli.app import app
+from tilefit.errors import TilefitError
+from tilefit.estimator import estimate, estimate_trace
+from tilefit.estimator.fusion import compiled_op_time_s, kernel_time_s
+from tilefit.estimator.steptime import host_time_s
+from tilefit.hardware import get_device
+from tilefit.tracing import compiled as compiled_mod
+from tilefit.tracing import torch_compat as tc
+from tilefit.tracing import trace
+from tilefit.tracing.fusion import GRAPH_OUTPUT, GraphNode, plan_kernels
+from tilefit.tracing.records import Trace
+
+B, IN, HID, OUT, F32 = 32, 8, 16, 4, 4
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HID), nn.GELU(), nn.Linear(HID, OUT))
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).mean()
+
+
+@pytest.fixture(scope="module")
+def compiled_trace() -> Trace:
+    return trace(_mlp, torch.randn(B, IN), loss_fn=_loss, optimizer="sgd", compile=True)
+
+
+def _kernels(tr: Trace, phase: str) -> list[Any]:
+    return [o.kernel for o in tr.ops_of_step(0) if o.kernel is not None and o.phase == phase]
+
+
+def test_the_partitioner_saves_what_the_backward_needs(compiled_trace: Trace) -> None:
+    tr = compiled_trace
+    first_bw = next(i for i, o in enumerate(tr.ops) if o.phase == "backward")
+    saved = sorted(s.nbytes for s in tr.storages if s.phase == "forward" and s.nbytes
+                   and s.alloc_at < first_bw and (s.free_at is None or s.free_at > first_bw))
+    h = g = B * HID * F32
+    y = B * OUT * F32
+    assert saved == sorted([h, g, y, F32])  # h, GELU(h), y and the loss
+
+
+def test_gelu_is_one_kernel_that_reads_h_and_writes_its_output(compiled_trace: Trace) -> None:
+    gelu, loss = _kernels(compiled_trace, "forward")
+    assert (gelu.ops, gelu.read_bytes, gelu.write_bytes) == (5, B * HID * F32, B * HID * F32)
+    assert (loss.ops, loss.read_bytes, loss.write_bytes) == (2, B * OUT * F32, F32)
+    # the first backward kernel reads the scalar tangent (broadcast: 4 B) and y, and writes
+    # the loss's gradient with respect to y
+    grad_y = _kernels(compiled_trace, "backward")[0]
+    assert (grad_y.read_bytes, grad_y.write_bytes) == (F32 + B * OUT * F32, B * OUT * F32)
+
+
+def test_fused_values_allocate_nothing(compiled_trace: Trace) -> None:
+    fwd = [o for o in compiled_trace.ops_of_step(0) if o.phase == "forward" and o.compiled]
+    erf = next(o for o in fwd if o.op == "aten.erf.default")
+    assert erf.fused and erf.alloc_bytes == () and erf.kernel is None
+    gemms = [o for o in fwd if o.kind == "gemm"]
+    assert len(gemms) == 2 and not any(o.fused for o in gemms)
+    # each op keeps the module whose code made it (Sequential's children are "0", "1", "2")
+    assert [o.module for o in gemms] == ["0", "2"] and erf.module == "1"
+
+
+def test_a_kernel_costs_its_bytes_and_one_launch(compiled_trace: Trace) -> None:
+    dev = get_device("a100-80gb")
+    gelu = next(o for o in compiled_trace.ops_of_step(1) if o.kernel is not None)
+    bandwidth = dev.bandwidth_bytes_per_s * dev.bandwidth_efficiency
+    want = 2 * B * HID * F32 / bandwidth + dev.launch_overhead_s
+    est = estimate_trace(compiled_trace, dev)
+    assert math.isclose(kernel_time_s(gelu.kernel, dev, est_ctx()), want)
+    # the other ops of the kernel cost nothing, on the device and on the host
+    erf = next(o for o in compiled_trace.ops_of_step(1) if o.op == "aten.erf.default")
+    assert compiled_op_time_s(erf, dev, est_ctx()) == 0.0
+    assert host_time_s(erf, dev.host, dev) == 0.0
+    assert host_time_s(gelu, dev.host, dev) == dev.host.launch_s  # one launch, no Python
+    assert est.step_time_s > 0
+
+
+def est_ctx() -> Any:
+    from tilefit.estimator.cost import CostContext
+
+    return CostContext(precision="fp32")
+
+
+def test_eager_is_unchanged() -> None:
+    tr = trace(_mlp, torch.randn(B, IN), loss_fn=_loss, optimizer="sgd")
+    assert not tr.compiled and not any(o.compiled or o.fused or o.kernel for o in tr.ops)
+    a = estimate(_mlp, torch.randn(B, IN), loss_fn=_loss, optimizer="sgd", device="a100-80gb")
+    b = estimate(_mlp, torch.randn(B, IN), loss_fn=_loss, optimizer="sgd", device="a100-80gb",
+                 compile=False)
+    assert (a.step_time_s, a.peak_memory_bytes) == (b.step_time_s, b.peak_memory_bytes)
+
+
+def test_compiled_gpu_step_issues_kernels_not_ops() -> None:
+    kw: dict[str, Any] = {"loss_fn": _loss, "optimizer": "sgd", "device": "a100-80gb"}
+    eager = estimate(_mlp, torch.randn(B, IN), **kw)
+    comp = estimate(_mlp, torch.randn(B, IN), compile=True, **kw)
+    assert comp.host_time_s < eager.host_time_s  # no per-op Python issue cost
+    assert any("graph breaks are not looked for" in w for w in comp.warnings)
+
+
+# ---- the grouping rule, on hand-made graphs ----------------------------------------------
+def _node(i: int, *, extern: bool = False, view: bool = False,
+          inputs: tuple[tuple[int, int], ...] = (), out: int = 100,
+          users: tuple[int, ...] = (), **kw: bool) -> GraphNode:
+    return GraphNode(index=i, op=f"op{i}", extern=extern, view=view, inputs=inputs,
+                     out_bytes=out, users=users, **kw)
+
+
+def test_externs_split_runs_and_internal_values_stay_in_registers() -> None:
+    # x(-1) -> a -> b -> mm(c) -> d -> out; b is used by the mm only
+    graph = [_node(0, inputs=((-1, 100),), users=(1,)),
+             _node(1, inputs=((0, 100),), users=(2,)),
+             _node(2, extern=True, inputs=((1, 100),), users=(3,)),
+             _node(3, inputs=((2, 100),), users=(GRAPH_OUTPUT,))]
+    plans = plan_kernels(graph)
+    k0, k1 = plans[0].kernel, plans[3].kernel
+    assert (k0.ops, k0.read_bytes, k0.write_bytes) == (2, 100, 100)
+    assert not plans[0].materialized and plans[1].materialized and plans[1].kernel is None
+    assert not plans[2].fused and plans[2].materialized
+    assert (k1.read_bytes, k1.write_bytes, k1.id) == (100, 100, 1)
+
+
+def test_views_launch_nothing_and_realizing_ops_split_kernels() -> None:
+    views = plan_kernels([_node(0, view=True, inputs=((-1, 100),), users=(GRAPH_OUTPUT,))])
+    assert views[0].kernel is None and views[0].fused
+    # a -> pool (realizes its input) -> out: two kernels, a's value allocated
+    graph = [_node(0, inputs=((-1, 100),), users=(1,)),
+             _node(1, inputs=((0, 100),), users=(GRAPH_OUTPUT,), realizes_inputs=True)]
+    plans = plan_kernels(graph)
+    assert plans[0].materialized and plans[0].kernel and plans[1].kernel
+    # scatter builds its output in a buffer: the next op starts a new kernel
+    graph = [_node(0, inputs=((-1, 100),), users=(1,), realizes_output=True),
+             _node(1, inputs=((0, 100),), users=(GRAPH_OUTPUT,))]
+    plans = plan_kernels(graph)
+    assert plans[0].materialized and plans[1].kernel.read_bytes == 100
+
+
+# ---- the private torch APIs, each exercised on the installed torch ---------------------------
+def test_each_compat_wrapper_works_on_this_torch() -> None:
+    assert tc.torch_version() >= tc.COMPILE_MIN_TORCH
+    assert tc.compile_support_problem() is None
+    assert torch.ops.aten.gelu.default in tc.inductor_decompositions()
+    assert callable(tc.inductor_partition_fn())
+    assert not tc.inductor_fallback(torch.ops.aten.mul.Tensor)
+    assert tc.inductor_fallback(torch.ops.aten._cdist_forward.default)
+    assert tc.inductor_realizes_inputs(torch.ops.aten.max_pool2d_with_indices.default)
+    assert not tc.inductor_realizes_inputs(torch.ops.aten.mul.Tensor)
+    fn = tc.mark_boxed(lambda args: args)
+    assert fn._boxed_call  # type: ignore[attr-defined]
+    gm = torch.fx.symbolic_trace(lambda a: a + 1)
+    args = [torch.ones(2)]
+    assert torch.equal(tc.boxed_graph_run(torch.fx.Interpreter(gm), args), torch.full((2,), 2.0))
+    assert args == []  # the boxed convention: the inputs are handed over
+    seen: list[str] = []
+
+    def compiler(g: torch.fx.GraphModule, _: Any) -> Any:
+        seen.append("graph")
+        return g
+
+    lin = nn.Linear(2, 2)
+    tc.aot_capture(_Tuple(lin), [torch.ones(3, 2)], fw_compiler=compiler, bw_compiler=compiler,
+                   partition_fn=tc.inductor_partition_fn(),
+                   decompositions=tc.inductor_decompositions())
+    assert seen == ["graph", "graph"]  # forward and backward, both now
+    assert tc.dynamo_graph_breaks(lambda x: x + 1, torch.ones(2)) == []
+    leaves, spec = tc.flatten_batch({"a": torch.ones(1), "b": (2, torch.zeros(1))})
+    assert len(leaves) == 3 and set(tc.unflatten_batch(leaves, spec)) == {"a", "b"}
+    node = next(iter(gm.graph.nodes))
+    node.meta["nn_module_stack"] = {"h.0": ("h.0", nn.Linear)}
+    assert tc.node_module(node) == "h.0"  # record_module_paths: the MLP test above
+
+
+class _Tuple(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.inner(x).sum(),)
+
+
+# ---- bad input -----------------------------------------------------------------------------
+def test_an_op_inductor_cannot_fuse_is_extern_and_listed() -> None:
+    def build() -> nn.Module:
+        return nn.Linear(IN, HID)
+
+    def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.fft.rfft(model(x)).real.mean()  # Inductor falls back to ATen's FFT
+
+    tr = trace(build, torch.randn(B, IN), loss_fn=loss, optimizer="sgd", compile=True)
+    fft = [o for o in tr.ops_of_step(1) if o.op == "aten._fft_r2c.default"]
+    assert fft and fft[0].compiled and not fft[0].fused
+    assert any("cannot fuse" in w and "aten._fft_r2c.default" in w for w in tr.warnings)
+
+
+def test_a_torch_without_what_compile_needs_is_an_error(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    monkeypatch.setattr(compiled_mod, "compile_support_problem",
+                        lambda: "torch 2.3.0 is older than 2.11")
+    with pytest.raises(TilefitError, match=r"torch >= 2\.11"):
+        trace(_mlp, torch.randn(B, IN), loss_fn=_loss, compile=True)
+    result = CliRunner().invoke(app, ["estimate", "gpt2", "--compile", "--seq", "32"])
+    assert result.exit_code == 2
+    assert "torch >= 2.11" in " ".join(result.output.split())
+
+
+def test_graph_breaks_are_listed_when_asked_for() -> None:
+    def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        y = model(x)
+        print(end="")  # Dynamo cannot trace print: a graph break
+        return y.pow(2).mean()
+
+    tr = trace(_mlp, torch.randn(B, IN), loss_fn=loss, compile=True, graph_breaks=True)
+    assert "1 graph break(s)" in tr.warnings[0] and "print" in tr.warnings[0]
+    with pytest.raises(TilefitError, match="compile=True"):
+        trace(_mlp, torch.randn(B, IN), loss_fn=_loss, graph_breaks=True)
+
+
+def test_checkpointing_with_compile_is_an_error() -> None:
+    with pytest.raises(TilefitError, match="checkpointing"):
+        trace(_mlp, torch.randn(B, IN), loss_fn=_loss, compile=True, grad_checkpointing=True)
