@@ -86,10 +86,26 @@ def test_foreach_adamw_gets_the_fused_finding_with_its_retraced_gain(gpt2_audit)
     assert saved_s == pytest.approx(opt_s * (1 - 28 / 80), rel=0.05)
 
 
+def test_compile_finding_is_the_retraced_compiled_step(gpt2_tiny, gpt2_audit) -> None:  # type: ignore[no-untyped-def]
+    # a second method: estimate the same step compiled directly
+    from dataclasses import replace
+
+    from tilefit.estimator.workloads import estimate_workload
+
+    f = next(f for f in gpt2_audit.findings if f.rule == "compile")
+    assert f.method == "retrace" and "torch.compile(model)" in f.fix
+    assert "torch_compile=True" in f.fix
+    direct = estimate_workload(gpt2_tiny, replace(gpt2_audit.recipe, compile=True),
+                               "a100-80gb")
+    assert f.step_time_after_s == pytest.approx(direct.step_time_s, rel=1e-9)
+    assert f.peak_memory_after_bytes == direct.peak_memory_bytes
+    assert f.step_time_after_s < f.step_time_before_s  # fused elementwise ops are cheaper
+
+
 def test_audit_reuses_traces(gpt2_audit) -> None:  # type: ignore[no-untyped-def]
     # the vocab what-if is a rewrite: re-traces are only the batch screen's pick, the
-    # confirmation, the fused-optimizer and the fused-loss what-ifs, never one per finding
-    assert gpt2_audit.retraces <= 4
+    # confirmation, the fused-optimizer, fused-loss and compile what-ifs, never one per finding
+    assert gpt2_audit.retraces <= 5
     assert any(f.method == "rewrite" for f in gpt2_audit.findings)
 
 

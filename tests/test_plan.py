@@ -378,3 +378,13 @@ def test_plan_searches_the_same_math_knobs(tiny_gpt2) -> None:  # type: ignore[n
     assert args["use_liger_kernel"] is True
     assert args["liger_kernel_config"]["fused_linear_cross_entropy"] is True
     assert args["liger_kernel_config"]["rms_norm"] is False
+
+
+def test_a_compiled_recipe_is_planned_and_keeps_the_math(tiny_gpt2) -> None:  # type: ignore[no-untyped-def]
+    from tilefit.planner import plan
+
+    p = plan(tiny_gpt2, gpu="a100-80gb", global_batch=16, confirm=False)
+    compiled = [r for r in p.rows if r.recipe.compile]
+    assert compiled and not any(r.grad_checkpointing for r in compiled)
+    assert all(not r.changes_optimizer for r in compiled)
+    assert any("torch.compile" in c for c in compiled[0].changes)

@@ -211,6 +211,8 @@ class Recipe:
     loss_sync: bool = False
     # a causal LM's loss as fused linear cross-entropy (Liger Kernel): the logits never whole
     fused_ce: bool = False
+    # forward and backward as torch.compile (Inductor, default mode) runs them
+    compile: bool = False
 
     def __post_init__(self) -> None:
         canonical = parse_precision(self.precision).name  # an unknown name is an error
@@ -233,10 +235,10 @@ class Recipe:
         return replace(self, batch_size=batch_size, accumulation_steps=(
             self.accumulation_steps if accumulation_steps is None else accumulation_steps))
 
-    def key(self) -> tuple[str, str, bool, str, bool, float | None, bool, bool]:
+    def key(self) -> tuple[str, str, bool, str, bool, float | None, bool, bool, bool]:
         """What the recipe is without its batch: the planner's unit of tracing."""
         return (self.precision, self.optimizer, self.grad_checkpointing, self.attention,
-                self.peft, self.max_grad_norm, self.loss_sync, self.fused_ce)
+                self.peft, self.max_grad_norm, self.loss_sync, self.fused_ce, self.compile)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from tilefit.advise.findings import Finding
 from tilefit.advise.rules_batch import memory_bound_findings, wave_findings
+from tilefit.advise.rules_compile import compile_findings
 from tilefit.advise.rules_dims import dimension_findings
 from tilefit.advise.rules_host import host_findings
 from tilefit.advise.rules_memory import memory_findings
@@ -29,7 +30,8 @@ DEFAULT_BATCH = 8
 
 RULES: tuple[Callable[[WhatIf], list[Finding]], ...] = (
     dimension_findings, memory_bound_findings, wave_findings, precision_findings,
-    attention_findings, host_findings, fused_optimizer_findings, memory_findings)
+    attention_findings, host_findings, fused_optimizer_findings, compile_findings,
+    memory_findings)
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
           attention: str = "auto", input_shape: tuple[int, ...] | None = None,
           task: str | None = None, loss_fn: Any = None, confirm: bool = False,
           max_grad_norm: float | None = None, loss_sync: bool = False,
-          fused_ce: bool = False) -> Audit:
+          fused_ce: bool = False, compile: bool = False) -> Audit:
     """Audit one training step of ``model`` on ``gpu``.
 
     ``model``: a catalog name, a config.json path, ``package.module:function`` (with
@@ -104,7 +106,8 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
                     else default_precision(device),
                     optimizer=str(optimizer), grad_checkpointing=grad_checkpointing,
                     accumulation_steps=accumulation_steps, attention=attention,
-                    max_grad_norm=max_grad_norm, loss_sync=loss_sync, fused_ce=fused_ce)
+                    max_grad_norm=max_grad_norm, loss_sync=loss_sync, fused_ce=fused_ce,
+                    compile=compile)
     if isinstance(model, str | Workload):
         if batch is not None:
             raise TilefitError("a batch is given with a named model",
@@ -159,7 +162,8 @@ def _module_subject(model: Any, batch: Any, recipe: Recipe, device: Device, *,
     tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=recipe.precision,
                grad_checkpointing=recipe.grad_checkpointing,
                accumulation_steps=recipe.accumulation_steps, attention=recipe.attention,
-               device=device, max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync)
+               device=device, max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync,
+               compile=recipe.compile)
     notes.append("model given as an nn.Module: batch, sequence and memory what-ifs need a "
                  "re-trace and were skipped; pass a catalog name, config.json or factory for "
                  "them")

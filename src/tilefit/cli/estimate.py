@@ -29,10 +29,7 @@ def estimate(
     fused_ce: bool = mo.FUSED_CE_OPTION,
     ops: bool = typer.Option(True, "--ops/--no-ops", help="With --json: include every op record "
                              "of the steady step (--no-ops for the summary only)."),
-    compile_: bool = typer.Option(False, "--compile", help="Predict the step as "
-                                  "torch.compile (Inductor, default mode) runs it: the "
-                                  "activations its partitioner saves, its fused kernels; the "
-                                  "optimizer step stays eager."),
+    compile_: bool = mo.COMPILE_OPTION,
     graph_breaks: bool = typer.Option(False, "--graph-breaks", help="With --compile: run "
                                       "Dynamo over the step and list where it would break "
                                       "it into several graphs (seconds more)."),
@@ -52,9 +49,8 @@ def estimate(
                         accumulation_steps=accumulation, attention=attention,
                         max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
                         loss_sync=mo.loss_sync(loss_sync, work),
-                        fused_ce=fused_ce)
-        result = estimate_workload(work, recipe, device, compile=compile_,
-                                   graph_breaks=graph_breaks)
+                        fused_ce=fused_ce, compile=compile_)
+        result = estimate_workload(work, recipe, device, graph_breaks=graph_breaks)
     if not work.is_factory:
         err_console.print(mo.trainer_defaults_note(recipe), highlight=False)
     if work.is_factory:
@@ -62,7 +58,6 @@ def estimate(
                           "own loss_fn through the Python API for exact numbers", highlight=False)
     if json_out:
         print_json({"model": work.name, "recipe": recipe.to_dict(),
-                    **({"compile": True} if compile_ else {}),
                     "seq_len": work.seq_len, **result.to_dict(include_ops=ops)})
         return
     shape = f"batch {batch}" + (f" x seq {work.seq_len}" if work.seq_len else "")

@@ -101,6 +101,12 @@ FUSED_CE_OPTION = typer.Option(
     "use_liger_kernel=True): the logits are never held whole.")
 
 
+COMPILE_OPTION = typer.Option(
+    False, "--compile", help="Predict the step as torch.compile (Inductor, default mode) runs "
+    "it: the activations its partitioner saves, its fused kernels; the optimizer step stays "
+    "eager.")
+
+
 def loss_sync(flag: bool | None, work: Any) -> bool:
     """--loss-sync, or by default what the model's usual loop does (the HF Trainer's
     non-finite loss filter for Hugging Face models; nothing for plain modules)."""

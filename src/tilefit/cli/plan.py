@@ -36,6 +36,7 @@ def plan(
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     fused_ce: bool = mo.FUSED_CE_OPTION,
+    compile_: bool = mo.COMPILE_OPTION,
     top: int = typer.Option(15, "--top", help="Rows of the ranked table to show."),
     noise_scale: str | None = PLAN_NOISE_OPTION,
     json_out: bool = JSON_OPTION,
@@ -59,7 +60,8 @@ def plan(
                           allow_peft=allow_peft,
                           max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
                           loss_sync=mo.loss_sync(loss_sync, work),
-                          fused_ce=fused_ce)
+                          fused_ce=fused_ce,
+                          compile=compile_)
     if work.is_factory:
         err_console.print("note: the loss is a stand-in (mean of the model's output)",
                           highlight=False)

@@ -32,8 +32,8 @@ def trace_workload(workload: Workload, recipe: Recipe, device: str | Device, *,
         precision=recipe.precision,
         grad_checkpointing=recipe.grad_checkpointing,
         accumulation_steps=recipe.accumulation_steps, attention="auto", device=dev,
-        max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync, compile=compile,
-        graph_breaks=graph_breaks)
+        max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync,
+        compile=compile or recipe.compile, graph_breaks=graph_breaks)
 
 
 def estimate_workload(workload: Workload, recipe: Recipe, device: str | Device, *,

@@ -113,7 +113,8 @@ def trace_built(work: Workload, micro_batch: int, spec: Recipe,
                  precision=spec.precision,
                  grad_checkpointing=spec.grad_checkpointing,
                  accumulation_steps=accumulation_steps, attention="auto", device=device,
-                 max_grad_norm=spec.max_grad_norm, loss_sync=spec.loss_sync)
+                 max_grad_norm=spec.max_grad_norm, loss_sync=spec.loss_sync,
+                 compile=spec.compile)
 
 
 def sweep(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Depth,
@@ -148,6 +149,9 @@ def changes_of(spec: Recipe, user_optimizer: str, offload: bool) -> tuple[str, .
     if spec.fused_ce:
         out.append("fused linear cross-entropy (Liger Kernel): the logits never whole (same "
                    "math)")
+    if spec.compile:
+        out.append("torch.compile (Inductor): fused kernels, fewer saved activations (same "
+                   "math; compile time not counted)")
     prec = spec.spec
     if prec.autocast_dtype:
         out.append(f"{prec.autocast_dtype} autocast "

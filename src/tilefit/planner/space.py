@@ -97,10 +97,9 @@ def base_recipes(device: Device, optimizer: str, *, hf_model: bool) -> list[Reci
 
 
 def same_math_recipes(device: Device, optimizer: str, *, causal_lm: bool) -> list[Recipe]:
-    """Changes that keep the math: the optimizer's fused kernel (torch.optim's fused=True)
-    and, for a causal LM, the fused linear cross-entropy loss (Liger Kernel's), each in mixed
-    precision with SDPA, with and without checkpointing (HF models: the loss needs their
-    heads)."""
+    """Changes that keep the math: the optimizer's fused kernel (torch.optim's fused=True),
+    for a causal LM the fused linear cross-entropy loss (Liger Kernel's; with and without
+    checkpointing), and torch.compile, each in mixed precision with SDPA."""
     prec = precisions(device)[0]
     out: list[Recipe] = []
     fused = FUSED_IMPLEMENTATION.get(optimizer)
@@ -110,6 +109,9 @@ def same_math_recipes(device: Device, optimizer: str, *, causal_lm: bool) -> lis
     if causal_lm:
         out.extend(Recipe(precision=prec, optimizer=fused or optimizer, grad_checkpointing=ckpt,
                           attention="sdpa", fused_ce=True) for ckpt in (False, True))
+    if device.kind == "cuda":  # torch.compile of the forward and backward (Inductor)
+        out.append(Recipe(precision=prec, optimizer=fused or optimizer,
+                          attention="sdpa" if causal_lm else "auto", compile=True))
     return out
 
 

@@ -32,6 +32,8 @@ def short_label(row: PlanRow) -> str:
         parts.append("fopt")
     if row.recipe.fused_ce:
         parts.append("fce")
+    if row.recipe.compile:
+        parts.append("compiled")
     if row.grad_checkpointing:
         parts.append("ckpt")
     if row.attention == "eager":

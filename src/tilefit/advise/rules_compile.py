@@ -1,0 +1,59 @@
+"""torch.compile: Inductor fuses the elementwise, normalization and softmax ops between the
+GEMM and attention kernels into a few kernels that read and write each tensor once, and
+AOTAutograd's partitioner saves fewer activations for backward (docs/references.md,
+section 19). The gain is a re-trace with compile=True (tilefit.tracing.compiled)."""
+
+from __future__ import annotations
+
+from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, severity_of
+from tilefit.advise.whatif import WhatIf
+from tilefit.errors import TilefitError
+from tilefit.estimator import Estimate
+from tilefit.vocab import EXTERN_KINDS
+
+GIB = 2**30
+COMPILE_FIX = ("model = torch.compile(model) (plain PyTorch and Lightning, before "
+               "trainer.fit); TrainingArguments(torch_compile=True) for the HF Trainer")
+
+
+def fusible_share(est: Estimate) -> float:
+    """The share of the GPU's time in ops Inductor would fuse: everything but the extern
+    kernels (GEMMs, convolutions, fused attention) and the optimizer step (not compiled)."""
+    total = sum(c.time_s * c.repeats for c in est.ops)
+    fusible = sum(c.time_s * c.repeats for c in est.ops
+                  if c.record.kind not in EXTERN_KINDS and c.record.kind != "view"
+                  and c.record.phase in ("forward", "backward", "loss_check"))
+    return fusible / total if total > 0 else 0.0
+
+
+def compile_findings(whatif: WhatIf) -> list[Finding]:
+    recipe = whatif.recipe
+    if (whatif.device.kind != "cuda" or recipe.compile or recipe.grad_checkpointing
+            or not whatif.can_retrace):
+        return []
+    est = whatif.estimate
+    try:
+        after = whatif.retrace(compile=True)
+    except TilefitError:  # a torch without Inductor, a step it cannot capture
+        return []
+    speedup = est.step_time_s / after.step_time_s
+    ok = speedup >= MIN_RECOMMENDED_SPEEDUP
+    saved = est.peak_memory_bytes - after.peak_memory_bytes
+    memory = (f"and use {saved / GIB:.2f} GiB less at the peak" if saved > 0 else
+              f"and use {-saved / GIB:.2f} GiB more at the peak")
+    return [Finding(
+        rule="compile", severity=severity_of(speedup) if ok else "info",
+        title=f"elementwise, normalization and softmax kernels are {fusible_share(est):.0%} "
+        f"of the GPU's time: torch.compile is predicted to make the step {speedup:.2f}x "
+        f"faster {memory}",
+        modules=(), dimension="compile", current="eager", suggested="torch.compile",
+        fix=COMPILE_FIX,
+        reason="Inductor fuses the ops between the GEMM and attention kernels, so each "
+        "tensor is read and written once, and launches one kernel per fused group; its "
+        "partitioner saves fewer activations for backward. Predicted for one graph (no "
+        f"graph breaks), compile time excluded: step {est.step_time_s * 1e3:.1f} -> "
+        f"{after.step_time_s * 1e3:.1f} ms, peak {est.peak_memory_bytes / GIB:.2f} -> "
+        f"{after.peak_memory_bytes / GIB:.2f} GiB.",
+        step_time_before_s=est.step_time_s, step_time_after_s=after.step_time_s,
+        peak_memory_before_bytes=est.peak_memory_bytes,
+        peak_memory_after_bytes=after.peak_memory_bytes, method="retrace", recommended=ok)]
