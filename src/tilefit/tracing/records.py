@@ -9,8 +9,8 @@ from typing import Any
 from tilefit.tracing.target import Target
 from tilefit.vocab import CATEGORIES, MICRO_PHASES, PHASES, Category, OpKind, Phase
 
-__all__ = ["CATEGORIES", "MICRO_PHASES", "PHASES", "GemmShape", "OpRecord", "StorageRecord",
-           "Trace"]
+__all__ = ["CATEGORIES", "MICRO_PHASES", "PHASES", "Collective", "GemmShape", "OpRecord",
+           "StorageRecord", "Trace"]
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,19 @@ class GemmShape:
     n: int
     k: int
     dtype: str  # tilefit dtype name: fp32, fp16, bf16
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A collective an op issues: what it does, its payload and its group.
+
+    ``nbytes`` is NCCL's "size" of the operation (nccl-tests' convention, docs/references.md):
+    the whole buffer for all-reduce and broadcast, the gathered output for all-gather, the
+    input to scatter for reduce-scatter."""
+
+    name: str  # all_reduce, all_gather, reduce_scatter, broadcast, ...
+    nbytes: int
+    group_size: int
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,7 @@ class OpRecord:
     # step counters beside CUDA parameters), so it launches no kernel and never waits for
     # the device
     on_host: bool = False
+    collective: Collective | None = None  # kind "collective": what it communicates
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,6 +96,8 @@ class Trace:
     tokens_per_micro_batch: int | None
     warnings: tuple[str, ...] = field(default=())
     trainable_param_tensors: int = 0  # parameter tensors the optimizer steps
+    world_size: int = 1  # ranks of the data-parallel group; the trace is rank 0's
+    strategy: str | None = None  # a vocab.STRATEGIES name, None on one GPU
 
     # ---- memory -------------------------------------------------------------------------
     def live_bytes_timeline(self, *, rounded: bool = True,
@@ -127,13 +143,20 @@ class Trace:
 
     def breakdown_at(self, index: int, *, rounded: bool = True) -> dict[str, int]:
         """Live bytes by category at a timeline index."""
-        out = dict.fromkeys(CATEGORIES, 0)
+        out = dict.fromkeys(self.categories, 0)
         for s in self.storages:
             born = s.alloc_at + 1
             dead = None if s.free_at is None else s.free_at + 1
             if born <= index and (dead is None or dead > index):
                 out[s.category] += self.target.round(s.nbytes) if rounded else s.nbytes
         return out
+
+    @property
+    def categories(self) -> tuple[str, ...]:
+        """The memory categories of this trace: "communication" only on several GPUs."""
+        if self.strategy is not None:
+            return CATEGORIES
+        return tuple(c for c in CATEGORIES if c != "communication")
 
     def ops_of_step(self, step: int) -> tuple[OpRecord, ...]:
         return tuple(o for o in self.ops if o.step == step)

@@ -17,6 +17,13 @@ from tilefit.errors import TilefitError
 from tilefit.hardware import Device, get_device
 from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.autocast import CudaAutocast
+from tilefit.tracing.distributed import (
+    Parallel,
+    parallel_spec,
+    process_group,
+    root_name,
+    wrap_model,
+)
 from tilefit.tracing.hf_compat import gpu_mask_semantics, quiet_transformers
 from tilefit.tracing.optimizers import (
     OPTIMIZER_NAMES,
@@ -272,6 +279,7 @@ class TraceOptions:
     foreach: bool | None = None  # the target's foreach default (CUDA: True)
     cuda: bool = False  # the target is a CUDA GPU (host memory and device memory differ)
     loss_sync: bool = False  # the loop reads the loss on the host after each micro-batch
+    parallel: Parallel | None = None  # data-parallel engine and world size; None: one device
 
     @property
     def low_dtype(self) -> torch.dtype | None:
@@ -293,6 +301,7 @@ class _Prepared:
     params: list[nn.Parameter]
     optimizer: torch.optim.Optimizer
     scaler_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    notes: tuple[str, ...] = ()  # what wrapping the model in a data-parallel engine noted
 
 
 def trace(
@@ -309,6 +318,8 @@ def trace(
     replay_steady_step: bool = True,
     max_grad_norm: float | None = None,
     loss_sync: bool = False,
+    world_size: int = 1,
+    strategy: str | None = None,
 ) -> Trace:
     """Trace two training steps (the first creates optimizer state lazily; the second is the
     steady state) of ``model`` on ``batch`` as ``device`` would run them, on fake tensors.
@@ -322,8 +333,12 @@ def trace(
     default) and Lightning's gradient_clip_val do. ``loss_sync``: the loop reads the loss on
     the host after each micro-batch's backward, so the host waits for the GPU there (the HF
     Trainer's default logging_nan_inf_filter=True does; so does a loss printed or logged
-    to a progress bar each step)."""
+    to a progress bar each step). ``world_size`` and ``strategy`` ("ddp" or "fsdp2"; several
+    GPUs default to fsdp2): trace rank 0 of a data-parallel step, the model wrapped in the
+    real engine under PyTorch's fake process group (tilefit.tracing.distributed); the batch
+    is one rank's."""
     target, dev = resolve_target(device)
+    parallel = parallel_spec(world_size, strategy)
     check_options(precision, optimizer, attention, accumulation_steps, dev)
     check_max_grad_norm(max_grad_norm)
     options = TraceOptions(
@@ -331,7 +346,7 @@ def trace(
         precision=parse_precision(precision), grad_checkpointing=grad_checkpointing,
         accumulation_steps=accumulation_steps, attention=attention,
         replay_steady_step=replay_steady_step, max_grad_norm=max_grad_norm,
-        loss_sync=loss_sync,
+        loss_sync=loss_sync, parallel=parallel,
         foreach=target.foreach, cuda=target.kind == "cuda")
     with quiet_transformers():
         return _trace(model, batch, options, target)
@@ -341,9 +356,16 @@ def _trace(model: ModelSpec, batch: Any, options: TraceOptions, target: Target) 
     mode = new_fake_mode()
     tracker = ModulePath()
     recorder = Recorder(tracker, "")
-    with _explain_build_errors():
-        prep = _prepare(model, batch, options, target, recorder, mode)
-    recorder.set_root(type(prep.model).__name__)
+    with process_group(options.parallel) as mesh:
+        with _explain_build_errors():
+            prep = _prepare(model, batch, options, target, recorder, mode, mesh)
+        return _trace_prepared(prep, options, target, recorder, mode)
+
+
+def _trace_prepared(prep: _Prepared, options: TraceOptions, target: Target,
+                    recorder: Recorder, mode: FakeTensorMode) -> Trace:
+    tracker = recorder.tracker
+    recorder.set_root(root_name(prep.model))
     router = AttentionRouter(target, recorder) if target.kind == "cuda" else None
     autocast = _autocast_for(target, options.low_dtype, router)
     with mode:
@@ -359,15 +381,18 @@ def _trace(model: ModelSpec, batch: Any, options: TraceOptions, target: Target) 
                 stack.enter_context(autocast)
             stack.enter_context(gpu_mask_semantics())
             stack.enter_context(_explain_fake_errors(recorder))
+            if options.parallel is not None:
+                stack.enter_context(recorder.watching_resizes())
             _run_two_steps(prep, options, recorder, autocast)
     return _to_trace(prep, options, target, recorder, router)
 
 
-def _build_model(model: ModelSpec, mode: FakeTensorMode) -> nn.Module:
-    """The fake model: the factory's product built under the fake mode, or a fake copy."""
+def _build_model(model: ModelSpec, mode: FakeTensorMode, meta: bool = False) -> nn.Module:
+    """The fake model: the factory's product built under the fake mode, or a fake copy.
+    ``meta``: a factory's model on the meta device (FSDP2 shards it, then materialises it)."""
     if isinstance(model, nn.Module):
         return fake_copy(model, mode)
-    with mode:
+    with torch.device("meta") if meta else mode:
         built = model()
     if not isinstance(built, nn.Module):
         raise TilefitError("the model factory did not return an nn.Module",
@@ -377,8 +402,9 @@ def _build_model(model: ModelSpec, mode: FakeTensorMode) -> nn.Module:
 
 
 def _prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target,
-             recorder: Recorder, mode: FakeTensorMode) -> _Prepared:
-    fmodel = _build_model(model, mode)
+             recorder: Recorder, mode: FakeTensorMode, mesh: Any = None) -> _Prepared:
+    parallel = options.parallel
+    fmodel = _build_model(model, mode, meta=parallel is not None and parallel.strategy == "fsdp2")
     with mode:
         _set_attention(fmodel, options.attention)
         if options.pure_bf16:
@@ -387,6 +413,10 @@ def _prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target
             _enable_checkpointing(fmodel,
                                   _recompute_contexts(target, recorder, options.low_dtype))
         fmodel.train()
+    notes: tuple[str, ...] = ()
+    if parallel is not None:
+        fmodel, notes = wrap_model(fmodel, parallel, mesh, mode, recorder)
+    with mode:
         fbatch = fake_batch(batch, mode, torch.bfloat16 if options.pure_bf16 else None)
         params = [p for p in fmodel.parameters() if p.requires_grad]
         if not params:
@@ -405,7 +435,7 @@ def _prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target
         if options.precision.grad_scaler:
             scaler_state = (torch.full((1,), SCALER_INIT), torch.zeros(1, dtype=torch.int32),
                             torch.zeros(1))
-    return _Prepared(fmodel, fbatch, params, opt, scaler_state)
+    return _Prepared(fmodel, fbatch, params, opt, scaler_state, notes)
 
 
 @contextlib.contextmanager
@@ -484,7 +514,9 @@ def _to_trace(prep: _Prepared, options: TraceOptions, target: Target, recorder: 
         warnings.append(f"attention ran the math kernel {router.choices['math']} time(s) per "
                         "step: it materialises the S x S scores (fp32 or unsupported head dim "
                         "or mask)")
+    warnings.extend(prep.notes)
     optimizer = options.optimizer
+    parallel = options.parallel
     return Trace(
         target=target, precision=options.precision.name,
         optimizer=optimizer if isinstance(optimizer, str) else getattr(
@@ -498,6 +530,8 @@ def _to_trace(prep: _Prepared, options: TraceOptions, target: Target, recorder: 
         trainable_param_tensors=len(prep.params),
         samples_per_micro_batch=samples, tokens_per_micro_batch=tokens,
         warnings=tuple(warnings),
+        world_size=1 if parallel is None else parallel.world_size,
+        strategy=None if parallel is None else parallel.strategy,
     )
 
 

@@ -6,7 +6,8 @@ of torch.utils.flop_counter, and ModuleTracker (public since 2.4 in torch.utils)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -136,3 +137,82 @@ def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> li
 def is_view(t: torch.Tensor) -> bool:
     """Whether ``t`` is a view of another tensor's storage (Tensor._is_view)."""
     return bool(t._is_view())
+
+
+# ---- torch.distributed: the fake process group, DTensor, storage resizes -------------------
+def distributed_available() -> bool:
+    """Whether this torch build has torch.distributed (macOS and Windows wheels may not)."""
+    import torch.distributed as dist
+
+    return bool(dist.is_available())
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """The default process group as PyTorch's fake backend at ``world_size``, as rank 0: the
+    collectives are dispatched (so they are recorded) but move no data
+    (torch.testing._internal.distributed.fake_pg, private; checked on torch 2.13)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def process_group_initialized() -> bool:
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+_DTENSOR: list[type] = []  # DTensor's class, once a multi-GPU trace has asked for it
+
+
+def enable_dtensor() -> None:
+    """Let ``local_tensor`` unwrap DTensors (imported only for multi-GPU traces)."""
+    if not _DTENSOR:
+        from torch.distributed.tensor import DTensor
+
+        _DTENSOR.append(DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The shard a rank holds of a DTensor (its private ``_local_tensor``: ``to_local()``
+    would dispatch a view), or ``t`` itself."""
+    if _DTENSOR and isinstance(t, _DTENSOR[0]):
+        return t._local_tensor  # type: ignore[attr-defined, no-any-return]
+    return t
+
+
+def process_group_size(arg: Any) -> int | None:
+    """The size of the process group a c10d op receives (a ProcessGroup script object)."""
+    size = getattr(arg, "size", None)
+    if size is None or isinstance(arg, torch.Tensor) or not callable(size):
+        return None
+    try:
+        value = size()
+    except (TypeError, RuntimeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+@contextlib.contextmanager
+def storage_resizes(callback: Callable[[Any, int], None]) -> Iterator[None]:
+    """Call ``callback(storage, new_nbytes)`` after every ``UntypedStorage.resize_``: FSDP2
+    allocates and frees its unsharded parameters that way, outside the dispatcher (PyTorch's
+    MemTracker patches the same method)."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(st: Any, size: int) -> Any:
+        out = original(st, size)
+        callback(st, int(size))
+        return out
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
