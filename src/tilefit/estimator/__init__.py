@@ -5,6 +5,15 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from tilefit.estimator.collectives import (
+    Communication,
+    ParallelSummary,
+    bus_bandwidth_bytes_per_s,
+    check_world_size,
+    communication,
+    one_gpu_step_time_s,
+    without_communication,
+)
 from tilefit.estimator.cost import DEFAULT_EFFICIENCY, CostContext, KernelEfficiency, op_time_s
 from tilefit.estimator.result import Estimate, ModuleSummary, OpCost
 from tilefit.estimator.steptime import step_timeline
@@ -12,8 +21,8 @@ from tilefit.hardware import Device, get_device
 from tilefit.tracing.records import Trace
 from tilefit.vocab import MICRO_PHASES, OPTIMIZER_PHASES, parse_precision
 
-__all__ = ["Estimate", "ModuleSummary", "OpCost", "cublas_workspace_bytes", "estimate",
-           "estimate_trace", "overhead_bytes"]
+__all__ = ["Estimate", "ModuleSummary", "OpCost", "ParallelSummary", "cublas_workspace_bytes",
+           "estimate", "estimate_trace", "overhead_bytes"]
 
 MIB = 1024**2
 # Memory a GPU process holds beyond its tensors: the CUDA context of a PyTorch process
@@ -46,17 +55,23 @@ def estimate(model: Any, batch: Any, *, loss_fn: Any = None, optimizer: Any = "a
              precision: str = "fp32", grad_checkpointing: bool = False,
              accumulation_steps: int = 1, attention: str = "auto",
              device: str | Device = "cpu", max_grad_norm: float | None = None,
-             loss_sync: bool = False) -> Estimate:
+             loss_sync: bool = False, world_size: int = 1,
+             strategy: str | None = None) -> Estimate:
     """Predict one training step's time and peak memory on ``device`` (a catalog name, a
     Device, or "cpu" for this machine) without running it: the step is traced on fake
-    tensors as the device would run it, then costed op by op."""
+    tensors as the device would run it, then costed op by op. ``world_size`` GPUs with
+    ``strategy`` ("ddp" or "fsdp2", the default on several GPUs): one rank's step with the
+    engine's collectives (``batch`` is one rank's micro-batch); ``Estimate.parallel``
+    summarises communication, throughput and scaling."""
     from tilefit.tracing import trace
 
     dev = get_device(device)
+    if world_size > 1:
+        check_world_size(dev, world_size)
     tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
                grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation_steps,
                attention=attention, device=dev, max_grad_norm=max_grad_norm,
-               loss_sync=loss_sync)
+               loss_sync=loss_sync, world_size=world_size, strategy=strategy)
     return estimate_trace(tr, dev)
 
 
@@ -78,8 +93,10 @@ def estimate_trace(tr: Trace, device: Device,
         else:
             repeats = 1
         costs.append(OpCost(op, op_time_s(op, device, ctx), repeats))
-    timeline = step_timeline(costs, device, tr.trainable_param_tensors)
-    step_time = timeline.step_time_s
+    comm = communication(costs) if tr.strategy is not None else None
+    timeline = step_timeline(costs if comm is None else without_communication(costs), device,
+                             tr.trainable_param_tensors)
+    step_time = timeline.step_time_s + (0.0 if comm is None else comm.exposed_s)
     hw_flops = sum(c.record.flops * c.repeats for c in costs)
     model_flops = sum(c.record.flops * c.repeats for c in costs if c.record.phase != "recompute")
     by_phase: dict[str, float] = defaultdict(float)
@@ -121,4 +138,21 @@ def estimate_trace(tr: Trace, device: Device,
         modules=module_summaries, warnings=tuple(warnings), param_count=tr.param_count,
         accumulation_steps=a, host_time_s=timeline.host_s, device_time_s=timeline.device_s,
         host_bound_fraction=timeline.host_bound_fraction,
+        parallel=None if comm is None else _parallel_summary(tr, device, costs, comm, step_time),
     )
+
+
+def _parallel_summary(tr: Trace, device: Device, costs: list[OpCost], comm: Communication,
+                      step_time: float) -> ParallelSummary:
+    strategy = tr.strategy or ""
+    return ParallelSummary(
+        strategy=strategy, world_size=tr.world_size, link=device.link_name or "memory",
+        bus_bandwidth_bytes_per_s=bus_bandwidth_bytes_per_s(device, tr.world_size),
+        communication_time_s=comm.time_s, exposed_communication_s=comm.exposed_s,
+        communication_by_phase_s=comm.by_phase_s,
+        one_gpu_step_time_s=one_gpu_step_time_s(costs, step_time, comm.exposed_s, strategy,
+                                                tr.world_size),
+        step_time_s=step_time,
+        samples_per_step=tr.samples_per_micro_batch * tr.accumulation_steps,
+        tokens_per_step=(tr.tokens_per_micro_batch * tr.accumulation_steps
+                         if tr.tokens_per_micro_batch is not None else None))
