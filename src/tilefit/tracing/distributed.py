@@ -30,6 +30,7 @@ from tilefit.tracing.torch_compat import (
     distributed_available,
     enable_dtensor,
     fake_process_group,
+    keep_ddp_buckets,
     process_group_initialized,
 )
 from tilefit.vocab import DEFAULT_STRATEGY, STRATEGIES
@@ -154,6 +155,7 @@ def _wrap_ddp(model: nn.Module, mode: FakeTensorMode, recorder: Recorder) -> nn.
         # init_sync=False: the construction's parameter check and broadcast read values
         ddp = DistributedDataParallel(model, init_sync=False)
     ddp.register_comm_hook(None, _all_reduce_bucket)
+    keep_ddp_buckets(ddp)
     return ddp
 
 

@@ -216,3 +216,25 @@ def storage_resizes(callback: Callable[[Any, int], None]) -> Iterator[None]:
         yield
     finally:
         torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+
+class _NoRebuildReducer:
+    """DDP's C++ reducer, except that it never rebuilds its buckets."""
+
+    def __init__(self, reducer: Any) -> None:
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+
+def keep_ddp_buckets(ddp: Any) -> None:
+    """DDP rebuilds its buckets once, in the forward after the first backward, in the order
+    the gradients became ready; the rebuild reads values (a broadcast of bucket indices),
+    which fake tensors have none of. The construction's buckets (reverse parameter order,
+    the same size caps) stand for the rebuilt ones. Wraps DDP's private ``reducer``; call
+    after ``register_comm_hook``, which needs the C++ object."""
+    ddp.reducer = _NoRebuildReducer(ddp.reducer)
