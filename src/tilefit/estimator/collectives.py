@@ -40,8 +40,8 @@ BUS_FACTOR: dict[str, tuple[int, int]] = {  # name -> (a, b): factor = a (n - 1)
     "all_reduce": (2, 1), "all_gather": (1, 1), "reduce_scatter": (1, 1),
     "all_to_all": (1, 1)}
 ROOTED = frozenset({"broadcast", "reduce"})  # factor 1: all data leaves or enters the root
-# A small collective's time: ~15 us within a node (nccl-tests, 8-byte all-reduce on two
-# GPUs: 14-15 us, docs/references.md, section 19); twice that across nodes.
+# A small collective's time: tilefit's assumption of 15 us within a node and twice that
+# across nodes (docs/references.md, section 19, item 7: not a measured figure).
 LATENCY_S = 15e-6
 INTER_NODE_LATENCY_S = 30e-6
 ENGINE_COPY_PREFIX = "fsdp."  # FSDP2's copy-in / copy-out kernels

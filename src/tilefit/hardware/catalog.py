@@ -44,8 +44,9 @@ _DS = "NVIDIA {} datasheet"
 # (8x A100: 230-250 GB/s bus bandwidth of 300) and ~60% of PCIe (8x H100 PCIe: 35-45 of 64).
 NVLINK_EFF = 0.80
 PCIE_EFF = 0.60
-# Network per GPU across nodes: one NIC per GPU in DGX systems, 200 Gb/s HDR InfiniBand
-# (DGX A100) or 400 Gb/s NDR (DGX H100, DGX B200): 25 and 50 GB/s.
+# Network per GPU across nodes (docs/references.md, section 19): one NIC per GPU in DGX
+# systems, 200 Gb/s HDR InfiniBand (DGX A100) or 400 Gb/s NDR (DGX H100, DGX B200): 25 and
+# 50 GB/s.
 _LINKS: dict[str, tuple[str, float, float, float]] = {  # name -> link, GB/s, eff, network GB/s
     "nvlink2": ("NVLink 2", 150, NVLINK_EFF, 0), "nvlink3": ("NVLink 3", 300, NVLINK_EFF, 25),
     "nvlink4": ("NVLink 4", 450, NVLINK_EFF, 50), "nvlink5": ("NVLink 5", 900, NVLINK_EFF, 50),
