@@ -17,6 +17,7 @@ from tilefit.estimator.collectives import (
 from tilefit.estimator.cost import DEFAULT_EFFICIENCY, CostContext, KernelEfficiency, op_time_s
 from tilefit.estimator.result import Estimate, ModuleSummary, OpCost
 from tilefit.estimator.steptime import step_timeline
+from tilefit.estimator.timeline import Timeline
 from tilefit.hardware import Device, get_device
 from tilefit.tracing.records import Trace
 from tilefit.vocab import MICRO_PHASES, OPTIMIZER_PHASES, parse_precision
@@ -93,10 +94,7 @@ def estimate_trace(tr: Trace, device: Device,
         else:
             repeats = 1
         costs.append(OpCost(op, op_time_s(op, device, ctx), repeats))
-    comm = communication(costs) if tr.strategy is not None else None
-    timeline = step_timeline(costs if comm is None else without_communication(costs), device,
-                             tr.trainable_param_tensors)
-    step_time = timeline.step_time_s + (0.0 if comm is None else comm.exposed_s)
+    timeline, comm, step_time = _step_time(tr, costs, device)
     hw_flops = sum(c.record.flops * c.repeats for c in costs)
     model_flops = sum(c.record.flops * c.repeats for c in costs if c.record.phase != "recompute")
     by_phase: dict[str, float] = defaultdict(float)
@@ -138,12 +136,24 @@ def estimate_trace(tr: Trace, device: Device,
         modules=module_summaries, warnings=tuple(warnings), param_count=tr.param_count,
         accumulation_steps=a, host_time_s=timeline.host_s, device_time_s=timeline.device_s,
         host_bound_fraction=timeline.host_bound_fraction,
-        parallel=None if comm is None else _parallel_summary(tr, device, costs, comm, step_time),
+        parallel=_parallel_summary(tr, device, costs, comm, step_time),
     )
 
 
-def _parallel_summary(tr: Trace, device: Device, costs: list[OpCost], comm: Communication,
-                      step_time: float) -> ParallelSummary:
+def _step_time(tr: Trace, costs: list[OpCost], device: Device
+               ) -> tuple[Timeline, Communication | None, float]:
+    """The timelines and the step time; on several GPUs the collectives run on their own
+    stream and the step waits for what the compute does not hide."""
+    comm = communication(costs) if tr.strategy is not None else None
+    timeline = step_timeline(costs if comm is None else without_communication(costs), device,
+                             tr.trainable_param_tensors)
+    return timeline, comm, timeline.step_time_s + (0.0 if comm is None else comm.exposed_s)
+
+
+def _parallel_summary(tr: Trace, device: Device, costs: list[OpCost],
+                      comm: Communication | None, step_time: float) -> ParallelSummary | None:
+    if comm is None:
+        return None
     strategy = tr.strategy or ""
     return ParallelSummary(
         strategy=strategy, world_size=tr.world_size, link=device.link_name or "memory",

@@ -28,9 +28,9 @@ class GemmShape:
 class Collective:
     """A collective an op issues: what it does, its payload and its group.
 
-    ``nbytes`` is NCCL's "size" of the operation (nccl-tests' convention, docs/references.md):
-    the whole buffer for all-reduce and broadcast, the gathered output for all-gather, the
-    input to scatter for reduce-scatter."""
+    ``nbytes`` is NCCL's "size" of the operation (nccl-tests' convention,
+    docs/references.md, section 19): the whole buffer for all-reduce and broadcast, the
+    gathered output for all-gather, the input to scatter for reduce-scatter."""
 
     name: str  # all_reduce, all_gather, reduce_scatter, broadcast, ...
     nbytes: int
