@@ -58,7 +58,7 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(x)
 
 
-def _group_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+def _group_size(packet: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     for a in (*args, *kwargs.values()):
         size = process_group_size(a)
         if size is not None:
@@ -67,8 +67,8 @@ def _group_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     if isinstance(given, int):
         return given
     ints = [a for a in args[1:] if isinstance(a, int) and not isinstance(a, bool)]
-    if ints:  # the functional all-gather / reduce-scatter: (input, [reduce_op,] size, name)
-        return ints[0]
+    if ints and packet.startswith("_c10d_functional."):
+        return ints[0]  # all-gather / reduce-scatter: (input, [reduce_op,] group_size, name)
     import torch.distributed as dist
 
     return int(dist.get_world_size()) if dist.is_initialized() else 1
@@ -84,4 +84,4 @@ def collective_of(packet: str, args: tuple[Any, ...], kwargs: dict[str, Any], ou
     else:
         payload = args[where] if isinstance(where, int) and where < len(args) else ()
     nbytes = sum(t.numel() * t.element_size() for t in _tensors(payload))
-    return Collective(name, int(nbytes), _group_size(args, kwargs))
+    return Collective(name, int(nbytes), _group_size(packet, args, kwargs))

@@ -3,10 +3,11 @@ PyTorch's fake process group, so the trace records the engine's own collectives 
 
 - DDP: ``torch.nn.parallel.DistributedDataParallel`` with its gradient buckets (default
   ``bucket_cap_mb``, ``gradient_as_bucket_view=False``), built while the recorder runs so its
-  buckets are tracked. The fake group's work objects carry no result, which DDP's built-in
-  all-reduce hook needs, so an equivalent hook is registered: one all-reduce of each bucket
-  (the built-in hook's division by the world size is fused into the bucket copy; the values
-  do not matter on fake tensors).
+  buckets are tracked. DDP rebuilds its buckets in the second step's forward, so a DDP trace
+  runs both steps in full (no replay of the first). The fake group's work objects carry no
+  result, which DDP's built-in all-reduce hook needs, so an equivalent hook is registered:
+  one all-reduce of each bucket (the built-in hook's division by the world size is fused
+  into the bucket copy; the values do not matter on fake tensors).
 - FSDP2: ``fully_shard`` on each block of the model's layer list, then on the root (the
   recipe of PyTorch's FSDP2 tutorial and torchtitan), with the default policy: parameters
   resharded after forward, the next block's all-gather prefetched, no mixed-precision policy
@@ -30,8 +31,8 @@ from tilefit.tracing.torch_compat import (
     distributed_available,
     enable_dtensor,
     fake_process_group,
-    keep_ddp_buckets,
     process_group_initialized,
+    rebuild_ddp_buckets_on_fake_tensors,
 )
 from tilefit.vocab import DEFAULT_STRATEGY, STRATEGIES
 
@@ -155,7 +156,7 @@ def _wrap_ddp(model: nn.Module, mode: FakeTensorMode, recorder: Recorder) -> nn.
         # init_sync=False: the construction's parameter check and broadcast read values
         ddp = DistributedDataParallel(model, init_sync=False)
     ddp.register_comm_hook(None, _all_reduce_bucket)
-    keep_ddp_buckets(ddp)
+    rebuild_ddp_buckets_on_fake_tensors(ddp, lambda: recorder.allocations_as("communication"))
     return ddp
 
 

@@ -336,7 +336,8 @@ def trace(
     to a progress bar each step). ``world_size`` and ``strategy`` ("ddp" or "fsdp2"; several
     GPUs default to fsdp2): trace rank 0 of a data-parallel step, the model wrapped in the
     real engine under PyTorch's fake process group (tilefit.tracing.distributed); the batch
-    is one rank's."""
+    is one rank's. DDP runs both steps in full: it rebuilds its buckets in the second
+    forward."""
     target, dev = resolve_target(device)
     parallel = parallel_spec(world_size, strategy)
     check_options(precision, optimizer, attention, accumulation_steps, dev)
@@ -345,8 +346,10 @@ def trace(
         loss_fn=loss_fn or default_loss, optimizer=optimizer,
         precision=parse_precision(precision), grad_checkpointing=grad_checkpointing,
         accumulation_steps=accumulation_steps, attention=attention,
-        replay_steady_step=replay_steady_step, max_grad_norm=max_grad_norm,
-        loss_sync=loss_sync, parallel=parallel,
+        # DDP's steady buckets come from its rebuild in the second forward: no replay
+        replay_steady_step=replay_steady_step and (parallel is None
+                                                   or parallel.strategy != "ddp"),
+        max_grad_norm=max_grad_norm, loss_sync=loss_sync, parallel=parallel,
         foreach=target.foreach, cuda=target.kind == "cuda")
     with quiet_transformers():
         return _trace(model, batch, options, target)

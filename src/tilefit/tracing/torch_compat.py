@@ -17,7 +17,9 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
     UnsupportedOperatorException,
+    unset_fake_temporarily,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 __all__ = [
@@ -188,15 +190,19 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def process_group_size(arg: Any) -> int | None:
-    """The size of the process group a c10d op receives (a ProcessGroup script object)."""
-    size = getattr(arg, "size", None)
-    if size is None or isinstance(arg, torch.Tensor) or not callable(size):
+    """The size of the process group a c10d op receives (a ProcessGroup boxed in a script
+    object, unboxed by the private ``ProcessGroup.unbox``), None for other arguments."""
+    import torch.distributed as dist
+
+    group = arg
+    if isinstance(arg, torch.ScriptObject):
+        try:
+            group = dist.ProcessGroup.unbox(arg)
+        except (RuntimeError, TypeError, AttributeError):  # a ReduceOp or a Work
+            return None
+    if not isinstance(group, dist.ProcessGroup):
         return None
-    try:
-        value = size()
-    except (TypeError, RuntimeError):
-        return None
-    return value if isinstance(value, int) else None
+    return int(group.size())
 
 
 @contextlib.contextmanager
@@ -218,23 +224,46 @@ def storage_resizes(callback: Callable[[Any, int], None]) -> Iterator[None]:
         torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
 
 
-class _NoRebuildReducer:
-    """DDP's C++ reducer, except that it never rebuilds its buckets."""
+_INTEGER_DTYPES = (torch.int32, torch.int64)
 
-    def __init__(self, reducer: Any) -> None:
+
+class _RealIntegerAllocations(TorchDispatchMode):
+    """Integer tensors created from nothing (no tensor arguments) are real CPU tensors: the
+    host-side bookkeeping C++ code reads back (DDP's bucket indices), not model data."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        leaves = [*args, *kwargs.values()]
+        if kwargs.get("dtype") in _INTEGER_DTYPES and not any(
+                isinstance(a, torch.Tensor) for a in leaves):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+class _BucketRebuild:
+    """DDP's C++ reducer, whose one bucket rebuild runs with real integer bookkeeping."""
+
+    def __init__(self, reducer: Any, around: Callable[[], Any]) -> None:
         self._reducer = reducer
+        self._around = around
 
     def _rebuild_buckets(self) -> bool:
-        return False
+        with self._around(), _RealIntegerAllocations():
+            return bool(self._reducer._rebuild_buckets())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._reducer, name)
 
 
-def keep_ddp_buckets(ddp: Any) -> None:
-    """DDP rebuilds its buckets once, in the forward after the first backward, in the order
-    the gradients became ready; the rebuild reads values (a broadcast of bucket indices),
-    which fake tensors have none of. The construction's buckets (reverse parameter order,
-    the same size caps) stand for the rebuilt ones. Wraps DDP's private ``reducer``; call
-    after ``register_comm_hook``, which needs the C++ object."""
-    ddp.reducer = _NoRebuildReducer(ddp.reducer)
+def rebuild_ddp_buckets_on_fake_tensors(ddp: Any, around: Callable[[], Any]) -> None:
+    """DDP (torch >= 2.12) starts with all gradients in one bucket and rebuilds its buckets
+    once, in the forward after the first backward, in the order the gradients became ready
+    (the first at most 1 MiB, the others 25 MiB). The rebuild broadcasts the bucket indices
+    in an integer tensor and reads them back, which a fake tensor cannot: those integer
+    tensors are made real (the fake process group moves nothing, so rank 0 reads its own
+    indices, as it would). ``around()``: a context the rebuild runs in (the recorder's
+    category for the new buckets). Wraps DDP's private ``reducer``; call after
+    ``register_comm_hook``, which needs the C++ object."""
+    ddp.reducer = _BucketRebuild(ddp.reducer, around)
