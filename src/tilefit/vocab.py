@@ -18,11 +18,16 @@ if TYPE_CHECKING:
     from tilefit.hardware.device import Device
 
 # ---- op kinds, phases, memory categories (what a trace records) --------------------------
-OpKind = Literal["gemm", "conv", "attention", "memory", "view", "unknown"]
+# collective: a c10d collective of a data-parallel engine (all-reduce, all-gather,
+# reduce-scatter, broadcast), costed by tilefit.estimator.collectives
+OpKind = Literal["gemm", "conv", "attention", "memory", "view", "unknown", "collective"]
 Phase = Literal["setup", "forward", "backward", "recompute", "loss_check", "clip_grad",
                 "optimizer", "zero_grad", "scaler"]
+# communication: the buffers a data-parallel engine holds (DDP's gradient buckets, FSDP2's
+# all-gathered parameters and its all-gather / reduce-scatter buffers); only multi-GPU
+# traces have it (Trace.breakdown_at)
 Category = Literal["parameters", "gradients", "optimizer_state", "activations", "temporaries",
-                   "inputs"]
+                   "inputs", "communication"]
 Attention = Literal["auto", "eager", "sdpa"]
 
 OP_KINDS: tuple[str, ...] = get_args(OpKind)
@@ -34,6 +39,14 @@ MICRO_PHASES: tuple[str, ...] = ("forward", "backward", "recompute", "loss_check
 OPTIMIZER_PHASES: tuple[str, ...] = ("clip_grad", "optimizer", "zero_grad", "scaler")
 CATEGORIES: tuple[str, ...] = get_args(Category)
 ATTENTIONS: tuple[str, ...] = get_args(Attention)
+
+# ---- data-parallel strategies (tilefit.tracing.distributed wraps the model in them) --------
+# ddp: torch.nn.parallel.DistributedDataParallel; fsdp2: torch.distributed.fsdp.fully_shard
+# per transformer block, then the root. DeepSpeed ZeRO is not traced yet.
+Strategy = Literal["ddp", "fsdp2"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+# what --gpus N without --strategy runs: fully sharded, the engine that fits large models
+DEFAULT_STRATEGY = "fsdp2"
 
 # ---- optimizers (tilefit.tracing.optimizers builds them) ------------------------------------
 OPTIMIZER_NAMES: tuple[str, ...] = ("sgd", "adam", "adamw", "adamw-fused", "adafactor",

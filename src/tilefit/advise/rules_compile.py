@@ -1,7 +1,8 @@
 """torch.compile: Inductor fuses the elementwise, normalization and softmax ops between the
 GEMM and attention kernels into a few kernels that read and write each tensor once, and
-AOTAutograd's partitioner saves fewer activations for backward (docs/references.md,
-section 19). The gain is a re-trace with compile=True (tilefit.tracing.compiled)."""
+AOTAutograd's partitioner saves fewer activations for backward
+(docs/references.md, section 19). The gain is a re-trace with compile=True
+(tilefit.tracing.compiled)."""
 
 from __future__ import annotations
 

@@ -27,6 +27,8 @@ def estimate(
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     fused_ce: bool = mo.FUSED_CE_OPTION,
+    gpus: int = mo.GPUS_OPTION,
+    strategy: str | None = mo.STRATEGY_OPTION,
     ops: bool = typer.Option(True, "--ops/--no-ops", help="With --json: include every op record "
                              "of the steady step (--no-ops for the summary only)."),
     compile_: bool = mo.COMPILE_OPTION,
@@ -50,7 +52,8 @@ def estimate(
                         max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
                         loss_sync=mo.loss_sync(loss_sync, work),
                         fused_ce=fused_ce, compile=compile_)
-        result = estimate_workload(work, recipe, device, graph_breaks=graph_breaks)
+        result = estimate_workload(work, recipe, device, graph_breaks=graph_breaks,
+                                   world_size=gpus, strategy=strategy)
     if not work.is_factory:
         err_console.print(mo.trainer_defaults_note(recipe), highlight=False)
     if work.is_factory:

@@ -10,8 +10,10 @@ import typer
 from tilefit.errors import TilefitError
 from tilefit.vocab import (
     ATTENTIONS,
+    DEFAULT_STRATEGY,
     OPTIMIZER_NAMES,
     PRECISION_NAMES,
+    STRATEGIES,
     check_max_grad_norm,
     default_precision,
     parse_precision,
@@ -49,6 +51,12 @@ MAX_GRAD_NORM_OPTION = typer.Option(
     "models.")
 INPUT_SHAPE_OPTION = typer.Option(
     None, "--input-shape", help="One sample's shape for module:function models, e.g. 3,224,224.")
+GPUS_OPTION = typer.Option(
+    1, "--gpus", help="Data-parallel GPUs (one rank each): trace rank 0 of the step with the "
+    "engine of --strategy; --batch is each GPU's micro-batch.")
+STRATEGY_OPTION = typer.Option(
+    None, "--strategy", help=", ".join(STRATEGIES) + f" (default with --gpus > 1: "
+    f"{DEFAULT_STRATEGY}, fully sharded). DeepSpeed ZeRO is not traced yet.")
 TASK_OPTION = typer.Option(
     None, "--task", help="causal-lm, masked-lm, seq-cls or image-cls (default: the model's).")
 

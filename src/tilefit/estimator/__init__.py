@@ -5,16 +5,26 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from tilefit.estimator.collectives import (
+    Communication,
+    ParallelSummary,
+    bus_bandwidth_bytes_per_s,
+    check_world_size,
+    communication,
+    one_gpu_step_time_s,
+    without_communication,
+)
 from tilefit.estimator.cost import DEFAULT_EFFICIENCY, CostContext, KernelEfficiency, op_time_s
 from tilefit.estimator.fusion import compiled_op_time_s
 from tilefit.estimator.result import Estimate, ModuleSummary, OpCost
 from tilefit.estimator.steptime import step_timeline
+from tilefit.estimator.timeline import Timeline
 from tilefit.hardware import Device, get_device
 from tilefit.tracing.records import Trace
 from tilefit.vocab import MICRO_PHASES, OPTIMIZER_PHASES, parse_precision
 
-__all__ = ["Estimate", "ModuleSummary", "OpCost", "cublas_workspace_bytes", "estimate",
-           "estimate_trace", "overhead_bytes"]
+__all__ = ["Estimate", "ModuleSummary", "OpCost", "ParallelSummary", "cublas_workspace_bytes",
+           "estimate", "estimate_trace", "overhead_bytes"]
 
 MIB = 1024**2
 # Memory a GPU process holds beyond its tensors: the CUDA context of a PyTorch process
@@ -48,19 +58,26 @@ def estimate(model: Any, batch: Any, *, loss_fn: Any = None, optimizer: Any = "a
              accumulation_steps: int = 1, attention: str = "auto",
              device: str | Device = "cpu", max_grad_norm: float | None = None,
              loss_sync: bool = False, compile: bool = False,
-             graph_breaks: bool = False) -> Estimate:
+             graph_breaks: bool = False, world_size: int = 1,
+             strategy: str | None = None) -> Estimate:
     """Predict one training step's time and peak memory on ``device`` (a catalog name, a
     Device, or "cpu" for this machine) without running it: the step is traced on fake
     tensors as the device would run it, then costed op by op. ``compile``: the forward and
     backward as torch.compile (Inductor) runs them, costed kernel by kernel
-    (tilefit.estimator.fusion); ``graph_breaks``: list Dynamo's graph breaks in the notes."""
+    (tilefit.estimator.fusion); ``graph_breaks``: list Dynamo's graph breaks in the notes.
+    ``world_size`` GPUs with ``strategy`` ("ddp" or "fsdp2", the default on several GPUs):
+    one rank's step with the engine's collectives (``batch`` is one rank's micro-batch);
+    ``Estimate.parallel`` summarises communication, throughput and scaling."""
     from tilefit.tracing import trace
 
     dev = get_device(device)
+    if world_size > 1:
+        check_world_size(dev, world_size)
     tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
                grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation_steps,
                attention=attention, device=dev, max_grad_norm=max_grad_norm,
-               loss_sync=loss_sync, compile=compile, graph_breaks=graph_breaks)
+               loss_sync=loss_sync, compile=compile, graph_breaks=graph_breaks,
+               world_size=world_size, strategy=strategy)
     return estimate_trace(tr, dev)
 
 
@@ -84,8 +101,7 @@ def estimate_trace(tr: Trace, device: Device,
         time_s = compiled_op_time_s(op, device, ctx) if op.compiled else \
             op_time_s(op, device, ctx)
         costs.append(OpCost(op, time_s, repeats))
-    timeline = step_timeline(costs, device, tr.trainable_param_tensors)
-    step_time = timeline.step_time_s
+    timeline, comm, step_time = _step_time(tr, costs, device)
     hw_flops = sum(c.record.flops * c.repeats for c in costs)
     model_flops = sum(c.record.flops * c.repeats for c in costs if c.record.phase != "recompute")
     by_phase: dict[str, float] = defaultdict(float)
@@ -129,4 +145,33 @@ def estimate_trace(tr: Trace, device: Device,
         modules=module_summaries, warnings=tuple(warnings), param_count=tr.param_count,
         accumulation_steps=a, host_time_s=timeline.host_s, device_time_s=timeline.device_s,
         host_bound_fraction=timeline.host_bound_fraction,
+        parallel=_parallel_summary(tr, device, costs, comm, step_time),
     )
+
+
+def _step_time(tr: Trace, costs: list[OpCost], device: Device
+               ) -> tuple[Timeline, Communication | None, float]:
+    """The timelines and the step time; on several GPUs the collectives run on their own
+    stream and the step waits for what the compute does not hide."""
+    comm = communication(costs) if tr.strategy is not None else None
+    timeline = step_timeline(costs if comm is None else without_communication(costs), device,
+                             tr.trainable_param_tensors)
+    return timeline, comm, timeline.step_time_s + (0.0 if comm is None else comm.exposed_s)
+
+
+def _parallel_summary(tr: Trace, device: Device, costs: list[OpCost],
+                      comm: Communication | None, step_time: float) -> ParallelSummary | None:
+    if comm is None:
+        return None
+    strategy = tr.strategy or ""
+    return ParallelSummary(
+        strategy=strategy, world_size=tr.world_size, link=device.link_name or "memory",
+        bus_bandwidth_bytes_per_s=bus_bandwidth_bytes_per_s(device, tr.world_size),
+        communication_time_s=comm.time_s, exposed_communication_s=comm.exposed_s,
+        communication_by_phase_s=comm.by_phase_s,
+        one_gpu_step_time_s=one_gpu_step_time_s(costs, step_time, comm.exposed_s, strategy,
+                                                tr.world_size),
+        step_time_s=step_time,
+        samples_per_step=tr.samples_per_micro_batch * tr.accumulation_steps,
+        tokens_per_step=(tr.tokens_per_micro_batch * tr.accumulation_steps
+                         if tr.tokens_per_micro_batch is not None else None))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal, get_args
 
+from tilefit.estimator.collectives import collective_time_s
 from tilefit.estimator.multitensor import kernel_launches
 from tilefit.gemm import analyze_gemm
 from tilefit.hardware.device import Device
@@ -248,6 +249,13 @@ def _conv(op: OpRecord, device: Device, ctx: CostContext) -> float:
                  for g in op.gemms)
     # the implicit GEMM streams its operands; a conv is never faster than its own traffic
     return max(gemm_s, memory_time_s(op.bytes, device))
+
+
+@register_cost("collective")
+def _collective(op: OpRecord, device: Device, ctx: CostContext) -> float:
+    # NCCL's ring formulas over the GPUs' links (tilefit.estimator.collectives)
+    c = op.collective
+    return 0.0 if c is None else collective_time_s(c.name, c.nbytes, c.group_size, device)
 
 
 # A causal kernel skips the key blocks above the diagonal: with 128-row blocks it does

@@ -5,11 +5,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tilefit.estimator.cost import CostContext, gemm_dtype
 from tilefit.hardware.device import Device
 from tilefit.tracing.records import GemmShape, OpRecord
+
+if TYPE_CHECKING:
+    from tilefit.estimator.collectives import ParallelSummary
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class OpCost:
             "dtype": r.dtype, "flops": r.flops, "bytes": r.bytes, "kind": r.kind,
             "time_s": self.time_s, "repeats": self.repeats,
             "gemms": [asdict(g) for g in r.gemms],
+            **({"collective": asdict(r.collective)} if r.collective is not None else {}),
         }
 
 
@@ -70,6 +74,8 @@ class Estimate:
     host_time_s: float = 0.0  # the host's issue time (eager PyTorch; GPU targets)
     device_time_s: float = 0.0  # the device's busy time
     host_bound_fraction: float = 0.0  # share of the step the GPU waits for the host
+    # several GPUs: the engine, communication, throughput of the job, scaling (None: one)
+    parallel: ParallelSummary | None = None
 
     @property
     def total_memory_bytes(self) -> int:
@@ -131,5 +137,6 @@ class Estimate:
             "accumulation_steps": self.accumulation_steps,
             "modules": [m.to_dict() for m in self.modules],
             "warnings": list(self.warnings),
+            **({"parallel": self.parallel.to_dict()} if self.parallel is not None else {}),
             **({"ops": [o.to_dict() for o in self.ops]} if include_ops else {}),
         }

@@ -37,6 +37,23 @@ LAUNCH_S = 4e-6
 
 _DS = "NVIDIA {} datasheet"
 
+# Links between GPUs (docs/references.md, section 20): NVLink per GPU as the datasheets
+# quote it (bidirectional: NVLink 2 300 GB/s, NVLink 3 600 GB/s, NVLink 4 900 GB/s, NVLink 5
+# 1.8 TB/s), halved to one direction, which is what NCCL's bus bandwidth compares with; PCIe
+# x16 per direction (Gen3 ~16, Gen4 ~32, Gen5 ~64 GB/s). NCCL reaches ~80% of NVLink
+# (8x A100: 230-250 GB/s bus bandwidth of 300) and ~60% of PCIe (8x H100 PCIe: 35-45 of 64).
+NVLINK_EFF = 0.80
+PCIE_EFF = 0.60
+# Network per GPU across nodes (docs/references.md, section 20): one NIC per GPU in DGX
+# systems, 200 Gb/s HDR InfiniBand (DGX A100) or 400 Gb/s NDR (DGX H100, DGX B200): 25 and
+# 50 GB/s.
+_LINKS: dict[str, tuple[str, float, float, float]] = {  # name -> link, GB/s, eff, network GB/s
+    "nvlink2": ("NVLink 2", 150, NVLINK_EFF, 0), "nvlink3": ("NVLink 3", 300, NVLINK_EFF, 25),
+    "nvlink4": ("NVLink 4", 450, NVLINK_EFF, 50), "nvlink5": ("NVLink 5", 900, NVLINK_EFF, 50),
+    "pcie3": ("PCIe 3.0 x16", 16, PCIE_EFF, 0), "pcie4": ("PCIe 4.0 x16", 32, PCIE_EFF, 0),
+    "pcie5": ("PCIe 5.0 x16", 64, PCIE_EFF, 0),
+}
+
 
 def _gpu(
     name: str,
@@ -53,7 +70,9 @@ def _gpu(
     datacenter_align: bool = False,
     eff: float = EFF_DEFAULT,
     notes: str = "",
+    link: str = "pcie4",
 ) -> Device:
+    link_name, link_gbs, link_eff, network_gbs = _LINKS[link]
     return Device(
         name=name,
         display_name=display,
@@ -70,6 +89,10 @@ def _gpu(
         bandwidth_efficiency=BW_EFF,
         launch_overhead_s=LAUNCH_S,
         notes=notes,
+        link_name=link_name,
+        link_bytes_per_s=link_gbs * GB,
+        link_efficiency=link_eff,
+        network_bytes_per_s=network_gbs * GB,
     )
 
 
@@ -80,51 +103,53 @@ CATALOG: tuple[Device, ...] = (
     _gpu("v100", "NVIDIA Tesla V100 SXM2 32GB", "Volta", (7, 0), 80, 32, 900,
          {"fp32": 15.7, "fp16": 125}, _DS.format("V100"),
          ("tesla v100", "v100-sxm2", "v100 32gb", "tesla v100-sxm2-32gb", "v100-sxm2-32gb"),
-         notes="no bf16, no tf32"),
+         notes="no bf16, no tf32", link="nvlink2"),
     _gpu("v100-16gb", "NVIDIA Tesla V100 SXM2 16GB", "Volta", (7, 0), 80, 16, 900,
          {"fp32": 15.7, "fp16": 125}, _DS.format("V100"),
-         ("v100 16gb", "tesla v100-sxm2-16gb", "v100-sxm2-16gb"), notes="no bf16, no tf32"),
+         ("v100 16gb", "tesla v100-sxm2-16gb", "v100-sxm2-16gb"), notes="no bf16, no tf32",
+         link="nvlink2"),
     _gpu("t4", "NVIDIA Tesla T4", "Turing", (7, 5), 40, 16, 320,
          {"fp32": 8.1, "fp16": 65, "int8": 130}, _DS.format("T4"), ("tesla t4",),
-         notes="no bf16, no tf32"),
+         notes="no bf16, no tf32", link="pcie3"),
     _gpu("a10", "NVIDIA A10", "Ampere", (8, 6), 72, 24, 600,
          {"fp32": 31.2, "tf32": 62.5, "fp16": 125, "bf16": 125, "int8": 250},
-         _DS.format("A10"), ("nvidia a10",)),
+         _DS.format("A10"), ("nvidia a10",), link="pcie4"),
     _gpu("a100-40gb", "NVIDIA A100 SXM4 40GB", "Ampere", (8, 0), 108, 40, 1555, _AMPERE_DC,
          _DS.format("A100"), ("a100 40gb", "a100-sxm4-40gb", "a100 sxm 40gb", "a100-40g"),
-         datacenter_align=True, eff=EFF_A100),
+         datacenter_align=True, eff=EFF_A100, link="nvlink3"),
     _gpu("a100-80gb", "NVIDIA A100 SXM4 80GB", "Ampere", (8, 0), 108, 80, 2039, _AMPERE_DC,
          _DS.format("A100"), ("a100 80gb", "a100-sxm4-80gb", "a100 sxm 80gb", "a100-80g"),
-         datacenter_align=True, eff=EFF_A100),
+         datacenter_align=True, eff=EFF_A100, link="nvlink3"),
     _gpu("a100-pcie-80gb", "NVIDIA A100 PCIe 80GB", "Ampere", (8, 0), 108, 80, 1935,
          _AMPERE_DC, _DS.format("A100"), ("a100 80gb pcie", "a100-pcie", "a100 pcie"),
-         datacenter_align=True, eff=EFF_A100),
+         datacenter_align=True, eff=EFF_A100, link="pcie4"),
     _gpu("rtx-3090", "NVIDIA GeForce RTX 3090", "Ampere", (8, 6), 82, 24, 936,
          {"fp32": 35.6, "tf32": 35.6, "fp16": 71, "bf16": 71, "int8": 284},
          "NVIDIA GA102 (Ampere GA102) whitepaper; fp16/bf16 with fp32 accumulate",
-         ("3090", "rtx3090", "geforce rtx 3090")),
+         ("3090", "rtx3090", "geforce rtx 3090"), link="pcie4"),
     _gpu("rtx-4090", "NVIDIA GeForce RTX 4090", "Ada", (8, 9), 128, 24, 1008,
          {"fp32": 82.6, "tf32": 82.6, "fp16": 165.2, "bf16": 165.2, "fp8": 330.3, "int8": 660.6},
          "NVIDIA Ada Lovelace (AD102) whitepaper; fp16/bf16 with fp32 accumulate",
-         ("4090", "rtx4090", "geforce rtx 4090")),
+         ("4090", "rtx4090", "geforce rtx 4090"), link="pcie4"),
     _gpu("l4", "NVIDIA L4", "Ada", (8, 9), 58, 24, 300,
          {"fp32": 30.3, "tf32": 60, "fp16": 121, "bf16": 121, "fp8": 242, "int8": 242},
-         _DS.format("L4") + " (sparse figures halved)", ("nvidia l4",)),
+         _DS.format("L4") + " (sparse figures halved)", ("nvidia l4",), link="pcie4"),
     _gpu("l40s", "NVIDIA L40S", "Ada", (8, 9), 142, 48, 864,
          {"fp32": 91.6, "tf32": 183, "fp16": 362, "bf16": 362, "fp8": 733, "int8": 733},
-         _DS.format("L40S"), ("nvidia l40s",)),
+         _DS.format("L40S"), ("nvidia l40s",), link="pcie4"),
     _gpu("h100-sxm", "NVIDIA H100 SXM5 80GB", "Hopper", (9, 0), 132, 80, 3350, _HOPPER_SXM,
          _DS.format("H100"), ("h100", "h100 sxm", "h100-sxm5", "h100 80gb hbm3", "h100-80gb"),
-         datacenter_align=True, eff=EFF_HOPPER),
+         datacenter_align=True, eff=EFF_HOPPER, link="nvlink4"),
     _gpu("h100-pcie", "NVIDIA H100 PCIe 80GB", "Hopper", (9, 0), 114, 80, 2000,
          {"fp32": 51, "tf32": 378, "fp16": 756, "bf16": 756, "fp8": 1513, "int8": 1513},
          _DS.format("H100"), ("h100 pcie", "h100-pcie-80gb"),
-         datacenter_align=True, eff=EFF_HOPPER),
+         datacenter_align=True, eff=EFF_HOPPER, link="pcie5"),
     _gpu("h200", "NVIDIA H200 SXM 141GB", "Hopper", (9, 0), 132, 141, 4800, _HOPPER_SXM,
          _DS.format("H200"), ("h200 sxm", "h200-sxm", "h200 141gb"),
-         datacenter_align=True, eff=EFF_HOPPER),
+         datacenter_align=True, eff=EFF_HOPPER, link="nvlink4"),
     _gpu("b200", "NVIDIA B200 180GB", "Blackwell", (10, 0), 148, 180, 8000,
          {"fp32": 80, "tf32": 1125, "fp16": 2250, "bf16": 2250, "fp8": 4500, "int8": 4500},
          "public tables quoting NVIDIA's B200 (HGX) figures; some list 192 GB",
-         ("nvidia b200", "b200 180gb"), datacenter_align=True, eff=EFF_BLACKWELL),
+         ("nvidia b200", "b200 180gb"), datacenter_align=True, eff=EFF_BLACKWELL,
+         link="nvlink5"),
 )  # fmt: skip

@@ -58,6 +58,17 @@ class Device:
     fresh_alloc_s_per_byte: float = 0.0
     fresh_alloc_min_bytes: int = 0
     notes: str = ""
+    # The links between GPUs (docs/references.md, section 20): each GPU's unidirectional
+    # bandwidth to the others in its node (NVLink, or PCIe without it; datasheets quote
+    # NVLink bidirectional, half of it each way), the share of it NCCL's collectives reach
+    # (nccl-tests' bus bandwidth), GPUs per node, and each GPU's network bandwidth to other
+    # nodes (0: multi-node not described). 0 link bandwidth (the CPU): collectives are
+    # costed at the device's memory bandwidth.
+    link_name: str = ""
+    link_bytes_per_s: float = 0.0
+    link_efficiency: float = 0.80
+    gpus_per_node: int = 8
+    network_bytes_per_s: float = 0.0
     # The measured profile from `tilefit calibrate`, when one was found for this device; the
     # GEMM model then uses its fitted terms (tilefit.hardware.profile).
     profile: Profile | None = field(default=None, hash=False, compare=False, repr=False)

@@ -70,6 +70,9 @@ def summary_table(estimate: Estimate, title: str) -> Table:
         table.add_row("throughput", f"{estimate.samples_per_s:,.1f} samples/s")
     table.add_row("FLOPs / step", f"{estimate.flops:.3e} (model), MFU {estimate.mfu:.1%} of the "
                   f"{estimate.mfu_dtype} peak")
+    if estimate.parallel is not None:
+        for name, value in parallel_rows(estimate):
+            table.add_row(name, value)
     verdict = "fits" if estimate.fits else "DOES NOT FIT"
     style = "green" if estimate.fits else "bold red"
     table.add_row("peak memory", f"{fmt_bytes(estimate.peak_memory_bytes)} tensors + "
@@ -77,6 +80,22 @@ def summary_table(estimate: Estimate, title: str) -> Table:
                   f"{fmt_bytes(estimate.total_memory_bytes)} of "
                   f"{fmt_bytes(device.memory_bytes)}: [{style}]{verdict}[/]")
     return table
+
+
+def parallel_rows(estimate: Estimate) -> list[tuple[str, str]]:
+    """The data-parallel rows of the summary: engine, communication, the job's throughput."""
+    p = estimate.parallel
+    if p is None:
+        return []
+    rows = [("GPUs", f"{p.world_size} x {p.strategy} over {p.link} (NCCL bus bandwidth "
+             f"{p.bus_bandwidth_bytes_per_s / 1e9:,.0f} GB/s); figures per GPU unless said"),
+            ("communication", f"{fmt_time(p.communication_time_s)} in collectives, "
+             f"{fmt_time(p.exposed_communication_s)} not hidden by compute (in the step time)")]
+    total = (f"{p.tokens_per_s_total:,.0f} tokens/s, " if p.tokens_per_s_total else "") + \
+        f"{p.samples_per_s_total:,.1f} samples/s"
+    rows.append(("all GPUs", f"{total}; scaling efficiency {p.scaling_efficiency:.0%} of one "
+                 "GPU's throughput per GPU"))
+    return rows
 
 
 def memory_table(estimate: Estimate) -> Table:

@@ -13,10 +13,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from tilefit.tracing.collectives import ENGINE_COPY_NAMESPACE, collective_of
 from tilefit.tracing.fusion import NodePlan
-from tilefit.tracing.records import GemmShape, OpRecord, StorageRecord
+from tilefit.tracing.records import Collective, GemmShape, OpRecord, StorageRecord
 from tilefit.tracing.shapes import classify, gemm_shapes, op_flops, packet_name
-from tilefit.tracing.torch_compat import DataDependentOutputException, ModulePath, written_args
+from tilefit.tracing.torch_compat import (
+    DataDependentOutputException,
+    ModulePath,
+    local_tensor,
+    storage_resizes,
+    written_args,
+)
 from tilefit.vocab import OPTIMIZER_PHASES, Phase
 
 _SKIP = {"prim.device.default", "profiler._record_function_enter_new.default",
@@ -26,7 +33,7 @@ _SKIP = {"prim.device.default", "profiler._record_function_enter_new.default",
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:
     """The tensors in nested tuples/lists/dicts (aten arguments are no deeper than that)."""
     if isinstance(tree, torch.Tensor):
-        yield tree
+        yield local_tensor(tree)  # a DTensor's shard: what this rank holds
     elif isinstance(tree, tuple | list):
         for x in tree:
             yield from _tensors(x)
@@ -71,6 +78,7 @@ class Recorder(TorchDispatchMode):
         self._recording = True
         self._node: NodePlan | None = None  # the compiled-graph node running now
         self._node_module = ""  # the module that node came from
+        self._default_category: str | None = None  # for storages tracked now (allocations_as)
         self.stand_in_reads = 0  # .item() calls in the optimizer answered with a stand-in
 
     # ---- where the step is --------------------------------------------------------------
@@ -140,6 +148,10 @@ class Recorder(TorchDispatchMode):
         uid = self._uid_of.get(st)
         if uid is not None:
             return uid
+        return self._track_storage(st, at, category, module)
+
+    def _track_storage(self, st: Any, at: int, category: str | None = None,
+                       module: str | None = None) -> int:
         uid = self._next_uid
         self._next_uid += 1
         self._uid_of[st] = uid
@@ -147,13 +159,46 @@ class Recorder(TorchDispatchMode):
         self._alloc_at[uid] = at
         self._alloc_phase[uid] = self.phase
         self._alloc_module[uid] = self.module if module is None else module
+        category = category or self._default_category
         if category is not None:
             self.category[uid] = category
         weakref.finalize(st, self._on_free, uid)
         return uid
 
     def _on_free(self, uid: int) -> None:
-        self._free_at[uid] = self._events
+        self._free_at.setdefault(uid, self._events)  # a resize may have freed it earlier
+
+    @contextlib.contextmanager
+    def allocations_as(self, category: str) -> Iterator[None]:
+        """Storages first seen inside get ``category`` (DDP's buckets at construction)."""
+        self._default_category = category
+        try:
+            yield
+        finally:
+            self._default_category = None
+
+    @contextlib.contextmanager
+    def watching_resizes(self) -> Iterator[None]:
+        """Track ``UntypedStorage.resize_``: FSDP2 frees its unsharded parameters by resizing
+        their storage to 0 and allocates them again by resizing it back."""
+        with storage_resizes(self._on_resize):
+            yield
+
+    def _on_resize(self, st: Any, nbytes: int) -> None:
+        """A resized storage ends its old lifetime and, unless emptied, starts a new one;
+        only a data-parallel engine resizes storages: its buffers are "communication"."""
+        if not self._recording:
+            return
+        uid = self._uid_of.get(st)
+        if uid is not None:
+            if uid not in self._free_at and self._nbytes[uid] == nbytes:
+                return
+            self._free_at.setdefault(uid, self._events)
+            if self.category.get(uid) is None:
+                self.category[uid] = "communication"
+            del self._uid_of[st]
+        if nbytes > 0:
+            self._track_storage(st, self._events, "communication")
 
     def register_existing(self, tree: Any, category: str) -> None:
         """Storages alive before the step (parameters, buffers, inputs)."""
@@ -312,10 +357,14 @@ class Recorder(TorchDispatchMode):
         inputs = list(_tensors((args, kwargs)))
         outputs = list(_tensors(out))
         before = self._next_uid
-        for t in outputs:
-            self._track(t, at, module=module)
-        alloc = tuple(self._nbytes[u] for u in range(before, self._next_uid))
         kind = classify(func)
+        engine = kind == "collective" or name.startswith(ENGINE_COPY_NAMESPACE)
+        for t in outputs:
+            self._track(t, at, "communication" if engine else None, module=module)
+        alloc = tuple(self._nbytes[u] for u in range(before, self._next_uid))
+        collective: Collective | None = None
+        if kind == "collective":
+            collective = collective_of(packet_name(func), args, kwargs, out)
         attention = None
         if kind == "attention":
             attention = self._attention_info(func, args, kwargs, out)
@@ -341,6 +390,7 @@ class Recorder(TorchDispatchMode):
             flops=int(flops), bytes=int(nbytes), kind=kind, step=self._step, micro=self._micro,
             gemms=gemms, attention=attention, alloc_bytes=alloc,
             multi_tensor=_multi_tensor(name, args, out), on_host=on_host, **compiled,
+            collective=collective,
         ))
         self._events += 1
         return out

@@ -9,7 +9,8 @@ from typing import Any
 from tilefit.tracing.target import Target
 from tilefit.vocab import CATEGORIES, MICRO_PHASES, PHASES, Category, OpKind, Phase
 
-__all__ = ["CATEGORIES", "MICRO_PHASES", "PHASES", "FusedKernel", "GemmShape", "OpRecord",
+__all__ = ["CATEGORIES", "MICRO_PHASES", "PHASES", "Collective", "FusedKernel", "GemmShape",
+           "OpRecord",
            "StorageRecord", "Trace"]
 
 
@@ -34,6 +35,19 @@ class FusedKernel:
     read_bytes: int  # values made outside it, each read once
     write_bytes: int  # its values used outside it (or saved for backward), each written once
     alloc_bytes: tuple[int, ...] = ()  # the buffers it allocates (what it writes)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A collective an op issues: what it does, its payload and its group.
+
+    ``nbytes`` is NCCL's "size" of the operation (nccl-tests' convention,
+    docs/references.md, section 20): the whole buffer for all-reduce and broadcast, the
+    gathered output for all-gather, the input to scatter for reduce-scatter."""
+
+    name: str  # all_reduce, all_gather, reduce_scatter, broadcast, ...
+    nbytes: int
+    group_size: int
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,7 @@ class OpRecord:
     compiled: bool = False
     fused: bool = False
     kernel: FusedKernel | None = None
+    collective: Collective | None = None  # kind "collective": what it communicates
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,6 +117,8 @@ class Trace:
     warnings: tuple[str, ...] = field(default=())
     trainable_param_tensors: int = 0  # parameter tensors the optimizer steps
     compiled: bool = False  # forward and backward as torch.compile runs them
+    world_size: int = 1  # ranks of the data-parallel group; the trace is rank 0's
+    strategy: str | None = None  # a vocab.STRATEGIES name, None on one GPU
 
     # ---- memory -------------------------------------------------------------------------
     def live_bytes_timeline(self, *, rounded: bool = True,
@@ -147,13 +164,20 @@ class Trace:
 
     def breakdown_at(self, index: int, *, rounded: bool = True) -> dict[str, int]:
         """Live bytes by category at a timeline index."""
-        out = dict.fromkeys(CATEGORIES, 0)
+        out = dict.fromkeys(self.categories, 0)
         for s in self.storages:
             born = s.alloc_at + 1
             dead = None if s.free_at is None else s.free_at + 1
             if born <= index and (dead is None or dead > index):
                 out[s.category] += self.target.round(s.nbytes) if rounded else s.nbytes
         return out
+
+    @property
+    def categories(self) -> tuple[str, ...]:
+        """The memory categories of this trace: "communication" only on several GPUs."""
+        if self.strategy is not None:
+            return CATEGORIES
+        return tuple(c for c in CATEGORIES if c != "communication")
 
     def ops_of_step(self, step: int) -> tuple[OpRecord, ...]:
         return tuple(o for o in self.ops if o.step == step)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from tilefit.tracing.collectives import ENGINE_COPY_NAMESPACE, WAIT_OPS, is_collective
 from tilefit.tracing.records import GemmShape
 from tilefit.tracing.torch_compat import flop_formula
 
@@ -62,7 +63,8 @@ _KIND: dict[Any, str] = {}
 
 
 def classify(func: Any) -> str:
-    """The op's kind for the cost model: view, gemm, conv, attention, memory or unknown."""
+    """The op's kind for the cost model: view, gemm, conv, attention, memory, collective or
+    unknown."""
     kind = _KIND.get(func)
     if kind is None:
         kind = _KIND[func] = _classify(func)
@@ -71,8 +73,12 @@ def classify(func: Any) -> str:
 
 def _classify(func: Any) -> str:
     name = packet_name(func)
-    if getattr(func, "is_view", False) or name in NO_KERNEL:
+    if getattr(func, "is_view", False) or name in NO_KERNEL or name in WAIT_OPS:
         return "view"
+    if is_collective(name):
+        return "collective"
+    if name.startswith(ENGINE_COPY_NAMESPACE):  # FSDP2's copy-in / copy-out kernels
+        return "memory"
     if name in GEMM_OPS:
         return "gemm"
     if name in CONV_OPS:

@@ -25,6 +25,13 @@ from tilefit.tracing.compiled import (
     compile_notes,
     graph_breaks,
 )
+from tilefit.tracing.distributed import (
+    Parallel,
+    parallel_spec,
+    process_group,
+    root_name,
+    wrap_model,
+)
 from tilefit.tracing.hf_compat import gpu_mask_semantics, quiet_transformers
 from tilefit.tracing.optimizers import (
     OPTIMIZER_NAMES,
@@ -282,6 +289,7 @@ class TraceOptions:
     loss_sync: bool = False  # the loop reads the loss on the host after each micro-batch
     compile: bool = False  # forward and backward as torch.compile (Inductor) runs them
     graph_breaks: bool = False  # with compile: run Dynamo over the step to list its breaks
+    parallel: Parallel | None = None  # data-parallel engine and world size; None: one device
 
     @property
     def low_dtype(self) -> torch.dtype | None:
@@ -304,6 +312,7 @@ class _Prepared:
     optimizer: torch.optim.Optimizer
     scaler_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     compiled: CompiledStep | None = None  # the captured loss computation (compile=True)
+    notes: tuple[str, ...] = ()  # what wrapping the model in a data-parallel engine noted
 
 
 def trace(
@@ -322,6 +331,8 @@ def trace(
     loss_sync: bool = False,
     compile: bool = False,
     graph_breaks: bool = False,
+    world_size: int = 1,
+    strategy: str | None = None,
 ) -> Trace:
     """Trace two training steps (the first creates optimizer state lazily; the second is the
     steady state) of ``model`` on ``batch`` as ``device`` would run them, on fake tensors.
@@ -339,16 +350,25 @@ def trace(
     ``torch.compile`` (Inductor, default mode) runs them (tilefit.tracing.compiled): the
     activations its partitioner saves, its fused kernels; the optimizer step stays eager.
     ``graph_breaks`` (with ``compile``): run Dynamo over the step first and list where it
-    would break it into several graphs (the prediction is of one graph); seconds more."""
+    would break it into several graphs (the prediction is of one graph); seconds more.
+    ``world_size`` and ``strategy`` ("ddp" or "fsdp2"; several
+    GPUs default to fsdp2): trace rank 0 of a data-parallel step, the model wrapped in the
+    real engine under PyTorch's fake process group (tilefit.tracing.distributed); the batch
+    is one rank's. DDP runs both steps in full: it rebuilds its buckets in the second
+    forward."""
     target, dev = resolve_target(device)
+    parallel = parallel_spec(world_size, strategy)
     check_options(precision, optimizer, attention, accumulation_steps, dev)
     check_max_grad_norm(max_grad_norm)
     options = TraceOptions(
         loss_fn=loss_fn or default_loss, optimizer=optimizer,
         precision=parse_precision(precision), grad_checkpointing=grad_checkpointing,
         accumulation_steps=accumulation_steps, attention=attention,
-        replay_steady_step=replay_steady_step, max_grad_norm=max_grad_norm,
-        loss_sync=loss_sync, compile=compile, graph_breaks=graph_breaks,
+        # DDP's steady buckets come from its rebuild in the second forward: no replay
+        replay_steady_step=replay_steady_step and (parallel is None
+                                                   or parallel.strategy != "ddp"),
+        max_grad_norm=max_grad_norm, loss_sync=loss_sync, compile=compile,
+        graph_breaks=graph_breaks, parallel=parallel,
         foreach=target.foreach, cuda=target.kind == "cuda")
     _check_compile(options)
     with quiet_transformers():
@@ -364,6 +384,12 @@ def _check_compile(options: TraceOptions) -> None:
                            given="compile=False", fix="add --compile (compile=True)")
     if not options.compile:
         return
+    if options.parallel is not None:
+        raise TilefitError(
+            "compile=True is not predicted on several GPUs yet",
+            expected="compile=True on one GPU, or --gpus/--strategy without --compile",
+            given=f"--gpus {options.parallel.world_size} --compile",
+            fix="drop --compile or --gpus")
     if options.grad_checkpointing:
         raise TilefitError(
             "compile=True does not predict activation checkpointing yet",
@@ -376,9 +402,16 @@ def _trace(model: ModelSpec, batch: Any, options: TraceOptions, target: Target) 
     mode = new_fake_mode()
     tracker = ModulePath()
     recorder = Recorder(tracker, "")
-    with _explain_build_errors():
-        prep = _prepare(model, batch, options, target, recorder, mode)
-    recorder.set_root(type(prep.model).__name__)
+    with process_group(options.parallel) as mesh:
+        with _explain_build_errors():
+            prep = _prepare(model, batch, options, target, recorder, mode, mesh)
+        return _trace_prepared(prep, options, target, recorder, mode)
+
+
+def _trace_prepared(prep: _Prepared, options: TraceOptions, target: Target,
+                    recorder: Recorder, mode: FakeTensorMode) -> Trace:
+    tracker = recorder.tracker
+    recorder.set_root(root_name(prep.model))
     router = AttentionRouter(target, recorder) if target.kind == "cuda" else None
     autocast = _autocast_for(target, options.low_dtype, router)
     with mode:
@@ -396,6 +429,8 @@ def _trace(model: ModelSpec, batch: Any, options: TraceOptions, target: Target) 
                 stack.enter_context(autocast)
             stack.enter_context(gpu_mask_semantics())
             stack.enter_context(_explain_fake_errors(recorder))
+            if options.parallel is not None:
+                stack.enter_context(recorder.watching_resizes())
             _run_two_steps(prep, options, recorder, autocast)
     return _to_trace(prep, options, target, recorder, router)
 
@@ -428,11 +463,12 @@ def _with_compiled(prep: _Prepared, options: TraceOptions, recorder: Recorder,
     return dataclasses.replace(prep, compiled=compiled)
 
 
-def _build_model(model: ModelSpec, mode: FakeTensorMode) -> nn.Module:
-    """The fake model: the factory's product built under the fake mode, or a fake copy."""
+def _build_model(model: ModelSpec, mode: FakeTensorMode, meta: bool = False) -> nn.Module:
+    """The fake model: the factory's product built under the fake mode, or a fake copy.
+    ``meta``: a factory's model on the meta device (FSDP2 shards it, then materialises it)."""
     if isinstance(model, nn.Module):
         return fake_copy(model, mode)
-    with mode:
+    with torch.device("meta") if meta else mode:
         built = model()
     if not isinstance(built, nn.Module):
         raise TilefitError("the model factory did not return an nn.Module",
@@ -442,8 +478,9 @@ def _build_model(model: ModelSpec, mode: FakeTensorMode) -> nn.Module:
 
 
 def _prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target,
-             recorder: Recorder, mode: FakeTensorMode) -> _Prepared:
-    fmodel = _build_model(model, mode)
+             recorder: Recorder, mode: FakeTensorMode, mesh: Any = None) -> _Prepared:
+    parallel = options.parallel
+    fmodel = _build_model(model, mode, meta=parallel is not None and parallel.strategy == "fsdp2")
     with mode:
         _set_attention(fmodel, options.attention)
         if options.pure_bf16:
@@ -452,6 +489,10 @@ def _prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target
             _enable_checkpointing(fmodel,
                                   _recompute_contexts(target, recorder, options.low_dtype))
         fmodel.train()
+    notes: tuple[str, ...] = ()
+    if parallel is not None:
+        fmodel, notes = wrap_model(fmodel, parallel, mesh, mode, recorder)
+    with mode:
         fbatch = fake_batch(batch, mode, torch.bfloat16 if options.pure_bf16 else None)
         params = [p for p in fmodel.parameters() if p.requires_grad]
         if not params:
@@ -470,7 +511,7 @@ def _prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target
         if options.precision.grad_scaler:
             scaler_state = (torch.full((1,), SCALER_INIT), torch.zeros(1, dtype=torch.int32),
                             torch.zeros(1))
-    return _Prepared(fmodel, fbatch, params, opt, scaler_state)
+    return _Prepared(fmodel, fbatch, params, opt, scaler_state, notes=notes)
 
 
 @contextlib.contextmanager
@@ -551,7 +592,9 @@ def _to_trace(prep: _Prepared, options: TraceOptions, target: Target, recorder: 
         warnings.append(f"attention ran the math kernel {router.choices['math']} time(s) per "
                         "step: it materialises the S x S scores (fp32 or unsupported head dim "
                         "or mask)")
+    warnings.extend(prep.notes)
     optimizer = options.optimizer
+    parallel = options.parallel
     return Trace(
         target=target, precision=options.precision.name,
         optimizer=optimizer if isinstance(optimizer, str) else getattr(
@@ -565,6 +608,8 @@ def _to_trace(prep: _Prepared, options: TraceOptions, target: Target, recorder: 
         trainable_param_tensors=len(prep.params),
         samples_per_micro_batch=samples, tokens_per_micro_batch=tokens,
         warnings=tuple(warnings), compiled=prep.compiled is not None,
+        world_size=1 if parallel is None else parallel.world_size,
+        strategy=None if parallel is None else parallel.strategy,
     )
 
 

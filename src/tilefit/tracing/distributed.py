@@ -1,0 +1,174 @@
+"""Rank 0 of a data-parallel step: the model wrapped in the real engine (DDP or FSDP2) under
+PyTorch's fake process group, so the trace records the engine's own collectives and buffers.
+
+- DDP: ``torch.nn.parallel.DistributedDataParallel`` with its gradient buckets (default
+  ``bucket_cap_mb``, ``gradient_as_bucket_view=False``), built while the recorder runs so its
+  buckets are tracked. DDP rebuilds its buckets in the second step's forward, so a DDP trace
+  runs both steps in full (no replay of the first). The fake group's work objects carry no
+  result, which DDP's built-in all-reduce hook needs, so an equivalent hook is registered:
+  one all-reduce of each bucket (the built-in hook's division by the world size is fused
+  into the bucket copy; the values do not matter on fake tensors).
+- FSDP2: ``fully_shard`` on each block of the model's layer list, then on the root (the
+  recipe of PyTorch's FSDP2 tutorial and torchtitan), with the default policy: parameters
+  resharded after forward, the next block's all-gather prefetched, no mixed-precision policy
+  (all-gathers in the parameters' dtype). A factory's model is built on the meta device and
+  materialised with ``to_empty`` inside the fake mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from tilefit.errors import TilefitError
+from tilefit.tracing.recorder import Recorder
+from tilefit.tracing.torch_compat import (
+    FakeTensorMode,
+    distributed_available,
+    enable_dtensor,
+    fake_process_group,
+    process_group_initialized,
+    rebuild_ddp_buckets_on_fake_tensors,
+)
+from tilefit.vocab import DEFAULT_STRATEGY, STRATEGIES
+
+__all__ = ["Parallel", "find_layer_list", "parallel_spec", "process_group", "root_name",
+           "wrap_model"]
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """A data-parallel setup: the engine and the number of ranks (one GPU each)."""
+
+    strategy: str  # a vocab.STRATEGIES name
+    world_size: int
+
+
+def parallel_spec(world_size: int = 1, strategy: str | None = None) -> Parallel | None:
+    """The setup for ``world_size`` ranks, None for one GPU without a strategy (today's
+    single-device trace). Without a strategy, several GPUs run ``DEFAULT_STRATEGY``."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise TilefitError("the world size must be a whole number of GPUs >= 1",
+                           expected="1, 2, 4, 8, ...", given=repr(world_size),
+                           fix="pass --gpus with the number of GPUs (world_size= in Python)")
+    if strategy is None:
+        return None if world_size == 1 else Parallel(DEFAULT_STRATEGY, world_size)
+    key = str(strategy).strip().lower()
+    if key not in STRATEGIES:
+        hint = " (DeepSpeed ZeRO is not traced yet)" if "zero" in key or "deepspeed" in key \
+            else ""
+        raise TilefitError(f"unknown data-parallel strategy {strategy!r}{hint}",
+                           expected="one of " + ", ".join(STRATEGIES), given=repr(strategy),
+                           fix="pass --strategy fsdp2 (sharded) or --strategy ddp (replicated)")
+    if not distributed_available():
+        raise TilefitError("this torch build has no torch.distributed",
+                           expected="a torch build with distributed support (Linux wheels)",
+                           given="torch.distributed.is_available() is False",
+                           fix="trace on one GPU (drop --gpus and --strategy)")
+    return Parallel(key, world_size)
+
+
+@contextlib.contextmanager
+def process_group(parallel: Parallel | None) -> Iterator[Any]:
+    """The fake process group of ``parallel`` (and FSDP2's device mesh, yielded), or
+    nothing for a single-device trace."""
+    if parallel is None:
+        yield None
+        return
+    if process_group_initialized():
+        raise TilefitError("a torch.distributed process group is already initialised",
+                           expected="tilefit's multi-GPU trace to run outside torchrun's group",
+                           given="torch.distributed.is_initialized() is True",
+                           fix="call tilefit.estimate(world_size=...) before "
+                           "init_process_group, or in a separate process")
+    enable_dtensor()
+    with fake_process_group(parallel.world_size):
+        mesh = None
+        if parallel.strategy == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            # outside the fake mode: the mesh holds a real tensor of ranks
+            mesh = init_device_mesh("cpu", (parallel.world_size,))
+        yield mesh
+
+
+def find_layer_list(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
+    """The model's list of repeated blocks (HF ``model.layers``, ``transformer.h``, ...):
+    the ModuleList or Sequential of two or more children of one class, with parameters,
+    holding the most parameters. None when there is none."""
+    best: tuple[int, str, list[nn.Module]] | None = None
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList | nn.Sequential):
+            continue
+        children = list(mod.children())
+        if len(children) < 2 or len({type(c) for c in children}) != 1:
+            continue
+        numel = sum(p.numel() for p in mod.parameters())
+        if numel and (best is None or numel > best[0]):
+            best = (numel, name, children)
+    return None if best is None else (best[1], best[2])
+
+
+def root_name(model: nn.Module) -> str:
+    """The root of the module paths the recorder reports: DDP's wrapped module, so paths
+    read as on one GPU; the model itself otherwise (FSDP2 keeps the module tree)."""
+    name = type(model).__name__
+    return f"{name}.module" if hasattr(model, "module") and hasattr(model, "reducer") else name
+
+
+def wrap_model(model: nn.Module, parallel: Parallel, mesh: Any, mode: FakeTensorMode,
+               recorder: Recorder) -> tuple[nn.Module, tuple[str, ...]]:
+    """``model`` in the engine of ``parallel``, its parameters fake; and notes for the
+    trace's warnings."""
+    if parallel.strategy == "ddp":
+        return _wrap_ddp(model, mode, recorder), ()
+    return _wrap_fsdp2(model, mesh, mode)
+
+
+def _wrap_fsdp2(model: nn.Module, mesh: Any, mode: FakeTensorMode
+                ) -> tuple[nn.Module, tuple[str, ...]]:
+    from torch.distributed.fsdp import fully_shard
+
+    notes: list[str] = []
+    found = find_layer_list(model)
+    if found is None:
+        notes.append(f"FSDP2 found no list of repeated blocks in {type(model).__name__}: only "
+                     "the root was wrapped (one all-gather of every parameter per forward "
+                     "and backward)")
+    else:
+        for block in found[1]:
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if any(p.is_meta for p in model.parameters()):
+        with mode:
+            model.to_empty(device="cpu")
+    return model, tuple(notes)
+
+
+def _wrap_ddp(model: nn.Module, mode: FakeTensorMode, recorder: Recorder) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    with mode, recorder, recorder.allocations_as("communication"):
+        # init_sync=False: the construction's parameter check and broadcast read values
+        ddp = DistributedDataParallel(model, init_sync=False)
+    ddp.register_comm_hook(None, _all_reduce_bucket)
+    rebuild_ddp_buckets_on_fake_tensors(ddp, lambda: recorder.allocations_as("communication"))
+    return ddp
+
+
+def _all_reduce_bucket(state: Any, bucket: Any) -> Any:
+    """DDP's communication hook: one all-reduce of the bucket, its future resolving to the
+    bucket (the fake group's own future resolves to None)."""
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    work = dist.all_reduce(buffer, async_op=True)
+    return work.get_future().then(lambda _: buffer)
+
+
+# DDP checks a hook's annotations against its own classes; these module's are strings
+_all_reduce_bucket.__annotations__ = {}
