@@ -145,12 +145,16 @@ class _Planner:
         self.notes: list[str] = []
         self.traces = 0
 
-    def add(self, spec: Recipe, *, offload: bool = False) -> None:
+    def with_user(self, spec: Recipe) -> Recipe:
+        """The recipe with the user's loop settings, as it is traced and keyed."""
         user = self.user
-        spec = dataclasses.replace(spec, max_grad_norm=user.max_grad_norm,
+        return dataclasses.replace(spec, max_grad_norm=user.max_grad_norm,
                                    loss_sync=user.loss_sync,
                                    fused_ce=user.fused_ce or spec.fused_ce,
                                    compile=user.compile or spec.compile)
+
+    def add(self, spec: Recipe, *, offload: bool = False) -> None:
+        spec = self.with_user(spec)
         if spec.compile and spec.grad_checkpointing:
             note = ("compile=True is not predicted with gradient checkpointing yet: those "
                     "recipes are left out")
@@ -362,8 +366,8 @@ def _multi_gpu(p: _Planner, optimizer: str, hf_model: bool, budget: int
     (the offload sweep: FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16) gathers 16-bit
     parameters, so no autocast weight copies), at the micro-batch."""
     att = "sdpa" if hf_model else "auto"
-    mixed_recipe = Recipe(precision=space.precisions(p.device)[0], optimizer=optimizer,
-                          attention=att)
+    mixed_recipe = p.with_user(Recipe(precision=space.precisions(p.device)[0],
+                                      optimizer=optimizer, attention=att))
     mixed = p.sweeps.get((mixed_recipe, False))
     if mixed is None:
         return None
@@ -394,6 +398,7 @@ def _multi_gpu(p: _Planner, optimizer: str, hf_model: bool, budget: int
         predicted_step_time_s=setup.compute_time_s, samples_per_s=0.0, tokens_per_s=None,
         mfu=0.0, budget_bytes=budget)
     return {**setup.to_dict(), "engine": "FSDP2 (torchrun / accelerate) or DeepSpeed ZeRO-3",
+            "traced": _traced_fsdp2(p, row.recipe, setup.gpus, budget),
             "recipe": {"precision": row.precision, "optimizer": optimizer,
                        "grad_checkpointing": spec.grad_checkpointing,
                        "attention": spec.attention},
@@ -401,6 +406,28 @@ def _multi_gpu(p: _Planner, optimizer: str, hf_model: bool, budget: int
             "model": "per GPU: (fp32 parameters + gradients + optimizer state) / N + the "
                      "16-bit working set at the micro-batch + 2 gathered 16-bit layers "
                      "(ZeRO-3: Rajbhandari et al. 2020, (2 + 2 + K) Psi / N_d)"}
+
+
+def _traced_fsdp2(p: _Planner, recipe: Recipe, gpus: int, budget: int) -> dict[str, Any]:
+    """The formula's setup traced with FSDP2 itself under the fake process group
+    (tilefit.tracing.distributed): one rank's peak and step with its collectives, the check of
+    the ZeRO-3 formula above. FSDP2 is traced without a mixed-precision policy (its
+    all-gathers in the parameters' dtype), so its figure is the safer one."""
+    from tilefit.estimator.workloads import estimate_workload
+
+    spec = dataclasses.replace(p.with_user(recipe), compile=False)  # not with several GPUs
+    try:
+        est = estimate_workload(p.work, spec, p.device, world_size=gpus, strategy="fsdp2")
+    except TilefitError as exc:
+        return {"error": str(exc).splitlines()[0]}
+    par = est.parallel
+    return {"per_gpu_peak_bytes": est.peak_memory_bytes,
+            "fits": est.peak_memory_bytes <= budget,
+            "step_time_s": est.step_time_s,
+            "exposed_communication_s": 0.0 if par is None else par.exposed_communication_s,
+            "samples_per_s_all_gpus": gpus * est.samples_per_s,
+            "note": f"{p.work.name} traced with FSDP2's fully_shard over {gpus} ranks of "
+                    "PyTorch's fake process group; collectives costed on the GPU's link"}
 
 
 __all__ = ["DEFAULT_MEMORY_FRACTION", "SWEEP_ACCUMULATION", "Confirmation", "Plan", "plan"]

@@ -150,6 +150,17 @@ def _print_multi_gpu(console: Console, plan: Plan) -> None:
         f"micro-batch {multi['micro_batch']} x {multi['accumulation_steps']} accumulation x "
         f"{multi['gpus']} GPUs, {fmt_bytes(multi['predicted_per_gpu_memory_bytes'])} per GPU "
         f"({multi['model']})", highlight=False)
+    traced = multi.get("traced") or {}
+    if "per_gpu_peak_bytes" in traced:
+        console.print(
+            "  traced with FSDP2 itself (no mixed-precision policy: parameters gathered in "
+            f"their own dtype): {fmt_bytes(traced['per_gpu_peak_bytes'])} per GPU "
+            f"({'fits' if traced['fits'] else 'above the budget'}), step "
+            f"{traced['step_time_s'] * 1e3:.0f} ms ({traced['exposed_communication_s'] * 1e3:.0f}"
+            f" ms of communication not hidden), {traced['samples_per_s_all_gpus']:.1f} "
+            "samples/s on all GPUs", highlight=False)
+    elif "error" in traced:
+        console.print(f"  not traced with FSDP2: {traced['error']}", highlight=False)
     console.print(multi["configs"]["launch"], highlight=False, markup=False)
     console.print(json.dumps({"accelerate_fsdp2": multi["configs"]["accelerate_fsdp2"],
                               "deepspeed_zero3": multi["configs"]["deepspeed_zero3"]}, indent=2),
