@@ -107,7 +107,8 @@ def estimate_trace(tr: Trace, device: Device,
     by_phase: dict[str, float] = defaultdict(float)
     modules: dict[str, list[float]] = {}
     for c in costs:
-        by_phase[c.record.phase] += c.time_s * c.repeats
+        if c.record.kind != "collective":  # on its own stream: Estimate.parallel has them
+            by_phase[c.record.phase] += c.time_s * c.repeats
         key = c.record.module or ("(optimizer)" if c.record.phase in OPTIMIZER_PHASES
                                   else "(compiled graph)" if c.record.compiled
                                   else "(outside modules)")

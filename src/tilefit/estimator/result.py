@@ -65,7 +65,9 @@ class Estimate:
     tokens_per_s: float | None
     mfu: float  # model FLOP/s over the dense peak of the training dtype
     mfu_dtype: str
-    time_by_phase_s: dict[str, float]  # device time of each phase (ops x repeats)
+    # device time of each phase (ops x repeats), compute only: the collectives of a multi-GPU
+    # step run on their own stream (Estimate.parallel.communication_by_phase_s)
+    time_by_phase_s: dict[str, float]
     ops: tuple[OpCost, ...]
     modules: tuple[ModuleSummary, ...]
     warnings: tuple[str, ...] = field(default=())
