@@ -194,20 +194,29 @@ def test_kernel_efficiencies_are_checked() -> None:
         KernelEfficiency(bandwidth={**FAMILY_EFFICIENCY, "softmax": 1.5})
 
 
+def _flash_forward(b: int, heads: int, seq: int, d: int):  # type: ignore[no-untyped-def]
+    """A fp16 flash-attention forward's record (non-causal, as many KV heads as query heads)
+    and its FLOPs, 4 * b * heads * seq^2 * d; its bytes: q, k, v and the output."""
+    from tilefit.tracing.records import OpRecord
+
+    info = {"backend": "flash", "direction": "forward", "causal": False, "b": b, "hq": heads,
+            "hkv": heads, "sq": seq, "sk": seq, "d": d, "dtype": "float16"}
+    flops = 4 * b * heads * seq * seq * d
+    rec = OpRecord("aten._scaled_dot_product_flash_attention.default", "forward", "attn",
+                   (), (), "float16", flops, 4 * b * heads * seq * d * 2, "attention", 1, 0,
+                   attention=info)
+    return rec, flops
+
+
 def test_flash_attention_on_hopper_runs_at_flashattention2s_share_of_the_peak() -> None:
     # H100 SXM fp16: 989 TFLOP/s dense x gemm_efficiency 0.82 x flash forward 0.84 x the
     # Hopper factor 0.48 (FlashAttention-2 at 35% of the H100's peak): 327.0 TFLOP/s. A
     # forward of b=8, 16 heads, 4096 tokens, d=128: 4*8*16*4096^2*128 = 1.0995e12 FLOPs ->
     # 3.362 ms, plus one launch of 4 us (its 0.27 GB at 3.0 TB/s take 0.09 ms: math-bound).
     from tilefit.estimator.cost import CostContext, op_time_s
-    from tilefit.tracing.records import OpRecord
 
-    info = {"backend": "flash", "direction": "forward", "causal": False, "b": 8, "hq": 16,
-            "hkv": 16, "sq": 4096, "sk": 4096, "d": 128, "dtype": "float16"}
-    flops = 4 * 8 * 16 * 4096 * 4096 * 128
-    rec = OpRecord("aten._scaled_dot_product_flash_attention.default", "forward", "attn",
-                   (), (), "float16", flops, 4 * 8 * 16 * 4096 * 128 * 2, "attention", 1, 0,
-                   attention=info)
+    rec, flops = _flash_forward(8, 16, 4096, 128)
+    assert flops == 4 * 8 * 16 * 4096 * 4096 * 128
     rate = 989e12 * 0.82 * 0.84 * 0.48
     assert op_time_s(rec, get_device("h100-sxm"), CostContext("fp32")) == pytest.approx(
         flops / rate + 4e-6)
@@ -219,14 +228,9 @@ def test_flash_attention_on_blackwell_runs_at_the_corpus_fitted_share() -> None:
     # 296.4 TFLOP/s. The corpus's 32 x 512 configuration, 32 heads of 64: 4*32*32*512^2*64 =
     # 6.872e10 FLOPs -> 231.9 us, plus one 4 us launch; the issue measured 308.4 TFLOP/s.
     from tilefit.estimator.cost import CostContext, op_time_s
-    from tilefit.tracing.records import OpRecord
 
-    info = {"backend": "flash", "direction": "forward", "causal": False, "b": 32, "hq": 32,
-            "hkv": 32, "sq": 512, "sk": 512, "d": 64, "dtype": "float16"}
-    flops = 4 * 32 * 32 * 512 * 512 * 64
-    rec = OpRecord("aten._scaled_dot_product_flash_attention.default", "forward", "attn",
-                   (), (), "float16", flops, 4 * 32 * 32 * 512 * 64 * 2, "attention", 1, 0,
-                   attention=info)
+    rec, flops = _flash_forward(32, 32, 512, 64)
+    assert flops == 4 * 32 * 32 * 512 * 512 * 64
     t = op_time_s(rec, get_device("b200"), CostContext("fp32"))
     assert t == pytest.approx(flops / (2250e12 * 0.80 * 0.84 * 0.196) + 4e-6)
     assert flops / t / 1e12 == pytest.approx(308.4, rel=0.06)

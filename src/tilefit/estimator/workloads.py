@@ -15,8 +15,8 @@ __all__ = ["Recipe", "check_batch", "default_precision", "estimate_workload",
 
 
 def trace_workload(workload: Workload, recipe: Recipe, device: str | Device, *,
-                   compile: bool = False, graph_breaks: bool = False,
-                   world_size: int = 1, strategy: str | None = None) -> Trace:
+                   graph_breaks: bool = False, world_size: int = 1,
+                   strategy: str | None = None) -> Trace:
     from tilefit.tracing import trace
 
     check_batch(recipe.batch_size)
@@ -35,23 +35,22 @@ def trace_workload(workload: Workload, recipe: Recipe, device: str | Device, *,
         grad_checkpointing=recipe.grad_checkpointing,
         accumulation_steps=recipe.accumulation_steps, attention="auto", device=dev,
         max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync,
-        compile=compile or recipe.compile, graph_breaks=graph_breaks,
+        compile=recipe.compile, graph_breaks=graph_breaks,
         world_size=world_size, strategy=strategy)
 
 
 def estimate_workload(workload: Workload, recipe: Recipe, device: str | Device, *,
-                      compile: bool = False, graph_breaks: bool = False,
-                      world_size: int = 1, strategy: str | None = None) -> Estimate:
-    """The estimate of one training step; ``compile``: as torch.compile runs its forward
-    and backward (tilefit.tracing.compiled); ``graph_breaks``: list Dynamo's breaks;
+                      graph_breaks: bool = False, world_size: int = 1,
+                      strategy: str | None = None) -> Estimate:
+    """The estimate of one training step (``recipe.compile``: as torch.compile runs its
+    forward and backward, tilefit.tracing.compiled); ``graph_breaks``: list Dynamo's breaks;
     ``world_size`` GPUs with ``strategy`` (tilefit.estimator.estimate): one rank's step,
     ``recipe.batch_size`` being one rank's micro-batch."""
     dev = get_device(device)
     if world_size > 1:
         check_world_size(dev, world_size)
-    return estimate_trace(trace_workload(workload, recipe, dev, compile=compile,
-                                         graph_breaks=graph_breaks, world_size=world_size,
-                                         strategy=strategy), dev)
+    return estimate_trace(trace_workload(workload, recipe, dev, graph_breaks=graph_breaks,
+                                         world_size=world_size, strategy=strategy), dev)
 
 
 def check_batch(batch_size: int) -> None:

@@ -422,12 +422,16 @@ class Recorder(TorchDispatchMode):
         return info
 
 
+# torch's multi-tensor ops (foreach, fused optimizers, GradScaler's unscale): in place over
+# tensor lists, returning nothing
+_MULTI_TENSOR_PREFIXES = ("aten._foreach_", "aten._fused_", "aten._amp_")
+
+
 def _written(name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
              ) -> list[torch.Tensor]:
     """The tensors an op writes in place. torch's fused optimizers mark the gradients
     mutable but write them back only when they unscale them (a ``grad_scale`` is given)."""
-    if not (name.startswith("aten._foreach_") or name.startswith("aten._fused_")
-            or name.startswith("aten._amp_") or name.startswith("tilefit.")):
+    if not name.startswith((*_MULTI_TENSOR_PREFIXES, "tilefit.")):
         return []  # other in-place ops return what they write
     written = written_args(func, args, kwargs)
     if name.startswith("aten._fused_") and kwargs.get("grad_scale") is None and \
@@ -442,10 +446,9 @@ def _multi_tensor(name: str, args: tuple[Any, ...], out: Any
     its kernel walks together are those of the first list's length and element counts (a
     list of 0-dim step counters or an empty amsgrad list is not walked), and the result
     list of an out-of-place op."""
-    if not (name.startswith("aten._foreach_") or name.startswith("aten._fused_")
-            or name.startswith("aten._amp_foreach")):
+    if not name.startswith(_MULTI_TENSOR_PREFIXES):
         return None
-    first = args[0] if args and isinstance(args[0], list | tuple) else None
+    first = args[0] if args and isinstance(args[0], list | tuple) else None  # a tensor list
     if not first or not all(isinstance(t, torch.Tensor) for t in first):
         return None
     numels = tuple(t.numel() for t in first)
