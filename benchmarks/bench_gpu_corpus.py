@@ -24,7 +24,11 @@ How each kind is predicted:
   (SQuAD span QA) runs as seq-cls with num_labels=2, the closest task tilefit has (a 2-way
   linear head either way; the QA head's per-token logits are a negligible GEMM). Adam and
   LAMB run as AdamW, SGD as sgd; DLE's unfused BertAdam (a per-parameter loop) as AdamW with
-  foreach=False (``e2e_trace``).
+  foreach=False (``e2e_trace``). NVIDIA's pre-training rows (records with ``mlm_positions``)
+  trace transformers' BertForPreTraining with the MLM head on that many rows per sample and
+  next-sentence prediction, with ``compile=True`` where the record's code fuses (TorchScript
+  with NVFuser; docs/references.md, section 13). Records marked ``excluded`` (a configuration
+  the source leaves unknown) are listed with their reason and predicted in no median.
 
 Split (fit / holdout), fixed in ``split_of``: only records that the model's constants were
 set from, or that this benchmark fits on, are "fit".
@@ -522,12 +526,54 @@ def unfused_optimizer(rec: dict[str, Any]) -> bool:
                                 not rec["precision"].startswith("fp16"))
 
 
+def dense_mlm_loss(positions: int) -> Callable[[nn.Module, Any], torch.Tensor]:
+    """NVIDIA's pre-training loss (DLE run_pretraining.py / modeling.py, docs/references.md,
+    section 13): the MLM head on ``positions`` rows per sample gathered with index_select (the
+    masked ones; here evenly spaced, the count being all that sets the cost), plus
+    next-sentence prediction on the pooled output."""
+    def loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        out = model.bert(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
+        seq, pooled = out[0], out[1]
+        b, s, h = seq.shape
+        dev = seq.device
+        rows = (torch.arange(b, device=dev)[:, None] * s
+                + torch.arange(positions, device=dev)[None, :] * (s // positions)).reshape(-1)
+        logits = model.cls.predictions(seq.reshape(-1, h).index_select(0, rows))
+        labels = batch["labels"].reshape(-1).index_select(0, rows)
+        nsp = model.cls.seq_relationship(pooled)
+        return (nn.functional.cross_entropy(logits, labels)
+                + nn.functional.cross_entropy(nsp, torch.zeros(b, dtype=torch.long, device=dev)))
+    return loss
+
+
+def pretraining_model(rec: dict[str, Any]) -> nn.Module:
+    """transformers' BertForPreTraining from the record's config (DLE's model: encoder, MLM
+    and NSP heads), fp32, eager attention, in the active fake mode."""
+    import transformers
+
+    from tilefit.models.hf import make_config
+
+    config = make_config({k: v for k, v in rec["model"].items() if k != "note"})
+    model = transformers.BertForPreTraining._from_config(
+        config, attn_implementation=E2E_ATTENTION, dtype=torch.float32)
+    return model.train()
+
+
 def e2e_trace(rec: dict[str, Any], recipe: Recipe, dev: Device) -> Trace:
     """estimate_workload's trace (tilefit.estimator.workloads.trace_workload); a per-parameter
-    Adam loop is traced as torch's AdamW with foreach=False, the same per-tensor kernels."""
+    Adam loop is traced as torch's AdamW with foreach=False, the same per-tensor kernels.
+    NVIDIA's pre-training records (``mlm_positions``) trace BertForPreTraining with its dense
+    MLM head, compiled where the record's code fuses (TorchScript/NVFuser, as Inductor's
+    fusion: the nearest model tilefit has)."""
     from tilefit.estimator.workloads import trace_workload
 
     work = e2e_workload(rec)
+    if rec.get("mlm_positions"):
+        return trace(lambda: pretraining_model(rec), work.make_batch(recipe.batch_size,
+                                                                      device="meta"),
+                     loss_fn=dense_mlm_loss(rec["mlm_positions"]), optimizer=recipe.optimizer,
+                     precision=recipe.precision, accumulation_steps=recipe.accumulation_steps,
+                     device=dev, max_grad_norm=recipe.max_grad_norm, compile=rec["compiled"])
     if not unfused_optimizer(rec):
         return trace_workload(work, recipe, dev)
     return trace(lambda: work.build(recipe.attention),
@@ -760,10 +806,21 @@ def build(kinds: Sequence[str], quick: bool) -> list[Predictor]:
     for kind in kinds:
         start = time.perf_counter()
         recs = [r for r in load(kind) if not quick or quick_keep(kind, r)]
+        recs = [r for r in recs if not r.get("excluded")]
         preds.extend(PREDICTORS[kind](r) for r in recs)
         print(f"# {kind}: {len(recs)} records predicted in {time.perf_counter() - start:.1f} s",
               file=sys.stderr)
     return preds
+
+
+def print_excluded(kinds: Sequence[str]) -> None:
+    """The records kept in the corpus but not predicted, each with the reason it records."""
+    out = [(k, r) for k in kinds for r in load(k) if r.get("excluded")]
+    if out:
+        print(f"\n== {len(out)} records not predicted (in no median), with the reason ==")
+    for kind, r in out:
+        print(f"{kind} {r['id']} (measured {next(iter(r['measured'].values()))}): "
+              f"{r['excluded']}")
 
 
 def determinism_check(preds: Sequence[Predictor], params: Params) -> str:
@@ -802,6 +859,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 args.quick else ""))
     for kind in kinds:
         print_rows(kind, [r for r in rows if r.kind == kind])
+    print_excluded(kinds)
     print_medians(rows)
     print_groups(rows)
     print_by_batch(rows)
