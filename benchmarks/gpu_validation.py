@@ -13,7 +13,11 @@ Checks, each a section of the one JSON written to OUT.json:
 3. estimate_step_time: step time within 15% of the measured median step (same runs).
 4. tune: on three models the chosen batch's samples/s within 3% of an exhaustive sweep
    (benchmarks/bench_tune_search.py's CUDA check).
-5. host: the per-op host issue costs of eager CUDA on this machine (miniature models,
+5. families: a BERT-base step (sequence 384, eager attention) in TF32, fp16 and bf16 autocast,
+   its device time by category (GEMMs and each memory-bound kernel family) from
+   torch.profiler beside tilefit's prediction (benchmarks/gpu_families.py): where the
+   corpus's TF32 over-prediction comes from.
+6. host: the per-op host issue costs of eager CUDA on this machine (miniature models,
    tilefit.calibrate.host.measure_host(device="cuda")) beside the shipped defaults
    (tilefit.hardware.host.DEFAULT_HOST, fitted on the public corpus): the figures the
    two-timeline step model uses, measured for this GPU machine's own CPU.
@@ -190,6 +194,14 @@ def check_optimizer() -> dict[str, Any]:
     return {"status": "measured", "device": dev.name, "rows": rows}
 
 
+def check_families() -> dict[str, Any]:
+    """Device time by kernel category, measured against predicted (gpu_families.py)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu_families import check_families as run
+
+    return run()
+
+
 def _pending(module: str, target: str) -> dict[str, Any]:
     import importlib.util
 
@@ -229,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         result["estimate_step_time"] = check_estimate_step_time(rows)
         result["tune"] = check_tune()
         result["host"] = check_host()
+        try:
+            result["families"] = check_families()
+        except Exception as exc:  # report, don't lose the other sections
+            result["families"] = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"}
         try:
             result["optimizer"] = check_optimizer()
         except Exception as exc:  # report, don't lose the other sections

@@ -52,3 +52,33 @@ def test_estimate_checks_summarise_rows(gv) -> None:
     step = gv.check_estimate_step_time(rows)
     assert step["status"] == "pass" and step["median_error"] == pytest.approx(0.11)
     assert gv.check_estimate_memory([])["status"] == "pending"
+
+
+@pytest.fixture(scope="module")
+def families():
+    path = PATH.parent / "gpu_families.py"
+    spec = importlib.util.spec_from_file_location("gpu_families", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    # torch.profiler's spelling and tilefit's records' spelling of the same ops
+    ("aten::addmm", "gemm"), ("aten.bmm.default", "gemm"), ("aten::mm", "gemm"),
+    ("aten::_softmax", "softmax"), ("aten::_softmax_backward_data", "softmax"),
+    ("aten::native_layer_norm_backward", "normalization"),
+    ("aten::native_dropout", "elementwise"), ("aten::gelu_backward", "elementwise"),
+    ("aten::_foreach_mul_", "foreach"), ("aten::copy_", "copy"),
+    ("aten::embedding_dense_backward", "embedding_backward"), ("aten::sum", "reduction"),
+    ("aten::view", "view"), ("aten::t", "view"),
+    ("cudaLaunchKernel", "other"), ("ProfilerStep#1", "other"), ("aten::no_such_op", "other"),
+])
+def test_profiler_ops_fall_in_the_cost_models_categories(families, name, expected) -> None:
+    assert families.category(name) == expected
+
+
+def test_category_totals_drop_views_and_non_aten_rows(families) -> None:
+    rows = [("aten::addmm", 2e-3), ("aten::mm", 1e-3), ("aten::_softmax", 5e-4),
+            ("aten::view", 1.0), ("cudaMemcpyAsync", 1.0), ("aten::add_", 0.0)]
+    assert families.by_category(rows) == pytest.approx({"gemm": 3e-3, "softmax": 5e-4})
