@@ -533,9 +533,10 @@ def unfused_optimizer(rec: dict[str, Any]) -> bool:
 
 
 def dense_mlm_loss(positions: int) -> Callable[[nn.Module, Any], torch.Tensor]:
-    """NVIDIA's pre-training loss (DLE run_pretraining.py / modeling.py, docs/references.md,
-    section 13): the MLM head on ``positions`` rows per sample gathered with index_select (the
-    masked ones; here evenly spaced, the count being all that sets the cost), plus
+    """NVIDIA's pre-training loss (DLE run_pretraining.py and modeling.py;
+    docs/references.md, section 13): the MLM head on ``positions`` rows per sample gathered
+    with index_select (the masked ones; here evenly spaced, the count being all that sets the
+    cost), plus
     next-sentence prediction on the pooled output."""
     def loss(model: nn.Module, batch: Any) -> torch.Tensor:
         out = model.bert(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
