@@ -1,0 +1,205 @@
+"""Published multi-GPU training figures (issue 14) against tilefit's prediction.
+
+Reads ``benchmarks/multigpu_corpus/published.jsonl`` (its README gives the schema and the
+sources) and predicts each record that tilefit can express: one rank's step under FSDP2 on
+the record's GPU (a catalog name or a TOML spec file beside the corpus), its micro-batch,
+sequence length, precision, accumulation, compile and activation checkpointing. Prints, per
+record, the measured and predicted memory per GPU and tokens/s per GPU with the signed error
+(predicted - measured) / measured, then the medians.
+
+Rules (as the corpus README says):
+
+- A record tilefit cannot express is printed with the reason and predicted not at all:
+  float8 linear layers and context parallelism (tilefit has neither; it would silently predict
+  bf16), and whatever tilefit itself refuses (its TilefitError is the reason: today
+  ``compile=True`` on several GPUs, or with activation checkpointing). The corpus records the
+  configuration, not tilefit's limits, so a record is predicted once tilefit can express it.
+- Selective activation checkpointing (torchtitan's op policy, every n-th layer) has no tilefit
+  equivalent: such records get two predictions, without checkpointing and with full
+  checkpointing of every block, and the measurement should fall between them. Both ends are
+  printed and neither is chosen; their errors have medians of their own.
+- tilefit predicts the tensors' peak (``Estimate.peak_memory_bytes``, like
+  ``torch.cuda.max_memory_allocated``). A record that measured the allocator's reserved peak
+  (torchtitan) is compared with it as well; reserved sits above allocated by the caching
+  allocator's fragmentation, so a negative memory error is expected there.
+- Nothing is cached across runs; within one run, two records with the same configuration
+  share one estimate.
+
+    flock /tmp/tilefit-bench.lock python benchmarks/bench_multigpu_published.py \
+        [--only ID ...] [--out benchmarks/results_multigpu_published.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tilefit.errors import TilefitError
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "benchmarks" / "multigpu_corpus" / "published.jsonl"
+GIB = 2**30
+SELECTIVE = ("selective-op", "selective-layer")
+
+
+def load(path: Path = CORPUS) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip()]
+
+
+def checkpointing_ends(rec: dict[str, Any]) -> tuple[bool, ...]:
+    """The grad_checkpointing values to predict: one for none/full, both for selective."""
+    ac = rec["activation_checkpointing"]
+    if ac in SELECTIVE:
+        return (False, True)
+    if ac not in ("none", "full"):
+        raise ValueError(f"{rec['id']}: unknown activation_checkpointing {ac!r}")
+    return (ac == "full",)
+
+
+def gpu_spec(rec: dict[str, Any]) -> str:
+    """A catalog name, or a spec file path relative to the repository root."""
+    gpu = rec["gpu"]
+    return str(ROOT / gpu) if gpu.endswith(".toml") else gpu
+
+
+_SEEN: dict[str, Any] = {}  # one run's estimates, by configuration (never written to disk)
+
+
+def predict(rec: dict[str, Any], checkpoint: bool) -> tuple[Any, float]:
+    """(Estimate, seconds spent) of the record's step with or without full checkpointing."""
+    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.models import load_workload
+    from tilefit.vocab import Recipe
+
+    model = rec["model"]
+    recipe = Recipe(batch_size=rec["micro_batch"], precision=rec["precision"],
+                    optimizer=rec["optimizer"], grad_checkpointing=checkpoint,
+                    accumulation_steps=rec["accumulation"],
+                    max_grad_norm=rec.get("max_grad_norm"), compile=rec["compiled"])
+    ws = rec["world_size"]
+    strategy = rec["strategy"] if ws > 1 else None
+    key = json.dumps([model["base"], model["changes"], rec["seq"], repr(recipe),
+                      rec["gpu"], ws, strategy], sort_keys=True)
+    if key in _SEEN:
+        return _SEEN[key], 0.0
+    work = load_workload(model["base"], seq_len=rec["seq"])
+    if model["changes"]:
+        work = work.with_config(**model["changes"])
+    t0 = time.perf_counter()
+    est = estimate_workload(work, recipe, gpu_spec(rec), world_size=ws, strategy=strategy)
+    _SEEN[key] = est
+    return est, time.perf_counter() - t0
+
+
+def not_expressible(rec: dict[str, Any]) -> str | None:
+    """Why tilefit cannot predict the record before it is traced, or None."""
+    if rec["float8"]:
+        return "float8 linear layers (torchao): tilefit has no float8 training"
+    if rec["context_parallel"] > 1:
+        return "context parallelism: tilefit traces data parallelism only"
+    return None
+
+
+def err(pred: float, meas: float | None) -> float | None:
+    return None if meas is None else (pred - meas) / meas
+
+
+def fmt_err(e: float | None) -> str:
+    return "   n/a" if e is None else f"{e:+6.1%}"
+
+
+def run(records: list[dict[str, Any]]) -> tuple[list[str], dict[str, list[float]]]:
+    lines: list[str] = []
+    errors: dict[str, list[float]] = {}
+
+    def out(text: str) -> None:
+        lines.append(text)
+        print(text, flush=True)
+
+    for rec in records:
+        m = rec["measured"]
+        tps, mem = m.get("tokens_per_s_per_gpu"), m.get("memory_gib")
+        acc = rec["accumulation"]
+        head = (f"{rec['id']}: {rec['world_size']} x {rec['gpu'].rsplit('/', 1)[-1]}, "
+                f"{rec['strategy']}, micro-batch {rec['micro_batch']} x {rec['seq']}"
+                f"{f' x {acc} accumulated' if acc > 1 else ''}"
+                f", {rec['precision']}, AC {rec['activation_checkpointing']}"
+                f"{', compiled' if rec['compiled'] else ''}{', float8' if rec['float8'] else ''}")
+        out(head)
+        mem_text = f"{mem:.1f} GiB ({m.get('memory_kind')})" if mem is not None else "not stated"
+        out(f"    measured   {tps:>8,.0f} tokens/s/GPU   memory {mem_text}")
+        reason = not_expressible(rec)
+        if reason:
+            out(f"    SKIPPED: {reason}")
+            continue
+        ends = checkpointing_ends(rec)
+        both: list[tuple[float, float]] = []  # (tokens/s, GiB) of each end of a bracket
+        try:  # every end, or none: half a bracket is not a prediction
+            results = [predict(rec, ck) for ck in ends]
+        except TilefitError as exc:
+            out(f"    SKIPPED: tilefit refuses it: {str(exc).splitlines()[0]}")
+            continue
+        for ck, (est, secs) in zip(ends, results, strict=True):
+            label = ("no AC  " if not ck else "full AC") if len(ends) == 2 else "predicted"
+            p_mem = est.peak_memory_bytes / GIB
+            e_tps, e_mem = err(est.tokens_per_s, tps), err(p_mem, mem)
+            par = est.parallel
+            comm = (f", comm {par.communication_time_s * 1e3:.0f} ms "
+                    f"({par.exposed_communication_s * 1e3:.0f} exposed)") if par else ""
+            out(f"    {label:9} {est.tokens_per_s:>8,.0f} tokens/s/GPU ({fmt_err(e_tps)})   "
+                f"memory {p_mem:6.1f} GiB ({fmt_err(e_mem)})   step {est.step_time_s:.3f} s, "
+                f"MFU {est.mfu:.1%}{comm}   [{secs:.0f} s]")
+            group = "direct" if len(ends) == 1 else ("no-AC end" if not ck else "full-AC end")
+            if e_tps is not None:
+                errors.setdefault(f"{group} tokens/s", []).append(e_tps)
+            if e_mem is not None:
+                errors.setdefault(f"{group} memory ({m.get('memory_kind')})", []).append(e_mem)
+            both.append((est.tokens_per_s, p_mem))
+        if len(both) == 2:
+            (t0, m0), (t1, m1) = both
+            inside_t = min(t0, t1) <= tps <= max(t0, t1)
+            inside_m = None if mem is None else min(m0, m1) <= mem <= max(m0, m1)
+            out(f"    bracket: tokens/s {'inside' if inside_t else 'OUTSIDE'}"
+                + ("" if inside_m is None else
+                   f", memory {'inside' if inside_m else 'OUTSIDE'}"))
+    return lines, errors
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", nargs="+", help="record ids to run")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    import torch
+
+    records = load()
+    if args.only:
+        records = [r for r in records if r["id"] in args.only]
+    t0 = time.perf_counter()
+    header = (f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
+              f"load average before {os.getloadavg()[0]:.2f}; corpus {CORPUS.name}, "
+              f"{len(records)} records")
+    print(header, flush=True)
+    lines, errors = run(records)
+    summary = ["", "medians of the signed error (predicted - measured) / measured:"]
+    for group, vals in errors.items():
+        summary.append(f"    {group:40} median {statistics.median(vals):+6.1%}  "
+                       f"(n = {len(vals)}, range {min(vals):+.1%} .. {max(vals):+.1%})")
+    summary.append(f"load average after {os.getloadavg()[0]:.2f}; "
+                   f"{time.perf_counter() - t0:.0f} s in all")
+    print("\n".join(summary))
+    if args.out:
+        args.out.write_text("\n".join([header, *lines, *summary]) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
