@@ -744,12 +744,12 @@ def print_worst(rows: Sequence[Row], n: int = 12) -> None:
 # knob stays at its prior value in SHIPPED; the table prints the rule's verdict and the hold.
 HELD: dict[str, str] = {
     "bandwidth[elementwise]": (
-        "fitted on one V100 BertLayer source; on the e2e rows it moves every GPU the same way "
-        "(slower), while the rows' errors split by GPU class: RTX 3090/4090 and V100 FP32 "
-        "within +-8% (this knob takes them to -7..-15%), A10/A100/H100 and V100 FP16, whose "
-        "GEMMs run on full-rate Tensor Cores, +22..+64% in FP16 and TF32 alike. That pattern "
-        "points at the GEMM/attention side of those parts, not at elementwise kernels; "
-        "benchmarks/gpu_families.py measures the split on the next GPU session"),
+        "fitted on one V100 BertLayer source, it slows elementwise kernels on every GPU, while "
+        "the e2e rows' errors split by GPU class: RTX 3090/4090 and V100 FP32 within +-8% "
+        "(this knob takes them to -7..-15%), A10/A100/H100 and V100 FP16 +22..+64% in FP16 "
+        "and TF32 alike. One share for all GPUs trades one class's error for the other's; "
+        "whether the datacenter parts lose the time in memory-bound kernels or in GEMMs is "
+        "what benchmarks/gpu_families.py measures on the next GPU session"),
 }
 
 
