@@ -78,14 +78,16 @@ def float8_eligible(module: nn.Module) -> bool:
         and module.out_features % FLOAT8_ALIGN == 0
 
 
-def convert_linears(model: nn.Module, autocast_dtype: torch.dtype) -> tuple[str, ...]:
-    """Swap the model's eligible nn.Linear layers for torchao's Float8Linear, in place, with
-    torchao's default recipe (tensorwise dynamic scaling). Returns notes for the trace:
-    the layers left in high precision, by name."""
+def convert_linears(model: nn.Module, autocast_dtype: torch.dtype
+                    ) -> tuple[nn.Module, tuple[str, ...]]:
+    """The model with its eligible nn.Linear layers swapped for torchao's Float8Linear (in
+    place; a model that is itself an nn.Linear is replaced), with torchao's default recipe
+    (tensorwise dynamic scaling), and notes for the trace: how many layers run in fp8, the
+    layers left in high precision by name."""
     ao = torchao_float8()
     skipped = [name for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and not float8_eligible(m)]
-    ao.convert_to_float8_training(model, module_filter_fn=lambda m, _fqn: (
+    model = ao.convert_to_float8_training(model, module_filter_fn=lambda m, _fqn: (
         not isinstance(m, nn.Linear) or float8_eligible(m)))
     linear_cls = importlib.import_module("torchao.float8.float8_linear")
     converted = 0
@@ -101,7 +103,7 @@ def convert_linears(model: nn.Module, autocast_dtype: torch.dtype) -> tuple[str,
         notes.append(f"fp8: {len(skipped)} nn.Linear layer(s) stay bf16, their dimensions "
                      f"not multiples of {FLOAT8_ALIGN} (torch._scaled_mm refuses them): "
                      f"{shown}")
-    return tuple(notes)
+    return model, tuple(notes)
 
 
 def _autocast_forward(linear_cls: Any, autocast_dtype: torch.dtype) -> Any:

@@ -494,7 +494,7 @@ def _prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target
             cast_floating(fmodel, torch.bfloat16)
         notes: tuple[str, ...] = ()
         if options.precision.float8_linears and options.low_dtype is not None:
-            notes = convert_linears(fmodel, options.low_dtype)
+            fmodel, notes = convert_linears(fmodel, options.low_dtype)
         if options.grad_checkpointing:
             _enable_checkpointing(fmodel,
                                   _recompute_contexts(target, recorder, options.low_dtype))
