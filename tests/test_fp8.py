@@ -1,0 +1,158 @@
+"""precision fp8-mixed: torchao's own float8 training traced on fake tensors (the GEMMs of
+eligible nn.Linear layers in fp8, their scaling and casting kernels, what is saved for
+backward), the device check, the alignment rule, the audit finding and the plan's knob.
+
+Expected values are hand arithmetic over torchao's documented recipe (docs/references.md,
+section 21a): per converted layer, three GEMMs (output, grad_input, grad_weight); casts of
+the input and weight (e4m3) in the forward, of grad_output (e5m2, once per backward GEMM),
+the weight and the input (e4m3) in the backward.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+from tilefit.errors import TilefitError  # noqa: E402
+from tilefit.hardware.catalog import CATALOG  # noqa: E402
+from tilefit.tracing import trace  # noqa: E402
+from tilefit.vocab import parse_precision  # noqa: E402
+
+B, D_IN, D_HID, D_OUT, CLASSES = 16, 64, 128, 32, 10  # the last layer: 10 % 16 != 0
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(D_IN, D_HID), nn.ReLU(), nn.Linear(D_HID, D_OUT),
+                         nn.ReLU(), nn.Linear(D_OUT, CLASSES))
+
+
+def _loss(model: nn.Module, batch: tuple) -> torch.Tensor:  # type: ignore[type-arg]
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+def _batch() -> tuple:  # type: ignore[type-arg]
+    return torch.randn(B, D_IN), torch.randint(0, CLASSES, (B,))
+
+
+def _is_cast(op) -> bool:  # type: ignore[no-untyped-def]
+    """A cast to fp8 (not a view of an fp8 tensor)."""
+    return op.op == "aten._to_copy.default" and op.kind == "memory" \
+        and op.dtype.startswith("float8")
+
+
+@pytest.fixture(scope="module")
+def mlp_trace():  # type: ignore[no-untyped-def]
+    pytest.importorskip("torchao")
+    return trace(_mlp(), _batch(), loss_fn=_loss, precision="fp8", device="h100")
+
+
+def test_the_spellings_of_fp8_name_one_precision() -> None:
+    names = {parse_precision(s).name for s in ("fp8", "float8", "FP8_mixed", "fp8-mixed")}
+    assert names == {"fp8-mixed"}
+    spec = parse_precision("fp8")
+    assert spec.compute_dtype == "fp8" and spec.autocast_dtype == "bf16"
+    assert spec.param_dtype == "fp32" and not spec.grad_scaler  # fp32 master weights
+
+
+def test_fp8_gemms_are_the_three_gemms_of_each_aligned_linear(mlp_trace) -> None:  # type: ignore[no-untyped-def]
+    fp8 = sorted((g.m, g.n, g.k) for o in mlp_trace.ops_of_step(0) for g in o.gemms
+                 if g.dtype == "fp8")
+    # out = x W^T: (B, in) x (in, out); grad_input = g W: (B, out) x (out, in);
+    # grad_weight = g^T x: (out, B) x (B, in) -- for Linear(64, 128) and Linear(128, 32);
+    # torchao computes grad_input for the first layer too (its Function always does)
+    expected = sorted([(B, D_HID, D_IN), (B, D_IN, D_HID), (D_HID, D_IN, B),
+                       (B, D_OUT, D_HID), (B, D_HID, D_OUT), (D_OUT, D_HID, B)])
+    assert fp8 == expected
+    fp8_flops = sum(o.flops for o in mlp_trace.ops_of_step(0)
+                    if any(g.dtype == "fp8" for g in o.gemms))
+    assert fp8_flops == sum(2 * m * n * k for m, n, k in expected)
+
+
+def test_a_linear_not_a_multiple_of_16_stays_bf16(mlp_trace) -> None:  # type: ignore[no-untyped-def]
+    last = [g for o in mlp_trace.ops_of_step(0) for g in o.gemms if CLASSES in (g.m, g.n)]
+    assert last and all(g.dtype == "bf16" for g in last)  # autocast's bf16, as bf16-mixed
+    assert any("stay bf16" in w and "4" in w for w in mlp_trace.warnings)
+
+
+def test_fp8_gemm_bytes_are_one_byte_operands_and_a_bf16_output(mlp_trace) -> None:  # type: ignore[no-untyped-def]
+    fwd = next(o for o in mlp_trace.ops_of_step(0) if o.phase == "forward"
+               and o.gemms and o.gemms[0] == o.gemms[0].__class__(1, B, D_HID, D_IN, "fp8"))
+    assert fwd.bytes == B * D_IN * 1 + D_IN * D_HID * 1 + B * D_HID * 2
+
+
+def test_scaling_casts_by_format_and_their_bytes(mlp_trace) -> None:  # type: ignore[no-untyped-def]
+    casts = [o for o in mlp_trace.ops_of_step(0) if _is_cast(o)]
+    fwd = [o for o in casts if o.phase == "forward"]
+    bwd = [o for o in casts if o.phase == "backward"]
+    # forward: input + weight per layer (e4m3); backward: grad_output twice (e5m2), the
+    # weight and the input again (e4m3)
+    assert len(fwd) == 2 * 2 and all(o.dtype == "float8_e4m3fn" for o in fwd)
+    assert sorted(o.dtype for o in bwd) == ["float8_e4m3fn"] * 4 + ["float8_e5m2"] * 4
+    # each cast reads the scaled fp32 tensor (4 bytes) and writes fp8 (1 byte)
+    for o in casts:
+        n = 1
+        for d in o.output_shapes[0]:
+            n *= d
+        assert o.bytes == n * (4 + 1)
+    # the amax of each cast: an abs and a max over the same tensor
+    maxes = [o for o in mlp_trace.ops_of_step(0) if o.op == "aten.max.default"
+             and o.phase in ("forward", "backward")]
+    assert len(maxes) == len(casts)
+
+
+def test_no_fp8_copy_is_saved_for_backward(mlp_trace) -> None:  # type: ignore[no-untyped-def]
+    # torchao saves the high-precision input and weight; the forward's fp8 casts die before
+    # the backward starts
+    ops = mlp_trace.ops
+    first_bwd = next(i for i, o in enumerate(ops) if o.phase == "backward")
+    cast_at = {i for i, o in enumerate(ops[:first_bwd])
+               if o.phase == "forward" and _is_cast(o)}
+    born = [s for s in mlp_trace.storages if s.alloc_at in cast_at]
+    assert len(born) == len(cast_at) == 4
+    assert all(s.free_at is not None and s.free_at < first_bwd for s in born)
+
+
+def test_compiled_fp8_runs_scaled_mm_with_fused_casts() -> None:
+    pytest.importorskip("torchao")
+    tr = trace(_mlp(), _batch(), loss_fn=_loss, precision="fp8-mixed", device="h100",
+               compile=True)
+    scaled = [o for o in tr.ops_of_step(0) if o.op == "aten._scaled_mm.default"]
+    # six as in eager less the first layer's grad_input, which nothing uses (the batch needs
+    # no gradient): the compiled backward graph drops it, eager torchao computes it
+    assert len(scaled) == 5 and all(o.gemms[0].dtype == "fp8" for o in scaled)
+    assert (B, D_IN, D_HID) not in {(o.gemms[0].m, o.gemms[0].n, o.gemms[0].k)
+                                    for o in scaled}
+    casts = [o for o in tr.ops_of_step(0) if o.dtype.startswith("float8")
+             and o.kind == "memory" and o.op.startswith("prims.convert_element_type")]
+    assert casts and all(o.fused for o in casts)  # Inductor fuses amax, scale and cast
+
+
+@pytest.mark.parametrize("gpu", ["a100-80gb", "v100", "t4"])
+def test_a_gpu_without_fp8_names_the_ones_that_have_it(gpu: str) -> None:
+    with pytest.raises(TilefitError) as err:
+        trace(_mlp(), _batch(), loss_fn=_loss, precision="fp8", device=gpu)
+    text = str(err.value)
+    # fp8 Tensor Cores: Ada (sm89) and later -- a second criterion than the peak table
+    have = [d.name for d in CATALOG if d.compute_capability and d.compute_capability >= (8, 9)]
+    assert have and all(name in text for name in have)
+    assert gpu not in text.split("in the catalog:")[1].split(")")[0]
+    assert "--precision bf16-mixed" in text or "--precision fp16-mixed" in text
+
+
+def test_fp8_on_the_cpu_is_an_error() -> None:
+    with pytest.raises(TilefitError, match="h100"):
+        trace(_mlp(), _batch(), loss_fn=_loss, precision="fp8", device="cpu")
+
+
+def test_without_torchao_the_error_gives_the_install_command(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import tilefit.tracing.float8 as f8
+
+    def missing(name: str) -> None:
+        raise ImportError(name)
+
+    monkeypatch.setattr(f8.importlib, "import_module", missing)
+    with pytest.raises(TilefitError, match=r"pip install 'tilefit\[fp8\]'"):
+        f8.torchao_float8()
