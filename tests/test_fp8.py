@@ -156,3 +156,81 @@ def test_without_torchao_the_error_gives_the_install_command(monkeypatch) -> Non
     monkeypatch.setattr(f8.importlib, "import_module", missing)
     with pytest.raises(TilefitError, match=r"pip install 'tilefit\[fp8\]'"):
         f8.torchao_float8()
+
+
+# ---- audit and plan ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_one_layer():  # type: ignore[no-untyped-def]
+    from tilefit.models import load_workload
+
+    # Llama-3.2-1B's linears (2048 x 8192 MLP, a 128256-row lm_head), one layer
+    return load_workload("llama-3.2-1b", seq_len=128).with_config(num_hidden_layers=1)
+
+
+def _whatif(work, gpu: str):  # type: ignore[no-untyped-def]
+    """The audit's what-if for a bf16-mixed step of ``work`` on ``gpu`` (the rule alone:
+    the other rules' re-traces are not needed here)."""
+    from tilefit.advise.whatif import WhatIf
+    from tilefit.estimator import estimate_trace
+    from tilefit.estimator.workloads import trace_workload
+    from tilefit.hardware import get_device
+    from tilefit.vocab import Recipe
+
+    dev = get_device(gpu)
+    recipe = Recipe(batch_size=8, precision="bf16-mixed", optimizer="adamw-fused")
+    tr = trace_workload(work, recipe, dev)
+    return WhatIf(work, recipe, dev, tr, estimate_trace(tr, dev),
+                  lambda w, r: trace_workload(w, r, dev))
+
+
+def test_audit_finds_fp8_on_h100_with_the_retraced_gain(llama_one_layer) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("torchao")
+    from dataclasses import replace
+
+    from tilefit.advise.audit import RULES
+    from tilefit.advise.rules_fp8 import fp8_findings
+    from tilefit.estimator.workloads import estimate_workload
+
+    assert fp8_findings in RULES
+    whatif = _whatif(llama_one_layer, "h100")
+    (f,) = fp8_findings(whatif)
+    assert f.rule == "fp8" and f.recommended and f.method == "retrace"
+    assert "convert_to_float8_training" in f.fix and "torch.compile" in f.fix
+    assert "mixed_precision='fp8'" in f.fix and "AORecipeKwargs" in f.fix
+    # a second method: estimate the fixed step directly
+    direct = estimate_workload(llama_one_layer, replace(whatif.recipe, precision="fp8-mixed",
+                                                        compile=True), "h100")
+    assert f.step_time_after_s == pytest.approx(direct.step_time_s, rel=1e-9)
+    assert f.step_time_before_s == whatif.estimate.step_time_s
+    assert f.step_time_after_s < f.step_time_before_s
+
+
+def test_no_fp8_finding_where_the_gpu_has_no_fp8(llama_one_layer) -> None:  # type: ignore[no-untyped-def]
+    from tilefit.advise.rules_fp8 import fp8_findings
+    from tilefit.advise.whatif import WhatIf
+    from tilefit.estimator.workloads import trace_workload
+    from tilefit.hardware import get_device
+    from tilefit.vocab import Recipe
+
+    recipe = Recipe(batch_size=1, precision="bf16-mixed")
+    calls: list[object] = []
+
+    def retrace(work, r):  # type: ignore[no-untyped-def]
+        calls.append(r)
+        return trace_workload(work, r, "a100-80gb")
+
+    dev = get_device("a100-80gb")
+    whatif = WhatIf(llama_one_layer, recipe, dev, None, None, retrace)  # type: ignore[arg-type]
+    assert fp8_findings(whatif) == [] and calls == []  # not even a re-trace
+
+
+def test_plan_searches_fp8_where_the_gpu_has_it() -> None:
+    from tilefit.hardware import get_device
+    from tilefit.planner.search import changes_of
+    from tilefit.planner.space import fp8_recipes
+
+    assert fp8_recipes(get_device("a100-80gb"), "adamw", hf_model=True) == []
+    (r,) = fp8_recipes(get_device("h100"), "adamw", hf_model=True)
+    assert r.precision == "fp8-mixed" and r.compile and r.optimizer == "adamw-fused"
+    assert any("fp8" in c and "torchao" in c for c in changes_of(r, "adamw", False))
