@@ -9,7 +9,8 @@ speed; at 4096, 8192, 16384, 1.39x. Llama3-8B pre-training with torchtitan on 8 
 6150 -> 7689.5 tokens/s (+25.03 %), peak memory 47.65 -> 47.77 GB. Not the same setup as
 one GPU here: a check of the order of the gain, not a fit.
 
-    python benchmarks/bench_fp8.py [--gpu h100] [--models llama-3.2-1b,qwen2.5-0.5b,gpt2] [--batch 8]
+    python benchmarks/bench_fp8.py [--gpu h100] [--batch 8] [--seq 1024]
+        [--models llama-3.2-1b,qwen2.5-0.5b,gpt2]
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 PUBLISHED_LINEAR = {(1024, 2048, 1024): 0.80, (4096, 8192, 16384): 1.39}
+
+
+def _linear_loss(mod: object, x: object) -> object:
+    return mod(x.requires_grad_()).float().sum()  # type: ignore[attr-defined, operator]
 
 
 def linear_speedups(gpu: str) -> None:
@@ -38,8 +43,8 @@ def linear_speedups(gpu: str) -> None:
         for precision in ("bf16", "fp8-mixed"):
             model = nn.Linear(k, n, bias=False)
             batch = torch.empty(m, k, device="meta")
-            est = estimate(model, batch, loss_fn=lambda mod, x: mod(x.requires_grad_()).float().sum(),
-                           optimizer="sgd", precision=precision, device=gpu, compile=True)
+            est = estimate(model, batch, loss_fn=_linear_loss, optimizer="sgd",
+                           precision=precision, device=gpu, compile=True)
             times[precision] = sum(est.time_by_phase_s.get(p, 0.0)
                                    for p in ("forward", "backward"))
         print(f"{f'{m}, {k}, {n}':>20} {times['bf16'] * 1e3:9.3f} "
@@ -48,8 +53,6 @@ def linear_speedups(gpu: str) -> None:
 
 
 def model_table(gpu: str, models: list[str], batch: int, seq: int) -> None:
-    from dataclasses import replace
-
     from tilefit.estimator.workloads import estimate_workload
     from tilefit.models import load_workload
     from tilefit.vocab import Recipe

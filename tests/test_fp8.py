@@ -234,3 +234,17 @@ def test_plan_searches_fp8_where_the_gpu_has_it() -> None:
     (r,) = fp8_recipes(get_device("h100"), "adamw", hf_model=True)
     assert r.precision == "fp8-mixed" and r.compile and r.optimizer == "adamw-fused"
     assert any("fp8" in c and "torchao" in c for c in changes_of(r, "adamw", False))
+
+
+def test_an_fp8_plan_row_pastes_the_torchao_conversion() -> None:
+    from tilefit.planner.configs import float8_lines
+    from tilefit.vocab import Recipe
+
+    class Row:  # the fields float8_lines reads
+        recipe = Recipe(precision="fp8-mixed", compile=True)
+
+    lines = float8_lines(Row())  # type: ignore[arg-type]
+    assert "convert_to_float8_training" in lines[1] and "% 16 == 0" in lines[1]
+    assert lines[-1] == "model = torch.compile(model)"
+    Row.recipe = Recipe(precision="bf16-mixed")
+    assert float8_lines(Row()) == []  # type: ignore[arg-type]
