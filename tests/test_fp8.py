@@ -2,10 +2,10 @@
 eligible nn.Linear layers in fp8, their scaling and casting kernels, what is saved for
 backward), the device check, the alignment rule, the audit finding and the plan's knob.
 
-Expected values are hand arithmetic over torchao's documented recipe (docs/references.md,
-section 21a): per converted layer, three GEMMs (output, grad_input, grad_weight); casts of
-the input and weight (e4m3) in the forward, of grad_output (e5m2, once per backward GEMM),
-the weight and the input (e4m3) in the backward.
+Expected values are hand arithmetic over torchao's documented recipe
+(docs/references.md, section 21a): per converted layer, three GEMMs (output, grad_input,
+grad_weight); casts of the input and weight (e4m3) in the forward, of grad_output (e5m2, once
+per backward GEMM), the weight and the input (e4m3) in the backward.
 """
 
 from __future__ import annotations

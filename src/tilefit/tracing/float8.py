@@ -28,7 +28,7 @@ from torch import nn
 
 from tilefit.errors import TilefitError
 
-# torch._scaled_mm needs every GEMM dimension divisible by 16 (docs/references.md, 21a)
+# torch._scaled_mm needs every GEMM dimension divisible by 16 (docs/references.md, section 21a)
 FLOAT8_ALIGN = 16
 TORCHAO_PIP = "pip install 'tilefit[fp8]' (or: pip install torchao)"
 _FLOAT8_TENSOR: list[type] = []
