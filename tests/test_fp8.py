@@ -248,3 +248,16 @@ def test_an_fp8_plan_row_pastes_the_torchao_conversion() -> None:
     assert lines[-1] == "model = torch.compile(model)"
     Row.recipe = Recipe(precision="bf16-mixed")
     assert float8_lines(Row()) == []  # type: ignore[arg-type]
+
+
+def test_gpt2s_conv1d_layers_stay_bf16_and_the_trace_says_why() -> None:
+    pytest.importorskip("torchao")
+    from tilefit.estimator.workloads import trace_workload
+    from tilefit.models import load_workload
+    from tilefit.vocab import Recipe
+
+    work = load_workload("gpt2", seq_len=32).with_config(num_hidden_layers=1)
+    tr = trace_workload(work, Recipe(batch_size=2, precision="fp8-mixed"), "h100")
+    gemms = [g for o in tr.ops_of_step(0) for g in o.gemms]
+    assert gemms and all(g.dtype == "bf16" for g in gemms)  # Conv1D; lm_head: 50257 % 16
+    assert any("no layer runs in fp8" in w and "Conv1D" in w for w in tr.warnings)

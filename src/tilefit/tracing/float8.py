@@ -37,14 +37,17 @@ _FLOAT8_TENSOR: list[type] = []
 @contextlib.contextmanager
 def _quiet_import() -> Iterator[None]:
     """torchao's import logs a warning for each of its CUDA kernel libraries it cannot load
-    on a machine without CUDA: they are not used on fake tensors."""
-    log = logging.getLogger("torchao")
-    level = log.level
-    log.setLevel(logging.ERROR)
+    on a machine without CUDA (not used on fake tensors), and torch's pytree one for each of
+    its Enum constants it registers."""
+    logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        log.setLevel(level)
+        for log, level in zip(logs, levels, strict=True):
+            log.setLevel(level)
 
 
 def torchao_float8() -> Any:
@@ -96,7 +99,9 @@ def convert_linears(model: nn.Module, autocast_dtype: torch.dtype
             m.forward = MethodType(_autocast_forward(linear_cls, autocast_dtype), m)
             converted += 1
     notes = [f"fp8: {converted} nn.Linear layer(s) run their GEMMs in fp8 (torchao float8, "
-             "tensorwise scaling)"]
+             "tensorwise scaling)" if converted else
+             "fp8: no layer runs in fp8: torchao converts nn.Linear layers only (Hugging "
+             "Face GPT-2's Conv1D is not one), so the step is bf16 autocast's"]
     if skipped:
         shown = ", ".join(skipped[:4]) + (f" and {len(skipped) - 4} more" if len(skipped) > 4
                                           else "")
