@@ -239,7 +239,7 @@ def test_bad_arguments_are_explained():
     with pytest.raises(TilefitError, match="no loss_fn"):
         trace(model, torch.randn(1, 2), device="cpu")
     with pytest.raises(TilefitError, match="unknown precision"):
-        trace(model, torch.randn(1, 2), loss_fn=lambda m, b: m(b).sum(), precision="fp8")
+        trace(model, torch.randn(1, 2), loss_fn=lambda m, b: m(b).sum(), precision="fp7")
     with pytest.raises(TilefitError, match="unknown optimizer"):
         trace(model, torch.randn(1, 2), loss_fn=lambda m, b: m(b).sum(), optimizer="lion")
     with pytest.raises(TilefitError, match="accumulation_steps"):

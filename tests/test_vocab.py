@@ -49,7 +49,9 @@ def test_hf_flags_match_training_arguments() -> None:
         p = parse_precision(name)
         flags = p.hf_flags()
         if p.autocast_dtype:  # the flags select the same autocast dtype again
-            assert precision_from_hf(flags["bf16"], flags["fp16"], flags["tf32"]) == p
+            back = precision_from_hf(flags["bf16"], flags["fp16"], flags["tf32"])
+            # TrainingArguments has no fp8 switch: bf16=True, the model converted by torchao
+            assert back == p or (p.float8_linears and back.name == "bf16-mixed")
 
 
 def test_device_precisions_and_defaults() -> None:

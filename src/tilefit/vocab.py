@@ -61,14 +61,14 @@ def same_update(a: str, b: str) -> bool:
     return a == b or FUSED_IMPLEMENTATION.get(a) == b or FUSED_IMPLEMENTATION.get(b) == a
 
 # ---- precisions ---------------------------------------------------------------------------
-PrecisionName = Literal["fp32", "tf32", "fp16-mixed", "bf16-mixed", "bf16"]
+PrecisionName = Literal["fp32", "tf32", "fp16-mixed", "bf16-mixed", "bf16", "fp8-mixed"]
 
 
 @dataclass(frozen=True)
 class Precision:
     """How a training step uses floating point.
 
-    Dtype fields hold tilefit dtype names (tilefit.dtypes: fp32, tf32, fp16, bf16)."""
+    Dtype fields hold tilefit dtype names (tilefit.dtypes: fp32, tf32, fp16, bf16, fp8)."""
 
     name: str  # the canonical spelling, a PrecisionName
     compute_dtype: str  # the GEMMs' math dtype, whose dense peak MFU is measured against
@@ -99,6 +99,12 @@ class Precision:
         half = self.half_dtype
         return {"bf16": half == "bf16", "fp16": half == "fp16", "tf32": self.allow_tf32}
 
+    @property
+    def float8_linears(self) -> bool:
+        """The nn.Linear GEMMs run in fp8 as torchao's float8 training runs them
+        (tilefit.tracing.float8); the rest of the step is the autocast dtype's."""
+        return self.compute_dtype == "fp8"
+
     def supported_by(self, device: Device) -> bool:
         return self.requires is None or device.supports(self.requires)
 
@@ -116,6 +122,14 @@ PRECISIONS: tuple[Precision, ...] = (
     Precision("bf16", "bf16", None, "bf16", False, "bf16", "bf16-true",
               "bf16 weights, gradients, optimizer state and math (no fp32 master copy)",
               ("bf16-true", "bfloat16", "pure-bf16")),
+    # torchao's float8 training (docs/references.md, section 21): the nn.Linear layers'
+    # three GEMMs in fp8 with dynamic tensorwise scaling, everything else bf16 autocast, fp32
+    # master weights. Lightning has no switch for it: bf16-mixed, the model converted by
+    # torchao.float8.convert_to_float8_training in configure_model.
+    Precision("fp8-mixed", "fp8", "bf16", "fp32", False, "fp8", "bf16-mixed",
+              "fp32 weights, nn.Linear GEMMs in fp8 (torchao float8, tensorwise dynamic "
+              "scaling), the rest bf16 autocast",
+              ("fp8", "float8", "fp8-torchao", "float8-mixed", "torchao-fp8")),
 )
 PRECISION_NAMES: tuple[str, ...] = tuple(p.name for p in PRECISIONS)
 assert get_args(PrecisionName) == PRECISION_NAMES
@@ -185,9 +199,18 @@ def check_precision_supported(precision: str | Precision, device: Device) -> Pre
     if not p.supported_by(device):
         raise TilefitError(
             f"{device.display_name} has no {p.requires} math, so precision {p.name} cannot run",
-            expected="a precision the device supports", given=p.name,
-            fix=f"use --precision {default_precision(device)} on this device")
+            expected=f"a GPU with {p.requires} Tensor Cores (in the catalog: "
+            f"{', '.join(gpus_supporting(p.requires))})", given=f"{p.name} on {device.name}",
+            fix=f"use --precision {default_precision(device)} on this device, or pass "
+            "--gpu with one of the GPUs above")
     return p
+
+
+def gpus_supporting(dtype: str) -> list[str]:
+    """The catalog GPUs with dense math in ``dtype`` (their canonical names)."""
+    from tilefit.hardware.catalog import CATALOG  # torch-free; imported late: no cycle
+
+    return [d.name for d in CATALOG if d.supports(dtype)]
 
 
 def check_max_grad_norm(max_grad_norm: float | None, *, given: str | None = None) -> None:

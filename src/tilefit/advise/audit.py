@@ -11,6 +11,7 @@ from tilefit.advise.findings import Finding
 from tilefit.advise.rules_batch import memory_bound_findings, wave_findings
 from tilefit.advise.rules_compile import compile_findings
 from tilefit.advise.rules_dims import dimension_findings
+from tilefit.advise.rules_fp8 import fp8_findings
 from tilefit.advise.rules_host import host_findings
 from tilefit.advise.rules_memory import memory_findings
 from tilefit.advise.rules_optimizer import fused_optimizer_findings
@@ -31,7 +32,7 @@ DEFAULT_BATCH = 8
 RULES: tuple[Callable[[WhatIf], list[Finding]], ...] = (
     dimension_findings, memory_bound_findings, wave_findings, precision_findings,
     attention_findings, host_findings, fused_optimizer_findings, compile_findings,
-    memory_findings)
+    fp8_findings, memory_findings)
 
 
 @dataclass(frozen=True)

@@ -66,12 +66,28 @@ def _python_call(name: str, kwargs: dict[str, Any]) -> str:
     return f"{name}(\n{body})"
 
 
+def float8_lines(row: PlanRow) -> list[str]:
+    """torchao's float8 conversion of an fp8 row's model (docs/references.md, section 21):
+    the layers whose dimensions are multiples of 16, then torch.compile, as estimated."""
+    if not row.recipe.spec.float8_linears:
+        return []
+    out = ["from torchao.float8 import convert_to_float8_training  # pip install torchao",
+           "convert_to_float8_training(model, module_filter_fn=lambda m, fqn: "
+           "m.in_features % 16 == 0 and m.out_features % 16 == 0)"]
+    if row.recipe.compile:
+        out.append("model = torch.compile(model)")
+    return out
+
+
 def hf_python(row: PlanRow) -> str:
     args = hf_training_arguments(row)
     lines = ["from transformers import AutoModelForCausalLM, TrainingArguments", ""]
     if row.attention in ("sdpa", "eager"):
         lines.append(f'model = AutoModelForCausalLM.from_pretrained(name, '
                      f'attn_implementation="{row.attention}")')
+    if row.recipe.spec.float8_linears:
+        lines.append("import torch")
+        lines.extend(float8_lines(row))
     lines.append("args = " + _python_call("TrainingArguments", {"output_dir": "out", **args}))
     return "\n".join(lines)
 
@@ -108,6 +124,7 @@ def torch_loop(row: PlanRow) -> str:
     if row.grad_checkpointing:
         lines.append("model.gradient_checkpointing_enable()  # HF models; else "
                      "torch.utils.checkpoint per block")
+    lines.extend(float8_lines(row))
     lines.append(f"opt = {TORCH_OPTIM.get(row.optimizer, row.optimizer)}")
     if prec.grad_scaler:
         lines.append("scaler = torch.amp.GradScaler('cuda')")

@@ -281,6 +281,8 @@ def _trace_recipes(p: _Planner, optimizer: str, *, hf_model: bool, allow_peft: b
     for spec in space.same_math_recipes(device, optimizer,
                                         causal_lm=hf_model and p.work.task == "causal-lm"):
         p.add(spec)
+    for spec in space.fp8_recipes(device, optimizer, hf_model=hf_model):
+        p.add(spec)
     if allow_peft and hf_model:
         for spec in space.peft_recipes(device, optimizer):
             p.add(spec)

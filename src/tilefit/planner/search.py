@@ -153,6 +153,9 @@ def changes_of(spec: Recipe, user_optimizer: str, offload: bool) -> tuple[str, .
         out.append("torch.compile (Inductor): fused kernels, fewer saved activations (same "
                    "math; compile time not counted)")
     prec = spec.spec
+    if prec.float8_linears:
+        out.append("nn.Linear GEMMs in fp8 (torchao float8, tensorwise scaling): fp8 "
+                   "rounding, check the loss against bf16")
     if prec.autocast_dtype:
         out.append(f"{prec.autocast_dtype} autocast "
                    + ("(fp32 adapters)" if spec.peft else "(fp32 weights)"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from tilefit.batches import is_friendly
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device
-from tilefit.vocab import FUSED_IMPLEMENTATION, Recipe, device_precisions
+from tilefit.vocab import FUSED_IMPLEMENTATION, PRECISIONS, Recipe, device_precisions
 
 # What a change of optimizer means for training, shown in the plan's "changes" column.
 OPTIMIZER_LABELS = {
@@ -113,6 +113,19 @@ def same_math_recipes(device: Device, optimizer: str, *, causal_lm: bool) -> lis
         out.append(Recipe(precision=prec, optimizer=fused or optimizer,
                           attention="sdpa" if causal_lm else "auto", compile=True))
     return out
+
+
+def fp8_recipes(device: Device, optimizer: str, *, hf_model: bool) -> list[Recipe]:
+    """fp8 training (torchao's float8 on the nn.Linear GEMMs, the rest bf16 autocast) with
+    torch.compile, which fuses its scaling and casting kernels, where the GPU has fp8
+    Tensor Cores (docs/references.md, section 21). Not the same math: fp8 rounding. A
+    machine without torchao gets a note saying how to install it (the trace's error)."""
+    fp8 = [p for p in PRECISIONS if p.float8_linears and p.supported_by(device)]
+    if device.kind != "cuda" or not fp8:
+        return []
+    return [Recipe(precision=fp8[0].name, optimizer=FUSED_IMPLEMENTATION.get(optimizer,
+                                                                            optimizer),
+                   attention="sdpa" if hf_model else "auto", compile=True)]
 
 
 def optimizer_recipes(device: Device, optimizer: str, *, hf_model: bool) -> list[Recipe]:

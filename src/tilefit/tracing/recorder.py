@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tilefit.tracing.collectives import ENGINE_COPY_NAMESPACE, collective_of
+from tilefit.tracing.float8 import float8_payload, holds_float8, unwrap_float8
 from tilefit.tracing.fusion import NodePlan
 from tilefit.tracing.records import Collective, GemmShape, OpRecord, StorageRecord
 from tilefit.tracing.shapes import classify, gemm_shapes, op_flops, packet_name
@@ -33,7 +34,8 @@ _SKIP = {"prim.device.default", "profiler._record_function_enter_new.default",
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:
     """The tensors in nested tuples/lists/dicts (aten arguments are no deeper than that)."""
     if isinstance(tree, torch.Tensor):
-        yield local_tensor(tree)  # a DTensor's shard: what this rank holds
+        # a DTensor's shard: what this rank holds; a torchao float8 tensor's fp8 data
+        yield float8_payload(local_tensor(tree))
     elif isinstance(tree, tuple | list):
         for x in tree:
             yield from _tensors(x)
@@ -358,6 +360,9 @@ class Recorder(TorchDispatchMode):
         outputs = list(_tensors(out))
         before = self._next_uid
         kind = classify(func)
+        float8 = holds_float8(args)
+        if float8 and kind != "gemm":  # torchao's metadata ops on its float8 tensors
+            kind = "view"
         engine = kind == "collective" or name.startswith(ENGINE_COPY_NAMESPACE)
         for t in outputs:
             self._track(t, at, "communication" if engine else None, module=module)
@@ -371,7 +376,8 @@ class Recorder(TorchDispatchMode):
         flops = op_flops(func, args, kwargs, out, attention)
         if flops is None:
             flops = 0
-        gemms: tuple[GemmShape, ...] = gemm_shapes(func, args, kwargs, out, kind) \
+        gemms: tuple[GemmShape, ...] = gemm_shapes(
+            func, unwrap_float8(args) if float8 else args, kwargs, out, kind) \
             if kind in ("gemm", "conv") else ()
         nbytes = 0 if kind == "view" else _traffic(
             inputs, outputs, _written(name, func, args, kwargs))

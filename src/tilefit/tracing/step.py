@@ -32,6 +32,7 @@ from tilefit.tracing.distributed import (
     root_name,
     wrap_model,
 )
+from tilefit.tracing.float8 import convert_linears
 from tilefit.tracing.hf_compat import gpu_mask_semantics, quiet_transformers
 from tilefit.tracing.optimizers import (
     OPTIMIZER_NAMES,
@@ -50,6 +51,7 @@ from tilefit.vocab import (
     Precision,
     check_max_grad_norm,
     check_precision_supported,
+    gpus_supporting,
     parse_precision,
 )
 
@@ -87,6 +89,11 @@ def check_options(precision: str, optimizer: OptimizerSpec, attention: str,
                            fix="pass the number of micro-batches per optimizer step")
     if device is not None:
         check_precision_supported(spec, device)
+    elif spec.requires == "fp8":
+        raise TilefitError(
+            f"precision {spec.name} runs fp8 GEMMs on a GPU's Tensor Cores, not on the CPU",
+            expected="a GPU with fp8 Tensor Cores: " + ", ".join(gpus_supporting("fp8")),
+            given="device='cpu'", fix="pass --gpu h100 (or another GPU above)")
 
 
 def _fake_like(t: torch.Tensor, mode: FakeTensorMode, dtype: torch.dtype | None = None
@@ -485,13 +492,16 @@ def _prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target
         _set_attention(fmodel, options.attention)
         if options.pure_bf16:
             cast_floating(fmodel, torch.bfloat16)
+        notes: tuple[str, ...] = ()
+        if options.precision.float8_linears and options.low_dtype is not None:
+            fmodel, notes = convert_linears(fmodel, options.low_dtype)
         if options.grad_checkpointing:
             _enable_checkpointing(fmodel,
                                   _recompute_contexts(target, recorder, options.low_dtype))
         fmodel.train()
-    notes: tuple[str, ...] = ()
     if parallel is not None:
-        fmodel, notes = wrap_model(fmodel, parallel, mesh, mode, recorder)
+        fmodel, wrap_notes = wrap_model(fmodel, parallel, mesh, mode, recorder)
+        notes += wrap_notes
     with mode:
         fbatch = fake_batch(batch, mode, torch.bfloat16 if options.pure_bf16 else None)
         params = [p for p in fmodel.parameters() if p.requires_grad]

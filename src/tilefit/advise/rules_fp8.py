@@ -1,0 +1,82 @@
+"""fp8 training where the GPU has fp8 Tensor Cores: torchao's float8 training runs the
+nn.Linear GEMMs in fp8 at twice the bf16 peak, at the price of the scaling and casting
+kernels, which torch.compile fuses (docs/references.md, section 21). The gain is a re-trace
+with precision fp8-mixed (tilefit.tracing.float8), compiled unless the recipe checkpoints;
+the finding appears only where that re-estimate gains."""
+
+from __future__ import annotations
+
+from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, severity_of
+from tilefit.advise.whatif import WhatIf
+from tilefit.errors import TilefitError
+from tilefit.estimator import Estimate
+from tilefit.vocab import PRECISIONS, Precision
+
+GIB = 2**30
+FP8_FIX = ("from torchao.float8 import convert_to_float8_training; "
+           "convert_to_float8_training(model, module_filter_fn=lambda m, fqn: "
+           "m.in_features % 16 == 0 and m.out_features % 16 == 0) before "
+           "torch.compile(model), training under bf16 autocast as now (pip install torchao); "
+           "with accelerate: Accelerator(mixed_precision='fp8', "
+           "kwargs_handlers=[AORecipeKwargs()])")
+
+
+def fp8_precision() -> Precision:
+    """The vocabulary's fp8 training precision."""
+    return next(p for p in PRECISIONS if p.float8_linears)
+
+
+def fp8_gemm_share(est: Estimate) -> float:
+    """The share of the GPU's time in GEMMs (what fp8 speeds up)."""
+    total = sum(c.time_s * c.repeats for c in est.ops)
+    gemm = sum(c.time_s * c.repeats for c in est.ops if c.record.kind == "gemm")
+    return gemm / total if total > 0 else 0.0
+
+
+def fp8_findings(whatif: WhatIf) -> list[Finding]:
+    recipe, device = whatif.recipe, whatif.device
+    fp8 = fp8_precision()
+    if (device.kind != "cuda" or not fp8.supported_by(device) or not whatif.can_retrace
+            or recipe.spec.autocast_dtype != fp8.autocast_dtype
+            or recipe.spec.float8_linears):
+        return []
+    compiled = recipe.compile or not recipe.grad_checkpointing
+    try:
+        after = whatif.retrace(precision=fp8.name, compile=compiled)
+        # fp8's own share of the gain: against bf16 compiled alike
+        same = whatif.estimate if recipe.compile == compiled else whatif.retrace(
+            compile=compiled)
+    except TilefitError:  # torchao not installed, a step Inductor cannot capture
+        return []
+    speedup = whatif.estimate.step_time_s / after.step_time_s
+    own = same.step_time_s / after.step_time_s
+    if own < MIN_RECOMMENDED_SPEEDUP or not after.fits:
+        return []
+    return [_finding(whatif, after, speedup, own, compiled and not recipe.compile)]
+
+
+def _finding(whatif: WhatIf, after: Estimate, speedup: float, own: float,
+             adds_compile: bool) -> Finding:
+    est = whatif.estimate
+    how = "with torch.compile " if adds_compile else ""
+    compile_part = (f" ({own:.2f}x of it over torch.compile in bf16 alone)"
+                    if adds_compile else "")
+    return Finding(
+        rule="fp8", severity=severity_of(speedup),
+        title=f"GEMMs are {fp8_gemm_share(est):.0%} of the GPU's time and "
+        f"{whatif.device.name} has fp8 Tensor Cores: torchao's float8 training {how}is "
+        f"predicted to make the step {speedup:.2f}x faster{compile_part}",
+        modules=(), dimension="precision", current=whatif.recipe.precision,
+        suggested=fp8_precision().name + (" + torch.compile" if adds_compile else ""),
+        fix=FP8_FIX,
+        reason="the nn.Linear layers' forward and both backward GEMMs run in fp8 "
+        "(e4m3 inputs and weights, e5m2 gradients, dynamic tensorwise scales) at twice the "
+        "bf16 peak; each costs an amax and a cast of its operands, which torch.compile "
+        "fuses; fp32 master weights, the bf16 input saved for backward as before. "
+        f"Step {est.step_time_s * 1e3:.1f} -> {after.step_time_s * 1e3:.1f} ms, peak "
+        f"{est.peak_memory_bytes / GIB:.2f} -> {after.peak_memory_bytes / GIB:.2f} GiB; "
+        "loss curves should be checked against bf16 for the first steps.",
+        step_time_before_s=est.step_time_s, step_time_after_s=after.step_time_s,
+        peak_memory_before_bytes=est.peak_memory_bytes,
+        peak_memory_after_bytes=after.peak_memory_bytes, method="retrace",
+        recommended=speedup >= MIN_RECOMMENDED_SPEEDUP)
