@@ -245,7 +245,6 @@ def test_an_fp8_plan_row_pastes_the_torchao_conversion() -> None:
 
     lines = float8_lines(Row())  # type: ignore[arg-type]
     assert "convert_to_float8_training" in lines[1] and "% 16 == 0" in lines[1]
-    assert lines[-1] == "model = torch.compile(model)"
     Row.recipe = Recipe(precision="bf16-mixed")
     assert float8_lines(Row()) == []  # type: ignore[arg-type]
 

@@ -402,3 +402,25 @@ def test_a_compiled_recipe_is_planned_and_keeps_the_math(tiny_gpt2) -> None:  # 
     assert compiled and not any(r.grad_checkpointing for r in compiled)
     assert all(not r.changes_optimizer for r in compiled)
     assert any("torch.compile" in c for c in compiled[0].changes)
+
+
+def test_a_compiled_row_compiles_once_in_each_config() -> None:
+    # the estimate this row came from ran the step as torch.compile runs it: every pasted
+    # config must compile too, exactly once (HF: the Trainer's torch_compile; a plain loop and
+    # Lightning: torch.compile after any float8 conversion)
+    from dataclasses import replace
+
+    from tilefit.planner.configs import hf_python, lightning, torch_loop
+
+    row = _row(8, 10, 1.0)
+    assert "torch_compile" not in hf_training_arguments(row)
+    assert "torch.compile" not in torch_loop(row) and "before_fit" not in lightning(row)["model"]
+    compiled = replace(row, recipe=replace(row.recipe, compile=True))
+    assert hf_training_arguments(compiled)["torch_compile"] is True
+    assert torch_loop(compiled).count("model = torch.compile(model)") == 1
+    assert "torch.compile(" not in hf_python(compiled)  # the Trainer compiles, not the paste
+    assert lightning(compiled)["model"]["before_fit"] == ["model = torch.compile(model)"]
+    fp8 = replace(row, recipe=replace(row.recipe, precision="fp8-mixed", compile=True))
+    loop = torch_loop(fp8)
+    assert loop.index("convert_to_float8_training(") < loop.index("torch.compile(model)")
+    assert hf_python(fp8).count("convert_to_float8_training(") == 1

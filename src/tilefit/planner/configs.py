@@ -53,6 +53,8 @@ def hf_training_arguments(row: PlanRow, *, deepspeed_path: str | None = None) ->
         # told otherwise; the estimate this row came from did the same
         "logging_nan_inf_filter": row.recipe.loss_sync,
     }
+    if row.recipe.compile:  # the Trainer wraps the model in torch.compile (mode "default")
+        args["torch_compile"] = True
     if row.recipe.fused_ce:  # Liger's fused linear cross-entropy alone, as estimated
         args["use_liger_kernel"] = True
         args["liger_kernel_config"] = dict(LIGER_FUSED_CE_ONLY)
@@ -68,15 +70,20 @@ def _python_call(name: str, kwargs: dict[str, Any]) -> str:
 
 def float8_lines(row: PlanRow) -> list[str]:
     """torchao's float8 conversion of an fp8 row's model (docs/references.md, section 21):
-    the layers whose dimensions are multiples of 16, then torch.compile, as estimated."""
+    the layers whose dimensions are multiples of 16 (torch.compile follows: compile_lines)."""
     if not row.recipe.spec.float8_linears:
         return []
-    out = ["from torchao.float8 import convert_to_float8_training  # pip install torchao",
-           "convert_to_float8_training(model, module_filter_fn=lambda m, fqn: "
-           "m.in_features % 16 == 0 and m.out_features % 16 == 0)"]
-    if row.recipe.compile:
-        out.append("model = torch.compile(model)")
-    return out
+    return ["from torchao.float8 import convert_to_float8_training  # pip install torchao",
+            "convert_to_float8_training(model, module_filter_fn=lambda m, fqn: "
+            "m.in_features % 16 == 0 and m.out_features % 16 == 0)"]
+
+
+def compile_lines(row: PlanRow) -> list[str]:
+    """A compiled row's model wrapped as it was estimated (torch.compile, default mode), after
+    any float8 conversion; for a plain loop or Lightning (the HF Trainer takes
+    torch_compile=True instead)."""
+    return [*float8_lines(row), *(["model = torch.compile(model)"] if row.recipe.compile
+                                  else [])]
 
 
 def hf_python(row: PlanRow) -> str:
@@ -102,6 +109,9 @@ def lightning(row: PlanRow) -> dict[str, Any]:
         "model": {"gradient_checkpointing_enable": row.grad_checkpointing,
                   "attn_implementation": row.attention},
     }
+    if row.recipe.compile or row.recipe.spec.float8_linears:
+        # before trainer.fit(model): Lightning trains the module it is given
+        out["model"]["before_fit"] = compile_lines(row)
     if row.offload:
         out["trainer"]["strategy"] = "deepspeed_stage_2_offload"
     return out
@@ -124,7 +134,7 @@ def torch_loop(row: PlanRow) -> str:
     if row.grad_checkpointing:
         lines.append("model.gradient_checkpointing_enable()  # HF models; else "
                      "torch.utils.checkpoint per block")
-    lines.extend(float8_lines(row))
+    lines.extend(compile_lines(row))
     lines.append(f"opt = {TORCH_OPTIM.get(row.optimizer, row.optimizer)}")
     if prec.grad_scaler:
         lines.append("scaler = torch.amp.GradScaler('cuda')")
