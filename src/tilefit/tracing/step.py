@@ -491,7 +491,8 @@ def _prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target
         fmodel.train()
     notes: tuple[str, ...] = ()
     if parallel is not None:
-        fmodel, notes = wrap_model(fmodel, parallel, mesh, mode, recorder)
+        fmodel, notes = wrap_model(fmodel, parallel, mesh, mode, recorder,
+                                   param_dtype=options.low_dtype)
     with mode:
         fbatch = fake_batch(batch, mode, torch.bfloat16 if options.pure_bf16 else None)
         params = [p for p in fmodel.parameters() if p.requires_grad]
