@@ -140,6 +140,7 @@ def loss_of(model, batch):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--record", help="a folder: each rank appends its steps to rank<R>.jsonl")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -172,9 +173,12 @@ def main():
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-        print("tilefit-step " + json.dumps({
-            "rank": rank, "world_size": world, "step": step, "micro_batch": MICRO_BATCH,
-            "accumulation_steps": ACCUMULATION_STEPS, "loss": total}), flush=True)
+        line = json.dumps({"rank": rank, "world_size": world, "step": step, "loss": total,
+                           "micro_batch": MICRO_BATCH, "accumulation_steps": ACCUMULATION_STEPS})
+        print("tilefit-step " + line, flush=True)
+        if args.record:
+            with open(os.path.join(args.record, f"rank{rank}.jsonl"), "a") as f:
+                f.write(line + "\\n")
     dist.destroy_process_group()
 
 

@@ -18,6 +18,7 @@ from tilefit.errors import TilefitError
 from tilefit.hardware import Device
 from tilefit.models import Workload
 from tilefit.planner import space
+from tilefit.planner.affine import SweepModel
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.search import Depth, row_from, safe_sweep
 from tilefit.tracing.distributed import Parallel, parallel_spec
@@ -114,7 +115,7 @@ def search_rows(work: Workload, device: Device, global_batch: int, budget_bytes:
     traces = 0
     for strategy in space_.strategies:
         parallel = Parallel(strategy, n)
-        for spec in space_.recipes:
+        for i, spec in enumerate(space_.recipes):
             spec = dataclasses.replace(user(spec), compile=False)
             model = safe_sweep(work, spec, micro, space_.depth, device, notes, parallel)
             traces += len(space_.depth.traced) * len({min(micro), max(micro)})
@@ -123,7 +124,23 @@ def search_rows(work: Workload, device: Device, global_batch: int, budget_bytes:
             rows.extend(row_from(spec, model, b, global_batch, space_.depth, device,
                                  budget_bytes, work.tokens_per_sample, optimizer,
                                  parallel=parallel) for b in micro)
+            floor = optimizer_step_floor(model, min(micro), space_.depth)
+            if i + 1 < len(space_.recipes) and floor > budget_bytes:
+                notes.append(f"{strategy} on {n} GPUs: its optimizer step alone needs "
+                             f"{floor / 2**30:.1f} GiB per GPU (traced), over the "
+                             f"{budget_bytes / 2**30:.1f} GiB budget: its other recipes "
+                             "were not traced")
+                break
     return rows, traces
+
+
+def optimizer_step_floor(model: SweepModel, micro_batch: int, depth: Depth) -> float:
+    """The traced peak of the optimizer step (parameters, gradients, optimizer state and
+    the step's temporaries) at the full depth: a floor under every recipe of the engine
+    (checkpointing, the micro-batch and the precisions searched here, all with fp32 weights,
+    leave it as it is)."""
+    return model.predict("peak_optimizer_bytes", micro_batch,
+                         depth.full if depth.lever else None)
 
 
 def parallel_of(row: PlanRow) -> Parallel | None:
