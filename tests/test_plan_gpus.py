@@ -66,6 +66,10 @@ def test_plan_on_two_gpus_and_its_torchrun_script_runs_two_steps(tmp_path: Path)
     fastest = max((p for p in d["plans"] if p["fits"]), key=lambda p: p["samples_per_s"])
     assert (fastest["micro_batch"], fastest["precision"]) == (best["micro_batch"],
                                                               best["precision"])
+    # the chosen plan traced in full agrees with the sweep (traced at 2 micro-batches)
+    c = best["confirmation"]
+    assert abs(c["peak_error"]) < 0.10 and abs(c["time_error"]) < 0.10
+    assert best["tokens_per_s_per_gpu"] == pytest.approx(best["tokens_per_s"] / 2)
     yaml = (out / "accelerate.yaml").read_text()
     assert "fsdp_version: 2" in yaml and "num_processes: 2" in yaml
     ds = json.loads((out / "ds_config.json").read_text())

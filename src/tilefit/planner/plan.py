@@ -269,6 +269,8 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
     p.world_size = world_size
     hf_model = not work.is_factory
     if world_size > 1:
+        p.notes.extend(_not_on_gpus(allow_peft=allow_peft, compile=compile,
+                                    allow_optimizer_change=allow_optimizer_change))
         _trace_on_gpus(p, world_size, strategy, hf_model=hf_model)
     else:
         if allow_peft and hf_model:
@@ -295,6 +297,17 @@ def _configs_of(best: PlanRow | None, work: Workload) -> dict[str, Any]:
     if best.strategy is not None:
         return configs.multi_gpu_configs(best, work)
     return configs.single_gpu_configs(best, work.task)
+
+
+def _not_on_gpus(*, allow_peft: bool, compile: bool, allow_optimizer_change: bool
+                 ) -> list[str]:
+    """Notes for the options a multi-GPU plan does not search yet."""
+    out = [f"{flag} is not planned on several GPUs yet: ignored" for flag, on in (
+        ("--allow-peft", allow_peft), ("--compile", compile),
+        ("--allow-optimizer-change", allow_optimizer_change)) if on]
+    out.append("on several GPUs CPU offload and other optimizers are not searched (one GPU "
+               "plans them: drop --gpus)")
+    return out
 
 
 def _trace_on_gpus(p: _Planner, world_size: int, strategy: str | None, *,

@@ -58,6 +58,10 @@ class PlanRow:
         return self.recipe.global_batch * self.world_size
 
     @property
+    def tokens_per_s_per_gpu(self) -> float | None:
+        return None if self.tokens_per_s is None else self.tokens_per_s / self.world_size
+
+    @property
     def fits(self) -> bool:
         return self.predicted_peak_memory_bytes <= self.budget_bytes
 
@@ -89,6 +93,7 @@ class PlanRow:
             "headroom_bytes": self.headroom_bytes,
             "predicted_step_time_s": self.predicted_step_time_s,
             "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "mfu": self.mfu, "fits": self.fits, "changes_optimizer": self.changes_optimizer,
             "fuses_optimizer": self.fuses_optimizer,
             "changes": list(self.changes),
