@@ -19,8 +19,6 @@ from tilefit.dtypes import parse_dtype
 from tilefit.models import Workload
 from tilefit.planner.rows import PlanRow
 
-# accelerate's names for a recipe's 16-bit dtype (`mixed_precision` in its config)
-ACCELERATE_MIXED = {"bf16": "bf16", "fp16": "fp16"}
 TORCHRUN_SCRIPT_NAME = "train_tilefit.py"
 
 _SCRIPT = Template('''\
@@ -223,7 +221,8 @@ def accelerate_config(row: PlanRow) -> dict[str, Any]:
     policy from mixed_precision with reduce_dtype = param_dtype (16-bit gradient reduction,
     unlike the script's fp32) and runs the forward under autocast."""
     assert row.strategy is not None
-    mixed = ACCELERATE_MIXED.get(row.recipe.spec.autocast_dtype or "", "no")
+    # accelerate's mixed_precision spells the 16-bit dtypes as tilefit's dtypes do
+    mixed = row.recipe.spec.autocast_dtype or "no"
     out: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE", "debug": False, "machine_rank": 0,
         "main_training_function": "main", "num_machines": 1,
