@@ -80,8 +80,11 @@ def best_table(plan: Plan, best: PlanRow) -> Table:
     table.add_column("quantity", style="bold")
     table.add_column("value")
     table.add_row("recipe", best.recipe_label())
+    gpus = "" if best.strategy is None else f" x {best.world_size} GPUs ({best.strategy})"
     table.add_row("batch", f"micro-batch {best.micro_batch} x {best.accumulation_steps} "
-                  f"accumulation steps = global batch {best.global_batch}")
+                  f"accumulation steps{gpus} = global batch {best.global_batch}")
+    if best.strategy is not None:
+        table.add_row("memory", "per GPU (rank 0 traced under the fake process group)")
     table.add_row("peak memory", f"{fmt_bytes(best.predicted_peak_memory_bytes)} of "
                   f"{fmt_bytes(plan.budget_bytes)} budget ({plan.memory_fraction:.0%} of "
                   f"{fmt_bytes(plan.device.memory_bytes)} minus "
@@ -162,9 +165,9 @@ def _print_multi_gpu(console: Console, plan: Plan) -> None:
         console.print(f"multi-GPU: {multi['note']}", highlight=False)
         return
     console.print(
-        f"[bold]multi-GPU[/]: nothing fits one GPU with the optimizer on it; the fewest GPUs "
-        f"that fit, traced: {multi['gpus']} x {plan.device.display_name} with "
-        f"{multi['engine']} (the ZeRO-3 formula proposed {multi['formula_gpus']}): "
+        f"[bold]multi-GPU[/]: nothing fits one GPU with the optimizer on it; traced from the "
+        f"ZeRO-3 formula's GPU count ({multi['formula_gpus']}) up, the first that fits: "
+        f"{multi['gpus']} x {plan.device.display_name} with {multi['engine']}: "
         f"micro-batch {multi['micro_batch']} x {multi['accumulation_steps']} accumulation x "
         f"{multi['gpus']} GPUs, {fmt_bytes(multi['predicted_per_gpu_memory_bytes'])} per GPU, "
         f"step {fmt_time(multi['step_time_s'])}, {multi['samples_per_s_all_gpus']:,.1f} "
