@@ -32,7 +32,10 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
-STRATEGIES = ("ddp", "fsdp2")
+# (strategy, precision): FSDP2 under bf16 autocast runs with MixedPrecisionPolicy
+# (param_dtype=bfloat16, reduce_dtype=float32), as tilefit traces it
+# (docs/references.md, section 23)
+SETUPS = (("ddp", "fp32"), ("fsdp2", "fp32"), ("fsdp2", "bf16-mixed"))
 STEPS = 2  # memory and the collectives of step 1, the trace's steady step (DDP rebuilds its
 # buckets there, as in the trace: its two small broadcasts happen once per run)
 
@@ -113,9 +116,13 @@ def _record_collectives() -> Any:
     return Collectives()
 
 
-def _wrap_real(model_fn: Callable[[], nn.Module], strategy: str) -> tuple[nn.Module, Any]:
+def _wrap_real(model_fn: Callable[[], nn.Module], strategy: str, mixed: bool
+               ) -> tuple[nn.Module, Any]:
     """The model in the real engine: DDP around a CPU model; FSDP2 the usual recipe
-    (meta device, fully_shard per block then the root, to_empty, initialise)."""
+    (meta device, fully_shard per block then the root, to_empty, initialise), with
+    torchtitan's MixedPrecisionPolicy when ``mixed``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     from tilefit.tracing.distributed import find_layer_list
 
     torch.manual_seed(0)
@@ -127,9 +134,11 @@ def _wrap_real(model_fn: Callable[[], nn.Module], strategy: str) -> tuple[nn.Mod
     with torch.device("meta"):
         model = model_fn()
     found = find_layer_list(model)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if mixed else MixedPrecisionPolicy()
     for block in found[1] if found else ():
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     model.to_empty(device="cpu")
     with torch.no_grad():
         for p in model.parameters():
@@ -140,7 +149,7 @@ def _wrap_real(model_fn: Callable[[], nn.Module], strategy: str) -> tuple[nn.Mod
     return model, None
 
 
-def worker(name: str, strategy: str, out_dir: str) -> None:
+def worker(name: str, strategy: str, precision: str, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -149,7 +158,8 @@ def worker(name: str, strategy: str, out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model_fn, batch_fn, loss_fn = case(name)
-    model, _ = _wrap_real(model_fn, strategy)
+    mixed = precision == "bf16-mixed"
+    model, _ = _wrap_real(model_fn, strategy, mixed)
     model.train()
     batch = batch_fn("cpu")
     tracker = MemTracker()
@@ -164,7 +174,8 @@ def worker(name: str, strategy: str, out_dir: str) -> None:
                              foreach=False)
         for step in range(STEPS):
             recorder.step = step
-            loss = loss_fn(model, batch)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+                loss = loss_fn(model, batch)
             loss.backward()
             del loss
             opt.step()
@@ -180,37 +191,38 @@ def worker(name: str, strategy: str, out_dir: str) -> None:
 
 
 # ---- the prediction and the comparison -------------------------------------------------------
-def predict(name: str, strategy: str, nproc: int) -> tuple[Any, float]:
+def predict(name: str, strategy: str, precision: str, nproc: int) -> tuple[Any, float]:
     from tilefit import trace
 
     model_fn, batch_fn, loss_fn = case(name)
     t0 = time.perf_counter()
     tr = trace(model_fn, batch_fn("meta"), loss_fn=loss_fn, optimizer="adamw", device="cpu",
-               world_size=nproc, strategy=strategy)
+               precision=precision, world_size=nproc, strategy=strategy)
     return tr, time.perf_counter() - t0
 
 
-def run_real(name: str, strategy: str, nproc: int) -> list[dict[str, Any]]:
+def run_real(name: str, strategy: str, precision: str, nproc: int) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               __file__, "--worker", name, strategy, out]
+               __file__, "--worker", name, strategy, precision, out]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise RuntimeError(r.stderr[-3000:])
         return [json.loads(Path(out, f"rank{i}.json").read_text()) for i in range(nproc)]
 
 
-def compare(name: str, strategy: str, nproc: int, repeats: int = 1) -> tuple[str, bool]:
+def compare(name: str, strategy: str, precision: str, nproc: int, repeats: int = 1
+            ) -> tuple[str, bool]:
     """The trace against ``repeats`` torchrun launches. A rank's peak can exceed the
     deterministic figure when gloo's worker thread still holds a finished collective's
     buffers as the main thread allocates (seen 1 launch in ~5, +4%): the target is checked on
     each rank's lowest peak over the launches, and the highest is printed beside it."""
-    launches = [run_real(name, strategy, nproc) for _ in range(repeats)]
+    launches = [run_real(name, strategy, precision, nproc) for _ in range(repeats)]
     ranks = launches[0]
     low = [min(run[i]["peak_bytes"] for run in launches) for i in range(nproc)]
     high = [max(run[i]["peak_bytes"] for run in launches) for i in range(nproc)]
-    tr, secs = predict(name, strategy, nproc)
+    tr, secs = predict(name, strategy, precision, nproc)
     pred = tr.peak(rounded=False)[0]
     errs = [(pred - m) / m for m in low]
     traced = [(o.op, [list(s) for s in o.input_shapes], o.collective.nbytes)
@@ -220,7 +232,8 @@ def compare(name: str, strategy: str, nproc: int, repeats: int = 1) -> tuple[str
     real = [c for c in ranks[0]["collectives"] if c["step"] == 1]
     ok = same and all(abs(e) <= 0.02 for e in errs)
     worst = max((h - m) / m for h, m in zip(high, low, strict=True))
-    line = (f"{name:6} {strategy:6} N={nproc}  measured per rank (lowest of {repeats}) "
+    line = (f"{name:6} {strategy:6} {precision:10} N={nproc}  measured per rank "
+            f"(lowest of {repeats}) "
             f"{' '.join(f'{m:,d}' for m in low):>22}  predicted {pred:10,d}  error "
             f"{' '.join(f'{e:+.2%}' for e in errs):>16}  (highest launch +{worst:.1%})  "
             f"collectives {len(traced)} traced / {len(real)} real "
@@ -250,7 +263,7 @@ def time_cli() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--worker", nargs=3)
+    ap.add_argument("--worker", nargs=4)
     ap.add_argument("--nproc", type=int, nargs="+", default=[2])
     ap.add_argument("--cases", nargs="+", default=list(CASES))
     ap.add_argument("--out", type=Path)
@@ -267,8 +280,8 @@ def main() -> int:
     ok = True
     for nproc in args.nproc:
         for name in args.cases:
-            for strategy in STRATEGIES:
-                line, good = compare(name, strategy, nproc, args.repeats)
+            for strategy, precision in SETUPS:
+                line, good = compare(name, strategy, precision, nproc, args.repeats)
                 ok &= good
                 lines.append(line)
                 print(line, flush=True)

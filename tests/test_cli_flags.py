@@ -25,8 +25,9 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*")
 
 # Flags of other programs that tilefit's generated configs and commands name.
 OTHER_PROGRAMS = {
-    "--config_file",  # accelerate launch --config_file fsdp2.yaml (planner/configs.py)
-    "--nproc_per_node",  # torchrun --nproc_per_node N (planner/configs.py)
+    "--config_file",  # accelerate launch --config_file accelerate.yaml (planner/configs.py)
+    "--nproc-per-node",  # torchrun --nproc-per-node N (planner/configs.py, launch.py)
+    "--record",  # the torchrun script's own flag (planner/launch.py)
 }
 
 

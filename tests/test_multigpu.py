@@ -100,6 +100,27 @@ def test_fsdp2_shards_parameters_and_all_gathers_each_block_by_hand() -> None:
     assert tr.world_size == n and tr.strategy == "fsdp2"
 
 
+def test_fsdp2_mixed_precision_gathers_16_bit_and_reduces_fp32_by_hand() -> None:
+    """bf16-mixed: FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) gathers
+    2-byte parameters and reduce-scatters 4-byte gradients; the fp32 shards stay as they
+    are; autocast casts no weight the policy already cast."""
+    n, bf16 = 4, 2
+    tr = _trace(n, "fsdp2", precision="bf16-mixed")
+    block = _shard(10, 6, n) + _shard(10, 1, n) + _shard(6, 10, n) + _shard(6, 1, n)
+    head = _shard(3, 6, n) + _shard(3, 1, n)
+    assert sum(s.nbytes for s in tr.storages if s.category == "parameters") == 372
+    ops = tr.ops_of_step(1)
+    gathers = [o.collective.nbytes for o in ops if o.collective is not None
+               and o.collective.name == "all_gather" and o.phase == "forward"]
+    assert sorted(gathers) == [head * n * bf16, block * n * bf16, block * n * bf16]
+    scatter = [o.collective.nbytes for o in ops if o.collective is not None
+               and o.collective.name == "reduce_scatter"]
+    assert sorted(scatter) == [head * n * F32, block * n * F32, block * n * F32]
+    weights = {(10, 6), (6, 10), (3, 6)}
+    assert not [o for o in ops if o.op.startswith("aten._to_copy") and o.phase == "forward"
+                and tuple(o.input_shapes[0]) in weights]
+
+
 def test_ddp_all_reduces_one_bucket_of_all_gradients_by_hand() -> None:
     tr = _trace(2, "ddp")
     grads = (2 * (60 + 10 + 60 + 6) + 18 + 3) * F32  # 1,172 bytes: one bucket (< 1 MiB)
@@ -242,5 +263,5 @@ def test_torchrun_two_ranks_on_the_cpu_match_the_trace() -> None:
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench
     spec.loader.exec_module(bench)
-    line, ok = bench.compare("mlp", "ddp", 2)
+    line, ok = bench.compare("mlp", "ddp", "fp32", 2)
     assert ok, line

@@ -277,20 +277,23 @@ def test_tiny_gpu_falls_back_to_offload_then_sharding(tiny_gpt2, a100_plan) -> N
     assert p.configs["deepspeed"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert p.multi_gpu is not None and p.multi_gpu["gpus"] >= 2
     assert p.multi_gpu["predicted_per_gpu_memory_bytes"] <= p.budget_bytes
-    # the formula's setup traced with FSDP2 itself: the same figures as estimating that
-    # setup directly (a second call, the same engine under the fake process group)
+    # the fallback is traced: its confirmed figures are those of estimating the chosen setup
+    # directly (a second call, the same engine under the fake process group)
     from tilefit.estimator.workloads import estimate_workload
-    from tilefit.vocab import Recipe
+    from tilefit.vocab import STRATEGIES, Recipe
 
     m = p.multi_gpu
     r = m["recipe"]
+    assert m["engine"] in STRATEGIES and m["gpus"] >= m["formula_gpus"]
+    assert m["micro_batch"] * m["accumulation_steps"] * m["gpus"] == 16
     direct = estimate_workload(tiny_gpt2, Recipe(
         batch_size=m["micro_batch"], accumulation_steps=m["accumulation_steps"],
         precision=r["precision"], optimizer=r["optimizer"],
         grad_checkpointing=r["grad_checkpointing"], attention=r["attention"]), tiny,
-        world_size=m["gpus"], strategy="fsdp2")
-    assert m["traced"]["per_gpu_peak_bytes"] == direct.peak_memory_bytes
-    assert m["traced"]["step_time_s"] == pytest.approx(direct.step_time_s)
+        world_size=m["gpus"], strategy=m["engine"])
+    assert m["predicted_per_gpu_memory_bytes"] == direct.peak_memory_bytes
+    assert m["step_time_s"] == pytest.approx(direct.step_time_s)
+    assert "torchrun_script" in m["configs"]
 
 
 def test_layer_lever_matches_the_full_trace() -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 from tilefit.cli import model_options as mo
 from tilefit.cli.common import GPU_HELP, JSON_OPTION, console, err_console, print_json, user_errors
 from tilefit.cli.noise import PLAN_NOISE_OPTION, read_noise_scale
+from tilefit.vocab import STRATEGIES
 
 
 def register(app: typer.Typer) -> None:
@@ -37,12 +40,23 @@ def plan(
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     fused_ce: bool = mo.FUSED_CE_OPTION,
     compile_: bool = mo.COMPILE_OPTION,
+    gpus: int = typer.Option(
+        1, "--gpus", help="Plan for this many data-parallel GPUs (one rank each): engine x "
+        "micro-batch x accumulation x checkpointing x precision from traces of rank 0; "
+        "writes configs that launch (torchrun script, accelerate, DeepSpeed)."),
+    strategy: str | None = typer.Option(
+        None, "--strategy", help="With --gpus > 1: search this engine only (" +
+        ", ".join(STRATEGIES) + "); default: all of them."),
+    write_configs: str | None = typer.Option(
+        None, "--write-configs", help="With --gpus > 1: write the chosen plan's torchrun "
+        "script, accelerate.yaml and ds_config.json into this directory."),
     top: int = typer.Option(15, "--top", help="Rows of the ranked table to show."),
     noise_scale: str | None = PLAN_NOISE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Choose batch, accumulation, checkpointing, precision and optimizer together, with configs."""
     from tilefit.planner import plan as run_plan
+    from tilefit.planner.multiplan import check_divisible
     from tilefit.planner.plan import check_fraction
     from tilefit.planner.space import check_global_batch
     from tilefit.report.plan import print_plan
@@ -51,6 +65,8 @@ def plan(
     with user_errors():
         check_fraction(memory_fraction)
         check_global_batch(global_batch)
+        if gpus > 1:
+            check_divisible(global_batch, gpus)
         b_noise = None if noise_scale is None else read_noise_scale(noise_scale)
         work = mo.load(model, seq, input_shape, task)
         result = run_plan(work, gpu=gpu, global_batch=global_batch,
@@ -61,7 +77,9 @@ def plan(
                           max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
                           loss_sync=mo.loss_sync(loss_sync, work),
                           fused_ce=fused_ce,
-                          compile=compile_)
+                          compile=compile_, world_size=gpus, strategy=strategy)
+        written = None if write_configs is None else write_launch_files(
+            result, Path(write_configs))
     if work.is_factory:
         err_console.print("note: the loss is a stand-in (mean of the model's output)",
                           highlight=False)
@@ -69,6 +87,36 @@ def plan(
     if warning is not None:
         err_console.print(f"[yellow]warning:[/] {warning}", highlight=False)
     if json_out:
-        print_json({**result.to_dict(), "warnings": [] if warning is None else [warning]})
+        print_json({**result.to_dict(), "warnings": [] if warning is None else [warning],
+                    "written": [str(w) for w in written or ()]})
         return
     print_plan(console, result, top=top)
+    for path in written or ():
+        console.print(f"wrote {path}", highlight=False)
+
+
+def write_launch_files(result: object, directory: Path) -> list[Path]:
+    """The chosen multi-GPU plan's launch files in ``directory`` (the library returns the
+    text; writing files is the command's job)."""
+    from tilefit.errors import TilefitError
+    from tilefit.planner import Plan
+    from tilefit.planner.launch import TORCHRUN_SCRIPT_NAME
+
+    assert isinstance(result, Plan)
+    cfg = result.configs
+    if "torchrun_script" not in cfg and result.multi_gpu and result.multi_gpu.get("configs"):
+        cfg = result.multi_gpu["configs"]
+    if "torchrun_script" not in cfg:
+        raise TilefitError("there is no multi-GPU plan to write",
+                           expected="a plan with --gpus N (N > 1) that fits, or one that "
+                           "fell back to several GPUs", given=f"--gpus {result.world_size}",
+                           fix="add --gpus 2 (or more) to plan for several GPUs")
+    import json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    files = {TORCHRUN_SCRIPT_NAME: cfg["torchrun_script"],
+             "accelerate.yaml": cfg["accelerate_yaml"] + "\n",
+             "ds_config.json": json.dumps(cfg["deepspeed"], indent=2) + "\n"}
+    for name, text in files.items():
+        (directory / name).write_text(text)
+    return [directory / name for name in files]

@@ -58,6 +58,11 @@ _PADDING_OFFSET_TYPES = frozenset(
 _FIELD_ALIASES = {"gpt2": {"intermediate_size": "n_inner"}}
 
 
+def auto_class_name(task: str) -> str:
+    """transformers' Auto class of a task (AutoModelForCausalLM, ...)."""
+    return _TASK_MAPPINGS[task][1]
+
+
 def _mapping(task: str) -> Mapping[str, Any]:
     from transformers.models.auto import modeling_auto
 

@@ -1,6 +1,6 @@
 """Configs to paste for a chosen plan: Hugging Face TrainingArguments (Python and JSON),
 Lightning Trainer arguments, a plain PyTorch loop, DeepSpeed JSON (offload), and the
-multi-GPU launch (FSDP2 via accelerate/torchrun, DeepSpeed ZeRO-3)."""
+multi-GPU launch (tilefit.planner.launch: a torchrun script, accelerate, DeepSpeed)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from tilefit.dtypes import parse_dtype
-from tilefit.planner.multigpu import ShardedSetup
+from tilefit.models import Workload
 from tilefit.planner.offload import REDUCE_BUCKET_ELEMENTS
 from tilefit.planner.rows import PlanRow
 
@@ -208,31 +208,23 @@ def peft_config(task: str) -> dict[str, Any]:
     return out
 
 
-def multi_gpu_configs(setup: ShardedSetup, row: PlanRow) -> dict[str, Any]:
-    """FSDP2 through accelerate (or torchrun), and the DeepSpeed ZeRO-3 equivalent."""
-    mixed = row.recipe.spec.half_dtype or "no"  # accelerate's mixed_precision
-    accelerate_fsdp = {
-        "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",
-        "num_processes": setup.gpus, "mixed_precision": mixed,
-        "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                        "fsdp_reshard_after_forward": True,
-                        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-                        "fsdp_activation_checkpointing": row.grad_checkpointing},
-    }
-    zero3 = {
-        "train_batch_size": setup.gpus * setup.micro_batch * setup.accumulation_steps,
-        "train_micro_batch_size_per_gpu": setup.micro_batch,
-        "gradient_accumulation_steps": setup.accumulation_steps,
-        "bf16": {"enabled": mixed == "bf16"}, "fp16": {"enabled": mixed == "fp16"},
-        "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True},
-    }
-    hf = {**hf_training_arguments(row), "per_device_train_batch_size": setup.micro_batch,
-          "gradient_accumulation_steps": setup.accumulation_steps}
+def multi_gpu_configs(row: PlanRow, work: Workload) -> dict[str, Any]:
+    """A multi-GPU plan's configs that launch as they are (tilefit.planner.launch): the
+    torchrun script, the accelerate config (dict and YAML), a DeepSpeed JSON (not validated
+    here), and the Trainer's per-device arguments."""
+    from tilefit.planner import launch
+
+    acc = launch.accelerate_config(row)
+    hf = {**hf_training_arguments(row), "per_device_train_batch_size": row.micro_batch,
+          "gradient_accumulation_steps": row.accumulation_steps}
     return {
-        "accelerate_fsdp2": accelerate_fsdp,
-        "launch": f"accelerate launch --config_file fsdp2.yaml train.py  "
-                  f"# or: torchrun --nproc_per_node {setup.gpus} train.py "
-                  f"(with torch.distributed.fsdp.fully_shard per block)",
-        "deepspeed_zero3": zero3,
+        "torchrun_script": launch.torchrun_script(row, work),
+        "launch": f"torchrun --nproc-per-node {row.world_size} "
+                  f"{launch.TORCHRUN_SCRIPT_NAME}   # or: accelerate launch --config_file "
+                  "accelerate.yaml your_train.py",
+        "accelerate": acc,
+        "accelerate_yaml": launch.yaml_text(acc),
+        "deepspeed": launch.deepspeed_config(row),
+        "deepspeed_note": "not validated here: DeepSpeed is not run by tilefit's tests",
         "hf_training_arguments": hf,
     }

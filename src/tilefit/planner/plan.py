@@ -10,10 +10,10 @@ from typing import Any
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device, get_device
 from tilefit.models import Workload
-from tilefit.planner import configs, rank, space
+from tilefit.planner import configs, multiplan, rank, space
 from tilefit.planner.affine import SweepModel
 from tilefit.planner.lora import require_peft
-from tilefit.planner.multigpu import ShardedSetup, smallest_setup
+from tilefit.planner.multigpu import MAX_GPUS, smallest_setup
 from tilefit.planner.offload import (
     HOST_BANDWIDTH_BYTES_PER_S,
     PCIE_BYTES_PER_S,
@@ -31,6 +31,7 @@ from tilefit.planner.search import (
     safe_sweep,
     trace_sample,
 )
+from tilefit.tracing.distributed import parallel_spec
 from tilefit.vocab import Recipe
 
 # The share of the GPU's memory a plan may use: the caching allocator fragments (PyTorch's
@@ -38,6 +39,8 @@ from tilefit.vocab import Recipe
 # 10 percent is kept as headroom by default.
 DEFAULT_MEMORY_FRACTION = 0.9
 MAX_CONFIRMS = 3
+# When nothing fits one GPU: the GPU counts traced from the formula's fewest up
+FALLBACK_GPU_COUNTS = 3
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     traces: int = 0
     wall_time_s: float = 0.0
+    world_size: int = 1  # GPUs the plan is for (rows per GPU; --gpus)
 
     def to_dict(self) -> dict[str, Any]:
         best = None
@@ -99,6 +103,7 @@ class Plan:
             "plans": [r.to_dict() for r in self.rows], "best": best, "reason": self.reason,
             "configs": self.configs, "multi_gpu": self.multi_gpu, "notes": list(self.notes),
             "traces": self.traces, "wall_time_s": self.wall_time_s,
+            "world_size": self.world_size,
         }
 
 
@@ -144,6 +149,7 @@ class _Planner:
         self.rows: list[PlanRow] = []
         self.notes: list[str] = []
         self.traces = 0
+        self.world_size = 1  # GPUs planned for (rows per GPU)
 
     def with_user(self, spec: Recipe) -> Recipe:
         """The recipe with the user's loop settings, as it is traced and keyed."""
@@ -191,7 +197,7 @@ class _Planner:
         spec = row.recipe
         s = trace_sample(self.work, spec, row.micro_batch, self.depth.full,
                          Depth(None, self.depth.full, (self.depth.full,)), self.device,
-                         row.accumulation_steps)
+                         row.accumulation_steps, multiplan.parallel_of(row))
         self.traces += 1
         if row.offload:
             params16 = half_parameter_bytes(s.parameters_bytes, row.precision)
@@ -220,7 +226,8 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
          compile: bool = False, input_shape: tuple[int, ...] | None = None, task: str | None = None,
          confirm: bool = True, layer_lever: bool | None = None,
          pcie_bytes_per_s: float | None = None,
-         host_bandwidth_bytes_per_s: float | None = None) -> Plan:
+         host_bandwidth_bytes_per_s: float | None = None,
+         world_size: int = 1, strategy: str | None = None) -> Plan:
     """Search training recipes for ``model`` on ``gpu`` at a fixed global batch.
 
     Every plan keeps micro_batch x accumulation_steps == global_batch. Recipes that keep the
@@ -229,11 +236,20 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
     when nothing else fits; a multi-GPU setup when nothing fits on one GPU. Each recipe is
     traced at two micro-batches (and, for deep models, two layer counts) and the rest of the
     sweep is predicted (``tilefit.planner.affine``); the chosen plan is traced in full.
+
+    ``world_size`` > 1: plans for that many GPUs (``tilefit.planner.multiplan``): each
+    ``strategy`` (every vocab.STRATEGIES when None) x micro-batch x accumulation x
+    checkpointing x precision, traced as rank 0 of the real engine; memory per GPU, the
+    throughput of all GPUs, configs that launch (``tilefit.planner.launch``).
     """
     started = time.perf_counter()
     check_fraction(memory_fraction)
     rank.check_objective(objective)
     space.check_global_batch(global_batch)
+    parallel_spec(world_size, strategy)  # a whole number of GPUs, a known strategy
+    if world_size > 1:
+        multiplan.check_divisible(global_batch, world_size)
+        multiplan.strategies_for(strategy, world_size)
     device = get_device(gpu)
     if device.kind != "cuda":
         raise TilefitError("plan needs a GPU to plan for",
@@ -250,22 +266,67 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
     user = Recipe(max_grad_norm=max_grad_norm, loss_sync=loss_sync, fused_ce=fused_ce,
                   compile=compile)
     p = _Planner(work, device, global_batch, budget, optimizer, depth, link, user)
+    p.world_size = world_size
     hf_model = not work.is_factory
-    if allow_peft and hf_model:
-        require_peft()  # before any tracing: LoRA is traced with the peft library itself
-    _trace_recipes(p, optimizer, hf_model=hf_model, allow_peft=allow_peft,
-                   allow_optimizer_change=allow_optimizer_change)
+    if world_size > 1:
+        p.notes.extend(_not_on_gpus(allow_peft=allow_peft, compile=compile,
+                                    allow_optimizer_change=allow_optimizer_change))
+        _trace_on_gpus(p, world_size, strategy, hf_model=hf_model)
+    else:
+        if allow_peft and hf_model:
+            require_peft()  # before any tracing: LoRA is traced with the peft library itself
+        _trace_recipes(p, optimizer, hf_model=hf_model, allow_peft=allow_peft,
+                       allow_optimizer_change=allow_optimizer_change)
     rows = rank.rank(rank.prune_unfriendly(p.rows), objective, allow_optimizer_change)
     best, conf, reason, rows = _choose(p, rows, objective, allow_optimizer_change,
                                        confirm=confirm)
-    multi = _when_nothing_fits(p, rows, optimizer, hf_model, budget)
-    cfg = configs.single_gpu_configs(best, work.task) if best is not None else {}
+    multi = None if world_size > 1 else _when_nothing_fits(p, rows, optimizer, hf_model,
+                                                           budget)
+    cfg = _configs_of(best, work)
     return Plan(
         model=work.name, device=device, global_batch=global_batch, seq_len=work.seq_len,
         objective=objective, memory_fraction=memory_fraction, budget_bytes=budget,
         overhead_bytes=overhead, rows=tuple(rows), best=best, reason=reason, confirmation=conf,
         configs=cfg, multi_gpu=multi, notes=tuple(p.notes), traces=p.traces,
-        wall_time_s=time.perf_counter() - started)
+        wall_time_s=time.perf_counter() - started, world_size=world_size)
+
+
+def _configs_of(best: PlanRow | None, work: Workload) -> dict[str, Any]:
+    if best is None:
+        return {}
+    if best.strategy is not None:
+        return configs.multi_gpu_configs(best, work)
+    return configs.single_gpu_configs(best, work.task)
+
+
+def _not_on_gpus(*, allow_peft: bool, compile: bool, allow_optimizer_change: bool
+                 ) -> list[str]:
+    """Notes for the options a multi-GPU plan does not search yet."""
+    out = [f"{flag} is not planned on several GPUs yet: ignored" for flag, on in (
+        ("--allow-peft", allow_peft), ("--compile", compile),
+        ("--allow-optimizer-change", allow_optimizer_change)) if on]
+    out.append("on several GPUs CPU offload and other optimizers are not searched (one GPU "
+               "plans them: drop --gpus)")
+    return out
+
+
+def _trace_on_gpus(p: _Planner, world_size: int, strategy: str | None, *,
+                   hf_model: bool, precisions: bool = True) -> None:
+    """The rows of ``world_size`` GPUs: every engine x recipe, swept from traces."""
+    depth = multiplan.multi_depth(p.depth)
+    p.depth = depth  # the confirming trace and the notes follow the multi-GPU sweep
+    setup = multiplan.MultiSpace(
+        world_size, multiplan.strategies_for(strategy, world_size),
+        tuple(multiplan.multi_recipes(p.device, p.optimizer, hf_model=hf_model,
+                                      precisions=precisions)), depth)
+    rows, traces = multiplan.search_rows(p.work, p.device, p.global_batch, p.budget,
+                                         p.optimizer, setup, p.with_user, p.notes)
+    p.rows.extend(rows)
+    p.traces += traces
+    if depth.lever:
+        p.notes.insert(0, f"deep model: each recipe traced on {world_size} ranks at "
+                       f"{', '.join(map(str, depth.traced))} of {depth.full} layers and "
+                       "extrapolated (affine in the layer count)")
 
 
 def _trace_recipes(p: _Planner, optimizer: str, *, hf_model: bool, allow_peft: bool,
@@ -321,8 +382,10 @@ def _choose(p: _Planner, rows: list[PlanRow], objective: str, allow_change: bool
                        f"trace needs {confirmed.predicted_peak_memory_bytes / 2**30:.1f} GiB, "
                        "over the budget; next plan tried")
         candidates = [r for r in candidates if r is not chosen]
-    reason = (f"nothing fits on one {p.device.display_name} "
-              f"(budget {p.budget / 2**30:.1f} GiB) at global batch {p.global_batch}")
+    where = f"one {p.device.display_name}" if p.world_size == 1 else \
+        f"{p.world_size} x {p.device.display_name}"
+    reason = (f"nothing fits on {where} "
+              f"(budget {p.budget / 2**30:.1f} GiB per GPU) at global batch {p.global_batch}")
     return None, None, reason, rows
 
 
@@ -354,19 +417,55 @@ def _why(row: PlanRow, rows: list[PlanRow], objective: str, allow_change: bool) 
         how = f"it changes the optimizer to {row.optimizer} (allowed)"
     if row.peft:
         how = "it trains LoRA adapters instead of the full model (allowed by --allow-peft)"
+    gpus = f" x {row.world_size} GPUs ({row.strategy})" if row.strategy else ""
     return (f"{what} of the {len(fits)} plans that fit the budget; "
             f"{how}; micro-batch {row.micro_batch} x {row.accumulation_steps} "
-            f"accumulation steps = global batch {row.global_batch}")
+            f"accumulation steps{gpus} = global batch {row.global_batch}")
 
 
 def _multi_gpu(p: _Planner, optimizer: str, hf_model: bool, budget: int
                ) -> dict[str, Any] | None:
-    """The fewest GPUs under full sharding (FSDP2 with bf16 compute / ZeRO-3).
+    """The fewest GPUs that fit, from traces: the ZeRO-3 formula (tilefit.planner.multigpu)
+    only proposes where to start; each engine x recipe is then traced on that many ranks
+    (tilefit.planner.multiplan), and on the next GPU counts dividing the global batch when
+    nothing traced fits."""
+    first = _formula_gpus(p, optimizer, hf_model, budget)
+    if first is None:
+        return {"gpus": None, "note": f"no sharded setup of up to {MAX_GPUS} GPUs fits "
+                "(ZeRO-3 formula)"}
+    for gpus in multiplan.candidate_world_sizes(p.global_batch, first, FALLBACK_GPU_COUNTS):
+        sub = _Planner(p.work, p.device, p.global_batch, budget, optimizer, p.depth, p.link,
+                       p.user)
+        sub.world_size = gpus
+        _trace_on_gpus(sub, gpus, None, hf_model=hf_model, precisions=False)
+        p.traces += sub.traces
+        best = multiplan.best_fitting(sub.rows)
+        if best is None:
+            continue
+        confirmed, conf = sub.confirm(best)
+        p.traces += 1
+        return {"gpus": gpus, "engine": confirmed.strategy,
+                "micro_batch": confirmed.micro_batch,
+                "accumulation_steps": confirmed.accumulation_steps,
+                "predicted_per_gpu_memory_bytes": confirmed.predicted_peak_memory_bytes,
+                "fits": confirmed.fits, "step_time_s": confirmed.predicted_step_time_s,
+                "samples_per_s_all_gpus": confirmed.samples_per_s,
+                "confirmation": conf.to_dict(), "formula_gpus": first,
+                "recipe": {"precision": confirmed.precision, "optimizer": optimizer,
+                           "grad_checkpointing": confirmed.grad_checkpointing,
+                           "attention": confirmed.attention},
+                "plans": [r.to_dict() for r in rank.rank(sub.rows, "throughput", False)[:8]],
+                "configs": configs.multi_gpu_configs(confirmed, p.work),
+                "model": f"traced: rank 0 of {gpus} under {confirmed.strategy} (PyTorch's fake "
+                         "process group), its peak per GPU and its step with the "
+                         "communication the compute does not hide"}
+    return {"gpus": None, "note": f"nothing traced fits on {first} or the next "
+            f"{FALLBACK_GPU_COUNTS - 1} GPU counts dividing global batch {p.global_batch}"}
 
-    Model state (fp32 parameters, gradients and optimizer state: the mixed-precision sweep's
-    figures) is divided by N; the working set per GPU is that of the model computing in 16-bit
-    (the offload sweep: FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16) gathers 16-bit
-    parameters, so no autocast weight copies), at the micro-batch."""
+
+def _formula_gpus(p: _Planner, optimizer: str, hf_model: bool, budget: int) -> int | None:
+    """The ZeRO-3 formula's fewest GPUs (a fast prefilter): model state of the mixed-precision
+    sweep divided by N plus the 16-bit working set of the offload sweep."""
     att = "sdpa" if hf_model else "auto"
     mixed_recipe = p.with_user(Recipe(precision=space.precisions(p.device)[0],
                                       optimizer=optimizer, attention=att))
@@ -374,7 +473,7 @@ def _multi_gpu(p: _Planner, optimizer: str, hf_model: bool, budget: int
     if mixed is None:
         return None
     layers = p.depth.full if p.depth.lever else None
-    best: tuple[ShardedSetup, Recipe] | None = None
+    fewest: int | None = None
     for (spec, offload), model16 in p.sweeps.items():
         if not offload:
             continue
@@ -386,50 +485,9 @@ def _multi_gpu(p: _Planner, optimizer: str, hf_model: bool, budget: int
             params16 = half_parameter_bytes(y["parameters_bytes"], spec.precision)
             cands.append((b, state, params16, y["work_peak_bytes"], y["micro_time_s"]))
         setup = smallest_setup(p.global_batch, cands, p.depth.full, budget)
-        if setup is not None and (best is None or (setup.gpus, setup.compute_time_s)
-                                  < (best[0].gpus, best[0].compute_time_s)):
-            best = (setup, spec)
-    if best is None:
-        return {"gpus": None, "note": "no sharded setup of up to 64 GPUs fits"}
-    setup, spec = best
-    row = PlanRow(
-        recipe=dataclasses.replace(mixed_recipe, batch_size=setup.micro_batch,
-                       accumulation_steps=setup.accumulation_steps,
-                       grad_checkpointing=spec.grad_checkpointing, attention=spec.attention),
-        predicted_peak_memory_bytes=round(setup.per_gpu_peak_bytes),
-        predicted_step_time_s=setup.compute_time_s, samples_per_s=0.0, tokens_per_s=None,
-        mfu=0.0, budget_bytes=budget)
-    return {**setup.to_dict(), "engine": "FSDP2 (torchrun / accelerate) or DeepSpeed ZeRO-3",
-            "traced": _traced_fsdp2(p, row.recipe, setup.gpus, budget),
-            "recipe": {"precision": row.precision, "optimizer": optimizer,
-                       "grad_checkpointing": spec.grad_checkpointing,
-                       "attention": spec.attention},
-            "configs": configs.multi_gpu_configs(setup, row),
-            "model": "per GPU: (fp32 parameters + gradients + optimizer state) / N + the "
-                     "16-bit working set at the micro-batch + 2 gathered 16-bit layers "
-                     "(ZeRO-3: Rajbhandari et al. 2020, (2 + 2 + K) Psi / N_d)"}
-
-
-def _traced_fsdp2(p: _Planner, recipe: Recipe, gpus: int, budget: int) -> dict[str, Any]:
-    """The formula's setup traced with FSDP2 itself under the fake process group
-    (tilefit.tracing.distributed): one rank's peak and step with its collectives, the check of
-    the ZeRO-3 formula above. FSDP2 is traced without a mixed-precision policy (its
-    all-gathers in the parameters' dtype), so its figure is the safer one."""
-    from tilefit.estimator.workloads import estimate_workload
-
-    spec = dataclasses.replace(p.with_user(recipe), compile=False)  # not with several GPUs
-    try:
-        est = estimate_workload(p.work, spec, p.device, world_size=gpus, strategy="fsdp2")
-    except TilefitError as exc:
-        return {"error": str(exc).splitlines()[0]}
-    par = est.parallel
-    return {"per_gpu_peak_bytes": est.peak_memory_bytes,
-            "fits": est.peak_memory_bytes <= budget,
-            "step_time_s": est.step_time_s,
-            "exposed_communication_s": 0.0 if par is None else par.exposed_communication_s,
-            "samples_per_s_all_gpus": gpus * est.samples_per_s,
-            "note": f"{p.work.name} traced with FSDP2's fully_shard over {gpus} ranks of "
-                    "PyTorch's fake process group; collectives costed on the GPU's link"}
+        if setup is not None and (fewest is None or setup.gpus < fewest):
+            fewest = setup.gpus
+    return fewest
 
 
 __all__ = ["DEFAULT_MEMORY_FRACTION", "SWEEP_ACCUMULATION", "Confirmation", "Plan", "plan"]

@@ -63,7 +63,8 @@ def prune_unfriendly(rows: Sequence[PlanRow]) -> list[PlanRow]:
     """Drop unfriendly micro-batches that show no real gain over a friendly one of the same
     recipe (kept when no friendly micro-batch of the recipe fits)."""
     def recipe(r: PlanRow) -> tuple[object, ...]:
-        return (r.precision, r.optimizer, r.grad_checkpointing, r.attention, r.offload, r.peft)
+        return (r.precision, r.optimizer, r.grad_checkpointing, r.attention, r.offload, r.peft,
+                r.strategy)
 
     best_friendly: dict[tuple[object, ...], float] = {}
     for r in rows:

@@ -22,6 +22,8 @@ class PlanRow:
     fuses_optimizer: bool = False  # the user's optimizer as its fused kernel (same update)
     changes: tuple[str, ...] = field(default=())  # what it changes about training, in words
     friendly: bool = True  # micro-batch a multiple of 8 or a power of two
+    world_size: int = 1  # GPUs of a data-parallel job (the micro-batch is one rank's)
+    strategy: str | None = None  # its engine (a vocab.STRATEGIES name); None on one GPU
 
     @property
     def micro_batch(self) -> int:
@@ -53,7 +55,11 @@ class PlanRow:
 
     @property
     def global_batch(self) -> int:
-        return self.recipe.global_batch
+        return self.recipe.global_batch * self.world_size
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float | None:
+        return None if self.tokens_per_s is None else self.tokens_per_s / self.world_size
 
     @property
     def fits(self) -> bool:
@@ -64,7 +70,8 @@ class PlanRow:
         return self.budget_bytes - self.predicted_peak_memory_bytes
 
     def recipe_label(self) -> str:
-        parts = [self.precision, self.optimizer]
+        parts = [] if self.strategy is None else [f"{self.strategy} x{self.world_size}"]
+        parts += [self.precision, self.optimizer]
         if self.grad_checkpointing:
             parts.append("ckpt")
         if self.attention not in ("auto", "sdpa"):
@@ -80,11 +87,13 @@ class PlanRow:
             "micro_batch": self.micro_batch, "accumulation_steps": self.accumulation_steps,
             "precision": self.precision, "optimizer": self.optimizer,
             "grad_checkpointing": self.grad_checkpointing, "attention": self.attention,
-            "peft": self.peft, "offload": self.offload,
+            "peft": self.peft, "offload": self.offload, "world_size": self.world_size,
+            "strategy": self.strategy,
             "predicted_peak_memory_bytes": self.predicted_peak_memory_bytes,
             "headroom_bytes": self.headroom_bytes,
             "predicted_step_time_s": self.predicted_step_time_s,
             "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "mfu": self.mfu, "fits": self.fits, "changes_optimizer": self.changes_optimizer,
             "fuses_optimizer": self.fuses_optimizer,
             "changes": list(self.changes),

@@ -71,9 +71,13 @@ def work_peak(tr: Trace, *, rounded: bool) -> int:
 
 def micro_step_s(est: Estimate) -> float:
     """One micro-batch's time: its GPU time, or on a GPU the host's time to issue it when
-    that is longer (a host-bound micro-batch takes what the host takes)."""
+    that is longer (a host-bound micro-batch takes what the host takes). On several GPUs the
+    communication the compute does not hide is shared among the micro-batches: FSDP2
+    gathers and reduce-scatters, DDP all-reduces, at every micro-batch (no no_sync)."""
     a = est.accumulation_steps
     device_s = sum(est.time_by_phase_s.get(p, 0.0) for p in MICRO_PHASES) / a
+    if est.parallel is not None:
+        device_s += est.parallel.exposed_communication_s / a
     if est.device.kind != "cuda":
         return device_s
     from tilefit.estimator.steptime import host_time_s

@@ -18,6 +18,7 @@ from tilefit.planner.rows import PlanRow
 from tilefit.planner.sample import Sample, sample_of
 from tilefit.planner.space import OPTIMIZER_LABELS
 from tilefit.tracing import Trace
+from tilefit.tracing.distributed import Parallel
 from tilefit.tracing.fused_loss import fused_ce_affine_tokens
 from tilefit.vocab import Recipe, parse_precision, same_update
 
@@ -79,14 +80,19 @@ def half_parameter_bytes(parameters_bytes: float, precision: str) -> float:
 
 
 def trace_sample(workload: Workload, spec: Recipe, micro_batch: int, layers: int,
-                 depth: Depth, device: Device, accumulation_steps: int) -> Sample:
+                 depth: Depth, device: Device, accumulation_steps: int,
+                 parallel: Parallel | None = None) -> Sample:
+    """One traced and costed step; ``parallel``: rank 0 of a data-parallel job, the micro-batch
+    being one rank's."""
     work = workload
     if depth.field is not None and layers != depth.full:
         work = workload.with_config(**{depth.field: layers})
-    if spec.spec.param_dtype != "fp32" or spec.peft:
+    if parallel is None and (spec.spec.param_dtype != "fp32" or spec.peft):
         tr = trace_built(work, micro_batch, spec, accumulation_steps, device)
     else:
-        tr = trace_workload(work, spec.with_batch(micro_batch, accumulation_steps), device)
+        tr = trace_workload(work, spec.with_batch(micro_batch, accumulation_steps), device,
+                            world_size=1 if parallel is None else parallel.world_size,
+                            strategy=None if parallel is None else parallel.strategy)
     return sample_of(tr, estimate_trace(tr, device), micro_batch, layers)
 
 
@@ -118,7 +124,7 @@ def trace_built(work: Workload, micro_batch: int, spec: Recipe,
 
 
 def sweep(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Depth,
-          device: Device) -> SweepModel:
+          device: Device, parallel: Parallel | None = None) -> SweepModel:
     """Trace the recipe at the smallest and the largest micro-batch (at each traced depth).
     A fused-loss recipe starts where its chunking does: below V/H tokens a chunk is one row
     and the chunk count grows with the tokens, above it the count is about V/H and the step
@@ -128,7 +134,7 @@ def sweep(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Dep
         low = min((b for b in micro_batches if b * (workload.seq_len or 1) >=
                    fused_ce_affine_tokens(workload.config or {})), default=max(micro_batches))
     points = sorted({low, max(micro_batches)})
-    samples = [trace_sample(workload, spec, b, k, depth, device, SWEEP_ACCUMULATION)
+    samples = [trace_sample(workload, spec, b, k, depth, device, SWEEP_ACCUMULATION, parallel)
                for k in depth.traced for b in points]
     return SweepModel(tuple(samples))
 
@@ -172,10 +178,14 @@ def changes_of(spec: Recipe, user_optimizer: str, offload: bool) -> tuple[str, .
 
 def row_from(spec: Recipe, model: SweepModel, micro_batch: int, global_batch: int,
              depth: Depth, device: Device, budget_bytes: int, tokens_per_sample: int | None,
-             user_optimizer: str, *, offload: OffloadLink | None = None) -> PlanRow:
+             user_optimizer: str, *, offload: OffloadLink | None = None,
+             parallel: Parallel | None = None) -> PlanRow:
+    """The recipe at ``micro_batch``; with ``parallel`` the micro-batch is one rank's, the
+    peak and MFU are per GPU, the throughput that of all GPUs."""
     layers = depth.full if depth.lever else None
     p = model.predict_all(micro_batch, layers)
-    accum = global_batch // micro_batch
+    world = 1 if parallel is None else parallel.world_size
+    accum = global_batch // (micro_batch * world)
     if offload is None:
         peak = max(p["peak_bytes"] if accum > 1 else p["peak_accumulation_1_bytes"],
                    p["peak_optimizer_bytes"])
@@ -196,15 +206,18 @@ def row_from(spec: Recipe, model: SweepModel, micro_batch: int, global_batch: in
         fuses_optimizer=spec.optimizer != user_optimizer and same_update(spec.optimizer,
                                                                           user_optimizer),
         changes=changes_of(spec, user_optimizer, offload is not None),
-        friendly=is_friendly(micro_batch))
+        friendly=is_friendly(micro_batch), world_size=world,
+        strategy=None if parallel is None else parallel.strategy)
 
 
 def safe_sweep(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Depth,
-               device: Device, notes: list[str]) -> SweepModel | None:
+               device: Device, notes: list[str], parallel: Parallel | None = None
+               ) -> SweepModel | None:
     """The sweep, or None with a note when the recipe cannot run (e.g. Adafactor without
     torch.optim.Adafactor)."""
     try:
-        return sweep(workload, spec, micro_batches, depth, device)
+        return sweep(workload, spec, micro_batches, depth, device, parallel)
     except TilefitError as exc:
-        notes.append(f"skipped {spec.precision} {spec.optimizer}: {exc.problem}")
+        engine = "" if parallel is None else f"{parallel.strategy} "
+        notes.append(f"skipped {engine}{spec.precision} {spec.optimizer}: {exc.problem}")
         return None

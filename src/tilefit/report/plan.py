@@ -25,7 +25,8 @@ def _ms(seconds: float) -> str:
 
 def short_label(row: PlanRow) -> str:
     """The recipe in a few words: the optimizer only when it is not the user's."""
-    parts = [row.precision.replace("-mixed", "")]
+    parts = [] if row.strategy is None else [row.strategy]
+    parts.append(row.precision.replace("-mixed", ""))
     if row.changes_optimizer:
         parts.append(row.optimizer.upper())
     if row.fuses_optimizer:
@@ -79,8 +80,11 @@ def best_table(plan: Plan, best: PlanRow) -> Table:
     table.add_column("quantity", style="bold")
     table.add_column("value")
     table.add_row("recipe", best.recipe_label())
+    gpus = "" if best.strategy is None else f" x {best.world_size} GPUs ({best.strategy})"
     table.add_row("batch", f"micro-batch {best.micro_batch} x {best.accumulation_steps} "
-                  f"accumulation steps = global batch {best.global_batch}")
+                  f"accumulation steps{gpus} = global batch {best.global_batch}")
+    if best.strategy is not None:
+        table.add_row("memory", "per GPU (rank 0 traced under the fake process group)")
     table.add_row("peak memory", f"{fmt_bytes(best.predicted_peak_memory_bytes)} of "
                   f"{fmt_bytes(plan.budget_bytes)} budget ({plan.memory_fraction:.0%} of "
                   f"{fmt_bytes(plan.device.memory_bytes)} minus "
@@ -102,8 +106,10 @@ def best_table(plan: Plan, best: PlanRow) -> Table:
 
 
 def print_plan(console: Console, plan: Plan, *, top: int = 15) -> None:
-    console.print(f"[bold]tilefit plan[/]: {plan.model} on {plan.device.display_name}, global "
-                  f"batch {plan.global_batch}" + (f", seq {plan.seq_len}" if plan.seq_len else "")
+    gpus = "" if plan.world_size == 1 else f"{plan.world_size} x "
+    console.print(f"[bold]tilefit plan[/]: {plan.model} on {gpus}{plan.device.display_name}, "
+                  f"global batch {plan.global_batch}"
+                  + (f", seq {plan.seq_len}" if plan.seq_len else "")
                   + f", objective {plan.objective}", highlight=False)
     console.print(plans_table(plan, top))
     console.print("what each recipe changes about training:", highlight=False)
@@ -119,6 +125,9 @@ def print_plan(console: Console, plan: Plan, *, top: int = 15) -> None:
     else:
         console.print(best_table(plan, plan.best))
         cfg = plan.configs
+        if "torchrun_script" in cfg:
+            _print_launch(console, cfg)
+            return
         console.print("[bold]Hugging Face TrainingArguments[/]")
         console.print(cfg["hf_python"], highlight=False, markup=False)
         console.print("[bold]as JSON[/]")
@@ -137,6 +146,17 @@ def print_plan(console: Console, plan: Plan, *, top: int = 15) -> None:
     _print_multi_gpu(console, plan)
 
 
+def _print_launch(console: Console, cfg: dict[str, object]) -> None:
+    """A multi-GPU plan's launch: the command, the accelerate config, DeepSpeed (the torchrun
+    script itself: --write-configs DIR or --json)."""
+    console.print("[bold]launch[/] (--write-configs DIR writes the script and configs)")
+    console.print(str(cfg["launch"]), highlight=False, markup=False)
+    console.print("[bold]accelerate.yaml[/]")
+    console.print(str(cfg["accelerate_yaml"]), highlight=False, markup=False)
+    console.print(f"[bold]DeepSpeed (ds_config.json)[/] ({cfg['deepspeed_note']})")
+    console.print(json.dumps(cfg["deepspeed"], indent=2), highlight=False, markup=False)
+
+
 def _print_multi_gpu(console: Console, plan: Plan) -> None:
     multi = plan.multi_gpu
     if multi is None:
@@ -145,23 +165,11 @@ def _print_multi_gpu(console: Console, plan: Plan) -> None:
         console.print(f"multi-GPU: {multi['note']}", highlight=False)
         return
     console.print(
-        f"[bold]multi-GPU[/]: nothing fits one GPU with the optimizer on it; the smallest "
-        f"sharded setup is {multi['gpus']} x {plan.device.display_name} ({multi['engine']}): "
+        f"[bold]multi-GPU[/]: nothing fits one GPU with the optimizer on it; traced from the "
+        f"ZeRO-3 formula's GPU count ({multi['formula_gpus']}) up, the first that fits: "
+        f"{multi['gpus']} x {plan.device.display_name} with {multi['engine']}: "
         f"micro-batch {multi['micro_batch']} x {multi['accumulation_steps']} accumulation x "
-        f"{multi['gpus']} GPUs, {fmt_bytes(multi['predicted_per_gpu_memory_bytes'])} per GPU "
-        f"({multi['model']})", highlight=False)
-    traced = multi.get("traced") or {}
-    if "per_gpu_peak_bytes" in traced:
-        console.print(
-            "  traced with FSDP2 itself (no mixed-precision policy: parameters gathered in "
-            f"their own dtype): {fmt_bytes(traced['per_gpu_peak_bytes'])} per GPU "
-            f"({'fits' if traced['fits'] else 'above the budget'}), step "
-            f"{traced['step_time_s'] * 1e3:.0f} ms ({traced['exposed_communication_s'] * 1e3:.0f}"
-            f" ms of communication not hidden), {traced['samples_per_s_all_gpus']:.1f} "
-            "samples/s on all GPUs", highlight=False)
-    elif "error" in traced:
-        console.print(f"  not traced with FSDP2: {traced['error']}", highlight=False)
-    console.print(multi["configs"]["launch"], highlight=False, markup=False)
-    console.print(json.dumps({"accelerate_fsdp2": multi["configs"]["accelerate_fsdp2"],
-                              "deepspeed_zero3": multi["configs"]["deepspeed_zero3"]}, indent=2),
-                  highlight=False, markup=False)
+        f"{multi['gpus']} GPUs, {fmt_bytes(multi['predicted_per_gpu_memory_bytes'])} per GPU, "
+        f"step {fmt_time(multi['step_time_s'])}, {multi['samples_per_s_all_gpus']:,.1f} "
+        f"samples/s on all GPUs ({multi['model']})", highlight=False)
+    _print_launch(console, multi["configs"])

@@ -9,10 +9,14 @@ PyTorch's fake process group, so the trace records the engine's own collectives 
   one all-reduce of each bucket (the built-in hook's division by the world size is fused
   into the bucket copy; the values do not matter on fake tensors).
 - FSDP2: ``fully_shard`` on each block of the model's layer list, then on the root (the
-  recipe of PyTorch's FSDP2 tutorial and torchtitan), with the default policy: parameters
-  resharded after forward, the next block's all-gather prefetched, no mixed-precision policy
-  (all-gathers in the parameters' dtype). A factory's model is built on the meta device and
-  materialised with ``to_empty`` inside the fake mode.
+  recipe of PyTorch's FSDP2 tutorial and torchtitan): parameters resharded after forward,
+  the next block's all-gather prefetched. Under mixed precision (an autocast dtype) with
+  ``MixedPrecisionPolicy(param_dtype=<that dtype>, reduce_dtype=float32)`` as torchtitan
+  runs it: 16-bit all-gathers and compute weights, gradients reduce-scattered in fp32
+  (docs/references.md, section 23); autocast stays on around it, as accelerate runs it,
+  and casts nothing the policy already cast. Otherwise no policy (all-gathers in the parameters'
+  dtype). A factory's model is built on the meta device and materialised with ``to_empty``
+  inside the fake mode.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from tilefit.errors import TilefitError
@@ -36,8 +41,8 @@ from tilefit.tracing.torch_compat import (
 )
 from tilefit.vocab import DEFAULT_STRATEGY, STRATEGIES
 
-__all__ = ["Parallel", "find_layer_list", "parallel_spec", "process_group", "root_name",
-           "wrap_model"]
+__all__ = ["Parallel", "find_layer_list", "fsdp2_policy", "parallel_spec", "process_group",
+           "root_name", "wrap_model"]
 
 
 @dataclass(frozen=True)
@@ -121,16 +126,28 @@ def root_name(model: nn.Module) -> str:
 
 
 def wrap_model(model: nn.Module, parallel: Parallel, mesh: Any, mode: FakeTensorMode,
-               recorder: Recorder) -> tuple[nn.Module, tuple[str, ...]]:
+               recorder: Recorder, param_dtype: torch.dtype | None = None
+               ) -> tuple[nn.Module, tuple[str, ...]]:
     """``model`` in the engine of ``parallel``, its parameters fake; and notes for the
-    trace's warnings."""
+    trace's warnings. ``param_dtype``: mixed precision's autocast dtype, FSDP2's policy."""
     if parallel.strategy == "ddp":
         return _wrap_ddp(model, mode, recorder), ()
-    return _wrap_fsdp2(model, mesh, mode)
+    return _wrap_fsdp2(model, mesh, mode, param_dtype)
 
 
-def _wrap_fsdp2(model: nn.Module, mesh: Any, mode: FakeTensorMode
-                ) -> tuple[nn.Module, tuple[str, ...]]:
+def fsdp2_policy(param_dtype: torch.dtype | None) -> Any:
+    """FSDP2's MixedPrecisionPolicy for a mixed-precision recipe (torchtitan's: the compute
+    dtype for parameters, fp32 for the gradient reduction); the default policy (none)
+    without one."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if param_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def _wrap_fsdp2(model: nn.Module, mesh: Any, mode: FakeTensorMode,
+                param_dtype: torch.dtype | None) -> tuple[nn.Module, tuple[str, ...]]:
     from torch.distributed.fsdp import fully_shard
 
     notes: list[str] = []
@@ -141,8 +158,8 @@ def _wrap_fsdp2(model: nn.Module, mesh: Any, mode: FakeTensorMode
                      "and backward)")
     else:
         for block in found[1]:
-            fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=fsdp2_policy(param_dtype))
+    fully_shard(model, mesh=mesh, mp_policy=fsdp2_policy(param_dtype))
     if any(p.is_meta for p in model.parameters()):
         with mode:
             model.to_empty(device="cpu")

@@ -500,7 +500,8 @@ def _prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target
                                   _recompute_contexts(target, recorder, options.low_dtype))
         fmodel.train()
     if parallel is not None:
-        fmodel, wrap_notes = wrap_model(fmodel, parallel, mesh, mode, recorder)
+        fmodel, wrap_notes = wrap_model(fmodel, parallel, mesh, mode, recorder,
+                                        param_dtype=options.low_dtype)
         notes += wrap_notes
     with mode:
         fbatch = fake_batch(batch, mode, torch.bfloat16 if options.pure_bf16 else None)

@@ -1,0 +1,267 @@
+"""Configs that launch a multi-GPU plan as they are: a self-contained torchrun training script
+(FSDP2's fully_shard per block then the root, or DDP), an accelerate config, a DeepSpeed JSON.
+
+The script builds the model as tilefit's workload does (a Hugging Face model from its config
+with transformers' Auto class; a factory by importing it), on the meta device for FSDP2,
+shards it with the plan's MixedPrecisionPolicy (torchtitan's: param_dtype the autocast dtype,
+reduce_dtype fp32; docs/references.md, section 23), checkpoints activations if planned,
+runs AdamW at the plan's micro-batch and accumulation on synthetic batches (a marked place
+to plug the user's data), and prints one ``tilefit-step`` JSON line per rank and step.
+"""
+
+from __future__ import annotations
+
+import json
+from string import Template
+from typing import Any
+
+from tilefit.dtypes import parse_dtype
+from tilefit.models import Workload
+from tilefit.planner.rows import PlanRow
+
+TORCHRUN_SCRIPT_NAME = "train_tilefit.py"
+
+_SCRIPT = Template('''\
+"""Written by `tilefit plan`: $title.
+
+Launch on $gpus GPUs:   torchrun --nproc-per-node $gpus $script [--steps N]
+(on CPUs it runs with gloo; on GPUs with NCCL, one GPU per rank). Synthetic batches by
+default: replace make_batch() with your data (a DistributedSampler per rank).
+"""
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+STRATEGY = "$strategy"
+MODEL_CONFIG = $config  # Hugging Face config (None: a factory)
+FACTORY = $factory  # "package.module:function" (None: a Hugging Face model)
+AUTO_CLASS = "$auto_class"
+ATTENTION = "$attention"
+SEQ_LEN = $seq_len
+INPUT_SHAPE = $input_shape
+TASK = "$task"
+MICRO_BATCH = $micro_batch  # per rank
+ACCUMULATION_STEPS = $accumulation
+GLOBAL_BATCH = $global_batch  # MICRO_BATCH x ACCUMULATION_STEPS x world size
+AUTOCAST_DTYPE = $autocast  # mixed precision's compute dtype (None: full precision)
+GRAD_SCALER = $scaler
+GRAD_CHECKPOINTING = $ckpt
+RESHARD_AFTER_FORWARD = True
+MAX_GRAD_NORM = $max_grad_norm
+LR = 1e-4
+
+
+def build_model(device):
+    """The model as planned: fp32 weights, built on the meta device for FSDP2."""
+    where = torch.device("meta") if STRATEGY == "fsdp2" else device
+    if FACTORY is not None:
+        import importlib
+        module, name = FACTORY.split(":")
+        with where:
+            return getattr(importlib.import_module(module), name)()
+    import transformers
+    cfg = dict(MODEL_CONFIG)
+    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with where:
+        model = getattr(transformers, AUTO_CLASS).from_config(
+            config, attn_implementation=ATTENTION, dtype=torch.float32)
+    if GRAD_CHECKPOINTING:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def layer_list(model):
+    """The list of repeated blocks: FSDP2 shards each one."""
+    best = None
+    for mod in model.modules():
+        if isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)):
+            kids = list(mod.children())
+            numel = sum(p.numel() for p in mod.parameters())
+            if len(kids) >= 2 and len({type(k) for k in kids}) == 1 and numel and (
+                    best is None or numel > best[0]):
+                best = (numel, kids)
+    return [] if best is None else best[1]
+
+
+def initialise(model, device):
+    """FSDP2: materialise the sharded model and initialise it (load your checkpoint here,
+    e.g. with torch.distributed.checkpoint)."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        if hasattr(model, "initialize_weights"):
+            model.initialize_weights()
+        else:
+            for m in model.modules():
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+
+
+def wrap(model, device):
+    if STRATEGY == "ddp":
+        ids = [device.index] if device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=AUTOCAST_DTYPE, reduce_dtype=torch.float32) \\
+        if AUTOCAST_DTYPE is not None else MixedPrecisionPolicy()
+    for block in layer_list(model):
+        fully_shard(block, mp_policy=policy, reshard_after_forward=RESHARD_AFTER_FORWARD)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=RESHARD_AFTER_FORWARD)
+    initialise(model, device)
+    return model
+
+
+def make_batch(step, micro, device):
+    """A synthetic micro-batch of MICRO_BATCH samples: replace with your data."""
+    if FACTORY is not None:
+        return torch.randn(MICRO_BATCH, *INPUT_SHAPE, device=device)
+    if TASK == "image-cls":
+        size = MODEL_CONFIG.get("image_size", 224)
+        return {"pixel_values": torch.randn(MICRO_BATCH, MODEL_CONFIG.get("num_channels", 3),
+                                            size, size, device=device),
+                "labels": torch.zeros(MICRO_BATCH, dtype=torch.long, device=device)}
+    ids = torch.randint(0, MODEL_CONFIG["vocab_size"], (MICRO_BATCH, SEQ_LEN), device=device)
+    labels = torch.zeros(MICRO_BATCH, dtype=torch.long, device=device) \\
+        if TASK == "seq-cls" else ids.clone()
+    return {"input_ids": ids, "labels": labels}
+
+
+def loss_of(model, batch):
+    if FACTORY is not None:
+        return model(batch).float().mean()  # a stand-in: put your loss here
+    return model(**batch).loss
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--record", help="a folder: each rank appends its steps to rank<R>.jsonl")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world * MICRO_BATCH * ACCUMULATION_STEPS != GLOBAL_BATCH:
+        raise SystemExit(f"planned for {GLOBAL_BATCH // (MICRO_BATCH * ACCUMULATION_STEPS)} "
+                         f"ranks, launched on {world}: pass --nproc-per-node accordingly")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    model = wrap(build_model(device), device)
+    model.train()
+    torch.manual_seed(1 + rank)  # each rank its own synthetic samples
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler(device.type, enabled=GRAD_SCALER)
+    for step in range(args.steps):
+        total = 0.0
+        for micro in range(ACCUMULATION_STEPS):
+            batch = make_batch(step, micro, device)
+            with torch.autocast(device.type, dtype=AUTOCAST_DTYPE or torch.float32,
+                                enabled=AUTOCAST_DTYPE is not None):
+                loss = loss_of(model, batch) / ACCUMULATION_STEPS
+            scaler.scale(loss).backward()
+            total += loss.item()
+        if MAX_GRAD_NORM is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        line = json.dumps({"rank": rank, "world_size": world, "step": step, "loss": total,
+                           "micro_batch": MICRO_BATCH, "accumulation_steps": ACCUMULATION_STEPS})
+        print("tilefit-step " + line, flush=True)
+        if args.record:
+            with open(os.path.join(args.record, f"rank{rank}.jsonl"), "a") as f:
+                f.write(line + "\\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+''')
+
+
+def _torch_dtype(name: str | None) -> str:
+    return "None" if name is None else f"torch.{parse_dtype(name).torch_name}"
+
+
+def torchrun_script(row: PlanRow, work: Workload) -> str:
+    """The plan as a training script for ``torchrun --nproc-per-node N``."""
+    assert row.strategy is not None
+    prec = row.recipe.spec
+    hf = work.config is not None
+    config = None if not hf else {k: v for k, v in work.config.items()  # type: ignore[union-attr]
+                                  if not k.startswith("_")}
+    auto = ""
+    if hf:
+        from tilefit.models.hf import auto_class_name
+
+        auto = auto_class_name(work.task)
+    title = (f"{work.name} on {row.world_size} GPUs, {row.strategy}, {row.precision}, "
+             f"micro-batch {row.micro_batch} x {row.accumulation_steps} accumulation x "
+             f"{row.world_size} ranks = global batch {row.global_batch}")
+    return _SCRIPT.substitute(
+        title=title, gpus=row.world_size, script=TORCHRUN_SCRIPT_NAME, strategy=row.strategy,
+        config=repr(config), factory=repr(None if hf else work.name), auto_class=auto,
+        attention="sdpa" if row.attention == "auto" else row.attention,
+        seq_len=repr(work.seq_len), input_shape=repr(work.input_shape), task=work.task,
+        micro_batch=row.micro_batch, accumulation=row.accumulation_steps,
+        global_batch=row.global_batch, autocast=_torch_dtype(prec.autocast_dtype),
+        scaler=repr(prec.grad_scaler), ckpt=repr(row.grad_checkpointing),
+        max_grad_norm=repr(row.recipe.max_grad_norm))
+
+
+def accelerate_config(row: PlanRow) -> dict[str, Any]:
+    """accelerate's config file (``accelerate launch --config_file``; accelerate 1.x's schema:
+    distributed_type FSDP with fsdp_version 2, or MULTI_GPU for DDP). accelerate sets FSDP2's
+    policy from mixed_precision with reduce_dtype = param_dtype (16-bit gradient reduction,
+    unlike the script's fp32) and runs the forward under autocast."""
+    assert row.strategy is not None
+    # accelerate's mixed_precision spells the 16-bit dtypes as tilefit's dtypes do
+    mixed = row.recipe.spec.autocast_dtype or "no"
+    out: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE", "debug": False, "machine_rank": 0,
+        "main_training_function": "main", "num_machines": 1,
+        "num_processes": row.world_size, "mixed_precision": mixed, "rdzv_backend": "static",
+        "same_network": True, "use_cpu": False,
+        "distributed_type": "FSDP" if row.strategy == "fsdp2" else "MULTI_GPU",
+    }
+    if row.strategy == "fsdp2":
+        out["fsdp_config"] = {
+            "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_reshard_after_forward": True, "fsdp_offload_params": False,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_cpu_ram_efficient_loading": False,
+            "fsdp_activation_checkpointing": row.grad_checkpointing}
+    return out
+
+
+def deepspeed_config(row: PlanRow) -> dict[str, Any]:
+    """The closest DeepSpeed JSON: ZeRO-3 for FSDP2 (full sharding), ZeRO-0 for DDP. Not
+    validated here (DeepSpeed is not installed on the machine that tests tilefit)."""
+    half = row.recipe.spec.autocast_dtype
+    return {
+        "train_batch_size": row.global_batch,
+        "train_micro_batch_size_per_gpu": row.micro_batch,
+        "gradient_accumulation_steps": row.accumulation_steps,
+        "bf16": {"enabled": half == "bf16"}, "fp16": {"enabled": half == "fp16"},
+        "zero_optimization": {"stage": 3 if row.strategy == "fsdp2" else 0,
+                              "overlap_comm": True, "contiguous_gradients": True},
+        "gradient_clipping": row.recipe.max_grad_norm or 0.0,
+    }
+
+
+def yaml_text(data: dict[str, Any], indent: int = 0) -> str:
+    """A flat-or-nested mapping of scalars as YAML (JSON scalars are YAML scalars)."""
+    lines = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            lines.append(" " * indent + f"{key}:")
+            lines.append(yaml_text(value, indent + 2))
+        else:
+            lines.append(" " * indent + f"{key}: {json.dumps(value)}")
+    return "\n".join(lines)

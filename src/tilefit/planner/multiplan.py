@@ -1,0 +1,162 @@
+"""Planning on N GPUs from traces: strategy x micro-batch x accumulation x checkpointing x
+precision, each recipe traced as rank 0 of the real engine under PyTorch's fake process group
+(tilefit.tracing.distributed) and swept with the single-GPU machinery (the affine model in
+the micro-batch and the layer count, tilefit.planner.affine): the per-rank trace is the same
+kind of object as a one-GPU trace, its peak per GPU, its step with the communication the
+compute does not hide.
+
+Every plan keeps micro_batch x accumulation_steps x N == the global batch. The engines are
+vocab.STRATEGIES (a strategy added there is searched here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from tilefit.errors import TilefitError
+from tilefit.hardware import Device
+from tilefit.models import Workload
+from tilefit.planner import space
+from tilefit.planner.affine import SweepModel
+from tilefit.planner.rows import PlanRow
+from tilefit.planner.search import Depth, row_from, safe_sweep
+from tilefit.tracing.distributed import Parallel, parallel_spec
+from tilefit.vocab import STRATEGIES, Recipe
+
+# FSDP2 wraps each block of a list of two or more (tilefit.tracing.distributed.
+# find_layer_list): a deep model is traced at 2 and 3 layers (not 1 and 2, where one block
+# would leave FSDP2 nothing but the root to wrap) and extrapolated in the layer count.
+MULTI_LEVER_LAYERS = (2, 3)
+
+
+def nearest_multiples(global_batch: int, world_size: int) -> tuple[int, int]:
+    """The multiples of ``world_size`` nearest ``global_batch`` below (at least
+    ``world_size``) and above."""
+    lower = max(world_size, global_batch // world_size * world_size)
+    upper = (global_batch // world_size + 1) * world_size
+    return lower, upper
+
+
+def nearest_world_sizes(global_batch: int, world_size: int) -> tuple[int, ...]:
+    """Divisors of ``global_batch`` nearest ``world_size`` (below and above, when any)."""
+    ds = [d for d in space.divisors(global_batch) if d > 1]
+    below = [d for d in ds if d < world_size]
+    above = [d for d in ds if d > world_size]
+    return tuple(x for x in (below[-1] if below else None, above[0] if above else None)
+                 if x is not None)
+
+
+def check_divisible(global_batch: int, world_size: int) -> None:
+    """Each of the N ranks takes global_batch / N samples per optimizer step."""
+    if global_batch % world_size == 0:
+        return
+    lower, upper = nearest_multiples(global_batch, world_size)
+    gpus = nearest_world_sizes(global_batch, world_size)
+    other = f", or --gpus {' or '.join(map(str, gpus))} for this batch" if gpus else ""
+    raise TilefitError(
+        f"the global batch {global_batch} does not divide among {world_size} GPUs",
+        expected=f"a global batch that is a multiple of the GPU count ({world_size}): each "
+        "rank takes global batch / GPUs samples, split into micro-batches",
+        given=f"--global-batch {global_batch} --gpus {world_size}",
+        fix=f"use --global-batch {lower} or {upper}{other}")
+
+
+def strategies_for(strategy: str | None, world_size: int) -> tuple[str, ...]:
+    """The engines to search: the one asked for (checked), else every vocab.STRATEGIES."""
+    if strategy is None:
+        return STRATEGIES
+    spec = parallel_spec(max(world_size, 2), strategy)
+    assert spec is not None
+    return (spec.strategy,)
+
+
+def multi_depth(depth: Depth) -> Depth:
+    """The layer lever at MULTI_LEVER_LAYERS, or the full depth when too shallow for it."""
+    if not depth.lever:
+        return depth
+    if depth.full <= max(MULTI_LEVER_LAYERS):
+        return Depth(None, depth.full, (depth.full,))
+    return Depth(depth.field, depth.full, MULTI_LEVER_LAYERS)
+
+
+def multi_recipes(device: Device, optimizer: str, *, hf_model: bool,
+                  precisions: bool = True) -> list[Recipe]:
+    """Mixed precision with and without checkpointing; the other precisions the device
+    supports without it (``precisions``). The user's optimizer; no offload, LoRA or
+    torch.compile on several GPUs (not traced there yet)."""
+    precs = space.precisions(device)
+    att = "sdpa" if hf_model else "auto"
+    out = [Recipe(precision=precs[0], optimizer=optimizer, grad_checkpointing=ckpt,
+                  attention=att) for ckpt in (False, True)]
+    if precisions:
+        out.extend(Recipe(precision=p, optimizer=optimizer, attention=att) for p in precs[1:])
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiSpace:
+    """What one search on N GPUs covers."""
+
+    world_size: int
+    strategies: tuple[str, ...]
+    recipes: tuple[Recipe, ...]
+    depth: Depth
+
+
+def search_rows(work: Workload, device: Device, global_batch: int, budget_bytes: int,
+                optimizer: str, space_: MultiSpace, user: Callable[[Recipe], Recipe],
+                notes: list[str]) -> tuple[list[PlanRow], int]:
+    """Every (strategy, recipe) swept over the micro-batches dividing global_batch / N:
+    rows per GPU, and the number of traces taken."""
+    n = space_.world_size
+    micro = space.divisors(global_batch // n)
+    rows: list[PlanRow] = []
+    traces = 0
+    for strategy in space_.strategies:
+        parallel = Parallel(strategy, n)
+        for i, spec in enumerate(space_.recipes):
+            spec = dataclasses.replace(user(spec), compile=False)
+            model = safe_sweep(work, spec, micro, space_.depth, device, notes, parallel)
+            traces += len(space_.depth.traced) * len({min(micro), max(micro)})
+            if model is None:
+                continue
+            rows.extend(row_from(spec, model, b, global_batch, space_.depth, device,
+                                 budget_bytes, work.tokens_per_sample, optimizer,
+                                 parallel=parallel) for b in micro)
+            floor = optimizer_step_floor(model, min(micro), space_.depth)
+            if i + 1 < len(space_.recipes) and floor > budget_bytes:
+                notes.append(f"{strategy} on {n} GPUs: its optimizer step alone needs "
+                             f"{floor / 2**30:.1f} GiB per GPU (traced), over the "
+                             f"{budget_bytes / 2**30:.1f} GiB budget: its other recipes "
+                             "were not traced")
+                break
+    return rows, traces
+
+
+def optimizer_step_floor(model: SweepModel, micro_batch: int, depth: Depth) -> float:
+    """The traced peak of the optimizer step (parameters, gradients, optimizer state and
+    the step's temporaries) at the full depth: a floor under every recipe of the engine
+    (checkpointing, the micro-batch and the precisions searched here, all with fp32 weights,
+    leave it as it is)."""
+    return model.predict("peak_optimizer_bytes", micro_batch,
+                         depth.full if depth.lever else None)
+
+
+def parallel_of(row: PlanRow) -> Parallel | None:
+    return None if row.strategy is None else Parallel(row.strategy, row.world_size)
+
+
+def candidate_world_sizes(global_batch: int, first: int, count: int) -> list[int]:
+    """``count`` GPU counts from ``first`` up that divide the global batch."""
+    return [n for n in range(first, global_batch + 1) if global_batch % n == 0][:count]
+
+
+def best_fitting(rows: Sequence[PlanRow]) -> PlanRow | None:
+    fits = [r for r in rows if r.fits]
+    return max(fits, key=lambda r: r.samples_per_s) if fits else None
+
+
+__all__ = ["MULTI_LEVER_LAYERS", "MultiSpace", "best_fitting", "candidate_world_sizes",
+           "check_divisible", "multi_depth", "multi_recipes", "nearest_multiples",
+           "parallel_of", "search_rows", "strategies_for"]

@@ -1,0 +1,118 @@
+"""plan --gpus N: the multi-GPU search from traces, its bad input, and the torchrun script it
+writes, launched for two steps on this machine's CPU (2 ranks, gloo)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tilefit.cli.app import app
+from tilefit.errors import TilefitError
+from tilefit.planner.multiplan import check_divisible, multi_depth, nearest_multiples
+from tilefit.planner.search import Depth
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_global_batch_that_does_not_divide_names_the_nearest_valid_values() -> None:
+    # 18 samples on 4 GPUs: 4 x 4 = 16 and 4 x 5 = 20 are the multiples around it; 18's
+    # divisors nearest 4 are 3 and 6
+    assert nearest_multiples(18, 4) == (16, 20)
+    with pytest.raises(TilefitError) as err:
+        check_divisible(18, 4)
+    text = str(err.value)
+    assert "--global-batch 16 or 20" in text and "--gpus 3 or 6" in text
+    check_divisible(16, 4)  # divides: no error
+    r = CliRunner().invoke(app, ["plan", "gpt2", "--global-batch", "18", "--gpus", "4"])
+    assert r.exit_code == 2 and "--global-batch 16 or 20" in r.output
+
+
+def test_unknown_strategy_is_refused_before_tracing() -> None:
+    r = CliRunner().invoke(app, ["plan", "gpt2", "--global-batch", "16", "--gpus", "2",
+                                 "--strategy", "fsdp9"])
+    assert r.exit_code == 2 and "--strategy fsdp2" in r.output
+
+
+def test_fsdp2_lever_traces_two_blocks_or_more() -> None:
+    # FSDP2 wraps a list of >= 2 blocks: a deep model is swept at 2 and 3 layers
+    assert multi_depth(Depth("num_hidden_layers", 32, (1, 2))).traced == (2, 3)
+    assert multi_depth(Depth("num_hidden_layers", 3, (1, 2))) == Depth(None, 3, (3,))
+
+
+def _plan_json(args: list[str]) -> dict:  # type: ignore[type-arg]
+    r = CliRunner().invoke(app, ["plan", *args, "--gpus", "2", "--strategy", "fsdp2",
+                                 "--gpu", "h100", "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output[r.output.index("{"):])  # type: ignore[no-any-return]
+
+
+def test_plan_on_two_gpus_and_its_torchrun_script_runs_two_steps(tmp_path: Path) -> None:
+    """plan the tests' tiny factory model for 2 GPUs with FSDP2 (the CLI writes the
+    configs), then run the script under torchrun on the CPU: both ranks take two steps at the
+    planned micro-batch and accumulation, which multiply back to the global batch. (The
+    Hugging Face scripts are launched by benchmarks/bench_plan_launch_cpu.py: transformers'
+    import in each rank would double this test's time.)"""
+    out = tmp_path / "launch"
+    d = _plan_json(["tests.fixtures.tiny_models:mlp", "--input-shape", "32",
+                    "--global-batch", "8", "--write-configs", str(out)])
+    best = d["best"]
+    assert d["world_size"] == 2 and best["strategy"] == "fsdp2" and best["world_size"] == 2
+    assert best["micro_batch"] * best["accumulation_steps"] * 2 == 8
+    assert all(p["micro_batch"] * p["accumulation_steps"] * 2 == 8 for p in d["plans"])
+    fastest = max((p for p in d["plans"] if p["fits"]), key=lambda p: p["samples_per_s"])
+    assert (fastest["micro_batch"], fastest["precision"]) == (best["micro_batch"],
+                                                              best["precision"])
+    # the chosen plan traced in full agrees with the sweep (traced at 2 micro-batches)
+    c = best["confirmation"]
+    assert abs(c["peak_error"]) < 0.10 and abs(c["time_error"]) < 0.10
+    assert best["tokens_per_s_per_gpu"] is None  # a factory's samples are not tokens
+    yaml = (out / "accelerate.yaml").read_text()
+    assert "fsdp_version: 2" in yaml and "num_processes: 2" in yaml
+    ds = json.loads((out / "ds_config.json").read_text())
+    assert ds["train_batch_size"] == 8 and ds["zero_optimization"]["stage"] == 3
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                          str(out / "train_tilefit.py"), "--steps", "2", "--record",
+                          str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    steps = [json.loads(line) for rank in (0, 1)
+             for line in (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()]
+    assert sorted((s["rank"], s["step"]) for s in steps) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(s["micro_batch"] == best["micro_batch"] and s["world_size"] == 2
+               and s["accumulation_steps"] == best["accumulation_steps"] for s in steps)
+    assert all(math.isfinite(s["loss"]) for s in steps)
+
+
+def test_hf_script_builds_the_planned_model_with_the_policy() -> None:
+    """The script for a Hugging Face model is Python that carries the plan: its config, the
+    micro-batch and accumulation, bf16 parameters in FSDP2's policy with fp32 reduction."""
+    from tilefit.models import load_workload
+    from tilefit.planner.launch import torchrun_script
+    from tilefit.planner.rows import PlanRow
+    from tilefit.vocab import Recipe
+
+    work = load_workload("gpt2", seq_len=32).with_config(num_hidden_layers=2)
+    row = PlanRow(recipe=Recipe(batch_size=4, accumulation_steps=2, precision="bf16-mixed",
+                                grad_checkpointing=True, attention="sdpa"),
+                  predicted_peak_memory_bytes=1, predicted_step_time_s=1.0, samples_per_s=1.0,
+                  tokens_per_s=None, mfu=0.0, budget_bytes=2, world_size=4, strategy="fsdp2")
+    text = torchrun_script(row, work)
+    namespace: dict[str, object] = {}
+    exec(compile(text.replace('if __name__ == "__main__":', "if False:"), "t.py", "exec"),
+         namespace)
+    assert namespace["MICRO_BATCH"] == 4 and namespace["ACCUMULATION_STEPS"] == 2
+    assert namespace["GLOBAL_BATCH"] == 4 * 2 * 4 and namespace["GRAD_CHECKPOINTING"] is True
+    assert namespace["AUTO_CLASS"] == "AutoModelForCausalLM" and namespace["STRATEGY"] == "fsdp2"
+    import torch
+
+    assert namespace["AUTOCAST_DTYPE"] is torch.bfloat16
+    assert namespace["MODEL_CONFIG"]["n_layer"] == 2  # type: ignore[index]
+    assert "reduce_dtype=torch.float32" in text
