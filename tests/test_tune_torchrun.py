@@ -103,6 +103,21 @@ def largest_fitting(limit_bytes: int) -> int:
     return best
 
 
+CLI_ARGS = ["tune", "tests.fixtures.tiny_models:mlp", "--input-shape", "32", "--gpu", "cpu",
+            "--memory-limit", "400KB", "--global-batch", "32", "--max-batch", "16", "--json"]
+
+
+def run_cli() -> dict[str, Any]:
+    """`tilefit tune ... --json` on this rank (in the job torchrun launched): its exit
+    code and what it wrote."""
+    from typer.testing import CliRunner
+
+    from tilefit.cli.app import app
+
+    out = CliRunner().invoke(app, CLI_ARGS)
+    return {"exit_code": out.exit_code, "stdout": out.stdout, "stderr": out.stderr}
+
+
 def worker(out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -119,25 +134,35 @@ def worker(out_dir: str) -> None:
     restored = same(before, state_of(model, opt))
     dist.barrier()
     own = largest_fitting(LIMITS_BYTES[rank])
+    cli = run_cli()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
         "result": result.to_dict(), "restored": restored, "reported": len(reported),
-        "own_max": own}))
+        "own_max": own, "cli": cli}))
     dist.destroy_process_group()
 
 
-def run_ranks(tmp_path: Path) -> list[dict[str, Any]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+def launch(script: str, out_dir: Path, name: str) -> list[dict[str, Any]]:
+    """``torchrun --nproc-per-node 2 script out_dir``; each rank's ``{name}{rank}.json``."""
+    if not torch.distributed.is_available():
+        pytest.skip("no torch.distributed")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        (str(ROOT / "src"), str(ROOT), str(ROOT / "tests")))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           __file__, str(tmp_path)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+           script, str(out_dir)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    return [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    return [json.loads((out_dir / f"{name}{i}.json").read_text()) for i in range(2)]
 
 
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
+@pytest.fixture(scope="module")
+def ranks_out(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One torchrun launch for both tests (a launch costs three torch imports)."""
+    return launch(__file__, tmp_path_factory.mktemp("torchrun"), "rank")
+
+
 def test_ranks_agree_on_the_smaller_devices_batch_and_restore_everything(
-        tmp_path: Path) -> None:
-    r0, r1 = run_ranks(tmp_path)
+        ranks_out: list[dict[str, Any]]) -> None:
+    r0, r1 = ranks_out
     assert 0 < r1["own_max"] < r0["own_max"] < MAX_BATCH  # rank 1 alone stops sooner
     for r in (r0, r1):
         res = r["result"]
@@ -156,5 +181,36 @@ def test_ranks_agree_on_the_smaller_devices_batch_and_restore_everything(
     assert r1["reported"] == 0  # rank 1 reports nothing
 
 
+def test_the_cli_under_torchrun_prints_on_rank_0_only(ranks_out: list[dict[str, Any]]) -> None:
+    r0, r1 = (r["cli"] for r in ranks_out)
+    assert r0["exit_code"] == r1["exit_code"] == 0, r0["stderr"] + r1["stderr"]
+    assert r1["stdout"] == r1["stderr"] == ""  # rank 1 prints nothing at all
+    data = json.loads(r0["stdout"])
+    assert "tune [" in r0["stderr"]  # rank 0's progress lines
+    assert data["world_size"] == 2 and data["global_batch"] == 32
+    # 16 samples on each rank per step: the micro-batch times the accumulation
+    assert data["batch_size"] * data["accumulation_steps"] == 16
+    assert data["global_batch_size"] == 32
+
+
 if __name__ == "__main__":
     worker(sys.argv[1])
+
+
+@pytest.mark.slow
+def test_the_hf_trainer_under_torchrun_agrees_and_trains(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    r0, r1 = launch(str(ROOT / "tests" / "torchrun_hf_worker.py"), tmp_path, "hf")
+    for r in (r0, r1):
+        res = r["result"]
+        assert r["world_size"] == res["world_size"] == 2
+        # the Trainer's effective batch per device stays as its arguments said (120)
+        assert r["args"][0] * r["args"][1] == 120 and r["args"][0] == res["batch_size"]
+        assert res["global_batch_size"] == res["global_batch"] == 2 * 120
+        assert r["steps"] == 2  # train() ran its DDP steps with the tuned arguments
+    assert r0["result"]["trials"] == [
+        {**t, "peak_memory_bytes": r0["result"]["trials"][i]["peak_memory_bytes"],
+         "time_s": r0["result"]["trials"][i]["time_s"]}
+        for i, t in enumerate(r1["result"]["trials"])]  # the same trials, the same outcomes
+    assert r0["result"]["max_fitting_batch_size"] == r1["result"]["max_fitting_batch_size"]
