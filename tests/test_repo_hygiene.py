@@ -18,7 +18,7 @@ FORBIDDEN = ("shared" + "/reference", ".." + "/shared", "DESIGN" + ".md")
 CITE = "docs/" + "references.md"
 # e.g. "<CITE>, section 7" or "<CITE>, sections 1-4"
 CITATION = re.compile(re.escape(CITE) + r",\s+sections?\s+(\d+)(?:\s*-\s*(\d+))?")
-HEADING = re.compile(r"^## (\d+)\. \S", re.MULTILINE)
+HEADING = re.compile(r"^## (\d+)[a-z]?\. \S", re.MULTILINE)  # "## 21d.": a branch's section
 
 
 def _files() -> list[Path]:

@@ -42,7 +42,7 @@ ATTENTIONS: tuple[str, ...] = get_args(Attention)
 
 # ---- data-parallel strategies (tilefit.tracing.distributed wraps the model in them) --------
 # ddp: torch.nn.parallel.DistributedDataParallel; fsdp2: torch.distributed.fsdp.fully_shard
-# per transformer block, then the root. DeepSpeed ZeRO is not traced yet.
+# per transformer block, then the root. DeepSpeed ZeRO: ZERO_STRATEGIES below (modelled).
 Strategy = Literal["ddp", "fsdp2"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 # what --gpus N without --strategy runs: fully sharded, the engine that fits large models

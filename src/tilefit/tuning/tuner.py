@@ -217,22 +217,15 @@ def tune(
     (KeyboardInterrupt included).
     objective="time-to-loss": the timed batch soonest to a given loss, from ``noise_scale``
     (B_noise or a NoiseScale; else measured on make_batch's batches): ``tuning.objective``.
-
-    Under ``torchrun`` (``torch.distributed`` initialised; the model plain or wrapped in
-    DistributedDataParallel) call it on every rank: the ranks agree on each trial's outcome
-    (``tuning.ranks``), so every rank returns the same result; ``batch_size`` is the
-    per-rank micro-batch, ``global_batch`` the job's (split evenly over the ranks) and only
-    rank 0 calls ``on_trial`` / ``on_outlook``.
+    Under ``torchrun`` call it on every rank: they agree on every trial (``tuning.ranks``);
+    ``batch_size`` is per rank, ``global_batch`` the job's; rank 0 alone reports progress.
     """
-    ranks = current_ranks()
-    check_objective(objective, noise_scale)
-    _check_distributed_objective(ranks, objective, noise_scale)
+    ranks = _job(objective, noise_scale)
     if not ranks.is_main:
         on_trial = on_outlook = None  # one rank reports progress
     request = dataclasses.replace(make_request(
         precision=precision, device=device, global_batch=rank_share(global_batch, ranks),
-        max_batch=max_batch,
-        memory_limit_bytes=memory_limit_bytes, margin=margin,
+        max_batch=max_batch, memory_limit_bytes=memory_limit_bytes, margin=margin,
         steps_per_trial=steps_per_trial, predicted_max_batch=predicted_max_batch,
         predict=predict, measure_throughput=measure_throughput or objective != OBJECTIVE_RATE),
         objective=objective, noise_scale=noise_scale, ranks=ranks)
@@ -250,12 +243,7 @@ def tune(
             model=model, make_batch=make_batch, loss_fn=loss_fn, optimizer=optimizer, snap=snap,
             precision=request.precision.name, device=request.device, on_trial=on_trial,
             keep_modes=keep_modes, ranks=ranks, **_trial_settings(request))
-        first_probe = ranks.smallest_probe(
-            _first_probe(ex.local, make_batch, loss_fn, optimizer, request, ex))
-        expected = None if on_outlook is None else _outlook(ex, request, first_probe)
-        if on_outlook is not None and expected is not None:
-            on_outlook(expected)
-        return _search(ex, request, first_probe)
+        return _probe_and_search(ex, request, on_outlook)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
         restore(snap)
@@ -264,8 +252,22 @@ def tune(
             torch.cuda.empty_cache()
 
 
-def _check_distributed_objective(ranks: Ranks, objective: str,
-                                 noise_scale: float | NoiseScale | None) -> None:
+def _probe_and_search(ex: Executor, request: TuneRequest,
+                      on_outlook: Callable[[Outlook], None] | None) -> TuneResult:
+    """The first probe (the ranks' smallest), the outlook when asked for, the search."""
+    first_probe = request.ranks.smallest_probe(
+        _first_probe(ex.local, ex.make_batch, ex.loss_fn, ex.optimizer, request, ex))
+    expected = None if on_outlook is None else _outlook(ex, request, first_probe)
+    if on_outlook is not None and expected is not None:
+        on_outlook(expected)
+    return _search(ex, request, first_probe)
+
+
+def _job(objective: str, noise_scale: float | NoiseScale | None) -> Ranks:
+    """The torchrun job this process is in (rank 0 of 1 outside one); the objective
+    checked for it."""
+    ranks = current_ranks()
+    check_objective(objective, noise_scale)
     if ranks.distributed and objective != OBJECTIVE_RATE and noise_scale is None:
         raise TilefitError(
             "under torchrun, objective='time-to-loss' needs the noise scale given",
@@ -273,6 +275,7 @@ def _check_distributed_objective(ranks: Ranks, objective: str,
             given="noise_scale=None (each rank would measure its own)",
             fix="measure it with `tilefit noise-scale` and pass noise_scale= (CLI: "
             "--noise-scale)")
+    return ranks
 
 
 def _trial_settings(request: TuneRequest) -> dict[str, Any]:
