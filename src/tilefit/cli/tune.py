@@ -11,8 +11,8 @@ import typer
 
 from tilefit.cli import model_options as mo
 from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
+from tilefit.cli.job import Job, torchrun_job
 from tilefit.cli.noise import DATA_OPTION, LOSS_OPTION, build_model, load_data, load_loss
-from tilefit.cli.torchrun import Job, torchrun_job
 from tilefit.errors import TilefitError
 
 # Decimal units are powers of 1000 and binary units powers of 1024 (IEC 80000-13).
