@@ -1,9 +1,12 @@
 """One rank's step under DeepSpeed ZeRO, modelled on the one-GPU trace (estimator/zero.py).
 
-- Memory: the one-GPU peak with its parameters, gradients and optimizer state replaced by
-  ZeRO's per-GPU model states, plus DeepSpeed's buffers and stage 3's gathered layer
-  (category ``communication``). The other tensors at the peak (activations, temporaries,
-  inputs) stay as traced: ZeRO does not partition them.
+- Memory: ZeRO's per-GPU model states, DeepSpeed's buffers and stage 3's gathered layer
+  (category ``communication``), plus the one-GPU trace's other tensors (activations,
+  temporaries, inputs), which ZeRO does not partition, at the larger of two points: the
+  forward/backward peak, and the optimizer step's peak with its temporaries over one
+  partition (1/N; none on the GPU with offload) and the 16-bit gradients released
+  (they live on as the fp32 partition). Measured against DeepSpeed on the CPU:
+  docs/references.md, section 21d.3.
 - Time: the traced step, its optimizer phases over one partition (1/N of the parameters),
   plus the collectives that the compute does not hide (estimator/collectives.py's ring
   formulas and overlap rule); with ``offload`` the optimizer step runs on the CPU instead,
@@ -88,9 +91,8 @@ def estimate_zero(base: Estimate, tr: Trace, device: Device, strategy: str, worl
     inp = zero_inputs(tr)
     mem = zero_memory(inp, stage, world_size, offload=offload, config=config,
                       gpus_per_node=device.gpus_per_node)
-    breakdown = _breakdown(base.memory_breakdown, mem)
-    peak = base.peak_memory_bytes - sum(base.memory_breakdown.get(c, 0)
-                                        for c in STATE_CATEGORIES) + mem.total_bytes
+    breakdown = _peak_breakdown(tr, mem, offload)
+    peak = sum(breakdown.values())
     collectives = zero_collectives(inp, stage, base.accumulation_steps, config)
     by_phase, exposed = _communication(collectives, world_size, device, base.time_by_phase_s)
     phases = _partitioned_phases(base.time_by_phase_s, world_size, offload)
@@ -113,12 +115,21 @@ def estimate_zero(base: Estimate, tr: Trace, device: Device, strategy: str, worl
         warnings=(*base.warnings, _note(strategy, world_size, offload)), parallel=summary)
 
 
-def _breakdown(one_gpu: dict[str, int], mem: ZeroMemory) -> dict[str, int]:
-    out = dict(one_gpu)
-    out.update(parameters=mem.parameters_bytes, gradients=mem.gradients_bytes,
-               optimizer_state=mem.optimizer_state_bytes)
-    out["communication"] = out.get("communication", 0) + mem.gathered_bytes + mem.buffer_bytes
-    return out
+def _peak_breakdown(tr: Trace, mem: ZeroMemory, offload: bool) -> dict[str, int]:
+    """One GPU's memory by category at the larger of the two points (module docstring)."""
+    rounded = tr.target.kind == "cuda"
+    fb, opt = tr.phase_peak_indices(rounded=rounded)
+    share = 0 if offload else 1 / mem.world_size
+    points = []
+    for index, scale, grads in ((fb, 1.0, mem.gradients_bytes), (opt, share, 0)):
+        at = tr.breakdown_at(index, rounded=rounded)
+        others = {c: int(v * scale) if c == "temporaries" else v
+                  for c, v in at.items() if c not in STATE_CATEGORIES}
+        points.append({"parameters": mem.parameters_bytes, "gradients": grads,
+                       "optimizer_state": mem.optimizer_state_bytes, **others,
+                       "communication": others.get("communication", 0) + mem.gathered_bytes
+                       + mem.buffer_bytes})
+    return max(points, key=lambda p: sum(p.values()))
 
 
 def _communication(collectives: tuple[ZeroCollective, ...], world_size: int, device: Device,
