@@ -87,7 +87,7 @@ def tune_command(
 
         tilefit tune gpt2 --seq 64 --max-batch 8 --memory-limit 2.4GiB
 
-    Under torchrun (torchrun --nproc-per-node N -m tilefit tune ...) every rank trains the
+    Under torchrun (torchrun --nproc_per_node N -m tilefit tune ...) every rank trains the
     model in DistributedDataParallel, the ranks agree on every trial, and rank 0 alone
     prints; the batch is per rank, --global-batch the job's.
     """
