@@ -230,7 +230,7 @@ def test_torch_compat_fake_process_group() -> None:
 
 def test_cli_unknown_strategy_and_world_size(tmp_path: Path) -> None:
     runner = CliRunner()
-    bad = runner.invoke(app, ["estimate", "gpt2", "--gpus", "2", "--strategy", "zero3"])
+    bad = runner.invoke(app, ["estimate", "gpt2", "--gpus", "2", "--strategy", "zero4"])
     assert bad.exit_code == 2 and "--strategy fsdp2" in bad.output
     nodes = runner.invoke(app, ["estimate", "gpt2", "--gpus", "12", "--gpu", "h100"])
     assert nodes.exit_code == 2 and "--gpus 16" in nodes.output

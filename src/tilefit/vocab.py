@@ -42,11 +42,15 @@ ATTENTIONS: tuple[str, ...] = get_args(Attention)
 
 # ---- data-parallel strategies (tilefit.tracing.distributed wraps the model in them) --------
 # ddp: torch.nn.parallel.DistributedDataParallel; fsdp2: torch.distributed.fsdp.fully_shard
-# per transformer block, then the root. DeepSpeed ZeRO is not traced yet.
+# per transformer block, then the root. DeepSpeed ZeRO: ZERO_STRATEGIES below (modelled).
 Strategy = Literal["ddp", "fsdp2"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 # what --gpus N without --strategy runs: fully sharded, the engine that fits large models
 DEFAULT_STRATEGY = "fsdp2"
+# DeepSpeed ZeRO stages 1-3: modelled, not traced (tilefit.estimator.zero; DeepSpeed's engine
+# does not run on fake tensors), on top of the one-GPU trace
+ZeroStrategy = Literal["zero1", "zero2", "zero3"]
+ZERO_STRATEGIES: tuple[str, ...] = get_args(ZeroStrategy)
 
 # ---- optimizers (tilefit.tracing.optimizers builds them) ------------------------------------
 OPTIMIZER_NAMES: tuple[str, ...] = ("sgd", "adam", "adamw", "adamw-fused", "adafactor",

@@ -29,6 +29,9 @@ def estimate(
     fused_ce: bool = mo.FUSED_CE_OPTION,
     gpus: int = mo.GPUS_OPTION,
     strategy: str | None = mo.STRATEGY_OPTION,
+    offload: bool = typer.Option(False, "--offload", help="With --strategy zero1/zero2/"
+                                 "zero3: DeepSpeed's optimizer offloaded to the CPU "
+                                 "(modelled)."),
     ops: bool = typer.Option(True, "--ops/--no-ops", help="With --json: include every op record "
                              "of the steady step (--no-ops for the summary only)."),
     compile_: bool = mo.COMPILE_OPTION,
@@ -53,7 +56,7 @@ def estimate(
                         loss_sync=mo.loss_sync(loss_sync, work),
                         fused_ce=fused_ce, compile=compile_)
         result = estimate_workload(work, recipe, device, graph_breaks=graph_breaks,
-                                   world_size=gpus, strategy=strategy)
+                                   world_size=gpus, strategy=strategy, offload=offload)
     if not work.is_factory:
         err_console.print(mo.trainer_defaults_note(recipe), highlight=False)
     if work.is_factory:

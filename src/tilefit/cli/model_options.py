@@ -14,6 +14,7 @@ from tilefit.vocab import (
     OPTIMIZER_NAMES,
     PRECISION_NAMES,
     STRATEGIES,
+    ZERO_STRATEGIES,
     check_max_grad_norm,
     default_precision,
     parse_precision,
@@ -56,7 +57,8 @@ GPUS_OPTION = typer.Option(
     "engine of --strategy; --batch is each GPU's micro-batch.")
 STRATEGY_OPTION = typer.Option(
     None, "--strategy", help=", ".join(STRATEGIES) + f" (default with --gpus > 1: "
-    f"{DEFAULT_STRATEGY}, fully sharded). DeepSpeed ZeRO is not traced yet.")
+    f"{DEFAULT_STRATEGY}, fully sharded); " + ", ".join(ZERO_STRATEGIES)
+    + ": DeepSpeed ZeRO, modelled (not traced).")
 TASK_OPTION = typer.Option(
     None, "--task", help="causal-lm, masked-lm, seq-cls or image-cls (default: the model's).")
 

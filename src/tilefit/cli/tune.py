@@ -11,6 +11,7 @@ import typer
 
 from tilefit.cli import model_options as mo
 from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
+from tilefit.cli.job import Job, torchrun_job
 from tilefit.cli.noise import DATA_OPTION, LOSS_OPTION, build_model, load_data, load_loss
 from tilefit.errors import TilefitError
 
@@ -85,16 +86,22 @@ def tune_command(
     (load average 5 to 6).
 
         tilefit tune gpt2 --seq 64 --max-batch 8 --memory-limit 2.4GiB
+
+    Under torchrun (torchrun --nproc-per-node N -m tilefit tune ...) every rank trains the
+    model in DistributedDataParallel, the ranks agree on every trial, and rank 0 alone
+    prints; the batch is per rank, --global-batch the job's.
     """
-    with user_errors():
+    with user_errors(), torchrun_job(gpu) as job:
         options = TuneOptions(model, gpu, global_batch, memory_limit, max_batch, seq,
                               input_shape, task, optimizer, precision, margin, objective,
                               noise_scale, data, loss)
-        result = _run(options, show_progress=True)
-        if plot:
+        result = _run(options, show_progress=job.is_main, job=job)
+        if plot and job.is_main:
             from tilefit.tuning.plot import plot_throughput
 
             plot_throughput(result, plot)
+    if not job.is_main:
+        return
     if json_out:
         print_json(result.to_dict())
         return
@@ -174,7 +181,7 @@ def optimizer_factory(name: str) -> Any:
     return lambda params: make_optimizer(key, list(params), foreach=None)
 
 
-def _run(options: TuneOptions, *, show_progress: bool) -> Any:
+def _run(options: TuneOptions, *, show_progress: bool, job: Job | None = None) -> Any:
     from tilefit.tuning import DEFAULT_MARGIN, tune
 
     report = TuneReport(err_console, enabled=show_progress)
@@ -186,6 +193,7 @@ def _run(options: TuneOptions, *, show_progress: bool) -> Any:
         precision = live_precision(options.precision, torch_device)
         report.line(f"building {options.model} on {torch_device} ({precision})")
         module, make_batch, loss_fn = _model_and_batches(options, workload, torch_device)
+        module = (job or Job()).wrap(module, torch_device)
 
         report.line("predicting the largest batch from fake-tensor traces of the step, then "
                     "timing a step at batch 1 and at a quarter of that batch")
@@ -315,8 +323,12 @@ def _render(result: Any, plot: str | None) -> None:
     console.print(f"largest batch that fits: [bold]{result.max_fitting_batch_size}[/]"
                   + (f" (budget {result.budget_bytes:,} B)" if result.budget_bytes else ""))
     rate = "" if result.samples_per_s is None else f", {_rate(result.samples_per_s)} samples/s"
+    if result.world_size > 1 and result.samples_per_s is not None:  # the slowest rank's
+        rate += f" per rank ({_rate(result.samples_per_s * result.world_size)} for the job)"
+    ranks = "" if result.world_size == 1 else f" per rank, x {result.world_size} ranks " \
+        f"= {result.global_batch_size} samples per step"
     console.print(f"chosen batch: [bold green]{result.batch_size}[/] x "
-                  f"{result.accumulation_steps} accumulation steps{rate} "
+                  f"{result.accumulation_steps} accumulation steps{ranks}{rate} "
                   f"(noise band {result.noise:.1%})")
     if result.objective == "time-to-loss":
         _render_time_to_loss(result)

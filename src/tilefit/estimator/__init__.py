@@ -19,11 +19,14 @@ from tilefit.estimator.fusion import compiled_op_time_s
 from tilefit.estimator.result import Estimate, ModuleSummary, OpCost
 from tilefit.estimator.steptime import step_timeline
 from tilefit.estimator.timeline import Timeline
+from tilefit.estimator.zero import DEEPSPEED_DEFAULTS, ZeroConfig
+from tilefit.estimator.zero_step import estimate_zero, is_zero, traced_setup
 from tilefit.hardware import Device, get_device
 from tilefit.tracing.records import Trace
 from tilefit.vocab import MICRO_PHASES, OPTIMIZER_PHASES, parse_precision
 
-__all__ = ["Estimate", "ModuleSummary", "OpCost", "ParallelSummary", "cublas_workspace_bytes",
+__all__ = ["Estimate", "ModuleSummary", "OpCost", "ParallelSummary", "ZeroConfig",
+           "cublas_workspace_bytes",
            "estimate", "estimate_trace", "overhead_bytes"]
 
 MIB = 1024**2
@@ -59,7 +62,8 @@ def estimate(model: Any, batch: Any, *, loss_fn: Any = None, optimizer: Any = "a
              device: str | Device = "cpu", max_grad_norm: float | None = None,
              loss_sync: bool = False, compile: bool = False,
              graph_breaks: bool = False, world_size: int = 1,
-             strategy: str | None = None) -> Estimate:
+             strategy: str | None = None, offload: bool = False,
+             zero_config: ZeroConfig = DEEPSPEED_DEFAULTS) -> Estimate:
     """Predict one training step's time and peak memory on ``device`` (a catalog name, a
     Device, or "cpu" for this machine) without running it: the step is traced on fake
     tensors as the device would run it, then costed op by op. ``compile``: the forward and
@@ -67,18 +71,34 @@ def estimate(model: Any, batch: Any, *, loss_fn: Any = None, optimizer: Any = "a
     (tilefit.estimator.fusion); ``graph_breaks``: list Dynamo's graph breaks in the notes.
     ``world_size`` GPUs with ``strategy`` ("ddp" or "fsdp2", the default on several GPUs):
     one rank's step with the engine's collectives (``batch`` is one rank's micro-batch);
-    ``Estimate.parallel`` summarises communication, throughput and scaling."""
+    ``Estimate.parallel`` summarises communication, throughput and scaling.
+    ``strategy`` "zero1" / "zero2" / "zero3": DeepSpeed ZeRO, modelled on the one-GPU trace
+    (``Estimate.parallel.modelled``; tilefit.estimator.zero), ``offload`` its optimizer on
+    the CPU, ``zero_config`` the bucket sizes of your DeepSpeed config."""
     from tilefit.tracing import trace
 
     dev = get_device(device)
     if world_size > 1:
         check_world_size(dev, world_size)
+    traced_world, traced_strategy = traced_setup(world_size, strategy, offload)
     tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
                grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation_steps,
                attention=attention, device=dev, max_grad_norm=max_grad_norm,
                loss_sync=loss_sync, compile=compile, graph_breaks=graph_breaks,
-               world_size=world_size, strategy=strategy)
-    return estimate_trace(tr, dev)
+               world_size=traced_world, strategy=traced_strategy)
+    return estimate_strategy(tr, dev, world_size, strategy, offload, zero_config)
+
+
+def estimate_strategy(tr: Trace, device: Device, world_size: int, strategy: str | None,
+                      offload: bool = False,
+                      zero_config: ZeroConfig = DEEPSPEED_DEFAULTS) -> Estimate:
+    """The trace's estimate; under a ZeRO strategy, one of ``world_size`` ranks, modelled."""
+    base = estimate_trace(tr, device)
+    if not is_zero(strategy):
+        return base
+    assert strategy is not None
+    return estimate_zero(base, tr, device, strategy, world_size, offload=offload,
+                         config=zero_config)
 
 
 def estimate_trace(tr: Trace, device: Device,

@@ -108,12 +108,18 @@ class Communication:
     exposed_by_phase_s: dict[str, float] = field(default_factory=dict)
 
 
-def _unhidden_s(phase: str, comm: list[float], total: float) -> float:
+def _unhidden_s(phase: str, comm: Sequence[float], total: float) -> float:
     if phase == "forward":
         return comm[0]
     if phase == "backward":
         return comm[-1]
     return total
+
+
+def exposed_s(phase: str, comm: Sequence[float], compute_s: float) -> float:
+    """What the phase's compute does not hide of its collectives ``comm`` (in order)."""
+    total = sum(comm)
+    return min(total, max(total - compute_s, _unhidden_s(phase, comm, total)))
 
 
 def communication(costs: Sequence[OpCost]) -> Communication:
@@ -127,8 +133,7 @@ def communication(costs: Sequence[OpCost]) -> Communication:
         else:
             compute[phase] = compute.get(phase, 0.0) + c.time_s * c.repeats
     by_phase = {p: sum(v) for p, v in comm.items()}
-    exposed = {p: min(t, max(t - compute.get(p, 0.0), _unhidden_s(p, comm[p], t)))
-               for p, t in by_phase.items()}
+    exposed = {p: exposed_s(p, comm[p], compute.get(p, 0.0)) for p in by_phase}
     return Communication(sum(by_phase.values()), sum(exposed.values()), by_phase, exposed)
 
 
@@ -152,6 +157,10 @@ class ParallelSummary:
     step_time_s: float
     samples_per_step: int  # one rank's
     tokens_per_step: int | None
+    # DeepSpeed ZeRO: memory and communication modelled, not traced (estimator/zero.py);
+    # details: the model's per-GPU parts and collectives
+    modelled: bool = False
+    details: dict[str, Any] = field(default_factory=dict)
 
     @property
     def scaling_efficiency(self) -> float:
@@ -189,6 +198,8 @@ class ParallelSummary:
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "tokens_per_s_total": self.tokens_per_s_total,
             "samples_per_s_total": self.samples_per_s_total,
+            "modelled": self.modelled,
+            **({"details": dict(self.details)} if self.details else {}),
         }
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from tilefit.errors import TilefitError
-from tilefit.estimator import Estimate, estimate_trace
+from tilefit.estimator import Estimate, estimate_strategy
 from tilefit.estimator.collectives import check_world_size
+from tilefit.estimator.zero_step import traced_setup
 from tilefit.hardware import Device, get_device
 from tilefit.models import Workload
 from tilefit.tracing import Trace
@@ -41,16 +42,19 @@ def trace_workload(workload: Workload, recipe: Recipe, device: str | Device, *,
 
 def estimate_workload(workload: Workload, recipe: Recipe, device: str | Device, *,
                       graph_breaks: bool = False, world_size: int = 1,
-                      strategy: str | None = None) -> Estimate:
+                      strategy: str | None = None, offload: bool = False) -> Estimate:
     """The estimate of one training step (``recipe.compile``: as torch.compile runs its
     forward and backward, tilefit.tracing.compiled); ``graph_breaks``: list Dynamo's breaks;
     ``world_size`` GPUs with ``strategy`` (tilefit.estimator.estimate): one rank's step,
-    ``recipe.batch_size`` being one rank's micro-batch."""
+    ``recipe.batch_size`` being one rank's micro-batch; a ZeRO strategy (and ``offload``)
+    modelled on the one-GPU trace (tilefit.estimator.zero)."""
     dev = get_device(device)
     if world_size > 1:
         check_world_size(dev, world_size)
-    return estimate_trace(trace_workload(workload, recipe, dev, graph_breaks=graph_breaks,
-                                         world_size=world_size, strategy=strategy), dev)
+    traced_world, traced_strategy = traced_setup(world_size, strategy, offload)
+    tr = trace_workload(workload, recipe, dev, graph_breaks=graph_breaks,
+                        world_size=traced_world, strategy=traced_strategy)
+    return estimate_strategy(tr, dev, world_size, strategy, offload)
 
 
 def check_batch(batch_size: int) -> None:

@@ -87,8 +87,10 @@ def parallel_rows(estimate: Estimate) -> list[tuple[str, str]]:
     p = estimate.parallel
     if p is None:
         return []
+    how = "; MODELLED, not traced (see the notes)" if p.modelled else ""
     rows = [("GPUs", f"{p.world_size} x {p.strategy} over {p.link} (NCCL bus bandwidth "
-             f"{p.bus_bandwidth_bytes_per_s / 1e9:,.0f} GB/s); figures per GPU unless said"),
+             f"{p.bus_bandwidth_bytes_per_s / 1e9:,.0f} GB/s); figures per GPU unless "
+             f"said{how}"),
             ("communication", f"{fmt_time(p.communication_time_s)} in collectives, "
              f"{fmt_time(p.exposed_communication_s)} not hidden by compute (in the step time)")]
     total = (f"{p.tokens_per_s_total:,.0f} tokens/s, " if p.tokens_per_s_total else "") + \

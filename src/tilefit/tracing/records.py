@@ -162,6 +162,19 @@ class Trace:
                 fb1 = max(fb1, live)
         return fb, fb1, opt
 
+    def phase_peak_indices(self, *, rounded: bool = True) -> tuple[int, int]:
+        """Timeline indices of the peak during forward/backward/recompute and of the peak
+        during the optimizer step, zero_grad and loss scaler (phase_peaks' first and last)."""
+        timeline = self.live_bytes_timeline(rounded=rounded)
+        fb = opt = 0
+        for j, live in enumerate(timeline):
+            op = self.ops[j - 1] if 0 < j <= len(self.ops) else None
+            if op is not None and op.phase not in MICRO_PHASES:
+                opt = j if live > timeline[opt] or opt == 0 else opt
+            elif live > timeline[fb]:
+                fb = j
+        return fb, opt
+
     def breakdown_at(self, index: int, *, rounded: bool = True) -> dict[str, int]:
         """Live bytes by category at a timeline index."""
         out = dict.fromkeys(self.categories, 0)

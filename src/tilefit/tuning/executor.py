@@ -25,6 +25,7 @@ from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
 from tilefit.tracing.step import check_scalar_loss, default_loss
 from tilefit.tuning.outlook import TrialShape
+from tilefit.tuning.ranks import DOES_NOT_FIT, FAILED, FITS, Ranks, local_module
 from tilefit.tuning.search import FitProbe
 from tilefit.tuning.simulate import OOM_ERROR, MemoryLimitMode
 from tilefit.tuning.state import Snapshot, restore_weights, train_mode
@@ -133,8 +134,12 @@ class Executor:
         min_timed_steps: int,
         on_trial: Callable[[Trial], None] | None = None,
         keep_modes: bool = False,
+        ranks: Ranks | None = None,
     ) -> None:
         self.model = model
+        self.ranks = ranks or Ranks()
+        # fit trials run the unwrapped module: no collective inside (tuning/ranks.py)
+        self.local = local_module(model, self.ranks)
         self.make_batch = make_batch
         self.loss_fn = loss_fn or default_loss
         self.optimizer = optimizer
@@ -184,16 +189,19 @@ class Executor:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def _loss(self, batch: Any) -> torch.Tensor:
+    def _loss(self, batch: Any, model: nn.Module) -> torch.Tensor:
         with self._autocast():
-            return check_scalar_loss(self.loss_fn(self.model, batch))
+            return check_scalar_loss(self.loss_fn(model, batch))
 
     def _steps(self, batch_size: int, accumulation: int, cycles: int,
-               opt: torch.optim.Optimizer, watch: _PeakWatch | None = None) -> None:
+               opt: torch.optim.Optimizer, watch: _PeakWatch | None = None,
+               model: nn.Module | None = None) -> None:
         """``cycles`` optimizer steps of ``accumulation`` micro-batches, written as the usual
         training loop: ``for batch in loader: loss = f(batch); loss.backward(); ...`` keeps
         the last batch and loss referenced through the optimizer step and while the next
-        batch is made, so their memory counts where a real loop's would."""
+        batch is made, so their memory counts where a real loop's would. ``model``: the
+        module the loss runs (default: the user's, wrapped as given)."""
+        model = self.model if model is None else model
         batch: Any = None
         loss: torch.Tensor | None = None
         for _ in range(cycles):
@@ -201,7 +209,7 @@ class Executor:
                 if watch is not None:
                     watch.phase("forward")
                 batch = self._on_device(self.make_batch(batch_size), watch)
-                loss = self._loss(batch)
+                loss = self._loss(batch, model)
                 if watch is not None:
                     watch.phase("backward")
                 loss.backward()
@@ -293,7 +301,7 @@ class Executor:
                 for b in batch_sizes:
                     _sync(self.device)
                     start = time.perf_counter()
-                    self._steps(b, 1, 1, opt, watch)
+                    self._steps(b, 1, 1, opt, watch, self.local)
                     _sync(self.device)
                     times_s.append(time.perf_counter() - start)
             failed = False
@@ -307,7 +315,8 @@ class Executor:
         return None if failed else times_s
 
     def fit(self, batch_size: int) -> FitProbe:
-        """Run ``steps_per_trial`` steps at ``batch_size``; did they fit within the budget?"""
+        """Run ``steps_per_trial`` steps at ``batch_size``; did they fit within the budget?
+        Under torchrun: on every rank (the worst rank's outcome, ``tuning/ranks.py``)."""
         opt = self._new_optimizer()
         t0 = time.perf_counter()
         ran = False
@@ -315,27 +324,82 @@ class Executor:
         watch = _PeakWatch()
         try:
             with self._memory(opt, simulate) as watch:
-                self._steps(batch_size, 1, self.steps_per_trial, opt, watch)
+                self._steps(batch_size, 1, self.steps_per_trial, opt, watch, self.local)
                 _sync(self.device)
             ran = True
         except Exception as exc:  # KeyboardInterrupt and friends pass through untouched
-            if not is_oom(exc):
-                raise
-            traceback.clear_frames(exc.__traceback__)  # drop the frames holding activations
+            self._survive_oom(exc, 0)
             del exc
         finally:
             self._cleanup(opt, failed=not ran)
         peak = watch.peak_bytes
         fits = ran and (self.budget_bytes is None or peak is None or peak <= self.budget_bytes)
+        fits = self._agree(FITS if fits else DOES_NOT_FIT, [])[0] == FITS
         self._record(Trial("fit", batch_size, fits, None, peak if ran else None,
                            time.perf_counter() - t0))
-        return FitProbe(
+        return self.ranks.tightest(FitProbe(
             fits=fits,
             peak_bytes=peak if ran else None,
             budget_bytes=self.budget_bytes,
             baseline_bytes=watch.baseline_bytes,
             phase_peaks=dict(watch.phase_peaks) if ran and watch.phase_peaks else None,
-        )
+        ))
+
+    def _survive_oom(self, exc: Exception, n_times: int) -> None:
+        """Out of memory: drop the frames holding activations and return. Any other error:
+        tell the other ranks (they stop too, at the same all-reduce), then raise it."""
+        if not is_oom(exc):
+            self.ranks.agree(FAILED, [0.0] * n_times)
+            raise exc
+        traceback.clear_frames(exc.__traceback__)
+
+    def _agree(self, code: int, times_s: list[float]) -> tuple[int, list[float]]:
+        """The job's outcome and times (identity on one process); another rank's error
+        stops this one too."""
+        code, times_s = self.ranks.agree(code, times_s)
+        if code == FAILED:
+            raise TilefitError(
+                "tune stopped: a trial failed on another rank",
+                expected="every rank to run the trial (or to run out of memory)",
+                given="an error other than out-of-memory on another rank",
+                fix="read the other ranks' error in the torchrun log (each rank prints its "
+                "own traceback)")
+        return code, times_s
+
+    def _attempt(self, body: Callable[[], list[float]], n_times: int
+                 ) -> tuple[int, list[float]]:
+        """Run ``body`` (its times), OOM-safe, then agree on the outcome with the other
+        ranks: exactly one all-reduce on every rank, whatever happened."""
+        try:
+            times_s, code = body(), FITS
+        except Exception as exc:
+            self._survive_oom(exc, n_times)
+            del exc
+            times_s, code = [0.0] * n_times, DOES_NOT_FIT
+        return self._agree(code, times_s)
+
+    def _warm_up(self, batch_size: int, accumulation: int, opt: torch.optim.Optimizer
+                 ) -> list[float]:
+        """At least ``warmup_steps`` micro-batches, in whole optimizer steps; the last
+        cycle's time."""
+        cycle_s = 0.0
+        for _ in range(max(1, -(-self.warmup_steps // accumulation))):
+            _sync(self.device)
+            warm_start = time.perf_counter()
+            self._steps(batch_size, accumulation, 1, opt)
+            _sync(self.device)
+            cycle_s = time.perf_counter() - warm_start
+        return [cycle_s]
+
+    def _timed(self, batch_size: int, accumulation: int, cycles: int,
+               opt: torch.optim.Optimizer) -> list[float]:
+        elapsed_s: list[float] = []
+        for _ in range(self.repeats):
+            start = time.perf_counter()
+            self._steps(batch_size, accumulation, cycles, opt)
+            _sync(self.device)
+            elapsed_s.append(time.perf_counter() - start)
+        return elapsed_s
 
     def throughput(self, batch_size: int, accumulation: int) -> list[float] | None:
         """samples/s of ``repeats`` timed runs after warm-up, or None on OOM.
@@ -344,39 +408,26 @@ class Executor:
         (so the optimizer step is amortised as in training), at least ``min_timed_steps``
         micro-batches, bracketed by device synchronisation. Runs without the memory
         simulation: its per-op bookkeeping would distort the timings (the fit search already
-        proved every size up to the max fits).
+        proved every size up to the max fits). Under torchrun the wrapped model runs (its
+        gradient all-reduce is in the time) and each time is the slowest rank's.
         """
         opt = self._new_optimizer()
         t0 = time.perf_counter()
-        cycles = max(1, -(-self.min_timed_steps // accumulation))
-        rates: list[float] | None = []
-        cycle_s = 0.0
+        rates: list[float] | None = None
         try:
-            # warm-up: at least ``warmup_steps`` micro-batches, in whole optimizer steps
-            for _ in range(max(1, -(-self.warmup_steps // accumulation))):
-                _sync(self.device)
-                warm_start = time.perf_counter()
-                self._steps(batch_size, accumulation, 1, opt)
-                _sync(self.device)
-                cycle_s = time.perf_counter() - warm_start
-            if cycle_s > 0:
-                # Like timeit's autorange: a repeat long enough that timer resolution and
-                # scheduler jitter stay small against it.
-                needed = math.ceil(MIN_REPEAT_S / max(cycle_s, 1e-9))
-                cycles = min(MAX_CYCLES_PER_REPEAT, max(cycles, needed))
-            for _ in range(self.repeats):
-                start = time.perf_counter()
-                self._steps(batch_size, accumulation, cycles, opt)
-                _sync(self.device)
-                elapsed_s = time.perf_counter() - start
-                assert rates is not None
-                rates.append(batch_size * accumulation * cycles / elapsed_s)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            traceback.clear_frames(exc.__traceback__)
-            del exc
-            rates = None
+            code, (cycle_s,) = self._attempt(
+                lambda: self._warm_up(batch_size, accumulation, opt), 1)
+            if code == FITS:
+                cycles = max(1, -(-self.min_timed_steps // accumulation))
+                if cycle_s > 0:
+                    # Like timeit's autorange: a repeat long enough that timer resolution
+                    # and scheduler jitter stay small against it.
+                    needed = math.ceil(MIN_REPEAT_S / max(cycle_s, 1e-9))
+                    cycles = min(MAX_CYCLES_PER_REPEAT, max(cycles, needed))
+                code, elapsed_s = self._attempt(
+                    lambda: self._timed(batch_size, accumulation, cycles, opt), self.repeats)
+                if code == FITS:
+                    rates = [batch_size * accumulation * cycles / e for e in elapsed_s]
         finally:
             self._cleanup(opt, failed=not rates)
         best = None if not rates else max(rates)  # the score choose_batch uses

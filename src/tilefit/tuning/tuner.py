@@ -21,6 +21,7 @@ from tilefit.tuning.executor import Executor, LossFn, OptimizerArg, Trial
 from tilefit.tuning.noise import LearningRateAdvice, NoiseScale, TimeToLoss
 from tilefit.tuning.objective import check_objective
 from tilefit.tuning.outlook import Outlook, outlook, per_sample_s, timing_batch
+from tilefit.tuning.ranks import Ranks, current_ranks, rank_share
 from tilefit.tuning.search import (
     accumulation_for,
     candidate_sizes,
@@ -71,6 +72,10 @@ class TuneResult:
     time_to_loss_slowdown: float | None = None  # time of the samples/s choice / the chosen's
     learning_rate: LearningRateAdvice | None = None
     warnings: tuple[str, ...] = ()
+    # under torchrun: batch_size is each rank's micro-batch, samples_per_s one rank's rate
+    # (the slowest rank's times), global_batch_size = batch_size x world_size x accumulation
+    world_size: int = 1
+    global_batch_size: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -153,6 +158,8 @@ class TuneRequest:
     measure_throughput: bool
     objective: str = "samples-per-s"
     noise_scale: float | NoiseScale | None = None
+    ranks: Ranks = dataclasses.field(default_factory=Ranks)  # under torchrun; global_batch
+    # above is then this rank's share
 
     @property
     def cap(self) -> int | None:
@@ -210,14 +217,18 @@ def tune(
     (KeyboardInterrupt included).
     objective="time-to-loss": the timed batch soonest to a given loss, from ``noise_scale``
     (B_noise or a NoiseScale; else measured on make_batch's batches): ``tuning.objective``.
+    Under ``torchrun`` call it on every rank: they agree on every trial (``tuning.ranks``);
+    ``batch_size`` is per rank, ``global_batch`` the job's; rank 0 alone reports progress.
     """
-    check_objective(objective, noise_scale)
+    ranks = _job(objective, noise_scale)
+    if not ranks.is_main:
+        on_trial = on_outlook = None  # one rank reports progress
     request = dataclasses.replace(make_request(
-        precision=precision, device=device, global_batch=global_batch, max_batch=max_batch,
-        memory_limit_bytes=memory_limit_bytes, margin=margin,
+        precision=precision, device=device, global_batch=rank_share(global_batch, ranks),
+        max_batch=max_batch, memory_limit_bytes=memory_limit_bytes, margin=margin,
         steps_per_trial=steps_per_trial, predicted_max_batch=predicted_max_batch,
         predict=predict, measure_throughput=measure_throughput or objective != OBJECTIVE_RATE),
-        objective=objective, noise_scale=noise_scale)
+        objective=objective, noise_scale=noise_scale, ranks=ranks)
     check_model_and_optimizer(model, optimizer, request)
     user_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     snap = snapshot(model, user_opt)
@@ -231,18 +242,40 @@ def tune(
         ex = Executor(
             model=model, make_batch=make_batch, loss_fn=loss_fn, optimizer=optimizer, snap=snap,
             precision=request.precision.name, device=request.device, on_trial=on_trial,
-            keep_modes=keep_modes, **_trial_settings(request))
-        first_probe = _first_probe(model, make_batch, loss_fn, optimizer, request, ex)
-        expected = None if on_outlook is None else _outlook(ex, request, first_probe)
-        if on_outlook is not None and expected is not None:
-            on_outlook(expected)
-        return _search(ex, request, first_probe)
+            keep_modes=keep_modes, ranks=ranks, **_trial_settings(request))
+        return _probe_and_search(ex, request, on_outlook)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
         restore(snap)
         gc.collect()
         if request.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _probe_and_search(ex: Executor, request: TuneRequest,
+                      on_outlook: Callable[[Outlook], None] | None) -> TuneResult:
+    """The first probe (the ranks' smallest), the outlook when asked for, the search."""
+    first_probe = request.ranks.smallest_probe(
+        _first_probe(ex.local, ex.make_batch, ex.loss_fn, ex.optimizer, request, ex))
+    expected = None if on_outlook is None else _outlook(ex, request, first_probe)
+    if on_outlook is not None and expected is not None:
+        on_outlook(expected)
+    return _search(ex, request, first_probe)
+
+
+def _job(objective: str, noise_scale: float | NoiseScale | None) -> Ranks:
+    """The torchrun job this process is in (rank 0 of 1 outside one); the objective
+    checked for it."""
+    ranks = current_ranks()
+    check_objective(objective, noise_scale)
+    if ranks.distributed and objective != OBJECTIVE_RATE and noise_scale is None:
+        raise TilefitError(
+            "under torchrun, objective='time-to-loss' needs the noise scale given",
+            expected="noise_scale=B_noise (measured once, on one process)",
+            given="noise_scale=None (each rank would measure its own)",
+            fix="measure it with `tilefit noise-scale` and pass noise_scale= (CLI: "
+            "--noise-scale)")
+    return ranks
 
 
 def _trial_settings(request: TuneRequest) -> dict[str, Any]:
@@ -357,13 +390,17 @@ def _search(ex: Executor, request: TuneRequest, first_probe: int | None) -> Tune
         extra = _time_to_loss(ex, request, measured, noise, chosen, search.max_batch)
         chosen = extra.pop("batch_size")
         rate = max(measured[chosen])
+    accumulation = accumulation_for(request.global_batch, chosen)
+    world = request.ranks.world_size
     return TuneResult(
         batch_size=chosen, max_fitting_batch_size=search.max_batch,
-        accumulation_steps=accumulation_for(request.global_batch, chosen),
+        accumulation_steps=accumulation,
         samples_per_s=rate, trials=tuple(t.to_dict() for t in ex.trials),
         budget_bytes=ex.budget_bytes, capacity_bytes=ex.capacity_bytes,
-        global_batch=request.global_batch, candidates=candidates, noise=noise,
-        predicted_max_batch=first_probe, objective=request.objective, **extra,
+        global_batch=None if request.global_batch is None else request.global_batch * world,
+        candidates=candidates, noise=noise,
+        predicted_max_batch=first_probe, objective=request.objective,
+        world_size=world, global_batch_size=chosen * world * accumulation, **extra,
     )
 
 
@@ -417,7 +454,7 @@ def nothing_fits(ex: Executor, request: TuneRequest) -> TilefitError:
     how much, and what would shrink it), or what it leaves is too little for one sample."""
     from tilefit.tuning.predict import persistent_state
 
-    state = persistent_state(ex.model, ex.make_batch, loss_fn=ex.loss_fn,
+    state = persistent_state(ex.local, ex.make_batch, loss_fn=ex.loss_fn,
                              optimizer=ex.optimizer, precision=request.precision.name,
                              device=request.device)
     budget = ex.budget_bytes

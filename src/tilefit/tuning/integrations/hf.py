@@ -34,6 +34,7 @@ from tilefit.errors import TilefitError
 from tilefit.tracing.torch_compat import FakeTensor
 from tilefit.tuning.executor import is_oom
 from tilefit.tuning.noise import NoiseScale
+from tilefit.tuning.ranks import current_ranks
 from tilefit.tuning.search import accumulation_for
 from tilefit.tuning.tuner import DEFAULT_MARGIN, TuneResult, tune
 from tilefit.vocab import precision_from_hf
@@ -390,7 +391,8 @@ def tune_trainer(
     """Tune the trainer's micro-batch on what train() runs; with ``apply`` set the arguments.
 
     Keeps the effective batch (per_device_train_batch_size * gradient_accumulation_steps)
-    exact: the chosen micro-batch divides it. With ``apply`` it sets exactly
+    exact: the chosen micro-batch divides it. Under torchrun, call it on every rank: the
+    ranks agree (``tune``), each tunes its own device's micro-batch. With ``apply`` it sets exactly
     args.per_device_train_batch_size and args.gradient_accumulation_steps (and the Trainer's
     cached batch size); nothing else of the Trainer, its arguments or the model changes.
     Errors from the user's data or loss are TilefitErrors saying what to fix.
@@ -410,7 +412,8 @@ def tune_trainer(
     with _explain_step_errors(trainer), checkpointing_as_trainer(trainer):
         result = tune(
             model, make_batch, loss_fn=loss_fn_of(trainer), optimizer=optimizer_of(trainer),
-            precision=precision_of(args, model), device=device, global_batch=effective,
+            precision=precision_of(args, model), device=device,
+            global_batch=effective * current_ranks().world_size,  # tune takes the job's
             max_batch=max_batch, memory_limit_bytes=memory_limit_bytes, margin=margin,
             predicted_max_batch=predicted_max_batch, measure_throughput=measure_throughput,
             objective=objective, noise_scale=noise_scale,

@@ -1,0 +1,195 @@
+"""DeepSpeed ZeRO stages 1-3 on N GPUs, modelled: per-GPU memory and the step's collectives.
+
+DeepSpeed's engine does not run on fake tensors (its initialisation moves the module with
+``module.to(device)``, which cannot swap fake parameters), so ZeRO is not traced: its
+documented partitioning and buffers are put on top of the one-GPU trace
+(docs/references.md, section 24, item 2). Pure arithmetic, no torch.
+
+Per GPU, Psi trainable parameters, w bytes per weight (2 for 16-bit weights), N GPUs,
+K = 4 (fp32 master weights) + 4 (fp32 gradients) + the optimizer's own state per parameter
+(8 for Adam: 16 in all, DeepSpeed's figure):
+
+    stage  parameters  gradients  optimizer (+ master, fp32 grads)  gathered
+    1      w Psi       w Psi      K Psi / N                          0
+    2      w Psi       w Psi / N  K Psi / N                          0
+    3      w Psi / N   (in K)     K Psi / N                          2 w L
+
+L is the largest layer's parameter count (its parameters and gradients gathered whole).
+With w = 2 and K = 16 stage 2 is DeepSpeed's ``estimate_zero2_model_states_mem_needs``
+(2 Psi + 18 Psi / N) and stage 3 its ``estimate_zero3_model_states_mem_needs``
+(4 L + 18 Psi / N). ``offload``: the optimizer partition (master weights, fp32 gradients,
+state) lives in CPU memory, as the same functions count it with ``cpu_offload``.
+Buffers beyond the model states, from DeepSpeed's source and defaults: the contiguous
+gradient bucket of ``reduce_bucket_size`` elements (two with ``overlap_comm`` at stages 1
+and 2), and at stage 3 the parameters prefetched ahead (``stage3_prefetch_bucket_size``,
+within ``stage3_max_live_parameters``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tilefit.errors import TilefitError
+from tilefit.vocab import ZERO_STRATEGIES
+
+MASTER_BYTES = 4  # fp32 master copy of each parameter in the partition
+FP32_GRAD_BYTES = 4  # fp32 gradient partition the optimizer steps on
+LOAD_BYTES = 4  # DeepSpeed's CPU estimate: each process holds the fp32 model while loading
+CPU_BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor default for CPU memory
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """DeepSpeed's zero_optimization settings that size buffers and collectives, at their
+    defaults (deepspeed/runtime/zero/config.py, DeepSpeed 0.19.8); sizes in elements."""
+
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    overlap_comm: bool | None = None  # None: DeepSpeed's default, True at stage 3 only
+
+    def overlaps(self, stage: int) -> bool:
+        return stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+
+DEEPSPEED_DEFAULTS = ZeroConfig()
+
+
+@dataclass(frozen=True)
+class ZeroInputs:
+    """What the one-GPU trace says of the model."""
+
+    params: int  # trainable parameters, Psi
+    weight_bytes: int  # bytes per weight: 2 for 16-bit weights, 4 for fp32
+    optimizer_bytes_per_param: float  # the optimizer's own state (AdamW: 8)
+    largest_layer_params: int  # L
+
+    @property
+    def partition_bytes_per_param(self) -> float:
+        """K: what the optimizer partition holds per parameter."""
+        return MASTER_BYTES + FP32_GRAD_BYTES + self.optimizer_bytes_per_param
+
+
+@dataclass(frozen=True)
+class ZeroMemory:
+    """One GPU's memory under ZeRO, by part; ``host_bytes``: DeepSpeed's CPU estimate per
+    node (its 1.5 buffer factor included)."""
+
+    stage: int
+    world_size: int
+    offload: bool
+    parameters_bytes: int
+    gradients_bytes: int
+    optimizer_state_bytes: int  # master weights, fp32 gradients and optimizer state
+    gathered_bytes: int  # stage 3: the largest layer's parameters and gradients, whole
+    buffer_bytes: int  # gradient bucket(s), stage 3's prefetched parameters
+    host_bytes: int
+
+    @property
+    def model_states_bytes(self) -> int:
+        """What DeepSpeed's estimate_zero*_model_states_mem_needs counts per GPU."""
+        return (self.parameters_bytes + self.gradients_bytes + self.optimizer_state_bytes
+                + self.gathered_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.model_states_bytes + self.buffer_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "model_states_bytes": self.model_states_bytes}
+
+
+def zero_stage(strategy: str) -> int:
+    """1, 2 or 3 for "zero1", "zero2", "zero3"."""
+    key = str(strategy).strip().lower()
+    if key not in ZERO_STRATEGIES:
+        raise TilefitError(f"unknown ZeRO stage {strategy!r}",
+                           expected=", ".join(ZERO_STRATEGIES), given=repr(strategy),
+                           fix="pass --strategy zero2")
+    return ZERO_STRATEGIES.index(key) + 1
+
+
+def zero_memory(inp: ZeroInputs, stage: int, world_size: int, *, offload: bool = False,
+                config: ZeroConfig = DEEPSPEED_DEFAULTS, gpus_per_node: int = 8) -> ZeroMemory:
+    """One GPU's model states and buffers at ``stage`` over ``world_size`` GPUs."""
+    w, psi, n = inp.weight_bytes, inp.params, world_size
+    per_gpu = psi / n
+    params = w * psi if stage < 3 else w * per_gpu
+    grads = {1: w * psi, 2: 0.0 if offload else w * per_gpu, 3: 0.0}[stage]
+    optimizer = 0.0 if offload else inp.partition_bytes_per_param * per_gpu
+    gathered = 2 * w * inp.largest_layer_params if stage == 3 else 0
+    return ZeroMemory(
+        stage=stage, world_size=n, offload=offload, parameters_bytes=int(params),
+        gradients_bytes=int(grads), optimizer_state_bytes=int(optimizer),
+        gathered_bytes=gathered, buffer_bytes=_buffer_bytes(inp, stage, config),
+        host_bytes=_host_bytes(inp, stage, n, offload, min(n, gpus_per_node)))
+
+
+def _buffer_bytes(inp: ZeroInputs, stage: int, config: ZeroConfig) -> int:
+    """The contiguous gradient bucket, allocated whole (``torch.empty(reduce_bucket_size)``
+    in stage_1_and_2.py and stage3.py), doubled by overlap_comm at stages 1 and 2; at stage
+    2 the largest layer's gradient, which autograd makes whole before DeepSpeed's hook
+    copies it into the bucket (measured: docs/references.md, section 24, item 3); at stage 3 the
+    parameters prefetched beyond the gathered layer."""
+    buckets = 2 if stage < 3 and config.overlaps(stage) else 1
+    total = buckets * config.reduce_bucket_size * inp.weight_bytes
+    if stage == 2:
+        total += inp.largest_layer_params * inp.weight_bytes
+    if stage == 3:
+        room = min(inp.params, config.stage3_max_live_parameters) - inp.largest_layer_params
+        total += min(config.stage3_prefetch_bucket_size, max(room, 0)) * inp.weight_bytes
+    return int(total)
+
+
+def _host_bytes(inp: ZeroInputs, stage: int, world_size: int, offload: bool,
+                gpus_per_node: int) -> int:
+    """DeepSpeed's CPU estimate per node (estimate_zero2/zero3_model_states_mem_needs, with
+    zero_init and the parameters kept on the GPU at stage 3), K for its 16."""
+    psi, k = inp.params, inp.partition_bytes_per_param
+    nodes = math.ceil(world_size / gpus_per_node)
+    if stage < 3:
+        per_param = max(LOAD_BYTES * world_size, k) if offload else LOAD_BYTES * gpus_per_node
+        return int(psi * per_param * CPU_BUFFER_FACTOR)
+    if offload:
+        return int(psi * k / nodes * CPU_BUFFER_FACTOR)
+    return int(inp.largest_layer_params * LOAD_BYTES * gpus_per_node * CPU_BUFFER_FACTOR)
+
+
+@dataclass(frozen=True)
+class ZeroCollective:
+    """Collectives of one kind in one phase of the optimizer step: ``count`` calls of
+    ``nbytes`` each (NCCL's size: the whole buffer), ``repeats`` times per step."""
+
+    phase: str
+    name: str  # a collectives.BUS_FACTOR name
+    nbytes: int
+    count: int
+    repeats: int = 1
+
+
+def zero_collectives(inp: ZeroInputs, stage: int, accumulation_steps: int,
+                     config: ZeroConfig = DEEPSPEED_DEFAULTS) -> tuple[ZeroCollective, ...]:
+    """The step's collectives (ZeRO paper, section 7): stages 1-2 reduce-scatter the
+    gradients in buckets (stage 1 once per step, stage 2 after every micro-batch) and
+    all-gather the updated parameters after the optimizer step; stage 3 all-gathers the
+    parameters in forward and again in backward and reduce-scatters the gradients, every
+    micro-batch."""
+    grads = inp.weight_bytes * inp.params
+    reduce = _pieces(inp.params, config.reduce_bucket_size)
+    a = accumulation_steps
+    if stage < 3:
+        gather = _pieces(inp.params, config.allgather_bucket_size)
+        return (ZeroCollective("backward", "reduce_scatter", grads // reduce, reduce,
+                               1 if stage == 1 else a),
+                ZeroCollective("optimizer", "all_gather", grads // gather, gather))
+    gather = _pieces(inp.params, config.stage3_prefetch_bucket_size)
+    return (ZeroCollective("forward", "all_gather", grads // gather, gather, a),
+            ZeroCollective("backward", "all_gather", grads // gather, gather, a),
+            ZeroCollective("backward", "reduce_scatter", grads // reduce, reduce, a))
+
+
+def _pieces(elements: int, bucket: int) -> int:
+    return max(1, math.ceil(elements / max(bucket, 1)))

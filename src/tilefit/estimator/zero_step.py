@@ -1,0 +1,178 @@
+"""One rank's step under DeepSpeed ZeRO, modelled on the one-GPU trace (estimator/zero.py).
+
+- Memory: ZeRO's per-GPU model states, DeepSpeed's buffers and stage 3's gathered layer
+  (category ``communication``), plus the one-GPU trace's other tensors (activations,
+  temporaries, inputs), which ZeRO does not partition, at the larger of two points: the
+  forward/backward peak, and the optimizer step's peak with its temporaries over one
+  partition (1/N; none on the GPU with offload) and the 16-bit gradients released
+  (they live on as the fp32 partition). Measured against DeepSpeed on the CPU:
+  docs/references.md, section 24, item 3.
+- Time: the traced step, its optimizer phases over one partition (1/N of the parameters),
+  plus the collectives that the compute does not hide (estimator/collectives.py's ring
+  formulas and overlap rule); with ``offload`` the optimizer step runs on the CPU instead,
+  its PCIe copies and CPU-Adam step added (the ZeRO-Offload model of planner/offload.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tilefit.dtypes import parse_dtype
+from tilefit.errors import TilefitError
+from tilefit.estimator.collectives import (
+    ParallelSummary,
+    bus_bandwidth_bytes_per_s,
+    collective_time_s,
+    exposed_s,
+)
+from tilefit.estimator.result import Estimate
+from tilefit.estimator.zero import (
+    DEEPSPEED_DEFAULTS,
+    ZeroCollective,
+    ZeroConfig,
+    ZeroInputs,
+    ZeroMemory,
+    zero_collectives,
+    zero_memory,
+    zero_stage,
+)
+from tilefit.hardware import Device
+from tilefit.tracing.records import Trace
+from tilefit.vocab import OPTIMIZER_PHASES, STRATEGIES, ZERO_STRATEGIES, parse_precision
+
+STATE_CATEGORIES = ("parameters", "gradients", "optimizer_state")
+
+
+def is_zero(strategy: str | None) -> bool:
+    return strategy is not None and str(strategy).strip().lower() in ZERO_STRATEGIES
+
+
+def traced_setup(world_size: int, strategy: str | None, offload: bool
+                 ) -> tuple[int, str | None]:
+    """(world size, strategy) to trace: ZeRO is modelled on the one-GPU trace; ``offload``
+    is ZeRO's only."""
+    if is_zero(strategy):
+        return 1, None
+    if strategy is not None and str(strategy).strip().lower() not in STRATEGIES:
+        raise TilefitError(f"unknown data-parallel strategy {strategy!r}",
+                           expected="one of " + ", ".join((*STRATEGIES, *ZERO_STRATEGIES)),
+                           given=repr(strategy),
+                           fix="pass --strategy fsdp2 (traced), or zero2 (DeepSpeed, modelled)")
+    if offload:
+        raise TilefitError(
+            "offload of the optimizer to the CPU is modelled for DeepSpeed ZeRO only",
+            expected="strategy zero1, zero2 or zero3 with offload",
+            given=f"offload with strategy {strategy!r}",
+            fix="pass --strategy zero2 --offload, or drop --offload")
+    return world_size, strategy
+
+
+def zero_inputs(tr: Trace) -> ZeroInputs:
+    """Psi, bytes per weight, the optimizer's state per parameter (what the trace's optimizer
+    keeps after its step) and the largest parameter tensor, standing for DeepSpeed's largest
+    layer (a module's own parameters: the bias it leaves out is small beside the weight)."""
+    w = parse_dtype(parse_precision(tr.precision).param_dtype).bytes
+    psi = max(tr.trainable_param_count, 1)
+    state = sum(s.nbytes for s in tr.storages
+                if s.category == "optimizer_state" and s.free_at is None)
+    largest = max((s.nbytes for s in tr.storages
+                   if s.category == "parameters" and s.alloc_at < 0), default=0)
+    return ZeroInputs(params=psi, weight_bytes=w, optimizer_bytes_per_param=state / psi,
+                      largest_layer_params=largest // w)
+
+
+def estimate_zero(base: Estimate, tr: Trace, device: Device, strategy: str, world_size: int,
+                  *, offload: bool = False, config: ZeroConfig = DEEPSPEED_DEFAULTS) -> Estimate:
+    """``base`` (the one-GPU estimate of ``tr``) as one of ``world_size`` ranks under
+    ZeRO ``strategy`` ("zero1", "zero2", "zero3")."""
+    stage = zero_stage(strategy)
+    strategy = ZERO_STRATEGIES[stage - 1]
+    inp = zero_inputs(tr)
+    mem = zero_memory(inp, stage, world_size, offload=offload, config=config,
+                      gpus_per_node=device.gpus_per_node)
+    breakdown = _peak_breakdown(tr, mem, offload)
+    peak = sum(breakdown.values())
+    collectives = zero_collectives(inp, stage, base.accumulation_steps, config)
+    by_phase, exposed = _communication(collectives, world_size, device, base.time_by_phase_s)
+    phases = _partitioned_phases(base.time_by_phase_s, world_size, offload)
+    saved = sum(base.time_by_phase_s.values()) - sum(phases.values())
+    offload_s = _offload_s(inp.params / world_size) if offload else 0.0
+    step = base.step_time_s - saved + sum(exposed.values()) + offload_s
+    summary = ParallelSummary(
+        strategy=strategy, world_size=world_size, link=device.link_name or "memory",
+        bus_bandwidth_bytes_per_s=bus_bandwidth_bytes_per_s(device, world_size),
+        communication_time_s=sum(by_phase.values()),
+        exposed_communication_s=sum(exposed.values()), communication_by_phase_s=by_phase,
+        one_gpu_step_time_s=base.step_time_s, step_time_s=step,
+        samples_per_step=base.samples_per_step, tokens_per_step=base.tokens_per_step,
+        modelled=True, details=_details(mem, collectives, offload_s))
+    return dataclasses.replace(
+        base, peak_memory_bytes=peak, memory_breakdown=breakdown, step_time_s=step,
+        samples_per_s=base.samples_per_step / step if step else 0.0,
+        tokens_per_s=base.tokens_per_step / step if (base.tokens_per_step and step) else None,
+        mfu=base.mfu * base.step_time_s / step if step else 0.0, time_by_phase_s=phases,
+        warnings=(*base.warnings, _note(strategy, world_size, offload)), parallel=summary)
+
+
+def _peak_breakdown(tr: Trace, mem: ZeroMemory, offload: bool) -> dict[str, int]:
+    """One GPU's memory by category at the larger of the two points (module docstring)."""
+    rounded = tr.target.kind == "cuda"
+    fb, opt = tr.phase_peak_indices(rounded=rounded)
+    share = 0 if offload else 1 / mem.world_size
+    points = []
+    for index, scale, grads in ((fb, 1.0, mem.gradients_bytes), (opt, share, 0)):
+        at = tr.breakdown_at(index, rounded=rounded)
+        others = {c: int(v * scale) if c == "temporaries" else v
+                  for c, v in at.items() if c not in STATE_CATEGORIES}
+        points.append({"parameters": mem.parameters_bytes, "gradients": grads,
+                       "optimizer_state": mem.optimizer_state_bytes, **others,
+                       "communication": others.get("communication", 0) + mem.gathered_bytes
+                       + mem.buffer_bytes})
+    return max(points, key=lambda p: sum(p.values()))
+
+
+def _communication(collectives: tuple[ZeroCollective, ...], world_size: int, device: Device,
+                   compute_by_phase_s: dict[str, float]
+                   ) -> tuple[dict[str, float], dict[str, float]]:
+    """Each phase's collectives in order (every micro-batch's), their sum and what the
+    phase's compute does not hide."""
+    times: dict[str, list[float]] = {}
+    for c in collectives:
+        one = collective_time_s(c.name, c.nbytes, world_size, device)
+        times.setdefault(c.phase, []).extend([one] * (c.count * c.repeats))
+    by_phase = {p: sum(t) for p, t in times.items()}
+    exposed = {p: exposed_s(p, t, compute_by_phase_s.get(p, 0.0)) for p, t in times.items()}
+    return by_phase, exposed
+
+
+def _partitioned_phases(one_gpu: dict[str, float], world_size: int, offload: bool
+                        ) -> dict[str, float]:
+    """Phase times on one rank: the optimizer phases step one partition (none on the GPU
+    with offload)."""
+    share = 0.0 if offload else 1 / world_size
+    return {p: t * share if p in OPTIMIZER_PHASES else t for p, t in one_gpu.items()}
+
+
+def _offload_s(partition_params: float) -> float:
+    """The partition's 16-bit gradients to the CPU and parameters back over PCIe, and the
+    CPU-Adam step (planner/offload.py's ZeRO-Offload model, no overlap: an upper bound)."""
+    from tilefit.planner.offload import OffloadLink, offload_step_time_s
+
+    return offload_step_time_s(0.0, 0, partition_params, OffloadLink())
+
+
+def _details(mem: ZeroMemory, collectives: tuple[ZeroCollective, ...], offload_s: float
+             ) -> dict[str, Any]:
+    return {"memory": mem.to_dict(),
+            "collectives": [dataclasses.asdict(c) for c in collectives],
+            "offload_time_s": offload_s}
+
+
+def _note(strategy: str, world_size: int, offload: bool) -> str:
+    cpu = ", optimizer offloaded to the CPU" if offload else ""
+    return (f"modelled, not traced: DeepSpeed {strategy} on {world_size} GPUs{cpu} "
+            "(DeepSpeed's engine does not run on fake tensors): per-GPU model states as "
+            "DeepSpeed's estimate_zero2/zero3_model_states_mem_needs count them, its default "
+            "buffers, and its collectives on top of the one-GPU trace "
+            "(docs/references.md, section 24, item 2)")
