@@ -96,8 +96,13 @@ class WhatIf:
         return estimate_trace(replace(self.trace, precision=precision), self.device)
 
     def with_host(self, host: HostModel) -> Estimate:
-        """The same step issued by another host (CUDA graphs: no per-op host cost)."""
+        """The same step issued by another host."""
         return estimate_trace(self.trace, replace(self.device, host=host))
+
+    def with_compile_mode(self, mode: str) -> Estimate:
+        """The same compiled step in another torch.compile mode (the graphs are the same;
+        how the host issues them and the memory they hold differ)."""
+        return estimate_trace(replace(self.trace, compile_mode=mode), self.device)
 
     @property
     def can_retrace(self) -> bool:

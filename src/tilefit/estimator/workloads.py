@@ -35,7 +35,7 @@ def trace_workload(workload: Workload, recipe: Recipe, device: str | Device, *,
         grad_checkpointing=recipe.grad_checkpointing,
         accumulation_steps=recipe.accumulation_steps, attention="auto", device=dev,
         max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync,
-        compile=recipe.compile, graph_breaks=graph_breaks,
+        compile=recipe.compile, compile_mode=recipe.compile_mode, graph_breaks=graph_breaks,
         world_size=world_size, strategy=strategy)
 
 
