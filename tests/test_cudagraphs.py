@@ -93,7 +93,7 @@ def test_a_host_bound_step_is_replays_plus_the_eager_remainder(graphed: Trace) -
     graphs = estimate_trace(graphed, dev)
     launches = sum(1 for o in graphed.ops_of_step(1) if o.compiled and (
         o.kernel is not None or (not o.fused and o.kind != "view")))
-    assert GRAPH_REPLAY_S == pytest.approx(169e-6)
+    assert pytest.approx(169e-6) == GRAPH_REPLAY_S
     assert graphs.host_time_s == pytest.approx(
         default.host_time_s - launches * dev.host.launch_s + 2 * GRAPH_REPLAY_S, rel=1e-9)
     assert graphs.device_time_s == pytest.approx(default.device_time_s, rel=1e-12)
@@ -134,7 +134,7 @@ def test_the_pool_is_held_through_the_step(graphed: Trace) -> None:
 def test_modes_are_checked() -> None:
     with pytest.raises(TilefitError, match="--compile"):
         Recipe(compile_mode=RO)
-    with pytest.raises(TilefitError, match="unknown torch.compile mode"):
+    with pytest.raises(TilefitError, match=r"unknown torch\.compile mode"):
         Recipe(compile=True, compile_mode="max-autotune")
     with pytest.raises(TilefitError, match="CUDA") as e:
         trace(_mlp, torch.randn(B, IN), loss_fn=_loss, optimizer="sgd", compile=True,
