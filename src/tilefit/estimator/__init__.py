@@ -149,6 +149,7 @@ def estimate_trace(tr: Trace, device: Device,
         accumulation_steps=a, host_time_s=timeline.host_s, device_time_s=timeline.device_s,
         host_bound_fraction=timeline.host_bound_fraction,
         parallel=_parallel_summary(tr, device, costs, comm, step_time),
+        compile_mode=tr.compile_mode if tr.compiled else None,
     )
 
 
