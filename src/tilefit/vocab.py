@@ -268,6 +268,7 @@ class Recipe:
 # tilefit.estimator.cudagraphs). compile=True alone means "default".
 CompileMode = Literal["default", "reduce-overhead"]
 COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
+REDUCE_OVERHEAD = "reduce-overhead"  # the CompileMode that replays CUDA graphs
 
 
 def check_compile_mode(mode: str, compile: bool) -> None:

@@ -14,11 +14,11 @@ from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, severity_o
 from tilefit.advise.whatif import WhatIf
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate
+from tilefit.vocab import REDUCE_OVERHEAD
 
 # Below this share of the step spent waiting for the host, no finding: the gain would be
 # within the model's own error (docs/references.md, section 10).
 MIN_HOST_BOUND_FRACTION = 0.10
-REDUCE_OVERHEAD = "reduce-overhead"
 GIB = 2**30
 GRAPH_FIX = ('model = torch.compile(model, mode="reduce-overhead") (CUDA graphs: static shapes, '
              "e.g. padded batches; TrainingArguments(torch_compile=True, torch_compile_mode="

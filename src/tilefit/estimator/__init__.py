@@ -72,17 +72,19 @@ def estimate(model: Any, batch: Any, *, loss_fn: Any = None, optimizer: Any = "a
     one rank's step with the engine's collectives (``batch`` is one rank's micro-batch);
     ``Estimate.parallel`` summarises communication, throughput and scaling."""
     from tilefit.tracing import trace
+    from tilefit.tracing.gc_pause import gc_paused
 
     dev = get_device(device)
     if world_size > 1:
         check_world_size(dev, world_size)
-    tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
-               grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation_steps,
-               attention=attention, device=dev, max_grad_norm=max_grad_norm,
-               loss_sync=loss_sync, compile=compile, compile_mode=compile_mode,
-               graph_breaks=graph_breaks,
-               world_size=world_size, strategy=strategy)
-    return estimate_trace(tr, dev)
+    with gc_paused():  # the trace's objects are all alive until it is costed
+        tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
+                   grad_checkpointing=grad_checkpointing,
+                   accumulation_steps=accumulation_steps, attention=attention, device=dev,
+                   max_grad_norm=max_grad_norm, loss_sync=loss_sync, compile=compile,
+                   compile_mode=compile_mode, graph_breaks=graph_breaks,
+                   world_size=world_size, strategy=strategy)
+        return estimate_trace(tr, dev)
 
 
 def estimate_trace(tr: Trace, device: Device,

@@ -18,8 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from tilefit.tracing.records import OpRecord, StorageRecord, Trace
-
-REDUCE_OVERHEAD = "reduce-overhead"
+from tilefit.vocab import REDUCE_OVERHEAD
 
 
 def graphed(tr: Trace) -> bool:

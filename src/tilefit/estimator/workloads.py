@@ -8,6 +8,7 @@ from tilefit.estimator.collectives import check_world_size
 from tilefit.hardware import Device, get_device
 from tilefit.models import Workload
 from tilefit.tracing import Trace
+from tilefit.tracing.gc_pause import gc_paused
 from tilefit.vocab import Recipe, default_precision
 
 __all__ = ["Recipe", "check_batch", "default_precision", "estimate_workload",
@@ -49,8 +50,9 @@ def estimate_workload(workload: Workload, recipe: Recipe, device: str | Device, 
     dev = get_device(device)
     if world_size > 1:
         check_world_size(dev, world_size)
-    return estimate_trace(trace_workload(workload, recipe, dev, graph_breaks=graph_breaks,
-                                         world_size=world_size, strategy=strategy), dev)
+    with gc_paused():  # the trace's objects are all alive while it is costed
+        return estimate_trace(trace_workload(workload, recipe, dev, graph_breaks=graph_breaks,
+                                             world_size=world_size, strategy=strategy), dev)
 
 
 def check_batch(batch_size: int) -> None:
