@@ -10,10 +10,12 @@ record, the measured and predicted memory per GPU and tokens/s per GPU with the 
 Rules (as the corpus README says):
 
 - A record tilefit cannot express is printed with the reason and predicted not at all:
-  float8 linear layers and context parallelism (tilefit has neither; it would silently predict
-  bf16), and whatever tilefit itself refuses (its TilefitError is the reason: today
-  ``compile=True`` on several GPUs, or with activation checkpointing). The corpus records the
-  configuration, not tilefit's limits, so a record is predicted once tilefit can express it.
+  context parallelism (tilefit does not trace it; it would silently predict data
+  parallelism), and whatever tilefit itself refuses (its TilefitError is the reason: today
+  ``compile=True`` on several GPUs, or with activation checkpointing). float8 records run as
+  tilefit's fp8-mixed (torchao's float8 training, docs/references.md, section 21). The
+  corpus records the configuration, not tilefit's limits, so a record is predicted once
+  tilefit can express it.
 - Selective activation checkpointing (torchtitan's op policy, every n-th layer) has no tilefit
   equivalent: such records get two predictions, without checkpointing and with full
   checkpointing of every block, and the measurement should fall between them. Both ends are
@@ -79,7 +81,10 @@ def predict(rec: dict[str, Any], checkpoint: bool) -> tuple[Any, float]:
     from tilefit.vocab import Recipe
 
     model = rec["model"]
-    recipe = Recipe(batch_size=rec["micro_batch"], precision=rec["precision"],
+    # torchao float8 linears over bf16 autocast: tilefit's fp8-mixed
+    # (docs/references.md, section 21)
+    precision = "fp8-mixed" if rec["float8"] else rec["precision"]
+    recipe = Recipe(batch_size=rec["micro_batch"], precision=precision,
                     optimizer=rec["optimizer"], grad_checkpointing=checkpoint,
                     accumulation_steps=rec["accumulation"],
                     max_grad_norm=rec.get("max_grad_norm"), compile=rec["compiled"])
@@ -100,8 +105,6 @@ def predict(rec: dict[str, Any], checkpoint: bool) -> tuple[Any, float]:
 
 def not_expressible(rec: dict[str, Any]) -> str | None:
     """Why tilefit cannot predict the record before it is traced, or None."""
-    if rec["float8"]:
-        return "float8 linear layers (torchao): tilefit has no float8 training"
     if rec["context_parallel"] > 1:
         return "context parallelism: tilefit traces data parallelism only"
     return None

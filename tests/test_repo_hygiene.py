@@ -17,9 +17,8 @@ REFERENCES = ROOT / "docs" / "references.md"
 FORBIDDEN = ("shared" + "/reference", ".." + "/shared", "DESIGN" + ".md")
 CITE = "docs/" + "references.md"
 # e.g. "<CITE>, section 7" or "<CITE>, sections 1-4"
-# a section number may carry a letter suffix ("21a") while parallel branches add sections
-CITATION = re.compile(re.escape(CITE) + r",\s+sections?\s+(\d+[a-z]?)(?:\s*-\s*(\d+))?")
-HEADING = re.compile(r"^## (\d+[a-z]?)\. \S", re.MULTILINE)
+CITATION = re.compile(re.escape(CITE) + r",\s+sections?\s+(\d+)(?:\s*-\s*(\d+))?")
+HEADING = re.compile(r"^## (\d+)\. \S", re.MULTILINE)
 
 
 def _files() -> list[Path]:
@@ -53,7 +52,7 @@ def test_no_reference_to_files_outside_the_repository() -> None:
 
 
 def test_every_cited_section_exists() -> None:
-    sections = set(HEADING.findall(REFERENCES.read_text(encoding="utf-8")))
+    sections = {int(n) for n in HEADING.findall(REFERENCES.read_text(encoding="utf-8"))}
     assert sections, f"no '## N. Title' headings in {REFERENCES}"
     missing, bare = [], []
     for path in _files():
@@ -64,9 +63,7 @@ def test_every_cited_section_exists() -> None:
             if not cited:
                 bare.append(_where(path, i))
             for first, last in cited:
-                numbers = [str(n) for n in range(int(first), int(last) + 1)] if last \
-                    else [first]
-                for n in numbers:
+                for n in range(int(first), int(last or first) + 1):
                     if n not in sections:
                         missing.append(f"{_where(path, i)}: section {n}")
     assert not missing, f"sections not in {CITE}:\n" + "\n".join(missing)

@@ -26,8 +26,10 @@ Phase = Literal["setup", "forward", "backward", "recompute", "loss_check", "clip
 # communication: the buffers a data-parallel engine holds (DDP's gradient buckets, FSDP2's
 # all-gathered parameters and its all-gather / reduce-scatter buffers); only multi-GPU
 # traces have it (Trace.breakdown_at)
+# cudagraph_pool: what the private memory pool of torch.compile's CUDA graphs holds beyond its
+# live tensors at the peak (tilefit.estimator.cudagraphs; no storage has it)
 Category = Literal["parameters", "gradients", "optimizer_state", "activations", "temporaries",
-                   "inputs", "communication"]
+                   "inputs", "communication", "cudagraph_pool"]
 Attention = Literal["auto", "eager", "sdpa"]
 
 OP_KINDS: tuple[str, ...] = get_args(OpKind)
@@ -251,8 +253,10 @@ class Recipe:
     loss_sync: bool = False
     # a causal LM's loss as fused linear cross-entropy (Liger Kernel): the logits never whole
     fused_ce: bool = False
-    # forward and backward as torch.compile (Inductor, default mode) runs them
+    # forward and backward as torch.compile (Inductor) runs them, in compile_mode (a
+    # CompileMode; "reduce-overhead": replayed as CUDA graphs)
     compile: bool = False
+    compile_mode: str = "default"
 
     def __post_init__(self) -> None:
         canonical = parse_precision(self.precision).name  # an unknown name is an error
@@ -262,6 +266,7 @@ class Recipe:
                 expected="one of " + ", ".join(PRECISION_NAMES), given=repr(self.precision),
                 fix=f"Recipe(precision={canonical!r}) (tilefit.vocab.parse_precision "
                 "turns a user's spelling into the canonical one)")
+        check_compile_mode(self.compile_mode, self.compile)
 
     @property
     def spec(self) -> Precision:
@@ -275,15 +280,37 @@ class Recipe:
         return replace(self, batch_size=batch_size, accumulation_steps=(
             self.accumulation_steps if accumulation_steps is None else accumulation_steps))
 
-    def key(self) -> tuple[str, str, bool, str, bool, float | None, bool, bool, bool]:
+    def key(self) -> tuple[str, str, bool, str, bool, float | None, bool, bool, bool, str]:
         """What the recipe is without its batch: the planner's unit of tracing."""
         return (self.precision, self.optimizer, self.grad_checkpointing, self.attention,
-                self.peft, self.max_grad_norm, self.loss_sync, self.fused_ce, self.compile)
+                self.peft, self.max_grad_norm, self.loss_sync, self.fused_ce, self.compile,
+                self.compile_mode)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 # ---- torch.compile (tilefit.tracing.fusion) --------------------------------------------------
+# torch.compile's mode= as tilefit predicts it: "default" (Inductor's kernels, launched by the
+# host one by one) or "reduce-overhead" (the same kernels captured as CUDA graphs and replayed,
+# tilefit.estimator.cudagraphs). compile=True alone means "default".
+CompileMode = Literal["default", "reduce-overhead"]
+COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
+REDUCE_OVERHEAD = "reduce-overhead"  # the CompileMode that replays CUDA graphs
+
+
+def check_compile_mode(mode: str, compile: bool) -> None:
+    """An error for an unknown compile mode, or a mode other than "default" without
+    compile=True."""
+    if mode not in COMPILE_MODES:
+        raise TilefitError(f"unknown torch.compile mode {mode!r}",
+                           expected="one of " + ", ".join(COMPILE_MODES), given=repr(mode),
+                           fix="--compile-mode reduce-overhead (compile_mode="
+                           "\"reduce-overhead\") or drop --compile-mode")
+    if mode != "default" and not compile:
+        raise TilefitError(f"compile_mode={mode!r} is a mode of torch.compile",
+                           expected=f"compile=True with compile_mode={mode!r}",
+                           given="compile=False", fix="add --compile (compile=True)")
+
 # Op kinds Inductor runs as "extern" ATen kernels, never fused with their neighbours: GEMMs
 # (mm, addmm, bmm), convolutions and fused attention (docs/references.md, section 19).
 EXTERN_KINDS: tuple[str, ...] = ("gemm", "conv", "attention")

@@ -88,7 +88,8 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
           attention: str = "auto", input_shape: tuple[int, ...] | None = None,
           task: str | None = None, loss_fn: Any = None, confirm: bool = False,
           max_grad_norm: float | None = None, loss_sync: bool = False,
-          fused_ce: bool = False, compile: bool = False) -> Audit:
+          fused_ce: bool = False, compile: bool = False,
+          compile_mode: str = "default") -> Audit:
     """Audit one training step of ``model`` on ``gpu``.
 
     ``model``: a catalog name, a config.json path, ``package.module:function`` (with
@@ -96,7 +97,8 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
     ``batch`` (then ``loss_fn`` as for tilefit.estimate; fixes that need a new trace, such as
     batch or memory what-ifs, are skipped for it).
     ``confirm``: re-trace the top weight-dimension finding's fix and record how close the
-    cheap rewrite was (Audit.confirmation).
+    cheap rewrite was (Audit.confirmation). ``compile_mode`` (with ``compile``): a
+    vocab.CompileMode, "reduce-overhead" for CUDA graphs.
     """
     from tilefit.models import Workload
 
@@ -108,7 +110,7 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
                     optimizer=str(optimizer), grad_checkpointing=grad_checkpointing,
                     accumulation_steps=accumulation_steps, attention=attention,
                     max_grad_norm=max_grad_norm, loss_sync=loss_sync, fused_ce=fused_ce,
-                    compile=compile)
+                    compile=compile, compile_mode=compile_mode)
     if isinstance(model, str | Workload):
         if batch is not None:
             raise TilefitError("a batch is given with a named model",
@@ -164,7 +166,7 @@ def _module_subject(model: Any, batch: Any, recipe: Recipe, device: Device, *,
                grad_checkpointing=recipe.grad_checkpointing,
                accumulation_steps=recipe.accumulation_steps, attention=recipe.attention,
                device=device, max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync,
-               compile=recipe.compile)
+               compile=recipe.compile, compile_mode=recipe.compile_mode)
     notes.append("model given as an nn.Module: batch, sequence and memory what-ifs need a "
                  "re-trace and were skipped; pass a catalog name, config.json or factory for "
                  "them")

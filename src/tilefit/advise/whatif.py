@@ -88,6 +88,9 @@ class WhatIf:
     # (rules_dims._module_map)
     named_modules: dict[str, nn.Module] | None = None
     _cache: dict[tuple[Workload, Recipe], Estimate] = field(default_factory=dict)
+    # the compiled re-traces themselves: one trace serves every compile mode (the modes
+    # differ in how the estimator costs the same graphs)
+    _compiled: dict[tuple[Workload, Recipe], Trace] = field(default_factory=dict)
 
     def with_dim(self, old: int, new: int) -> Estimate:
         return estimate_trace(rewrite_dim(self.trace, old, new), self.device)
@@ -96,8 +99,13 @@ class WhatIf:
         return estimate_trace(replace(self.trace, precision=precision), self.device)
 
     def with_host(self, host: HostModel) -> Estimate:
-        """The same step issued by another host (CUDA graphs: no per-op host cost)."""
+        """The same step issued by another host."""
         return estimate_trace(self.trace, replace(self.device, host=host))
+
+    def with_compile_mode(self, mode: str) -> Estimate:
+        """The same compiled step in another torch.compile mode (the graphs are the same;
+        how the host issues them and the memory they hold differ)."""
+        return estimate_trace(replace(self.trace, compile_mode=mode), self.device)
 
     @property
     def can_retrace(self) -> bool:
@@ -112,9 +120,22 @@ class WhatIf:
         recipe = replace(self.recipe, **recipe_changes)
         key = (work, recipe)
         if key not in self._cache:
-            self.retraces += 1
-            self._cache[key] = estimate_trace(self.retrace_fn(work, recipe), self.device)
+            if recipe.compile:
+                tr = self._compiled_trace(work, recipe)
+            else:
+                self.retraces += 1
+                tr = self.retrace_fn(work, recipe)
+            self._cache[key] = estimate_trace(tr, self.device)
         return self._cache[key]
+
+    def _compiled_trace(self, work: Workload, recipe: Recipe) -> Trace:
+        """A compiled re-trace, shared by the compile modes (traced once, in "default")."""
+        key = (work, replace(recipe, compile_mode="default"))
+        if key not in self._compiled:
+            assert self.retrace_fn is not None
+            self.retraces += 1
+            self._compiled[key] = self.retrace_fn(work, key[1])
+        return replace(self._compiled[key], compile_mode=recipe.compile_mode)
 
 
 def gemm_time_with(e: Estimate, swap: Callable[[GemmShape], GemmShape]) -> float:

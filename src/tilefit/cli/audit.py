@@ -34,6 +34,7 @@ def audit(
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     fused_ce: bool = mo.FUSED_CE_OPTION,
     compile_: bool = mo.COMPILE_OPTION,
+    compile_mode: str = mo.COMPILE_MODE_OPTION,
     html: Path | None = HTML_OPTION,
     confirm: bool = typer.Option(False, "--confirm", help="Re-trace the top dimension fix to "
                                  "confirm the quick what-if (one more trace)."),
@@ -61,7 +62,7 @@ def audit(
                            max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
                            loss_sync=mo.loss_sync(loss_sync, work),
                            fused_ce=fused_ce,
-                           compile=compile_)
+                           compile=compile_, compile_mode=compile_mode)
         if html is not None:
             from tilefit.report.html import write_html
 

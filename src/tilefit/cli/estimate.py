@@ -35,6 +35,7 @@ def estimate(
     ops: bool = typer.Option(True, "--ops/--no-ops", help="With --json: include every op record "
                              "of the steady step (--no-ops for the summary only)."),
     compile_: bool = mo.COMPILE_OPTION,
+    compile_mode: str = mo.COMPILE_MODE_OPTION,
     graph_breaks: bool = typer.Option(False, "--graph-breaks", help="With --compile: run "
                                       "Dynamo over the step and list where it would break "
                                       "it into several graphs (seconds more)."),
@@ -54,7 +55,7 @@ def estimate(
                         accumulation_steps=accumulation, attention=attention,
                         max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
                         loss_sync=mo.loss_sync(loss_sync, work),
-                        fused_ce=fused_ce, compile=compile_)
+                        fused_ce=fused_ce, compile=compile_, compile_mode=compile_mode)
         result = estimate_workload(work, recipe, device, graph_breaks=graph_breaks,
                                    world_size=gpus, strategy=strategy, offload=offload)
     if not work.is_factory:

@@ -117,6 +117,12 @@ COMPILE_OPTION = typer.Option(
     "eager.")
 
 
+COMPILE_MODE_OPTION = typer.Option(
+    "default", "--compile-mode", help="With --compile: torch.compile's mode, 'default' or "
+    "'reduce-overhead' (the forward and backward replayed as CUDA graphs: one replay per "
+    "graph on the host, their memory in a private pool; GPUs only).")
+
+
 def loss_sync(flag: bool | None, work: Any) -> bool:
     """--loss-sync, or by default what the model's usual loop does (the HF Trainer's
     non-finite loss filter for Hugging Face models; nothing for plain modules)."""

@@ -15,6 +15,7 @@ from tilefit.estimator.collectives import (
     without_communication,
 )
 from tilefit.estimator.cost import DEFAULT_EFFICIENCY, CostContext, KernelEfficiency, op_time_s
+from tilefit.estimator.cudagraphs import graphed, graphed_memory
 from tilefit.estimator.fusion import compiled_op_time_s
 from tilefit.estimator.result import Estimate, ModuleSummary, OpCost
 from tilefit.estimator.steptime import step_timeline
@@ -60,7 +61,7 @@ def estimate(model: Any, batch: Any, *, loss_fn: Any = None, optimizer: Any = "a
              precision: str = "fp32", grad_checkpointing: bool = False,
              accumulation_steps: int = 1, attention: str = "auto",
              device: str | Device = "cpu", max_grad_norm: float | None = None,
-             loss_sync: bool = False, compile: bool = False,
+             loss_sync: bool = False, compile: bool = False, compile_mode: str = "default",
              graph_breaks: bool = False, world_size: int = 1,
              strategy: str | None = None, offload: bool = False,
              zero_config: ZeroConfig = DEEPSPEED_DEFAULTS) -> Estimate:
@@ -68,7 +69,9 @@ def estimate(model: Any, batch: Any, *, loss_fn: Any = None, optimizer: Any = "a
     Device, or "cpu" for this machine) without running it: the step is traced on fake
     tensors as the device would run it, then costed op by op. ``compile``: the forward and
     backward as torch.compile (Inductor) runs them, costed kernel by kernel
-    (tilefit.estimator.fusion); ``graph_breaks``: list Dynamo's graph breaks in the notes.
+    (tilefit.estimator.fusion), in ``compile_mode`` ("reduce-overhead": replayed as CUDA
+    graphs, tilefit.estimator.cudagraphs); ``graph_breaks``: list Dynamo's graph breaks in
+    the notes.
     ``world_size`` GPUs with ``strategy`` ("ddp" or "fsdp2", the default on several GPUs):
     one rank's step with the engine's collectives (``batch`` is one rank's micro-batch);
     ``Estimate.parallel`` summarises communication, throughput and scaling.
@@ -76,17 +79,20 @@ def estimate(model: Any, batch: Any, *, loss_fn: Any = None, optimizer: Any = "a
     (``Estimate.parallel.modelled``; tilefit.estimator.zero), ``offload`` its optimizer on
     the CPU, ``zero_config`` the bucket sizes of your DeepSpeed config."""
     from tilefit.tracing import trace
+    from tilefit.tracing.gc_pause import gc_paused
 
     dev = get_device(device)
     if world_size > 1:
         check_world_size(dev, world_size)
     traced_world, traced_strategy = traced_setup(world_size, strategy, offload)
-    tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
-               grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation_steps,
-               attention=attention, device=dev, max_grad_norm=max_grad_norm,
-               loss_sync=loss_sync, compile=compile, graph_breaks=graph_breaks,
-               world_size=traced_world, strategy=traced_strategy)
-    return estimate_strategy(tr, dev, world_size, strategy, offload, zero_config)
+    with gc_paused():  # the trace's objects are all alive until it is costed
+        tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
+                   grad_checkpointing=grad_checkpointing,
+                   accumulation_steps=accumulation_steps, attention=attention, device=dev,
+                   max_grad_norm=max_grad_norm, loss_sync=loss_sync, compile=compile,
+                   compile_mode=compile_mode, graph_breaks=graph_breaks,
+                   world_size=traced_world, strategy=traced_strategy)
+        return estimate_strategy(tr, dev, world_size, strategy, offload, zero_config)
 
 
 def estimate_strategy(tr: Trace, device: Device, world_size: int, strategy: str | None,
@@ -140,9 +146,7 @@ def estimate_trace(tr: Trace, device: Device,
     module_summaries = tuple(sorted(
         (ModuleSummary(k, v[0], int(v[1]), int(v[2]), int(v[3])) for k, v in modules.items()),
         key=lambda s: -s.time_s))
-    rounded = tr.target.kind == "cuda"
-    peak, at = tr.peak(rounded=rounded)
-    breakdown = tr.breakdown_at(at, rounded=rounded)
+    peak, breakdown = _peak_memory(tr)
     samples = tr.samples_per_micro_batch * a
     tokens = tr.tokens_per_micro_batch * a if tr.tokens_per_micro_batch is not None else None
     mfu_dtype = parse_precision(tr.precision).compute_dtype
@@ -167,7 +171,18 @@ def estimate_trace(tr: Trace, device: Device,
         accumulation_steps=a, host_time_s=timeline.host_s, device_time_s=timeline.device_s,
         host_bound_fraction=timeline.host_bound_fraction,
         parallel=_parallel_summary(tr, device, costs, comm, step_time),
+        compile_mode=tr.compile_mode if tr.compiled else None,
     )
+
+
+def _peak_memory(tr: Trace) -> tuple[int, dict[str, int]]:
+    """The peak of the memory timeline and the live bytes by category there (CUDA graphs:
+    tilefit.estimator.cudagraphs)."""
+    rounded = tr.target.kind == "cuda"
+    if graphed(tr):
+        return graphed_memory(tr, rounded=rounded)
+    peak, at = tr.peak(rounded=rounded)
+    return peak, tr.breakdown_at(at, rounded=rounded)
 
 
 def _step_time(tr: Trace, costs: list[OpCost], device: Device
@@ -176,7 +191,7 @@ def _step_time(tr: Trace, costs: list[OpCost], device: Device
     stream and the step waits for what the compute does not hide."""
     comm = communication(costs) if tr.strategy is not None else None
     timeline = step_timeline(costs if comm is None else without_communication(costs), device,
-                             tr.trainable_param_tensors)
+                             tr.trainable_param_tensors, graphs=graphed(tr))
     return timeline, comm, timeline.step_time_s + (0.0 if comm is None else comm.exposed_s)
 
 

@@ -78,6 +78,8 @@ class Estimate:
     host_bound_fraction: float = 0.0  # share of the step the GPU waits for the host
     # several GPUs: the engine, communication, throughput of the job, scaling (None: one)
     parallel: ParallelSummary | None = None
+    # how the host issues the step: None eager, else the trace's vocab.CompileMode
+    compile_mode: str | None = None
 
     @property
     def total_memory_bytes(self) -> int:
@@ -123,6 +125,7 @@ class Estimate:
             "device_memory_bytes": self.device.memory_bytes,
             "fits": self.fits,
             "step_time_s": self.step_time_s,
+            "compile_mode": self.compile_mode,
             "host_time_s": self.host_time_s,
             "device_time_s": self.device_time_s,
             "host_bound_fraction": self.host_bound_fraction,

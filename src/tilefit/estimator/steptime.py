@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tilefit.estimator.cudagraphs import replay_starts
 from tilefit.estimator.fusion import compiled_launches
 from tilefit.estimator.multitensor import kernel_launches
 from tilefit.estimator.result import OpCost
@@ -31,7 +32,20 @@ def host_time_s(op: OpRecord, host: HostModel, device: Device) -> float:
     return host.issue_s(op.phase) + launches * host.launch_s
 
 
-def _blocks(costs: Sequence[OpCost], device: Device, param_tensors: int) -> list[Block]:
+def _host_times(costs: Sequence[OpCost], device: Device, graphs: bool) -> list[float]:
+    """Each op's host issue time; ``graphs``: the compiled graphs are replayed as CUDA graphs,
+    one replay per graph in place of their ops' launches (tilefit.estimator.cudagraphs)."""
+    host = device.host
+    if not graphs:
+        return [host_time_s(c.record, host, device) for c in costs]
+    starts = replay_starts([c.record for c in costs])
+    return [(host.graph_replay_s if start else 0.0) if c.record.compiled
+            else host_time_s(c.record, host, device) for c, start in zip(costs, starts,
+                                                                         strict=True)]
+
+
+def _blocks(costs: Sequence[OpCost], device: Device, param_tensors: int,
+            graphs: bool = False) -> list[Block]:
     """Consecutive ops with the same repeat count form a block (a micro-batch that runs
     accumulation - 1 times is one block); the optimizer's per-tensor Python work opens the
     optimizer step."""
@@ -40,7 +54,7 @@ def _blocks(costs: Sequence[OpCost], device: Device, param_tensors: int) -> list
     items: list[Item] = []
     repeats = None
     opened_optimizer = False
-    for c in costs:
+    for c, host_s in zip(costs, _host_times(costs, device, graphs), strict=True):
         if c.repeats != repeats and items:
             blocks.append(Block(tuple(items), repeats or 1))
             items = []
@@ -49,16 +63,18 @@ def _blocks(costs: Sequence[OpCost], device: Device, param_tensors: int) -> list
             opened_optimizer = True
             items.append(Item(param_tensors * host.optimizer_tensor_s, 0.0))
         sync = c.record.op in SYNC_OPS and not c.record.on_host
-        items.append(Item(host_time_s(c.record, host, device), c.time_s, sync))
+        items.append(Item(host_s, c.time_s, sync))
     if items:
         blocks.append(Block(tuple(items), repeats or 1))
     return blocks
 
 
-def step_timeline(costs: Sequence[OpCost], device: Device, param_tensors: int) -> Timeline:
+def step_timeline(costs: Sequence[OpCost], device: Device, param_tensors: int, *,
+                  graphs: bool = False) -> Timeline:
     """The step's timelines. On the CPU the host runs each op itself: its per-op overhead is
-    already the device's per-call cost (calibrated), so the step is the sum of op times."""
+    already the device's per-call cost (calibrated), so the step is the sum of op times.
+    ``graphs``: the compiled graphs are replayed as CUDA graphs (mode="reduce-overhead")."""
     if device.kind != "cuda":
         total = sum(c.time_s * c.repeats for c in costs)
         return Timeline(step_time_s=total, host_s=total, device_s=total, device_idle_s=0.0)
-    return simulate(_blocks(costs, device, param_tensors))
+    return simulate(_blocks(costs, device, param_tensors, graphs))

@@ -9,6 +9,7 @@ from tilefit.estimator.zero_step import traced_setup
 from tilefit.hardware import Device, get_device
 from tilefit.models import Workload
 from tilefit.tracing import Trace
+from tilefit.tracing.gc_pause import gc_paused
 from tilefit.vocab import Recipe, default_precision
 
 __all__ = ["Recipe", "check_batch", "default_precision", "estimate_workload",
@@ -36,7 +37,7 @@ def trace_workload(workload: Workload, recipe: Recipe, device: str | Device, *,
         grad_checkpointing=recipe.grad_checkpointing,
         accumulation_steps=recipe.accumulation_steps, attention="auto", device=dev,
         max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync,
-        compile=recipe.compile, graph_breaks=graph_breaks,
+        compile=recipe.compile, compile_mode=recipe.compile_mode, graph_breaks=graph_breaks,
         world_size=world_size, strategy=strategy)
 
 
@@ -52,9 +53,10 @@ def estimate_workload(workload: Workload, recipe: Recipe, device: str | Device, 
     if world_size > 1:
         check_world_size(dev, world_size)
     traced_world, traced_strategy = traced_setup(world_size, strategy, offload)
-    tr = trace_workload(workload, recipe, dev, graph_breaks=graph_breaks,
-                        world_size=traced_world, strategy=traced_strategy)
-    return estimate_strategy(tr, dev, world_size, strategy, offload)
+    with gc_paused():  # the trace's objects are all alive while it is costed
+        tr = trace_workload(workload, recipe, dev, graph_breaks=graph_breaks,
+                            world_size=traced_world, strategy=traced_strategy)
+        return estimate_strategy(tr, dev, world_size, strategy, offload)
 
 
 def check_batch(batch_size: int) -> None:

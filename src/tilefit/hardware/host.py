@@ -27,6 +27,13 @@ def issuer_of(phase: str) -> str:
     return "backward" if phase in ("backward", "recompute") else "optimizer"
 
 
+# Host time of one cudagraph-trees replay: 128 us of cudagraph trees' runtime checks and
+# 41 us of cudaGraphLaunch, measured for one graph on a GPU by PyTorch's developers (pytorch
+# issue #150488; docs/references.md, section 22). Dynamo's guard check before a compiled
+# call (176 us there) is left out, in both modes, as in the default mode's prediction.
+GRAPH_REPLAY_S = 128e-6 + 41e-6
+
+
 @dataclass(frozen=True)
 class HostModel:
     """Seconds of host time per issued op, by who issues it."""
@@ -37,6 +44,10 @@ class HostModel:
     optimizer_tensor_s: float  # the optimizer's Python work per parameter tensor per step
     launch_s: float  # a CUDA kernel launch (cudaLaunchKernel) on top of issuing the op
     source: str = ""
+    # one replay of a CUDA graph by torch.compile's cudagraph trees (mode="reduce-overhead"):
+    # their Python checks and input copies, then cudaGraphLaunch, in place of every kernel
+    # launch of the graph (docs/references.md, section 22)
+    graph_replay_s: float = GRAPH_REPLAY_S
 
     def issue_s(self, phase: str) -> float:
         """Host seconds to issue one op of ``phase`` (its kernel launch aside)."""
@@ -44,7 +55,7 @@ class HostModel:
 
     def __post_init__(self) -> None:
         for name in ("forward_op_s", "backward_op_s", "optimizer_op_s", "optimizer_tensor_s",
-                     "launch_s"):
+                     "launch_s", "graph_replay_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"HostModel.{name} must be >= 0, got {getattr(self, name)}")
 

@@ -45,7 +45,9 @@ def memory_by_category(estimate: Estimate) -> list[tuple[str, int]]:
 def host_line(estimate: Estimate) -> str:
     """The host's issue time beside the GPU's busy time, and how long the GPU waits."""
     bound = estimate.host_bound_fraction
-    return (f"{fmt_time(estimate.host_time_s)} to issue the ops (eager PyTorch), GPU busy "
+    issuer = {None: "eager PyTorch", "default": "torch.compile"}.get(
+        estimate.compile_mode, "torch.compile, its graphs replayed as CUDA graphs")
+    return (f"{fmt_time(estimate.host_time_s)} to issue the ops ({issuer}), GPU busy "
             f"{fmt_time(estimate.device_time_s)}; the GPU waits for the host {bound:.0%} of "
             "the step" + (" [bold yellow](host-bound)[/]" if bound >= HOST_BOUND_SHOWN else ""))
 

@@ -48,6 +48,7 @@ from tilefit.tracing.torch_compat import (
     node_module,
     record_module_paths,
     unflatten_batch,
+    without_first_call_checks,
 )
 from tilefit.vocab import EXTERN_KINDS
 
@@ -231,7 +232,8 @@ class CompiledStep:
     breaks: list[str] | None = None  # Dynamo's graph breaks, when looked for
 
     def loss(self) -> torch.Tensor:
-        return self.fn(*self.inputs)[0]  # type: ignore[no-any-return]
+        with without_first_call_checks():  # what the steady calls run, no more
+            return self.fn(*self.inputs)[0]  # type: ignore[no-any-return]
 
     @property
     def fallbacks(self) -> tuple[str, ...]:
@@ -265,9 +267,10 @@ def graph_breaks(model: nn.Module, batch: Any,
     return dynamo_graph_breaks(lambda b: loss_fn(model, b), batch)
 
 
-def compile_notes(step: CompiledStep, breaks: list[str] | None = None) -> list[str]:
+def compile_notes(step: CompiledStep, breaks: list[str] | None = None,
+                  mode: str = "default") -> list[str]:
     """What a compile=True trace leaves out, for the estimate's warnings; ``breaks``: the
-    graph breaks Dynamo reported (None: not looked for)."""
+    graph breaks Dynamo reported (None: not looked for); ``mode``: a vocab.CompileMode."""
     if breaks is None:
         graphs = "graph breaks are not looked for (--graph-breaks / graph_breaks=True runs " \
             "Dynamo over the step to list them)"
@@ -282,6 +285,15 @@ def compile_notes(step: CompiledStep, breaks: list[str] | None = None) -> list[s
         "reuse, compile time; fused kernels are grouped by a simple rule "
         "(docs/references.md, section 19); the optimizer step runs eager",
     ]
+    if mode == "reduce-overhead":
+        notes.append(
+            "torch.compile mode='reduce-overhead': each graph is replayed as one CUDA graph "
+            "(one replay of host time per graph, docs/references.md, section 22), the "
+            "optimizer step, zero_grad and loss reads stay eager; the graphs' memory is a "
+            "private pool the eager code cannot reuse. Not predicted: re-recordings (a new "
+            "shape, a graph output still alive at the next replay, as gradients accumulated "
+            "over micro-batches may be), Dynamo's guard checks, the warm-up and recording "
+            "steps")
     if step.fallbacks:
         notes.append("torch.compile: ops Inductor cannot fuse, costed as extern ATen kernels: "
                      + ", ".join(step.fallbacks))

@@ -117,6 +117,9 @@ class Trace:
     warnings: tuple[str, ...] = field(default=())
     trainable_param_tensors: int = 0  # parameter tensors the optimizer steps
     compiled: bool = False  # forward and backward as torch.compile runs them
+    # with compiled: a vocab.CompileMode ("reduce-overhead": its graphs replayed as CUDA
+    # graphs; the same ops, issued and held in memory differently: tilefit.estimator)
+    compile_mode: str = "default"
     world_size: int = 1  # ranks of the data-parallel group; the trace is rank 0's
     strategy: str | None = None  # a vocab.STRATEGIES name, None on one GPU
 
@@ -188,9 +191,9 @@ class Trace:
     @property
     def categories(self) -> tuple[str, ...]:
         """The memory categories of this trace: "communication" only on several GPUs."""
-        if self.strategy is not None:
-            return CATEGORIES
-        return tuple(c for c in CATEGORIES if c != "communication")
+        # cudagraph_pool is the estimator's (tilefit.estimator.cudagraphs), no storage's
+        return tuple(c for c in CATEGORIES if c != "cudagraph_pool" and (
+            c != "communication" or self.strategy is not None))
 
     def ops_of_step(self, step: int) -> tuple[OpRecord, ...]:
         return tuple(o for o in self.ops if o.step == step)

@@ -33,6 +33,7 @@ from tilefit.tracing.distributed import (
     wrap_model,
 )
 from tilefit.tracing.float8 import convert_linears
+from tilefit.tracing.gc_pause import gc_paused
 from tilefit.tracing.hf_compat import gpu_mask_semantics, quiet_transformers
 from tilefit.tracing.optimizers import (
     OPTIMIZER_NAMES,
@@ -49,6 +50,7 @@ from tilefit.vocab import (
     ATTENTIONS,
     MICRO_PHASES,
     Precision,
+    check_compile_mode,
     check_max_grad_norm,
     check_precision_supported,
     gpus_supporting,
@@ -295,6 +297,7 @@ class TraceOptions:
     cuda: bool = False  # the target is a CUDA GPU (host memory and device memory differ)
     loss_sync: bool = False  # the loop reads the loss on the host after each micro-batch
     compile: bool = False  # forward and backward as torch.compile (Inductor) runs them
+    compile_mode: str = "default"  # with compile: a vocab.CompileMode
     graph_breaks: bool = False  # with compile: run Dynamo over the step to list its breaks
     parallel: Parallel | None = None  # data-parallel engine and world size; None: one device
 
@@ -337,6 +340,7 @@ def trace(
     max_grad_norm: float | None = None,
     loss_sync: bool = False,
     compile: bool = False,
+    compile_mode: str = "default",
     graph_breaks: bool = False,
     world_size: int = 1,
     strategy: str | None = None,
@@ -356,6 +360,8 @@ def trace(
     to a progress bar each step). ``compile``: the forward and backward as
     ``torch.compile`` (Inductor, default mode) runs them (tilefit.tracing.compiled): the
     activations its partitioner saves, its fused kernels; the optimizer step stays eager.
+    ``compile_mode`` (with ``compile``): "reduce-overhead" replays the graphs as CUDA graphs
+    (CUDA targets only; the same ops, recorded on the trace for the estimator).
     ``graph_breaks`` (with ``compile``): run Dynamo over the step first and list where it
     would break it into several graphs (the prediction is of one graph); seconds more.
     ``world_size`` and ``strategy`` ("ddp" or "fsdp2"; several
@@ -375,10 +381,10 @@ def trace(
         replay_steady_step=replay_steady_step and (parallel is None
                                                    or parallel.strategy != "ddp"),
         max_grad_norm=max_grad_norm, loss_sync=loss_sync, compile=compile,
-        graph_breaks=graph_breaks, parallel=parallel,
+        compile_mode=compile_mode, graph_breaks=graph_breaks, parallel=parallel,
         foreach=target.foreach, cuda=target.kind == "cuda")
     _check_compile(options)
-    with quiet_transformers():
+    with quiet_transformers(), gc_paused():  # tilefit.tracing.gc_pause: a quarter faster
         return _trace(model, batch, options, target)
 
 
@@ -389,8 +395,15 @@ def _check_compile(options: TraceOptions) -> None:
         raise TilefitError("graph_breaks=True looks for torch.compile's graph breaks",
                            expected="compile=True with graph_breaks=True",
                            given="compile=False", fix="add --compile (compile=True)")
+    check_compile_mode(options.compile_mode, options.compile)
     if not options.compile:
         return
+    if options.compile_mode == "reduce-overhead" and not options.cuda:
+        raise TilefitError(
+            "compile_mode='reduce-overhead' replays the step as CUDA graphs, which need a "
+            "CUDA GPU", expected="a GPU target (--gpu a100-80gb, h100, ...) with "
+            "--compile-mode reduce-overhead", given="the CPU",
+            fix="pass a GPU with --gpu, or drop --compile-mode (compile_mode='default')")
     if options.parallel is not None:
         raise TilefitError(
             "compile=True is not predicted on several GPUs yet",
@@ -598,7 +611,8 @@ def _to_trace(prep: _Prepared, options: TraceOptions, target: Target, recorder: 
                         "(.item()); on fake tensors 1 stood in for each (they scale the "
                         "update; no shape depends on them)")
     if prep.compiled is not None:
-        warnings.extend(compile_notes(prep.compiled, prep.compiled.breaks))
+        warnings.extend(compile_notes(prep.compiled, prep.compiled.breaks,
+                                      options.compile_mode))
     if router is not None and router.choices.get("math"):
         warnings.append(f"attention ran the math kernel {router.choices['math']} time(s) per "
                         "step: it materialises the S x S scores (fp32 or unsupported head dim "
@@ -619,6 +633,7 @@ def _to_trace(prep: _Prepared, options: TraceOptions, target: Target, recorder: 
         trainable_param_tensors=len(prep.params),
         samples_per_micro_batch=samples, tokens_per_micro_batch=tokens,
         warnings=tuple(warnings), compiled=prep.compiled is not None,
+        compile_mode=options.compile_mode if prep.compiled is not None else "default",
         world_size=1 if parallel is None else parallel.world_size,
         strategy=None if parallel is None else parallel.strategy,
     )

@@ -246,6 +246,18 @@ def aot_capture(module: torch.nn.Module, args: list[Any], *,
                                      partition_fn=partition_fn, decompositions=decompositions)
 
 
+def without_first_call_checks() -> contextlib.AbstractContextManager[Any]:
+    """AOTAutograd's runtime checks on a compiled function's first call only
+    (``check_custom_op_aliasing``: a dispatch mode that reads ``.data`` of every Parameter
+    argument of every op, one detach each): off, so the first traced step records what every
+    call runs (the steady step is replayed from it)."""
+    from torch._functorch import config
+
+    if not hasattr(config, "check_custom_op_aliasing"):
+        return contextlib.nullcontext()
+    return config.patch(check_custom_op_aliasing=False)
+
+
 def inductor_fallback(op: Any) -> bool:
     """Whether Inductor runs this aten overload as an ATen kernel of its own (a fallback, or
     no lowering at all) rather than generating code it can fuse."""
