@@ -98,3 +98,27 @@ def test_every_phase_has_one_issuer() -> None:
         "forward": "forward", "backward": "backward", "recompute": "backward",
         "loss_check": "forward",  # the training loop's Python, like the model's forward
         **dict.fromkeys(OPTIMIZER_PHASES, "optimizer")}
+
+
+def test_a_recipes_step_options_are_trace_arguments_and_cover_its_fields() -> None:
+    # every tracer of a recipe passes Recipe.step_options(): each key must be a parameter of
+    # tilefit.trace, and each Recipe field must either be one of them or be one the callers
+    # turn into the model, the batch or the accumulation themselves (a new field lands in one
+    # of the two lists or this fails)
+    import dataclasses
+    import inspect
+
+    from tilefit.tracing import trace
+    from tilefit.vocab import Recipe
+
+    options = Recipe().step_options()
+    assert set(options) <= set(inspect.signature(trace).parameters)
+    built_by_callers = {"batch_size", "accumulation_steps", "attention", "peft", "fused_ce"}
+    fields = {f.name for f in dataclasses.fields(Recipe)}
+    assert fields == set(options) | built_by_callers
+    r = Recipe(precision="fp16-mixed", optimizer="sgd", grad_checkpointing=True,
+               max_grad_norm=0.5, loss_sync=True, compile=True, compile_mode="reduce-overhead")
+    assert r.step_options() == {"optimizer": "sgd", "precision": "fp16-mixed",
+                                "grad_checkpointing": True, "max_grad_norm": 0.5,
+                                "loss_sync": True, "compile": True,
+                                "compile_mode": "reduce-overhead"}

@@ -286,6 +286,15 @@ class Recipe:
                 self.peft, self.max_grad_norm, self.loss_sync, self.fused_ce, self.compile,
                 self.compile_mode)
 
+    def step_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``tilefit.trace`` that this recipe sets, beside the model
+        and batch it builds (batch_size, attention, peft, fused_ce), the accumulation and the
+        device: every tracer of a recipe passes these, so a new field reaches them all."""
+        return {"optimizer": self.optimizer, "precision": self.precision,
+                "grad_checkpointing": self.grad_checkpointing,
+                "max_grad_norm": self.max_grad_norm, "loss_sync": self.loss_sync,
+                "compile": self.compile, "compile_mode": self.compile_mode}
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

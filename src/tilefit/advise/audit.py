@@ -162,11 +162,10 @@ def _module_subject(model: Any, batch: Any, recipe: Recipe, device: Device, *,
         def loss_fn(m: Any, b: Any) -> Any:
             return stand_in_loss(m(b))
         notes.append("no loss_fn given: the loss is a stand-in (mean of the output)")
-    tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=recipe.precision,
-               grad_checkpointing=recipe.grad_checkpointing,
+    # the user's own optimizer (a name or a factory) over the recipe's name for it
+    tr = trace(model, batch, loss_fn=loss_fn, **{**recipe.step_options(), "optimizer": optimizer},
                accumulation_steps=recipe.accumulation_steps, attention=recipe.attention,
-               device=device, max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync,
-               compile=recipe.compile, compile_mode=recipe.compile_mode)
+               device=device)
     notes.append("model given as an nn.Module: batch, sequence and memory what-ifs need a "
                  "re-trace and were skipped; pass a catalog name, config.json or factory for "
                  "them")

@@ -32,13 +32,9 @@ def trace_workload(workload: Workload, recipe: Recipe, device: str | Device, *,
     return trace(
         lambda: workload.build(build_attention),
         workload.make_batch(recipe.batch_size, device="meta"),
-        loss_fn=workload.loss_for(recipe.fused_ce), optimizer=recipe.optimizer,
-        precision=recipe.precision,
-        grad_checkpointing=recipe.grad_checkpointing,
+        loss_fn=workload.loss_for(recipe.fused_ce), **recipe.step_options(),
         accumulation_steps=recipe.accumulation_steps, attention="auto", device=dev,
-        max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync,
-        compile=recipe.compile, compile_mode=recipe.compile_mode, graph_breaks=graph_breaks,
-        world_size=world_size, strategy=strategy)
+        graph_breaks=graph_breaks, world_size=world_size, strategy=strategy)
 
 
 def estimate_workload(workload: Workload, recipe: Recipe, device: str | Device, *,

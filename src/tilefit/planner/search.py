@@ -114,13 +114,8 @@ def trace_built(work: Workload, micro_batch: int, spec: Recipe,
 
         model = build_lora_model(work, attention, torch_dtype(spec.spec.half_dtype or "bf16"))
     return trace(model, work.make_batch(micro_batch, device="meta"),
-                 loss_fn=work.loss_for(spec.fused_ce),
-                 optimizer=spec.optimizer,
-                 precision=spec.precision,
-                 grad_checkpointing=spec.grad_checkpointing,
-                 accumulation_steps=accumulation_steps, attention="auto", device=device,
-                 max_grad_norm=spec.max_grad_norm, loss_sync=spec.loss_sync,
-                 compile=spec.compile)
+                 loss_fn=work.loss_for(spec.fused_ce), **spec.step_options(),
+                 accumulation_steps=accumulation_steps, attention="auto", device=device)
 
 
 def sweep(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Depth,
