@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from tilefit.errors import TilefitError, close_matches
+from tilefit.quiet_imports import quiet_imports
 
 if TYPE_CHECKING:
     import torch
@@ -256,10 +257,12 @@ def build_model(config: Mapping[str, Any], task: str, attention: str) -> torch.n
         # a pad id; the synthetic batch never contains it, so the last token is used.
         eos = getattr(cfg, "eos_token_id", None)
         cfg.pad_token_id = (eos[0] if isinstance(eos, list | tuple) else eos) or 0
-    auto_class = getattr(transformers, _TASK_MAPPINGS[task][1])
+    # the Auto class imports transformers' modeling code, and with it torchao if installed
+    with quiet_imports():
+        auto_class = getattr(transformers, _TASK_MAPPINGS[task][1])
     # fp32 master weights whatever dtype the checkpoint was published in; the precision of a
     # recipe (tilefit.vocab.Precision) is applied by the tracer, not here.
-    with _skip_init_without_data(), hub_offline():
+    with quiet_imports(), _skip_init_without_data(), hub_offline():
         model = auto_class.from_config(cfg, attn_implementation=attention, dtype=torch.float32)
     if task == "causal-lm" and getattr(model, "loss_type", "") is None:
         # GPT2LMHeadModel's name matches no loss family, so transformers falls back to its

@@ -16,10 +16,7 @@ module filter and accelerate's filter do: ``_scaled_mm`` refuses them on a GPU.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import logging
-from collections.abc import Iterator
 from types import MethodType
 from typing import Any
 
@@ -27,6 +24,7 @@ import torch
 from torch import nn
 
 from tilefit.errors import TilefitError
+from tilefit.quiet_imports import quiet_imports
 
 # torch._scaled_mm needs every GEMM dimension divisible by 16 (docs/references.md, section 21)
 FLOAT8_ALIGN = 16
@@ -34,26 +32,10 @@ TORCHAO_PIP = "pip install 'tilefit[fp8]' (or: pip install torchao)"
 _FLOAT8_TENSOR: list[type] = []
 
 
-@contextlib.contextmanager
-def _quiet_import() -> Iterator[None]:
-    """torchao's import logs a warning for each of its CUDA kernel libraries it cannot load
-    on a machine without CUDA (not used on fake tensors), and torch's pytree one for each of
-    its Enum constants it registers."""
-    logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [log.level for log in logs]
-    for log in logs:
-        log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for log, level in zip(logs, levels, strict=True):
-            log.setLevel(level)
-
-
 def torchao_float8() -> Any:
     """torchao.float8, or an error with the command that installs it."""
     try:
-        with _quiet_import():
+        with quiet_imports():
             module = importlib.import_module("torchao.float8")
     except ImportError:
         raise TilefitError(

@@ -1,0 +1,30 @@
+"""Optional libraries' import-time log lines, silenced while tilefit imports them.
+
+torchao logs a warning for each of its CUDA kernel libraries that it cannot load (every CPU
+machine; tilefit never runs them, it traces on fake tensors), and torch's pytree module one for
+each Enum constant torchao registers. transformers imports torchao whenever it is installed
+(its quantizers), so without this every estimate would print four lines about a library the
+user did not ask for. The loggers' levels are restored afterwards: the user's logging is
+theirs."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+IMPORT_TIME_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def quiet_imports() -> Iterator[None]:
+    """Raise the import-time loggers to ERROR for the duration, then restore their levels."""
+    logs = [logging.getLogger(name) for name in IMPORT_TIME_LOGGERS]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(logs, levels, strict=True):
+            log.setLevel(level)

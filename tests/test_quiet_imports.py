@@ -1,0 +1,42 @@
+"""tilefit.quiet_imports: torchao's import-time warnings (pulled in by transformers whenever
+torchao is installed) do not reach the user's stderr, and the user's logger levels survive."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tilefit.quiet_imports import IMPORT_TIME_LOGGERS, quiet_imports
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def test_the_loggers_are_quiet_inside_and_restored_after() -> None:
+    logs = [logging.getLogger(n) for n in IMPORT_TIME_LOGGERS]
+    logs[0].setLevel(logging.DEBUG)  # a user's own setting
+    try:
+        with quiet_imports():
+            assert all(not log.isEnabledFor(logging.WARNING) for log in logs)
+        assert logs[0].level == logging.DEBUG and logs[1].level == logging.NOTSET
+    finally:
+        logs[0].setLevel(logging.NOTSET)
+
+
+def test_building_a_hugging_face_model_prints_nothing_of_torchao() -> None:
+    # a fresh process, so that transformers (and through it torchao) is imported for the first
+    # time inside tilefit's model build, as in the CLI
+    pytest.importorskip("torchao")
+    code = ("import torch\nfrom tilefit.models.hf import build_model\n"
+            "cfg = {'model_type': 'gpt2', 'n_layer': 1, 'n_embd': 32, 'n_head': 2, "
+            "'vocab_size': 64, 'n_positions': 16}\n"
+            "with torch.device('meta'):\n    build_model(cfg, 'causal-lm', 'sdpa')\n"
+            "import torchao\nprint('built')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(SRC), "PATH": ""}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "built" in out.stdout
+    assert "Failed to load" not in out.stderr and "Enum subclass" not in out.stderr, out.stderr
