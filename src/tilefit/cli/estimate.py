@@ -28,6 +28,8 @@ def estimate(
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     fused_ce: bool = mo.FUSED_CE_OPTION,
     gpus: int = mo.GPUS_OPTION,
+    nodes: int | None = mo.NODES_OPTION,
+    network: str | None = mo.NETWORK_OPTION,
     strategy: str | None = mo.STRATEGY_OPTION,
     offload: bool = typer.Option(False, "--offload", help="With --strategy zero1/zero2/"
                                  "zero3: DeepSpeed's optimizer offloaded to the CPU "
@@ -47,7 +49,7 @@ def estimate(
     from tilefit.report.terminal import print_estimate
 
     with user_errors():
-        device = get_device(gpu)
+        device = mo.placed(get_device(gpu), gpus, nodes, network)
         work = mo.load(model, seq, input_shape, task)
         recipe = Recipe(batch_size=batch, precision=mo.precision_name(precision, device),
                         optimizer=mo.optimizer_name(optimizer, work),

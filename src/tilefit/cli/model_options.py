@@ -55,6 +55,13 @@ INPUT_SHAPE_OPTION = typer.Option(
 GPUS_OPTION = typer.Option(
     1, "--gpus", help="Data-parallel GPUs (one rank each): trace rank 0 of the step with the "
     "engine of --strategy; --batch is each GPU's micro-batch.")
+NODES_OPTION = typer.Option(
+    None, "--nodes", help="Nodes the --gpus GPUs span, evenly (default: as many as the GPU's "
+    "catalog node holds, 8 for data-center GPUs); collectives across nodes run at --network.")
+NETWORK_OPTION = typer.Option(
+    None, "--network", help="The network between nodes: ib-hdr, ib-ndr, ib-xdr, roce-100g, "
+    "roce-200g, roce-400g, or a TOML file with gbit_per_s (each GPU's line rate; default: "
+    "the GPU's DGX-class network).")
 STRATEGY_OPTION = typer.Option(
     None, "--strategy", help=", ".join(STRATEGIES) + f" (default with --gpus > 1: "
     f"{DEFAULT_STRATEGY}, fully sharded); " + ", ".join(ZERO_STRATEGIES)
@@ -165,3 +172,14 @@ def load(model: str, seq: int | None, input_shape: str | None, task: str | None)
     from tilefit.models import load_workload
 
     return load_workload(model, seq_len=seq, input_shape=parse_shape(input_shape), task=task)
+
+
+def placed(device: Device, gpus: int, nodes: int | None, network: str | None) -> Device:
+    """The device as one of --gpus GPUs over --nodes nodes joined by --network."""
+    from tilefit.hardware.networks import get_network, on_nodes
+
+    if (nodes is not None or network is not None) and gpus <= 1:
+        raise TilefitError("--nodes and --network describe a job of several GPUs",
+                           expected="--gpus N (N > 1) with them", given=f"--gpus {gpus}",
+                           fix="add --gpus, e.g. --gpus 16 --nodes 2")
+    return on_nodes(device, gpus, nodes, None if network is None else get_network(network))

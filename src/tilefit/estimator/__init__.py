@@ -11,6 +11,7 @@ from tilefit.estimator.collectives import (
     bus_bandwidth_bytes_per_s,
     check_world_size,
     communication,
+    link_description,
     one_gpu_step_time_s,
     without_communication,
 )
@@ -201,7 +202,7 @@ def _parallel_summary(tr: Trace, device: Device, costs: list[OpCost],
         return None
     strategy = tr.strategy or ""
     return ParallelSummary(
-        strategy=strategy, world_size=tr.world_size, link=device.link_name or "memory",
+        strategy=strategy, world_size=tr.world_size, link=link_description(device, tr.world_size),
         bus_bandwidth_bytes_per_s=bus_bandwidth_bytes_per_s(device, tr.world_size),
         communication_time_s=comm.time_s, exposed_communication_s=comm.exposed_s,
         communication_by_phase_s=comm.by_phase_s,

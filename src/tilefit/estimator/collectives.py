@@ -76,6 +76,17 @@ def collective_time_s(name: str, nbytes: int, n: int, device: Device) -> float:
     return latency + bus_factor(name, n) * nbytes / bus_bandwidth_bytes_per_s(device, n)
 
 
+def link_description(device: Device, world_size: int) -> str:
+    """The interconnect the collectives of ``world_size`` GPUs cross: the link within a node,
+    and the network between nodes when they span several."""
+    link = device.link_name or "memory"
+    if device.kind != "cuda" or world_size <= device.gpus_per_node:
+        return link
+    nodes = world_size // device.gpus_per_node
+    return (f"{link} within nodes of {device.gpus_per_node}, "
+            f"{device.network_bytes_per_s * 8 / 1e9:g} Gb/s per GPU between {nodes} nodes")
+
+
 def check_world_size(device: Device, world_size: int) -> None:
     """Several nodes take whole nodes, and a network figure; else an error offering the
     nearest world sizes that work."""
@@ -88,8 +99,8 @@ def check_world_size(device: Device, world_size: int) -> None:
             f"figure for {device.display_name}",
             expected=f"at most {per_node} GPUs (one node) on this GPU",
             given=str(world_size),
-            fix=f"pass --gpus {per_node}, or a GPU with an inter-node network figure "
-            "(a100-80gb, h100-sxm, h200, b200)")
+            fix=f"pass --gpus {per_node}, or name the network between nodes (--network "
+            "ib-ndr; tilefit.hardware.networks.on_nodes)")
     if world_size % per_node:
         low, high = world_size // per_node * per_node, -(-world_size // per_node) * per_node
         raise TilefitError(

@@ -25,6 +25,7 @@ from tilefit.estimator.collectives import (
     bus_bandwidth_bytes_per_s,
     collective_time_s,
     exposed_s,
+    link_description,
 )
 from tilefit.estimator.result import Estimate
 from tilefit.estimator.zero import (
@@ -100,7 +101,7 @@ def estimate_zero(base: Estimate, tr: Trace, device: Device, strategy: str, worl
     offload_s = _offload_s(inp.params / world_size) if offload else 0.0
     step = base.step_time_s - saved + sum(exposed.values()) + offload_s
     summary = ParallelSummary(
-        strategy=strategy, world_size=world_size, link=device.link_name or "memory",
+        strategy=strategy, world_size=world_size, link=link_description(device, world_size),
         bus_bandwidth_bytes_per_s=bus_bandwidth_bytes_per_s(device, world_size),
         communication_time_s=sum(by_phase.values()),
         exposed_communication_s=sum(exposed.values()), communication_by_phase_s=by_phase,
