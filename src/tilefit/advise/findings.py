@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tilefit.estimator.result import Estimate
 
 SEVERITIES = ("high", "medium", "low", "info")
 # A fix must gain at least this much to be recommended: below it the prediction is within the
@@ -59,3 +62,11 @@ def severity_of(speedup: float, memory_share_saved: float = 0.0) -> str:
     if speedup >= 1.01 or memory_share_saved >= 0.10:
         return "medium"
     return "low"
+
+
+def effect(before: Estimate, after: Estimate) -> dict[str, Any]:
+    """A Finding's predicted effect, from the estimate before the fix and the re-estimate
+    after it: its step time and peak memory on both sides (Finding's keyword arguments)."""
+    return {"step_time_before_s": before.step_time_s, "step_time_after_s": after.step_time_s,
+            "peak_memory_before_bytes": before.peak_memory_bytes,
+            "peak_memory_after_bytes": after.peak_memory_bytes}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import partial
 
-from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, severity_of
+from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, effect, severity_of
 from tilefit.advise.whatif import WhatIf, gemm_time_with, swap_gemm_dim
 from tilefit.batches import REAL_GAIN, is_friendly
 from tilefit.gemm import analyze_gemm
@@ -50,9 +50,7 @@ def _batch_finding(whatif: WhatIf, rule: str, new_batch: int, title: str,
                          f"{'fit' if after.fits else 'NOT fit'} "
                          f"({after.total_memory_bytes / 2**30:.1f} GiB of "
                          f"{whatif.device.memory_bytes / 2**30:.0f} GiB)."),
-        step_time_before_s=whatif.estimate.step_time_s, step_time_after_s=after.step_time_s,
-        peak_memory_before_bytes=whatif.estimate.peak_memory_bytes,
-        peak_memory_after_bytes=after.peak_memory_bytes, method="retrace", per_sample=True,
+        **effect(whatif.estimate, after), method="retrace", per_sample=True,
         samples_before=batch, samples_after=new_batch)
     # a batch off the hardware-friendly sizes must win by a real margin (tilefit.batches)
     needed = MIN_RECOMMENDED_SPEEDUP if is_friendly(new_batch) else 1 + REAL_GAIN

@@ -6,7 +6,7 @@ AOTAutograd's partitioner saves fewer activations for backward
 
 from __future__ import annotations
 
-from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, severity_of
+from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, effect, severity_of
 from tilefit.advise.whatif import WhatIf
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate
@@ -55,6 +55,4 @@ def compile_findings(whatif: WhatIf) -> list[Finding]:
         f"graph breaks), compile time excluded: step {est.step_time_s * 1e3:.1f} -> "
         f"{after.step_time_s * 1e3:.1f} ms, peak {est.peak_memory_bytes / GIB:.2f} -> "
         f"{after.peak_memory_bytes / GIB:.2f} GiB.",
-        step_time_before_s=est.step_time_s, step_time_after_s=after.step_time_s,
-        peak_memory_before_bytes=est.peak_memory_bytes,
-        peak_memory_after_bytes=after.peak_memory_bytes, method="retrace", recommended=ok)]
+        **effect(est, after), method="retrace", recommended=ok)]

@@ -6,7 +6,7 @@ the finding appears only where that re-estimate gains."""
 
 from __future__ import annotations
 
-from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, severity_of
+from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, effect, severity_of
 from tilefit.advise.whatif import WhatIf
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate
@@ -76,7 +76,4 @@ def _finding(whatif: WhatIf, after: Estimate, speedup: float, own: float,
         f"Step {est.step_time_s * 1e3:.1f} -> {after.step_time_s * 1e3:.1f} ms, peak "
         f"{est.peak_memory_bytes / GIB:.2f} -> {after.peak_memory_bytes / GIB:.2f} GiB; "
         "loss curves should be checked against bf16 for the first steps.",
-        step_time_before_s=est.step_time_s, step_time_after_s=after.step_time_s,
-        peak_memory_before_bytes=est.peak_memory_bytes,
-        peak_memory_after_bytes=after.peak_memory_bytes, method="retrace",
-        recommended=speedup >= MIN_RECOMMENDED_SPEEDUP)
+        **effect(est, after), method="retrace", recommended=speedup >= MIN_RECOMMENDED_SPEEDUP)

@@ -10,7 +10,7 @@ an eager one."""
 
 from __future__ import annotations
 
-from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, severity_of
+from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, effect, severity_of
 from tilefit.advise.whatif import WhatIf
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate
@@ -64,7 +64,5 @@ def host_findings(whatif: WhatIf) -> list[Finding]:
         f"{after.step_time_s * 1e3:.2f} ms; peak {est.peak_memory_bytes / GIB:.2f} -> "
         f"{after.peak_memory_bytes / GIB:.2f} GiB (the graphs' private memory pool). A "
         "larger batch also helps (more work per kernel, same number of kernels)",
-        step_time_before_s=est.step_time_s, step_time_after_s=after.step_time_s,
-        peak_memory_before_bytes=est.peak_memory_bytes,
-        peak_memory_after_bytes=after.peak_memory_bytes, method="retrace"
-        if not whatif.trace.compiled else "host", recommended=ok)]
+        **effect(est, after), method="retrace" if not whatif.trace.compiled else "host",
+        recommended=ok)]

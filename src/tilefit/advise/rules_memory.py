@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tilefit.advise.findings import Finding
+from tilefit.advise.findings import Finding, effect
 from tilefit.advise.whatif import WhatIf
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate
@@ -53,9 +53,7 @@ def _mem_finding(whatif: WhatIf, rule: str, title: str, dimension: str, current:
         reason=reason + f" Predicted peak {before.peak_memory_bytes / GIB:.2f} -> "
         f"{after.peak_memory_bytes / GIB:.2f} GiB ({'fits' if after.fits else 'does not fit'}),"
         f" step {before.step_time_s * 1e3:.1f} -> {after.step_time_s * 1e3:.1f} ms.",
-        step_time_before_s=before.step_time_s, step_time_after_s=after.step_time_s,
-        peak_memory_before_bytes=before.peak_memory_bytes,
-        peak_memory_after_bytes=after.peak_memory_bytes, method="retrace", recommended=ok)
+        **effect(before, after), method="retrace", recommended=ok)
 
 
 def _optimizer_candidate(whatif: WhatIf) -> Finding | None:

@@ -4,7 +4,7 @@ docs/references.md, section 16. The gain is re-traced with AdamW(fused=True)."""
 
 from __future__ import annotations
 
-from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, severity_of
+from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, effect, severity_of
 from tilefit.advise.whatif import WhatIf
 
 GIB = 1024**3
@@ -36,7 +36,5 @@ def fused_optimizer_findings(whatif: WhatIf) -> list[Finding]:
         reason=f"fused=True does the whole update in one multi-tensor kernel, with the same "
         f"math: the optimizer step {before_s * 1e3:.2f} -> {after_s * 1e3:.2f} ms, peak "
         f"{est.peak_memory_bytes / GIB:.2f} -> {after.peak_memory_bytes / GIB:.2f} GiB",
-        step_time_before_s=est.step_time_s, step_time_after_s=after.step_time_s,
-        peak_memory_before_bytes=est.peak_memory_bytes,
-        peak_memory_after_bytes=after.peak_memory_bytes, method="retrace", recommended=ok)]
+        **effect(est, after), method="retrace", recommended=ok)]
 
