@@ -265,3 +265,40 @@ def test_torchrun_two_ranks_on_the_cpu_match_the_trace() -> None:
     spec.loader.exec_module(bench)
     line, ok = bench.compare("mlp", "ddp", "fp32", 2)
     assert ok, line
+
+
+def test_fsdp2_names_a_parameter_it_cannot_shard() -> None:
+    # fully_shard splits dim 0 of every parameter: a learnable scalar (a temperature) cannot be
+    # sharded; the error names it and its module, and offers DDP
+    import torch
+    from torch import nn
+
+    import tilefit
+    from tilefit.errors import TilefitError
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj, self.scale = nn.Linear(8, 8), nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x) * self.scale
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.layers:
+                x = block(x)
+            return x
+
+    with pytest.raises(TilefitError) as err:
+        tilefit.estimate(Net, torch.randn(4, 8), loss_fn=lambda m, b: m(b).sum(),
+                         world_size=2, strategy="fsdp2", device="h100")
+    text = str(err.value)
+    assert "layers.0.scale (module layers.0)" in text and "--strategy ddp" in text
+    ddp = tilefit.estimate(Net, torch.randn(4, 8), loss_fn=lambda m, b: m(b).sum(),
+                           world_size=2, strategy="ddp", device="h100")
+    assert ddp.parallel is not None and ddp.parallel.strategy == "ddp"

@@ -151,6 +151,7 @@ def _wrap_fsdp2(model: nn.Module, mesh: Any, mode: FakeTensorMode,
     from torch.distributed.fsdp import fully_shard
 
     notes: list[str] = []
+    _check_shardable(model)
     found = find_layer_list(model)
     if found is None:
         notes.append(f"FSDP2 found no list of repeated blocks in {type(model).__name__}: only "
@@ -164,6 +165,21 @@ def _wrap_fsdp2(model: nn.Module, mesh: Any, mode: FakeTensorMode,
         with mode:
             model.to_empty(device="cpu")
     return model, tuple(notes)
+
+
+def _check_shardable(model: nn.Module) -> None:
+    """FSDP2 shards every parameter on its first dimension: a 0-d parameter cannot be sharded
+    (fully_shard refuses it deep inside); name it and its module instead."""
+    scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
+    if scalars:
+        module = scalars[0].rpartition(".")[0] or "(the root module)"
+        raise TilefitError(
+            f"FSDP2 cannot shard the 0-d parameter {scalars[0]} (module {module})"
+            + (f" and {len(scalars) - 1} more" if len(scalars) > 1 else ""),
+            expected="parameters with at least one dimension (fully_shard splits dim 0)",
+            given=", ".join(scalars[:4]),
+            fix="make it a 1-element tensor (nn.Parameter(torch.ones(1))), or use "
+            "--strategy ddp (strategy='ddp'), which does not shard")
 
 
 def _wrap_ddp(model: nn.Module, mode: FakeTensorMode, recorder: Recorder) -> nn.Module:
