@@ -21,7 +21,7 @@ tensor of the call, NCCL's size of the operation for all-reduce, all-gather and
 reduce-scatter). Then ``tilefit estimate llama-3-8b --gpus 8 --strategy fsdp2 --gpu h100``
 is timed (target: under 20 s).
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_multigpu_cpu.py [--nproc 2] [--out FILE]
+    OMP_NUM_THREADS=1 python benchmarks/bench_multigpu_cpu.py [--nproc 2 4] [--out FILE]
 """
 
 from __future__ import annotations
