@@ -16,7 +16,9 @@ PyTorch's fake process group, so the trace records the engine's own collectives 
   (docs/references.md, section 23); autocast stays on around it, as accelerate runs it,
   and casts nothing the policy already cast. Otherwise no policy (all-gathers in the parameters'
   dtype). A factory's model is built on the meta device and materialised with ``to_empty``
-  inside the fake mode.
+  inside the fake mode. The fake group's reduce-scatter allocates nothing, as NCCL's: gloo's
+  clones its whole input, which a CPU run under gloo measures and a GPU does not
+  (docs/references.md, section 23, item 8).
 """
 
 from __future__ import annotations
