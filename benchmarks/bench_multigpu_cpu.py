@@ -8,12 +8,13 @@ group (``tilefit.trace(..., world_size=N, strategy=...)``) and predicts the same
 
 gloo's reduce-scatter (ProcessGroupGloo::reduce_scatter_tensor_coalesced, which FSDP2's
 reduce_scatter_single reaches) clones its whole input, all-reduces the clone and copies this
-rank's chunk out: a full-size copy in the reduce dtype that NCCL's reduce-scatter (ncclReduceScatter
-on the input and output as given) does not make. So each FSDP2 case is launched twice: with gloo's
-reduce-scatter as it is (the collectives are compared there), and with a reduce-scatter of NCCL's
-footprint (an in-place all-reduce of FSDP2's own input buffer, this rank's chunk copied out), which
-is what tilefit predicts; gloo's figures are checked too, against the trace with gloo's copy
-emulated (docs/references.md, section 23).
+rank's chunk out: a full-size copy in the reduce dtype that NCCL's reduce-scatter
+(ncclReduceScatter on the input and output as given) does not make. tilefit traces gloo's copy
+for a CPU target and NCCL's footprint for a GPU (docs/references.md, section 23). So each FSDP2
+case is launched twice: with gloo's reduce-scatter as it is (collectives and peaks against
+tilefit's CPU prediction), and with a reduce-scatter of NCCL's footprint (an in-place
+all-reduce of FSDP2's own input buffer, this rank's chunk copied out) against the trace with
+NCCL's reduce-scatter, what a GPU target's trace holds.
 
 Targets: per-rank peak within 2% of every real rank's; the steady step's collectives equal,
 op for op, in kind, shapes and bytes (bytes counted here from the real tensors: the largest
@@ -120,35 +121,6 @@ def _nccl_footprint_reduce_scatter() -> None:
     dist.reduce_scatter_single = reduce_scatter_single
 
 
-def _gloo_copy_in_the_trace() -> Any:
-    """The trace with gloo's reduce-scatter copy emulated: a clone of the input alive through
-    the collective, this rank's chunk copied out of it (as ProcessGroupGloo's LambdaWork
-    does). A context manager; the fake group's collective itself runs unchanged."""
-    import contextlib
-
-    import torch.distributed as dist
-
-    @contextlib.contextmanager
-    def emulate() -> Any:
-        orig = dist.reduce_scatter_single
-
-        def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor,
-                                  *args: Any, **kwargs: Any) -> Any:
-            clone = input.clone()
-            work = orig(output, input, *args, **kwargs)
-            output.copy_(clone.chunk(dist.get_world_size(kwargs.get("group")))[0])
-            del clone
-            return work
-
-        dist.reduce_scatter_single = reduce_scatter_single
-        try:
-            yield
-        finally:
-            dist.reduce_scatter_single = orig
-
-    return emulate()
-
-
 # ---- the real run (one process per rank, under torchrun) -----------------------------------
 def _record_collectives() -> Any:
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -253,17 +225,25 @@ def worker(name: str, strategy: str, precision: str, out_dir: str,
 
 
 # ---- the prediction and the comparison -------------------------------------------------------
-def predict(name: str, strategy: str, precision: str, nproc: int, gloo_copy: bool = False
+def predict(name: str, strategy: str, precision: str, nproc: int, nccl: bool = False
             ) -> tuple[Any, float]:
+    """tilefit's trace for the CPU device (gloo's reduce-scatter, as the real run);
+    ``nccl``: with the reduce-scatter as NCCL runs it, as a GPU target's trace has it."""
     import contextlib
 
     from tilefit import trace
+    from tilefit.tracing import distributed
 
     model_fn, batch_fn, loss_fn = case(name)
     t0 = time.perf_counter()
-    with _gloo_copy_in_the_trace() if gloo_copy else contextlib.nullcontext():
+    gloo = distributed.gloo_reduce_scatter
+    if nccl:
+        distributed.gloo_reduce_scatter = contextlib.nullcontext  # type: ignore[assignment]
+    try:
         tr = trace(model_fn, batch_fn("meta"), loss_fn=loss_fn, optimizer="adamw",
                    device="cpu", precision=precision, world_size=nproc, strategy=strategy)
+    finally:
+        distributed.gloo_reduce_scatter = gloo
     return tr, time.perf_counter() - t0
 
 
@@ -298,9 +278,10 @@ def compare(name: str, strategy: str, precision: str, nproc: int, repeats: int =
     deterministic figure when gloo's worker thread still holds a finished collective's
     buffers as the main thread allocates (seen 1 launch in ~5, +4%): the target is checked on
     each rank's lowest peak over the launches, and the highest is printed beside it.
-    FSDP2 is launched twice as often: with gloo's reduce-scatter as it is (its collectives
-    compared; its peaks against the trace with gloo's input copy emulated) and with NCCL's
-    footprint (its peaks against tilefit's prediction): see the module's docstring."""
+    FSDP2 is launched twice as often: with gloo's reduce-scatter as it is (its collectives and
+    peaks against tilefit's prediction for the CPU, which traces gloo's input copy) and with
+    NCCL's footprint (its peaks against the trace with NCCL's reduce-scatter, what a GPU
+    target gets): see the module's docstring."""
     launches = [run_real(name, strategy, precision, nproc) for _ in range(repeats)]
     ranks = launches[0]
     tr, secs = predict(name, strategy, precision, nproc)
@@ -319,20 +300,18 @@ def compare(name: str, strategy: str, precision: str, nproc: int, repeats: int =
         ok = same and all(abs(e) <= 0.02 for e in errs)
         line = (f"{head}  {text}  (lowest of {repeats}, highest launch +{worst:.1%})  {tail}")
     else:
+        low, worst = _peaks(launches, nproc)
+        errs, text = _errors(pred, low)
         nccl = [run_real(name, strategy, precision, nproc, "nccl-footprint")
                 for _ in range(repeats)]
-        low, worst = _peaks(nccl, nproc)
-        errs, text = _errors(pred, low)
-        glow, gworst = _peaks(launches, nproc)
-        gpred = predict(name, strategy, precision, nproc, gloo_copy=True)[0].peak(
-            rounded=False)[0]
-        gerrs, gtext = _errors(gpred, glow)
-        ok = same and all(abs(e) <= 0.02 for e in errs + gerrs)
-        line = (f"{head}  NCCL's reduce-scatter footprint: {text}  (lowest of {repeats}, "
-                f"highest launch +{worst:.1%})  {tail}\n{'':26}gloo's reduce-scatter as it is: "
-                f"{gtext} (predicted with gloo's input copy; lowest of {repeats}, highest launch "
-                f"+{gworst:.1%}; tilefit's own prediction against it "
-                f"{' '.join(f'{(pred - m) / m:+.2%}' for m in glow)})")
+        nlow, nworst = _peaks(nccl, nproc)
+        npred = predict(name, strategy, precision, nproc, nccl=True)[0].peak(rounded=False)[0]
+        nerrs, ntext = _errors(npred, nlow)
+        ok = same and all(abs(e) <= 0.02 for e in errs + nerrs)
+        line = (f"{head}  {text}  (lowest of {repeats}, highest launch +{worst:.1%})  {tail}"
+                f"\n{'':26}with NCCL's reduce-scatter footprint: {ntext} (the trace with NCCL's "
+                f"reduce-scatter, as for a GPU; lowest of {repeats}, highest launch "
+                f"+{nworst:.1%})")
     if os.environ.get("BENCH_DEBUG"):
         line += "\n    " + "\n    ".join(str(r["kinds"]) for r in ranks)
     if not same:

@@ -16,9 +16,9 @@ PyTorch's fake process group, so the trace records the engine's own collectives 
   (docs/references.md, section 23); autocast stays on around it, as accelerate runs it,
   and casts nothing the policy already cast. Otherwise no policy (all-gathers in the parameters'
   dtype). A factory's model is built on the meta device and materialised with ``to_empty``
-  inside the fake mode. The fake group's reduce-scatter allocates nothing, as NCCL's: gloo's
-  clones its whole input, which a CPU run under gloo measures and a GPU does not
-  (docs/references.md, section 23, item 8).
+  inside the fake mode. The fake group's reduce-scatter allocates nothing, as NCCL's; for a
+  CPU target, whose backend is gloo, the trace adds gloo's clone of the whole input
+  (``gloo_reduce_scatter``; docs/references.md, section 23, item 8).
 """
 
 from __future__ import annotations
@@ -80,9 +80,10 @@ def parallel_spec(world_size: int = 1, strategy: str | None = None) -> Parallel 
 
 
 @contextlib.contextmanager
-def process_group(parallel: Parallel | None) -> Iterator[Any]:
+def process_group(parallel: Parallel | None, gloo: bool = False) -> Iterator[Any]:
     """The fake process group of ``parallel`` (and FSDP2's device mesh, yielded), or
-    nothing for a single-device trace."""
+    nothing for a single-device trace; ``gloo``: its reduce-scatter as gloo runs it (a CPU
+    target), else as NCCL does."""
     if parallel is None:
         yield None
         return
@@ -93,7 +94,8 @@ def process_group(parallel: Parallel | None) -> Iterator[Any]:
                            fix="call tilefit.estimate(world_size=...) before "
                            "init_process_group, or in a separate process")
     enable_dtensor()
-    with fake_process_group(parallel.world_size):
+    with fake_process_group(parallel.world_size), \
+            gloo_reduce_scatter() if gloo else contextlib.nullcontext():
         mesh = None
         if parallel.strategy == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
@@ -101,6 +103,32 @@ def process_group(parallel: Parallel | None) -> Iterator[Any]:
             # outside the fake mode: the mesh holds a real tensor of ranks
             mesh = init_device_mesh("cpu", (parallel.world_size,))
         yield mesh
+
+
+@contextlib.contextmanager
+def gloo_reduce_scatter() -> Iterator[None]:
+    """torch.distributed.reduce_scatter_single as ProcessGroupGloo runs it: a clone of the
+    whole input alive through the collective, this rank's chunk copied out of it (NCCL works
+    on the input and output as given). FSDP2's reduce-scatter input is a block's unsharded
+    gradients in the reduce dtype, so on a CPU the clone sets the backward's peak under mixed
+    precision (docs/references.md, section 23, item 8)."""
+    import torch.distributed as dist
+
+    plain = dist.reduce_scatter_single
+
+    def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, *args: Any,
+                              **kwargs: Any) -> Any:
+        clone = input.clone()
+        work = plain(output, input, *args, **kwargs)
+        output.copy_(clone.chunk(dist.get_world_size(kwargs.get("group")))[0])
+        del clone
+        return work
+
+    dist.reduce_scatter_single = reduce_scatter_single
+    try:
+        yield
+    finally:
+        dist.reduce_scatter_single = plain
 
 
 def find_layer_list(model: nn.Module) -> tuple[str, list[nn.Module]] | None:

@@ -422,7 +422,7 @@ def _trace(model: ModelSpec, batch: Any, options: TraceOptions, target: Target) 
     mode = new_fake_mode()
     tracker = ModulePath()
     recorder = Recorder(tracker, "")
-    with process_group(options.parallel) as mesh:
+    with process_group(options.parallel, gloo=target.kind == "cpu") as mesh:
         with _explain_build_errors():
             prep = _prepare(model, batch, options, target, recorder, mode, mesh)
         return _trace_prepared(prep, options, target, recorder, mode)
