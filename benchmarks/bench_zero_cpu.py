@@ -35,14 +35,52 @@ BATCH = 4
 BUCKET = 100_000  # reduce, all-gather and prefetch buckets (elements), in both
 
 
-def make_model() -> nn.Module:
+SEQ = 64  # tokens per sample for the transformer workloads
+
+
+def make_mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
                          nn.Linear(1024, 256))
 
 
-def loss_fn(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def make_gpt2() -> nn.Module:
+    from workloads import gpt2_like
+    torch.manual_seed(0)
+    return gpt2_like()
+
+
+def make_llama() -> nn.Module:
+    from workloads import llama_like
+    torch.manual_seed(0)
+    return llama_like()
+
+
+def mlp_batch() -> torch.Tensor:
+    return torch.randn(BATCH, 256)
+
+
+def token_batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 5000, (BATCH, SEQ))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def mlp_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).pow(2).mean()
+
+
+def hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
+# name: (build, batch, loss, description); every one fp32 with AdamW
+WORKLOADS: dict[str, tuple[Any, Any, Any, str]] = {
+    "mlp": (make_mlp, mlp_batch, mlp_loss, "MLP 256-1024-1024-256"),
+    "gpt2": (make_gpt2, token_batch, hf_loss,
+             "GPT-2 2 layers, d 256, vocab 5000 (tied), seq 64 (workloads.gpt2_like)"),
+    "llama": (make_llama, token_batch, hf_loss,
+              "Llama 2 layers, d 256, GQA 8/2, vocab 5000, seq 64 (workloads.llama_like)"),
+}
 
 
 def ds_config(stage: int) -> dict[str, Any]:
@@ -53,20 +91,21 @@ def ds_config(stage: int) -> dict[str, Any]:
                                   "stage3_prefetch_bucket_size": BUCKET}}
 
 
-def worker(stage: int, out_dir: str) -> None:
+def worker(name: str, stage: int, out_dir: str) -> None:
     import deepspeed  # type: ignore[import-not-found]
     import torch.distributed as dist
 
     from tilefit.tuning.simulate import MemoryLimitMode
 
     dist.init_process_group("gloo")
-    model = make_model()
+    build, batch, loss_fn, _ = WORKLOADS[name]
+    model = build()
     mode = MemoryLimitMode(None, list(model.parameters()))
     with mode:
         engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config(stage),
                                                model_parameters=model.parameters())
         for _ in range(2):
-            loss = loss_fn(engine, torch.randn(BATCH, 256))
+            loss = loss_fn(engine, batch())
             engine.backward(loss)
             engine.step()
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(
@@ -74,47 +113,56 @@ def worker(stage: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def measured(stage: int, deepspeed_dir: str) -> list[dict[str, int]]:
+def measured(name: str, stage: int, deepspeed_dir: str) -> list[dict[str, int]]:
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-               "PYTHONPATH": os.pathsep.join((str(ROOT / "src"), deepspeed_dir))}
+               "PYTHONPATH": os.pathsep.join((str(ROOT / "src"), str(ROOT / "benchmarks"),
+                                              deepspeed_dir))}
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={NPROC}",
-               __file__, "--worker", str(stage), out]
+               __file__, "--worker", name, str(stage), out]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         if r.returncode != 0:
             raise RuntimeError(r.stderr[-3000:])
         return [json.loads(Path(out, f"rank{i}.json").read_text()) for i in range(NPROC)]
 
 
-def modelled(stage: int) -> Any:
+def modelled(name: str, stage: int) -> Any:
     from tilefit import estimate
     from tilefit.estimator import ZeroConfig
 
     config = ZeroConfig(reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET,
                         stage3_prefetch_bucket_size=BUCKET)
-    return estimate(make_model, torch.randn(BATCH, 256), loss_fn=loss_fn, optimizer="adamw",
+    build, batch, loss_fn, _ = WORKLOADS[name]
+    return estimate(build, batch(), loss_fn=loss_fn, optimizer="adamw",
                     device="cpu", world_size=NPROC, strategy=f"zero{stage}",
                     zero_config=config)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--worker", nargs=2)
+    ap.add_argument("--worker", nargs=3)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--deepspeed", help="the directory DeepSpeed is installed in")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.worker:
-        worker(int(args.worker[0]), args.worker[1])
+        worker(args.worker[0], int(args.worker[1]), args.worker[2])
         return 0
     lines = [f"torch {torch.__version__}, {NPROC} ranks (gloo), OMP_NUM_THREADS="
              f"{os.environ.get('OMP_NUM_THREADS')}, load average {os.getloadavg()[0]:.2f}; "
-             f"MLP 256-1024-1024-256 fp32, AdamW, batch {BATCH}, buckets {BUCKET:,}"]
-    for stage in (1, 2, 3):
-        real = max(r["peak_bytes"] for r in measured(stage, args.deepspeed or ""))
-        model = modelled(stage).peak_memory_bytes
-        lines.append(f"zero{stage}: DeepSpeed peak per rank {real / 1e6:.2f} MB, tilefit "
-                     f"modelled {model / 1e6:.2f} MB ({(model - real) / real:+.1%})")
-        print(lines[-1], flush=True)
+             f"fp32, AdamW, batch {BATCH}, buckets {BUCKET:,}; each rank's peak (rank 0 / "
+             "rank 1) against tilefit's modelled per-rank peak (its worst rank)"]
+    for name in args.workloads.split(","):
+        lines.append(f"{name}: {WORKLOADS[name][3]}")
+        for stage in (1, 2, 3):
+            ranks = [r["peak_bytes"] for r in measured(name, stage, args.deepspeed or "")]
+            model = modelled(name, stage).peak_memory_bytes
+            errs = " / ".join(f"{(model - r) / r:+.1%}" for r in ranks)
+            real = " / ".join(f"{r / 1e6:.2f}" for r in ranks)
+            lines.append(f"  zero{stage}: DeepSpeed {real}"
+                         + f" MB, tilefit {model / 1e6:.2f} MB ({errs})")
+            print(lines[-1], flush=True)
+        lines.append(f"  load average {os.getloadavg()[0]:.2f}")
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
     return 0

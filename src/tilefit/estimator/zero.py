@@ -66,6 +66,34 @@ class ZeroInputs:
     weight_bytes: int  # bytes per weight: 2 for 16-bit weights, 4 for fp32
     optimizer_bytes_per_param: float  # the optimizer's own state (AdamW: 8)
     largest_layer_params: int  # L
+    # the parameter tensors' sizes (elements) in the order DeepSpeed flattens them
+    # (model.parameters()); () when unknown
+    param_sizes: tuple[int, ...] = ()
+
+    @property
+    def second_largest_params(self) -> int:
+        """L2: the largest parameter tensor after L (0 when unknown)."""
+        ranked = sorted(self.param_sizes, reverse=True)
+        return ranked[1] if len(ranked) > 1 else 0
+
+    def overlap_params(self, world_size: int) -> int:
+        """The elements of the whole parameters that reach into a rank's flat partition,
+        the most over ranks: stage 1-2's ``grads_in_partition`` holds each of them whole
+        (stage_1_and_2.py, copy_grads_in_partition: ``total_size`` sums the numel of every
+        parameter in ``params_in_partition``). Unknown sizes: the partition plus L."""
+        part = math.ceil(self.params / world_size)
+        if not self.param_sizes:
+            return min(self.params, part + self.largest_layer_params)
+        best, start = 0, 0
+        for rank in range(world_size):
+            lo, hi = rank * part, (rank + 1) * part
+            total, start = 0, 0
+            for size in self.param_sizes:
+                if start < hi and start + size > lo:
+                    total += size
+                start += size
+            best = max(best, total)
+        return best
 
     @property
     def partition_bytes_per_param(self) -> float:
@@ -142,6 +170,55 @@ def _buffer_bytes(inp: ZeroInputs, stage: int, config: ZeroConfig) -> int:
         room = min(inp.params, config.stage3_max_live_parameters) - inp.largest_layer_params
         total += min(config.stage3_prefetch_bucket_size, max(room, 0)) * inp.weight_bytes
     return int(total)
+
+
+def zero_points(inp: ZeroInputs, stage: int, world_size: int, *, offload: bool = False,
+                config: ZeroConfig = DEEPSPEED_DEFAULTS) -> tuple[dict[str, int], dict[str, int]]:
+    """One rank's model states and DeepSpeed buffers at its two peaks, (backward, step), by
+    category, as DeepSpeed 0.19.8 allocates them (measured on its engine:
+    docs/references.md, section 24, item 4). P = Psi / N, w bytes per weight, B the reduce
+    bucket, L and L2 the two largest parameter tensors.
+
+    Backward. Stages 1-2 have no fp32 gradient partition yet: the rank's gradients are
+    copied into ``grads_in_partition`` (w bytes for every parameter reaching into the
+    partition, whole), the bucket is allocated (``setup_buckets``), and stage 1 keeps every
+    16-bit gradient; stage 2 holds the gradient autograd has just made (L) and one waiting
+    in the bucket un-copied (L2 when it exceeds B: ``extra_large_param_to_reduce``).
+    Stage 3: its partition, the gathered layer and its gradient (2 w L), the persistent
+    bucket, and the prefetched parameters, gathered whole (at least L2).
+
+    Step. The 16-bit gradients and stages 1-2's bucket are gone; the fp32 gradient
+    partition is made (in K); stage 3 flattens its gradient partition into another fp32
+    copy (``_prepare_fp32_grad_for_sub_group``) and keeps its bucket; nothing is gathered.
+    """
+    mem = zero_memory(inp, stage, world_size, offload=offload, config=config)
+    w, b = inp.weight_bytes, config.reduce_bucket_size
+    part = math.ceil(inp.params / world_size)
+    big, second = inp.largest_layer_params, inp.second_largest_params
+    optimizer = mem.optimizer_state_bytes
+    if stage < 3:
+        buckets = 2 if config.overlaps(stage) else 1
+        if offload:
+            in_partition = optimizer_bwd = 0
+        else:
+            in_partition = w * inp.overlap_params(world_size)
+            optimizer_bwd = optimizer - FP32_GRAD_BYTES * part
+        grads = w * inp.params if stage == 1 else w * (big + (second if second > b else 0))
+        backward = {"parameters": mem.parameters_bytes, "gradients": grads,
+                    "optimizer_state": optimizer_bwd + in_partition,
+                    "communication": buckets * b * w}
+        step = {"parameters": mem.parameters_bytes, "gradients": 0,
+                "optimizer_state": optimizer, "communication": 0}
+        return backward, step
+    room = max(min(inp.params, config.stage3_max_live_parameters) - big, 0)
+    prefetch = min(max(config.stage3_prefetch_bucket_size, second), room)
+    backward = {"parameters": mem.parameters_bytes, "gradients": 0,
+                "optimizer_state": optimizer,
+                "communication": mem.gathered_bytes + w * (b + prefetch)}
+    step = {"parameters": mem.parameters_bytes, "gradients": 0,
+            "optimizer_state": optimizer + (0 if offload else FP32_GRAD_BYTES * part),
+            "communication": w * b}
+    return backward, step
 
 
 def _host_bytes(inp: ZeroInputs, stage: int, world_size: int, offload: bool,

@@ -36,6 +36,7 @@ from tilefit.estimator.zero import (
     ZeroMemory,
     zero_collectives,
     zero_memory,
+    zero_points,
     zero_stage,
 )
 from tilefit.hardware import Device
@@ -77,10 +78,10 @@ def zero_inputs(tr: Trace) -> ZeroInputs:
     psi = max(tr.trainable_param_count, 1)
     state = sum(s.nbytes for s in tr.storages
                 if s.category == "optimizer_state" and s.free_at is None)
-    largest = max((s.nbytes for s in tr.storages
-                   if s.category == "parameters" and s.alloc_at < 0), default=0)
+    sizes = tuple(s.nbytes // w for s in tr.storages
+                  if s.category == "parameters" and s.alloc_at < 0)
     return ZeroInputs(params=psi, weight_bytes=w, optimizer_bytes_per_param=state / psi,
-                      largest_layer_params=largest // w)
+                      largest_layer_params=max(sizes, default=0), param_sizes=sizes)
 
 
 def estimate_zero(base: Estimate, tr: Trace, device: Device, strategy: str, world_size: int,
@@ -92,7 +93,7 @@ def estimate_zero(base: Estimate, tr: Trace, device: Device, strategy: str, worl
     inp = zero_inputs(tr)
     mem = zero_memory(inp, stage, world_size, offload=offload, config=config,
                       gpus_per_node=device.gpus_per_node)
-    breakdown = _peak_breakdown(tr, mem, offload)
+    breakdown = _peak_breakdown(tr, inp, stage, world_size, offload, config)
     peak = sum(breakdown.values())
     collectives = zero_collectives(inp, stage, base.accumulation_steps, config)
     by_phase, exposed = _communication(collectives, world_size, device, base.time_by_phase_s)
@@ -116,21 +117,32 @@ def estimate_zero(base: Estimate, tr: Trace, device: Device, strategy: str, worl
         warnings=(*base.warnings, _note(strategy, world_size, offload)), parallel=summary)
 
 
-def _peak_breakdown(tr: Trace, mem: ZeroMemory, offload: bool) -> dict[str, int]:
+def _peak_breakdown(tr: Trace, inp: ZeroInputs, stage: int, world_size: int, offload: bool,
+                    config: ZeroConfig) -> dict[str, int]:
     """One GPU's memory by category at the larger of the two points (module docstring)."""
     rounded = tr.target.kind == "cuda"
     fb, opt = tr.phase_peak_indices(rounded=rounded)
-    share = 0 if offload else 1 / mem.world_size
+    states = zero_points(inp, stage, world_size, offload=offload, config=config)
+    flat = 0.0 if offload else _flat_step_share(tr, inp, world_size)
     points = []
-    for index, scale, grads in ((fb, 1.0, mem.gradients_bytes), (opt, share, 0)):
+    for index, scale, state in ((fb, 1.0, states[0]), (opt, flat, states[1])):
         at = tr.breakdown_at(index, rounded=rounded)
         others = {c: int(v * scale) if c == "temporaries" else v
                   for c, v in at.items() if c not in STATE_CATEGORIES}
-        points.append({"parameters": mem.parameters_bytes, "gradients": grads,
-                       "optimizer_state": mem.optimizer_state_bytes, **others,
-                       "communication": others.get("communication", 0) + mem.gathered_bytes
-                       + mem.buffer_bytes})
+        points.append({**{c: v for c, v in state.items() if c != "communication"}, **others,
+                       "communication": others.get("communication", 0)
+                       + state["communication"]})
     return max(points, key=lambda p: sum(p.values()))
+
+
+def _flat_step_share(tr: Trace, inp: ZeroInputs, world_size: int) -> float:
+    """DeepSpeed steps its optimizer on one flat partition of Psi / N elements, so the
+    step's temporaries are those of one tensor that size: the traced step's temporaries
+    times Psi / N over the elements the traced optimizer takes at once (every parameter
+    for a multi-tensor (foreach, fused) step, the largest tensor for a per-tensor loop)."""
+    multi = any(o.multi_tensor is not None for o in tr.ops if o.phase in OPTIMIZER_PHASES)
+    at_once = inp.params if multi or not inp.largest_layer_params else inp.largest_layer_params
+    return inp.params / world_size / at_once
 
 
 def _communication(collectives: tuple[ZeroCollective, ...], world_size: int, device: Device,
