@@ -120,15 +120,33 @@ def test_zero_points_are_deepspeeds_buffers_by_phase() -> None:
     # un-copied (larger than the bucket)
     assert bwd["gradients"] == w * (1_048_576 + 262_144)
     assert bwd["optimizer_state"] == master + adam + in_partition
-    bwd, step = zero_points(BENCH, 3, 2, config=BENCH_CONFIG)
-    # stage 3: partition (utils.py:221), fp32 master (stage3.py:1172), grad partitions
-    # (stage3.py:791), Adam; the gathered weight and its gradient, the bucket
-    # (stage3.py:782) and the next weight, gathered whole though larger than the bucket
+    # before backward makes a gradient: no bucket, no grads_in_partition (as at gpt2's and
+    # llama's peak, the forward/backward turn)
+    bwd, _ = zero_points(BENCH, 1, 2, config=BENCH_CONFIG, grads_made=0)
+    assert bwd == {"parameters": w * psi, "gradients": 0,
+                   "optimizer_state": master + adam, "communication": 0}
+    # stage 2 copies from the second gradient on (the last parameter's, 256 elements, first)
+    assert zero_points(BENCH, 2, 2, config=BENCH_CONFIG, grads_made=w * 256)[0][
+        "optimizer_state"] == master + adam
+    # stage 3, when backward has made the last weight's and the 1024x1024 weight's
+    # gradients (and two biases'): its partition (utils.py:221), fp32 master
+    # (stage3.py:1172), grad partitions (stage3.py:791), Adam; gathered since forward
+    # (reused within stage3_max_reuse_distance) all but the last Linear, released after its
+    # backward: 1,311,744 elements; the 1024x1024 gradient in flight; the bucket
+    # (stage3.py:782)
+    made = w * (262_144 + 256 + 1024 + 1_048_576)
+    bwd, step = zero_points(BENCH, 3, 2, config=BENCH_CONFIG, grads_made=made)
     assert bwd == {"parameters": w * p, "gradients": 0, "optimizer_state": 16 * p,
-                   "communication": w * (2 * 1_048_576 + b + 262_144)}
+                   "communication": w * (1_311_744 + 1_048_576 + b)}
     # the step: another fp32 copy of the gradient partition (stage3.py:2686), the bucket
     assert step == {"parameters": w * p, "gradients": 0, "optimizer_state": 20 * p,
                     "communication": w * b}
+    # a model past stage3_max_reuse_distance / 2 gathers only its last R / 2 elements at the
+    # forward/backward turn, and prefetches L2 (whole, beyond the bucket) past them
+    short = ZeroConfig(reduce_bucket_size=b, stage3_prefetch_bucket_size=b,
+                       stage3_max_reuse_distance=2_400_000)
+    bwd, _ = zero_points(BENCH, 3, 2, config=short, grads_made=0)
+    assert bwd["communication"] == w * (1_200_000 + b + 262_144)
 
 
 def test_collectives_per_stage() -> None:
@@ -210,9 +228,10 @@ def test_zero3_and_offload_on_a_tiny_model() -> None:
     z3 = zero_estimate("zero3", offload=True)
     b = z3.memory_breakdown
     assert b["parameters"] == int(2 * MLP_PARAMS / 8) and b["optimizer_state"] == 0
-    # the largest layer gathered whole (weights and gradients) + the bucket + prefetch
-    prefetch = MLP_PARAMS - 32 * 64  # the rest of the model: within the prefetch bucket
-    assert b["communication"] == 2 * 2 * 32 * 64 + (500_000_000 + prefetch) * 2
+    # the bucket, and at most the whole model gathered (it is all reused within
+    # stage3_max_reuse_distance) and the largest layer's gradient in flight
+    extra = b["communication"] - 500_000_000 * 2
+    assert 2 * 32 * 64 <= extra <= 2 * MLP_PARAMS + 2 * 32 * 64
     assert z3.time_by_phase_s["optimizer"] == 0.0  # the step runs on the CPU
 
 

@@ -27,6 +27,7 @@ within ``stage3_max_live_parameters``).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -49,6 +50,7 @@ class ZeroConfig:
     allgather_bucket_size: int = 500_000_000
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
     overlap_comm: bool | None = None  # None: DeepSpeed's default, True at stage 3 only
 
     def overlaps(self, stage: int) -> bool:
@@ -84,16 +86,7 @@ class ZeroInputs:
         part = math.ceil(self.params / world_size)
         if not self.param_sizes:
             return min(self.params, part + self.largest_layer_params)
-        best, start = 0, 0
-        for rank in range(world_size):
-            lo, hi = rank * part, (rank + 1) * part
-            total, start = 0, 0
-            for size in self.param_sizes:
-                if start < hi and start + size > lo:
-                    total += size
-                start += size
-            best = max(best, total)
-        return best
+        return _overlap(self.param_sizes, part)
 
     @property
     def partition_bytes_per_param(self) -> float:
@@ -128,6 +121,20 @@ class ZeroMemory:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "model_states_bytes": self.model_states_bytes}
+
+
+@functools.lru_cache(maxsize=64)
+def _overlap(sizes: tuple[int, ...], part: int) -> int:
+    """The most elements of whole parameters reaching into one partition of ``part``
+    elements, the parameters laid end to end in order."""
+    totals: dict[int, int] = {}
+    start = 0
+    for size in sizes:
+        if size:
+            for rank in range(start // part, (start + size - 1) // part + 1):
+                totals[rank] = totals.get(rank, 0) + size
+        start += size
+    return max(totals.values(), default=0)
 
 
 def zero_stage(strategy: str) -> int:
@@ -173,19 +180,28 @@ def _buffer_bytes(inp: ZeroInputs, stage: int, config: ZeroConfig) -> int:
 
 
 def zero_points(inp: ZeroInputs, stage: int, world_size: int, *, offload: bool = False,
-                config: ZeroConfig = DEEPSPEED_DEFAULTS) -> tuple[dict[str, int], dict[str, int]]:
-    """One rank's model states and DeepSpeed buffers at its two peaks, (backward, step), by
-    category, as DeepSpeed 0.19.8 allocates them (measured on its engine:
-    docs/references.md, section 24, item 4). P = Psi / N, w bytes per weight, B the reduce
-    bucket, L and L2 the two largest parameter tensors.
+                config: ZeroConfig = DEEPSPEED_DEFAULTS, grads_made: int | None = None
+                ) -> tuple[dict[str, int], dict[str, int]]:
+    """One rank's model states and DeepSpeed buffers, by category, (in forward/backward,
+    at the step), as DeepSpeed 0.19.8 allocates them (measured on its engine:
+    docs/references.md, section 24, item 4). ``grads_made``: the bytes of gradient that
+    backward has made so far on one GPU (the trace's, at the same point; None: all of
+    them). P = Psi / N, w bytes per weight, B the reduce bucket, L and L2 the two largest
+    parameter tensors.
 
-    Backward. Stages 1-2 have no fp32 gradient partition yet: the rank's gradients are
-    copied into ``grads_in_partition`` (w bytes for every parameter reaching into the
-    partition, whole), the bucket is allocated (``setup_buckets``), and stage 1 keeps every
-    16-bit gradient; stage 2 holds the gradient autograd has just made (L) and one waiting
-    in the bucket un-copied (L2 when it exceeds B: ``extra_large_param_to_reduce``).
-    Stage 3: its partition, the gathered layer and its gradient (2 w L), the persistent
-    bucket, and the prefetched parameters, gathered whole (at least L2).
+    Forward/backward. Stages 1-2 have no fp32 gradient partition yet; the first gradient
+    hook allocates the bucket (``process_gradients``, ``setup_buckets``), and the rank's
+    gradients are copied into ``grads_in_partition`` (w bytes for every parameter reaching
+    into the partition, whole): at stage 1 once backward is over (``reduce_gradients``), at
+    stage 2 from its first bucket reduction on (the second gradient's hook, backward
+    having made the last parameter's first). Stage 1 keeps every 16-bit gradient; stage 2
+    the one autograd has just made (L) and one waiting un-copied in the bucket (L2 when it
+    exceeds B: ``extra_large_param_to_reduce``). Stage 3: its partition and persistent bucket; in
+    forward it gathers each module's parameters and keeps those used again within
+    ``stage3_max_reuse_distance`` elements (its backward comes within twice the parameters
+    after it), so at the forward/backward turn the last R/2 elements are gathered; backward
+    releases each module once its gradient is made (that gradient, up to L, in flight);
+    beyond the kept ones, prefetch gathers whole parameters (at least L2).
 
     Step. The 16-bit gradients and stages 1-2's bucket are gone; the fp32 gradient
     partition is made (in K); stage 3 flattens its gradient partition into another fp32
@@ -193,6 +209,7 @@ def zero_points(inp: ZeroInputs, stage: int, world_size: int, *, offload: bool =
     """
     mem = zero_memory(inp, stage, world_size, offload=offload, config=config)
     w, b = inp.weight_bytes, config.reduce_bucket_size
+    made = w * inp.params if grads_made is None else grads_made
     part = math.ceil(inp.params / world_size)
     big, second = inp.largest_layer_params, inp.second_largest_params
     optimizer = mem.optimizer_state_bytes
@@ -203,18 +220,26 @@ def zero_points(inp: ZeroInputs, stage: int, world_size: int, *, offload: bool =
         else:
             in_partition = w * inp.overlap_params(world_size)
             optimizer_bwd = optimizer - FP32_GRAD_BYTES * part
-        grads = w * inp.params if stage == 1 else w * (big + (second if second > b else 0))
+        waiting = w * (big + (second if second > b else 0))
+        grads = made if stage == 1 else min(made, waiting)
+        # stage 1 copies into grads_in_partition after backward (reduce_gradients); stage 2
+        # at its first bucket reduction, when the second gradient arrives
+        first = inp.param_sizes[-1] if inp.param_sizes else big
+        copied = made >= w * inp.params if stage == 1 else made > w * first
         backward = {"parameters": mem.parameters_bytes, "gradients": grads,
-                    "optimizer_state": optimizer_bwd + in_partition,
-                    "communication": buckets * b * w}
+                    "optimizer_state": optimizer_bwd + (in_partition if copied else 0),
+                    "communication": buckets * b * w if made else 0}
         step = {"parameters": mem.parameters_bytes, "gradients": 0,
                 "optimizer_state": optimizer, "communication": 0}
         return backward, step
-    room = max(min(inp.params, config.stage3_max_live_parameters) - big, 0)
+    kept = min(inp.params, config.stage3_max_reuse_distance // 2)
+    room = max(min(inp.params, config.stage3_max_live_parameters) - kept, 0)
     prefetch = min(max(config.stage3_prefetch_bucket_size, second), room)
+    in_flight = min(made, w * big)
+    gathered = max(w * kept - max(made - w * big, 0), w * big)
     backward = {"parameters": mem.parameters_bytes, "gradients": 0,
                 "optimizer_state": optimizer,
-                "communication": mem.gathered_bytes + w * (b + prefetch)}
+                "communication": gathered + in_flight + w * (b + prefetch)}
     step = {"parameters": mem.parameters_bytes, "gradients": 0,
             "optimizer_state": optimizer + (0 if offload else FP32_GRAD_BYTES * part),
             "communication": w * b}

@@ -41,7 +41,13 @@ from tilefit.estimator.zero import (
 )
 from tilefit.hardware import Device
 from tilefit.tracing.records import Trace
-from tilefit.vocab import OPTIMIZER_PHASES, STRATEGIES, ZERO_STRATEGIES, parse_precision
+from tilefit.vocab import (
+    MICRO_PHASES,
+    OPTIMIZER_PHASES,
+    STRATEGIES,
+    ZERO_STRATEGIES,
+    parse_precision,
+)
 
 STATE_CATEGORIES = ("parameters", "gradients", "optimizer_state")
 
@@ -80,6 +86,9 @@ def zero_inputs(tr: Trace) -> ZeroInputs:
                 if s.category == "optimizer_state" and s.free_at is None)
     sizes = tuple(s.nbytes // w for s in tr.storages
                   if s.category == "parameters" and s.alloc_at < 0)
+    # the tracer registers model.parameters() (DeepSpeed's flattening order) before the
+    # buffers
+    sizes = sizes[:tr.trainable_param_tensors or len(sizes)]
     return ZeroInputs(params=psi, weight_bytes=w, optimizer_bytes_per_param=state / psi,
                       largest_layer_params=max(sizes, default=0), param_sizes=sizes)
 
@@ -119,20 +128,51 @@ def estimate_zero(base: Estimate, tr: Trace, device: Device, strategy: str, worl
 
 def _peak_breakdown(tr: Trace, inp: ZeroInputs, stage: int, world_size: int, offload: bool,
                     config: ZeroConfig) -> dict[str, int]:
-    """One GPU's memory by category at the larger of the two points (module docstring)."""
+    """One GPU's memory by category at its peak (module docstring): every point of the
+    traced forward/backward, DeepSpeed's states there following the gradients the trace has
+    made by then, and the optimizer step's peak."""
     rounded = tr.target.kind == "cuda"
-    fb, opt = tr.phase_peak_indices(rounded=rounded)
-    states = zero_points(inp, stage, world_size, offload=offload, config=config)
+    _, opt = tr.phase_peak_indices(rounded=rounded)
     flat = 0.0 if offload else _flat_step_share(tr, inp, world_size)
-    points = []
-    for index, scale, state in ((fb, 1.0, states[0]), (opt, flat, states[1])):
-        at = tr.breakdown_at(index, rounded=rounded)
-        others = {c: int(v * scale) if c == "temporaries" else v
-                  for c, v in at.items() if c not in STATE_CATEGORIES}
-        points.append({**{c: v for c, v in state.items() if c != "communication"}, **others,
-                       "communication": others.get("communication", 0)
-                       + state["communication"]})
+    points, states = [], {}
+    for _, at in _micro_breakdowns(tr, rounded):
+        made = at.get("gradients", 0)
+        if made not in states:
+            states[made] = zero_points(inp, stage, world_size, offload=offload, config=config,
+                                       grads_made=made)[0]
+        points.append(_point(at, states[made], 1.0))
+    step = zero_points(inp, stage, world_size, offload=offload, config=config)[1]
+    points.append(_point(tr.breakdown_at(opt, rounded=rounded), step, flat))
     return max(points, key=lambda p: sum(p.values()))
+
+
+def _point(at: dict[str, int], state: dict[str, int], scale: float) -> dict[str, int]:
+    others = {c: int(v * scale) if c == "temporaries" else v
+              for c, v in at.items() if c not in STATE_CATEGORIES}
+    return {**{c: v for c, v in state.items() if c != "communication"}, **others,
+            "communication": others.get("communication", 0) + state["communication"]}
+
+
+def _micro_breakdowns(tr: Trace, rounded: bool) -> list[tuple[int, dict[str, int]]]:
+    """(timeline index, live bytes by category) at every point of forward/backward (the
+    micro-batch phases), by one sweep over the storages."""
+    n = tr.n_events + 2
+    deltas = {c: [0] * (n + 1) for c in tr.categories}
+    for s in tr.storages:
+        nbytes = tr.target.round(s.nbytes) if rounded else s.nbytes
+        born = max(s.alloc_at + 1, 0)
+        dead = n if s.free_at is None else min(s.free_at + 1, n)
+        deltas[s.category][min(born, n)] += nbytes
+        deltas[s.category][dead] -= nbytes
+    live = dict.fromkeys(tr.categories, 0)
+    out = []
+    for j in range(n):
+        for c in live:
+            live[c] += deltas[c][j]
+        op = tr.ops[j - 1] if 0 < j <= len(tr.ops) else None
+        if op is None or op.phase in MICRO_PHASES:
+            out.append((j, dict(live)))
+    return out
 
 
 def _flat_step_share(tr: Trace, inp: ZeroInputs, world_size: int) -> float:
