@@ -189,7 +189,8 @@ def one_and_zero2() -> tuple[object, object]:
 
 def test_estimate_zero2_on_a_tiny_model(one_and_zero2: tuple[object, object]) -> None:
     one, z = one_and_zero2
-    # pure bf16 AdamW holds two bf16 moments per parameter (+ a few step counters)
+    # pure bf16 AdamW holds two bf16 moments per parameter (+ a few step counters);
+    # DeepSpeed's optimizer steps the fp32 partition, so they count as fp32 (8 bytes)
     from tilefit.tracing import trace
 
     tr = trace(mlp, torch.randn(4, 32), loss_fn=mean_loss, device=get_device("h100-sxm"),
@@ -197,7 +198,7 @@ def test_estimate_zero2_on_a_tiny_model(one_and_zero2: tuple[object, object]) ->
     inp = zero_inputs(tr)
     assert inp.params == MLP_PARAMS and inp.weight_bytes == 2
     assert inp.largest_layer_params == 32 * 64  # the first Linear's weight
-    assert abs(inp.optimizer_bytes_per_param - 4) <= 16 / MLP_PARAMS
+    assert abs(inp.optimizer_bytes_per_param - 8) <= 32 / MLP_PARAMS
     k = 4 + 4 + inp.optimizer_bytes_per_param
     b = z.memory_breakdown
     assert b["parameters"] == 2 * MLP_PARAMS

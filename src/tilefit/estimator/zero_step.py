@@ -30,6 +30,7 @@ from tilefit.estimator.collectives import (
 from tilefit.estimator.result import Estimate
 from tilefit.estimator.zero import (
     DEEPSPEED_DEFAULTS,
+    MASTER_BYTES,
     ZeroCollective,
     ZeroConfig,
     ZeroInputs,
@@ -89,6 +90,9 @@ def zero_inputs(tr: Trace) -> ZeroInputs:
     # the tracer registers model.parameters() (DeepSpeed's flattening order) before the
     # buffers
     sizes = sizes[:tr.trainable_param_tensors or len(sizes)]
+    # DeepSpeed's optimizer steps the fp32 partition (stage_1_and_2.py:577, stage3.py:1172),
+    # so its state is fp32 whatever the weights: a 16-bit trace's state, widened
+    state *= MASTER_BYTES / w
     return ZeroInputs(params=psi, weight_bytes=w, optimizer_bytes_per_param=state / psi,
                       largest_layer_params=max(sizes, default=0), param_sizes=sizes)
 
@@ -179,10 +183,12 @@ def _flat_step_share(tr: Trace, inp: ZeroInputs, world_size: int) -> float:
     """DeepSpeed steps its optimizer on one flat partition of Psi / N elements, so the
     step's temporaries are those of one tensor that size: the traced step's temporaries
     times Psi / N over the elements the traced optimizer takes at once (every parameter
-    for a multi-tensor (foreach, fused) step, the largest tensor for a per-tensor loop)."""
+    for a multi-tensor (foreach, fused) step, the largest tensor for a per-tensor loop),
+    widened to fp32."""
     multi = any(o.multi_tensor is not None for o in tr.ops if o.phase in OPTIMIZER_PHASES)
     at_once = inp.params if multi or not inp.largest_layer_params else inp.largest_layer_params
-    return inp.params / world_size / at_once
+    # in fp32, as the partition is, whatever the traced weights
+    return inp.params / world_size / at_once * MASTER_BYTES / inp.weight_bytes
 
 
 def _communication(collectives: tuple[ZeroCollective, ...], world_size: int, device: Device,
