@@ -164,10 +164,11 @@ def zero_memory(inp: ZeroInputs, stage: int, world_size: int, *, offload: bool =
 
 
 def _buffer_bytes(inp: ZeroInputs, stage: int, config: ZeroConfig) -> int:
-    """The contiguous gradient bucket, allocated whole (``torch.empty(reduce_bucket_size)``
-    in stage_1_and_2.py and stage3.py), doubled by overlap_comm at stages 1 and 2; at stage
+    """A summary (ZeroMemory.buffer_bytes; the peak takes ``zero_points``' figures): the
+    contiguous gradient bucket, allocated whole (``torch.empty(reduce_bucket_size)`` in
+    stage_1_and_2.py and stage3.py), doubled by overlap_comm at stages 1 and 2; at stage
     2 the largest layer's gradient, which autograd makes whole before DeepSpeed's hook
-    copies it into the bucket (measured: docs/references.md, section 24, item 3); at stage 3 the
+    copies it into the bucket (docs/references.md, section 24, item 4); at stage 3 the
     parameters prefetched beyond the gathered layer."""
     buckets = 2 if stage < 3 and config.overlaps(stage) else 1
     total = buckets * config.reduce_bucket_size * inp.weight_bytes

@@ -1,12 +1,12 @@
 """One rank's step under DeepSpeed ZeRO, modelled on the one-GPU trace (estimator/zero.py).
 
-- Memory: ZeRO's per-GPU model states, DeepSpeed's buffers and stage 3's gathered layer
-  (category ``communication``), plus the one-GPU trace's other tensors (activations,
-  temporaries, inputs), which ZeRO does not partition, at the larger of two points: the
-  forward/backward peak, and the optimizer step's peak with its temporaries over one
-  partition (1/N; none on the GPU with offload) and the 16-bit gradients released
-  (they live on as the fp32 partition). Measured against DeepSpeed on the CPU:
-  docs/references.md, section 24, item 3.
+- Memory: the larger of two points. Forward/backward: at every point of the one-GPU
+  trace, its activations, temporaries and inputs (ZeRO does not partition them) plus
+  DeepSpeed's model states and buffers as they stand once backward has made the
+  gradients the trace has made by then (estimator/zero.py, ``zero_points``). The
+  optimizer step: its peak, the traced step's temporaries sized for one flat fp32
+  partition, and DeepSpeed's states at the step. Measured against DeepSpeed's engine on
+  the CPU: docs/references.md, section 24, items 3 and 4.
 - Time: the traced step, its optimizer phases over one partition (1/N of the parameters),
   plus the collectives that the compute does not hide (estimator/collectives.py's ring
   formulas and overlap rule); with ``offload`` the optimizer step runs on the CPU instead,
