@@ -256,3 +256,17 @@ def test_cli_strategy_zero2_json() -> None:
                                    "--input-shape", "32", "--gpu", "h100-sxm", "--gpus", "8",
                                    "--strategy", "fsdp2", "--offload"])
     assert bad.exit_code == 2 and "--strategy zero2 --offload" in bad.output
+
+
+def test_micro_breakdowns_sweep_is_breakdown_at() -> None:
+    # the one-sweep timeline by category the ZeRO peak walks equals Trace.breakdown_at at
+    # every forward/backward point
+    from tilefit.estimator.zero_step import _micro_breakdowns
+    from tilefit.tracing import trace
+
+    tr = trace(mlp, torch.randn(4, 32), loss_fn=mean_loss, device=get_device("h100-sxm"),
+               precision="bf16")
+    points = _micro_breakdowns(tr, True)
+    assert len(points) > 10
+    for j, at in points:
+        assert at == tr.breakdown_at(j, rounded=True)
