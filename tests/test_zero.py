@@ -141,6 +141,13 @@ def test_zero_points_are_deepspeeds_buffers_by_phase() -> None:
     # the step: another fp32 copy of the gradient partition (stage3.py:2686), the bucket
     assert step == {"parameters": w * p, "gradients": 0, "optimizer_state": 20 * p,
                     "communication": w * b}
+    # in DeepSpeed's bf16 mode the gradient partition is bf16 (engine.py:1806-1807: the
+    # gradient-accumulation dtype defaults to the model's), 2 P, and the step's copy fp32
+    half = ZeroInputs(params=BENCH.params, weight_bytes=2, optimizer_bytes_per_param=8,
+                      largest_layer_params=BENCH.largest_layer_params, param_sizes=BENCH_SIZES)
+    bwd, step = zero_points(half, 3, 2, config=BENCH_CONFIG)
+    assert bwd["optimizer_state"] == master + 2 * p + adam
+    assert step["optimizer_state"] == master + 2 * p + adam + 4 * p
     # a model past stage3_max_reuse_distance / 2 gathers only its last R / 2 elements at the
     # forward/backward turn, and prefetches L2 (whole, beyond the bucket) past them
     short = ZeroConfig(reduce_bucket_size=b, stage3_prefetch_bucket_size=b,

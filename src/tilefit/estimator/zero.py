@@ -204,9 +204,12 @@ def zero_points(inp: ZeroInputs, stage: int, world_size: int, *, offload: bool =
     releases each module once its gradient is made (that gradient, up to L, in flight);
     beyond the kept ones, prefetch gathers whole parameters (at least L2).
 
+    Stage 3 keeps its gradient partition in the weights' dtype (w P in place of K's fp32
+    4 P; DeepSpeed's default gradient-accumulation dtype).
+
     Step. The 16-bit gradients and stages 1-2's bucket are gone; the fp32 gradient
-    partition is made (in K); stage 3 flattens its gradient partition into another fp32
-    copy (``_prepare_fp32_grad_for_sub_group``) and keeps its bucket; nothing is gathered.
+    partition is made (in K); stage 3 flattens its gradient partition into an fp32 copy
+    (``_prepare_fp32_grad_for_sub_group``) and keeps its bucket; nothing is gathered.
     """
     mem = zero_memory(inp, stage, world_size, offload=offload, config=config)
     w, b = inp.weight_bytes, config.reduce_bucket_size
@@ -238,6 +241,10 @@ def zero_points(inp: ZeroInputs, stage: int, world_size: int, *, offload: bool =
     prefetch = min(max(config.stage3_prefetch_bucket_size, second), room)
     in_flight = min(made, w * big)
     gathered = max(w * kept - max(made - w * big, 0), w * big)
+    # the gradient partition is kept in the gradient-accumulation dtype, by default the
+    # weights' (stage3.py:784-791): w P, not the fp32 gradients K counts
+    if not offload:
+        optimizer += (w - FP32_GRAD_BYTES) * part
     backward = {"parameters": mem.parameters_bytes, "gradients": 0,
                 "optimizer_state": optimizer,
                 "communication": gathered + in_flight + w * (b + prefetch)}
