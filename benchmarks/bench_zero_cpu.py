@@ -2,10 +2,12 @@
 
 DeepSpeed does not run on fake tensors, so ``estimate(..., strategy="zeroN")`` models it
 (tilefit.estimator.zero). Here ``torchrun --nproc-per-node 2`` runs DeepSpeed's engine with
-``DS_ACCELERATOR=cpu`` and gloo for two steps of an MLP at stages 1, 2 and 3; each rank
-counts its live tensor bytes with tilefit's ``MemoryLimitMode`` (no limit) from before
+``DS_ACCELERATOR=cpu`` and gloo for two steps of each workload (an MLP, a tiny GPT-2 and
+Llama in fp32, the MLP in DeepSpeed's bf16 mode) at stages 1, 2 and 3; each rank counts
+its live tensor bytes with tilefit's ``MemoryLimitMode`` (no limit) from before
 ``deepspeed.initialize``, and reports its peak. tilefit's modelled per-rank peak, with the
-same bucket sizes (``ZeroConfig``), stands beside it.
+same bucket sizes (``ZeroConfig``), stands beside each rank's (docs/references.md,
+section 24, items 3 and 4).
 
 DeepSpeed is not a tilefit dependency: install it apart, without touching torch
 (``pip install --no-deps --target DIR deepspeed==0.19.8 hjson py-cpuinfo ninja msgpack
@@ -13,6 +15,7 @@ einops``) and pass ``--deepspeed DIR``. The first run builds DeepSpeed's CPU com
 op (about 100 s).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_zero_cpu.py --deepspeed DIR [--out FILE]
+        [--workloads mlp,gpt2,llama,mlp-bf16]
 """
 
 from __future__ import annotations
@@ -159,8 +162,8 @@ def main() -> int:
         return 0
     lines = [f"torch {torch.__version__}, {NPROC} ranks (gloo), OMP_NUM_THREADS="
              f"{os.environ.get('OMP_NUM_THREADS')}, load average {os.getloadavg()[0]:.2f}; "
-             f"fp32, AdamW, batch {BATCH}, buckets {BUCKET:,}; each rank's peak (rank 0 / "
-             "rank 1) against tilefit's modelled per-rank peak (its worst rank)"]
+             f"fp32 unless -bf16, AdamW, batch {BATCH}, buckets {BUCKET:,}; each rank's peak "
+             "(rank 0 / rank 1) against tilefit's modelled per-rank peak (its worst rank)"]
     for name in args.workloads.split(","):
         lines.append(f"{name}: {WORKLOADS[name][3]}")
         for stage in (1, 2, 3):
