@@ -6,8 +6,8 @@ DeepSpeed does not run on fake tensors, so ``estimate(..., strategy="zeroN")`` m
 Llama in fp32, the MLP in DeepSpeed's bf16 mode) at stages 1, 2 and 3; each rank counts
 its live tensor bytes with tilefit's ``MemoryLimitMode`` (no limit) from before
 ``deepspeed.initialize``, and reports its peak. tilefit's modelled per-rank peak, with the
-same bucket sizes (``ZeroConfig``), stands beside each rank's (docs/references.md,
-section 24, items 3 and 4).
+same bucket sizes (``ZeroConfig``), stands beside each rank's
+(docs/references.md, section 24, items 3 and 4).
 
 DeepSpeed is not a tilefit dependency: install it apart, without touching torch
 (``pip install --no-deps --target DIR deepspeed==0.19.8 hjson py-cpuinfo ninja msgpack
