@@ -14,7 +14,13 @@ from tilefit import estimate
 from tilefit.cli.app import app
 from tilefit.errors import TilefitError
 from tilefit.estimator.collectives import collective_time_s
-from tilefit.estimator.zero import ZeroConfig, ZeroInputs, zero_collectives, zero_memory
+from tilefit.estimator.zero import (
+    ZeroConfig,
+    ZeroInputs,
+    zero_collectives,
+    zero_memory,
+    zero_points,
+)
 from tilefit.estimator.zero_step import zero_inputs
 from tilefit.hardware import get_device
 
@@ -64,12 +70,90 @@ def test_stages_1_and_2_are_the_zero_papers_figure_1() -> None:
 def test_buffers_are_deepspeeds_default_buckets() -> None:
     # reduce_bucket_size 5e8 elements in bf16; overlap_comm doubles it at stages 1-2;
     # stage 2 also holds the largest layer's whole gradient before it enters the bucket
+    # (zero_points counts it as a gradient at backward's peak)
     assert zero_memory(BF16_ADAM, 1, 8).buffer_bytes == 500_000_000 * 2
     assert zero_memory(BF16_ADAM, 2, 8).buffer_bytes == (500_000_000 + LARGEST) * 2
     overlap = ZeroConfig(overlap_comm=True)
     assert zero_memory(BF16_ADAM, 1, 8, config=overlap).buffer_bytes == 2 * 500_000_000 * 2
     # stage 3: the bucket, and 5e7 prefetched parameters (stage3_prefetch_bucket_size)
     assert zero_memory(BF16_ADAM, 3, 8).buffer_bytes == (500_000_000 + 50_000_000) * 2
+
+
+# benchmarks/bench_zero_cpu.py's MLP 256-1024-1024-256, fp32, AdamW, 2 ranks, buckets 1e5:
+# the parameters in DeepSpeed's flattening order (weight, bias of each Linear)
+BENCH_SIZES = (256 * 1024, 1024, 1024 * 1024, 1024, 1024 * 256, 256)
+BENCH = ZeroInputs(params=sum(BENCH_SIZES), weight_bytes=4, optimizer_bytes_per_param=8,
+                   largest_layer_params=1024 * 1024, param_sizes=BENCH_SIZES)
+BENCH_CONFIG = ZeroConfig(reduce_bucket_size=100_000, allgather_bucket_size=100_000,
+                          stage3_prefetch_bucket_size=100_000)
+
+
+def test_grads_in_partition_holds_whole_parameters() -> None:
+    # Psi = 1,575,168, P = 787,584 per rank. Rank 0's partition [0, 787,584) reaches into
+    # the first weight, its bias and the 1024x1024 weight (which ends at 1,311,744): all
+    # three whole, 1,311,744 elements; rank 1's from that weight on: 1,312,000.
+    assert BENCH.params == 1_575_168
+    assert BENCH.overlap_params(2) == 1_048_576 + 1024 + 262_144 + 256
+    # one rank holds everything; without sizes the bound is P + L
+    assert BENCH.overlap_params(1) == BENCH.params
+    no_sizes = ZeroInputs(params=1000, weight_bytes=2, optimizer_bytes_per_param=8,
+                          largest_layer_params=100)
+    assert no_sizes.overlap_params(4) == 250 + 100
+    assert BENCH.second_largest_params == 262_144
+
+
+def test_zero_points_are_deepspeeds_buffers_by_phase() -> None:
+    # what DeepSpeed 0.19.8's engine held on rank 1 of 2 at each peak, by allocation site
+    # (docs/references.md, section 24, item 4), in bytes; P = 787,584
+    psi, p, w, b = 1_575_168, 787_584, 4, 100_000
+    master, adam = 4 * p, 8 * p  # fp32 partition (stage_1_and_2.py:560), Adam's moments
+    in_partition = w * 1_312_000  # grads_in_partition (stage_1_and_2.py:2192)
+    bwd, step = zero_points(BENCH, 1, 2, config=BENCH_CONFIG)
+    # stage 1 backward: flat parameters, every 16-bit gradient, grads_in_partition, bucket
+    assert bwd == {"parameters": w * psi, "gradients": w * psi,
+                   "optimizer_state": master + adam + in_partition, "communication": w * b}
+    # the step: the fp32 gradient partition (stage_1_and_2.py:3117) instead, no bucket
+    assert step == {"parameters": w * psi, "gradients": 0,
+                    "optimizer_state": master + 4 * p + adam, "communication": 0}
+    bwd, _ = zero_points(BENCH, 2, 2, config=BENCH_CONFIG)
+    # stage 2: the 1024x1024 gradient autograd just made, and the 256x1024 one waiting
+    # un-copied (larger than the bucket)
+    assert bwd["gradients"] == w * (1_048_576 + 262_144)
+    assert bwd["optimizer_state"] == master + adam + in_partition
+    # before backward makes a gradient: no bucket, no grads_in_partition (as at gpt2's and
+    # llama's peak, the forward/backward turn)
+    bwd, _ = zero_points(BENCH, 1, 2, config=BENCH_CONFIG, grads_made=0)
+    assert bwd == {"parameters": w * psi, "gradients": 0,
+                   "optimizer_state": master + adam, "communication": 0}
+    # stage 2 copies from the second gradient on (the last parameter's, 256 elements, first)
+    assert zero_points(BENCH, 2, 2, config=BENCH_CONFIG, grads_made=w * 256)[0][
+        "optimizer_state"] == master + adam
+    # stage 3, when backward has made the last weight's and the 1024x1024 weight's
+    # gradients (and two biases'): its partition (utils.py:221), fp32 master
+    # (stage3.py:1172), grad partitions (stage3.py:791), Adam; gathered since forward
+    # (reused within stage3_max_reuse_distance) all but the last Linear, released after its
+    # backward: 1,311,744 elements; the 1024x1024 gradient in flight; the bucket
+    # (stage3.py:782)
+    made = w * (262_144 + 256 + 1024 + 1_048_576)
+    bwd, step = zero_points(BENCH, 3, 2, config=BENCH_CONFIG, grads_made=made)
+    assert bwd == {"parameters": w * p, "gradients": 0, "optimizer_state": 16 * p,
+                   "communication": w * (1_311_744 + 1_048_576 + b)}
+    # the step: another fp32 copy of the gradient partition (stage3.py:2686), the bucket
+    assert step == {"parameters": w * p, "gradients": 0, "optimizer_state": 20 * p,
+                    "communication": w * b}
+    # in DeepSpeed's bf16 mode the gradient partition is bf16 (engine.py:1806-1807: the
+    # gradient-accumulation dtype defaults to the model's), 2 P, and the step's copy fp32
+    half = ZeroInputs(params=BENCH.params, weight_bytes=2, optimizer_bytes_per_param=8,
+                      largest_layer_params=BENCH.largest_layer_params, param_sizes=BENCH_SIZES)
+    bwd, step = zero_points(half, 3, 2, config=BENCH_CONFIG)
+    assert bwd["optimizer_state"] == master + 2 * p + adam
+    assert step["optimizer_state"] == master + 2 * p + adam + 4 * p
+    # a model past stage3_max_reuse_distance / 2 gathers only its last R / 2 elements at the
+    # forward/backward turn, and prefetches L2 (whole, beyond the bucket) past them
+    short = ZeroConfig(reduce_bucket_size=b, stage3_prefetch_bucket_size=b,
+                       stage3_max_reuse_distance=2_400_000)
+    bwd, _ = zero_points(BENCH, 3, 2, config=short, grads_made=0)
+    assert bwd["communication"] == w * (1_200_000 + b + 262_144)
 
 
 def test_collectives_per_stage() -> None:
@@ -112,7 +196,8 @@ def one_and_zero2() -> tuple[object, object]:
 
 def test_estimate_zero2_on_a_tiny_model(one_and_zero2: tuple[object, object]) -> None:
     one, z = one_and_zero2
-    # pure bf16 AdamW holds two bf16 moments per parameter (+ a few step counters)
+    # pure bf16 AdamW holds two bf16 moments per parameter (+ a few step counters);
+    # DeepSpeed's optimizer steps the fp32 partition, so they count as fp32 (8 bytes)
     from tilefit.tracing import trace
 
     tr = trace(mlp, torch.randn(4, 32), loss_fn=mean_loss, device=get_device("h100-sxm"),
@@ -120,14 +205,17 @@ def test_estimate_zero2_on_a_tiny_model(one_and_zero2: tuple[object, object]) ->
     inp = zero_inputs(tr)
     assert inp.params == MLP_PARAMS and inp.weight_bytes == 2
     assert inp.largest_layer_params == 32 * 64  # the first Linear's weight
-    assert abs(inp.optimizer_bytes_per_param - 4) <= 16 / MLP_PARAMS
+    assert abs(inp.optimizer_bytes_per_param - 8) <= 32 / MLP_PARAMS
     k = 4 + 4 + inp.optimizer_bytes_per_param
     b = z.memory_breakdown
     assert b["parameters"] == 2 * MLP_PARAMS
-    assert b["gradients"] == int(2 * MLP_PARAMS / 8)
-    assert b["optimizer_state"] == int(k * MLP_PARAMS / 8)
-    # DeepSpeed's default gradient bucket, and the largest layer's gradient
-    assert b["communication"] == (500_000_000 + 32 * 64) * 2
+    # backward's peak: the largest layer's 16-bit gradient, just made
+    assert b["gradients"] == 2 * 32 * 64
+    # the optimizer partition less its fp32 gradients (P = 346), and grads_in_partition:
+    # rank 5's [1730, 2076) reaches into the first weight and its bias, 2048 + 64 elements
+    assert b["optimizer_state"] == int(k * MLP_PARAMS / 8) - 4 * 346 + 2 * (2048 + 64)
+    # DeepSpeed's default gradient bucket
+    assert b["communication"] == 500_000_000 * 2
     # the rest (activations, temporaries, inputs) comes from the one-GPU trace: never more
     # than its peak less its weights
     assert z.peak_memory_bytes == sum(b.values())
@@ -148,9 +236,10 @@ def test_zero3_and_offload_on_a_tiny_model() -> None:
     z3 = zero_estimate("zero3", offload=True)
     b = z3.memory_breakdown
     assert b["parameters"] == int(2 * MLP_PARAMS / 8) and b["optimizer_state"] == 0
-    # the largest layer gathered whole (weights and gradients) + the bucket + prefetch
-    prefetch = MLP_PARAMS - 32 * 64
-    assert b["communication"] == 2 * 2 * 32 * 64 + (500_000_000 + prefetch) * 2
+    # the bucket, and at most the whole model gathered (it is all reused within
+    # stage3_max_reuse_distance) and the largest layer's gradient in flight
+    extra = b["communication"] - 500_000_000 * 2
+    assert 2 * 32 * 64 <= extra <= 2 * MLP_PARAMS + 2 * 32 * 64
     assert z3.time_by_phase_s["optimizer"] == 0.0  # the step runs on the CPU
 
 
@@ -169,8 +258,22 @@ def test_cli_strategy_zero2_json() -> None:
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
     assert data["parallel"]["modelled"] is True and data["parallel"]["strategy"] == "zero2"
-    assert data["memory_breakdown"]["communication"] == (500_000_000 + 32 * 64) * 2  # bf16
+    assert data["memory_breakdown"]["communication"] == 500_000_000 * 2  # bf16
     bad = CliRunner().invoke(app, ["estimate", "tests.fixtures.tiny_models:mlp",
                                    "--input-shape", "32", "--gpu", "h100-sxm", "--gpus", "8",
                                    "--strategy", "fsdp2", "--offload"])
     assert bad.exit_code == 2 and "--strategy zero2 --offload" in bad.output
+
+
+def test_micro_breakdowns_sweep_is_breakdown_at() -> None:
+    # the one-sweep timeline by category the ZeRO peak walks equals Trace.breakdown_at at
+    # every forward/backward point
+    from tilefit.estimator.zero_step import _micro_breakdowns
+    from tilefit.tracing import trace
+
+    tr = trace(mlp, torch.randn(4, 32), loss_fn=mean_loss, device=get_device("h100-sxm"),
+               precision="bf16")
+    points = _micro_breakdowns(tr, True)
+    assert len(points) > 10
+    for j, at in points:
+        assert at == tr.breakdown_at(j, rounded=True)

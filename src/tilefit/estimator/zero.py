@@ -27,6 +27,7 @@ within ``stage3_max_live_parameters``).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -49,6 +50,7 @@ class ZeroConfig:
     allgather_bucket_size: int = 500_000_000
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
     overlap_comm: bool | None = None  # None: DeepSpeed's default, True at stage 3 only
 
     def overlaps(self, stage: int) -> bool:
@@ -66,6 +68,25 @@ class ZeroInputs:
     weight_bytes: int  # bytes per weight: 2 for 16-bit weights, 4 for fp32
     optimizer_bytes_per_param: float  # the optimizer's own state (AdamW: 8)
     largest_layer_params: int  # L
+    # the parameter tensors' sizes (elements) in the order DeepSpeed flattens them
+    # (model.parameters()); () when unknown
+    param_sizes: tuple[int, ...] = ()
+
+    @property
+    def second_largest_params(self) -> int:
+        """L2: the largest parameter tensor after L (0 when unknown)."""
+        ranked = sorted(self.param_sizes, reverse=True)
+        return ranked[1] if len(ranked) > 1 else 0
+
+    def overlap_params(self, world_size: int) -> int:
+        """The elements of the whole parameters that reach into a rank's flat partition,
+        the most over ranks: stage 1-2's ``grads_in_partition`` holds each of them whole
+        (stage_1_and_2.py, copy_grads_in_partition: ``total_size`` sums the numel of every
+        parameter in ``params_in_partition``). Unknown sizes: the partition plus L."""
+        part = math.ceil(self.params / world_size)
+        if not self.param_sizes:
+            return min(self.params, part + self.largest_layer_params)
+        return _overlap(self.param_sizes, part)
 
     @property
     def partition_bytes_per_param(self) -> float:
@@ -102,6 +123,20 @@ class ZeroMemory:
         return {**asdict(self), "model_states_bytes": self.model_states_bytes}
 
 
+@functools.lru_cache(maxsize=64)
+def _overlap(sizes: tuple[int, ...], part: int) -> int:
+    """The most elements of whole parameters reaching into one partition of ``part``
+    elements, the parameters laid end to end in order."""
+    totals: dict[int, int] = {}
+    start = 0
+    for size in sizes:
+        if size:
+            for rank in range(start // part, (start + size - 1) // part + 1):
+                totals[rank] = totals.get(rank, 0) + size
+        start += size
+    return max(totals.values(), default=0)
+
+
 def zero_stage(strategy: str) -> int:
     """1, 2 or 3 for "zero1", "zero2", "zero3"."""
     key = str(strategy).strip().lower()
@@ -129,10 +164,11 @@ def zero_memory(inp: ZeroInputs, stage: int, world_size: int, *, offload: bool =
 
 
 def _buffer_bytes(inp: ZeroInputs, stage: int, config: ZeroConfig) -> int:
-    """The contiguous gradient bucket, allocated whole (``torch.empty(reduce_bucket_size)``
-    in stage_1_and_2.py and stage3.py), doubled by overlap_comm at stages 1 and 2; at stage
+    """A summary (ZeroMemory.buffer_bytes; the peak takes ``zero_points``' figures): the
+    contiguous gradient bucket, allocated whole (``torch.empty(reduce_bucket_size)`` in
+    stage_1_and_2.py and stage3.py), doubled by overlap_comm at stages 1 and 2; at stage
     2 the largest layer's gradient, which autograd makes whole before DeepSpeed's hook
-    copies it into the bucket (measured: docs/references.md, section 24, item 3); at stage 3 the
+    copies it into the bucket (docs/references.md, section 24, item 4); at stage 3 the
     parameters prefetched beyond the gathered layer."""
     buckets = 2 if stage < 3 and config.overlaps(stage) else 1
     total = buckets * config.reduce_bucket_size * inp.weight_bytes
@@ -142,6 +178,80 @@ def _buffer_bytes(inp: ZeroInputs, stage: int, config: ZeroConfig) -> int:
         room = min(inp.params, config.stage3_max_live_parameters) - inp.largest_layer_params
         total += min(config.stage3_prefetch_bucket_size, max(room, 0)) * inp.weight_bytes
     return int(total)
+
+
+def zero_points(inp: ZeroInputs, stage: int, world_size: int, *, offload: bool = False,
+                config: ZeroConfig = DEEPSPEED_DEFAULTS, grads_made: int | None = None
+                ) -> tuple[dict[str, int], dict[str, int]]:
+    """One rank's model states and DeepSpeed buffers, by category, (in forward/backward,
+    at the step), as DeepSpeed 0.19.8 allocates them (measured on its engine:
+    docs/references.md, section 24, item 4). ``grads_made``: the bytes of gradient that
+    backward has made so far on one GPU (the trace's, at the same point; None: all of
+    them). P = Psi / N, w bytes per weight, B the reduce bucket, L and L2 the two largest
+    parameter tensors.
+
+    Forward/backward. Stages 1-2 have no fp32 gradient partition yet; the first gradient
+    hook allocates the bucket (``process_gradients``, ``setup_buckets``), and the rank's
+    gradients are copied into ``grads_in_partition`` (w bytes for every parameter reaching
+    into the partition, whole): at stage 1 once backward is over (``reduce_gradients``), at
+    stage 2 from its first bucket reduction on (the second gradient's hook, backward
+    having made the last parameter's first). Stage 1 keeps every 16-bit gradient; stage 2
+    the one autograd has just made (L) and one waiting un-copied in the bucket (L2 when it
+    exceeds B: ``extra_large_param_to_reduce``). Stage 3: its partition and persistent bucket; in
+    forward it gathers each module's parameters and keeps those used again within
+    ``stage3_max_reuse_distance`` elements (its backward comes within twice the parameters
+    after it), so at the forward/backward turn the last R/2 elements are gathered; backward
+    releases each module once its gradient is made (that gradient, up to L, in flight);
+    beyond the kept ones, prefetch gathers whole parameters (at least L2).
+
+    Stage 3 keeps its gradient partition in the weights' dtype (w P in place of K's fp32
+    4 P; DeepSpeed's default gradient-accumulation dtype).
+
+    Step. The 16-bit gradients and stages 1-2's bucket are gone; the fp32 gradient
+    partition is made (in K); stage 3 flattens its gradient partition into an fp32 copy
+    (``_prepare_fp32_grad_for_sub_group``) and keeps its bucket; nothing is gathered.
+    """
+    mem = zero_memory(inp, stage, world_size, offload=offload, config=config)
+    w, b = inp.weight_bytes, config.reduce_bucket_size
+    made = w * inp.params if grads_made is None else grads_made
+    part = math.ceil(inp.params / world_size)
+    big, second = inp.largest_layer_params, inp.second_largest_params
+    optimizer = mem.optimizer_state_bytes
+    if stage < 3:
+        buckets = 2 if config.overlaps(stage) else 1
+        if offload:
+            in_partition = optimizer_bwd = 0
+        else:
+            in_partition = w * inp.overlap_params(world_size)
+            optimizer_bwd = optimizer - FP32_GRAD_BYTES * part
+        waiting = w * (big + (second if second > b else 0))
+        grads = made if stage == 1 else min(made, waiting)
+        # stage 1 copies into grads_in_partition after backward (reduce_gradients); stage 2
+        # at its first bucket reduction, when the second gradient arrives
+        first = inp.param_sizes[-1] if inp.param_sizes else big
+        copied = made >= w * inp.params if stage == 1 else made > w * first
+        backward = {"parameters": mem.parameters_bytes, "gradients": grads,
+                    "optimizer_state": optimizer_bwd + (in_partition if copied else 0),
+                    "communication": buckets * b * w if made else 0}
+        step = {"parameters": mem.parameters_bytes, "gradients": 0,
+                "optimizer_state": optimizer, "communication": 0}
+        return backward, step
+    kept = min(inp.params, config.stage3_max_reuse_distance // 2)
+    room = max(min(inp.params, config.stage3_max_live_parameters) - kept, 0)
+    prefetch = min(max(config.stage3_prefetch_bucket_size, second), room)
+    in_flight = min(made, w * big)
+    gathered = max(w * kept - max(made - w * big, 0), w * big)
+    # the gradient partition is kept in the gradient-accumulation dtype, by default the
+    # weights' (stage3.py:784-791): w P, not the fp32 gradients K counts
+    if not offload:
+        optimizer += (w - FP32_GRAD_BYTES) * part
+    backward = {"parameters": mem.parameters_bytes, "gradients": 0,
+                "optimizer_state": optimizer,
+                "communication": gathered + in_flight + w * (b + prefetch)}
+    step = {"parameters": mem.parameters_bytes, "gradients": 0,
+            "optimizer_state": optimizer + (0 if offload else FP32_GRAD_BYTES * part),
+            "communication": w * b}
+    return backward, step
 
 
 def _host_bytes(inp: ZeroInputs, stage: int, world_size: int, offload: bool,

@@ -1,12 +1,12 @@
 """One rank's step under DeepSpeed ZeRO, modelled on the one-GPU trace (estimator/zero.py).
 
-- Memory: ZeRO's per-GPU model states, DeepSpeed's buffers and stage 3's gathered layer
-  (category ``communication``), plus the one-GPU trace's other tensors (activations,
-  temporaries, inputs), which ZeRO does not partition, at the larger of two points: the
-  forward/backward peak, and the optimizer step's peak with its temporaries over one
-  partition (1/N; none on the GPU with offload) and the 16-bit gradients released
-  (they live on as the fp32 partition). Measured against DeepSpeed on the CPU:
-  docs/references.md, section 24, item 3.
+- Memory: the larger of two points. Forward/backward: at every point of the one-GPU
+  trace, its activations, temporaries and inputs (ZeRO does not partition them) plus
+  DeepSpeed's model states and buffers as they stand once backward has made the
+  gradients the trace has made by then (estimator/zero.py, ``zero_points``). The
+  optimizer step: its peak, the traced step's temporaries sized for one flat fp32
+  partition, and DeepSpeed's states at the step. Measured against DeepSpeed's engine on
+  the CPU: docs/references.md, section 24, items 3 and 4.
 - Time: the traced step, its optimizer phases over one partition (1/N of the parameters),
   plus the collectives that the compute does not hide (estimator/collectives.py's ring
   formulas and overlap rule); with ``offload`` the optimizer step runs on the CPU instead,
@@ -30,17 +30,25 @@ from tilefit.estimator.collectives import (
 from tilefit.estimator.result import Estimate
 from tilefit.estimator.zero import (
     DEEPSPEED_DEFAULTS,
+    MASTER_BYTES,
     ZeroCollective,
     ZeroConfig,
     ZeroInputs,
     ZeroMemory,
     zero_collectives,
     zero_memory,
+    zero_points,
     zero_stage,
 )
 from tilefit.hardware import Device
 from tilefit.tracing.records import Trace
-from tilefit.vocab import OPTIMIZER_PHASES, STRATEGIES, ZERO_STRATEGIES, parse_precision
+from tilefit.vocab import (
+    MICRO_PHASES,
+    OPTIMIZER_PHASES,
+    STRATEGIES,
+    ZERO_STRATEGIES,
+    parse_precision,
+)
 
 STATE_CATEGORIES = ("parameters", "gradients", "optimizer_state")
 
@@ -77,10 +85,16 @@ def zero_inputs(tr: Trace) -> ZeroInputs:
     psi = max(tr.trainable_param_count, 1)
     state = sum(s.nbytes for s in tr.storages
                 if s.category == "optimizer_state" and s.free_at is None)
-    largest = max((s.nbytes for s in tr.storages
-                   if s.category == "parameters" and s.alloc_at < 0), default=0)
+    sizes = tuple(s.nbytes // w for s in tr.storages
+                  if s.category == "parameters" and s.alloc_at < 0)
+    # the tracer registers model.parameters() (DeepSpeed's flattening order) before the
+    # buffers
+    sizes = sizes[:tr.trainable_param_tensors or len(sizes)]
+    # DeepSpeed's optimizer steps the fp32 partition (stage_1_and_2.py:577, stage3.py:1172),
+    # so its state is fp32 whatever the weights: a 16-bit trace's state, widened
+    state *= MASTER_BYTES / w
     return ZeroInputs(params=psi, weight_bytes=w, optimizer_bytes_per_param=state / psi,
-                      largest_layer_params=largest // w)
+                      largest_layer_params=max(sizes, default=0), param_sizes=sizes)
 
 
 def estimate_zero(base: Estimate, tr: Trace, device: Device, strategy: str, world_size: int,
@@ -92,7 +106,7 @@ def estimate_zero(base: Estimate, tr: Trace, device: Device, strategy: str, worl
     inp = zero_inputs(tr)
     mem = zero_memory(inp, stage, world_size, offload=offload, config=config,
                       gpus_per_node=device.gpus_per_node)
-    breakdown = _peak_breakdown(tr, mem, offload)
+    breakdown = _peak_breakdown(tr, inp, stage, world_size, offload, config)
     peak = sum(breakdown.values())
     collectives = zero_collectives(inp, stage, base.accumulation_steps, config)
     by_phase, exposed = _communication(collectives, world_size, device, base.time_by_phase_s)
@@ -116,21 +130,65 @@ def estimate_zero(base: Estimate, tr: Trace, device: Device, strategy: str, worl
         warnings=(*base.warnings, _note(strategy, world_size, offload)), parallel=summary)
 
 
-def _peak_breakdown(tr: Trace, mem: ZeroMemory, offload: bool) -> dict[str, int]:
-    """One GPU's memory by category at the larger of the two points (module docstring)."""
+def _peak_breakdown(tr: Trace, inp: ZeroInputs, stage: int, world_size: int, offload: bool,
+                    config: ZeroConfig) -> dict[str, int]:
+    """One GPU's memory by category at its peak (module docstring): every point of the
+    traced forward/backward, DeepSpeed's states there following the gradients the trace has
+    made by then, and the optimizer step's peak."""
     rounded = tr.target.kind == "cuda"
-    fb, opt = tr.phase_peak_indices(rounded=rounded)
-    share = 0 if offload else 1 / mem.world_size
-    points = []
-    for index, scale, grads in ((fb, 1.0, mem.gradients_bytes), (opt, share, 0)):
-        at = tr.breakdown_at(index, rounded=rounded)
-        others = {c: int(v * scale) if c == "temporaries" else v
-                  for c, v in at.items() if c not in STATE_CATEGORIES}
-        points.append({"parameters": mem.parameters_bytes, "gradients": grads,
-                       "optimizer_state": mem.optimizer_state_bytes, **others,
-                       "communication": others.get("communication", 0) + mem.gathered_bytes
-                       + mem.buffer_bytes})
+    _, opt = tr.phase_peak_indices(rounded=rounded)
+    flat = 0.0 if offload else _flat_step_share(tr, inp, world_size)
+    points, states = [], {}
+    for _, at in _micro_breakdowns(tr, rounded):
+        made = at.get("gradients", 0)
+        if made not in states:
+            states[made] = zero_points(inp, stage, world_size, offload=offload, config=config,
+                                       grads_made=made)[0]
+        points.append(_point(at, states[made], 1.0))
+    step = zero_points(inp, stage, world_size, offload=offload, config=config)[1]
+    points.append(_point(tr.breakdown_at(opt, rounded=rounded), step, flat))
     return max(points, key=lambda p: sum(p.values()))
+
+
+def _point(at: dict[str, int], state: dict[str, int], scale: float) -> dict[str, int]:
+    others = {c: int(v * scale) if c == "temporaries" else v
+              for c, v in at.items() if c not in STATE_CATEGORIES}
+    return {**{c: v for c, v in state.items() if c != "communication"}, **others,
+            "communication": others.get("communication", 0) + state["communication"]}
+
+
+def _micro_breakdowns(tr: Trace, rounded: bool) -> list[tuple[int, dict[str, int]]]:
+    """(timeline index, live bytes by category) at every point of forward/backward (the
+    micro-batch phases), by one sweep over the storages."""
+    n = tr.n_events + 2
+    deltas = {c: [0] * (n + 1) for c in tr.categories}
+    for s in tr.storages:
+        nbytes = tr.target.round(s.nbytes) if rounded else s.nbytes
+        born = max(s.alloc_at + 1, 0)
+        dead = n if s.free_at is None else min(s.free_at + 1, n)
+        deltas[s.category][min(born, n)] += nbytes
+        deltas[s.category][dead] -= nbytes
+    live = dict.fromkeys(tr.categories, 0)
+    out = []
+    for j in range(n):
+        for c in live:
+            live[c] += deltas[c][j]
+        op = tr.ops[j - 1] if 0 < j <= len(tr.ops) else None
+        if op is None or op.phase in MICRO_PHASES:
+            out.append((j, dict(live)))
+    return out
+
+
+def _flat_step_share(tr: Trace, inp: ZeroInputs, world_size: int) -> float:
+    """DeepSpeed steps its optimizer on one flat partition of Psi / N elements, so the
+    step's temporaries are those of one tensor that size: the traced step's temporaries
+    times Psi / N over the elements the traced optimizer takes at once (every parameter
+    for a multi-tensor (foreach, fused) step, the largest tensor for a per-tensor loop),
+    widened to fp32."""
+    multi = any(o.multi_tensor is not None for o in tr.ops if o.phase in OPTIMIZER_PHASES)
+    at_once = inp.params if multi or not inp.largest_layer_params else inp.largest_layer_params
+    # in fp32, as the partition is, whatever the traced weights
+    return inp.params / world_size / at_once * MASTER_BYTES / inp.weight_bytes
 
 
 def _communication(collectives: tuple[ZeroCollective, ...], world_size: int, device: Device,
