@@ -221,6 +221,7 @@ def worker(name: str, strategy: str, precision: str, out_dir: str,
             tracker.reset_mod_stats()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
         {"rank": rank, "peak_bytes": peak, "kinds": kinds, "collectives": recorder.calls}))
+    dist.barrier()  # no rank tears the group down while another is in a collective
     dist.destroy_process_group()
 
 

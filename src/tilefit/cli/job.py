@@ -61,6 +61,10 @@ def torchrun_job(gpu: str) -> Iterator[Job]:
         dist.init_process_group("nccl" if on_gpu else "gloo")
     try:
         yield Job(dist.get_rank(), dist.get_world_size())
-    finally:
-        if joined:
+    except BaseException:
+        if joined:  # no barrier: the other ranks may never reach it
             dist.destroy_process_group()
+        raise
+    if joined:
+        dist.barrier()  # no rank tears the group down while another is in a collective
+        dist.destroy_process_group()

@@ -177,6 +177,10 @@ def main():
         if args.record:
             with open(os.path.join(args.record, f"rank{rank}.jsonl"), "a") as f:
                 f.write(line + "\\n")
+    # every rank done before the group goes: a rank that tears down while another still
+    # finishes its last collective aborts it (gloo: "terminate called without an active
+    # exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
