@@ -277,3 +277,20 @@ def test_micro_breakdowns_sweep_is_breakdown_at() -> None:
     assert len(points) > 10
     for j, at in points:
         assert at == tr.breakdown_at(j, rounded=True)
+
+
+def test_the_summary_explains_a_scaling_efficiency_over_100_percent(
+        one_and_zero2: tuple[object, object]) -> None:
+    # ZeRO steps 1/N of the optimizer on each GPU where the one-GPU baseline steps it all, so
+    # the efficiency can pass 100%; the summary says why whenever it does, and only then
+    from dataclasses import replace
+
+    from tilefit.report.terminal import parallel_rows
+
+    _, z = one_and_zero2
+    for eff in (1.03, 0.97):
+        p = z.parallel
+        est = replace(z, parallel=replace(p, one_gpu_step_time_s=eff * p.step_time_s))
+        row = dict(parallel_rows(est))["all GPUs"]
+        assert f"scaling efficiency {eff:.0%}" in row
+        assert ("each GPU steps 1/N of the optimizer" in row) == (eff > 1)

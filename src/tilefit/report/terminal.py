@@ -97,8 +97,10 @@ def parallel_rows(estimate: Estimate) -> list[tuple[str, str]]:
              f"{fmt_time(p.exposed_communication_s)} not hidden by compute (in the step time)")]
     total = (f"{p.tokens_per_s_total:,.0f} tokens/s, " if p.tokens_per_s_total else "") + \
         f"{p.samples_per_s_total:,.1f} samples/s"
+    above = (" (over 100%: each GPU steps 1/N of the optimizer, one GPU all of it)"
+             if p.scaling_efficiency > 1 else "")
     rows.append(("all GPUs", f"{total}; scaling efficiency {p.scaling_efficiency:.0%} of one "
-                 "GPU's throughput per GPU"))
+                 f"GPU's throughput per GPU{above}"))
     return rows
 
 
