@@ -12,5 +12,11 @@ FRIENDLY_MULTIPLE = 8
 REAL_GAIN = 0.05
 
 
+def divisors(n: int) -> list[int]:
+    """Every divisor of ``n``, ascending: the micro-batches, GPU counts and node counts that
+    split ``n`` exactly."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def is_friendly(batch: int) -> bool:
     return batch % FRIENDLY_MULTIPLE == 0 or (batch & (batch - 1)) == 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tilefit.batches import divisors
 from tilefit.errors import TilefitError, close_matches
 from tilefit.hardware.device import Device
 
@@ -90,7 +91,7 @@ def on_nodes(device: Device, gpus: int, nodes: int | None = None,
     as the device's GPUs per node need), joined by ``network`` (None: the device's own)."""
     if nodes is not None:
         if nodes < 1 or gpus % nodes:
-            fits = [n for n in range(1, gpus + 1) if gpus % n == 0]
+            fits = divisors(gpus)
             raise TilefitError(
                 f"{gpus} GPUs cannot be spread evenly over {nodes} nodes",
                 expected=f"a node count that divides --gpus {gpus}: "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from tilefit.batches import divisors
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device
 from tilefit.models import Workload
@@ -40,7 +41,7 @@ def nearest_multiples(global_batch: int, world_size: int) -> tuple[int, int]:
 
 def nearest_world_sizes(global_batch: int, world_size: int) -> tuple[int, ...]:
     """Divisors of ``global_batch`` nearest ``world_size`` (below and above, when any)."""
-    ds = [d for d in space.divisors(global_batch) if d > 1]
+    ds = [d for d in divisors(global_batch) if d > 1]
     below = [d for d in ds if d < world_size]
     above = [d for d in ds if d > world_size]
     return tuple(x for x in (below[-1] if below else None, above[0] if above else None)
@@ -110,7 +111,7 @@ def search_rows(work: Workload, device: Device, global_batch: int, budget_bytes:
     """Every (strategy, recipe) swept over the micro-batches dividing global_batch / N:
     rows per GPU, and the number of traces taken."""
     n = space_.world_size
-    micro = space.divisors(global_batch // n)
+    micro = divisors(global_batch // n)
     rows: list[PlanRow] = []
     traces = 0
     for strategy in space_.strategies:
@@ -149,7 +150,7 @@ def parallel_of(row: PlanRow) -> Parallel | None:
 
 def candidate_world_sizes(global_batch: int, first: int, count: int) -> list[int]:
     """``count`` GPU counts from ``first`` up that divide the global batch."""
-    return [n for n in range(first, global_batch + 1) if global_batch % n == 0][:count]
+    return [n for n in divisors(global_batch) if n >= first][:count]
 
 
 def best_fitting(rows: Sequence[PlanRow]) -> PlanRow | None:

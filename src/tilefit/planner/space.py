@@ -9,7 +9,7 @@ recipe without its batch.
 
 from __future__ import annotations
 
-from tilefit.batches import is_friendly
+from tilefit.batches import divisors, is_friendly
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device
 from tilefit.vocab import FUSED_IMPLEMENTATION, PRECISIONS, Recipe, device_precisions
@@ -23,10 +23,6 @@ OPTIMIZER_LABELS = {
 # Optimizers the planner may propose in place of the user's (only when allowed, or when
 # nothing else fits; always marked as a change to the training algorithm).
 ALTERNATIVE_OPTIMIZERS = ("adamw-8bit", "adafactor", "sgd")
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_global_batch(global_batch: int) -> None:

@@ -19,6 +19,8 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tilefit.batches import divisors
+
 GROWTH_FACTOR = 2  # geometric bracketing step without memory information (as Lightning's)
 DEFAULT_START = 2  # the first probe without a prediction: Lightning's init_val, for comparison
 # The candidate list is capped so that timing stays cheap: each candidate costs warm-up plus
@@ -260,9 +262,8 @@ def candidate_sizes(
     if global_batch is None:
         friendly.add(max_batch)
     else:
-        divisors = [d for d in range(1, max_batch + 1) if global_batch % d == 0]
         friendly = {b for b in friendly if global_batch % b == 0}
-        friendly.add(max(divisors))
+        friendly.add(max(d for d in divisors(global_batch) if d <= max_batch))
     chosen = sorted(friendly)[-limit:]
     # Keep one power of two below the top when the cap dropped them all (a reference point).
     pow2 = [b for b in sorted(friendly) if (b & (b - 1)) == 0]
