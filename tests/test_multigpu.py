@@ -212,6 +212,8 @@ def test_estimate_reports_the_job() -> None:
 
 def test_bad_input() -> None:
     with pytest.raises(TilefitError, match="unknown data-parallel strategy"):
+        parallel_spec(2, "zero4")
+    with pytest.raises(TilefitError, match="zero3 is modelled, not traced"):
         parallel_spec(2, "zero3")
     with pytest.raises(TilefitError, match="whole number"):
         parallel_spec(0, "ddp")

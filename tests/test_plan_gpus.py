@@ -116,3 +116,46 @@ def test_hf_script_builds_the_planned_model_with_the_policy() -> None:
     assert namespace["AUTOCAST_DTYPE"] is torch.bfloat16
     assert namespace["MODEL_CONFIG"]["n_layer"] == 2  # type: ignore[index]
     assert "reduce_dtype=torch.float32" in text
+
+
+def test_plan_searches_deepspeed_zero_and_offload_as_estimate_models_them() -> None:
+    """plan --gpus 2 --strategy zero2 on the tiny MLP: ZeRO-2 with and without ZeRO-Offload,
+    in DeepSpeed's bf16 mode and TF32. Each row, made by the planner's sweep (traced at
+    micro-batches 1 and 4 with accumulation 2, affine between), agrees with
+    tilefit.estimate(strategy="zero2") run on that row's recipe; offloading moves the
+    optimizer's fp32 partition (master weights, Adam's m and v: 12 bytes per parameter)
+    and the fp32 gradient partition (4 bytes) off each GPU: 16 Psi / N bytes."""
+    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.models import load_workload
+    from tilefit.planner.plan import plan
+
+    work = load_workload("tests.fixtures.tiny_models:mlp", input_shape=(32,))
+    p = plan(work, gpu="h100", global_batch=8, world_size=2, strategy="zero2", confirm=False)
+    assert {(r.strategy, r.precision, r.offload) for r in p.rows} == {
+        ("zero2", prec, off) for prec in ("bf16", "tf32") for off in (False, True)}
+    assert all(r.micro_batch * r.accumulation_steps * 2 == 8 for r in p.rows)
+    for r in p.rows:
+        est = estimate_workload(work, r.recipe, "h100", world_size=2, strategy="zero2",
+                                offload=r.offload)
+        assert abs(r.predicted_peak_memory_bytes / est.peak_memory_bytes - 1) < 1e-3
+        assert abs(r.predicted_step_time_s / est.step_time_s - 1) < 0.10
+    psi = 32 * 64 + 64 + 64 * 10 + 10  # the MLP's parameters
+    by = {(r.precision, r.micro_batch, r.offload): r.predicted_peak_memory_bytes
+          for r in p.rows}
+    moved = by[("bf16", 4, False)] - by[("bf16", 4, True)]
+    assert abs(moved - 16 * psi / 2) <= 1024  # two of the allocator's 512-byte blocks
+    assert any("modelled" not in n and "ZeRO-Offload" in n for n in p.notes)
+
+
+def test_zero_strategy_names_are_accepted_and_checked() -> None:
+    from tilefit.planner.multiplan import engines_of, strategies_for, zero_recipe
+    from tilefit.vocab import Recipe
+
+    assert strategies_for("ZeRO3", 4) == ("zero3",)
+    assert [(e.strategy, e.offload) for e in engines_of(("ddp", "zero1", "zero3"), 4)] == [
+        ("ddp", False), ("zero1", False), ("zero3", False), ("zero3", True)]
+    assert zero_recipe(Recipe(precision="bf16-mixed")).precision == "bf16"  # type: ignore[union-attr]
+    assert zero_recipe(Recipe(precision="fp16-mixed")) is None  # DeepSpeed's fp16 mode
+    r = CliRunner().invoke(app, ["plan", "gpt2", "--global-batch", "16", "--gpus", "2",
+                                 "--strategy", "zero4"])
+    assert r.exit_code == 2 and "--strategy" in r.output

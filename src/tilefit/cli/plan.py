@@ -9,7 +9,7 @@ import typer
 from tilefit.cli import model_options as mo
 from tilefit.cli.common import GPU_HELP, JSON_OPTION, console, err_console, print_json, user_errors
 from tilefit.cli.noise import PLAN_NOISE_OPTION, read_noise_scale
-from tilefit.vocab import STRATEGIES
+from tilefit.vocab import STRATEGIES, ZERO_STRATEGIES
 
 
 def register(app: typer.Typer) -> None:
@@ -46,7 +46,8 @@ def plan(
         "writes configs that launch (torchrun script, accelerate, DeepSpeed)."),
     strategy: str | None = typer.Option(
         None, "--strategy", help="With --gpus > 1: search this engine only (" +
-        ", ".join(STRATEGIES) + "); default: all of them."),
+        ", ".join((*STRATEGIES, *ZERO_STRATEGIES)) + "; DeepSpeed ZeRO modelled, stages 2 "
+        "and 3 also with the optimizer offloaded to the CPU); default: all of them."),
     write_configs: str | None = typer.Option(
         None, "--write-configs", help="With --gpus > 1: write the chosen plan's torchrun "
         "script, accelerate.yaml and ds_config.json into this directory."),

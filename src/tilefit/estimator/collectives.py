@@ -172,6 +172,10 @@ class ParallelSummary:
     # details: the model's per-GPU parts and collectives
     modelled: bool = False
     details: dict[str, Any] = field(default_factory=dict)
+    # the exposed communication by phase, where the engine's collectives are not all in the
+    # micro-batch phases (ZeRO-1/2 gather the parameters after the optimizer step); empty:
+    # all of it in forward/backward
+    exposed_by_phase_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def scaling_efficiency(self) -> float:

@@ -121,7 +121,8 @@ def estimate_zero(base: Estimate, tr: Trace, device: Device, strategy: str, worl
         exposed_communication_s=sum(exposed.values()), communication_by_phase_s=by_phase,
         one_gpu_step_time_s=base.step_time_s, step_time_s=step,
         samples_per_step=base.samples_per_step, tokens_per_step=base.tokens_per_step,
-        modelled=True, details=_details(mem, collectives, offload_s))
+        modelled=True, details=_details(mem, collectives, offload_s),
+        exposed_by_phase_s=exposed)
     return dataclasses.replace(
         base, peak_memory_bytes=peak, memory_breakdown=breakdown, step_time_s=step,
         samples_per_s=base.samples_per_step / step if step else 0.0,
@@ -135,19 +136,51 @@ def _peak_breakdown(tr: Trace, inp: ZeroInputs, stage: int, world_size: int, off
     """One GPU's memory by category at its peak (module docstring): every point of the
     traced forward/backward, DeepSpeed's states there following the gradients the trace has
     made by then, and the optimizer step's peak."""
+    micro, _, step = _peak_points(tr, inp, stage, world_size, offload, config)
+    return max((micro, step), key=lambda p: sum(p.values()))
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroPeaks:
+    """One rank's peak bytes by category under ZeRO, as the planner's sweep keeps them
+    (tilefit.planner.sample): over forward/backward, over micro-batch 0 only (the peak
+    without accumulation), and over the optimizer step."""
+
+    micro: dict[str, int]
+    micro_first: dict[str, int]
+    step: dict[str, int]
+
+
+def zero_peaks(tr: Trace, strategy: str, world_size: int, *, offload: bool = False,
+               config: ZeroConfig = DEEPSPEED_DEFAULTS) -> ZeroPeaks:
+    """The three peaks of one rank of ``world_size`` under ZeRO ``strategy``, modelled on
+    the one-GPU trace ``tr`` (the same points as estimate_zero's peak)."""
+    return ZeroPeaks(*_peak_points(tr, zero_inputs(tr), zero_stage(strategy), world_size,
+                                   offload, config))
+
+
+def _peak_points(tr: Trace, inp: ZeroInputs, stage: int, world_size: int, offload: bool,
+                 config: ZeroConfig) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """The largest point of forward/backward, of micro-batch 0's, and the optimizer step's."""
     rounded = tr.target.kind == "cuda"
     _, opt = tr.phase_peak_indices(rounded=rounded)
     flat = 0.0 if offload else _flat_step_share(tr, inp, world_size)
-    points, states = [], {}
-    for _, at in _micro_breakdowns(tr, rounded):
+    micro: dict[str, int] = {}
+    first: dict[str, int] = {}
+    states: dict[int, dict[str, int]] = {}
+    for j, at in _micro_breakdowns(tr, rounded):
         made = at.get("gradients", 0)
         if made not in states:
             states[made] = zero_points(inp, stage, world_size, offload=offload, config=config,
                                        grads_made=made)[0]
-        points.append(_point(at, states[made], 1.0))
+        point = _point(at, states[made], 1.0)
+        if sum(point.values()) > sum(micro.values()):
+            micro = point
+        op = tr.ops[j - 1] if 0 < j <= len(tr.ops) else None
+        if (op is None or op.micro == 0) and sum(point.values()) > sum(first.values()):
+            first = point
     step = zero_points(inp, stage, world_size, offload=offload, config=config)[1]
-    points.append(_point(tr.breakdown_at(opt, rounded=rounded), step, flat))
-    return max(points, key=lambda p: sum(p.values()))
+    return micro, first, _point(tr.breakdown_at(opt, rounded=rounded), step, flat)
 
 
 def _point(at: dict[str, int], state: dict[str, int], scale: float) -> dict[str, int]:

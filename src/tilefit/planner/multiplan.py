@@ -5,8 +5,12 @@ the micro-batch and the layer count, tilefit.planner.affine): the per-rank trace
 kind of object as a one-GPU trace, its peak per GPU, its step with the communication the
 compute does not hide.
 
+DeepSpeed ZeRO (vocab.ZERO_STRATEGIES; stages 2 and 3 also with the optimizer offloaded to
+the CPU) is modelled on one-GPU traces (tilefit.estimator.zero_step): one trace per point
+serves every stage, in DeepSpeed's own precisions (its bf16 mode, or fp32).
+
 Every plan keeps micro_batch x accumulation_steps x N == the global batch. The engines are
-vocab.STRATEGIES (a strategy added there is searched here).
+vocab.STRATEGIES and vocab.ZERO_STRATEGIES (a strategy added there is searched here).
 """
 
 from __future__ import annotations
@@ -21,14 +25,17 @@ from tilefit.models import Workload
 from tilefit.planner import space
 from tilefit.planner.affine import SweepModel
 from tilefit.planner.rows import PlanRow
-from tilefit.planner.search import Depth, row_from, safe_sweep
+from tilefit.planner.search import Depth, row_from, safe_sweep, zero_sweeps
 from tilefit.tracing.distributed import Parallel, parallel_spec
-from tilefit.vocab import STRATEGIES, Recipe
+from tilefit.vocab import STRATEGIES, ZERO_STRATEGIES, Recipe, parse_precision
 
 # FSDP2 wraps each block of a list of two or more (tilefit.tracing.distributed.
 # find_layer_list): a deep model is traced at 2 and 3 layers (not 1 and 2, where one block
 # would leave FSDP2 nothing but the root to wrap) and extrapolated in the layer count.
 MULTI_LEVER_LAYERS = (2, 3)
+# the ZeRO stages also searched with the optimizer on the CPU: ZeRO-Offload was built on
+# stage 2 and ZeRO-Infinity on stage 3 (docs/references.md, section 24, item 2)
+OFFLOAD_STAGES = ("zero2", "zero3")
 
 
 def nearest_multiples(global_batch: int, world_size: int) -> tuple[int, int]:
@@ -64,12 +71,36 @@ def check_divisible(global_batch: int, world_size: int) -> None:
 
 
 def strategies_for(strategy: str | None, world_size: int) -> tuple[str, ...]:
-    """The engines to search: the one asked for (checked), else every vocab.STRATEGIES."""
+    """The engines to search: the one asked for (checked), else every vocab.STRATEGIES and
+    ZERO_STRATEGIES."""
     if strategy is None:
-        return STRATEGIES
+        return (*STRATEGIES, *ZERO_STRATEGIES)
+    key = str(strategy).strip().lower()
+    if key in ZERO_STRATEGIES:
+        return (key,)
     spec = parallel_spec(max(world_size, 2), strategy)
     assert spec is not None
     return (spec.strategy,)
+
+
+def engines_of(strategies: Sequence[str], world_size: int) -> list[Parallel]:
+    """Each strategy on ``world_size`` GPUs; the OFFLOAD_STAGES also with ZeRO-Offload."""
+    out = [Parallel(s, world_size) for s in strategies]
+    out += [Parallel(s, world_size, offload=True) for s in strategies if s in OFFLOAD_STAGES]
+    return out
+
+
+def zero_recipe(spec: Recipe) -> Recipe | None:
+    """The recipe as DeepSpeed runs it: bf16 autocast becomes its bf16 mode (16-bit weights
+    and gradients, tilefit's precision "bf16", the fp32 master in the partitioned optimizer
+    state); fp32 and TF32 as they are; None for what tilefit does not trace DeepSpeed's way
+    (its fp16 mode: fp16 weights with a loss scaler; fp8)."""
+    prec = spec.spec
+    if prec.float8_linears or prec.autocast_dtype == "fp16":
+        return None
+    if prec.autocast_dtype == "bf16":
+        return dataclasses.replace(spec, precision="bf16")
+    return spec
 
 
 def multi_depth(depth: Depth) -> Depth:
@@ -84,8 +115,8 @@ def multi_depth(depth: Depth) -> Depth:
 def multi_recipes(device: Device, optimizer: str, *, hf_model: bool,
                   precisions: bool = True) -> list[Recipe]:
     """Mixed precision with and without checkpointing; the other precisions the device
-    supports without it (``precisions``). The user's optimizer; no offload, LoRA or
-    torch.compile on several GPUs (not traced there yet)."""
+    supports without it (``precisions``). The user's optimizer; no LoRA or torch.compile on
+    several GPUs (not traced there yet); offload with ZeRO only (``engines_of``)."""
     precs = space.precisions(device)
     att = "sdpa" if hf_model else "auto"
     out = [Recipe(precision=precs[0], optimizer=optimizer, grad_checkpointing=ckpt,
@@ -108,30 +139,79 @@ class MultiSpace:
 def search_rows(work: Workload, device: Device, global_batch: int, budget_bytes: int,
                 optimizer: str, space_: MultiSpace, user: Callable[[Recipe], Recipe],
                 notes: list[str]) -> tuple[list[PlanRow], int]:
-    """Every (strategy, recipe) swept over the micro-batches dividing global_batch / N:
+    """Every (engine, recipe) swept over the micro-batches dividing global_batch / N:
     rows per GPU, and the number of traces taken."""
+    engines = engines_of(space_.strategies, space_.world_size)
+    rows: list[PlanRow] = []
+    traces = 0
+    for engine in (e for e in engines if not e.modelled):
+        more, n = _traced_rows(work, device, global_batch, budget_bytes, optimizer, space_,
+                               user, notes, engine)
+        rows += more
+        traces += n
+    zero = [e for e in engines if e.modelled]
+    if zero:
+        more, n = _zero_rows(work, device, global_batch, budget_bytes, optimizer, space_,
+                             user, notes, zero)
+        rows += more
+        traces += n
+    return rows, traces
+
+
+def _traced_rows(work: Workload, device: Device, global_batch: int, budget_bytes: int,
+                 optimizer: str, space_: MultiSpace, user: Callable[[Recipe], Recipe],
+                 notes: list[str], parallel: Parallel) -> tuple[list[PlanRow], int]:
+    """One traced engine (DDP, FSDP2) x every recipe: its rows and trace count."""
     n = space_.world_size
     micro = divisors(global_batch // n)
     rows: list[PlanRow] = []
     traces = 0
-    for strategy in space_.strategies:
-        parallel = Parallel(strategy, n)
-        for i, spec in enumerate(space_.recipes):
-            spec = dataclasses.replace(user(spec), compile=False)
-            model = safe_sweep(work, spec, micro, space_.depth, device, notes, parallel)
+    for i, spec in enumerate(space_.recipes):
+        spec = dataclasses.replace(user(spec), compile=False)
+        model = safe_sweep(work, spec, micro, space_.depth, device, notes, parallel)
+        traces += len(space_.depth.traced) * len({min(micro), max(micro)})
+        if model is None:
+            continue
+        rows.extend(row_from(spec, model, b, global_batch, space_.depth, device,
+                             budget_bytes, work.tokens_per_sample, optimizer,
+                             parallel=parallel) for b in micro)
+        floor = optimizer_step_floor(model, min(micro), space_.depth)
+        if i + 1 < len(space_.recipes) and floor > budget_bytes:
+            notes.append(f"{parallel.strategy} on {n} GPUs: its optimizer step alone needs "
+                         f"{floor / 2**30:.1f} GiB per GPU (traced), over the "
+                         f"{budget_bytes / 2**30:.1f} GiB budget: its other recipes "
+                         "were not traced")
+            break
+    return rows, traces
+
+
+def _zero_rows(work: Workload, device: Device, global_batch: int, budget_bytes: int,
+               optimizer: str, space_: MultiSpace, user: Callable[[Recipe], Recipe],
+               notes: list[str], engines: list[Parallel]) -> tuple[list[PlanRow], int]:
+    """The DeepSpeed ZeRO engines x every recipe DeepSpeed runs (``zero_recipe``), each
+    recipe's one-GPU traces shared by every engine."""
+    micro = divisors(global_batch // space_.world_size)
+    specs = list(dict.fromkeys(
+        r for r in (zero_recipe(dataclasses.replace(user(s), compile=False))
+                    for s in space_.recipes) if r is not None))
+    rows: list[PlanRow] = []
+    traces = 0
+    for spec in specs:
+        try:
+            sweeps = zero_sweeps(work, spec, micro, space_.depth, device, engines)
+        except TilefitError as exc:
+            notes.append(f"skipped DeepSpeed ZeRO {spec.precision} {spec.optimizer}: "
+                         f"{exc.problem}")
+            continue
+        finally:
             traces += len(space_.depth.traced) * len({min(micro), max(micro)})
-            if model is None:
-                continue
+        for engine, model in sweeps.items():
             rows.extend(row_from(spec, model, b, global_batch, space_.depth, device,
                                  budget_bytes, work.tokens_per_sample, optimizer,
-                                 parallel=parallel) for b in micro)
-            floor = optimizer_step_floor(model, min(micro), space_.depth)
-            if i + 1 < len(space_.recipes) and floor > budget_bytes:
-                notes.append(f"{strategy} on {n} GPUs: its optimizer step alone needs "
-                             f"{floor / 2**30:.1f} GiB per GPU (traced), over the "
-                             f"{budget_bytes / 2**30:.1f} GiB budget: its other recipes "
-                             "were not traced")
-                break
+                                 parallel=engine) for b in micro)
+    if any(parse_precision(s.precision).autocast_dtype == "fp16" for s in space_.recipes):
+        notes.append("DeepSpeed ZeRO is planned in its bf16 mode and fp32 (its fp16 mode, "
+                     "fp16 weights with a loss scaler, is not traced)")
     return rows, traces
 
 
@@ -145,7 +225,8 @@ def optimizer_step_floor(model: SweepModel, micro_batch: int, depth: Depth) -> f
 
 
 def parallel_of(row: PlanRow) -> Parallel | None:
-    return None if row.strategy is None else Parallel(row.strategy, row.world_size)
+    return None if row.strategy is None else Parallel(
+        row.strategy, row.world_size, offload=row.offload and row.strategy in ZERO_STRATEGIES)
 
 
 def candidate_world_sizes(global_batch: int, first: int, count: int) -> list[int]:
@@ -158,6 +239,7 @@ def best_fitting(rows: Sequence[PlanRow]) -> PlanRow | None:
     return max(fits, key=lambda r: r.samples_per_s) if fits else None
 
 
-__all__ = ["MULTI_LEVER_LAYERS", "MultiSpace", "best_fitting", "candidate_world_sizes",
-           "check_divisible", "multi_depth", "multi_recipes", "nearest_multiples",
-           "parallel_of", "search_rows", "strategies_for"]
+__all__ = ["MULTI_LEVER_LAYERS", "OFFLOAD_STAGES", "MultiSpace", "best_fitting",
+           "candidate_world_sizes", "check_divisible", "engines_of", "multi_depth",
+           "multi_recipes", "nearest_multiples", "parallel_of", "search_rows",
+           "strategies_for", "zero_recipe"]

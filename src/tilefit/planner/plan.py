@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tilefit.errors import TilefitError
+from tilefit.estimator.zero_step import is_zero
 from tilefit.hardware import Device, get_device
 from tilefit.models import Workload
 from tilefit.planner import configs, multiplan, rank, space
@@ -32,7 +33,7 @@ from tilefit.planner.search import (
     trace_sample,
 )
 from tilefit.tracing.distributed import parallel_spec
-from tilefit.vocab import Recipe
+from tilefit.vocab import ZERO_STRATEGIES, Recipe
 
 # The share of the GPU's memory a plan may use: the caching allocator fragments (PyTorch's
 # CUDA memory notes: reserved exceeds allocated by a few to ~10 percent on long runs), so
@@ -199,7 +200,7 @@ class _Planner:
                          Depth(None, self.depth.full, (self.depth.full,)), self.device,
                          row.accumulation_steps, multiplan.parallel_of(row))
         self.traces += 1
-        if row.offload:
+        if row.offload and row.strategy is None:  # ZeRO-Offload: modelled in the sample
             params16 = half_parameter_bytes(s.parameters_bytes, row.precision)
             peak = offload_peak_bytes(params16, s.work_peak_bytes, s.param_count)
             step = offload_step_time_s(s.micro_time_s, row.accumulation_steps,
@@ -246,7 +247,8 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
     check_fraction(memory_fraction)
     rank.check_objective(objective)
     space.check_global_batch(global_batch)
-    parallel_spec(world_size, strategy)  # a whole number of GPUs, a known strategy
+    # a whole number of GPUs, a known strategy (ZeRO's stages are checked by strategies_for)
+    parallel_spec(world_size, None if is_zero(strategy) else strategy)
     if world_size > 1:
         multiplan.check_divisible(global_batch, world_size)
         multiplan.strategies_for(strategy, world_size)
@@ -305,8 +307,8 @@ def _not_on_gpus(*, allow_peft: bool, compile: bool, allow_optimizer_change: boo
     out = [f"{flag} is not planned on several GPUs yet: ignored" for flag, on in (
         ("--allow-peft", allow_peft), ("--compile", compile),
         ("--allow-optimizer-change", allow_optimizer_change)) if on]
-    out.append("on several GPUs CPU offload and other optimizers are not searched (one GPU "
-               "plans them: drop --gpus)")
+    out.append("on several GPUs other optimizers are not searched, and CPU offload only with "
+               "DeepSpeed ZeRO-Offload (one GPU plans them: drop --gpus)")
     return out
 
 
@@ -324,7 +326,9 @@ def _trace_on_gpus(p: _Planner, world_size: int, strategy: str | None, *,
     p.rows.extend(rows)
     p.traces += traces
     if depth.lever:
-        p.notes.insert(0, f"deep model: each recipe traced on {world_size} ranks at "
+        where = f"on {world_size} ranks" if set(setup.strategies) - set(ZERO_STRATEGIES) \
+            else "on one GPU (DeepSpeed ZeRO modelled on it)"
+        p.notes.insert(0, f"deep model: each recipe traced {where} at "
                        f"{', '.join(map(str, depth.traced))} of {depth.full} layers and "
                        "extrapolated (affine in the layer count)")
 
@@ -456,11 +460,19 @@ def _multi_gpu(p: _Planner, optimizer: str, hf_model: bool, budget: int
                            "attention": confirmed.attention},
                 "plans": [r.to_dict() for r in rank.rank(sub.rows, "throughput", False)[:8]],
                 "configs": configs.multi_gpu_configs(confirmed, p.work),
-                "model": f"traced: rank 0 of {gpus} under {confirmed.strategy} (PyTorch's fake "
-                         "process group), its peak per GPU and its step with the "
-                         "communication the compute does not hide"}
+                "model": _engine_model(confirmed.strategy, gpus)}
     return {"gpus": None, "note": f"nothing traced fits on {first} or the next "
             f"{FALLBACK_GPU_COUNTS - 1} GPU counts dividing global batch {p.global_batch}"}
+
+
+def _engine_model(strategy: str | None, gpus: int) -> str:
+    """How the chosen engine's figures were made, in words."""
+    if is_zero(strategy):
+        return (f"modelled: DeepSpeed {strategy} on {gpus} GPUs on top of one-GPU traces "
+                "(DeepSpeed's engine does not run on fake tensors), its peak per GPU and its "
+                "step with the communication the compute does not hide")
+    return (f"traced: rank 0 of {gpus} under {strategy} (PyTorch's fake process group), its "
+            "peak per GPU and its step with the communication the compute does not hide")
 
 
 def _formula_gpus(p: _Planner, optimizer: str, hf_model: bool, budget: int) -> int | None:

@@ -73,11 +73,15 @@ def micro_step_s(est: Estimate) -> float:
     """One micro-batch's time: its GPU time, or on a GPU the host's time to issue it when
     that is longer (a host-bound micro-batch takes what the host takes). On several GPUs the
     communication the compute does not hide is shared among the micro-batches: FSDP2
-    gathers and reduce-scatters, DDP all-reduces, at every micro-batch (no no_sync)."""
+    gathers and reduce-scatters, DDP all-reduces, at every micro-batch (no no_sync); under
+    DeepSpeed ZeRO only the forward/backward phases' share (the parameters' all-gather after
+    the optimizer step is once per step: the fixed time)."""
     a = est.accumulation_steps
     device_s = sum(est.time_by_phase_s.get(p, 0.0) for p in MICRO_PHASES) / a
     if est.parallel is not None:
-        device_s += est.parallel.exposed_communication_s / a
+        by_phase = est.parallel.exposed_by_phase_s
+        device_s += (sum(by_phase.get(p, 0.0) for p in MICRO_PHASES) if by_phase
+                     else est.parallel.exposed_communication_s) / a
     if est.device.kind != "cuda":
         return device_s
     from tilefit.estimator.steptime import host_time_s
@@ -88,13 +92,22 @@ def micro_step_s(est: Estimate) -> float:
     return max(device_s, host_s)
 
 
-def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int) -> Sample:
+def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int, *,
+              peaks: tuple[dict[str, int], dict[str, int], dict[str, int]] | None = None
+              ) -> Sample:
+    """The planner's figures of one traced step. ``peaks``: a modelled rank's bytes by
+    category at its forward/backward peak, micro-batch 0's and the optimizer step's
+    (DeepSpeed ZeRO, tilefit.estimator.zero_step.zero_peaks), in place of the trace's."""
     a = est.accumulation_steps
     micro_time = micro_step_s(est)
     fixed_time = est.step_time_s - micro_time * a
     rounded = tr.target.kind == "cuda"
-    cats = category_peaks(tr, rounded=rounded)
-    fb, fb1, opt = tr.phase_peaks(rounded=rounded)
+    if peaks is None:
+        cats = category_peaks(tr, rounded=rounded)
+        fb, fb1, opt = tr.phase_peaks(rounded=rounded)
+    else:
+        cats = {c: max(p.get(c, 0) for p in peaks) for c in STATE_CATEGORIES}
+        fb, fb1, opt = (sum(p.values()) for p in peaks)
     if max(fb, opt) != est.peak_memory_bytes:  # the pieces cover every event
         raise AssertionError(f"phase peaks {fb}, {opt} miss the trace peak "
                              f"{est.peak_memory_bytes}")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from tilefit.batches import is_friendly
 from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
-from tilefit.estimator import estimate_trace
+from tilefit.estimator import Estimate, estimate_trace
 from tilefit.estimator.workloads import trace_workload
 from tilefit.hardware import Device
 from tilefit.models import Workload
@@ -23,7 +23,7 @@ from tilefit.tracing.fused_loss import fused_ce_affine_tokens
 from tilefit.vocab import Recipe, parse_precision, same_update
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     import torch
 
@@ -83,17 +83,42 @@ def trace_sample(workload: Workload, spec: Recipe, micro_batch: int, layers: int
                  depth: Depth, device: Device, accumulation_steps: int,
                  parallel: Parallel | None = None) -> Sample:
     """One traced and costed step; ``parallel``: rank 0 of a data-parallel job, the micro-batch
-    being one rank's."""
+    being one rank's (DeepSpeed ZeRO: modelled on the one-GPU trace)."""
+    if parallel is not None and parallel.modelled:
+        tr = trace_point(workload, spec, micro_batch, layers, depth, device,
+                         accumulation_steps, None)
+        return zero_sample(tr, estimate_trace(tr, device), device, parallel, micro_batch,
+                           layers)
+    tr = trace_point(workload, spec, micro_batch, layers, depth, device, accumulation_steps,
+                     parallel)
+    return sample_of(tr, estimate_trace(tr, device), micro_batch, layers)
+
+
+def trace_point(workload: Workload, spec: Recipe, micro_batch: int, layers: int,
+                depth: Depth, device: Device, accumulation_steps: int,
+                parallel: Parallel | None) -> Trace:
+    """The step of ``spec`` at ``micro_batch`` and ``layers`` (of ``depth``), traced."""
     work = workload
     if depth.field is not None and layers != depth.full:
         work = workload.with_config(**{depth.field: layers})
     if parallel is None and (spec.spec.param_dtype != "fp32" or spec.peft):
-        tr = trace_built(work, micro_batch, spec, accumulation_steps, device)
-    else:
-        tr = trace_workload(work, spec.with_batch(micro_batch, accumulation_steps), device,
-                            world_size=1 if parallel is None else parallel.world_size,
-                            strategy=None if parallel is None else parallel.strategy)
-    return sample_of(tr, estimate_trace(tr, device), micro_batch, layers)
+        return trace_built(work, micro_batch, spec, accumulation_steps, device)
+    return trace_workload(work, spec.with_batch(micro_batch, accumulation_steps), device,
+                          world_size=1 if parallel is None else parallel.world_size,
+                          strategy=None if parallel is None else parallel.strategy)
+
+
+def zero_sample(tr: Trace, base: Estimate, device: Device, parallel: Parallel,
+                micro_batch: int, layers: int) -> Sample:
+    """One rank of a DeepSpeed ZeRO job (``parallel``), modelled on the one-GPU trace ``tr``
+    and its estimate ``base`` (tilefit.estimator.zero_step)."""
+    from tilefit.estimator.zero_step import estimate_zero, zero_peaks
+
+    est = estimate_zero(base, tr, device, parallel.strategy, parallel.world_size,
+                        offload=parallel.offload)
+    peaks = zero_peaks(tr, parallel.strategy, parallel.world_size, offload=parallel.offload)
+    return sample_of(tr, est, micro_batch, layers,
+                     peaks=(peaks.micro, peaks.micro_first, peaks.step))
 
 
 def trace_built(work: Workload, micro_batch: int, spec: Recipe,
@@ -118,24 +143,45 @@ def trace_built(work: Workload, micro_batch: int, spec: Recipe,
                  accumulation_steps=accumulation_steps, attention="auto", device=device)
 
 
-def sweep(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Depth,
-          device: Device, parallel: Parallel | None = None) -> SweepModel:
-    """Trace the recipe at the smallest and the largest micro-batch (at each traced depth).
-    A fused-loss recipe starts where its chunking does: below V/H tokens a chunk is one row
-    and the chunk count grows with the tokens, above it the count is about V/H and the step
-    is affine again (tilefit.tracing.fused_loss.chunk_rows)."""
+def sweep_points(workload: Workload, spec: Recipe, micro_batches: list[int]) -> list[int]:
+    """The micro-batches a sweep traces: the smallest and the largest. A fused-loss recipe
+    starts where its chunking does: below V/H tokens a chunk is one row and the chunk count
+    grows with the tokens, above it the count is about V/H and the step is affine again
+    (tilefit.tracing.fused_loss.chunk_rows)."""
     low = min(micro_batches)
     if spec.fused_ce:
         low = min((b for b in micro_batches if b * (workload.seq_len or 1) >=
                    fused_ce_affine_tokens(workload.config or {})), default=max(micro_batches))
-    points = sorted({low, max(micro_batches)})
+    return sorted({low, max(micro_batches)})
+
+
+def sweep(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Depth,
+          device: Device, parallel: Parallel | None = None) -> SweepModel:
+    """Trace the recipe at the sweep's points (``sweep_points``, at each traced depth)."""
+    points = sweep_points(workload, spec, micro_batches)
     samples = [trace_sample(workload, spec, b, k, depth, device, SWEEP_ACCUMULATION, parallel)
                for k in depth.traced for b in points]
     return SweepModel(tuple(samples))
 
 
-def changes_of(spec: Recipe, user_optimizer: str, offload: bool) -> tuple[str, ...]:
+def zero_sweeps(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Depth,
+                device: Device, engines: Sequence[Parallel]) -> dict[Parallel, SweepModel]:
+    """DeepSpeed ZeRO ``engines`` (stages, offload) share one set of one-GPU traces: each
+    point is traced once and modelled as every engine's rank (tilefit.estimator.zero_step)."""
+    samples: dict[Parallel, list[Sample]] = {e: [] for e in engines}
+    for k in depth.traced:
+        for b in sweep_points(workload, spec, micro_batches):
+            tr = trace_point(workload, spec, b, k, depth, device, SWEEP_ACCUMULATION, None)
+            base = estimate_trace(tr, device)
+            for engine in engines:
+                samples[engine].append(zero_sample(tr, base, device, engine, b, k))
+    return {e: SweepModel(tuple(s)) for e, s in samples.items()}
+
+
+def changes_of(spec: Recipe, user_optimizer: str, offload: bool,
+               parallel: Parallel | None = None) -> tuple[str, ...]:
     out: list[str] = []
+    zero = parallel is not None and parallel.modelled
     if spec.peft:
         from tilefit.planner.configs import LORA_ALPHA, LORA_RANK
 
@@ -160,6 +206,10 @@ def changes_of(spec: Recipe, user_optimizer: str, offload: bool) -> tuple[str, .
     if prec.autocast_dtype:
         out.append(f"{prec.autocast_dtype} autocast "
                    + ("(fp32 adapters)" if spec.peft else "(fp32 weights)"))
+    elif prec.param_dtype != "fp32" and zero:
+        out.append(f"DeepSpeed's {prec.param_dtype} mode: {prec.param_dtype} weights and "
+                   "gradients, the fp32 master weights and optimizer state partitioned "
+                   "over the GPUs")
     elif prec.param_dtype != "fp32":
         out.append(f"{prec.param_dtype} weights on the GPU, fp32 master copy on the CPU")
     elif prec.allow_tf32:
@@ -180,6 +230,8 @@ def row_from(spec: Recipe, model: SweepModel, micro_batch: int, global_batch: in
     layers = depth.full if depth.lever else None
     p = model.predict_all(micro_batch, layers)
     world = 1 if parallel is None else parallel.world_size
+    # ZeRO-Offload's CPU step is in the modelled sample's fixed time already
+    zero_offload = parallel is not None and parallel.offload
     accum = global_batch // (micro_batch * world)
     if offload is None:
         peak = max(p["peak_bytes"] if accum > 1 else p["peak_accumulation_1_bytes"],
@@ -196,11 +248,12 @@ def row_from(spec: Recipe, model: SweepModel, micro_batch: int, global_batch: in
         predicted_step_time_s=step, samples_per_s=global_batch / step if step else 0.0,
         tokens_per_s=(global_batch * tokens_per_sample / step
                       if (tokens_per_sample and step) else None),
-        mfu=mfu, budget_bytes=budget_bytes, offload=offload is not None,
+        mfu=mfu, budget_bytes=budget_bytes, offload=offload is not None or zero_offload,
         changes_optimizer=not same_update(spec.optimizer, user_optimizer),
         fuses_optimizer=spec.optimizer != user_optimizer and same_update(spec.optimizer,
                                                                           user_optimizer),
-        changes=changes_of(spec, user_optimizer, offload is not None),
+        changes=changes_of(spec, user_optimizer, offload is not None or zero_offload,
+                           parallel),
         friendly=is_friendly(micro_batch), world_size=world,
         strategy=None if parallel is None else parallel.strategy)
 

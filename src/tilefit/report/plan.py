@@ -11,6 +11,7 @@ from rich.table import Table
 from tilefit.planner import Plan
 from tilefit.planner.rows import PlanRow
 from tilefit.report.terminal import fmt_bytes, fmt_time
+from tilefit.vocab import ZERO_STRATEGIES
 
 
 def _gib(nbytes: float) -> str:
@@ -83,7 +84,10 @@ def best_table(plan: Plan, best: PlanRow) -> Table:
     gpus = "" if best.strategy is None else f" x {best.world_size} GPUs ({best.strategy})"
     table.add_row("batch", f"micro-batch {best.micro_batch} x {best.accumulation_steps} "
                   f"accumulation steps{gpus} = global batch {best.global_batch}")
-    if best.strategy is not None:
+    if best.strategy in ZERO_STRATEGIES:
+        table.add_row("memory", "per GPU (DeepSpeed modelled on one-GPU traces: its engine "
+                      "does not run on fake tensors)")
+    elif best.strategy is not None:
         table.add_row("memory", "per GPU (rank 0 traced under the fake process group)")
     table.add_row("peak memory", f"{fmt_bytes(best.predicted_peak_memory_bytes)} of "
                   f"{fmt_bytes(plan.budget_bytes)} budget ({plan.memory_fraction:.0%} of "

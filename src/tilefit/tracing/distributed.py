@@ -41,7 +41,7 @@ from tilefit.tracing.torch_compat import (
     process_group_initialized,
     rebuild_ddp_buckets_on_fake_tensors,
 )
-from tilefit.vocab import DEFAULT_STRATEGY, STRATEGIES
+from tilefit.vocab import DEFAULT_STRATEGY, STRATEGIES, ZERO_STRATEGIES
 
 __all__ = ["Parallel", "find_layer_list", "fsdp2_policy", "parallel_spec", "process_group",
            "root_name", "wrap_model"]
@@ -49,10 +49,19 @@ __all__ = ["Parallel", "find_layer_list", "fsdp2_policy", "parallel_spec", "proc
 
 @dataclass(frozen=True)
 class Parallel:
-    """A data-parallel setup: the engine and the number of ranks (one GPU each)."""
+    """A data-parallel setup: the engine and the number of ranks (one GPU each). The
+    planner also names DeepSpeed ZeRO stages here (vocab.ZERO_STRATEGIES, with ``offload``
+    of the optimizer to the CPU): those are modelled on the one-GPU trace
+    (tilefit.estimator.zero_step), never wrapped or traced by this module."""
 
-    strategy: str  # a vocab.STRATEGIES name
+    strategy: str  # a vocab.STRATEGIES name, or a ZERO_STRATEGIES one (planner only)
     world_size: int
+    offload: bool = False  # ZeRO-Offload: the optimizer on the CPU (ZeRO only)
+
+    @property
+    def modelled(self) -> bool:
+        """DeepSpeed ZeRO: modelled on the one-GPU trace, not traced under the engine."""
+        return self.strategy in ZERO_STRATEGIES
 
 
 def parallel_spec(world_size: int = 1, strategy: str | None = None) -> Parallel | None:
@@ -65,12 +74,20 @@ def parallel_spec(world_size: int = 1, strategy: str | None = None) -> Parallel 
     if strategy is None:
         return None if world_size == 1 else Parallel(DEFAULT_STRATEGY, world_size)
     key = str(strategy).strip().lower()
+    if key in ZERO_STRATEGIES:
+        raise TilefitError(f"DeepSpeed {key} is modelled, not traced",
+                           expected="a traced engine: " + ", ".join(STRATEGIES),
+                           given=repr(strategy),
+                           fix=f"estimate it (tilefit estimate --strategy {key}, or "
+                           f"tilefit.estimate(strategy={key!r})): it is modelled on the "
+                           "one-GPU trace")
     if key not in STRATEGIES:
-        hint = " (DeepSpeed ZeRO is not traced yet)" if "zero" in key or "deepspeed" in key \
-            else ""
-        raise TilefitError(f"unknown data-parallel strategy {strategy!r}{hint}",
-                           expected="one of " + ", ".join(STRATEGIES), given=repr(strategy),
-                           fix="pass --strategy fsdp2 (sharded) or --strategy ddp (replicated)")
+        raise TilefitError(f"unknown data-parallel strategy {strategy!r}",
+                           expected="one of " + ", ".join(STRATEGIES) + " (traced) or "
+                           + ", ".join(ZERO_STRATEGIES) + " (DeepSpeed ZeRO, modelled)",
+                           given=repr(strategy),
+                           fix="pass --strategy fsdp2 (sharded), ddp (replicated) or zero2 "
+                           "(DeepSpeed ZeRO-2)")
     if not distributed_available():
         raise TilefitError("this torch build has no torch.distributed",
                            expected="a torch build with distributed support (Linux wheels)",
