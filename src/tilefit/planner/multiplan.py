@@ -209,6 +209,11 @@ def _zero_rows(work: Workload, device: Device, global_batch: int, budget_bytes: 
             rows.extend(row_from(spec, model, b, global_batch, space_.depth, device,
                                  budget_bytes, work.tokens_per_sample, optimizer,
                                  parallel=engine) for b in micro)
+    if rows:
+        notes.append("DeepSpeed ZeRO rows are modelled on one-GPU traces: their collectives "
+                     "are costed, DeepSpeed's bucket copies and its hooks' host time are not "
+                     "(their step time is a lower bound; their memory matched DeepSpeed's "
+                     "engine on the CPU, docs/references.md, section 24)")
     if any(parse_precision(s.precision).autocast_dtype == "fp16" for s in space_.recipes):
         notes.append("DeepSpeed ZeRO is planned in its bf16 mode and fp32 (its fp16 mode, "
                      "fp16 weights with a loss scaler, is not traced)")

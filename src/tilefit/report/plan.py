@@ -27,7 +27,10 @@ def _ms(seconds: float) -> str:
 def short_label(row: PlanRow) -> str:
     """The recipe in a few words: the optimizer only when it is not the user's."""
     parts = [] if row.strategy is None else [row.strategy]
-    parts.append(row.precision.replace("-mixed", ""))
+    prec = row.recipe.spec
+    # "bf16" for autocast, "bf16-true" (Lightning's word) for 16-bit weights: both are planned
+    pure = prec.autocast_dtype is None and prec.param_dtype != "fp32"
+    parts.append(f"{prec.param_dtype}-true" if pure else row.precision.replace("-mixed", ""))
     if row.changes_optimizer:
         parts.append(row.optimizer.upper())
     if row.fuses_optimizer:
