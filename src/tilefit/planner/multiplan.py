@@ -34,7 +34,7 @@ from tilefit.vocab import STRATEGIES, ZERO_STRATEGIES, Recipe, parse_precision
 # would leave FSDP2 nothing but the root to wrap) and extrapolated in the layer count.
 MULTI_LEVER_LAYERS = (2, 3)
 # the ZeRO stages also searched with the optimizer on the CPU: ZeRO-Offload was built on
-# stage 2 and ZeRO-Infinity on stage 3 (docs/references.md, section 24, item 2)
+# stage 2 and ZeRO-Infinity on stage 3 (docs/references.md, section 24, item 5)
 OFFLOAD_STAGES = ("zero2", "zero3")
 
 
