@@ -170,7 +170,8 @@ def _candidate_time(
     ctas = tiles_mn * split
     waves = math.ceil(ctas / device.sms)
     k_piece = math.ceil(k / split)
-    math_s = waves * 2 * tm * tn * k_piece / (rate_per_sm * tile_shape_efficiency(tm, tn) * align)
+    mainloop_s = 2 * tm * tn * k_piece / (rate_per_sm * tile_shape_efficiency(tm, tn) * align)
+    math_s = waves * (mainloop_s + device.gemm_tile_latency_s)
     traffic = batch * gemm_bytes(m, n, k, dtype)
     launches = 1
     if split > 1:
