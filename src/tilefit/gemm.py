@@ -12,8 +12,9 @@ Layers" user's guides; docs/references.md, sections 1-4):
   dimensions off the 16-/128-byte multiple. Tile quantization (padding of the last tile)
   and wave quantization (a partly filled last wave) fall out of the counting.
 - each wave may also pay a fixed time besides its multiply-adds (Device.gemm_tile_latency_s:
-  pipeline prologue and epilogue, Stream-K's fixed cost per CTA; docs/references.md,
-  section 27). It is 0: fitted on the public GPU corpus, it did not earn its place.
+  pipeline prologue and epilogue, Stream-K's fixed cost per CTA;
+  docs/references.md, section 27). It is 0: fitted on the public GPU corpus, it did not earn
+  its place.
 - memory time: each operand read once and the output written once, at the device's
   achieved bandwidth.
 - time = max(math, memory) + one kernel launch. Small outputs may use split-K (the K loop
