@@ -97,3 +97,18 @@ def test_held_out_shapes_avoid_grid_and_split_aligned() -> None:
     assert len(aligned) == 50
     assert all(v % 64 == 0 for s in aligned for v in s)
     assert all(any(v % 2 for v in s) for s, a in shapes if not a)
+
+
+def test_gpu_fit_keeps_the_tile_latency_and_recovers_the_rest() -> None:
+    # The per-wave latency is the corpus's (kept); efficiency and launch are fitted around it.
+    h200 = dataclasses.replace(get_device("h200"), profile=None, gemm_tile_latency_s=1e-6)
+    truth = dataclasses.replace(h200, gemm_efficiency=0.70, launch_overhead_s=6e-6)
+    rng = random.Random(2)
+    samples = []
+    for m, n, k in calibration_grid("cuda", quick=False):
+        t = analyze_gemm(m, n, k, "bf16", truth).predicted_time_s * (1 + rng.uniform(-.02, .02))
+        samples.append(GemmSample(m, n, k, "bf16", t, is_aligned(m, n, k, 64)))
+    fit = fit_gpu(samples, "bf16", h200)
+    assert fit.gemm_efficiency == pytest.approx(0.70, rel=0.03)
+    assert fit.call_overhead_s == pytest.approx(6e-6, rel=0.2)
+    assert fit.median_error < 0.03
