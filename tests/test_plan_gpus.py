@@ -73,6 +73,8 @@ def test_plan_on_two_gpus_and_its_torchrun_script_runs_two_steps(tmp_path: Path)
     c = best["confirmation"]
     assert abs(c["peak_error"]) < 0.10 and abs(c["time_error"]) < 0.10
     assert best["tokens_per_s_per_gpu"] is None  # a factory's samples are not tokens
+    assert sorted(f.name for f in out.iterdir()) == [
+        "accelerate.yaml", "ds_config.json", "train_accelerate.py", "train_tilefit.py"]
     yaml = (out / "accelerate.yaml").read_text()
     assert "fsdp_version: 2" in yaml and "num_processes: 2" in yaml
     ds = json.loads((out / "ds_config.json").read_text())
