@@ -157,7 +157,9 @@ def test_zero_strategy_names_are_accepted_and_checked() -> None:
     assert [(e.strategy, e.offload) for e in engines_of(("ddp", "zero1", "zero3"), 4)] == [
         ("ddp", False), ("zero1", False), ("zero3", False), ("zero3", True)]
     assert zero_recipe(Recipe(precision="bf16-mixed")).precision == "bf16"  # type: ignore[union-attr]
-    assert zero_recipe(Recipe(precision="fp16-mixed")) is None  # DeepSpeed's fp16 mode
+    assert zero_recipe(Recipe(precision="fp16-mixed")).precision == "fp16-true"  # type: ignore[union-attr]
+    assert zero_recipe(Recipe(precision="tf32")).precision == "tf32"  # type: ignore[union-attr]
+    assert zero_recipe(Recipe(precision="fp8-mixed")) is None
     r = CliRunner().invoke(app, ["plan", "gpt2", "--global-batch", "16", "--gpus", "2",
                                  "--strategy", "zero4"])
     assert r.exit_code == 2 and "--strategy" in r.output
