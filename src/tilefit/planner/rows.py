@@ -24,6 +24,9 @@ class PlanRow:
     friendly: bool = True  # micro-batch a multiple of 8 or a power of two
     world_size: int = 1  # GPUs of a data-parallel job (the micro-batch is one rank's)
     strategy: str | None = None  # its engine (a vocab.STRATEGIES name); None on one GPU
+    # CPU memory per node the engine needs (DeepSpeed ZeRO: its own estimator's figure,
+    # ZeRO-Offload's optimizer state included); None where not modelled
+    host_memory_bytes: int | None = None
 
     @property
     def micro_batch(self) -> int:
@@ -88,7 +91,7 @@ class PlanRow:
             "precision": self.precision, "optimizer": self.optimizer,
             "grad_checkpointing": self.grad_checkpointing, "attention": self.attention,
             "peft": self.peft, "offload": self.offload, "world_size": self.world_size,
-            "strategy": self.strategy,
+            "strategy": self.strategy, "host_memory_bytes": self.host_memory_bytes,
             "predicted_peak_memory_bytes": self.predicted_peak_memory_bytes,
             "headroom_bytes": self.headroom_bytes,
             "predicted_step_time_s": self.predicted_step_time_s,

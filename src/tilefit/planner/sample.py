@@ -33,6 +33,8 @@ class Sample:
     work_peak_bytes: the largest live bytes of what forward/backward allocate apart from the
       model state (activations, temporaries, inputs); what stays on the GPU under offload.
     micro_flops: model FLOPs of one micro-batch (checkpoint recompute excluded).
+    host_bytes: CPU memory per node a modelled engine needs (DeepSpeed ZeRO: its own
+      estimator's figure, tilefit.estimator.zero.ZeroMemory.host_bytes); 0 otherwise.
     """
 
     micro_batch: float
@@ -48,6 +50,7 @@ class Sample:
     work_peak_bytes: float
     micro_flops: float
     param_count: float
+    host_bytes: float = 0.0
 
     def metrics(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)
@@ -93,11 +96,12 @@ def micro_step_s(est: Estimate) -> float:
 
 
 def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int, *,
-              peaks: tuple[dict[str, int], dict[str, int], dict[str, int]] | None = None
-              ) -> Sample:
+              peaks: tuple[dict[str, int], dict[str, int], dict[str, int]] | None = None,
+              host_bytes: int = 0) -> Sample:
     """The planner's figures of one traced step. ``peaks``: a modelled rank's bytes by
     category at its forward/backward peak, micro-batch 0's and the optimizer step's
-    (DeepSpeed ZeRO, tilefit.estimator.zero_step.zero_peaks), in place of the trace's."""
+    (DeepSpeed ZeRO, tilefit.estimator.zero_step.zero_peaks), in place of the trace's;
+    ``host_bytes``: the CPU memory per node such an engine needs."""
     a = est.accumulation_steps
     micro_time = micro_step_s(est)
     fixed_time = est.step_time_s - micro_time * a
@@ -118,4 +122,4 @@ def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int, *,
         parameters_bytes=cats.get("parameters", 0), gradients_bytes=cats.get("gradients", 0),
         optimizer_state_bytes=cats.get("optimizer_state", 0),
         work_peak_bytes=work_peak(tr, rounded=rounded), micro_flops=est.flops / a,
-        param_count=tr.param_count)
+        param_count=tr.param_count, host_bytes=host_bytes)

@@ -117,8 +117,10 @@ def zero_sample(tr: Trace, base: Estimate, device: Device, parallel: Parallel,
     est = estimate_zero(base, tr, device, parallel.strategy, parallel.world_size,
                         offload=parallel.offload)
     peaks = zero_peaks(tr, parallel.strategy, parallel.world_size, offload=parallel.offload)
+    assert est.parallel is not None
     return sample_of(tr, est, micro_batch, layers,
-                     peaks=(peaks.micro, peaks.micro_first, peaks.step))
+                     peaks=(peaks.micro, peaks.micro_first, peaks.step),
+                     host_bytes=est.parallel.details["memory"]["host_bytes"])
 
 
 def trace_built(work: Workload, micro_batch: int, spec: Recipe,
@@ -255,7 +257,9 @@ def row_from(spec: Recipe, model: SweepModel, micro_batch: int, global_batch: in
         changes=changes_of(spec, user_optimizer, offload is not None or zero_offload,
                            parallel),
         friendly=is_friendly(micro_batch), world_size=world,
-        strategy=None if parallel is None else parallel.strategy)
+        strategy=None if parallel is None else parallel.strategy,
+        host_memory_bytes=round(p["host_bytes"]) if parallel is not None and
+        parallel.modelled else None)
 
 
 def safe_sweep(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Depth,

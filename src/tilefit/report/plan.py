@@ -96,6 +96,11 @@ def best_table(plan: Plan, best: PlanRow) -> Table:
                   f"{fmt_bytes(plan.budget_bytes)} budget ({plan.memory_fraction:.0%} of "
                   f"{fmt_bytes(plan.device.memory_bytes)} minus "
                   f"{fmt_bytes(plan.overhead_bytes)} CUDA context/workspace)")
+    if best.host_memory_bytes:
+        what = "the offloaded optimizer state and its buffers" if best.offload else \
+            "the model's fp32 copy per process while DeepSpeed initialises"
+        table.add_row("CPU memory", f"{fmt_bytes(best.host_memory_bytes)} per node "
+                      f"(DeepSpeed's own estimate: {what})")
     tput = f"{best.samples_per_s:,.2f} samples/s"
     if best.tokens_per_s is not None:
         tput += f", {best.tokens_per_s:,.0f} tokens/s"
