@@ -18,11 +18,11 @@ accelerate's own path with the CPU answering its device detection as a GPU node
 and whether its parameters are DTensor shards (docs/references.md, section 26).
 
 ``--deepspeed DIR`` (DeepSpeed installed apart, as benchmarks/bench_zero_cpu.py says): each
-workload's fastest FSDP2 row at 2 accumulation steps as DeepSpeed ZeRO-1, -2, -3 and ZeRO-2
-with the optimizer offloaded (``launch_deepspeed``: its JSON and torchrun script on
-DeepSpeed's engine), run under ``torchrun --nproc-per-node 2`` with DS_ACCELERATOR=cpu for
-two steps; each rank reports its micro-batch, accumulation, stage, offload device, optimizer
-and weight dtype.
+workload's plan's own fastest DeepSpeed ZeRO-1, -2, -3 rows and ZeRO-2 and -3 with the
+optimizer offloaded (DeepSpeed's bf16 mode, 2 accumulation steps; ``launch_deepspeed``: its
+JSON and torchrun script on DeepSpeed's engine), run under ``torchrun --nproc-per-node 2``
+with DS_ACCELERATOR=cpu for two steps; each rank reports its micro-batch, accumulation,
+stage, offload device, optimizer and weight dtype.
 Then ``tilefit plan llama-3-8b --gpu h100 --gpus 8`` is timed.
 
     OMP_NUM_THREADS=1 flock /tmp/tilefit-bench.lock python benchmarks/bench_plan_launch_cpu.py \
@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from tilefit.vocab import ZERO_STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent
 NPROC = 2
@@ -100,7 +102,8 @@ def launch_rows(name: str, work: Any, tmp: Path) -> tuple[list[str], bool, Any]:
     lines = [f"{name}: planned {len(p.rows)} rows from {p.traces} traces in "
              f"{time.perf_counter() - t0:.1f} s"]
     ok = True
-    for strategy, ckpt in sorted({(r.strategy, r.grad_checkpointing) for r in p.rows}):
+    traced = [r for r in p.rows if r.strategy not in ZERO_STRATEGIES]  # ZeRO: --deepspeed
+    for strategy, ckpt in sorted({(r.strategy, r.grad_checkpointing) for r in traced}):
         row = fastest(p.rows, strategy, ckpt)
         good, secs, err = launch_script(row, work, tmp)
         ok &= good
@@ -193,20 +196,25 @@ DS_KEYS = ("world_size", "micro_batch", "accumulation_steps", "zero_stage",
            "offload_optimizer", "optimizer", "param_dtype", "loss")
 
 
-def deepspeed_checks(rows: Any, work: Any, tmp: Path, where: str) -> tuple[list[str], bool]:
-    """The fastest FSDP2 row as each ZeRO stage (and ZeRO-2 offloaded): its torchrun script
-    on DeepSpeed's engine, 2 CPU ranks."""
-    import dataclasses
+def fastest_zero(rows: Any, strategy: str, offload: bool) -> Any:
+    """The plan's fastest row of a ZeRO stage (with or without offload) in DeepSpeed's bf16
+    mode at 2 accumulation steps (DeepSpeed's accumulation boundary exercised)."""
+    return max((r for r in rows if (r.strategy, r.offload, r.accumulation_steps) ==
+                (strategy, offload, 2) and r.recipe.spec.param_dtype == "bf16"),
+               key=lambda r: r.samples_per_s)
 
+
+def deepspeed_checks(rows: Any, work: Any, tmp: Path, where: str) -> tuple[list[str], bool]:
+    """The plan's own ZeRO rows (each stage, and ZeRO-2 and ZeRO-3 offloaded): their
+    torchrun scripts on DeepSpeed's engine, 2 CPU ranks."""
     from tilefit.planner.launch import TORCHRUN_SCRIPT_NAME, launch_files
 
-    base = fastest(rows, "fsdp2", accumulation=2)  # DeepSpeed's accumulation boundary too
     env = {**_env(), "DS_ACCELERATOR": "cpu"}
     env["PYTHONPATH"] += os.pathsep + where
     lines, ok = [], True
     for strategy, offload in (("zero1", False), ("zero2", False), ("zero3", False),
-                              ("zero2", True)):
-        row = dataclasses.replace(base, strategy=strategy, offload=offload)
+                              ("zero2", True), ("zero3", True)):
+        row = fastest_zero(rows, strategy, offload)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={NPROC}",
                f"--master-port={free_port()}", TORCHRUN_SCRIPT_NAME]
         rc, secs, steps, err = run_written(launch_files(row, work), tmp, cmd, env)
