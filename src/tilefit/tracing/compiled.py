@@ -47,6 +47,7 @@ from tilefit.tracing.torch_compat import (
     mark_boxed,
     node_module,
     record_module_paths,
+    rng_wrapped_call,
     unflatten_batch,
     without_first_call_checks,
 )
@@ -172,6 +173,15 @@ class _PlannedInterpreter(fx.Interpreter):
         self._plans = plans
         self._recorder = recorder
 
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        wrapped = rng_wrapped_call(target, args, kwargs)
+        if wrapped is None:
+            return super().call_function(target, args, kwargs)
+        op, op_args, op_kwargs, returns_state = wrapped
+        out = op(*op_args, **op_kwargs)
+        # the generator's state, saved for the backward's replay: a few bytes, not traced
+        return (torch.empty(0, dtype=torch.uint8), out) if returns_state else out
+
     def run_node(self, n: fx.Node) -> Any:
         plan = self._plans.get(n.name)
         if plan is None:
@@ -244,19 +254,20 @@ class CompiledStep:
 def capture_step(model: nn.Module, batch: Any,
                  loss_fn: Callable[[nn.Module, Any], torch.Tensor],
                  recorder: Any, *, cpu: bool,
-                 forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext
-                 ) -> CompiledStep:
+                 forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+                 checkpointed: bool = False) -> CompiledStep:
     """Capture and partition ``loss_fn(model, batch)`` (call under the trace's fake mode,
     outside the recorder: tracing records nothing); ``cpu``: the target is the CPU;
     ``forward_context``: entered around each trace of the forward (the target's
-    autocast)."""
+    autocast); ``checkpointed``: the model's checkpointed layers run through
+    ``torch_compat.checkpoint_region_tagger`` (the partitioner recomputes them)."""
     check_compile_supported()
     leaves, spec = flatten_batch(batch)
     module = _LossModule(model, loss_fn, leaves, spec, forward_context)
     compiler = _Compiler(recorder, cpu)
     fn = aot_capture(module, module.tensors(), fw_compiler=compiler, bw_compiler=compiler,
                      partition_fn=inductor_partition_fn(),
-                     decompositions=inductor_decompositions())
+                     decompositions=inductor_decompositions(), node_meta=checkpointed)
     return CompiledStep(fn, module.tensors(), compiler)
 
 

@@ -137,6 +137,14 @@ def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> li
     return out
 
 
+def holds_fake(x: object) -> bool:
+    """Whether ``x`` is a fake tensor, also seen through AOTAutograd's functionalization
+    wrapper (torch._subclasses.fake_tensor.is_fake; a FunctionalTensor around a fake)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return isinstance(x, torch.Tensor) and bool(is_fake(x))
+
+
 def is_view(t: torch.Tensor) -> bool:
     """Whether ``t`` is a view of another tensor's storage (Tensor._is_view)."""
     return bool(t._is_view())
@@ -215,14 +223,67 @@ def inductor_partition_fn() -> Callable[..., Any]:
     return partition
 
 
+def checkpoint_region_tagger() -> Callable[..., Any]:
+    """A stand-in for torch.utils.checkpoint as torch.compile sees it: Dynamo turns each
+    checkpointed call into the ``tag_activation_checkpoint`` higher-order op, whose nodes
+    carry ``recompute=PREFER_RECOMPUTE`` and an ``ac_graph_id``, and the min-cut
+    partitioner recomputes them in the backward instead of saving them
+    (torch/_higher_order_ops/wrap.py, ``TagActivationCheckpoint.tag_nodes``). Called as
+    ``tagger(fn, *args)`` inside an AOTAutograd capture under ``preserve_node_meta``, it
+    runs ``fn`` with that metadata current, so every node traced from it is tagged the same
+    way (torch.fx.proxy copies ``recompute`` and ``ac_graph_id`` from the current meta)."""
+    import itertools
+
+    from torch.fx import traceback as fx_traceback
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    ids = itertools.count(1)
+
+    def tagged(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        saved = fx_traceback.current_meta
+        fx_traceback.current_meta = {**saved, "recompute": CheckpointPolicy.PREFER_RECOMPUTE,
+                                     "ac_graph_id": next(ids)}
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            fx_traceback.current_meta = saved
+
+    return tagged
+
+
+def rng_wrapped_call(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                     ) -> tuple[Any, tuple[Any, ...], dict[str, Any], bool] | None:
+    """The op inside the partitioner's RNG wrappers, which make a recomputed random op
+    (dropout in a checkpointed layer) draw the same numbers as the forward did
+    (torch/_functorch/partitioners.py, ``functionalize_rng_ops``):
+    ``run_and_save_rng_state(op, *args)`` returns (state, op(*args)), ``run_with_rng_state(
+    state, op, *args)`` and ``graphsafe_run_with_rng_state(op, *args, rng_state=...)``
+    return op(*args). Returns (op, its args, its kwargs, whether a state is returned too),
+    or None for any other target."""
+    from torch._prims import rng_prims
+
+    if target is rng_prims.run_and_save_rng_state:
+        return args[0], tuple(args[1:]), kwargs, True
+    if target is rng_prims.run_with_rng_state:
+        return args[1], tuple(args[2:]), kwargs, False
+    graphsafe = getattr(rng_prims, "graphsafe_run_with_rng_state", None)
+    if graphsafe is not None and target is graphsafe:
+        rest = {k: v for k, v in kwargs.items() if k != "rng_state"}
+        return args[0], tuple(args[1:]), rest, False
+    return None
+
+
 def aot_capture(module: torch.nn.Module, args: list[Any], *,
                 fw_compiler: Callable[..., Any], bw_compiler: Callable[..., Any],
                 partition_fn: Callable[..., Any],
-                decompositions: dict[Any, Callable[..., Any]]) -> Callable[..., Any]:
+                decompositions: dict[Any, Callable[..., Any]],
+                node_meta: bool = False) -> Callable[..., Any]:
     """AOTAutograd's capture of ``module(*args)`` (a tuple-returning module of flat tensor
     arguments): traces the joint forward+backward graph, partitions it with
     ``partition_fn`` and hands the forward and backward graphs to the compilers. Returns the
-    runtime function (an autograd.Function underneath) that calls what they returned."""
+    runtime function (an autograd.Function underneath) that calls what they returned.
+    ``node_meta``: trace under ``preserve_node_meta``, as Dynamo does, so that the
+    activation-checkpoint tags of ``checkpoint_region_tagger`` reach the joint graph."""
     from torch._functorch import config
     from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -240,7 +301,10 @@ def aot_capture(module: torch.nn.Module, args: list[Any], *,
     # does not expose it): a third of a second for GPT-2, skipped while capturing
     no_text = unittest.mock.patch.object(torch.fx.GraphModule, "print_readable",
                                          lambda self, *a, **k: "")
-    with config.patch(**eager_bw), lazy, no_text:
+    from torch.fx import traceback as fx_traceback
+
+    meta = fx_traceback.preserve_node_meta() if node_meta else contextlib.nullcontext()
+    with config.patch(**eager_bw), lazy, no_text, meta:
         return aot_module_simplified(module, args,  # type: ignore[arg-type]
                                      fw_compiler=fw_compiler, bw_compiler=bw_compiler,
                                      partition_fn=partition_fn, decompositions=decompositions)
