@@ -5,13 +5,28 @@ N GPUs (``tilefit.plan(..., world_size=N)``), then for each engine (DDP, FSDP2) 
 checkpointing choice take the fastest row of that kind, write its torchrun script
 (``tilefit.planner.launch.torchrun_script``) and run it under ``torchrun --nproc-per-node N``
 (gloo) for two steps: it must exit 0 with every rank at the planned micro-batch and
-accumulation. The accelerate config is loaded by accelerate's own config loader and launched
-with ``accelerate launch`` and a minimal Accelerator script; on a machine without a GPU
-accelerate runs each process alone (DistributedType.NO), which is recorded, not hidden.
+accumulation.
+
+accelerate (GPT-2's fastest DDP and FSDP2 rows at 2 accumulation steps; the written
+accelerate.yaml and train_accelerate.py, ``accelerate launch --config_file accelerate.yaml
+--num_processes 2``):
+as written on a machine without a GPU accelerate runs each process alone, which the script
+refuses; DDP runs with ACCELERATE_USE_CPU=true (MULTI_CPU, gloo); the FSDP config with
+ACCELERATE_USE_CPU=true runs DDP (accelerate has no FSDP on CPUs); FSDP2 runs through
+accelerate's own path with the CPU answering its device detection as a GPU node
+(tests/fixtures/accelerate_as_gpu.py): each rank reports the distributed type, world size
+and whether its parameters are DTensor shards (docs/references.md, section 26).
+
+``--deepspeed DIR`` (DeepSpeed installed apart, as benchmarks/bench_zero_cpu.py says): each
+workload's fastest FSDP2 row at 2 accumulation steps as DeepSpeed ZeRO-1, -2, -3 and ZeRO-2
+with the optimizer offloaded (``launch_deepspeed``: its JSON and torchrun script on
+DeepSpeed's engine), run under ``torchrun --nproc-per-node 2`` with DS_ACCELERATOR=cpu for
+two steps; each rank reports its micro-batch, accumulation, stage, offload device, optimizer
+and weight dtype.
 Then ``tilefit plan llama-3-8b --gpu h100 --gpus 8`` is timed.
 
     OMP_NUM_THREADS=1 flock /tmp/tilefit-bench.lock python benchmarks/bench_plan_launch_cpu.py \
-        [--out benchmarks/results_plan_launch_cpu.txt]
+        [--deepspeed DIR] [--out benchmarks/results_plan_launch_cpu.txt]
 """
 
 from __future__ import annotations
@@ -30,27 +45,6 @@ ROOT = Path(__file__).resolve().parent.parent
 NPROC = 2
 GLOBAL_BATCH = 8
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 512}
-
-_ACCELERATE_SCRIPT = '''
-import json, sys
-import torch, transformers
-from accelerate import Accelerator
-cfg = json.loads(sys.argv[1]); micro, accum = int(sys.argv[2]), int(sys.argv[3])
-acc = Accelerator(gradient_accumulation_steps=accum)
-config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-model, opt = acc.prepare(model, opt)
-for step in range(2):
-    for _ in range(accum):
-        with acc.accumulate(model):
-            ids = torch.randint(0, config.vocab_size, (micro, 32), device=acc.device)
-            loss = model(input_ids=ids, labels=ids).loss
-            acc.backward(loss); opt.step(); opt.zero_grad()
-    print("accelerate-step " + json.dumps({"rank": acc.process_index, "step": step,
-          "world": acc.num_processes, "type": str(acc.distributed_type)}), flush=True)
-'''
-
 
 def workloads() -> dict[str, Any]:
     from tilefit.models import load_workload
@@ -89,7 +83,16 @@ def launch_script(row: Any, work: Any, tmp: Path) -> tuple[bool, float, str]:
     return ok, secs, "" if ok else r.stderr[-1500:]
 
 
-def launch_rows(name: str, work: Any, tmp: Path) -> tuple[list[str], bool]:
+def fastest(rows: Any, strategy: str, ckpt: bool = False, accumulation: int | None = None
+            ) -> Any:
+    """The fastest mixed-precision row of an engine (at ``accumulation`` steps if given)."""
+    return max((r for r in rows if (r.strategy, r.grad_checkpointing) == (strategy, ckpt)
+                and r.recipe.spec.autocast_dtype
+                and accumulation in (None, r.accumulation_steps)),
+               key=lambda r: r.samples_per_s)
+
+
+def launch_rows(name: str, work: Any, tmp: Path) -> tuple[list[str], bool, Any]:
     from tilefit.planner import plan
 
     t0 = time.perf_counter()
@@ -97,45 +100,124 @@ def launch_rows(name: str, work: Any, tmp: Path) -> tuple[list[str], bool]:
     lines = [f"{name}: planned {len(p.rows)} rows from {p.traces} traces in "
              f"{time.perf_counter() - t0:.1f} s"]
     ok = True
-    kinds = sorted({(r.strategy, r.grad_checkpointing) for r in p.rows})
-    for strategy, ckpt in kinds:
-        row = max((r for r in p.rows if (r.strategy, r.grad_checkpointing) == (strategy, ckpt)
-                   and r.recipe.spec.autocast_dtype), key=lambda r: r.samples_per_s)
+    for strategy, ckpt in sorted({(r.strategy, r.grad_checkpointing) for r in p.rows}):
+        row = fastest(p.rows, strategy, ckpt)
         good, secs, err = launch_script(row, work, tmp)
         ok &= good
         lines.append(f"  torchrun {row.recipe_label():36} micro-batch {row.micro_batch} x "
                      f"{row.accumulation_steps} x {NPROC} ranks: "
                      f"{'2 steps OK' if good else 'FAILED'} ({secs:.1f} s){err}")
+    return lines, ok, p.rows
+
+
+def free_port() -> str:
+    """A free TCP port for the job's rendezvous: other jobs on this shared machine may hold
+    torchrun's and accelerate's default, 29500."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def first_error(stderr: str) -> str:
+    """The first line that names an error, else the end of stderr."""
+    lines = [x for x in stderr.splitlines() if "Error" in x or "error:" in x]
+    return lines[0][-600:] if lines else stderr[-600:]
+
+
+def run_written(files: dict[str, str], tmp: Path, cmd: list[str],
+                env: dict[str, str]) -> tuple[int, float, list[dict[str, Any]], str]:
+    """Write ``files`` into a fresh folder, run ``cmd`` there (``--record`` added): exit
+    status, seconds, every rank's step lines, stderr."""
+    out = Path(tempfile.mkdtemp(dir=tmp))
+    for name, text in files.items():
+        (out / name).write_text(text)
+    record = out / "record"
+    record.mkdir()
+    t0 = time.perf_counter()
+    r = subprocess.run([*cmd, "--steps", "2", "--record", str(record)], env=env,
+                       capture_output=True, text=True, timeout=900, cwd=out)
+    secs = time.perf_counter() - t0
+    steps = [json.loads(x) for f in sorted(record.glob("rank*.jsonl"))
+             for x in f.read_text().splitlines()]
+    return r.returncode, secs, steps, r.stderr
+
+
+def per_rank(steps: list[dict[str, Any]], keys: tuple[str, ...]) -> str:
+    """The last step's fields of each rank, e.g. 'rank 0: FSDP/2/True'."""
+    last = {s["rank"]: s for s in steps}
+    return "; ".join(f"rank {k}: " + " ".join(f"{key}={last[k][key]}" for key in keys)
+                     for k in sorted(last))
+
+
+ACC_KEYS = ("distributed_type", "world_size", "dtensor_shards", "micro_batch",
+            "accumulation_steps", "loss")
+# (what, engine, the environment beyond ours, the script through the GPU stand-in)
+ACC_RUNS = (("as written, no GPU", "fsdp2", {}, False),
+            ("ACCELERATE_USE_CPU=true", "ddp", {"ACCELERATE_USE_CPU": "true"}, False),
+            ("ACCELERATE_USE_CPU=true", "fsdp2", {"ACCELERATE_USE_CPU": "true"}, False),
+            ("CPU as a GPU node", "fsdp2", {}, True))
+
+
+def accelerate_checks(rows: Any, work: Any, tmp: Path) -> tuple[list[str], bool]:
+    """The written accelerate.yaml and train_accelerate.py under accelerate launch."""
+    from tilefit.planner.launch import ACCELERATE_SCRIPT_NAME, launch_files
+
+    lines, ok = [], True
+    for what, strategy, extra, as_gpu in ACC_RUNS:
+        row = fastest(rows, strategy, accumulation=2)  # accelerate's accumulate() too
+        script = [str(ROOT / "tests" / "fixtures" / "accelerate_as_gpu.py")] if as_gpu else []
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               "accelerate.yaml", "--num_processes", str(NPROC), "--main_process_port",
+               free_port(), *script,
+               ACCELERATE_SCRIPT_NAME]
+        rc, secs, steps, err = run_written(launch_files(row, work), tmp, cmd,
+                                           {**_env(), **extra})
+        expect = "FSDP" if as_gpu else "MULTI_CPU"
+        good = rc == 0 and len(steps) == 2 * NPROC and all(
+            s["distributed_type"] == expect and s["dtensor_shards"] is as_gpu for s in steps)
+        if not extra and not as_gpu:  # refused: accelerate would run each process alone
+            said = "accelerate found no GPU and runs each process alone"
+            good = rc != 0 and err.count(said) == NPROC
+            lines.append(f"  accelerate {strategy} {what}: exit {rc}, each rank refused to "
+                         f"train alone ('{said}')" if good else f"FAILED {first_error(err)}")
+        else:
+            lines.append(f"  accelerate {strategy} {what}: exit {rc} ({secs:.1f} s); "
+                         + (per_rank(steps, ACC_KEYS) if good else f"FAILED {first_error(err)}"))
+        ok &= good
     return lines, ok
 
 
-def accelerate_check(work: Any, tmp: Path) -> str:
-    """accelerate's loader parses the config; accelerate launch runs it."""
-    from accelerate.commands.config.config_args import load_config_from_file
+DS_KEYS = ("world_size", "micro_batch", "accumulation_steps", "zero_stage",
+           "offload_optimizer", "optimizer", "param_dtype", "loss")
 
-    from tilefit.planner import launch, plan
 
-    p = plan(work, gpu="h100", global_batch=GLOBAL_BATCH, world_size=NPROC, strategy="fsdp2",
-             confirm=False)
-    assert p.best is not None
-    cfg = tmp / "accelerate.yaml"
-    cfg.write_text(launch.yaml_text(launch.accelerate_config(p.best)) + "\n")
-    loaded = load_config_from_file(str(cfg))
-    script = tmp / "accelerate_train.py"
-    script.write_text(_ACCELERATE_SCRIPT)
-    hf = {k: v for k, v in work.config.items() if not k.startswith("_")}
-    r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                        str(cfg), str(script), json.dumps(hf), str(p.best.micro_batch),
-                        str(p.best.accumulation_steps)], env=_env(), capture_output=True,
-                       text=True, timeout=600, cwd=tmp)
-    steps = [json.loads(x.split(" ", 1)[1]) for x in r.stdout.splitlines()
-             if x.startswith("accelerate-step ")]
-    kinds = sorted({s["type"] for s in steps})
-    return (f"accelerate: config loaded by accelerate ({loaded.distributed_type}, fsdp_version "
-            f"{loaded.fsdp_config.get('fsdp_version')}); accelerate launch exit "
-            f"{r.returncode}, {len(steps)} step lines, distributed type seen by the script "
-            f"{kinds} (without a GPU accelerate runs each process alone: FSDP is not "
-            "exercised here)")
+def deepspeed_checks(rows: Any, work: Any, tmp: Path, where: str) -> tuple[list[str], bool]:
+    """The fastest FSDP2 row as each ZeRO stage (and ZeRO-2 offloaded): its torchrun script
+    on DeepSpeed's engine, 2 CPU ranks."""
+    import dataclasses
+
+    from tilefit.planner.launch import TORCHRUN_SCRIPT_NAME, launch_files
+
+    base = fastest(rows, "fsdp2", accumulation=2)  # DeepSpeed's accumulation boundary too
+    env = {**_env(), "DS_ACCELERATOR": "cpu"}
+    env["PYTHONPATH"] += os.pathsep + where
+    lines, ok = [], True
+    for strategy, offload in (("zero1", False), ("zero2", False), ("zero3", False),
+                              ("zero2", True)):
+        row = dataclasses.replace(base, strategy=strategy, offload=offload)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={NPROC}",
+               f"--master-port={free_port()}", TORCHRUN_SCRIPT_NAME]
+        rc, secs, steps, err = run_written(launch_files(row, work), tmp, cmd, env)
+        good = rc == 0 and len(steps) == 2 * NPROC and all(
+            (s["micro_batch"], s["accumulation_steps"], s["zero_stage"])
+            == (row.micro_batch, row.accumulation_steps, int(strategy[-1]))
+            and (s["offload_optimizer"] == "cpu") is offload for s in steps)
+        ok &= good
+        lines.append(f"  deepspeed {row.recipe_label()}: exit {rc} ({secs:.1f} s); "
+                     + (per_rank(steps, DS_KEYS) if good else f"FAILED {first_error(err)}"))
+    return lines, ok
 
 
 def time_plan_8b() -> str:
@@ -159,6 +241,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path)
     ap.add_argument("--no-8b", action="store_true")
+    ap.add_argument("--deepspeed", help="the folder DeepSpeed is installed in (its checks)")
     args = ap.parse_args()
     import torch
 
@@ -168,14 +251,21 @@ def main() -> int:
     ok = True
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        works = workloads()
+        works, planned = workloads(), {}
         for name, work in works.items():
-            out, good = launch_rows(name, work, tmp)
+            out, good, planned[name] = launch_rows(name, work, tmp)
             ok &= good
             lines.extend(out)
             print("\n".join(out), flush=True)
-        lines.append(accelerate_check(works["gpt2"], tmp))
-        print(lines[-1], flush=True)
+        checks = [("gpt2", accelerate_checks, ())]
+        if args.deepspeed:
+            checks += [(name, deepspeed_checks, (args.deepspeed,)) for name in works]
+        for name, check, extra in checks:
+            out, good = check(planned[name], works[name], tmp, *extra)  # type: ignore[operator]
+            ok &= good
+            lines.append(f"{name}:")
+            lines.extend(out)
+            print("\n".join(lines[-len(out) - 1:]), flush=True)
     if not args.no_8b:
         lines.append(time_plan_8b())
         print(lines[-1], flush=True)

@@ -28,6 +28,7 @@ OTHER_PROGRAMS = {
     "--config_file",  # accelerate launch --config_file accelerate.yaml (planner/configs.py)
     "--nproc-per-node",  # torchrun --nproc-per-node N (planner/configs.py, launch.py)
     "--record",  # the torchrun script's own flag (planner/launch.py)
+    "--ds-config",  # the DeepSpeed script's own flag (planner/launch_deepspeed.py)
 }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tilefit.errors import TilefitError
@@ -136,3 +138,22 @@ def test_bad_dims(m, n, k) -> None:
 def test_unknown_dtype() -> None:
     with pytest.raises(TilefitError, match="unknown dtype"):
         analyze_gemm(64, 64, 64, "fp64", A100_40)
+
+
+@pytest.mark.parametrize(("m", "waves"), [(1792, 1), (8192, 19)])
+def test_tile_latency_is_paid_once_per_wave(m: int, waves: int) -> None:
+    # 1792x1792 in 256x128 tiles: 7*14 = 98 tiles on 108 SMs, one wave (the guide's example);
+    # 8192x8192: 32*64 = 2048 tiles, ceil(2048/108) = 19 waves. A fixed 2 us per wave adds
+    # waves x 2 us to the math time when the kernel pick stays the same.
+    base = dataclasses.replace(A100_40, gemm_tile_latency_s=0.0)
+    slow = dataclasses.replace(A100_40, gemm_tile_latency_s=2e-6)
+    g0 = analyze_gemm(m, m, 8192, "fp16", base)
+    g1 = analyze_gemm(m, m, 8192, "fp16", slow)
+    assert (g0.tile, g0.split_k, g0.waves) == ((256, 128), 1, waves)
+    assert (g1.tile, g1.split_k, g1.waves) == ((256, 128), 1, waves)
+    assert g1.math_time_s - g0.math_time_s == pytest.approx(waves * 2e-6, rel=1e-9)
+
+
+def test_negative_tile_latency_is_refused() -> None:
+    with pytest.raises(ValueError, match="gemm_tile_latency_s"):
+        dataclasses.replace(A100_40, gemm_tile_latency_s=-1e-6)

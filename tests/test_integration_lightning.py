@@ -203,7 +203,9 @@ def test_lightning_precision_spellings_map_to_the_vocabulary() -> None:
             continue
         trainer = L.Trainer(accelerator="cpu", precision=given, logger=False)
         assert tl.precision_of_trainer(trainer).name == name, given
-    for unsupported in ("16-true", "64-true", "transformer-engine", "bf16"):
+    # Lightning's pure fp16 (fp16 weights, no scaler) is tilefit's fp16-true
+    assert tl.precision_from_lightning("16-true").name == "fp16-true"
+    for unsupported in ("64-true", "transformer-engine", "bf16"):
         with pytest.raises(TilefitError, match="cannot tune a Trainer"):
             tl.precision_from_lightning(unsupported)  # raw "bf16" is never reported
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tilefit.estimator.zero import ZeroConfig
 from tilefit.hardware import get_device
 from tilefit.models.catalog import catalog_names
-from tilefit.vocab import PRECISION_NAMES, STRATEGIES
+from tilefit.vocab import PRECISION_NAMES, STRATEGIES, ZERO_STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "benchmarks" / "multigpu_corpus" / "published.jsonl"
@@ -20,7 +21,8 @@ REQUIRED = ("id", "series", "source", "model", "gpu", "gpu_stated", "world_size"
             "gpus_per_node", "interconnect", "strategy", "micro_batch", "seq", "accumulation",
             "precision", "precision_stated", "activation_checkpointing", "compiled", "float8",
             "context_parallel", "optimizer", "max_grad_norm", "measured", "caveats")
-AC = ("none", "full", "selective-op", "selective-layer")
+AC = ("none", "full", "selective-op", "selective-layer", "unstated")
+MEMORY_KINDS = ("reserved-peak", "allocated-peak", "nvidia-smi")
 SHA = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -45,14 +47,19 @@ def test_each_record_states_its_configuration_and_a_pinned_source(rec: dict) -> 
     assert src["commit"] in src["url"] and src["file"] in src["url"]
     assert src["where"] and src["title"] and re.match(r"^\d{4}-\d{2}-\d{2}$", src["date"])
     assert rec["nodes"] == -(-rec["world_size"] // rec["gpus_per_node"])  # whole nodes, or one
-    assert rec["strategy"] in (*STRATEGIES, "none")
+    assert rec["strategy"] in (*STRATEGIES, *ZERO_STRATEGIES, "none")
     assert rec["precision"] in PRECISION_NAMES
     assert rec["activation_checkpointing"] in AC
     assert rec["model"]["base"] in catalog_names() and isinstance(rec["model"]["changes"], dict)
     m = rec["measured"]
     assert m["tokens_per_s_per_gpu"] > 0
     if "memory_gib" in m:
-        assert m["memory_kind"] in ("reserved-peak", "allocated-peak")
+        assert m["memory_kind"] in MEMORY_KINDS
+    if rec["strategy"] in ZERO_STRATEGIES:  # DeepSpeed: offload said, buckets as ZeroConfig
+        assert isinstance(rec["offload"], bool)
+        ZeroConfig(**rec.get("zero_config", {}))
+    if "derived" in m:  # a derived figure names the published one it comes from
+        assert any(k in m for k in ("samples_per_s_job", "tokens_per_s_job")), m
     if "excluded" in rec:
         assert isinstance(rec["excluded"], str) and rec["excluded"]
     gpu = rec["gpu"]

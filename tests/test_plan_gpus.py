@@ -73,6 +73,8 @@ def test_plan_on_two_gpus_and_its_torchrun_script_runs_two_steps(tmp_path: Path)
     c = best["confirmation"]
     assert abs(c["peak_error"]) < 0.10 and abs(c["time_error"]) < 0.10
     assert best["tokens_per_s_per_gpu"] is None  # a factory's samples are not tokens
+    assert sorted(f.name for f in out.iterdir()) == [
+        "accelerate.yaml", "ds_config.json", "train_accelerate.py", "train_tilefit.py"]
     yaml = (out / "accelerate.yaml").read_text()
     assert "fsdp_version: 2" in yaml and "num_processes: 2" in yaml
     ds = json.loads((out / "ds_config.json").read_text())
@@ -155,7 +157,9 @@ def test_zero_strategy_names_are_accepted_and_checked() -> None:
     assert [(e.strategy, e.offload) for e in engines_of(("ddp", "zero1", "zero3"), 4)] == [
         ("ddp", False), ("zero1", False), ("zero3", False), ("zero3", True)]
     assert zero_recipe(Recipe(precision="bf16-mixed")).precision == "bf16"  # type: ignore[union-attr]
-    assert zero_recipe(Recipe(precision="fp16-mixed")) is None  # DeepSpeed's fp16 mode
+    assert zero_recipe(Recipe(precision="fp16-mixed")).precision == "fp16-true"  # type: ignore[union-attr]
+    assert zero_recipe(Recipe(precision="tf32")).precision == "tf32"  # type: ignore[union-attr]
+    assert zero_recipe(Recipe(precision="fp8-mixed")) is None
     r = CliRunner().invoke(app, ["plan", "gpt2", "--global-batch", "16", "--gpus", "2",
                                  "--strategy", "zero4"])
     assert r.exit_code == 2 and "--strategy" in r.output

@@ -11,6 +11,10 @@ Layers" user's guides; docs/references.md, sections 1-4):
   shape's relative efficiency (bigger tiles reuse more data), and an alignment factor for
   dimensions off the 16-/128-byte multiple. Tile quantization (padding of the last tile)
   and wave quantization (a partly filled last wave) fall out of the counting.
+- each wave may also pay a fixed time besides its multiply-adds (Device.gemm_tile_latency_s:
+  pipeline prologue and epilogue, Stream-K's fixed cost per CTA;
+  docs/references.md, section 27). It is 0: fitted on the public GPU corpus, it did not earn
+  its place.
 - memory time: each operand read once and the output written once, at the device's
   achieved bandwidth.
 - time = max(math, memory) + one kernel launch. Small outputs may use split-K (the K loop
@@ -170,7 +174,8 @@ def _candidate_time(
     ctas = tiles_mn * split
     waves = math.ceil(ctas / device.sms)
     k_piece = math.ceil(k / split)
-    math_s = waves * 2 * tm * tn * k_piece / (rate_per_sm * tile_shape_efficiency(tm, tn) * align)
+    mainloop_s = 2 * tm * tn * k_piece / (rate_per_sm * tile_shape_efficiency(tm, tn) * align)
+    math_s = waves * (mainloop_s + device.gemm_tile_latency_s)
     traffic = batch * gemm_bytes(m, n, k, dtype)
     launches = 1
     if split > 1:

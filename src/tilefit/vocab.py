@@ -67,7 +67,8 @@ def same_update(a: str, b: str) -> bool:
     return a == b or FUSED_IMPLEMENTATION.get(a) == b or FUSED_IMPLEMENTATION.get(b) == a
 
 # ---- precisions ---------------------------------------------------------------------------
-PrecisionName = Literal["fp32", "tf32", "fp16-mixed", "bf16-mixed", "bf16", "fp8-mixed"]
+PrecisionName = Literal["fp32", "tf32", "fp16-mixed", "bf16-mixed", "bf16", "fp16-true",
+                        "fp8-mixed"]
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,13 @@ PRECISIONS: tuple[Precision, ...] = (
     Precision("bf16", "bf16", None, "bf16", False, "bf16", "bf16-true",
               "bf16 weights, gradients, optimizer state and math (no fp32 master copy)",
               ("bf16-true", "bfloat16", "pure-bf16")),
+    # fp16 weights without autocast or torch's GradScaler (which refuses fp16 gradients):
+    # Lightning's "16-true", and DeepSpeed's fp16 mode, which keeps the fp32 master copy in
+    # its partitioned optimizer and scales the loss itself (docs/references.md, section 24,
+    # item 5). "fp16" alone stays fp16-mixed's alias.
+    Precision("fp16-true", "fp16", None, "fp16", False, "fp16", "16-true",
+              "fp16 weights, gradients, optimizer state and math (no fp32 master copy, no "
+              "loss scaler)", ("16-true", "pure-fp16", "float16-true")),
     # torchao's float8 training (docs/references.md, section 21): the nn.Linear layers'
     # three GEMMs in fp8 with dynamic tensorwise scaling, everything else bf16 autocast, fp32
     # master weights. Lightning has no switch for it: bf16-mixed, the model converted by

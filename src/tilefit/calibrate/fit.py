@@ -8,8 +8,11 @@
   the linear fit.
 - GPU ("gpu-tile-wave", tilefit.gemm): two terms by median ratios, robust to outliers:
   launch overhead = median of (measured - model at zero overhead) over the smallest shapes;
-  gemm_efficiency = median of (model math time at efficiency 1) / (measured - overhead) over
-  the math-bound shapes.
+  gemm_efficiency = median of (model math time at efficiency 1) / (measured - overhead -
+  fixed wave time) over the math-bound shapes. The per-wave fixed latency
+  (Device.gemm_tile_latency_s, a corpus fit: docs/references.md, section 27) is kept, not
+  refitted: on one-wave shapes it is indistinguishable from the launch overhead, and the
+  calibration grid has too few many-wave shapes of short K to tell it apart.
 """
 
 from __future__ import annotations
@@ -160,10 +163,12 @@ def fit_gpu(samples: Sequence[GemmSample], dtype: str, device: Device) -> GemmFi
     rows = [s for s in samples if s.dtype == dtype]
     if len(rows) < 3:
         raise ValueError(f"need at least 3 {dtype} measurements, got {len(rows)}")
-    base = dataclasses.replace(device, gemm_efficiency=1.0, launch_overhead_s=0.0, profile=None)
+    base = dataclasses.replace(device, gemm_efficiency=1.0, launch_overhead_s=0.0,
+                               gemm_tile_latency_s=0.0, profile=None)
     ideal = [analyze_gemm(s.m, s.n, s.k, dtype, base) for s in rows]
     meas = np.array([s.time_s for s in rows])
-    t0 = np.array([a.predicted_time_s for a in ideal])
+    fixed = np.array([a.waves * device.gemm_tile_latency_s for a in ideal])  # kept, not fitted
+    t0 = np.array([a.predicted_time_s for a in ideal]) + fixed
     small = t0 < SMALL_SHAPE_S
     pool = small if small.sum() >= 3 else t0 <= np.percentile(t0, 20)
     math_rows = np.array([a.bound == "math" and a.math_time_s >= a.memory_time_s for a in ideal])
@@ -172,13 +177,14 @@ def fit_gpu(samples: Sequence[GemmSample], dtype: str, device: Device) -> GemmFi
     eff = 1.0
     launch = 0.0
     for _ in range(5):  # alternate: launch from the small shapes, efficiency from the large
-        body = np.maximum(math0 / eff, mem0)  # the model's time without the launch
+        body = np.maximum(math0 / eff + fixed, mem0)  # the model's time without the launch
         launch = max(0.0, float(np.median(meas[pool] - body[pool])))
-        useful = math_rows & (meas > 3 * launch)
+        useful = math_rows & (meas > 3 * launch + fixed)
         if useful.sum() < 3:
             eff = device.gemm_efficiency
             break
-        eff = min(1.0, max(0.05, float(np.median(math0[useful] / (meas[useful] - launch)))))
+        mainloop = meas[useful] - launch - fixed[useful]
+        eff = min(1.0, max(0.05, float(np.median(math0[useful] / mainloop))))
     fitted = dataclasses.replace(device, gemm_efficiency=eff, launch_overhead_s=launch,
                                  profile=None)
     pred = [analyze_gemm(s.m, s.n, s.k, dtype, fitted).predicted_time_s for s in rows]

@@ -49,8 +49,9 @@ def plan(
         ", ".join((*STRATEGIES, *ZERO_STRATEGIES)) + "; DeepSpeed ZeRO modelled, stages 2 "
         "and 3 also with the optimizer offloaded to the CPU); default: all of them."),
     write_configs: str | None = typer.Option(
-        None, "--write-configs", help="With --gpus > 1: write the chosen plan's torchrun "
-        "script, accelerate.yaml and ds_config.json into this directory."),
+        None, "--write-configs", help="With --gpus > 1: write the chosen plan's launch files "
+        "into this directory: train_tilefit.py (torchrun), ds_config.json, and for DDP/FSDP2 "
+        "accelerate.yaml with train_accelerate.py."),
     top: int = typer.Option(15, "--top", help="Rows of the ranked table to show."),
     noise_scale: str | None = PLAN_NOISE_OPTION,
     json_out: bool = JSON_OPTION,
@@ -101,7 +102,6 @@ def write_launch_files(result: object, directory: Path) -> list[Path]:
     text; writing files is the command's job)."""
     from tilefit.errors import TilefitError
     from tilefit.planner import Plan
-    from tilefit.planner.launch import TORCHRUN_SCRIPT_NAME
 
     assert isinstance(result, Plan)
     cfg = result.configs
@@ -112,12 +112,8 @@ def write_launch_files(result: object, directory: Path) -> list[Path]:
                            expected="a plan with --gpus N (N > 1) that fits, or one that "
                            "fell back to several GPUs", given=f"--gpus {result.world_size}",
                            fix="add --gpus 2 (or more) to plan for several GPUs")
-    import json
-
     directory.mkdir(parents=True, exist_ok=True)
-    files = {TORCHRUN_SCRIPT_NAME: cfg["torchrun_script"],
-             "accelerate.yaml": cfg["accelerate_yaml"] + "\n",
-             "ds_config.json": json.dumps(cfg["deepspeed"], indent=2) + "\n"}
+    files: dict[str, str] = cfg["files"]
     for name, text in files.items():
         (directory / name).write_text(text)
     return [directory / name for name in files]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate, estimate_strategy
 from tilefit.estimator.collectives import check_world_size
+from tilefit.estimator.zero import DEEPSPEED_DEFAULTS, ZeroConfig
 from tilefit.estimator.zero_step import traced_setup
 from tilefit.hardware import Device, get_device
 from tilefit.models import Workload
@@ -39,12 +40,14 @@ def trace_workload(workload: Workload, recipe: Recipe, device: str | Device, *,
 
 def estimate_workload(workload: Workload, recipe: Recipe, device: str | Device, *,
                       graph_breaks: bool = False, world_size: int = 1,
-                      strategy: str | None = None, offload: bool = False) -> Estimate:
+                      strategy: str | None = None, offload: bool = False,
+                      zero_config: ZeroConfig = DEEPSPEED_DEFAULTS) -> Estimate:
     """The estimate of one training step (``recipe.compile``: as torch.compile runs its
     forward and backward, tilefit.tracing.compiled); ``graph_breaks``: list Dynamo's breaks;
     ``world_size`` GPUs with ``strategy`` (tilefit.estimator.estimate): one rank's step,
     ``recipe.batch_size`` being one rank's micro-batch; a ZeRO strategy (and ``offload``)
-    modelled on the one-GPU trace (tilefit.estimator.zero)."""
+    modelled on the one-GPU trace (tilefit.estimator.zero), ``zero_config`` the bucket sizes
+    of its DeepSpeed config."""
     dev = get_device(device)
     if world_size > 1:
         check_world_size(dev, world_size)
@@ -52,7 +55,7 @@ def estimate_workload(workload: Workload, recipe: Recipe, device: str | Device, 
     with gc_paused():  # the trace's objects are all alive while it is costed
         tr = trace_workload(workload, recipe, dev, graph_breaks=graph_breaks,
                             world_size=traced_world, strategy=traced_strategy)
-        return estimate_strategy(tr, dev, world_size, strategy, offload)
+        return estimate_strategy(tr, dev, world_size, strategy, offload, zero_config)
 
 
 def check_batch(batch_size: int) -> None:

@@ -22,6 +22,11 @@ GB = 1e9
 ALIGN_GENERAL_BYTES = 16
 ALIGN_DATACENTER_BYTES = 128
 
+# The fixed time one wave of GEMM tiles pays besides its multiply-adds (pipeline prologue and
+# epilogue), the same number of seconds on every GPU; fitted on the public GPU corpus
+# (docs/references.md, section 27).
+GEMM_TILE_LATENCY_S = 0.0
+
 
 @dataclass(frozen=True)
 class Device:
@@ -49,6 +54,10 @@ class Device:
     gemm_efficiency: float = 0.80
     bandwidth_efficiency: float = 0.90
     launch_overhead_s: float = 4e-6
+    # Fixed seconds each wave of GEMM tiles pays besides its multiply-adds: the pipeline
+    # prologue (the first K-stages loaded before any MMA) and the epilogue (the tile written
+    # out). tilefit.gemm adds it once per wave (docs/references.md, section 27).
+    gemm_tile_latency_s: float = GEMM_TILE_LATENCY_S
     # the host that issues the device's ops (eager PyTorch): seconds per op, per launch
     host: HostModel = DEFAULT_HOST
     kind: str = "cuda"  # "cuda" or "cpu"
@@ -89,8 +98,9 @@ class Device:
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"{self.name}: {name} must be in (0, 1], got {value}")
-        if self.launch_overhead_s < 0:
-            raise ValueError(f"{self.name}: launch_overhead_s must be >= 0")
+        for name in ("launch_overhead_s", "gemm_tile_latency_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{self.name}: {name} must be >= 0")
         object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
 
     def supports(self, dtype: str | DType) -> bool:

@@ -210,21 +210,34 @@ def peft_config(task: str) -> dict[str, Any]:
 
 def multi_gpu_configs(row: PlanRow, work: Workload) -> dict[str, Any]:
     """A multi-GPU plan's configs that launch as they are (tilefit.planner.launch): the
-    torchrun script, the accelerate config (dict and YAML), a DeepSpeed JSON (not validated
-    here), and the Trainer's per-device arguments."""
+    torchrun script (DeepSpeed's engine for a ZeRO plan), the DeepSpeed JSON, for DDP and
+    FSDP2 the accelerate config (dict and YAML) and its script, the Trainer's per-device
+    arguments, and ``files``: what ``--write-configs DIR`` writes, by name."""
     from tilefit.planner import launch
+    from tilefit.planner.launch_deepspeed import deepspeed_config
+    from tilefit.vocab import ZERO_STRATEGIES
 
-    acc = launch.accelerate_config(row)
+    files = launch.launch_files(row, work)
     hf = {**hf_training_arguments(row), "per_device_train_batch_size": row.micro_batch,
           "gradient_accumulation_steps": row.accumulation_steps}
-    return {
-        "torchrun_script": launch.torchrun_script(row, work),
-        "launch": f"torchrun --nproc-per-node {row.world_size} "
-                  f"{launch.TORCHRUN_SCRIPT_NAME}   # or: accelerate launch --config_file "
-                  "accelerate.yaml your_train.py",
-        "accelerate": acc,
-        "accelerate_yaml": launch.yaml_text(acc),
-        "deepspeed": launch.deepspeed_config(row),
-        "deepspeed_note": "not validated here: DeepSpeed is not run by tilefit's tests",
+    run = f"torchrun --nproc-per-node {row.world_size} {launch.TORCHRUN_SCRIPT_NAME}"
+    out: dict[str, Any] = {
+        "torchrun_script": files[launch.TORCHRUN_SCRIPT_NAME],
+        "deepspeed": deepspeed_config(row),
         "hf_training_arguments": hf,
+        "files": files,
     }
+    if row.strategy in ZERO_STRATEGIES:
+        out["launch"] = run + "   # DeepSpeed's engine; on CPUs with DS_ACCELERATOR=cpu"
+        out["deepspeed_note"] = "the torchrun script trains with it (deepspeed.initialize)"
+        return out
+    acc = launch.accelerate_config(row)
+    out.update({
+        "launch": f"{run}   # or: accelerate launch --config_file "
+                  f"{launch.ACCELERATE_CONFIG_NAME} {launch.ACCELERATE_SCRIPT_NAME}",
+        "accelerate": acc, "accelerate_yaml": launch.yaml_text(acc),
+        "deepspeed_note": f"DeepSpeed's closest equivalent of {row.strategy} (ZeRO-"
+                          f"{out['deepspeed']['zero_optimization']['stage']}); not launched: "
+                          "plan a ZeRO strategy for a DeepSpeed run",
+    })
+    return out

@@ -7,7 +7,7 @@ compute does not hide.
 
 DeepSpeed ZeRO (vocab.ZERO_STRATEGIES; stages 2 and 3 also with the optimizer offloaded to
 the CPU) is modelled on one-GPU traces (tilefit.estimator.zero_step): one trace per point
-serves every stage, in DeepSpeed's own precisions (its bf16 mode, or fp32).
+serves every stage, in DeepSpeed's own precisions (its bf16 or fp16 mode, or fp32).
 
 Every plan keeps micro_batch x accumulation_steps x N == the global batch. The engines are
 vocab.STRATEGIES and vocab.ZERO_STRATEGIES (a strategy added there is searched here).
@@ -27,7 +27,7 @@ from tilefit.planner.affine import SweepModel
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.search import Depth, row_from, safe_sweep, zero_sweeps
 from tilefit.tracing.distributed import Parallel, parallel_spec
-from tilefit.vocab import STRATEGIES, ZERO_STRATEGIES, Recipe, parse_precision
+from tilefit.vocab import PRECISIONS, STRATEGIES, ZERO_STRATEGIES, Recipe
 
 # FSDP2 wraps each block of a list of two or more (tilefit.tracing.distributed.
 # find_layer_list): a deep model is traced at 2 and 3 layers (not 1 and 2, where one block
@@ -91,15 +91,17 @@ def engines_of(strategies: Sequence[str], world_size: int) -> list[Parallel]:
 
 
 def zero_recipe(spec: Recipe) -> Recipe | None:
-    """The recipe as DeepSpeed runs it: bf16 autocast becomes its bf16 mode (16-bit weights
-    and gradients, tilefit's precision "bf16", the fp32 master in the partitioned optimizer
-    state); fp32 and TF32 as they are; None for what tilefit does not trace DeepSpeed's way
-    (its fp16 mode: fp16 weights with a loss scaler; fp8)."""
+    """The recipe as DeepSpeed runs it: a 16-bit autocast becomes its bf16 or fp16 mode
+    (16-bit weights and gradients, tilefit's precision "bf16" or "fp16-true", the fp32
+    master in the partitioned optimizer, the fp16 mode's loss scaling DeepSpeed's own);
+    fp32 and TF32 as they are; None for fp8, which DeepSpeed does not run this way."""
     prec = spec.spec
-    if prec.float8_linears or prec.autocast_dtype == "fp16":
+    if prec.float8_linears:
         return None
-    if prec.autocast_dtype == "bf16":
-        return dataclasses.replace(spec, precision="bf16")
+    for pure in PRECISIONS:
+        if prec.autocast_dtype and pure.autocast_dtype is None and \
+                pure.param_dtype == prec.autocast_dtype:
+            return dataclasses.replace(spec, precision=pure.name)
     return spec
 
 
@@ -214,9 +216,6 @@ def _zero_rows(work: Workload, device: Device, global_batch: int, budget_bytes: 
                      "are costed, DeepSpeed's bucket copies and its hooks' host time are not "
                      "(their step time is a lower bound; their memory matched DeepSpeed's "
                      "engine on the CPU, docs/references.md, section 24)")
-    if any(parse_precision(s.precision).autocast_dtype == "fp16" for s in space_.recipes):
-        notes.append("DeepSpeed ZeRO is planned in its bf16 mode and fp32 (its fp16 mode, "
-                     "fp16 weights with a loss scaler, is not traced)")
     return rows, traces
 
 

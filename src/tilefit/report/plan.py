@@ -158,8 +158,9 @@ def _print_launch(console: Console, cfg: dict[str, object]) -> None:
     script itself: --write-configs DIR or --json)."""
     console.print("[bold]launch[/] (--write-configs DIR writes the script and configs)")
     console.print(str(cfg["launch"]), highlight=False, markup=False)
-    console.print("[bold]accelerate.yaml[/]")
-    console.print(str(cfg["accelerate_yaml"]), highlight=False, markup=False)
+    if "accelerate_yaml" in cfg:
+        console.print("[bold]accelerate.yaml[/]")
+        console.print(str(cfg["accelerate_yaml"]), highlight=False, markup=False)
     console.print(f"[bold]DeepSpeed (ds_config.json)[/] ({cfg['deepspeed_note']})")
     console.print(json.dumps(cfg["deepspeed"], indent=2), highlight=False, markup=False)
 

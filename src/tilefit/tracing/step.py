@@ -325,8 +325,11 @@ class TraceOptions:
         return torch_dtype(low) if low else None
 
     @property
-    def pure_bf16(self) -> bool:
-        return self.precision.param_dtype == "bf16"
+    def pure_half(self) -> torch.dtype | None:
+        """The 16-bit dtype the weights are held in (pure bf16 or fp16 training), None when
+        they are fp32."""
+        held = self.precision.param_dtype
+        return None if held == "fp32" else torch_dtype(held)
 
 
 @dataclass(frozen=True)
@@ -516,8 +519,8 @@ def _prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target
     fmodel = _build_model(model, mode, meta=parallel is not None and parallel.strategy == "fsdp2")
     with mode:
         _set_attention(fmodel, options.attention)
-        if options.pure_bf16:
-            cast_floating(fmodel, torch.bfloat16)
+        if options.pure_half is not None:
+            cast_floating(fmodel, options.pure_half)
         notes: tuple[str, ...] = ()
         if options.precision.float8_linears and options.low_dtype is not None:
             fmodel, notes = convert_linears(fmodel, options.low_dtype)
@@ -531,7 +534,7 @@ def _prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target
                                         param_dtype=options.low_dtype)
         notes += wrap_notes
     with mode:
-        fbatch = fake_batch(batch, mode, torch.bfloat16 if options.pure_bf16 else None)
+        fbatch = fake_batch(batch, mode, options.pure_half)
         params = [p for p in fmodel.parameters() if p.requires_grad]
         if not params:
             raise TilefitError("the model has no trainable parameters",
