@@ -342,6 +342,50 @@ def inductor_realizes_inputs(op: Any) -> bool:
     return op in lowering.needs_realized_inputs or packet in lowering.needs_realized_inputs
 
 
+TiedAlias = tuple[torch.nn.Module, str, torch.nn.Module, str]
+
+
+def tied_parameter_aliases(module: torch.nn.Module) -> list[TiedAlias]:
+    """(module, name, owner, owner's name) for each parameter slot holding a parameter
+    another slot registered first (a tied embedding's output layer): Dynamo lifts such a
+    parameter once, so its two uses add up to one gradient inside the graph, while
+    aot_module_simplified lists it once per slot (named_parameters(remove_duplicate=False))
+    and would give the graph two."""
+    first: dict[int, tuple[torch.nn.Module, str]] = {}
+    out: list[TiedAlias] = []
+    for mod in module.modules():
+        for name, param in mod._parameters.items():
+            if param is None:
+                continue
+            owner = first.setdefault(id(param), (mod, name))
+            if owner != (mod, name):
+                out.append((mod, name, *owner))
+    return out
+
+
+@contextlib.contextmanager
+def tied_while_traced(aliases: list[TiedAlias]) -> Iterator[None]:
+    """Point each alias slot at what its owner's slot holds now (while AOTAutograd traces,
+    the functional stand-in it swapped in for the parameter listed once), restoring the
+    parameters after."""
+    saved = [(mod, name, mod._parameters[name]) for mod, name, _, _ in aliases]
+    for mod, name, owner, owner_name in aliases:
+        mod._parameters[name] = owner._parameters[owner_name]
+    try:
+        yield
+    finally:
+        for mod, name, param in saved:
+            mod._parameters[name] = param
+
+
+def inductor_freeable_input(name: str) -> bool:
+    """Whether Inductor's memory estimate counts a graph input by its placeholder's name
+    (torch._inductor.utils.is_nonfreeable_buffers: AOTAutograd's parameters and inputs,
+    RNG states and tangents are not; the activations a backward receives are)."""
+    return not name.startswith(("primals_", "arg", "fwd_rng_state", "bwd_rng_state",
+                                "tangents"))
+
+
 def boxed_graph_run(interpreter: Any, args: list[Any]) -> Any:
     """Run an FX graph with ``interpreter`` (a torch.fx.Interpreter), taking the argument
     list as AOTAutograd's boxed calling convention passes it: the list is cleared so each
