@@ -244,6 +244,24 @@ def test_graph_breaks_are_listed_when_asked_for() -> None:
         trace(_mlp, torch.randn(B, IN), loss_fn=_loss, graph_breaks=True)
 
 
+def test_a_logger_call_is_a_listed_graph_break() -> None:
+    # transformers' warning_once that use_cache is incompatible with checkpointing is such a
+    # call (there Dynamo counts the break but leaves it out of explain()'s break_reasons;
+    # dynamo_graph_breaks lists the counted ones too)
+    import logging
+
+    log = logging.getLogger("tilefit.test")
+
+    def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        y = model(x)
+        log.warning("inside the loss")
+        return y.pow(2).mean()
+
+    tr = trace(_mlp, torch.randn(B, IN), loss_fn=loss, compile=True, graph_breaks=True)
+    assert "1 graph break(s)" in tr.warnings[0]
+    assert "logging.Logger" in tr.warnings[0]
+
+
 class _Block(nn.Module):
     """Linear(16, 16) -> GELU, checkpointed the way Hugging Face's layers are: through
     ``self._gradient_checkpointing_func`` once ``gradient_checkpointing`` is set."""

@@ -410,9 +410,10 @@ def compile_notes(step: CompiledStep, breaks: list[str] | None = None,
         graphs = "Dynamo reports no graph break"
     notes = [
         "torch.compile: the loss computation is predicted as one graph (fullgraph=True); "
-        f"{graphs}. Not predicted either: Inductor's autotuning (max-autotune), its buffer "
-        "reuse, compile time; fused kernels are grouped by a simple rule "
-        "(docs/references.md, section 19); the optimizer step runs eager",
+        f"{graphs}. Not predicted either: Inductor's autotuning (max-autotune), compile "
+        "time; fused kernels, their order and Inductor's buffer reuse follow simple rules "
+        "standing in for its scheduler (docs/references.md, section 19); the optimizer "
+        "step runs eager",
     ]
     if mode == "reduce-overhead":
         notes.append(

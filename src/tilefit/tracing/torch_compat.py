@@ -139,10 +139,13 @@ def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> li
 
 def holds_fake(x: object) -> bool:
     """Whether ``x`` is a fake tensor, also seen through AOTAutograd's functionalization
-    wrapper (torch._subclasses.fake_tensor.is_fake; a FunctionalTensor around a fake)."""
+    wrapper (torch._subclasses.fake_tensor.is_fake; a FunctionalTensor around a fake).
+    Only a FunctionalTensor is looked into: Dynamo, listing a model's graph breaks, sees no
+    FunctionalTensor and never reaches is_fake, a function it refuses to trace."""
     from torch._subclasses.fake_tensor import is_fake
+    from torch._subclasses.functional_tensor import FunctionalTensor
 
-    return isinstance(x, torch.Tensor) and bool(is_fake(x))
+    return isinstance(x, FunctionalTensor) and bool(is_fake(x))
 
 
 def is_view(t: torch.Tensor) -> bool:
@@ -405,10 +408,13 @@ def dynamo_graph_breaks(fn: Callable[..., Any], *args: Any) -> list[str]:
     traces ``fn`` without running a compiler; torch._dynamo.explain). Dynamo's caches are
     reset before and after."""
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
+    counters.clear()
     try:
         explained = torch._dynamo.explain(fn)(*args)
+        counted = dict(counters["graph_break"])
     finally:
         torch._dynamo.reset()
     out = []
@@ -417,6 +423,13 @@ def dynamo_graph_breaks(fn: Callable[..., Any], *args: Any) -> list[str]:
         frame = brk.user_stack[-1] if brk.user_stack else None
         where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
         out.append(f"{reason[:160]}{where}")
+    # breaks explain() counts but leaves out of break_reasons (an unsupported call Dynamo
+    # runs eagerly: transformers' logger.warning_once, for one), by reason
+    for reason, times in counted.items():
+        summary, _, context = reason.partition("Developer debug context:")
+        first = " ".join(summary.split())[:100]
+        if not any(first[:60] in line for line in out):
+            out.append(f"{first}: {' '.join(context.split())[:200]} ({times}x)")
     return out
 
 
