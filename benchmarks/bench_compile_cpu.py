@@ -1,8 +1,9 @@
 """torch.compile on this CPU: tilefit's compile=True prediction against real compiled steps.
 
-For each workload (benchmarks/workloads.py; the checkpointed one is left out: compile=True
-does not predict checkpointing yet), the loss computation ``loss_fn(model, batch)`` is
-compiled for real with ``torch.compile`` (Inductor's C++ backend, default mode; the same
+For each workload (benchmarks/workloads.py; the checkpointed one with Hugging Face's own
+non-reentrant checkpointing, which Dynamo turns into its ``tag_activation_checkpoint``
+region), the loss computation ``loss_fn(model, batch)`` is compiled for real with
+``torch.compile`` (Inductor's C++ backend, default mode; the same
 region tilefit captures) and trained with the workload's eager optimizer. Measured:
 
 - peak memory: live tensor bytes over the first two steps after compilation (fresh
@@ -94,6 +95,8 @@ def measure(case: Case, compiled: bool, steps: int) -> Measured:
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = case.build()
+    if case.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     batch = case.batch()
     holder = {"opt": case.optimizer(model.parameters())}
@@ -135,7 +138,7 @@ def measure(case: Case, compiled: bool, steps: int) -> Measured:
 
 def predict(case: Case, compiled: bool) -> tuple[int, float, tuple[str, ...]]:
     tr = trace(case.build, case.batch(), loss_fn=case.loss_fn, optimizer=case.optimizer,
-               device="cpu", compile=compiled)
+               device="cpu", compile=compiled, grad_checkpointing=case.grad_checkpointing)
     est = estimate_trace(tr, get_device("cpu"))
     return est.peak_memory_bytes, est.step_time_s, est.warnings
 
@@ -173,14 +176,48 @@ def _gpt2_one_graph() -> torch.nn.Module:
     return model
 
 
+def _one_graph(build: Callable[[], torch.nn.Module], loss_type: str
+               ) -> Callable[[], torch.nn.Module]:
+    """``build`` for a checkpointed row captured as one graph: the loss type named (else
+    transformers logs a warning inside the loss function) and ``use_cache`` off (else
+    transformers' warning_once that use_cache is incompatible with gradient checkpointing,
+    in transformers/utils/generic.py, breaks the graph): calls Dynamo cannot trace, which
+    the one-graph prediction does not model (graph_breaks=True reports them)."""
+
+    def one_graph() -> torch.nn.Module:
+        model = build()
+        model.loss_type = loss_type
+        model.config.use_cache = False
+        return model
+
+    return one_graph
+
+
+def _checkpointed() -> list[Case]:
+    """The checkpointed rows: Hugging Face's own non-reentrant checkpointing, which Dynamo
+    turns into tag_activation_checkpoint regions the partitioner recomputes."""
+    from workloads import _adamw_loop, _hf_loss, _tokens, bert_like, gpt2_like, llama_like
+
+    def row(name: str, build: Callable[[], torch.nn.Module], loss_type: str, b: int, s: int
+            ) -> Case:
+        return Case(f"{name} + grad ckpt {b}x{s} (one graph)", _one_graph(build, loss_type),
+                    lambda: _tokens(b, s), _hf_loss, _adamw_loop, "adamw-for-loop",
+                    grad_checkpointing=True)
+
+    return [row("llama-like", llama_like, "ForCausalLM", 2, 128),
+            row("llama-like", llama_like, "ForCausalLM", 8, 256),
+            row("gpt2-like", gpt2_like, "ForCausalLM", 4, 128),
+            row("bert-like", bert_like, "ForMaskedLM", 4, 128)]
+
+
 def cases() -> list[Case]:
-    """The workloads (not the checkpointed one), and gpt2-like once more without its graph
-    break: the prediction is of one graph."""
-    out = [c for c in CASES if not c.grad_checkpointing]
+    """The workloads, gpt2-like once more without its graph break (the prediction is of one
+    graph), and the checkpointed rows captured as one graph."""
+    out = list(CASES)
     gpt2 = next(c for c in out if c.name.startswith("gpt2"))
     out.append(dataclasses.replace(gpt2, name="gpt2-like, loss type named (one graph)",
                                    build=_gpt2_one_graph))
-    return out
+    return out + _checkpointed()
 
 
 def main() -> int:

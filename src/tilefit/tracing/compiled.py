@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +32,7 @@ from torch import fx, nn
 
 from tilefit.errors import TilefitError
 from tilefit.tracing.fusion import GRAPH_OUTPUT, GraphNode, NodePlan, plan_kernels
+from tilefit.tracing.schedule import graph_input_bytes, reuse_holds, schedule_order
 from tilefit.tracing.shapes import classify
 from tilefit.tracing.torch_compat import (
     COMPILE_MIN_TORCH,
@@ -42,11 +43,15 @@ from tilefit.tracing.torch_compat import (
     flatten_batch,
     inductor_decompositions,
     inductor_fallback,
+    inductor_freeable_input,
     inductor_partition_fn,
     inductor_realizes_inputs,
     mark_boxed,
     node_module,
     record_module_paths,
+    rng_wrapped_call,
+    tied_parameter_aliases,
+    tied_while_traced,
     unflatten_batch,
     without_first_call_checks,
 )
@@ -79,6 +84,14 @@ class _LossModule(nn.Module):
         self._context = context
         self._leaves, self._spec = leaves, spec
         self._tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self._ties = tied_parameter_aliases(model)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """Each parameter once, tied ones too, as Dynamo lifts them: AOTAutograd asks with
+        remove_duplicate=False; the tied slots are pointed at the traced stand-in in
+        forward (torch_compat.tied_while_traced)."""
+        return super().named_parameters(prefix, recurse, remove_duplicate=True)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self._leaves[i] for i in self._tensor_at]
@@ -87,7 +100,7 @@ class _LossModule(nn.Module):
         leaves = list(self._leaves)
         for i, t in zip(self._tensor_at, tensors, strict=True):
             leaves[i] = t
-        with self._context(), record_module_paths(self.model):
+        with self._context(), record_module_paths(self.model), tied_while_traced(self._ties):
             return (self._loss_fn(self.model, unflatten_batch(leaves, self._spec)),)
 
 
@@ -107,6 +120,24 @@ def _nbytes(value: Any) -> int:
 _WINDOWED = re.compile(r"(aten|prims)\.(_low_memory_max_pool|max_pool|avg_pool|adaptive_)")
 _SCATTER = re.compile(r"aten\.(scatter|index_put|_unsafe_index_put|_unsafe_masked_index_put|"
                       r"index_add|index_reduce|embedding_dense_backward|_embedding_bag)")
+
+
+def _numel(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if isinstance(value, tuple | list):
+        return next((_numel(v) for v in value if isinstance(v, torch.Tensor)), 0)
+    return 0
+
+
+def _reduced(node: fx.Node) -> int:
+    """Elements a reduction (an op tagged torch.Tag.reduction) reduces into each output
+    element; 1 for any other op."""
+    if torch.Tag.reduction not in getattr(node.target, "tags", ()):
+        return 1
+    out = _numel(node.meta.get("val"))
+    biggest = max((_numel(a.meta.get("val")) for a in node.all_input_nodes), default=0)
+    return max(1, biggest // out) if out else 1
 
 
 def describe_graph(gm: fx.GraphModule) -> tuple[list[GraphNode], dict[str, int]]:
@@ -136,7 +167,8 @@ def describe_graph(gm: fx.GraphModule) -> tuple[list[GraphNode], dict[str, int]]
                              users=users, realizes_inputs=not view and (
                                  inductor_realizes_inputs(target)
                                  or bool(_WINDOWED.match(str(target)))),
-                             realizes_output=bool(_SCATTER.match(str(target)))))
+                             realizes_output=bool(_SCATTER.match(str(target))),
+                             numel=_numel(node.meta.get("val")), reduced=_reduced(node)))
     return out, {n.name: i for n, i in ids.items() if i >= 0}
 
 
@@ -164,20 +196,88 @@ def channels_last_inputs(gm: fx.GraphModule) -> set[int]:
     return out
 
 
+def _addmm_match(add: fx.Node, cpu: bool) -> tuple[fx.Node, fx.Node] | None:
+    """(the GEMM, the other addend) when Inductor's post-grad pass turns ``add`` into one
+    addmm: an add of an mm whose only user it is and of a tensor of the same dtype that
+    broadcasts to the mm's shape; on a GPU not when only pointwise ops read the sum (they
+    would fuse the bias add instead: should_prefer_unfused_addmm)."""
+    if add.target is not torch.ops.aten.add.Tensor or len(add.args) != 2 or add.kwargs:
+        return None
+    for mm, other in (add.args, add.args[::-1]):
+        if not (isinstance(mm, fx.Node) and isinstance(other, fx.Node)) or \
+                mm.target is not torch.ops.aten.mm.default or len(mm.users) != 1:
+            continue
+        got, want = other.meta.get("val"), mm.meta.get("val")
+        if not (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)) or \
+                got.dtype != want.dtype or \
+                torch.broadcast_shapes(got.shape, want.shape) != want.shape:
+            continue
+        if not cpu and add.users and all(
+                torch.Tag.pointwise in getattr(u.target, "tags", ()) for u in add.users):
+            continue
+        return mm, other
+    return None
+
+
+def fuse_addmm(gm: fx.GraphModule, cpu: bool) -> int:
+    """Inductor's post-grad ``addmm`` pattern (torch/_inductor/fx_passes/post_grad.py):
+    ``add(mm(a, b), c)`` becomes ``addmm(c, a, b)`` at the add's place, so the GEMM runs
+    where the sum is needed and its inputs live until then (a tied embedding's gradient:
+    the output layer's weight gradient waits for the embedding's, at the end of the
+    backward, holding the logits' gradient). Returns how many adds it replaced."""
+    done = 0
+    for add in list(gm.graph.nodes):
+        match = _addmm_match(add, cpu) if add.op == "call_function" else None
+        if match is None:
+            continue
+        mm, other = match
+        with gm.graph.inserting_before(add):
+            fused = gm.graph.call_function(torch.ops.aten.addmm.default, (other, *mm.args))
+        fused.meta = dict(add.meta)
+        add.replace_all_uses_with(fused)
+        gm.graph.erase_node(add)
+        gm.graph.erase_node(mm)
+        done += 1
+    return done
+
+
 class _PlannedInterpreter(fx.Interpreter):
     """Runs a graph node by node, each inside the recorder's ``compiled_node`` context."""
 
-    def __init__(self, gm: fx.GraphModule, plans: dict[str, NodePlan], recorder: Any) -> None:
+    def __init__(self, gm: fx.GraphModule, plans: dict[str, NodePlan], recorder: Any,
+                 holds: dict[str, str] | None = None) -> None:
         super().__init__(gm)
         self._plans = plans
         self._recorder = recorder
+        # values kept past their last use until a later node's allocation takes their
+        # buffer (Inductor's buffer reuse: tilefit.tracing.schedule.reuse_holds)
+        self._holds = holds or {}
+        self._release: dict[str, list[str]] = {}
+        for value, taker in self._holds.items():
+            self._release.setdefault(taker, []).append(value)
+        self._held: dict[str, Any] = {}
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        wrapped = rng_wrapped_call(target, args, kwargs)
+        if wrapped is None:
+            return super().call_function(target, args, kwargs)
+        op, op_args, op_kwargs, returns_state = wrapped
+        out = op(*op_args, **op_kwargs)
+        # the generator's state, saved for the backward's replay: a few bytes, not traced
+        return (torch.empty(0, dtype=torch.uint8), out) if returns_state else out
 
     def run_node(self, n: fx.Node) -> Any:
+        for name in self._release.pop(n.name, ()):
+            self._held.pop(name, None)  # its buffer becomes this node's output
         plan = self._plans.get(n.name)
         if plan is None:
-            return super().run_node(n)
-        with self._recorder.compiled_node(plan, node_module(n)):
-            return super().run_node(n)
+            out = super().run_node(n)
+        else:
+            with self._recorder.compiled_node(plan, node_module(n)):
+                out = super().run_node(n)
+        if n.name in self._holds:
+            self._held[n.name] = out
+        return out
 
 
 @dataclass
@@ -191,8 +291,12 @@ class _Compiler:
     fallbacks: set[str] = field(default_factory=set)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        fuse_addmm(gm, self.cpu)
         nodes, index = describe_graph(gm)
         by_index = plan_kernels(nodes, first_kernel_id=self.kernels)
+        order = schedule_order(nodes)
+        run_in_order(gm, order, index)
+        holds = _reuse_holds(gm, nodes, order, by_index, index)
         self.kernels += sum(1 for p in by_index.values() if p.kernel is not None)
         self.fallbacks.update(fallback_ops(gm))
         plans = {name: by_index[i] for name, i in index.items()}
@@ -203,9 +307,33 @@ class _Compiler:
             for i in relayout:  # copied to channels-last as the graph starts: a copy of
                 with recorder.compiled_node(_COPY):  # the same bytes (the graph's views
                     args[i] = args[i].clone()  # were traced in the original layout)
-            return boxed_graph_run(_PlannedInterpreter(gm, plans, recorder), args)
+            return boxed_graph_run(_PlannedInterpreter(gm, plans, recorder, holds), args)
 
         return mark_boxed(run)
+
+
+def _reuse_holds(gm: fx.GraphModule, nodes: list[GraphNode], order: list[int],
+                 plans: dict[int, NodePlan], index: dict[str, int]) -> dict[str, str]:
+    """reuse_holds by node name: value -> the node whose allocation takes its buffer."""
+    by_index = {n.index: n for n in nodes}
+    name = {i: n for n, i in index.items()}
+    inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    counted = {-1 - i: nbytes for i, nbytes in
+               ((-1 - v, b) for v, b in graph_input_bytes(nodes).items())
+               if inductor_freeable_input(inputs[i])}
+    holds = reuse_holds([by_index[i] for i in order],
+                        {i for i, p in plans.items() if p.materialized}, counted)
+    return {name[v]: name[k] for v, k in holds.items()}
+
+
+def run_in_order(gm: fx.GraphModule, order: list[int], index: dict[str, int]) -> None:
+    """Move the graph's op nodes into ``order`` (node indices as describe_graph numbers
+    them: tilefit.tracing.schedule's order), so that each value is freed after its last use
+    in the order Inductor's generated code runs."""
+    by_index = {index[n.name]: n for n in gm.graph.nodes if n.name in index}
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    for i in order:
+        output.prepend(by_index[i])
 
 
 def fallback_ops(gm: fx.GraphModule) -> set[str]:
@@ -244,19 +372,20 @@ class CompiledStep:
 def capture_step(model: nn.Module, batch: Any,
                  loss_fn: Callable[[nn.Module, Any], torch.Tensor],
                  recorder: Any, *, cpu: bool,
-                 forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext
-                 ) -> CompiledStep:
+                 forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+                 checkpointed: bool = False) -> CompiledStep:
     """Capture and partition ``loss_fn(model, batch)`` (call under the trace's fake mode,
     outside the recorder: tracing records nothing); ``cpu``: the target is the CPU;
     ``forward_context``: entered around each trace of the forward (the target's
-    autocast)."""
+    autocast); ``checkpointed``: the model's checkpointed layers run through
+    ``torch_compat.checkpoint_region_tagger`` (the partitioner recomputes them)."""
     check_compile_supported()
     leaves, spec = flatten_batch(batch)
     module = _LossModule(model, loss_fn, leaves, spec, forward_context)
     compiler = _Compiler(recorder, cpu)
     fn = aot_capture(module, module.tensors(), fw_compiler=compiler, bw_compiler=compiler,
                      partition_fn=inductor_partition_fn(),
-                     decompositions=inductor_decompositions())
+                     decompositions=inductor_decompositions(), node_meta=checkpointed)
     return CompiledStep(fn, module.tensors(), compiler)
 
 
@@ -281,9 +410,10 @@ def compile_notes(step: CompiledStep, breaks: list[str] | None = None,
         graphs = "Dynamo reports no graph break"
     notes = [
         "torch.compile: the loss computation is predicted as one graph (fullgraph=True); "
-        f"{graphs}. Not predicted either: Inductor's autotuning (max-autotune), its buffer "
-        "reuse, compile time; fused kernels are grouped by a simple rule "
-        "(docs/references.md, section 19); the optimizer step runs eager",
+        f"{graphs}. Not predicted either: Inductor's autotuning (max-autotune), compile "
+        "time; fused kernels, their order and Inductor's buffer reuse follow simple rules "
+        "standing in for its scheduler (docs/references.md, section 19); the optimizer "
+        "step runs eager",
     ]
     if mode == "reduce-overhead":
         notes.append(

@@ -45,6 +45,10 @@ class GraphNode:
     # Inductor builds this op's output in a buffer of its own (a scatter or index_put writes
     # into a copy of its input): a fused kernel ends after it
     realizes_output: bool = False
+    numel: int = 0  # elements of its (first) output
+    # elements reduced into each output element: > 1 for a reduction (sum, mean, amax...),
+    # which Inductor always realizes in a buffer of its own (tilefit.tracing.schedule)
+    reduced: int = 1
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ class NodePlan:
     materialized: bool
 
 
-def _base(nodes: dict[int, GraphNode], value: int, nbytes: int = 0) -> tuple[int, int]:
+def base_value(nodes: dict[int, GraphNode], value: int, nbytes: int = 0) -> tuple[int, int]:
     """The value a view aliases, followed through chains of views, and the bytes reading
     the view moves: no more than its base holds (a broadcast reads its base once)."""
     while value >= 0 and nodes[value].view and nodes[value].inputs:
@@ -94,7 +98,7 @@ def _kernel(kernel_id: int, members: list[GraphNode], nodes: dict[int, GraphNode
     read: dict[int, int] = {}
     for m in compute:
         for value, nbytes in m.inputs:
-            base, moved = _base(nodes, value, nbytes)
+            base, moved = base_value(nodes, value, nbytes)
             if base not in group:
                 read[value] = max(read.get(value, 0), moved)
     written = {m.index for m in compute if _needed_outside(nodes, m.index, group)}

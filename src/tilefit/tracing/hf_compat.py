@@ -19,11 +19,12 @@ import importlib
 from collections.abc import Iterator
 from typing import Any
 
-from tilefit.tracing.torch_compat import FakeTensor
+from tilefit.tracing.torch_compat import FakeTensor, holds_fake
 
 
 def is_fake(x: Any) -> bool:
-    return isinstance(x, FakeTensor)
+    """A fake tensor, also behind AOTAutograd's functionalization (a compiled trace)."""
+    return isinstance(x, FakeTensor) or holds_fake(x)
 
 
 @contextlib.contextmanager
@@ -86,3 +87,13 @@ def quiet_transformers() -> Iterator[None]:
         finally:
             if hf_logging is not None and level is not None:
                 hf_logging.set_verbosity(level)
+
+
+def use_checkpoint_function(model: Any, function: Any) -> None:
+    """Every module Hugging Face's ``gradient_checkpointing_enable`` armed calls ``function``
+    in place of torch.utils.checkpoint (transformers' ``GradientCheckpointingLayer`` calls
+    ``self._gradient_checkpointing_func(forward, *args)``)."""
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) and \
+                hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = function

@@ -34,7 +34,11 @@ from tilefit.tracing.distributed import (
 )
 from tilefit.tracing.float8 import convert_linears
 from tilefit.tracing.gc_pause import gc_paused
-from tilefit.tracing.hf_compat import gpu_mask_semantics, quiet_transformers
+from tilefit.tracing.hf_compat import (
+    gpu_mask_semantics,
+    quiet_transformers,
+    use_checkpoint_function,
+)
 from tilefit.tracing.optimizers import (
     OPTIMIZER_NAMES,
     OptimizerSpec,
@@ -45,7 +49,13 @@ from tilefit.tracing.optimizers import (
 from tilefit.tracing.recorder import Recorder, StepMarks
 from tilefit.tracing.records import Trace
 from tilefit.tracing.target import Target
-from tilefit.tracing.torch_compat import FAKE_ERRORS, FakeTensorMode, ModulePath, new_fake_mode
+from tilefit.tracing.torch_compat import (
+    FAKE_ERRORS,
+    FakeTensorMode,
+    ModulePath,
+    checkpoint_region_tagger,
+    new_fake_mode,
+)
 from tilefit.vocab import (
     ATTENTIONS,
     MICRO_PHASES,
@@ -189,7 +199,12 @@ def _set_attention(model: nn.Module, attention: str) -> None:
             fix="pass attention='auto'; a plain module's own code decides its attention")
 
 
-def _enable_checkpointing(model: nn.Module, context_fn: Callable[[], Any] | None) -> None:
+def _enable_checkpointing(model: nn.Module, context_fn: Callable[[], Any] | None, *,
+                          compiled: bool = False) -> None:
+    """Hugging Face's own checkpointing (its choice of layers), non-reentrant; ``compiled``:
+    as torch.compile runs it, each checkpointed call tagged for the partitioner to recompute
+    (tilefit.tracing.torch_compat.checkpoint_region_tagger) instead of torch.utils.checkpoint's
+    saved-tensor hooks."""
     enable = getattr(model, "gradient_checkpointing_enable", None)
     if enable is None:
         raise TilefitError(
@@ -199,9 +214,11 @@ def _enable_checkpointing(model: nn.Module, context_fn: Callable[[], Any] | None
             given=type(model).__name__,
             fix="call torch.utils.checkpoint.checkpoint in your model's forward")
     kwargs: dict[str, Any] = {"use_reentrant": False}
-    if context_fn is not None:
+    if context_fn is not None and not compiled:
         kwargs["context_fn"] = context_fn
     enable(gradient_checkpointing_kwargs=kwargs)
+    if compiled:
+        use_checkpoint_function(model, checkpoint_region_tagger())
 
 
 def _recompute_contexts(target: Target, recorder: Recorder, low: torch.dtype | None
@@ -413,11 +430,6 @@ def _check_compile(options: TraceOptions) -> None:
             expected="compile=True on one GPU, or --gpus/--strategy without --compile",
             given=f"--gpus {options.parallel.world_size} --compile",
             fix="drop --compile or --gpus")
-    if options.grad_checkpointing:
-        raise TilefitError(
-            "compile=True does not predict activation checkpointing yet",
-            expected="grad_checkpointing=False with compile=True",
-            given="grad_checkpointing=True", fix="drop --grad-checkpointing or --compile")
     check_compile_supported()
 
 
@@ -480,7 +492,8 @@ def _with_compiled(prep: _Prepared, options: TraceOptions, recorder: Recorder,
 
     with gpu_mask_semantics(), _explain_fake_errors(recorder):
         compiled = capture_step(prep.model, prep.batch, options.loss_fn, recorder,
-                                cpu=not options.cuda, forward_context=forward_autocast)
+                                cpu=not options.cuda, forward_context=forward_autocast,
+                                checkpointed=options.grad_checkpointing)
         if options.graph_breaks:
             compiled.breaks = graph_breaks(prep.model, prep.batch, options.loss_fn)
     return dataclasses.replace(prep, compiled=compiled)
@@ -513,7 +526,8 @@ def _prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target
             fmodel, notes = convert_linears(fmodel, options.low_dtype)
         if options.grad_checkpointing:
             _enable_checkpointing(fmodel,
-                                  _recompute_contexts(target, recorder, options.low_dtype))
+                                  _recompute_contexts(target, recorder, options.low_dtype),
+                                  compiled=options.compile)
         fmodel.train()
     if parallel is not None:
         fmodel, wrap_notes = wrap_model(fmodel, parallel, mesh, mode, recorder,

@@ -137,6 +137,17 @@ def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> li
     return out
 
 
+def holds_fake(x: object) -> bool:
+    """Whether ``x`` is a fake tensor, also seen through AOTAutograd's functionalization
+    wrapper (torch._subclasses.fake_tensor.is_fake; a FunctionalTensor around a fake).
+    Only a FunctionalTensor is looked into: Dynamo, listing a model's graph breaks, sees no
+    FunctionalTensor and never reaches is_fake, a function it refuses to trace."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(x, FunctionalTensor) and bool(is_fake(x))
+
+
 def is_view(t: torch.Tensor) -> bool:
     """Whether ``t`` is a view of another tensor's storage (Tensor._is_view)."""
     return bool(t._is_view())
@@ -215,14 +226,67 @@ def inductor_partition_fn() -> Callable[..., Any]:
     return partition
 
 
+def checkpoint_region_tagger() -> Callable[..., Any]:
+    """A stand-in for torch.utils.checkpoint as torch.compile sees it: Dynamo turns each
+    checkpointed call into the ``tag_activation_checkpoint`` higher-order op, whose nodes
+    carry ``recompute=PREFER_RECOMPUTE`` and an ``ac_graph_id``, and the min-cut
+    partitioner recomputes them in the backward instead of saving them
+    (torch/_higher_order_ops/wrap.py, ``TagActivationCheckpoint.tag_nodes``). Called as
+    ``tagger(fn, *args)`` inside an AOTAutograd capture under ``preserve_node_meta``, it
+    runs ``fn`` with that metadata current, so every node traced from it is tagged the same
+    way (torch.fx.proxy copies ``recompute`` and ``ac_graph_id`` from the current meta)."""
+    import itertools
+
+    from torch.fx import traceback as fx_traceback
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    ids = itertools.count(1)
+
+    def tagged(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        saved = fx_traceback.current_meta
+        fx_traceback.current_meta = {**saved, "recompute": CheckpointPolicy.PREFER_RECOMPUTE,
+                                     "ac_graph_id": next(ids)}
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            fx_traceback.current_meta = saved
+
+    return tagged
+
+
+def rng_wrapped_call(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                     ) -> tuple[Any, tuple[Any, ...], dict[str, Any], bool] | None:
+    """The op inside the partitioner's RNG wrappers, which make a recomputed random op
+    (dropout in a checkpointed layer) draw the same numbers as the forward did
+    (torch/_functorch/partitioners.py, ``functionalize_rng_ops``):
+    ``run_and_save_rng_state(op, *args)`` returns (state, op(*args)), ``run_with_rng_state(
+    state, op, *args)`` and ``graphsafe_run_with_rng_state(op, *args, rng_state=...)``
+    return op(*args). Returns (op, its args, its kwargs, whether a state is returned too),
+    or None for any other target."""
+    from torch._prims import rng_prims
+
+    if target is rng_prims.run_and_save_rng_state:
+        return args[0], tuple(args[1:]), kwargs, True
+    if target is rng_prims.run_with_rng_state:
+        return args[1], tuple(args[2:]), kwargs, False
+    graphsafe = getattr(rng_prims, "graphsafe_run_with_rng_state", None)
+    if graphsafe is not None and target is graphsafe:
+        rest = {k: v for k, v in kwargs.items() if k != "rng_state"}
+        return args[0], tuple(args[1:]), rest, False
+    return None
+
+
 def aot_capture(module: torch.nn.Module, args: list[Any], *,
                 fw_compiler: Callable[..., Any], bw_compiler: Callable[..., Any],
                 partition_fn: Callable[..., Any],
-                decompositions: dict[Any, Callable[..., Any]]) -> Callable[..., Any]:
+                decompositions: dict[Any, Callable[..., Any]],
+                node_meta: bool = False) -> Callable[..., Any]:
     """AOTAutograd's capture of ``module(*args)`` (a tuple-returning module of flat tensor
     arguments): traces the joint forward+backward graph, partitions it with
     ``partition_fn`` and hands the forward and backward graphs to the compilers. Returns the
-    runtime function (an autograd.Function underneath) that calls what they returned."""
+    runtime function (an autograd.Function underneath) that calls what they returned.
+    ``node_meta``: trace under ``preserve_node_meta``, as Dynamo does, so that the
+    activation-checkpoint tags of ``checkpoint_region_tagger`` reach the joint graph."""
     from torch._functorch import config
     from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -240,7 +304,10 @@ def aot_capture(module: torch.nn.Module, args: list[Any], *,
     # does not expose it): a third of a second for GPT-2, skipped while capturing
     no_text = unittest.mock.patch.object(torch.fx.GraphModule, "print_readable",
                                          lambda self, *a, **k: "")
-    with config.patch(**eager_bw), lazy, no_text:
+    from torch.fx import traceback as fx_traceback
+
+    meta = fx_traceback.preserve_node_meta() if node_meta else contextlib.nullcontext()
+    with config.patch(**eager_bw), lazy, no_text, meta:
         return aot_module_simplified(module, args,  # type: ignore[arg-type]
                                      fw_compiler=fw_compiler, bw_compiler=bw_compiler,
                                      partition_fn=partition_fn, decompositions=decompositions)
@@ -278,6 +345,50 @@ def inductor_realizes_inputs(op: Any) -> bool:
     return op in lowering.needs_realized_inputs or packet in lowering.needs_realized_inputs
 
 
+TiedAlias = tuple[torch.nn.Module, str, torch.nn.Module, str]
+
+
+def tied_parameter_aliases(module: torch.nn.Module) -> list[TiedAlias]:
+    """(module, name, owner, owner's name) for each parameter slot holding a parameter
+    another slot registered first (a tied embedding's output layer): Dynamo lifts such a
+    parameter once, so its two uses add up to one gradient inside the graph, while
+    aot_module_simplified lists it once per slot (named_parameters(remove_duplicate=False))
+    and would give the graph two."""
+    first: dict[int, tuple[torch.nn.Module, str]] = {}
+    out: list[TiedAlias] = []
+    for mod in module.modules():
+        for name, param in mod._parameters.items():
+            if param is None:
+                continue
+            owner = first.setdefault(id(param), (mod, name))
+            if owner != (mod, name):
+                out.append((mod, name, *owner))
+    return out
+
+
+@contextlib.contextmanager
+def tied_while_traced(aliases: list[TiedAlias]) -> Iterator[None]:
+    """Point each alias slot at what its owner's slot holds now (while AOTAutograd traces,
+    the functional stand-in it swapped in for the parameter listed once), restoring the
+    parameters after."""
+    saved = [(mod, name, mod._parameters[name]) for mod, name, _, _ in aliases]
+    for mod, name, owner, owner_name in aliases:
+        mod._parameters[name] = owner._parameters[owner_name]
+    try:
+        yield
+    finally:
+        for mod, name, param in saved:
+            mod._parameters[name] = param
+
+
+def inductor_freeable_input(name: str) -> bool:
+    """Whether Inductor's memory estimate counts a graph input by its placeholder's name
+    (torch._inductor.utils.is_nonfreeable_buffers: AOTAutograd's parameters and inputs,
+    RNG states and tangents are not; the activations a backward receives are)."""
+    return not name.startswith(("primals_", "arg", "fwd_rng_state", "bwd_rng_state",
+                                "tangents"))
+
+
 def boxed_graph_run(interpreter: Any, args: list[Any]) -> Any:
     """Run an FX graph with ``interpreter`` (a torch.fx.Interpreter), taking the argument
     list as AOTAutograd's boxed calling convention passes it: the list is cleared so each
@@ -297,10 +408,13 @@ def dynamo_graph_breaks(fn: Callable[..., Any], *args: Any) -> list[str]:
     traces ``fn`` without running a compiler; torch._dynamo.explain). Dynamo's caches are
     reset before and after."""
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
+    counters.clear()
     try:
         explained = torch._dynamo.explain(fn)(*args)
+        counted = dict(counters["graph_break"])
     finally:
         torch._dynamo.reset()
     out = []
@@ -309,6 +423,13 @@ def dynamo_graph_breaks(fn: Callable[..., Any], *args: Any) -> list[str]:
         frame = brk.user_stack[-1] if brk.user_stack else None
         where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
         out.append(f"{reason[:160]}{where}")
+    # breaks explain() counts but leaves out of break_reasons (an unsupported call Dynamo
+    # runs eagerly: transformers' logger.warning_once, for one), by reason
+    for reason, times in counted.items():
+        summary, _, context = reason.partition("Developer debug context:")
+        first = " ".join(summary.split())[:100]
+        if not any(first[:60] in line for line in out):
+            out.append(f"{first}: {' '.join(context.split())[:200]} ({times}x)")
     return out
 
 
