@@ -162,12 +162,6 @@ class _Planner:
 
     def add(self, spec: Recipe, *, offload: bool = False) -> None:
         spec = self.with_user(spec)
-        if spec.compile and spec.grad_checkpointing:
-            note = ("compile=True is not predicted with gradient checkpointing yet: those "
-                    "recipes are left out")
-            if note not in self.notes:
-                self.notes.append(note)
-            return
         model = safe_sweep(self.work, spec, self.micro_batches, self.depth, self.device,
                            self.notes)
         self.traces += len(self.depth.traced) * len({min(self.micro_batches),
