@@ -431,9 +431,10 @@ def compile_notes(step: CompiledStep, breaks: list[str] | None = None,
             "the partitioner recomputes in the backward, as Dynamo's tag_activation_checkpoint "
             "makes it. Checked on this CPU against real compiled steps: peak within 5% on 3 "
             "of 4 checkpointed workloads, 12.6% under on the fourth, where Inductor's "
-            "fusion of kernels 63 nodes apart reorders the backward (docs/references.md, "
-            "section 19); Hugging Face models graph-break on transformers' use_cache "
-            "warning unless config.use_cache=False (--graph-breaks lists it)")
+            "fusion of kernels 63 nodes apart reorders the backward "
+            "(docs/references.md, section 19); Hugging Face models graph-break on "
+            "transformers' use_cache warning unless config.use_cache=False (--graph-breaks "
+            "lists it)")
     if step.fallbacks:
         notes.append("torch.compile: ops Inductor cannot fuse, costed as extern ATen kernels: "
                      + ", ".join(step.fallbacks))
