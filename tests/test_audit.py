@@ -102,6 +102,25 @@ def test_compile_finding_is_the_retraced_compiled_step(gpt2_tiny, gpt2_audit) ->
     assert f.step_time_after_s < f.step_time_before_s  # fused elementwise ops are cheaper
 
 
+def test_compile_finding_for_a_checkpointed_step(gpt2_tiny) -> None:  # type: ignore[no-untyped-def]
+    """With gradient checkpointing the compiled re-trace recomputes the checkpointed layer
+    as Dynamo's tagged region: the finding is that re-estimate (a second method: the
+    same recipe estimated directly), and its fix names the use_cache switch whose warning
+    would break Dynamo's graph."""
+    from dataclasses import replace
+
+    from tilefit.estimator.workloads import estimate_workload
+
+    a = audit(gpt2_tiny, batch_size=8, gpu="a100-80gb", grad_checkpointing=True,
+              confirm=False)
+    f = next(f for f in a.findings if f.rule == "compile")
+    assert "use_cache = False" in f.fix
+    direct = estimate_workload(gpt2_tiny, replace(a.recipe, compile=True), "a100-80gb")
+    assert direct.time_by_phase_s.get("recompute", 0.0) == 0.0  # recomputed in the backward
+    assert f.step_time_after_s == pytest.approx(direct.step_time_s, rel=1e-9)
+    assert f.peak_memory_after_bytes == direct.peak_memory_bytes
+
+
 def test_audit_reuses_traces(gpt2_audit) -> None:  # type: ignore[no-untyped-def]
     # the vocab what-if is a rewrite: re-traces are only the batch screen's pick, the
     # confirmation, the fused-optimizer, fused-loss and compile what-ifs, never one per finding

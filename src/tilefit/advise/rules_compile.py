@@ -15,6 +15,10 @@ from tilefit.vocab import EXTERN_KINDS
 GIB = 2**30
 COMPILE_FIX = ("model = torch.compile(model) (plain PyTorch and Lightning, before "
                "trainer.fit); TrainingArguments(torch_compile=True) for the HF Trainer")
+# with gradient checkpointing, transformers logs a use_cache warning inside the step, which
+# breaks Dynamo's graph (docs/references.md, section 19, item 7)
+CHECKPOINT_FIX = ("; with gradient checkpointing also model.config.use_cache = False "
+                  "(transformers' use_cache warning would break the graph)")
 
 
 def fusible_share(est: Estimate) -> float:
@@ -29,8 +33,7 @@ def fusible_share(est: Estimate) -> float:
 
 def compile_findings(whatif: WhatIf) -> list[Finding]:
     recipe = whatif.recipe
-    if (whatif.device.kind != "cuda" or recipe.compile or recipe.grad_checkpointing
-            or not whatif.can_retrace):
+    if whatif.device.kind != "cuda" or recipe.compile or not whatif.can_retrace:
         return []
     est = whatif.estimate
     try:
@@ -48,7 +51,7 @@ def compile_findings(whatif: WhatIf) -> list[Finding]:
         f"of the GPU's time: torch.compile is predicted to make the step {speedup:.2f}x "
         f"faster {memory}",
         modules=(), dimension="compile", current="eager", suggested="torch.compile",
-        fix=COMPILE_FIX,
+        fix=COMPILE_FIX + (CHECKPOINT_FIX if recipe.grad_checkpointing else ""),
         reason="Inductor fuses the ops between the GEMM and attention kernels, so each "
         "tensor is read and written once, and launches one kernel per fused group; its "
         "partitioner saves fewer activations for backward. Predicted for one graph (no "

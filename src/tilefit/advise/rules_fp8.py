@@ -1,7 +1,7 @@
 """fp8 training where the GPU has fp8 Tensor Cores: torchao's float8 training runs the
 nn.Linear GEMMs in fp8 at twice the bf16 peak, at the price of the scaling and casting
 kernels, which torch.compile fuses (docs/references.md, section 21). The gain is a re-trace
-with precision fp8-mixed (tilefit.tracing.float8), compiled unless the recipe checkpoints;
+with precision fp8-mixed (tilefit.tracing.float8), compiled (checkpointed recipes too);
 the finding appears only where that re-estimate gains."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def fp8_findings(whatif: WhatIf) -> list[Finding]:
             or recipe.spec.autocast_dtype != fp8.autocast_dtype
             or recipe.spec.float8_linears):
         return []
-    compiled = recipe.compile or not recipe.grad_checkpointing
+    compiled = True  # torch.compile fuses torchao's casts (checkpointed recipes too)
     try:
         after = whatif.retrace(precision=fp8.name, compile=compiled)
         # fp8's own share of the gain: against bf16 compiled alike
