@@ -407,6 +407,18 @@ def test_a_compiled_recipe_is_planned_and_keeps_the_math(tiny_gpt2) -> None:  # 
     assert any("torch.compile" in c for c in compiled[0].changes)
 
 
+def test_the_users_compile_flag_plans_each_recipe_once(tiny_gpt2) -> None:  # type: ignore[no-untyped-def]
+    # --compile turns the base recipe into the same-math compile recipe: one sweep, one row
+    # per micro-batch, and the checkpointed recipes are compiled too (predicted now)
+    from tilefit.planner import plan
+
+    p = plan(tiny_gpt2, gpu="a100-80gb", global_batch=16, compile=True, confirm=False)
+    keys = [(r.recipe, r.offload, r.strategy) for r in p.rows]
+    assert len(keys) == len(set(keys))
+    assert all(r.recipe.compile for r in p.rows)
+    assert any(r.grad_checkpointing for r in p.rows)
+
+
 def test_a_compiled_row_compiles_once_in_each_config() -> None:
     # the estimate this row came from ran the step as torch.compile runs it: every pasted
     # config must compile too, exactly once (HF: the Trainer's torch_compile; a plain loop and

@@ -147,6 +147,7 @@ class _Planner:
         friendly, others = space.micro_batch_candidates(global_batch)
         self.micro_batches = sorted(friendly + others)
         self.sweeps: dict[tuple[Recipe, bool], SweepModel] = {}
+        self.tried: set[tuple[Recipe, bool]] = set()  # recipes swept (or that failed)
         self.rows: list[PlanRow] = []
         self.notes: list[str] = []
         self.traces = 0
@@ -162,6 +163,9 @@ class _Planner:
 
     def add(self, spec: Recipe, *, offload: bool = False) -> None:
         spec = self.with_user(spec)
+        if (spec, offload) in self.tried:  # the user's flags can make two recipes one
+            return
+        self.tried.add((spec, offload))
         model = safe_sweep(self.work, spec, self.micro_batches, self.depth, self.device,
                            self.notes)
         self.traces += len(self.depth.traced) * len({min(self.micro_batches),
