@@ -98,15 +98,20 @@ def zero_inputs(tr: Trace) -> ZeroInputs:
 
 
 def estimate_zero(base: Estimate, tr: Trace, device: Device, strategy: str, world_size: int,
-                  *, offload: bool = False, config: ZeroConfig = DEEPSPEED_DEFAULTS) -> Estimate:
+                  *, offload: bool = False, config: ZeroConfig = DEEPSPEED_DEFAULTS,
+                  peaks: ZeroPeaks | None = None) -> Estimate:
     """``base`` (the one-GPU estimate of ``tr``) as one of ``world_size`` ranks under
-    ZeRO ``strategy`` ("zero1", "zero2", "zero3")."""
+    ZeRO ``strategy`` ("zero1", "zero2", "zero3"); ``peaks``: its ``zero_peaks`` when the
+    caller has them already (the planner keeps all three)."""
     stage = zero_stage(strategy)
     strategy = ZERO_STRATEGIES[stage - 1]
     inp = zero_inputs(tr)
     mem = zero_memory(inp, stage, world_size, offload=offload, config=config,
                       gpus_per_node=device.gpus_per_node)
-    breakdown = _peak_breakdown(tr, inp, stage, world_size, offload, config)
+    if peaks is None:
+        peaks = ZeroPeaks(*_peak_points(tr, inp, stage, world_size, offload, config))
+    # the larger of the forward/backward point and the optimizer step's (module docstring)
+    breakdown = max((peaks.micro, peaks.step), key=lambda p: sum(p.values()))
     peak = sum(breakdown.values())
     collectives = zero_collectives(inp, stage, base.accumulation_steps, config)
     by_phase, exposed = _communication(collectives, world_size, device, base.time_by_phase_s)
@@ -129,15 +134,6 @@ def estimate_zero(base: Estimate, tr: Trace, device: Device, strategy: str, worl
         tokens_per_s=base.tokens_per_step / step if (base.tokens_per_step and step) else None,
         mfu=base.mfu * base.step_time_s / step if step else 0.0, time_by_phase_s=phases,
         warnings=(*base.warnings, _note(strategy, world_size, offload)), parallel=summary)
-
-
-def _peak_breakdown(tr: Trace, inp: ZeroInputs, stage: int, world_size: int, offload: bool,
-                    config: ZeroConfig) -> dict[str, int]:
-    """One GPU's memory by category at its peak (module docstring): every point of the
-    traced forward/backward, DeepSpeed's states there following the gradients the trace has
-    made by then, and the optimizer step's peak."""
-    micro, _, step = _peak_points(tr, inp, stage, world_size, offload, config)
-    return max((micro, step), key=lambda p: sum(p.values()))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -114,9 +114,9 @@ def zero_sample(tr: Trace, base: Estimate, device: Device, parallel: Parallel,
     and its estimate ``base`` (tilefit.estimator.zero_step)."""
     from tilefit.estimator.zero_step import estimate_zero, zero_peaks
 
-    est = estimate_zero(base, tr, device, parallel.strategy, parallel.world_size,
-                        offload=parallel.offload)
     peaks = zero_peaks(tr, parallel.strategy, parallel.world_size, offload=parallel.offload)
+    est = estimate_zero(base, tr, device, parallel.strategy, parallel.world_size,
+                        offload=parallel.offload, peaks=peaks)
     assert est.parallel is not None
     return sample_of(tr, est, micro_batch, layers,
                      peaks=(peaks.micro, peaks.micro_first, peaks.step),

@@ -318,9 +318,9 @@ def _reuse_holds(gm: fx.GraphModule, nodes: list[GraphNode], order: list[int],
     by_index = {n.index: n for n in nodes}
     name = {i: n for n, i in index.items()}
     inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    counted = {-1 - i: nbytes for i, nbytes in
-               ((-1 - v, b) for v, b in graph_input_bytes(nodes).items())
-               if inductor_freeable_input(inputs[i])}
+    # graph inputs have ids -1, -2, ...: input i is id -1 - i
+    counted = {v: nbytes for v, nbytes in graph_input_bytes(nodes).items()
+               if inductor_freeable_input(inputs[-1 - v])}
     holds = reuse_holds([by_index[i] for i in order],
                         {i for i, p in plans.items() if p.materialized}, counted)
     return {name[v]: name[k] for v, k in holds.items()}

@@ -138,10 +138,11 @@ def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> li
 
 
 def holds_fake(x: object) -> bool:
-    """Whether ``x`` is a fake tensor, also seen through AOTAutograd's functionalization
-    wrapper (torch._subclasses.fake_tensor.is_fake; a FunctionalTensor around a fake).
-    Only a FunctionalTensor is looked into: Dynamo, listing a model's graph breaks, sees no
-    FunctionalTensor and never reaches is_fake, a function it refuses to trace."""
+    """Whether ``x`` is AOTAutograd's functionalization wrapper (a FunctionalTensor) around a
+    fake tensor (torch._subclasses.fake_tensor.is_fake looks inside); a bare FakeTensor is
+    the caller's own isinstance check. Only a FunctionalTensor is looked into: Dynamo,
+    listing a model's graph breaks, sees no FunctionalTensor and never reaches is_fake, a
+    function it refuses to trace."""
     from torch._subclasses.fake_tensor import is_fake
     from torch._subclasses.functional_tensor import FunctionalTensor
 
