@@ -209,30 +209,33 @@ def _flash_forward(b: int, heads: int, seq: int, d: int):  # type: ignore[no-unt
 
 
 def test_flash_attention_on_hopper_runs_at_flashattention2s_share_of_the_peak() -> None:
-    # H100 SXM fp16: 989 TFLOP/s dense x gemm_efficiency 0.82 x flash forward 0.84 x the
-    # Hopper factor 0.48 (FlashAttention-2 at 35% of the H100's peak): 327.0 TFLOP/s. A
-    # forward of b=8, 16 heads, 4096 tokens, d=128: 4*8*16*4096^2*128 = 1.0995e12 FLOPs ->
-    # 3.362 ms, plus one launch of 4 us (its 0.27 GB at 3.0 TB/s take 0.09 ms: math-bound).
+    # H100 SXM fp16: 989 TFLOP/s dense x the H100's GEMM main-loop efficiency 0.870 x flash
+    # forward 0.73 / 0.916 (FlashAttention-2's 73% of the A100's peak over the A100's GEMM
+    # efficiency) x the Hopper factor 0.48 (FlashAttention-2 at 35% of the H100's peak):
+    # 329.2 TFLOP/s. A forward of b=8, 16 heads, 4096 tokens, d=128: 4*8*16*4096^2*128 =
+    # 1.0995e12 FLOPs -> 3.340 ms, plus one launch of 4 us (its 0.27 GB at 3.0 TB/s take
+    # 0.09 ms: math-bound).
     from tilefit.estimator.cost import CostContext, op_time_s
 
     rec, flops = _flash_forward(8, 16, 4096, 128)
     assert flops == 4 * 8 * 16 * 4096 * 4096 * 128
-    rate = 989e12 * 0.82 * 0.84 * 0.48
+    rate = 989e12 * 0.870 * (0.73 / 0.916) * 0.48
     assert op_time_s(rec, get_device("h100-sxm"), CostContext("fp32")) == pytest.approx(
         flops / rate + 4e-6)
 
 
 def test_flash_attention_on_blackwell_runs_at_the_corpus_fitted_share() -> None:
-    # B200 fp16: 2250 TFLOP/s x gemm_efficiency 0.80 x flash forward 0.84 x the Blackwell
-    # factor 0.196 fitted on FlashAttention-2's B200 records (benchmarks/bench_gpu_corpus.py):
-    # 296.4 TFLOP/s. The corpus's 32 x 512 configuration, 32 heads of 64: 4*32*32*512^2*64 =
-    # 6.872e10 FLOPs -> 231.9 us, plus one 4 us launch; the issue measured 308.4 TFLOP/s.
+    # B200 fp16: 2250 TFLOP/s x the B200's GEMM main-loop efficiency 0.885 x flash forward
+    # 0.73 / 0.916 x the Blackwell factor 0.196 fitted on FlashAttention-2's B200 records
+    # (benchmarks/bench_gpu_corpus.py): 311.0 TFLOP/s. The corpus's 32 x 512 configuration,
+    # 32 heads of 64: 4*32*32*512^2*64 = 6.872e10 FLOPs -> 221.0 us, plus one 4 us launch;
+    # the issue measured 308.4 TFLOP/s.
     from tilefit.estimator.cost import CostContext, op_time_s
 
     rec, flops = _flash_forward(32, 32, 512, 64)
     assert flops == 4 * 32 * 32 * 512 * 512 * 64
     t = op_time_s(rec, get_device("b200"), CostContext("fp32"))
-    assert t == pytest.approx(flops / (2250e12 * 0.80 * 0.84 * 0.196) + 4e-6)
+    assert t == pytest.approx(flops / (2250e12 * 0.885 * (0.73 / 0.916) * 0.196) + 4e-6)
     assert flops / t / 1e12 == pytest.approx(308.4, rel=0.06)
 
 
@@ -248,3 +251,23 @@ def test_the_gpu_host_issues_ops_at_the_corpus_fitted_multiples_of_the_cpu_measu
     assert DEFAULT_HOST.optimizer_op_s == CPU_MEASURED_HOST.optimizer_op_s == 14.6e-6
     assert DEFAULT_HOST.launch_s == 3.0e-6
     assert get_device("a100-80gb").host == DEFAULT_HOST
+
+
+def test_softmax_family_share_applies_on_gpus_not_on_cpus() -> None:
+    # A softmax forward over 2^27 fp16 elements moves 2 x 2^28 bytes. On an A100 40GB its
+    # bandwidth is 1555 GB/s x 0.9 (the copy) x 0.74 (the softmax family's share, fitted on
+    # the GPU corpus: docs/references.md, section 15); on a CPU the probe's bandwidth alone.
+    import dataclasses
+
+    from tilefit.estimator.cost import CostContext, op_time_s
+    from tilefit.tracing.records import OpRecord
+
+    nbytes = 2 * 2**28
+    rec = OpRecord("aten._softmax.default", "forward", "attn", (), (), "float16", 0, nbytes,
+                   "memory", 1, 0)
+    a100 = get_device("a100-40gb")
+    assert op_time_s(rec, a100, CostContext("fp32")) == pytest.approx(
+        nbytes / (1555e9 * 0.9 * 0.74) + 4e-6)
+    cpu = dataclasses.replace(a100, kind="cpu")
+    assert op_time_s(rec, cpu, CostContext("fp32")) == pytest.approx(
+        nbytes / (1555e9 * 0.9) + 4e-6)

@@ -157,3 +157,44 @@ def test_tile_latency_is_paid_once_per_wave(m: int, waves: int) -> None:
 def test_negative_tile_latency_is_refused() -> None:
     with pytest.raises(ValueError, match="gemm_tile_latency_s"):
         dataclasses.replace(A100_40, gemm_tile_latency_s=-1e-6)
+
+
+def test_output_tiles_store_after_their_main_loops() -> None:
+    # A100 40GB, fp16 8192^3 in 256x128 tiles: 32*64 = 2048 tiles, ceil(2048/108) = 19 waves.
+    # Main loops: 19 x 2*256*128*8192 FLOPs at 312e12 * 0.916 / 108 per SM = 19 x 202.9 us =
+    # 3.8547 ms. The tiles' stores: the whole 8192^2 fp16 output, 134.2 MB, at 1555 GB/s x 0.9
+    # = 95.9 us, added (not overlapped), then one 4 us launch: 3.9547 ms.
+    g = analyze_gemm(8192, 8192, 8192, "fp16", A100_40)
+    assert (g.tile, g.split_k, g.tiles, g.waves) == ((256, 128), 1, 2048, 19)
+    main_loop = 19 * 2 * 256 * 128 * 8192 / (312e12 * 0.916 / 108)
+    stores = 8192 * 8192 * 2 / (1555e9 * 0.9)
+    assert g.math_time_s == pytest.approx(main_loop, rel=1e-9)
+    assert g.epilogue_time_s == pytest.approx(stores, rel=1e-9)
+    assert g.predicted_time_s == pytest.approx(main_loop + stores + 4e-6, rel=1e-9)
+
+
+def test_short_k_pays_its_stores_in_proportion() -> None:
+    # The stores weigh ops_per_byte / K against the main loops: the same 8192 x 8192 output
+    # with K = 768 instead of 8192 spends the same 95.9 us storing but a tenth of the main
+    # loop, so its TFLOP/s drop well below the long-K GEMM's.
+    long_k = analyze_gemm(8192, 8192, 8192, "fp16", A100_40)
+    short_k = analyze_gemm(8192, 8192, 768, "fp16", A100_40)
+    assert short_k.epilogue_time_s == pytest.approx(long_k.epilogue_time_s, rel=1e-9)
+    assert short_k.epilogue_time_s / short_k.math_time_s > 0.2 > (
+        long_k.epilogue_time_s / long_k.math_time_s)
+    assert short_k.predicted_tflops < 0.85 * long_k.predicted_tflops
+
+
+@pytest.mark.parametrize("record", ["mamf-a100-80gb-bf16", "mamf-h100-sxm-bf16",
+                                    "mamf-b200-bf16"])
+def test_catalog_efficiency_reproduces_the_published_best_matmul(record: str) -> None:
+    # Bekman's "maximum achievable matmul FLOPs" (docs/references.md, sections 6 and 28), as
+    # benchmarks/gpu_corpus/gemm.jsonl holds it: the catalog's gemm_efficiency was solved so
+    # that the model predicts the published best TFLOP/s at the shape that reached it.
+    import json
+    from pathlib import Path
+
+    corpus = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_corpus" / "gemm.jsonl"
+    rec = next(r for r in map(json.loads, corpus.read_text().splitlines()) if r["id"] == record)
+    g = analyze_gemm(rec["m"], rec["n"], rec["k"], rec["dtype"], get_device(rec["gpu"]))
+    assert g.predicted_tflops == pytest.approx(rec["measured"]["tflops"], rel=0.005)

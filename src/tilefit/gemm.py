@@ -15,10 +15,16 @@ Layers" user's guides; docs/references.md, sections 1-4):
   pipeline prologue and epilogue, Stream-K's fixed cost per CTA;
   docs/references.md, section 27). It is 0: fitted on the public GPU corpus, it did not earn
   its place.
+- epilogue time: a tile stores its Tm x Tn outputs after its main loop ends, and that store
+  does not overlap the tile's multiply-adds; all tiles' stores together take the output's
+  bytes (fp32 partials under split-K) at the device's achieved bandwidth. It weighs
+  ops_per_byte / K against the main loop: a third at K = 768 on an H100, a few percent at
+  K = 8192 (docs/references.md, section 28).
 - memory time: each operand read once and the output written once, at the device's
   achieved bandwidth.
-- time = max(math, memory) + one kernel launch. Small outputs may use split-K (the K loop
-  cut across more tiles, partial results reduced in fp32): it is a candidate like a tile.
+- time = max(math + epilogue, memory) + one kernel launch. Small outputs may use split-K (the
+  K loop cut across more tiles, partial results reduced in fp32): it is a candidate like a
+  tile.
 - cuBLAS's heuristic is modelled as picking the candidate of least time.
 
 By construction the delivered FLOP/s never exceed the peak: every factor is <= 1 and the
@@ -134,7 +140,7 @@ class GemmAnalysis:
     tile_efficiency: float  # useful / padded output elements
     wave_efficiency: float  # tiles / (waves x SMs)
     alignment_efficiency: float  # the slowest dimension's factor
-    math_time_s: float
+    math_time_s: float  # the waves' main loops
     memory_time_s: float
     predicted_time_s: float
     predicted_tflops: float
@@ -142,6 +148,7 @@ class GemmAnalysis:
     error: str | None  # set when the kernel would refuse to run (fp8 misaligned)
     verdict: str
     batch: int = 1  # independent GEMMs of this shape in one call (bmm)
+    epilogue_time_s: float = 0.0  # output stores after the main loops (not overlapped)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -166,23 +173,38 @@ def gemm_bytes(m: int, n: int, k: int, dtype: DType) -> int:
     return dtype.bytes * (m * k + k * n + m * n)
 
 
+@dataclass(frozen=True)
+class _Candidate:
+    """One tile shape and split-K, timed."""
+
+    time_s: float
+    math_s: float  # the waves' main loops (and the per-wave latency)
+    epilogue_s: float  # the tiles' output stores, not overlapped with their main loops
+    mem_s: float
+    ctas: int
+    waves: int
+
+
 def _candidate_time(
     m: int, n: int, k: int, tm: int, tn: int, split: int, dtype: DType, device: Device,
     rate_per_sm: float, bw: float, align: float, batch: int = 1, mem_align: float = 1.0,
-) -> tuple[float, float, float, int, int]:
+) -> _Candidate:
     tiles_mn = math.ceil(m / tm) * math.ceil(n / tn) * batch
     ctas = tiles_mn * split
     waves = math.ceil(ctas / device.sms)
     k_piece = math.ceil(k / split)
     mainloop_s = 2 * tm * tn * k_piece / (rate_per_sm * tile_shape_efficiency(tm, tn) * align)
     math_s = waves * (mainloop_s + device.gemm_tile_latency_s)
+    out_bytes = 4 if split > 1 else dtype.bytes  # split-K pieces store fp32 partials
+    epilogue_s = ctas * tm * tn * out_bytes / bw
     traffic = batch * gemm_bytes(m, n, k, dtype)
     launches = 1
     if split > 1:
         traffic += 2 * split * batch * m * n * 4  # fp32 partials written, then read to reduce
         launches = 2
     mem_s = traffic / (bw * mem_align)
-    return max(math_s, mem_s) + launches * device.launch_overhead_s, math_s, mem_s, ctas, waves
+    total = max(math_s + epilogue_s, mem_s) + launches * device.launch_overhead_s
+    return _Candidate(total, math_s, epilogue_s, mem_s, ctas, waves)
 
 
 @dataclass(frozen=True)
@@ -226,6 +248,7 @@ class _Kernel:
     wave_efficiency: float
     alignment_efficiency: float
     math_time_s: float
+    epilogue_time_s: float
     memory_time_s: float
     predicted_time_s: float
     predicted_tflops: float
@@ -291,24 +314,24 @@ def _gpu_kernel(p: _Problem) -> _Kernel:
     )
     rate_per_sm = p.peak * _gemm_efficiency(device, p.dt) / device.sms
     bw = device.bandwidth_bytes_per_s * device.bandwidth_efficiency
-    best: tuple[float, ...] | None = None
+    best: tuple[_Candidate, int, int, int] | None = None
     for tm, tn in TILES:
         for split in SPLIT_K:
             if split > 1 and (k / split < MIN_K_PER_SPLIT or
                               batch * math.ceil(m / tm) * math.ceil(n / tn) >= device.sms):
                 continue
-            t, math_s, mem_s, ctas, waves = _candidate_time(
+            c = _candidate_time(
                 m, n, k, tm, tn, split, p.dt, device, rate_per_sm, bw, align, batch, mem_align)
-            if best is None or t < best[0]:
-                best = (t, math_s, mem_s, ctas, waves, tm, tn, split)
+            if best is None or c.time_s < best[0].time_s:
+                best = (c, tm, tn, split)
     assert best is not None
-    t, math_s, mem_s, ctas, waves, tm, tn, split = best
+    c, tm, tn, split = best
     return _Kernel(
-        tile=(int(tm), int(tn)), split_k=int(split), tiles=int(ctas), waves=int(waves),
-        tile_efficiency=(m * n) / (round_up(m, int(tm)) * round_up(n, int(tn))),
-        wave_efficiency=ctas / (waves * device.sms), alignment_efficiency=align,
-        math_time_s=math_s, memory_time_s=mem_s, predicted_time_s=t,
-        predicted_tflops=p.flops / t / 1e12,
+        tile=(tm, tn), split_k=split, tiles=c.ctas, waves=c.waves,
+        tile_efficiency=(m * n) / (round_up(m, tm) * round_up(n, tn)),
+        wave_efficiency=c.ctas / (c.waves * device.sms), alignment_efficiency=align,
+        math_time_s=c.math_s, epilogue_time_s=c.epilogue_s, memory_time_s=c.mem_s,
+        predicted_time_s=c.time_s, predicted_tflops=p.flops / c.time_s / 1e12,
     )
 
 
@@ -331,7 +354,7 @@ def _cpu_kernel(p: _Problem, fit: GemmFit) -> _Kernel:
     return _Kernel(
         tile=(p.m, p.n), split_k=1, tiles=1, waves=1, tile_efficiency=1.0, wave_efficiency=1.0,
         alignment_efficiency=1.0 if aligned else fit.misaligned_factor,
-        math_time_s=math_s, memory_time_s=mem_s, predicted_time_s=t,
+        math_time_s=math_s, epilogue_time_s=0.0, memory_time_s=mem_s, predicted_time_s=t,
         predicted_tflops=p.flops / t / 1e12,
     )
 
@@ -343,7 +366,8 @@ def _analysis(p: _Problem, kern: _Kernel) -> GemmAnalysis:
         bound=p.bound, alignment=p.alignment, tile=kern.tile, split_k=kern.split_k,
         tiles=kern.tiles, waves=kern.waves, tile_efficiency=kern.tile_efficiency,
         wave_efficiency=kern.wave_efficiency, alignment_efficiency=kern.alignment_efficiency,
-        math_time_s=kern.math_time_s, memory_time_s=kern.memory_time_s,
+        math_time_s=kern.math_time_s, epilogue_time_s=kern.epilogue_time_s,
+        memory_time_s=kern.memory_time_s,
         predicted_time_s=kern.predicted_time_s, predicted_tflops=kern.predicted_tflops,
         peak_tflops=p.peak / 1e12, error=p.error, verdict=_verdict(p, kern),
         batch=p.batch,

@@ -9,7 +9,9 @@
 - GPU ("gpu-tile-wave", tilefit.gemm): two terms by median ratios, robust to outliers:
   launch overhead = median of (measured - model at zero overhead) over the smallest shapes;
   gemm_efficiency = median of (model math time at efficiency 1) / (measured - overhead -
-  fixed wave time) over the math-bound shapes. The per-wave fixed latency
+  fixed time) over the math-bound shapes, the fixed time being the output tiles' stores
+  (bandwidth, not math: docs/references.md, section 28) and the per-wave latency. The latter
+  (Device.gemm_tile_latency_s, a corpus fit: docs/references.md, section 27) is kept, not
   (Device.gemm_tile_latency_s, a corpus fit: docs/references.md, section 27) is kept, not
   refitted: on one-wave shapes it is indistinguishable from the launch overhead, and the
   calibration grid has too few many-wave shapes of short K to tell it apart.
@@ -167,8 +169,10 @@ def fit_gpu(samples: Sequence[GemmSample], dtype: str, device: Device) -> GemmFi
                                gemm_tile_latency_s=0.0, profile=None)
     ideal = [analyze_gemm(s.m, s.n, s.k, dtype, base) for s in rows]
     meas = np.array([s.time_s for s in rows])
-    fixed = np.array([a.waves * device.gemm_tile_latency_s for a in ideal])  # kept, not fitted
-    t0 = np.array([a.predicted_time_s for a in ideal]) + fixed
+    # kept, not fitted: the per-wave latency and the output stores (bandwidth, not math)
+    latency = np.array([a.waves * device.gemm_tile_latency_s for a in ideal])
+    fixed = latency + np.array([a.epilogue_time_s for a in ideal])
+    t0 = np.array([a.predicted_time_s for a in ideal]) + latency
     small = t0 < SMALL_SHAPE_S
     pool = small if small.sum() >= 3 else t0 <= np.percentile(t0, 20)
     math_rows = np.array([a.bound == "math" and a.math_time_s >= a.memory_time_s for a in ideal])

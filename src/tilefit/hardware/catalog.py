@@ -14,17 +14,20 @@ from __future__ import annotations
 
 from tilefit.hardware.device import ALIGN_DATACENTER_BYTES, GB, GIB, TB, Device
 
-# gemm_efficiency: fraction of the dense peak that the best cuBLAS kernels reach on large,
-# aligned shapes before tile and wave quantization. Sources (docs/references.md, section 6:
-# "maximum achievable matmul FLOPs", bf16, best of a large sweep): A100 271/312 = 0.87,
-# H100 795/989 = 0.80 after waves (0.82 before), B200 1745/2250 = 0.78. H200 measured here:
-# 770-800 of 989 on 8192^3. NVIDIA's FC-layer guide quotes ~250 of 312 TFLOP/s on A100 for a
-# 4096x1024 layer at large batch, which the tile/wave model reproduces from 0.87.
-# Parts with no published figure use 0.80, the H100 value, until calibrated.
-EFF_A100 = 0.87
-EFF_HOPPER = 0.82
-EFF_BLACKWELL = 0.80
-EFF_DEFAULT = 0.80
+# gemm_efficiency: the per-SM main-loop rate of the best cuBLAS kernels on large, aligned
+# shapes, as a fraction of the dense peak, before tile and wave quantization and the output
+# tiles' stores (tilefit.gemm). Solved so that tilefit.gemm predicts the published "maximum
+# achievable matmul FLOPs" (bf16, best of a large sweep; docs/references.md, sections 6 and
+# 28) at the shape that reached it: A100 271.2 of 312 TFLOP/s at 1024 x 10240 x 5120 ->
+# 0.916, H100 794.5 of 989 at 2048 x 2048 x 13312 -> 0.870, B200 1745 of 2250 at
+# 1792 x 16128 x 3072 -> 0.885 (benchmarks/derive_gemm_efficiency.py prints the derivation).
+# NVIDIA's FC-layer guide quotes ~250 of 312 TFLOP/s on A100 for a 4096x1024 layer at large
+# batch, which the model reproduces from 0.916. Parts with no published figure use the H100
+# value until calibrated.
+EFF_A100 = 0.916
+EFF_HOPPER = 0.870
+EFF_BLACKWELL = 0.885
+EFF_DEFAULT = EFF_HOPPER
 
 # bandwidth_efficiency: a device-to-device copy on an H200 measured 4.3 of 4.8 TB/s (0.90,
 # docs/references.md, section 6); used for every part until calibrated.
