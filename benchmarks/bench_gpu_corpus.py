@@ -73,11 +73,15 @@ Fitted (few, physically meaningful, never per record; KNOBS): the host's per-op 
 of the forward and of the autograd engine (multiples of the CPU measurement,
 tilefit.hardware.host), the Blackwell factor of the FlashAttention-2 generation kernels,
 the bandwidth share of the three kernel families a BertLayer spends its memory-bound time
-in, and the fixed latency each wave of GEMM tiles pays (Device.gemm_tile_latency_s, the
-pipeline prologue and epilogue; docs/references.md, section 27). The fit starts from
-tilefit as it was before it (PRIOR: CPU-measured host costs, no Blackwell factor, no tile
-latency) and runs coordinate descent over a log grid per knob, minimising the mean
-|log(predicted / measured)| over the fit records. Each fitted knob is then set alone on top
+in, the GEMM main-loop efficiency of each catalog GPU that has fit sweeps and no published
+best matmul (DEVICE_KNOB_GPUS: its sustained clock under its power limit as much as its
+kernels), and the fixed latency each wave of GEMM tiles pays (Device.gemm_tile_latency_s;
+docs/references.md, section 27). The fit starts from tilefit as it was before it (PRIOR:
+CPU-measured host costs, no Blackwell factor, every family at the copy's bandwidth, the
+catalog's default GEMM efficiency, no tile latency) and runs coordinate descent over a log
+grid per knob, minimising the mean |log(predicted / measured)| over the fit records; the
+knobs in HELD stay at their prior values during it, and each is then fitted alone on top of
+it (so the other knobs are fitted as they ship). Each fitted knob is then set alone on top
 of PRIOR and tried on the held-out records: "adopt" when it lowers their error, not when no
 held-out record moves (a knob the holdout cannot test keeps its prior value). The adopted
 values are tilefit's shipped defaults (SHIPPED), except a knob in HELD, which the rule would
@@ -126,7 +130,7 @@ from tilefit.estimator.cost import (
 from tilefit.estimator.steptime import host_time_s
 from tilefit.estimator.timeline import Block, Item, simulate
 from tilefit.gemm import analyze_gemm
-from tilefit.hardware import Device, get_device
+from tilefit.hardware import Device, get_device, list_devices
 from tilefit.hardware.catalog import EFF_DEFAULT
 from tilefit.hardware.device import GEMM_TILE_LATENCY_S
 from tilefit.hardware.host import (
@@ -165,28 +169,37 @@ class Params:
     gemm_tile_latency_s: float = GEMM_TILE_LATENCY_S
     # Device.gemm_efficiency of named catalog GPUs, in place of the catalog's ((name, value))
     gemm_efficiency: tuple[tuple[str, float], ...] = ()
+    # Device.simt_gemm_factor by architecture, in place of the catalog's ((arch, value))
+    simt_factor: tuple[tuple[str, float], ...] = ()
 
     def device(self, dev: Device) -> Device:
         host = dataclasses.replace(
             dev.host, forward_op_s=CPU_MEASURED_HOST.forward_op_s * self.host_forward_scale,
             backward_op_s=CPU_MEASURED_HOST.backward_op_s * self.host_backward_scale)
         eff = dict(self.gemm_efficiency).get(dev.name, dev.gemm_efficiency)
+        simt = dict(self.simt_factor).get(dev.architecture, dev.simt_gemm_factor)
         if (host == dev.host and self.gemm_tile_latency_s == dev.gemm_tile_latency_s
-                and eff == dev.gemm_efficiency):
+                and eff == dev.gemm_efficiency and simt == dev.simt_gemm_factor):
             return dev
         return dataclasses.replace(dev, host=host, gemm_tile_latency_s=self.gemm_tile_latency_s,
-                                   gemm_efficiency=eff)
+                                   gemm_efficiency=eff, simt_gemm_factor=simt)
 
 
-# Per GPU: the main-loop efficiency of every catalog GPU that has fit GEMM sweeps in the
-# corpus (source 1's square sweeps) and no published best-matmul figure (the A100s, H100 SXM
-# and B200 take theirs from source 3: tilefit.hardware.catalog;
-# docs/references.md, section 28). A GPU's sustained clock under its power limit sets it as
-# much as the kernels do: the H100 PCIe (350 W) and the L4 (72 W) do not hold their boost
-# clocks under a long GEMM, GeForce parts run above theirs (capped here at 1.0 of the
-# datasheet peak). The A10 and RTX 3090 have no sweep in the corpus.
-DEVICE_KNOB_GPUS: tuple[tuple[str, ...], ...] = (
-    ("h100-pcie",), ("v100-16gb", "v100"), ("rtx-4090",), ("l4",))
+# Per GPU: the main-loop efficiency of every catalog GPU whose only fit records are GEMM
+# sweeps (source 1's square sweeps) and that has no published best-matmul figure (the A100s,
+# H100 SXM and B200 take theirs from source 3: tilefit.hardware.catalog;
+# docs/references.md, section 28), so that the GPU's own matmuls alone set it. A GPU's
+# sustained clock under its power limit sets it as much as its kernels do: the H100 PCIe
+# (350 W) and the L4 (72 W) drop their clocks under a long GEMM, the RTX 4090 runs above its
+# rated boost clock (capped here at 1.0 of the datasheet peak). The V100 is left out: its
+# BertLayer records are fit records too, and a knob on both would trade the layer's
+# residuals for its matmuls'. The A10 and RTX 3090 have no sweep in the corpus.
+DEVICE_KNOB_GPUS: tuple[tuple[str, ...], ...] = (("h100-pcie",), ("rtx-4090",), ("l4",))
+# Per architecture: the CUDA-core (fp32 without Tensor Cores) GEMM factor of every
+# architecture with fp32 rows in source 1's fit sizes. The Tensor Core efficiency comes from
+# bf16/fp16 figures; fp32 GEMMs run on other units, whose share of their own peak differs
+# (GA10x and Ada count lanes shared with INT32 in their fp32 peak).
+SIMT_KNOB_ARCHS: tuple[str, ...] = ("Volta", "Hopper", "Ada")
 
 SHIPPED = Params()
 # tilefit before this fit: the CPU-measured host costs, no Blackwell attention factor, every
@@ -198,7 +211,8 @@ PRIOR = Params(
         attention_arch={k: v for k, v in DEFAULT_EFFICIENCY.attention_arch.items()
                         if k != "Blackwell"}),
     host_forward_scale=1.0, host_backward_scale=1.0, gemm_tile_latency_s=0.0,
-    gemm_efficiency=tuple((name, EFF_DEFAULT) for names in DEVICE_KNOB_GPUS for name in names))
+    gemm_efficiency=tuple((name, EFF_DEFAULT) for names in DEVICE_KNOB_GPUS for name in names),
+    simt_factor=tuple((arch, 1.0) for arch in SIMT_KNOB_ARCHS))
 
 
 @dataclass(frozen=True)
@@ -244,8 +258,8 @@ def _latency_knob() -> Knob:
 
 
 def _device_knob(names: tuple[str, ...]) -> Knob:
-    """The GEMM main-loop efficiency of one GPU (and the catalog's siblings of the same chip,
-    clocks and power: the V100's 16 and 32 GB cards)."""
+    """The GEMM main-loop efficiency of one GPU (and any catalog siblings of the same chip,
+    clocks and power named with it)."""
     def get(p: Params) -> float:
         return dict(p.gemm_efficiency).get(names[0], get_device(names[0]).gemm_efficiency)
 
@@ -253,7 +267,20 @@ def _device_knob(names: tuple[str, ...]) -> Knob:
         kept = tuple((n, e) for n, e in p.gemm_efficiency if n not in names)
         return dataclasses.replace(p, gemm_efficiency=kept + tuple((n, v) for n in names))
 
-    return Knob(f"gemm_efficiency[{names[0]}]", _grid(0.5, 1.0, 31), get, set_)
+    return Knob(f"gemm_efficiency[{names[0]}]", _grid(0.3, 1.0, 41), get, set_)
+
+
+def _simt_knob(arch: str) -> Knob:
+    """The CUDA-core GEMM factor of one architecture (Device.simt_gemm_factor)."""
+    def get(p: Params) -> float:
+        shipped = next(d.simt_gemm_factor for d in list_devices() if d.architecture == arch)
+        return dict(p.simt_factor).get(arch, shipped)
+
+    def set_(p: Params, v: float) -> Params:
+        kept = tuple((a, f) for a, f in p.simt_factor if a != arch)
+        return dataclasses.replace(p, simt_factor=(*kept, (arch, v)))
+
+    return Knob(f"simt_factor[{arch}]", _grid(0.5, 1.2, 41), get, set_)
 
 
 def _grid(lo: float, hi: float, n: int) -> tuple[float, ...]:
@@ -274,7 +301,8 @@ TRIAL = "gemm_tile_latency [us]"
 KNOBS: tuple[Knob, ...] = (
     _host_knob("forward"), _host_knob("backward"), _arch_knob("Blackwell"),
     _family_knob("elementwise"), _family_knob("normalization"), _family_knob("softmax"),
-    *(_device_knob(names) for names in DEVICE_KNOB_GPUS), _latency_knob())
+    *(_device_knob(names) for names in DEVICE_KNOB_GPUS),
+    *(_simt_knob(arch) for arch in SIMT_KNOB_ARCHS), _latency_knob())
 
 
 # ---- records and rows -----------------------------------------------------------------------
@@ -772,12 +800,26 @@ FIT_TOLERANCE = 1e-9  # a knob moves only for a gain in mean |log error| above t
 
 
 def fit(preds: Sequence[Predictor], start: Params, sweeps: int = 3) -> tuple[Params, float]:
-    """Coordinate descent over KNOBS' grids on the fit records; the starting value is always
-    a candidate, so the loss never rises."""
+    """Coordinate descent over the grids of the knobs not in HELD, on the fit records (the
+    starting value is always a candidate, so the loss never rises); then each HELD knob alone,
+    on top of that fit, so that what the others fit is what ships with the held ones at
+    their prior values."""
+    free = [k for k in KNOBS if k.name not in HELD]
+    best, best_loss = _descend(preds, start, free, sweeps)
+    fitted = best
+    for knob in KNOBS:
+        if knob.name in HELD:
+            one, _ = _descend(preds, best, [knob], 1)
+            fitted = knob.set(fitted, knob.get(one))
+    return fitted, best_loss
+
+
+def _descend(preds: Sequence[Predictor], start: Params, knobs: Sequence[Knob],
+             sweeps: int) -> tuple[Params, float]:
     best, best_loss = start, fit_loss(preds, start)
     for _ in range(sweeps):
         before = best_loss
-        for knob in KNOBS:
+        for knob in knobs:
             for value in (*knob.grid, knob.get(best)):
                 cand = knob.set(best, value)
                 loss = fit_loss(preds, cand)
@@ -900,25 +942,35 @@ def print_worst(rows: Sequence[Row], n: int = 12) -> None:
 
 # Knobs the adoption rule would take but that are held back, with the evidence. A held
 # knob stays at its prior value in SHIPPED; the table prints the rule's verdict and the hold.
+_FAMILIES_NOT_IDENTIFIED = (
+    "the BertLayer records cannot tell the three families apart: fits of (elementwise, "
+    "normalization, softmax) that differ only in which other knobs were free land on (0.90, "
+    "1.00, 0.74), (0.74, 0.82, 0.90) and, with elementwise held at 1.0, (1.00, 0.20, 0.61), "
+    "their losses within 0.003 of each other; the share soaks up whatever the layer's other "
+    "ops miss. Alone it lowers the held-out error because the held-out e2e rows are "
+    "over-predicted, which any slowdown helps. No record in the corpus times ATen's kernel of "
+    "this family by itself (memory.jsonl's layer norm is apex's, on an A100: 0.70 forward, "
+    "0.43 backward), so the share stays at the copy's bandwidth "
+    "(docs/references.md, section 15)")
 HELD: dict[str, str] = {
+    "bandwidth[normalization]": _FAMILIES_NOT_IDENTIFIED,
+    "bandwidth[softmax]": _FAMILIES_NOT_IDENTIFIED,
     "bandwidth[elementwise]": (
-        "fitted on one V100 BertLayer source (0.90), it slows elementwise kernels on every "
-        "GPU. Alone on the shipped defaults it takes the e2e median from 18.6% to 16.1% but "
-        "the RTX 3090/4090 rows from 6.8% to 9.1%, and the kernel records of memory.jsonl say "
-        "the datacenter parts do not lose it in ATen's elementwise kernels: relu on an H100 "
-        "runs at 0.97-1.03 of tilefit's copy model, which this share turns into -6..-11%; what "
-        "is slow there is apex's layer norm on an A100 (0.70 forward, 0.43 backward) and a "
-        "cast ATen did not vectorize on an H100 PCIe (0.79), kernel by kernel, not one share "
-        "per memory type (docs/references.md, section 13)"),
+        "fitted on one V100 BertLayer source, it slows elementwise kernels on every GPU, and "
+        "the kernel records of memory.jsonl say the datacenter parts do not lose it in ATen's "
+        "elementwise kernels: relu on an H100 runs at 0.97-1.03 of tilefit's copy model, which "
+        "a share of 0.9 turns into -6..-11%; what is slow there is apex's layer norm on an "
+        "A100 (0.70 forward, 0.43 backward) and a cast ATen did not vectorize on an H100 PCIe "
+        "(0.79), kernel by kernel, not one share per memory type; and like the other two "
+        "families it is not identified by the layer records (below) "
+        "(docs/references.md, section 13)"),
     "gemm_tile_latency [us]": (
-        "the fit's 3.85 us per wave comes from the one-wave 1024^3 H100 rows (+48% at the "
-        "shipped defaults, 0% with it) and fails elsewhere: held-out GEMM median 10.2% -> "
-        "12.7% (H100 PCIe fp16 2048 -19% -> -37%), fit rows it cannot serve (B200 bf16 MAMF "
-        "0% -> -19%, B200 fp8 +2% -> -30%); on the e2e rows it takes the median from 18.6% to "
-        "14.3% while the RTX 3090/4090 rows get worse (6.8% -> 10.3%). The output tiles' "
-        "stores are already modelled from the bandwidth (docs/references.md, section 28), and "
-        "what else a wave pays (a memory round trip before the first stage) is well under "
-        "1 us; 3.85 us is a stand-in for some other cost, not a property of GEMM tiles "
+        "a fixed number of seconds per wave, the same on every GPU, is set by the one-wave "
+        "1024^3 H100 rows and fails elsewhere: an earlier fit's 3.85 us took the held-out GEMM "
+        "median from 10.2% to 12.7% (H100 PCIe fp16 2048 -19% -> -37%; B200 MAMF bf16 0% -> "
+        "-19%, fp8 +2% -> -30%) and the RTX 3090/4090 e2e rows from 6.8% to 10.3%. The output "
+        "tiles' stores are modelled from the bandwidth (docs/references.md, section 28); what "
+        "else a wave pays (a memory round trip before the first stage) is well under 1 us "
         "(docs/references.md, section 27)"),
 }
 

@@ -198,3 +198,21 @@ def test_catalog_efficiency_reproduces_the_published_best_matmul(record: str) ->
     rec = next(r for r in map(json.loads, corpus.read_text().splitlines()) if r["id"] == record)
     g = analyze_gemm(rec["m"], rec["n"], rec["k"], rec["dtype"], get_device(rec["gpu"]))
     assert g.predicted_tflops == pytest.approx(rec["measured"]["tflops"], rel=0.005)
+
+
+def test_cuda_core_factor_scales_fp32_gemms_only() -> None:
+    # A100 40GB with a CUDA-core factor of 0.8: an fp32 8192^3 GEMM (TF32 off) runs its main
+    # loops at 19.5e12 x 0.916 x 0.8 / 108 = 132.3 GFLOP/s per SM: 19 waves of 2*256*128*8192
+    # FLOPs per tile -> 77.10 ms; fp16 on the same device keeps 0.916 (its Tensor Cores are
+    # not the CUDA cores).
+    slow = dataclasses.replace(A100_40, simt_gemm_factor=0.8)
+    g = analyze_gemm(8192, 8192, 8192, "fp32", slow)
+    assert (g.tile, g.split_k, g.waves) == ((256, 128), 1, 19)
+    assert g.math_time_s == pytest.approx(
+        19 * 2 * 256 * 128 * 8192 / (19.5e12 * 0.916 * 0.8 / 108), rel=1e-9)
+    assert analyze_gemm(8192, 8192, 8192, "fp16", slow).math_time_s == pytest.approx(
+        analyze_gemm(8192, 8192, 8192, "fp16", A100_40).math_time_s, rel=1e-12)
+    # the factor never lifts the efficiency past the peak
+    fast = dataclasses.replace(A100_40, simt_gemm_factor=2.0)
+    assert analyze_gemm(8192, 8192, 8192, "fp32", fast).math_time_s == pytest.approx(
+        19 * 2 * 256 * 128 * 8192 / (19.5e12 / 108), rel=1e-9)

@@ -336,11 +336,14 @@ def _gpu_kernel(p: _Problem) -> _Kernel:
 
 
 def _gemm_efficiency(device: Device, dt: DType) -> float:
-    """The device's large-GEMM efficiency; a calibration profile's per-dtype value wins."""
+    """The device's large-GEMM efficiency (scaled by its CUDA-core factor for fp32 without
+    Tensor Cores); a calibration profile's per-dtype value wins."""
     if device.profile is not None:
         fit = device.profile.fit_for(dt.name)
         if fit is not None and fit.gemm_efficiency is not None:
             return fit.gemm_efficiency
+    if not dt.tensor_core:
+        return min(1.0, device.gemm_efficiency * device.simt_gemm_factor)
     return device.gemm_efficiency
 
 

@@ -165,7 +165,8 @@ def fit_gpu(samples: Sequence[GemmSample], dtype: str, device: Device) -> GemmFi
     rows = [s for s in samples if s.dtype == dtype]
     if len(rows) < 3:
         raise ValueError(f"need at least 3 {dtype} measurements, got {len(rows)}")
-    base = dataclasses.replace(device, gemm_efficiency=1.0, launch_overhead_s=0.0,
+    base = dataclasses.replace(device, gemm_efficiency=1.0, simt_gemm_factor=1.0,
+                               launch_overhead_s=0.0,
                                gemm_tile_latency_s=0.0, profile=None)
     ideal = [analyze_gemm(s.m, s.n, s.k, dtype, base) for s in rows]
     meas = np.array([s.time_s for s in rows])

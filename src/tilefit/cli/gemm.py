@@ -75,6 +75,10 @@ def render(a: object) -> None:
     t.add_row("tile efficiency", f"{a.tile_efficiency:.1%}")
     t.add_row("tiles / waves", f"{a.tiles} / {a.waves}")
     t.add_row("wave efficiency", f"{a.wave_efficiency:.1%}")
+    if a.epilogue_time_s > 0:  # a GPU: main loops, then the tiles' stores; operand traffic
+        t.add_row("main loops + output stores",
+                  f"{a.math_time_s * 1e6:.2f} + {a.epilogue_time_s * 1e6:.2f} us")
+        t.add_row("operand traffic", f"{a.memory_time_s * 1e6:.2f} us")
     t.add_row("predicted time", f"{a.predicted_time_s * 1e6:.2f} us")
     t.add_row("predicted TFLOP/s", f"{a.predicted_tflops:.1f} of {a.peak_tflops:.0f} peak")
     console.print(t)

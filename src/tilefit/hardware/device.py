@@ -54,9 +54,15 @@ class Device:
     gemm_efficiency: float = 0.80
     bandwidth_efficiency: float = 0.90
     launch_overhead_s: float = 4e-6
-    # Fixed seconds each wave of GEMM tiles pays besides its multiply-adds: the pipeline
-    # prologue (the first K-stages loaded before any MMA) and the epilogue (the tile written
-    # out). tilefit.gemm adds it once per wave (docs/references.md, section 27).
+    # fp32 GEMMs on the CUDA cores (no Tensor Cores, TF32 off) reach a different share of
+    # their peak than Tensor Core GEMMs do of theirs: this factor scales gemm_efficiency for
+    # them (capped at 1). Per architecture, from published sweeps
+    # (docs/references.md, section 28): Ada counts its INT32-shared lanes in the fp32 peak.
+    simt_gemm_factor: float = 1.0
+    # Fixed seconds each wave of GEMM tiles pays besides its multiply-adds and its output
+    # stores (those tilefit.gemm costs from the bandwidth): the pipeline prologue, the first
+    # K-stages loaded before any MMA. tilefit.gemm adds it once per wave
+    # (docs/references.md, section 27).
     gemm_tile_latency_s: float = GEMM_TILE_LATENCY_S
     # the host that issues the device's ops (eager PyTorch): seconds per op, per launch
     host: HostModel = DEFAULT_HOST
@@ -98,6 +104,8 @@ class Device:
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"{self.name}: {name} must be in (0, 1], got {value}")
+        if self.simt_gemm_factor <= 0:
+            raise ValueError(f"{self.name}: simt_gemm_factor must be > 0")
         for name in ("launch_overhead_s", "gemm_tile_latency_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{self.name}: {name} must be >= 0")
