@@ -2,13 +2,14 @@
 FLOPs" (Bekman's MAMF table: docs/references.md, sections 6 and 13; benchmarks/gpu_corpus,
 gemm.jsonl, ids mamf-*-bf16) under tilefit's own GEMM model.
 
-For each of A100 SXM, H100 SXM and B200 it solves (bisection) for the Device.gemm_efficiency at
-which ``tilefit.gemm.analyze_gemm`` predicts exactly the published best TFLOP/s at the shape
-the table names, and prints it beside the value the catalog ships
-(tilefit.hardware.catalog.EFF_A100, EFF_HOPPER, EFF_BLACKWELL). The model's other terms (tile
-and wave quantization, the output tiles' stores: docs/references.md, section 28) sit between
-the efficiency and the measured figure, so the efficiency is a property of the model as much
-as of the GPU: when the model changes, rerun this and update the catalog.
+For each of A100 SXM, A100 PCIe, H100 SXM and B200 it solves (bisection) for the
+Device.gemm_efficiency at which ``tilefit.gemm.analyze_gemm`` predicts exactly the published
+best TFLOP/s at the shape the table names, and prints it beside the value the catalog ships
+(tilefit.hardware.catalog.EFF_A100, EFF_A100_PCIE, EFF_HOPPER, EFF_BLACKWELL). The model's
+other terms (tile and wave quantization, the output tiles' stores:
+docs/references.md, section 28) sit between the efficiency and the measured figure, so the
+efficiency is a property of the model as much as of the GPU: when the model changes, rerun
+this and update the catalog.
 
     PYTHONPATH=src python benchmarks/derive_gemm_efficiency.py
 """
@@ -21,10 +22,11 @@ from pathlib import Path
 
 from tilefit.gemm import analyze_gemm
 from tilefit.hardware import get_device
-from tilefit.hardware.catalog import EFF_A100, EFF_BLACKWELL, EFF_HOPPER
+from tilefit.hardware.catalog import EFF_A100, EFF_A100_PCIE, EFF_BLACKWELL, EFF_HOPPER
 
 CORPUS = Path(__file__).resolve().parent / "gpu_corpus" / "gemm.jsonl"
 SOURCES = {"mamf-a100-80gb-bf16": ("EFF_A100", EFF_A100),
+           "mamf-a100-pcie-80gb-bf16": ("EFF_A100_PCIE", EFF_A100_PCIE),
            "mamf-h100-sxm-bf16": ("EFF_HOPPER", EFF_HOPPER),
            "mamf-b200-bf16": ("EFF_BLACKWELL", EFF_BLACKWELL)}
 

@@ -185,8 +185,8 @@ def test_short_k_pays_its_stores_in_proportion() -> None:
     assert short_k.predicted_tflops < 0.85 * long_k.predicted_tflops
 
 
-@pytest.mark.parametrize("record", ["mamf-a100-80gb-bf16", "mamf-h100-sxm-bf16",
-                                    "mamf-b200-bf16"])
+@pytest.mark.parametrize("record", ["mamf-a100-80gb-bf16", "mamf-a100-pcie-80gb-bf16",
+                                    "mamf-h100-sxm-bf16", "mamf-b200-bf16"])
 def test_catalog_efficiency_reproduces_the_published_best_matmul(record: str) -> None:
     # Bekman's "maximum achievable matmul FLOPs" (docs/references.md, sections 6 and 28), as
     # benchmarks/gpu_corpus/gemm.jsonl holds it: the catalog's gemm_efficiency was solved so

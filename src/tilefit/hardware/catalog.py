@@ -22,12 +22,14 @@ from tilefit.hardware.device import ALIGN_DATACENTER_BYTES, GB, GIB, TB, Device
 # tiles' stores (tilefit.gemm). Solved so that tilefit.gemm predicts the published "maximum
 # achievable matmul FLOPs" (bf16, best of a large sweep; docs/references.md, sections 6 and
 # 28) at the shape that reached it: A100 271.2 of 312 TFLOP/s at 1024 x 10240 x 5120 ->
-# 0.916, H100 794.5 of 989 at 2048 x 2048 x 13312 -> 0.870, B200 1745 of 2250 at
-# 1792 x 16128 x 3072 -> 0.885 (benchmarks/derive_gemm_efficiency.py prints the derivation).
+# 0.916, the A100 PCIe its own figure, H100 794.5 of 989 at 2048 x 2048 x 13312 -> 0.870,
+# B200 1745 of 2250 at 1792 x 16128 x 3072 -> 0.885 (benchmarks/derive_gemm_efficiency.py
+# prints the derivation).
 # NVIDIA's FC-layer guide quotes ~250 of 312 TFLOP/s on A100 for a 4096x1024 layer at large
 # batch, which the model reproduces from 0.916. Parts with no published figure use the H100
 # value until calibrated.
 EFF_A100 = 0.916
+EFF_A100_PCIE = 0.847  # its own figure: 252.9 of 312 at 2048 x 5120 x 6144 (300 W card)
 EFF_HOPPER = 0.870
 EFF_BLACKWELL = 0.885
 EFF_DEFAULT = EFF_HOPPER
@@ -146,7 +148,7 @@ CATALOG: tuple[Device, ...] = (
          datacenter_align=True, eff=EFF_A100, link="nvlink3"),
     _gpu("a100-pcie-80gb", "NVIDIA A100 PCIe 80GB", "Ampere", (8, 0), 108, 80, 1935,
          _AMPERE_DC, _DS.format("A100"), ("a100 80gb pcie", "a100-pcie", "a100 pcie"),
-         datacenter_align=True, eff=EFF_A100, link="pcie4"),
+         datacenter_align=True, eff=EFF_A100_PCIE, link="pcie4"),
     _gpu("rtx-3090", "NVIDIA GeForce RTX 3090", "Ampere", (8, 6), 82, 24, 936,
          {"fp32": 35.6, "tf32": 35.6, "fp16": 71, "bf16": 71, "int8": 284},
          "NVIDIA GA102 (Ampere GA102) whitepaper; fp16/bf16 with fp32 accumulate",
