@@ -25,7 +25,7 @@ def gpus(json_out: bool = JSON_OPTION) -> None:
     dtypes = ("fp32", "tf32", "fp16", "bf16", "fp8", "int8")
     table = Table(title="tilefit device catalog (dense peaks, TFLOP/s)", box=box.SIMPLE_HEAD,
                   pad_edge=False, padding=0)
-    for col in ("name", "sm", "SMs", "GiB", "TB/s", *dtypes, "align B"):
+    for col in ("name", "sm", "SMs", "GiB", "TB/s", *dtypes, "align B", "eff"):
         table.add_column(col, justify="left" if col == "name" else "right",
                          no_wrap=True)
     for d in devices:
@@ -35,10 +35,13 @@ def gpus(json_out: bool = JSON_OPTION) -> None:
         table.add_row(
             d.name, cc, str(d.sms), f"{d.memory_bytes / 2**30:.0f}",
             f"{d.bandwidth_bytes_per_s / 1e12:.2f}", *peaks, str(d.alignment_bytes),
+            f"{d.gemm_efficiency:.2f}",
         )
     console.print(table)
     console.print("sm: compute capability. GiB: memory. TB/s: memory bandwidth. align B: the "
-                  "byte multiple GEMM dimensions want. Sources: vendor datasheets and "
+                  "byte multiple GEMM dimensions want. eff: the share of the Tensor Core "
+                  "peak a GEMM's main loop runs at (published best matmuls and sweeps; "
+                  "`tilefit calibrate` measures your own). Sources: vendor datasheets and "
                   "whitepapers; `tilefit gpus --json` has each device's source and architecture.",
                   highlight=False)
 
