@@ -152,6 +152,7 @@ SOURCE3_PREFIXES = ("mamf-", "swiglu-")  # Bekman's figures (gemm.jsonl)
 SOURCE1_FIT_SIZES = (1024, 4096, 10240)  # of 1024, 2048, 4096, 8192, 10240 (every other size)
 ATTENTION_FIT_SEQLENS = (512, 2048, 8192)
 LAYER_FIT_BATCHES = (4, 16, 64)  # of 4, 8, 16, 32, 64, 128 in every layer series
+LIGER_PREFIX = "liger-"  # memory.jsonl's PyTorch kernels timed by Liger-Kernel's benchmarks
 
 
 # ---- the parameters a fit may change ------------------------------------------------------
@@ -332,7 +333,15 @@ def split_of(kind: str, rec: dict[str, Any]) -> str:
         return "fit" if flash and rec["seqlen"] in ATTENTION_FIT_SEQLENS else "holdout"
     if kind == "layer":
         return "fit" if rec["batch"] in LAYER_FIT_BATCHES else "holdout"
+    if kind == "memory" and rec["id"].startswith(LIGER_PREFIX):
+        return "fit" if _rank_in_series("memory", rec) % 2 == 0 else "holdout"
     return "holdout"
+
+
+def _rank_in_series(kind: str, rec: dict[str, Any]) -> int:
+    """The record's place, by size, among its series' records (0 for the smallest)."""
+    sizes = sorted(r["numel"] for r in load(kind) if r["series"] == rec["series"])
+    return sizes.index(rec["numel"])
 
 
 def group_of(kind: str, rec: dict[str, Any]) -> str:
