@@ -62,9 +62,12 @@ set from, or that this benchmark fits on, are "fit".
   (which fit the host terms) and the device-bound large ones (the kernel families) are on
   both sides. Neighbouring batches of one series are alike, so the held-out error of the
   host terms checks an interpolation, not an independent source.
-- memory: every record is held out (nothing is fitted on them): they test, on A100 and H100
-  kernels, the bandwidth shares the BertLayer records fit on a V100 and the copy efficiency
-  of docs/references.md, section 6.
+- memory: PyTorch's own LayerNorm, softmax and cross-entropy kernels timed by Liger-Kernel's
+  benchmarks (ids liger-*) alternate by size within each series (the smallest "fit", the
+  next held out, ...), so the normalization and softmax shares are fitted on kernels of
+  their own family, not on what a BertLayer's residual leaves; every other record (relu,
+  a cast, apex's LayerNorm) is held out: they test the shares and the copy efficiency of
+  docs/references.md, section 6.
 - e2e: every record is held out. NVIDIA's code (sources 4, 5) fuses kernels that HF eager
   does not, so fitting on it would teach the model fusions the user's step does not have;
   and the end-to-end figure is the target, so none of it may inform the fit.
@@ -951,28 +954,16 @@ def print_worst(rows: Sequence[Row], n: int = 12) -> None:
 
 # Knobs the adoption rule would take but that are held back, with the evidence. A held
 # knob stays at its prior value in SHIPPED; the table prints the rule's verdict and the hold.
-_FAMILIES_NOT_IDENTIFIED = (
-    "the BertLayer records cannot tell the three families apart: fits of (elementwise, "
-    "normalization, softmax) that differ only in which other knobs were free land on (0.90, "
-    "1.00, 0.74), (0.74, 0.82, 0.90) and, with elementwise held at 1.0, (1.00, 0.20, 0.61), "
-    "their losses within 0.003 of each other; the share soaks up whatever the layer's other "
-    "ops miss. Alone it lowers the held-out error because the held-out e2e rows are "
-    "over-predicted, which any slowdown helps. No record in the corpus times ATen's kernel of "
-    "this family by itself (memory.jsonl's layer norm is apex's, on an A100: 0.70 forward, "
-    "0.43 backward), so the share stays at the copy's bandwidth "
-    "(docs/references.md, section 15)")
 HELD: dict[str, str] = {
-    "bandwidth[normalization]": _FAMILIES_NOT_IDENTIFIED,
-    "bandwidth[softmax]": _FAMILIES_NOT_IDENTIFIED,
     "bandwidth[elementwise]": (
         "fitted on one V100 BertLayer source, it slows elementwise kernels on every GPU, and "
         "the kernel records of memory.jsonl say the datacenter parts do not lose it in ATen's "
         "elementwise kernels: relu on an H100 runs at 0.97-1.03 of tilefit's copy model, which "
         "a share of 0.9 turns into -6..-11%; what is slow there is apex's layer norm on an "
         "A100 (0.70 forward, 0.43 backward) and a cast ATen did not vectorize on an H100 PCIe "
-        "(0.79), kernel by kernel, not one share per memory type; and like the other two "
-        "families it is not identified by the layer records (below) "
-        "(docs/references.md, section 13)"),
+        "(0.79), kernel by kernel, not one share per memory type; and no kernel record of "
+        "the fit split times an elementwise kernel, so only the BertLayer records move it, "
+        "which cannot tell it from the other families (docs/references.md, section 13)"),
     "gemm_tile_latency [us]": (
         "a fixed number of seconds per wave, the same on every GPU, is set by the one-wave "
         "1024^3 H100 rows and fails elsewhere: an earlier fit's 3.85 us took the held-out GEMM "
