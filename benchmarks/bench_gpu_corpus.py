@@ -103,6 +103,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -122,6 +123,7 @@ os.environ.setdefault("TILEFIT_NO_PROFILE", "1")  # catalog figures, never a sto
 import torch
 from torch import nn
 
+from tilefit.dtypes import parse_dtype
 from tilefit.estimator import estimate_trace
 from tilefit.estimator.cost import (
     DEFAULT_EFFICIENCY,
@@ -343,8 +345,13 @@ def split_of(kind: str, rec: dict[str, Any]) -> str:
 
 def _rank_in_series(kind: str, rec: dict[str, Any]) -> int:
     """The record's place, by size, among its series' records (0 for the smallest)."""
-    sizes = sorted(r["numel"] for r in load(kind) if r["series"] == rec["series"])
-    return sizes.index(rec["numel"])
+    return _series_sizes(kind, rec["series"]).index(rec["numel"])
+
+
+@functools.cache
+def _series_sizes(kind: str, series: str) -> tuple[int, ...]:
+    """The sizes of a series' records, ascending (the file is read once per series)."""
+    return tuple(sorted(r["numel"] for r in load(kind) if r["series"] == series))
 
 
 def group_of(kind: str, rec: dict[str, Any]) -> str:
@@ -411,9 +418,8 @@ class Predictor:
     trace: Trace | None = None  # e2e: the step's trace, for the time breakdown
 
     def row(self, fitted: Params, trial: Params) -> Row:
-        measured = measured_value(self.rec)
         return Row(self.kind, self.rec["id"], self.series, group_of(self.kind, self.rec),
-                   self.rec["gpu"], self.batch, self.split, self.unit, float(measured),
+                   self.rec["gpu"], self.batch, self.split, self.unit, measured_value(self.rec),
                    self.predict(PRIOR), self.predict(SHIPPED), self.predict(fitted),
                    self.predict(trial), steady="steady" in self.rec)
 
@@ -633,7 +639,7 @@ def memory_predictor(rec: dict[str, Any]) -> Predictor:
     loop period of back-to-back calls; the published unit is GB/s of those bytes."""
     dev = get_device(rec["gpu"])
     shape = (rec["numel"],)
-    dtype = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[rec["dtype"]]
+    dtype = parse_dtype(rec["dtype"]).torch_name
     op = OpRecord(rec["op"], "forward", "", (shape,), (shape,), dtype, 0, rec["bytes"],
                   "memory", 1, 0)
 

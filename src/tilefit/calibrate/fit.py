@@ -12,7 +12,6 @@
   fixed time) over the math-bound shapes, the fixed time being the output tiles' stores
   (bandwidth, not math: docs/references.md, section 28) and the per-wave latency. The latter
   (Device.gemm_tile_latency_s, a corpus fit: docs/references.md, section 27) is kept, not
-  (Device.gemm_tile_latency_s, a corpus fit: docs/references.md, section 27) is kept, not
   refitted: on one-wave shapes it is indistinguishable from the launch overhead, and the
   calibration grid has too few many-wave shapes of short K to tell it apart.
 """
@@ -166,8 +165,7 @@ def fit_gpu(samples: Sequence[GemmSample], dtype: str, device: Device) -> GemmFi
     if len(rows) < 3:
         raise ValueError(f"need at least 3 {dtype} measurements, got {len(rows)}")
     base = dataclasses.replace(device, gemm_efficiency=1.0, simt_gemm_factor=1.0,
-                               launch_overhead_s=0.0,
-                               gemm_tile_latency_s=0.0, profile=None)
+                               launch_overhead_s=0.0, gemm_tile_latency_s=0.0, profile=None)
     ideal = [analyze_gemm(s.m, s.n, s.k, dtype, base) for s in rows]
     meas = np.array([s.time_s for s in rows])
     # kept, not fitted: the per-wave latency and the output stores (bandwidth, not math)

@@ -219,8 +219,10 @@ def gemm_time_s(shape: GemmShape, dtype: str, device: Device) -> float:
 def memory_time_s(nbytes: int, device: Device, launches: int = 1,
                   family_efficiency: float = 1.0) -> float:
     """Bytes at the device's achieved bandwidth (times the kernel family's share of it),
-    plus the launches' floor."""
-    bandwidth = device.bandwidth_bytes_per_s * device.bandwidth_efficiency * family_efficiency
+    plus the launches' floor. The families' shares describe CUDA kernels (fitted on GPU
+    records); a CPU runs ATen's CPU kernels at the bandwidth its own probe measured."""
+    share = 1.0 if device.kind == "cpu" else family_efficiency
+    bandwidth = device.bandwidth_bytes_per_s * device.bandwidth_efficiency * share
     return nbytes / bandwidth + launches * device.launch_overhead_s
 
 
@@ -231,11 +233,8 @@ def _view(op: OpRecord, device: Device, ctx: CostContext) -> float:
 
 @register_cost("memory")
 def _memory(op: OpRecord, device: Device, ctx: CostContext) -> float:
-    # The families' shares describe CUDA kernels (fitted on GPU records); a CPU runs ATen's
-    # CPU kernels at the bandwidth its own probe measured.
-    share = 1.0 if device.kind == "cpu" else ctx.efficiency.family(op.op)
     return memory_time_s(op.bytes, device, launches=kernel_launches(op, device),
-                         family_efficiency=share)
+                         family_efficiency=ctx.efficiency.family(op.op))
 
 
 @register_cost("unknown")
