@@ -135,8 +135,8 @@ from tilefit.estimator.cost import (
 from tilefit.estimator.steptime import host_time_s
 from tilefit.estimator.timeline import Block, Item, simulate
 from tilefit.gemm import analyze_gemm
-from tilefit.hardware import Device, get_device, list_devices
-from tilefit.hardware.catalog import EFF_DEFAULT
+from tilefit.hardware import Device, get_device
+from tilefit.hardware.catalog import EFF_DEFAULT, SIMT_GEMM_FACTOR
 from tilefit.hardware.device import GEMM_TILE_LATENCY_S
 from tilefit.hardware.host import (
     CPU_MEASURED_HOST,
@@ -279,8 +279,7 @@ def _device_knob(names: tuple[str, ...]) -> Knob:
 def _simt_knob(arch: str) -> Knob:
     """The CUDA-core GEMM factor of one architecture (Device.simt_gemm_factor)."""
     def get(p: Params) -> float:
-        shipped = next(d.simt_gemm_factor for d in list_devices() if d.architecture == arch)
-        return dict(p.simt_factor).get(arch, shipped)
+        return dict(p.simt_factor).get(arch, SIMT_GEMM_FACTOR.get(arch, 1.0))
 
     def set_(p: Params, v: float) -> Params:
         kept = tuple((a, f) for a, f in p.simt_factor if a != arch)
