@@ -52,7 +52,9 @@ set from, or that this benchmark fits on, are "fit".
   SOURCE1_FIT_SIZES) is "fit", on every GPU and dtype, so that the GEMM tile latency (the one
   GEMM knob) is fitted on fast Tensor Core and slow fp32/V100 paths alike and tested on the
   sizes between (2048, 8192); the rule was fixed before any error of that knob was seen.
-  mli (source 2) is held out whole.
+  The A10's fp32 sweep (source 12) alternates the same way by size (2048, 2896, 4096, 5792
+  "fit"; SOURCE12_FIT_SIZES), so the A10's efficiency is set by its own matmuls and tested
+  on the sizes between. mli (source 2) is held out whole.
 - attention: one source. The FlashAttention-2 configurations of sequence 512, 2048 and 8192
   are "fit" (they fit the Blackwell factor), 1024, 4096 and 16384 held out; a configuration's
   fwd, bwd and fwd+bwd stay together (fwd+bwd is derived from the other two). The eager
@@ -70,7 +72,12 @@ set from, or that this benchmark fits on, are "fit".
   docs/references.md, section 6.
 - e2e: every record is held out. NVIDIA's code (sources 4, 5) fuses kernels that HF eager
   does not, so fitting on it would teach the model fusions the user's step does not have;
-  and the end-to-end figure is the target, so none of it may inform the fit.
+  and the end-to-end figure is the target, so none of it may inform the fit. A record whose
+  published figure is not a steady-state rate and whose source gives nothing to derive one
+  from (``not_steady``: its clock includes the first iteration over an unstated number of
+  steps; NVIDIA's README rows for SQuAD) is "unsteady": predicted and shown, with its own
+  line in the medians and in the worst records, but not in the held-out medians, the batch
+  and GPU-class tables, or the adoption rule, since tilefit predicts a steady step.
 
 Fitted (few, physically meaningful, never per record; KNOBS): the host's per-op issue cost
 of the forward and of the autograd engine (multiples of the CPU measurement,
@@ -155,6 +162,8 @@ LOOP_REPEATS = 64  # back-to-back calls whose steady period a wall-time source m
 E2E_ATTENTION = "eager"  # what every e2e source ran (DLE modeling.py, timm of 2022)
 SOURCE3_PREFIXES = ("mamf-", "swiglu-")  # Bekman's figures (gemm.jsonl)
 SOURCE1_FIT_SIZES = (1024, 4096, 10240)  # of 1024, 2048, 4096, 8192, 10240 (every other size)
+SOURCE12_PREFIX = "chs4-"  # the A10 sweep of chsasank/device-benchmarks pull request #4
+SOURCE12_FIT_SIZES = (2048, 2896, 4096, 5792)  # of its eight sizes 2048-6888 (every other)
 ATTENTION_FIT_SEQLENS = (512, 2048, 8192)
 LAYER_FIT_BATCHES = (4, 16, 64)  # of 4, 8, 16, 32, 64, 128 in every layer series
 LIGER_PREFIX = "liger-"  # memory.jsonl's PyTorch kernels timed by Liger-Kernel's benchmarks
@@ -199,8 +208,11 @@ class Params:
 # (350 W) and the L4 (72 W) drop their clocks under a long GEMM, the RTX 4090 runs above its
 # rated boost clock (capped here at 1.0 of the datasheet peak). The V100 is left out: its
 # BertLayer records are fit records too, and a knob on both would trade the layer's
-# residuals for its matmuls'. The A10 and RTX 3090 have no sweep in the corpus.
-DEVICE_KNOB_GPUS: tuple[tuple[str, ...], ...] = (("h100-pcie",), ("rtx-4090",), ("l4",))
+# residuals for its matmuls'. The A10 (150 W) has an fp32 sweep (source 12): its Ampere
+# CUDA-core factor is 1.0, so the knob it sets is the one its Tensor Cores run at too. The
+# RTX 3090 has no sweep in the corpus.
+DEVICE_KNOB_GPUS: tuple[tuple[str, ...], ...] = (
+    ("h100-pcie",), ("rtx-4090",), ("l4",), ("a10",))
 # Per architecture: the CUDA-core (fp32 without Tensor Cores) GEMM factor of every
 # architecture with fp32 rows in source 1's fit sizes. The Tensor Core efficiency comes from
 # bf16/fp16 figures; fp32 GEMMs run on other units, whose share of their own peak differs
@@ -328,9 +340,11 @@ def load(kind: str) -> list[dict[str, Any]]:
 
 
 def split_of(kind: str, rec: dict[str, Any]) -> str:
-    """"fit" or "holdout", by source (module docstring: why)."""
+    """"fit", "holdout" or (e2e) "unsteady", by source (module docstring: why)."""
     if kind == "gemm":
-        every_other = rec["id"].startswith("zzc") and rec["m"] in SOURCE1_FIT_SIZES
+        every_other = ((rec["id"].startswith("zzc") and rec["m"] in SOURCE1_FIT_SIZES)
+                       or (rec["id"].startswith(SOURCE12_PREFIX)
+                           and rec["m"] in SOURCE12_FIT_SIZES))
         return "fit" if rec["id"].startswith(SOURCE3_PREFIXES) or every_other else "holdout"
     if kind == "attention":
         flash = rec["impl"].startswith("flash-attn")
@@ -339,6 +353,8 @@ def split_of(kind: str, rec: dict[str, Any]) -> str:
         return "fit" if rec["batch"] in LAYER_FIT_BATCHES else "holdout"
     if kind == "memory" and rec["id"].startswith(LIGER_PREFIX):
         return "fit" if _rank_in_series("memory", rec) % 2 == 0 else "holdout"
+    if kind == "e2e" and rec.get("not_steady"):
+        return "unsteady"
     return "holdout"
 
 
@@ -357,8 +373,8 @@ def group_of(kind: str, rec: dict[str, Any]) -> str:
     """The part of the corpus a record belongs to, for the medians by group: GEMMs and e2e
     records by source (e2e also by precision), attention by kernel, layers by pass."""
     if kind == "gemm":
-        return {"zzc": "zzc0721 (source 1)", "mli": "mli (source 2)"}.get(
-            rec["id"][:3], "Bekman (source 3)")
+        return {"zzc": "zzc0721 (source 1)", "mli": "mli (source 2)",
+                "chs": "chsasank (source 12)"}.get(rec["id"][:3], "Bekman (source 3)")
     if kind == "attention":
         return "flash-attn 2" if rec["impl"].startswith("flash-attn") else "eager pytorch"
     if kind == "layer":
@@ -863,11 +879,11 @@ def print_rows(kind: str, rows: Sequence[Row]) -> None:
     print(f"\n== {kind}: {len(rows)} records (error = predicted / measured - 1, on the "
           f"published {rows[0].unit if rows else ''}{steady}; before: tilefit before the "
           f"corpus fit, refit: the fit's own values; trial: shipped with {TRIAL} fitted) ==")
-    print(f"{'id':52} {'split':7} {'gpu':14} {'batch':>5} {'measured':>9} {'before':>7} "
+    print(f"{'id':52} {'split':8} {'gpu':14} {'batch':>5} {'measured':>9} {'before':>7} "
           f"{'shipped':>9} {'error':>7} {'refit':>7} {'trial':>7}")
     for r in rows:
         mark = "*" if r.steady else " "
-        print(f"{r.id[:52]:52} {r.split:7} {r.gpu:14} {r.batch:5d} {r.measured:8.2f}{mark} "
+        print(f"{r.id[:52]:52} {r.split:8} {r.gpu:14} {r.batch:5d} {r.measured:8.2f}{mark} "
               f"{_pct(r.error_prior)} {r.predicted:9.2f} {_pct(r.error)} "
               f"{_pct(r.error_fitted)} {_pct(r.error_trial)}")
 
@@ -881,7 +897,7 @@ def print_medians(rows: Sequence[Row]) -> None:
     print(f"{'kind':10} {'split':8} {'n':>3} {'before the fit':>18} {'shipped':>18} "
           f"{'refit':>18} {'trial':>18}")
     for kind in KINDS:
-        for split in ("fit", "holdout", "all"):
+        for split in ("fit", "holdout", "unsteady", "all"):
             sel = [r for r in rows if r.kind == kind and split in (r.split, "all")]
             if sel:
                 print(f"{kind:10} {split:8} {len(sel):3d} "
@@ -912,10 +928,11 @@ def print_by_batch(rows: Sequence[Row]) -> None:
         cells = [f"b={r.batch} {_pct(r.error)} ({_pct(r.error_prior)})"
                  for r in sorted(series[name], key=lambda r: r.batch)]
         print(f"{name}\n    " + "; ".join(cells))
-    print("\n== e2e: median |error| by batch size, all series pooled ==")
+    print("\n== e2e: median |error| by batch size, held-out series pooled ==")
     buckets = ((1, 16), (17, 48), (49, 128), (129, 100_000))
     for lo, hi in buckets:
-        sel = [r for r in rows if r.kind == "e2e" and lo <= r.batch <= hi]
+        sel = [r for r in rows if r.kind == "e2e" and r.split == "holdout"
+               and lo <= r.batch <= hi]
         if sel:
             print(f"batch {lo:>3}-{hi if hi < 100_000 else 'up':>3}: n={len(sel):2d} "
                   f"shipped {_median_abs([r.error for r in sel]):6.1%}  before the fit "
@@ -937,11 +954,11 @@ def gpu_class(r: Row, precision: str) -> str:
 
 def print_by_class(rows: Sequence[Row], precision: dict[str, str]) -> None:
     """e2e median |error| (max in brackets) by GPU class and math path."""
-    print("\n== e2e: median |error| by GPU class and math path [max]: before the fit, "
-          "shipped, refit, trial ==")
+    print("\n== e2e, held out: median |error| by GPU class and math path [max]: before the "
+          "fit, shipped, refit, trial ==")
     classes: dict[str, list[Row]] = defaultdict(list)
     for r in rows:
-        if r.kind == "e2e":
+        if r.kind == "e2e" and r.split == "holdout":
             classes[gpu_class(r, precision[r.id])].append(r)
     for name in sorted(classes):
         sel = classes[name]
@@ -953,7 +970,7 @@ def print_by_class(rows: Sequence[Row], precision: dict[str, str]) -> None:
 def print_worst(rows: Sequence[Row], n: int = 12) -> None:
     print(f"\n== the {n} worst records (shipped defaults) ==")
     for r in sorted(rows, key=lambda r: -abs(r.error))[:n]:
-        print(f"{r.kind:9} {r.id[:56]:56} {r.split:7} {_pct(r.error)} "
+        print(f"{r.kind:9} {r.id[:56]:56} {r.split:8} {_pct(r.error)} "
               f"(before the fit {_pct(r.error_prior)})")
 
 

@@ -40,9 +40,13 @@ EFF_DEFAULT = EFF_HOPPER
 # card's sustained clock under its power limit as much as its kernels: the H100 PCIe (350 W)
 # and the L4 (72 W) drop their clocks under a long GEMM; the RTX 4090 runs above its rated
 # boost clock (its sweep passes the datasheet's fp16 and tf32 peaks), capped here at 1.0.
+# The A10 (150 W) from its fp32 sweep (docs/references.md, section 29: 14.5 of 31.2 TFLOP/s
+# at 6888^3), its Ampere CUDA-core factor being 1.0; the same source's fp16 and bf16 figures
+# for the card (54, 56 of 125, size not stated) are within 9% of what it predicts.
 EFF_H100_PCIE = 0.740
 EFF_RTX_4090 = 1.0
 EFF_L4 = 0.471
+EFF_A10 = 0.500
 # simt_gemm_factor: fp32 GEMMs on the CUDA cores (TF32 off) against the Tensor Core
 # efficiency, per architecture, fitted the same way on the sweeps' fp32 rows
 # (docs/references.md, section 28): Volta 1.076 (a V100 SGEMM reaches 93% of its fp32 peak),
@@ -139,7 +143,7 @@ CATALOG: tuple[Device, ...] = (
          notes="no bf16, no tf32", link="pcie3"),
     _gpu("a10", "NVIDIA A10", "Ampere", (8, 6), 72, 24, 600,
          {"fp32": 31.2, "tf32": 62.5, "fp16": 125, "bf16": 125, "int8": 250},
-         _DS.format("A10"), ("nvidia a10",), link="pcie4"),
+         _DS.format("A10"), ("nvidia a10",), eff=EFF_A10, link="pcie4"),
     _gpu("a100-40gb", "NVIDIA A100 SXM4 40GB", "Ampere", (8, 0), 108, 40, 1555, _AMPERE_DC,
          _DS.format("A100"), ("a100 40gb", "a100-sxm4-40gb", "a100 sxm 40gb", "a100-40g"),
          datacenter_align=True, eff=EFF_A100, link="nvlink3"),
