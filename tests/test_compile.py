@@ -395,3 +395,51 @@ def test_a_tied_parameter_is_lifted_once() -> None:
     with tc.tied_while_traced(aliases):
         assert head.weight is stand_in
     assert head.weight is not stand_in
+
+
+@torch.library.custom_op("tilefit_test::halve_", mutates_args=("x",))
+def _halve_(x: torch.Tensor) -> None:
+    x.mul_(0.5)
+
+
+@_halve_.register_fake
+def _(x: torch.Tensor) -> None:
+    return None
+
+
+class _Halving(nn.Module):
+    """A linear layer on its input times a scale that a custom op halves in place (a user's
+    mutating op, on a tensor autograd does not track)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(IN, IN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.ones_like(x)
+        torch.ops.tilefit_test.halve_(scale)
+        return self.fc(x * scale)
+
+
+def test_a_mutating_custom_op_runs_in_place_under_compile() -> None:
+    # AOTAutograd wraps the op as auto_functionalized(_v2), which a dispatch mode cannot run
+    # without a rule: the trace used to fail with NotImplementedError. It now records the op
+    # once, writing the scale in place: no clone of it, as Inductor reinplaces.
+    tr = trace(_Halving, torch.randn(B, IN), loss_fn=_loss, optimizer="sgd", compile=True)
+    halves = [op for op in tr.ops if op.op.startswith("tilefit_test.halve_")]
+    linears = [op for op in tr.ops if op.op == "aten.addmm.default" and op.phase == "forward"]
+    assert len(halves) == len(linears) >= 1  # once per traced step, like the layer's GEMM
+    assert all(op.phase == "forward" and op.compiled for op in halves)
+    clones = [op for op in tr.ops if op.phase == "forward" and "clone" in op.op]
+    assert clones == []
+
+
+def test_fused_ce_with_compile_is_a_clear_error() -> None:
+    from tilefit.vocab import Recipe
+
+    with pytest.raises(TilefitError, match=r"not predicted under torch\.compile") as err:
+        Recipe(batch_size=1, precision="bf16-mixed", fused_ce=True, compile=True)
+    assert "--fused-ce" in err.value.fix and "--compile" in err.value.fix
+    result = CliRunner().invoke(app, ["estimate", "gpt2", "--gpu", "a100-80gb", "--fused-ce",
+                                      "--compile"])
+    assert result.exit_code != 0 and "not predicted under torch.compile" in result.output

@@ -275,6 +275,14 @@ class Recipe:
                 fix=f"Recipe(precision={canonical!r}) (tilefit.vocab.parse_precision "
                 "turns a user's spelling into the canonical one)")
         check_compile_mode(self.compile_mode, self.compile)
+        if self.fused_ce and self.compile:
+            raise TilefitError(
+                "fused linear cross-entropy is not predicted under torch.compile",
+                expected="fused_ce=True (--fused-ce) or compile=True (--compile), not both",
+                given="fused_ce=True with compile=True",
+                fix="drop --compile to predict Liger's fused loss in eager mode, or drop "
+                "--fused-ce to predict the compiled step (Inductor fuses the loss's softmax "
+                "itself); docs/references.md, section 17 says why")
 
     @property
     def spec(self) -> Precision:

@@ -98,8 +98,8 @@ def logits_fp32_bytes(whatif: WhatIf) -> int:
 
 
 def _fused_ce_candidate(whatif: WhatIf) -> Finding | None:
-    if whatif.recipe.fused_ce or logits_fp32_bytes(whatif) == 0:
-        return None
+    if whatif.recipe.fused_ce or whatif.recipe.compile or logits_fp32_bytes(whatif) == 0:
+        return None  # under torch.compile the fused loss is not predicted (tilefit.vocab)
     after = whatif.retrace(fused_ce=True)
     logits = logits_fp32_bytes(whatif)
     return _mem_finding(

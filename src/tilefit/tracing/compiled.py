@@ -41,6 +41,7 @@ from tilefit.tracing.torch_compat import (
     compile_support_problem,
     dynamo_graph_breaks,
     flatten_batch,
+    functionalized_op,
     inductor_decompositions,
     inductor_fallback,
     inductor_freeable_input,
@@ -343,9 +344,10 @@ def fallback_ops(gm: fx.GraphModule) -> set[str]:
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
-        kind = classify(node.target)
-        if kind != "view" and kind not in EXTERN_KINDS and inductor_fallback(node.target):
-            out.add(str(node.target))
+        target = functionalized_op(node.target, node.args)
+        kind = classify(target)
+        if kind != "view" and kind not in EXTERN_KINDS and inductor_fallback(target):
+            out.add(str(target))
     return out
 
 

@@ -22,6 +22,7 @@ from tilefit.tracing.torch_compat import (
     DataDependentOutputException,
     ModulePath,
     local_tensor,
+    run_mutating_ops_in_place,
     storage_resizes,
     written_args,
 )
@@ -427,6 +428,9 @@ class Recorder(TorchDispatchMode):
             self._attn_by_uid[uid] = dict(info)
         return info
 
+
+# a compiled graph's mutating custom ops (the fused cross-entropy's) run in place under it
+run_mutating_ops_in_place(Recorder)
 
 # torch's multi-tensor ops (foreach, fused optimizers, GradScaler's unscale): in place over
 # tensor lists, returning nothing

@@ -404,6 +404,50 @@ def mark_boxed(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
+def run_mutating_ops_in_place(mode_type: type[TorchDispatchMode]) -> None:
+    """Let a dispatch mode run a compiled graph's functionalized mutating custom ops.
+
+    AOTAutograd writes a custom op that mutates an input (``mutates_args``, such as the
+    fused cross-entropy's ``tilefit::ce_grad_``) as the higher-order op
+    ``auto_functionalized`` or ``auto_functionalized_v2``, which has no rule for a
+    user's dispatch mode. Under ``mode_type`` it now calls the op on its inputs in place,
+    cloning nothing, as Inductor's re-inplacing pass runs it when the mutated input has no
+    other use (torch._inductor.fx_passes.reinplace), with the mode active so the op is
+    recorded. Registered once per mode type; a torch without one of the two ops skips it.
+    """
+    try:
+        from torch._higher_order_ops import auto_functionalize as af
+    except ImportError:  # pragma: no cover - torch without functionalized custom ops
+        return
+    kernels: list[tuple[Any, Callable[..., Any]]] = []
+    dense_v1 = getattr(af, "auto_functionalized_dense", None)
+    dense_v2 = getattr(af, "auto_functionalized_v2_dense", None)
+    if dense_v1 is not None:
+        def run_v1(mode: Any, _mutable_op: Any, **kwargs: Any) -> Any:
+            kwargs.pop("_only_clone_these_tensors", None)
+            with mode:
+                return dense_v1(_mutable_op, _only_clone_these_tensors=(), **kwargs)
+        kernels.append((af.auto_functionalized, run_v1))
+    if dense_v2 is not None:
+        def run_v2(mode: Any, _mutable_op: Any, **kwargs: Any) -> Any:
+            kwargs.pop("_only_clone_these_bases", None)
+            with mode:
+                return dense_v2(_mutable_op, _only_clone_these_bases=(), **kwargs)
+        kernels.append((af.auto_functionalized_v2, run_v2))
+    for hop, kernel in kernels:
+        if mode_type not in hop.python_key_table:
+            hop.py_impl(mode_type)(kernel)
+
+
+def functionalized_op(target: Any, args: tuple[Any, ...]) -> Any:
+    """The custom op a graph node's ``auto_functionalized``/``_v2`` call wraps (its first
+    argument), or the node's own target for any other node."""
+    name = getattr(target, "name", None)
+    if callable(name) and name() in ("auto_functionalized", "auto_functionalized_v2"):
+        return args[0]
+    return target
+
+
 def dynamo_graph_breaks(fn: Callable[..., Any], *args: Any) -> list[str]:
     """Dynamo's graph breaks in ``fn(*args)``: one line each, its reason and where (Dynamo
     traces ``fn`` without running a compiler; torch._dynamo.explain). Dynamo's caches are
