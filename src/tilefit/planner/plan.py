@@ -162,6 +162,12 @@ class _Planner:
                                    compile=user.compile or spec.compile)
 
     def add(self, spec: Recipe, *, offload: bool = False) -> None:
+        if (self.user.fused_ce or spec.fused_ce) and (self.user.compile or spec.compile):
+            note = ("fused linear cross-entropy is not predicted under torch.compile "
+                    "(docs/references.md, section 17): recipes with both are left out")
+            if note not in self.notes:
+                self.notes.append(note)
+            return
         spec = self.with_user(spec)
         if (spec, offload) in self.tried:  # the user's flags can make two recipes one
             return

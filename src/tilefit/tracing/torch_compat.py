@@ -419,24 +419,24 @@ def run_mutating_ops_in_place(mode_type: type[TorchDispatchMode]) -> None:
         from torch._higher_order_ops import auto_functionalize as af
     except ImportError:  # pragma: no cover - torch without functionalized custom ops
         return
-    kernels: list[tuple[Any, Callable[..., Any]]] = []
-    dense_v1 = getattr(af, "auto_functionalized_dense", None)
-    dense_v2 = getattr(af, "auto_functionalized_v2_dense", None)
-    if dense_v1 is not None:
-        def run_v1(mode: Any, _mutable_op: Any, **kwargs: Any) -> Any:
-            kwargs.pop("_only_clone_these_tensors", None)
-            with mode:
-                return dense_v1(_mutable_op, _only_clone_these_tensors=(), **kwargs)
-        kernels.append((af.auto_functionalized, run_v1))
-    if dense_v2 is not None:
-        def run_v2(mode: Any, _mutable_op: Any, **kwargs: Any) -> Any:
-            kwargs.pop("_only_clone_these_bases", None)
-            with mode:
-                return dense_v2(_mutable_op, _only_clone_these_bases=(), **kwargs)
-        kernels.append((af.auto_functionalized_v2, run_v2))
-    for hop, kernel in kernels:
-        if mode_type not in hop.python_key_table:
-            hop.py_impl(mode_type)(kernel)
+    # (the higher-order op, its dense implementation, the keyword naming what it clones)
+    versions = (("auto_functionalized", "auto_functionalized_dense", "_only_clone_these_tensors"),
+                ("auto_functionalized_v2", "auto_functionalized_v2_dense",
+                 "_only_clone_these_bases"))
+    for hop_name, dense_name, clone_kw in versions:
+        hop, dense = getattr(af, hop_name, None), getattr(af, dense_name, None)
+        if hop is not None and dense is not None and mode_type not in hop.python_key_table:
+            hop.py_impl(mode_type)(_in_place_kernel(dense, clone_kw))
+
+
+def _in_place_kernel(dense: Callable[..., Any], clone_kw: str) -> Callable[..., Any]:
+    """A mode's rule for one ``auto_functionalized`` version: its dense implementation with
+    nothing cloned, under the mode."""
+    def run(mode: Any, _mutable_op: Any, **kwargs: Any) -> Any:
+        kwargs[clone_kw] = ()
+        with mode:
+            return dense(_mutable_op, **kwargs)
+    return run
 
 
 def functionalized_op(target: Any, args: tuple[Any, ...]) -> Any:
