@@ -128,3 +128,45 @@ def test_allow_peft_without_peft_says_pip_install(monkeypatch: pytest.MonkeyPatc
     r = CliRunner().invoke(app, ["plan", "gpt2", "--gpu", "a100-80gb", "--global-batch", "8",
                                  "--allow-peft"])
     assert r.exit_code == 2 and "pip install peft" in r.output, r.output
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_estimate_with_peft_traces_the_lora_model(name: str) -> None:
+    # Recipe(peft=True) through estimate_workload (tilefit estimate --lora) traces the same
+    # peft model as the plan: the adapters alone are trainable, and AdamW keeps its two fp32
+    # moments (8 bytes per adapter parameter; each adapter matrix is a multiple of 512 bytes)
+    # and a step count (one 512-byte allocator block) per adapter tensor, for them alone.
+    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.vocab import Recipe
+
+    work = tiny(name)
+    lora = Recipe(batch_size=2, precision="bf16-mixed", attention="sdpa", peft=True)
+    est = estimate_workload(work, lora, "a100-80gb")
+    full = estimate_workload(work, Recipe(batch_size=2, precision="bf16-mixed",
+                                          attention="sdpa"), "a100-80gb")
+    assert est.trainable_param_count == hand_lora_count(name) < est.param_count
+    assert full.trainable_param_count == full.param_count
+    assert est.param_count == full.param_count + hand_lora_count(name)
+    adapter_tensors = 2 * TINY[name]["num_hidden_layers"] * len(WRAPPED[name])  # A and B
+    assert est.memory_breakdown["optimizer_state"] == (8 * hand_lora_count(name)
+                                                       + 512 * adapter_tensors)
+
+
+def test_estimate_lora_flag_and_a_factory_model() -> None:
+    from typer.testing import CliRunner
+
+    from tilefit.cli.app import app
+    from tilefit.estimator.workloads import check_lora
+
+    result = CliRunner().invoke(app, ["estimate", "llama-3.2-1b", "--gpu", "a10", "--lora",
+                                      "--batch", "1", "--seq", "128"])
+    assert result.exit_code == 0, result.output
+    # Llama-3.2-1B: 16 layers x 16 x (q 2048+2048, k and v 2048+512, o 2048+2048, gate and
+    # up 2048+8192, down 8192+2048) = 11,272,192 adapter parameters
+    assert "(11.27 M trainable)" in result.output
+    # a plain nn.Module factory has no linear layers peft knows to wrap: a clear error
+    factory = Workload(name="mine:model", task="module", config=None, seq_len=None,
+                       input_shape=(8,))
+    with pytest.raises(TilefitError, match="LoRA") as err:
+        check_lora(factory)
+    assert "--lora" in (err.value.fix or "")

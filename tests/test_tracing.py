@@ -306,3 +306,29 @@ def test_dropout_on_a_cuda_target_is_the_fused_kernel_with_a_bool_mask() -> None
     cpu = trace(build, batch, loss_fn=loss, optimizer="sgd", device="cpu")
     ops = {o.op for o in cpu.ops_of_step(1)}
     assert "aten.native_dropout.default" not in ops and "aten.bernoulli_.float" in ops
+
+
+class _ThroughIdentity(nn.Module):
+    """fc1 -> an nn.Identity (peft's lora_dropout at p=0, HF's pass-through layers) -> fc2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.skip = nn.Identity()
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.skip(self.fc1(x)))
+
+
+def test_backward_ops_are_not_credited_to_an_identity_module() -> None:
+    # An Identity's output is its input, so ModTracker's backward hooks on that one tensor
+    # left it "running" for the rest of the backward: fc1's weight gradient (mm 32x8 @ 8x16,
+    # 2*32*8*16 = 8192 FLOPs) was credited to "skip". Each backward GEMM belongs to its layer.
+    tr = trace(_ThroughIdentity, torch.randn(8, 16), loss_fn=lambda m, x: m(x).sum(),
+               optimizer="sgd")
+    last = max(o.step for o in tr.ops)  # the steady step (the first is traced too)
+    bw = [o for o in tr.ops if o.phase == "backward" and o.kind == "gemm" and o.step == last]
+    assert bw and not any(o.module.startswith("skip") for o in tr.ops)
+    assert {o.module for o in bw} == {"fc1", "fc2"}
+    assert sum(o.flops for o in bw if o.module == "fc1") == 2 * 32 * 8 * 16

@@ -27,6 +27,7 @@ def estimate(
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     fused_ce: bool = mo.FUSED_CE_OPTION,
+    lora: bool = mo.LORA_OPTION,
     gpus: int = mo.GPUS_OPTION,
     nodes: int | None = mo.NODES_OPTION,
     network: str | None = mo.NETWORK_OPTION,
@@ -57,7 +58,8 @@ def estimate(
                         accumulation_steps=accumulation, attention=attention,
                         max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
                         loss_sync=mo.loss_sync(loss_sync, work),
-                        fused_ce=fused_ce, compile=compile_, compile_mode=compile_mode)
+                        fused_ce=fused_ce, peft=lora, compile=compile_,
+                        compile_mode=compile_mode)
         result = estimate_workload(work, recipe, device, graph_breaks=graph_breaks,
                                    world_size=gpus, strategy=strategy, offload=offload)
     if not work.is_factory:

@@ -118,6 +118,13 @@ FUSED_CE_OPTION = typer.Option(
     "use_liger_kernel=True): the logits are never held whole.")
 
 
+LORA_OPTION = typer.Option(
+    False, "--lora", help="LoRA fine-tuning as peft runs it: rank-16 adapters (alpha 32) on "
+    "every linear layer but the output head, the base frozen in the precision's 16-bit dtype "
+    "(bf16 under fp32), the adapters in fp32: what `tilefit plan --allow-peft` proposes. "
+    "Hugging Face models; needs peft.")
+
+
 COMPILE_OPTION = typer.Option(
     False, "--compile", help="Predict the step as torch.compile (Inductor, default mode) runs "
     "it: the activations its partitioner saves, its fused kernels; the optimizer step stays "

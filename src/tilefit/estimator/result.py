@@ -72,6 +72,7 @@ class Estimate:
     modules: tuple[ModuleSummary, ...]
     warnings: tuple[str, ...] = field(default=())
     param_count: int = 0
+    trainable_param_count: int = 0  # those the optimizer steps (LoRA: the adapters alone)
     accumulation_steps: int = 1
     host_time_s: float = 0.0  # the host's issue time (eager PyTorch; GPU targets)
     device_time_s: float = 0.0  # the device's busy time
@@ -139,6 +140,7 @@ class Estimate:
             "mfu_dtype": self.mfu_dtype,
             "time_by_phase_s": dict(self.time_by_phase_s),
             "param_count": self.param_count,
+            "trainable_param_count": self.trainable_param_count,
             "accumulation_steps": self.accumulation_steps,
             "modules": [m.to_dict() for m in self.modules],
             "warnings": list(self.warnings),

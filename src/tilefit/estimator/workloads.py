@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate, estimate_strategy
 from tilefit.estimator.collectives import check_world_size
@@ -30,12 +33,28 @@ def trace_workload(workload: Workload, recipe: Recipe, device: str | Device, *,
             f"--attention {recipe.attention} applies to Hugging Face models",
             expected="auto for a plain nn.Module factory (its own code chooses)",
             given=recipe.attention, fix="drop --attention")
+    model: Any = functools.partial(workload.build, build_attention)
+    if recipe.peft:  # peft's LoRA, built on the meta device (tilefit.planner.lora says why)
+        from tilefit.planner.lora import build_lora_model, lora_base_dtype
+
+        check_lora(workload)
+        model = build_lora_model(workload, build_attention, lora_base_dtype(recipe))
     return trace(
-        lambda: workload.build(build_attention),
+        model,
         workload.make_batch(recipe.batch_size, device="meta"),
         loss_fn=workload.loss_for(recipe.fused_ce), **recipe.step_options(),
         accumulation_steps=recipe.accumulation_steps, attention="auto", device=dev,
         graph_breaks=graph_breaks, world_size=world_size, strategy=strategy)
+
+
+def check_lora(workload: Workload) -> None:
+    """LoRA wraps a Hugging Face model's linear layers; a plain nn.Module factory is an
+    error."""
+    if workload.is_factory:
+        raise TilefitError(
+            "LoRA (peft) applies to Hugging Face models",
+            expected="a catalog model or a config.json", given=workload.name,
+            fix="drop --lora, or wrap the model with peft.get_peft_model in your own factory")
 
 
 def estimate_workload(workload: Workload, recipe: Recipe, device: str | Device, *,

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from tilefit.models import Workload
+    from tilefit.vocab import Recipe
 
 
 def require_peft() -> Any:
@@ -52,6 +53,15 @@ def get_peft_model(model: torch.nn.Module, task: str) -> torch.nn.Module:
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
                                 category=FutureWarning)
         return peft.get_peft_model(model, config)
+
+
+def lora_base_dtype(recipe: Recipe) -> torch.dtype:
+    """The frozen base's dtype under ``recipe``: its 16-bit compute dtype, or bf16 for a
+    recipe without one (LoRA fine-tuning loads the base with torch_dtype=bfloat16; the
+    adapters stay fp32 either way)."""
+    from tilefit.dtypes import torch_dtype
+
+    return torch_dtype(recipe.spec.half_dtype or "bf16")  # type: ignore[no-any-return]
 
 
 def build_lora_model(work: Workload, attention: str, base_dtype: torch.dtype

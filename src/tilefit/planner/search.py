@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tilefit.batches import is_friendly
-from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate, estimate_trace
 from tilefit.estimator.workloads import trace_workload
@@ -137,9 +136,9 @@ def trace_built(work: Workload, micro_batch: int, spec: Recipe,
 
     model: torch.nn.Module | Callable[[], torch.nn.Module] = build
     if spec.peft:  # built on the meta device, not by a factory: see tilefit.planner.lora
-        from tilefit.planner.lora import build_lora_model
+        from tilefit.planner.lora import build_lora_model, lora_base_dtype
 
-        model = build_lora_model(work, attention, torch_dtype(spec.spec.half_dtype or "bf16"))
+        model = build_lora_model(work, attention, lora_base_dtype(spec))
     return trace(model, work.make_batch(micro_batch, device="meta"),
                  loss_fn=work.loss_for(spec.fused_ce), **spec.step_options(),
                  accumulation_steps=accumulation_steps, attention="auto", device=device)

@@ -61,7 +61,9 @@ def summary_table(estimate: Estimate, title: str) -> Table:
     accumulation = estimate.accumulation_steps
     table.add_row("recipe", f"{estimate.precision}, {estimate.optimizer}"
                   + (f", accumulation {accumulation}" if accumulation > 1 else ""))
-    table.add_row("parameters", f"{estimate.param_count / 1e6:,.1f} M")
+    frozen = 0 < estimate.trainable_param_count < estimate.param_count
+    table.add_row("parameters", f"{estimate.param_count / 1e6:,.1f} M" + (
+        f" ({estimate.trainable_param_count / 1e6:,.2f} M trainable)" if frozen else ""))
     table.add_row("step time", f"{fmt_time(estimate.step_time_s)}  ({phase_times(estimate)})")
     if device.kind == "cuda":
         table.add_row("host", host_line(estimate))

@@ -53,6 +53,9 @@ class ModulePath:
 
     def __init__(self) -> None:
         self.recompute_depth = 0
+        # nn.Identity modules by name: their output is their input, so ModTracker's backward
+        # hooks on the one tensor can leave them "running" for the rest of the backward
+        self.passthrough: set[str] = set()
         self.last_entered = ""  # the last module whose forward started (for error messages)
         try:
             from torch.distributed._tools.mod_tracker import ModTracker
@@ -67,6 +70,8 @@ class ModulePath:
     def _pre_fw(self, mod: Any, inputs: Any) -> None:
         known = getattr(self._tracker, "get_known_fqn", None)
         self.last_entered = (known(mod) if known is not None else None) or type(mod).__name__
+        if isinstance(mod, torch.nn.Identity):
+            self.passthrough.add(self.last_entered)
         if self.is_bw:
             self.recompute_depth += 1
 
@@ -76,7 +81,7 @@ class ModulePath:
 
     @property
     def parents(self) -> set[str]:
-        return set(self._tracker.parents)
+        return set(self._tracker.parents) - self.passthrough
 
     @property
     def is_bw(self) -> bool:
