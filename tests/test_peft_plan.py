@@ -128,6 +128,8 @@ def test_allow_peft_without_peft_says_pip_install(monkeypatch: pytest.MonkeyPatc
     r = CliRunner().invoke(app, ["plan", "gpt2", "--gpu", "a100-80gb", "--global-batch", "8",
                                  "--allow-peft"])
     assert r.exit_code == 2 and "pip install peft" in r.output, r.output
+    r = CliRunner().invoke(app, ["estimate", "gpt2", "--gpu", "a100-80gb", "--lora"])
+    assert r.exit_code == 2 and "pip install peft" in r.output and "--lora" in r.output, r.output
 
 
 @pytest.mark.parametrize("name", sorted(TINY))

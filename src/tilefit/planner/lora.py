@@ -1,7 +1,8 @@
 """LoRA as the peft library runs it: ``peft.get_peft_model(model, LoraConfig(...))`` with the
 config the plan emits (tilefit.planner.configs.peft_config), on a 16-bit frozen base.
 
-peft is an optional dependency (the "peft" extra): only ``--allow-peft`` needs it.
+peft is an optional dependency (the "peft" extra): only ``--allow-peft`` (plan) and ``--lora``
+(estimate) need it.
 
 The model is built on the meta device and handed to the tracer as a module (which makes its
 fake copy), not built by a factory under the tracer's FakeTensorMode: peft moves each new
@@ -31,10 +32,12 @@ def require_peft() -> Any:
         import peft
     except ImportError:
         raise TilefitError(
-            "--allow-peft plans LoRA with the peft library, which is not installed",
+            "LoRA (estimate's --lora, plan's --allow-peft) is traced with the peft library, "
+            "which is not installed",
             expected="peft importable (an optional dependency of tilefit)",
             given="import peft failed",
-            fix="pip install peft (or pip install 'tilefit[peft]'), or leave out --allow-peft",
+            fix="pip install peft (or pip install 'tilefit[peft]'), or leave out --lora / "
+            "--allow-peft",
         ) from None
     return peft
 
