@@ -4,8 +4,8 @@ contributes to it, beside a published speed-up for a GPT-2 model (issue 13's tar
 Published: nanoGPT's README at commit 5a725d9 (karpathy/nanoGPT, Dec 30 2022): "cutting down
 iteration time from ~250ms / iter to 135ms / iter" with torch.compile (a PyTorch 2.0 nightly):
 1.85x. The check traces nanoGPT's configuration of that commit (its model.py and train.py)
-with transformers' GPT-2, which has the same layers and shapes (docs/references.md,
-section 30): batch 8 x 1024, bf16 autocast, dropout 0.1, eager attention written out
+with transformers' GPT-2, which has the same layers and shapes
+(docs/references.md, section 30): batch 8 x 1024, bf16 autocast, dropout 0.1, attention written out
 (q @ k^T, scale, causal masked_fill, softmax, dropout, @ v: nanoGPT had no fused attention
 then), its GeLU a TorchScript-scripted tanh formula (fused by TorchScript into one kernel
 each way: transformers' "gelu_pytorch_tanh", one kernel), torch.optim.AdamW's default (foreach),
