@@ -430,6 +430,7 @@ def test_a_mutating_custom_op_runs_in_place_under_compile() -> None:
     linears = [op for op in tr.ops if op.op == "aten.addmm.default" and op.phase == "forward"]
     assert len(halves) == len(linears) >= 1  # once per traced step, like the layer's GEMM
     assert all(op.phase == "forward" and op.compiled for op in halves)
+    assert all(op.bytes == 2 * B * IN * 4 for op in halves)  # reads and writes the scale
     clones = [op for op in tr.ops if op.phase == "forward" and "clone" in op.op]
     assert clones == []
     # the extern-kernel note names the user's op, not the wrapper AOTAutograd put around it

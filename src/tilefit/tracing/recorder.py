@@ -24,6 +24,7 @@ from tilefit.tracing.torch_compat import (
     local_tensor,
     run_mutating_ops_in_place,
     storage_resizes,
+    write_only_args,
     written_args,
 )
 from tilefit.vocab import OPTIMIZER_PHASES, Phase
@@ -381,7 +382,8 @@ class Recorder(TorchDispatchMode):
             func, unwrap_float8(args) if float8 else args, kwargs, out, kind) \
             if kind in ("gemm", "conv") else ()
         nbytes = 0 if kind == "view" else _traffic(
-            inputs, outputs, _written(name, func, args, kwargs))
+            inputs, outputs, _written(name, func, args, kwargs),
+            write_only_args(func, args, kwargs))
         on_host = self._runs_on_host(name, inputs)
         if on_host:
             self._host_uids.update(self.uid(t) for t in outputs)
@@ -435,14 +437,19 @@ run_mutating_ops_in_place(Recorder)
 # torch's multi-tensor ops (foreach, fused optimizers, GradScaler's unscale): in place over
 # tensor lists, returning nothing
 _MULTI_TENSOR_PREFIXES = ("aten._foreach_", "aten._fused_", "aten._amp_")
+_NATIVE_PREFIXES = ("aten.", "prims.")  # ops whose in-place forms return what they write
 
 
 def _written(name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
              ) -> list[torch.Tensor]:
-    """The tensors an op writes in place. torch's fused optimizers mark the gradients
-    mutable but write them back only when they unscale them (a ``grad_scale`` is given)."""
-    if not name.startswith((*_MULTI_TENSOR_PREFIXES, "tilefit.")):
-        return []  # other in-place ops return what they write
+    """The tensors an op writes in place and does not return: torch's multi-tensor ops, and
+    every custom op (tilefit's fused loss, FSDP2's ``fsdp.split_with_sizes_copy`` and
+    ``fsdp.chunk_cat`` into their ``out`` lists, a user's ``mutates_args`` op: a custom op
+    may not return an input). ATen's other in-place ops return what they write. torch's fused
+    optimizers mark the gradients mutable but write them back only when they unscale them (a
+    ``grad_scale`` is given)."""
+    if name.startswith(_NATIVE_PREFIXES) and not name.startswith(_MULTI_TENSOR_PREFIXES):
+        return []
     written = written_args(func, args, kwargs)
     if name.startswith("aten._fused_") and kwargs.get("grad_scale") is None and \
             len(written) > 1:
@@ -472,11 +479,13 @@ def _multi_tensor(name: str, args: tuple[Any, ...], out: Any
 
 
 def _traffic(inputs: list[torch.Tensor], outputs: list[torch.Tensor],
-             written: Sequence[torch.Tensor] = ()) -> int:
+             written: Sequence[torch.Tensor] = (),
+             write_only: Sequence[torch.Tensor] = ()) -> int:
     """Bytes a kernel reads and writes: each distinct input read once (no more than its
-    storage holds, for broadcast views), each output written once, and each input written
-    in place that the op does not return (``_foreach_mul_``, ``_fused_adamw_``)."""
-    seen: set[int] = set()
+    storage holds, for broadcast views) except the ``out`` arguments it only writes, each
+    output written once, and each input written in place that the op does not return
+    (``_foreach_mul_``, ``_fused_adamw_``, a custom op's mutated or ``out`` arguments)."""
+    seen: set[int] = {id(t) for t in write_only}
     total = 0
     returned = {id(t) for t in outputs}
     total += sum(t.numel() * t.element_size() for t in written if id(t) not in returned)

@@ -142,6 +142,28 @@ def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> li
     return out
 
 
+def write_only_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The arguments an op writes without reading: its schema's ``out`` arguments
+    (``fsdp.split_with_sizes_copy(..., out=[...])``), less any tensor also passed as an input
+    it reads (``torch.addmm(c, a, b, out=c)`` reads ``c``)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    outs: list[Any] = []
+    read_ids: set[int] = set()
+    for i, arg in enumerate(schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if value is None:
+            continue
+        leaves = list(value) if isinstance(value, (list, tuple)) else [value]
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if arg.is_out:
+            outs.extend(tensors)
+        else:
+            read_ids.update(id(t) for t in tensors)
+    return [t for t in outs if id(t) not in read_ids]
+
+
 def holds_fake(x: object) -> bool:
     """Whether ``x`` is AOTAutograd's functionalization wrapper (a FunctionalTensor) around a
     fake tensor (torch._subclasses.fake_tensor.is_fake looks inside); a bare FakeTensor is
