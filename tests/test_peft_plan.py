@@ -172,3 +172,25 @@ def test_estimate_lora_flag_and_a_factory_model() -> None:
     with pytest.raises(TilefitError, match="LoRA") as err:
         check_lora(factory)
     assert "--lora" in (err.value.fix or "")
+
+
+def test_audit_and_fused_loss_with_peft() -> None:
+    # audit(peft=True) audits the LoRA step and re-traces its what-ifs with the adapters on;
+    # the fused loss unwraps the peft model to the transformers model its adapters sit in
+    # (it raised AttributeError on the PeftModel's output).
+    from tilefit.advise import audit
+    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.vocab import Recipe
+
+    work = tiny("llama-3.2-1b")
+    result = audit(work, gpu="a100-80gb", batch_size=2, precision="bf16-mixed", peft=True)
+    assert result.estimate.trainable_param_count == hand_lora_count("llama-3.2-1b")
+    fused = estimate_workload(work, Recipe(batch_size=2, precision="bf16-mixed",
+                                           attention="sdpa", peft=True, fused_ce=True),
+                              "a100-80gb")
+    assert fused.trainable_param_count == hand_lora_count("llama-3.2-1b")
+    assert any(o.record.op.startswith("tilefit.ce_grad_") for o in fused.ops)
+    with pytest.raises(TilefitError, match="peft"):
+        import torch
+
+        audit(torch.nn.Linear(4, 4), torch.randn(2, 4), gpu="a100-80gb", peft=True)

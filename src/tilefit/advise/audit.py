@@ -89,7 +89,7 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
           task: str | None = None, loss_fn: Any = None, confirm: bool = False,
           max_grad_norm: float | None = None, loss_sync: bool = False,
           fused_ce: bool = False, compile: bool = False,
-          compile_mode: str = "default") -> Audit:
+          compile_mode: str = "default", peft: bool = False) -> Audit:
     """Audit one training step of ``model`` on ``gpu``.
 
     ``model``: a catalog name, a config.json path, ``package.module:function`` (with
@@ -98,7 +98,8 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
     batch or memory what-ifs, are skipped for it).
     ``confirm``: re-trace the top weight-dimension finding's fix and record how close the
     cheap rewrite was (Audit.confirmation). ``compile_mode`` (with ``compile``): a
-    vocab.CompileMode, "reduce-overhead" for CUDA graphs.
+    vocab.CompileMode, "reduce-overhead" for CUDA graphs. ``peft``: LoRA fine-tuning as
+    ``tilefit estimate --lora`` traces it (named models only).
     """
     from tilefit.models import Workload
 
@@ -110,7 +111,7 @@ def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
                     optimizer=str(optimizer), grad_checkpointing=grad_checkpointing,
                     accumulation_steps=accumulation_steps, attention=attention,
                     max_grad_norm=max_grad_norm, loss_sync=loss_sync, fused_ce=fused_ce,
-                    compile=compile, compile_mode=compile_mode)
+                    compile=compile, compile_mode=compile_mode, peft=peft)
     if isinstance(model, str | Workload):
         if batch is not None:
             raise TilefitError("a batch is given with a named model",
@@ -144,6 +145,11 @@ def _workload_subject(model: str | Workload, recipe: Recipe, device: Device, *,
 def _module_subject(model: Any, batch: Any, recipe: Recipe, device: Device, *,
                     optimizer: Any, loss_fn: Any) -> _Subject:
     """An nn.Module (or factory) with an example batch: traced as given, never re-traced."""
+    if recipe.peft:
+        raise TilefitError("peft wraps a named model's linear layers; an nn.Module is traced "
+                           "as given", expected="a catalog name or config.json",
+                           given=type(model).__name__,
+                           fix="drop peft, or pass your model after peft.get_peft_model")
     if recipe.fused_ce:
         raise TilefitError("fused_ce replaces a Hugging Face causal LM's loss; an nn.Module "
                            "is traced with its own loss_fn", expected="a catalog name or "

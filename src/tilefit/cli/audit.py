@@ -33,6 +33,7 @@ def audit(
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     fused_ce: bool = mo.FUSED_CE_OPTION,
+    lora: bool = mo.LORA_OPTION,
     compile_: bool = mo.COMPILE_OPTION,
     compile_mode: str = mo.COMPILE_MODE_OPTION,
     html: Path | None = HTML_OPTION,
@@ -61,7 +62,7 @@ def audit(
                            confirm=confirm,
                            max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
                            loss_sync=mo.loss_sync(loss_sync, work),
-                           fused_ce=fused_ce,
+                           fused_ce=fused_ce, peft=lora,
                            compile=compile_, compile_mode=compile_mode)
         if html is not None:
             from tilefit.report.html import write_html

@@ -135,7 +135,12 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
 def fused_causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
     """A Hugging Face causal LM's loss as Liger's fused linear cross-entropy computes it:
     the base model's last hidden states, the output head's weight, the labels shifted by
-    one (padded, as transformers' loss does, so no hidden state is copied)."""
+    one (padded, as transformers' loss does, so no hidden state is copied). A peft model is
+    unwrapped to the transformers model its adapters sit in (``get_base_model``), whose
+    forward Liger patches."""
+    unwrap = getattr(model, "get_base_model", None)
+    if callable(unwrap):
+        model = unwrap()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     base = getattr(model, "base_model", None)
     if head is None or base is None or base is model or "labels" not in batch:
