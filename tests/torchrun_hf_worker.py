@@ -27,6 +27,12 @@ def main(out_dir: str) -> None:
         "args": [trainer.args.per_device_train_batch_size,
                  trainer.args.gradient_accumulation_steps],
         "steps": trainer.state.global_step}))
+    # tear the job's process group down before the interpreter exits: left to the exit, the
+    # gloo group's threads sometimes abort a rank ("terminate called without an active
+    # exception", exit code -6) after everything above has run
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
