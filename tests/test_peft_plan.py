@@ -194,3 +194,25 @@ def test_audit_and_fused_loss_with_peft() -> None:
         import torch
 
         audit(torch.nn.Linear(4, 4), torch.randn(2, 4), gpu="a100-80gb", peft=True)
+
+
+def test_lora_base_dtype_follows_the_precision() -> None:
+    # Under autocast the frozen base is loaded in the autocast dtype; without autocast (fp32)
+    # it stays fp32, since a 16-bit base could not take fp32 activations in a real run.
+    import torch
+
+    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.planner.lora import lora_base_dtype
+    from tilefit.vocab import Recipe
+
+    assert lora_base_dtype(Recipe(precision="bf16-mixed", peft=True)) == torch.bfloat16
+    assert lora_base_dtype(Recipe(precision="fp16-mixed", peft=True)) == torch.float16
+    assert lora_base_dtype(Recipe(precision="fp32", peft=True)) == torch.float32
+    work = tiny("llama-3.2-1b")
+    full = estimate_workload(work, Recipe(batch_size=2, precision="fp32", attention="sdpa"),
+                             "a100-80gb")
+    lora = estimate_workload(work, Recipe(batch_size=2, precision="fp32", attention="sdpa",
+                                          peft=True), "a100-80gb")
+    # every weight fp32, the adapters' 4 bytes each added to the base's
+    assert lora.memory_breakdown["parameters"] >= full.memory_breakdown["parameters"] + \
+        4 * hand_lora_count("llama-3.2-1b")

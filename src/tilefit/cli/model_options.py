@@ -121,7 +121,8 @@ FUSED_CE_OPTION = typer.Option(
 LORA_OPTION = typer.Option(
     False, "--lora", help="LoRA fine-tuning as peft runs it: rank-16 adapters (alpha 32) on "
     "every linear layer but the output head, the base frozen in the precision's 16-bit dtype "
-    "(bf16 under fp32), the adapters in fp32: what `tilefit plan --allow-peft` proposes. "
+    "(fp32 under --precision fp32), the adapters in fp32: what `tilefit plan --allow-peft` "
+    "proposes. "
     "Hugging Face models; needs peft.")
 
 

@@ -59,12 +59,13 @@ def get_peft_model(model: torch.nn.Module, task: str) -> torch.nn.Module:
 
 
 def lora_base_dtype(recipe: Recipe) -> torch.dtype:
-    """The frozen base's dtype under ``recipe``: its 16-bit compute dtype, or bf16 for a
-    recipe without one (LoRA fine-tuning loads the base with torch_dtype=bfloat16; the
-    adapters stay fp32 either way)."""
+    """The frozen base's dtype under ``recipe``: its 16-bit compute dtype (LoRA fine-tuning
+    loads the base with torch_dtype=bfloat16 and trains under autocast), or fp32 for a
+    recipe without one (no autocast: a 16-bit base could not take fp32 activations). The
+    adapters stay fp32 either way."""
     from tilefit.dtypes import torch_dtype
 
-    return torch_dtype(recipe.spec.half_dtype or "bf16")  # type: ignore[no-any-return]
+    return torch_dtype(recipe.spec.half_dtype or "fp32")  # type: ignore[no-any-return]
 
 
 def build_lora_model(work: Workload, attention: str, base_dtype: torch.dtype
