@@ -50,12 +50,11 @@ WRAPPED = {"gpt2": {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"},
 
 
 def traced_trainable(work: Workload) -> int:
-    from tilefit.hardware import get_device
-    from tilefit.planner.search import trace_built
+    from tilefit.estimator.workloads import trace_workload
     from tilefit.vocab import Recipe
 
-    spec = Recipe(precision="bf16-mixed", attention="sdpa", peft=True)
-    return trace_built(work, 2, spec, 1, get_device("a100-80gb")).trainable_param_count
+    spec = Recipe(batch_size=2, precision="bf16-mixed", attention="sdpa", peft=True)
+    return trace_workload(work, spec, "a100-80gb").trainable_param_count
 
 
 @pytest.mark.parametrize("name", sorted(TINY))

@@ -122,8 +122,7 @@ LORA_OPTION = typer.Option(
     False, "--lora", help="LoRA fine-tuning as peft runs it: rank-16 adapters (alpha 32) on "
     "every linear layer but the output head, the base frozen in the precision's 16-bit dtype "
     "(fp32 under --precision fp32), the adapters in fp32: what `tilefit plan --allow-peft` "
-    "proposes. "
-    "Hugging Face models; needs peft.")
+    "proposes. Hugging Face models; needs peft.")
 
 
 COMPILE_OPTION = typer.Option(

@@ -22,9 +22,8 @@ from tilefit.tracing.fused_loss import fused_ce_affine_tokens
 from tilefit.vocab import Recipe, parse_precision, same_update
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
-    import torch
 
 # Models deeper than this are traced at LEVER_LAYERS layers and extrapolated (affine in the
 # layer count): a 32-layer 7B model traces in ~16 s on this 2-core machine, 1-2 layers in ~1 s.
@@ -100,8 +99,6 @@ def trace_point(workload: Workload, spec: Recipe, micro_batch: int, layers: int,
     work = workload
     if depth.field is not None and layers != depth.full:
         work = workload.with_config(**{depth.field: layers})
-    if parallel is None and (spec.spec.param_dtype != "fp32" or spec.peft):
-        return trace_built(work, micro_batch, spec, accumulation_steps, device)
     return trace_workload(work, spec.with_batch(micro_batch, accumulation_steps), device,
                           world_size=1 if parallel is None else parallel.world_size,
                           strategy=None if parallel is None else parallel.strategy)
@@ -120,28 +117,6 @@ def zero_sample(tr: Trace, base: Estimate, device: Device, parallel: Parallel,
     return sample_of(tr, est, micro_batch, layers,
                      peaks=(peaks.micro, peaks.micro_first, peaks.step),
                      host_bytes=est.parallel.details["memory"]["host_bytes"])
-
-
-def trace_built(work: Workload, micro_batch: int, spec: Recipe,
-                accumulation_steps: int, device: Device) -> Trace:
-    """A step of the model held in bf16 (DeepSpeed's bf16 mode: no autocast, no fp32 weights on
-    the GPU: the tracer's precision="bf16") and/or with peft's LoRA adapters
-    (tilefit.planner.lora) on a 16-bit frozen base."""
-    from tilefit.tracing import trace
-
-    attention = "sdpa" if spec.attention == "auto" and not work.is_factory else spec.attention
-
-    def build() -> torch.nn.Module:
-        return work.build(attention)
-
-    model: torch.nn.Module | Callable[[], torch.nn.Module] = build
-    if spec.peft:  # built on the meta device, not by a factory: see tilefit.planner.lora
-        from tilefit.planner.lora import build_lora_model, lora_base_dtype
-
-        model = build_lora_model(work, attention, lora_base_dtype(spec))
-    return trace(model, work.make_batch(micro_batch, device="meta"),
-                 loss_fn=work.loss_for(spec.fused_ce), **spec.step_options(),
-                 accumulation_steps=accumulation_steps, attention="auto", device=device)
 
 
 def sweep_points(workload: Workload, spec: Recipe, micro_batches: list[int]) -> list[int]:
