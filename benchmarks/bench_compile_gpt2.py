@@ -71,7 +71,7 @@ def main() -> int:
 
     from tilefit.estimator.workloads import estimate_workload
     from tilefit.models import load_workload
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     work = load_workload("gpt2", seq_len=1024)
     recipe = Recipe(batch_size=args.batch, precision="bf16-mixed", optimizer="adamw-fused",
@@ -110,7 +110,7 @@ def print_nanogpt_check(batch: int) -> None:
 
     from tilefit.estimator.workloads import estimate_workload
     from tilefit.models import load_workload
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     work = load_workload("gpt2", seq_len=1024).with_config(
         activation_function="gelu_pytorch_tanh")

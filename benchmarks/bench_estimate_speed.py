@@ -55,8 +55,9 @@ def bare_fake_steps(model: str, batch: int, seq: int) -> float:
 
 
 def warm_estimate(model: str, batch: int, seq: int) -> float:
-    from tilefit.estimator.workloads import Recipe, estimate_workload
+    from tilefit.estimator.workloads import estimate_workload
     from tilefit.models import load_workload
+    from tilefit.recipe import Recipe
 
     w = load_workload(model, seq_len=seq)
     estimate_workload(w, Recipe(batch), "a100-80gb")  # warm the imports and caches

@@ -55,7 +55,7 @@ def linear_speedups(gpu: str) -> None:
 def model_table(gpu: str, models: list[str], batch: int, seq: int) -> None:
     from tilefit.estimator.workloads import estimate_workload
     from tilefit.models import load_workload
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     print(f"\nmodels on {gpu}, batch {batch} x {seq}, AdamW(fused=True)")
     print(f"{'model':14} {'recipe':18} {'step ms':>9} {'vs bf16':>8} {'peak GiB':>9} "

@@ -35,7 +35,7 @@ def cpu_table() -> None:
     from tilefit.bench.step import measure_step
     from tilefit.estimator.workloads import estimate_workload
     from tilefit.models import load_workload
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     print(f"{'model (1 layer)':16} {'loss':7} {'measured B':>12} {'predicted B':>12} {'error':>8}")
     for name, changes in SMALL:
@@ -51,7 +51,7 @@ def cpu_table() -> None:
 def gpu_table(gpu: str) -> None:
     from tilefit.estimator.workloads import estimate_workload
     from tilefit.models import load_workload
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     print(f"\n{gpu}, bf16-mixed, AdamW(fused=True), clipped at 1.0:")
     print(f"{'model':14} {'batch x seq':>12} {'logits fp32':>12} {'peak eager':>11} "

@@ -87,7 +87,7 @@ def predict(rec: dict[str, Any], checkpoint: bool) -> tuple[Any, float]:
     from tilefit.estimator.workloads import estimate_workload
     from tilefit.estimator.zero import ZeroConfig
     from tilefit.models import load_workload
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     model = rec["model"]
     # torchao float8 linears over bf16 autocast: tilefit's fp8-mixed

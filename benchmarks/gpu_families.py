@@ -66,7 +66,7 @@ def predicted(precision: str) -> tuple[dict[str, float], float]:
     from tilefit.estimator.workloads import estimate_workload
     from tilefit.hardware import get_device
     from tilefit.models import load_workload
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     work = load_workload(MODEL, task="seq-cls", seq_len=SEQ_LEN)
     recipe = Recipe(batch_size=BATCH, precision=precision, optimizer="adamw",

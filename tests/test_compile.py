@@ -439,7 +439,7 @@ def test_a_mutating_custom_op_runs_in_place_under_compile() -> None:
 
 
 def test_fused_ce_with_compile_is_a_clear_error() -> None:
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     with pytest.raises(TilefitError, match=r"not predicted under torch\.compile") as err:
         Recipe(batch_size=1, precision="bf16-mixed", fused_ce=True, compile=True)

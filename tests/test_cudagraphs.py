@@ -24,9 +24,9 @@ from tilefit.estimator import Estimate, estimate_trace
 from tilefit.estimator.multitensor import kernel_launches
 from tilefit.hardware import Device, get_device
 from tilefit.hardware.host import GRAPH_REPLAY_S, HostModel
+from tilefit.recipe import Recipe
 from tilefit.tracing import trace
 from tilefit.tracing.records import Trace
-from tilefit.vocab import Recipe
 
 B, IN, HID, OUT, F32 = 32, 8, 16, 4, 4
 RO = "reduce-overhead"

@@ -175,7 +175,7 @@ def _whatif(work, gpu: str):  # type: ignore[no-untyped-def]
     from tilefit.estimator import estimate_trace
     from tilefit.estimator.workloads import trace_workload
     from tilefit.hardware import get_device
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     dev = get_device(gpu)
     recipe = Recipe(batch_size=8, precision="bf16-mixed", optimizer="adamw-fused")
@@ -211,7 +211,7 @@ def test_no_fp8_finding_where_the_gpu_has_no_fp8(llama_one_layer) -> None:  # ty
     from tilefit.advise.whatif import WhatIf
     from tilefit.estimator.workloads import trace_workload
     from tilefit.hardware import get_device
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     recipe = Recipe(batch_size=1, precision="bf16-mixed")
     calls: list[object] = []
@@ -238,7 +238,7 @@ def test_plan_searches_fp8_where_the_gpu_has_it() -> None:
 
 def test_an_fp8_plan_row_pastes_the_torchao_conversion() -> None:
     from tilefit.planner.configs import float8_lines
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     class Row:  # the fields float8_lines reads
         recipe = Recipe(precision="fp8-mixed", compile=True)
@@ -253,7 +253,7 @@ def test_gpt2s_conv1d_layers_stay_bf16_and_the_trace_says_why() -> None:
     pytest.importorskip("torchao")
     from tilefit.estimator.workloads import trace_workload
     from tilefit.models import load_workload
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     work = load_workload("gpt2", seq_len=32).with_config(num_hidden_layers=1)
     tr = trace_workload(work, Recipe(batch_size=2, precision="fp8-mixed"), "h100")

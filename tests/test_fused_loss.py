@@ -11,8 +11,8 @@ from tilefit.bench.step import measure_step
 from tilefit.errors import TilefitError
 from tilefit.estimator.workloads import estimate_workload
 from tilefit.models import load_workload
+from tilefit.recipe import Recipe
 from tilefit.tracing.fused_loss import FusedLinearCrossEntropy, chunk_rows
-from tilefit.vocab import Recipe
 
 
 @pytest.mark.parametrize(("tokens", "hidden", "vocab", "rows"), [

@@ -51,7 +51,7 @@ WRAPPED = {"gpt2": {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"},
 
 def traced_trainable(work: Workload) -> int:
     from tilefit.estimator.workloads import trace_workload
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     spec = Recipe(batch_size=2, precision="bf16-mixed", attention="sdpa", peft=True)
     return trace_workload(work, spec, "a100-80gb").trainable_param_count
@@ -138,7 +138,7 @@ def test_estimate_with_peft_traces_the_lora_model(name: str) -> None:
     # moments (8 bytes per adapter parameter; each adapter matrix is a multiple of 512 bytes)
     # and a step count (one 512-byte allocator block) per adapter tensor, for them alone.
     from tilefit.estimator.workloads import estimate_workload
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     work = tiny(name)
     lora = Recipe(batch_size=2, precision="bf16-mixed", attention="sdpa", peft=True)
@@ -179,7 +179,7 @@ def test_audit_and_fused_loss_with_peft() -> None:
     # (it raised AttributeError on the PeftModel's output).
     from tilefit.advise import audit
     from tilefit.estimator.workloads import estimate_workload
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     work = tiny("llama-3.2-1b")
     result = audit(work, gpu="a100-80gb", batch_size=2, precision="bf16-mixed", peft=True)
@@ -202,7 +202,7 @@ def test_lora_base_dtype_follows_the_precision() -> None:
 
     from tilefit.estimator.workloads import estimate_workload
     from tilefit.planner.lora import lora_base_dtype
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     assert lora_base_dtype(Recipe(precision="bf16-mixed", peft=True)) == torch.bfloat16
     assert lora_base_dtype(Recipe(precision="fp16-mixed", peft=True)) == torch.float16

@@ -19,7 +19,7 @@ from tilefit.planner.rank import choose, prune_unfriendly, rank
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.sample import Sample
 from tilefit.planner.space import check_global_batch, micro_batch_candidates, precisions
-from tilefit.vocab import Recipe
+from tilefit.recipe import Recipe
 
 GIB = 2**30
 
@@ -110,7 +110,7 @@ def test_peak_pieces_are_extrapolated_separately() -> None:
     model state) does. Extrapolating the max itself would miss it."""
     from tilefit.hardware import get_device
     from tilefit.planner.search import Depth, row_from
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     def sample(b: int, layers: int) -> Sample:
         return Sample(micro_batch=b, layers=layers, peak_bytes=10 + 5 * layers,
@@ -280,7 +280,8 @@ def test_tiny_gpu_falls_back_to_offload_then_sharding(tiny_gpt2, a100_plan) -> N
     # the fallback is traced: its confirmed figures are those of estimating the chosen setup
     # directly (a second call, the same engine under the fake process group)
     from tilefit.estimator.workloads import estimate_workload
-    from tilefit.vocab import STRATEGIES, Recipe
+    from tilefit.recipe import Recipe
+    from tilefit.vocab import STRATEGIES
 
     m = p.multi_gpu
     r = m["recipe"]
@@ -302,7 +303,7 @@ def test_layer_lever_matches_the_full_trace() -> None:
     from tilefit.hardware import get_device
     from tilefit.models import load_workload
     from tilefit.planner.search import Depth, depth_of, sweep, trace_sample
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     work = load_workload("llama-3.2-1b", seq_len=64).with_config(
         num_hidden_layers=6, hidden_size=256, intermediate_size=512, num_attention_heads=4,

@@ -99,7 +99,7 @@ def test_hf_script_builds_the_planned_model_with_the_policy() -> None:
     from tilefit.models import load_workload
     from tilefit.planner.launch import torchrun_script
     from tilefit.planner.rows import PlanRow
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     work = load_workload("gpt2", seq_len=32).with_config(num_hidden_layers=2)
     row = PlanRow(recipe=Recipe(batch_size=4, accumulation_steps=2, precision="bf16-mixed",
@@ -157,7 +157,7 @@ def test_plan_searches_deepspeed_zero_and_offload_as_estimate_models_them() -> N
 
 def test_zero_strategy_names_are_accepted_and_checked() -> None:
     from tilefit.planner.multiplan import engines_of, strategies_for, zero_recipe
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
     assert strategies_for("ZeRO3", 4) == ("zero3",)
     assert [(e.strategy, e.offload) for e in engines_of(("ddp", "zero1", "zero3"), 4)] == [

@@ -28,7 +28,7 @@ from tilefit.planner.launch import (
 )
 from tilefit.planner.launch_deepspeed import deepspeed_config
 from tilefit.planner.rows import PlanRow
-from tilefit.vocab import Recipe
+from tilefit.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 # DeepSpeed 0.19.8's documented keys (deepspeed.ai/docs/config-json; pydantic models

@@ -9,7 +9,6 @@ from tilefit.errors import TilefitError
 from tilefit.hardware import get_device
 from tilefit.vocab import (
     PRECISION_NAMES,
-    Recipe,
     check_precision_supported,
     default_precision,
     device_precisions,
@@ -21,8 +20,11 @@ from tilefit.vocab import (
 @pytest.mark.parametrize(("spelling", "name"), [
     ("bf16-mixed", "bf16-mixed"), ("BF16_MIXED", "bf16-mixed"),
     # Lightning's Trainer(precision=...) spellings (lightning.fabric.connector)
-    ("16-mixed", "fp16-mixed"), ("bf16-true", "bf16"), ("32-true", "fp32"), ("32", "fp32"),
-    ("tf32", "tf32")])
+    ("16-mixed", "fp16-mixed"), ("bf16-true", "bf16-true"), ("32-true", "fp32"),
+    ("32", "fp32"), ("16-true", "fp16-true"), ("tf32", "tf32"),
+    # a bare 16-bit name is autocast, as HF's bf16=True, Lightning's legacy "bf16" (which
+    # its connector turns into "bf16-mixed") and accelerate's mixed_precision="bf16" mean
+    ("bf16", "bf16-mixed"), ("fp16", "fp16-mixed"), ("16", "fp16-mixed")])
 def test_spellings(spelling: str, name: str) -> None:
     assert parse_precision(spelling).name == name
 
@@ -64,12 +66,19 @@ def test_device_precisions_and_defaults() -> None:
         check_precision_supported("bf16-mixed", get_device("v100"))
 
 
-def test_recipe_takes_canonical_names() -> None:
+def test_recipe_reads_any_spelling_once() -> None:
+    from tilefit.recipe import Recipe
+
     r = Recipe(batch_size=4, accumulation_steps=8)
     assert r.global_batch == 32 and r.with_batch(2).global_batch == 16
-    assert r.key() == Recipe(batch_size=1).key()
-    with pytest.raises(TilefitError, match="canonical"):
-        Recipe(precision="16-mixed")
+    # Lightning's spelling becomes the canonical name; an unambiguous one adds no note
+    assert Recipe(precision="16-mixed").precision == "fp16-mixed"
+    assert Recipe(precision="16-mixed").notes == ()
+    # a bare "bf16" is autocast, and the recipe says how it read it, in one line
+    (note,) = Recipe(precision="bf16").notes
+    assert Recipe(precision="bf16").precision == "bf16-mixed"
+    assert "bf16-mixed" in note and "'bf16-true'" in note and "\n" not in note
+    assert Recipe(precision="bf16-true").spec.autocast_dtype is None
     with pytest.raises(TilefitError, match="unknown precision"):
         Recipe(precision="fp12")
 
@@ -100,25 +109,3 @@ def test_every_phase_has_one_issuer() -> None:
         **dict.fromkeys(OPTIMIZER_PHASES, "optimizer")}
 
 
-def test_a_recipes_step_options_are_trace_arguments_and_cover_its_fields() -> None:
-    # every tracer of a recipe passes Recipe.step_options(): each key must be a parameter of
-    # tilefit.trace, and each Recipe field must either be one of them or be one the callers
-    # turn into the model, the batch or the accumulation themselves (a new field lands in one
-    # of the two lists or this fails)
-    import dataclasses
-    import inspect
-
-    from tilefit.tracing import trace
-    from tilefit.vocab import Recipe
-
-    options = Recipe().step_options()
-    assert set(options) <= set(inspect.signature(trace).parameters)
-    built_by_callers = {"batch_size", "accumulation_steps", "attention", "peft", "fused_ce"}
-    fields = {f.name for f in dataclasses.fields(Recipe)}
-    assert fields == set(options) | built_by_callers
-    r = Recipe(precision="fp16-mixed", optimizer="sgd", grad_checkpointing=True,
-               max_grad_norm=0.5, loss_sync=True, compile=True, compile_mode="reduce-overhead")
-    assert r.step_options() == {"optimizer": "sgd", "precision": "fp16-mixed",
-                                "grad_checkpointing": True, "max_grad_norm": 0.5,
-                                "loss_sync": True, "compile": True,
-                                "compile_mode": "reduce-overhead"}

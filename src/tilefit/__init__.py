@@ -2,6 +2,13 @@
 
 The GEMM analysis and the device catalog import no torch; the functions that trace or run a
 model (estimate, trace, audit, plan, tune) import it on first use.
+
+One description of a training step, ``tilefit.Recipe``, is what trace, estimate, audit and
+plan take (``recipe=``), with the GPU to predict for (``gpu=``)::
+
+    import tilefit
+    recipe = tilefit.Recipe.for_model("gpt2", batch_size=8, precision="bf16-mixed")
+    tilefit.estimate("gpt2", recipe=recipe, gpu="h100").step_time_s
 """
 
 from __future__ import annotations
@@ -18,6 +25,12 @@ _LAZY = {
     "analyze_gemm": ("tilefit.gemm", "analyze_gemm"),
     "analyze_linear": ("tilefit.linear", "analyze_linear"),
     "TilefitError": ("tilefit.errors", "TilefitError"),
+    "Recipe": ("tilefit.recipe", "Recipe"),
+    "Compile": ("tilefit.recipe", "Compile"),
+    "Parallelism": ("tilefit.recipe", "Parallelism"),
+    "Lora": ("tilefit.recipe", "Lora"),
+    "ZeroConfig": ("tilefit.recipe", "ZeroConfig"),
+    "PlanSearch": ("tilefit.planner", "PlanSearch"),
     "trace": ("tilefit.tracing", "trace"),
     "Trace": ("tilefit.tracing", "Trace"),
     "estimate": ("tilefit.estimator", "estimate"),

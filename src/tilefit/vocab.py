@@ -9,8 +9,8 @@ the ``Precision`` here instead of keeping a table of its own.
 from __future__ import annotations
 
 import difflib
-from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, get_args
 
 from tilefit.errors import TilefitError
 
@@ -67,7 +67,7 @@ def same_update(a: str, b: str) -> bool:
     return a == b or FUSED_IMPLEMENTATION.get(a) == b or FUSED_IMPLEMENTATION.get(b) == a
 
 # ---- precisions ---------------------------------------------------------------------------
-PrecisionName = Literal["fp32", "tf32", "fp16-mixed", "bf16-mixed", "bf16", "fp16-true",
+PrecisionName = Literal["fp32", "tf32", "fp16-mixed", "bf16-mixed", "bf16-true", "fp16-true",
                         "fp8-mixed"]
 
 
@@ -123,12 +123,15 @@ PRECISIONS: tuple[Precision, ...] = (
               "fp32 weights, matmuls on TF32 Tensor Cores", ("tensorfloat32",)),
     Precision("fp16-mixed", "fp16", "fp16", "fp32", True, "fp16", "16-mixed",
               "fp32 weights, fp16 autocast with loss scaling",
-              ("16-mixed", "fp16", "16", "amp-fp16", "float16-mixed")),
+              ("16-mixed", "fp16", "16", "float16", "amp-fp16", "float16-mixed")),
     Precision("bf16-mixed", "bf16", "bf16", "fp32", False, "bf16", "bf16-mixed",
-              "fp32 weights, bf16 autocast", ("amp", "amp-bf16", "bfloat16-mixed")),
-    Precision("bf16", "bf16", None, "bf16", False, "bf16", "bf16-true",
+              "fp32 weights, bf16 autocast",
+              ("bf16", "bfloat16", "amp", "amp-bf16", "bfloat16-mixed")),
+    # pure bf16 weights, spelled as Lightning spells them ("bf16-true"); a bare "bf16" is
+    # autocast, as Hugging Face's bf16=True, Lightning's "bf16" and accelerate's "bf16" mean
+    Precision("bf16-true", "bf16", None, "bf16", False, "bf16", "bf16-true",
               "bf16 weights, gradients, optimizer state and math (no fp32 master copy)",
-              ("bf16-true", "bfloat16", "pure-bf16")),
+              ("pure-bf16", "bfloat16-true")),
     # fp16 weights without autocast or torch's GradScaler (which refuses fp16 gradients):
     # Lightning's "16-true", and DeepSpeed's fp16 mode, which keeps the fp32 master copy in
     # its partitioned optimizer and scales the loss itself (docs/references.md, section 24,
@@ -167,6 +170,24 @@ def parse_precision(text: str | Precision) -> Precision:
         given=repr(text),
         fix="pass --precision bf16-mixed on Ampere and later GPUs, fp16-mixed before, "
         "fp32 on the CPU")
+
+
+# spellings whose meaning differs across the ecosystem: a bare 16-bit dtype name is read as
+# autocast, as Hugging Face (TrainingArguments(bf16=True)), Lightning (precision="bf16") and
+# accelerate (mixed_precision="bf16") read it; torch users may mean 16-bit weights
+AMBIGUOUS_SPELLINGS: tuple[str, ...] = ("bf16", "bfloat16", "fp16", "float16", "16")
+
+
+def precision_reading(text: str) -> str | None:
+    """A one-line note of how an ambiguous precision spelling was read (None for an
+    unambiguous one)."""
+    key = str(text).strip().lower().replace("_", "-")
+    if key not in AMBIGUOUS_SPELLINGS:
+        return None
+    p = parse_precision(key)
+    pure = "bf16-true" if p.autocast_dtype == "bf16" else "fp16-true"
+    return (f"precision {text!r} read as {p.name} ({p.description}), as Hugging Face's, "
+            f"Lightning's and accelerate's {key} mean; 16-bit weights are {pure!r}")
 
 
 def mixed_precision(half_dtype: str) -> Precision:
@@ -241,78 +262,6 @@ def check_max_grad_norm(max_grad_norm: float | None, *, given: str | None = None
             fix="pass --max-grad-norm 1.0 (the Trainer's default), or --max-grad-norm none "
             "(max_grad_norm=None) to train without clipping")
 
-
-# ---- recipes -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Recipe:
-    """How a model is trained: everything but the model and the device. Estimate, audit,
-    plan and tune all describe a training step by one of these."""
-
-    batch_size: int = 1  # the micro-batch: samples per forward/backward
-    precision: str = "bf16-mixed"  # a PrecisionName
-    optimizer: str = "adamw"  # a tracing.optimizers name
-    grad_checkpointing: bool = False
-    accumulation_steps: int = 1
-    attention: str = "auto"  # an Attention name
-    peft: bool = False  # LoRA adapters on frozen weights (tilefit.planner.lora, peft)
-    max_grad_norm: float | None = None  # gradient clipping (HF Trainer's default: 1.0)
-    # the loop reads the loss on the host after each micro-batch, waiting for the GPU (HF
-    # Trainer's default logging_nan_inf_filter=True; a loss printed or logged each step)
-    loss_sync: bool = False
-    # a causal LM's loss as fused linear cross-entropy (Liger Kernel): the logits never whole
-    fused_ce: bool = False
-    # forward and backward as torch.compile (Inductor) runs them, in compile_mode (a
-    # CompileMode; "reduce-overhead": replayed as CUDA graphs)
-    compile: bool = False
-    compile_mode: str = "default"
-
-    def __post_init__(self) -> None:
-        canonical = parse_precision(self.precision).name  # an unknown name is an error
-        if canonical != self.precision:
-            raise TilefitError(
-                f"Recipe takes canonical precision names, not {self.precision!r}",
-                expected="one of " + ", ".join(PRECISION_NAMES), given=repr(self.precision),
-                fix=f"Recipe(precision={canonical!r}) (tilefit.vocab.parse_precision "
-                "turns a user's spelling into the canonical one)")
-        check_compile_mode(self.compile_mode, self.compile)
-        if self.fused_ce and self.compile:
-            raise TilefitError(
-                "fused linear cross-entropy is not predicted under torch.compile",
-                expected="fused_ce=True (--fused-ce) or compile=True (--compile), not both",
-                given="fused_ce=True with compile=True",
-                fix="drop --compile to predict Liger's fused loss in eager mode, or drop "
-                "--fused-ce to predict the compiled step (Inductor fuses the loss's softmax "
-                "itself); docs/references.md, section 17 says why")
-
-    @property
-    def spec(self) -> Precision:
-        return parse_precision(self.precision)
-
-    @property
-    def global_batch(self) -> int:
-        return self.batch_size * self.accumulation_steps
-
-    def with_batch(self, batch_size: int, accumulation_steps: int | None = None) -> Recipe:
-        return replace(self, batch_size=batch_size, accumulation_steps=(
-            self.accumulation_steps if accumulation_steps is None else accumulation_steps))
-
-    def key(self) -> tuple[str, str, bool, str, bool, float | None, bool, bool, bool, str]:
-        """What the recipe is without its batch: the planner's unit of tracing."""
-        return (self.precision, self.optimizer, self.grad_checkpointing, self.attention,
-                self.peft, self.max_grad_norm, self.loss_sync, self.fused_ce, self.compile,
-                self.compile_mode)
-
-    def step_options(self) -> dict[str, Any]:
-        """The keyword arguments of ``tilefit.trace`` that this recipe sets, beside the model
-        and batch it builds (batch_size, attention, peft, fused_ce), the accumulation and the
-        device: every tracer of a recipe passes these, so a new field reaches them all."""
-        return {"optimizer": self.optimizer, "precision": self.precision,
-                "grad_checkpointing": self.grad_checkpointing,
-                "max_grad_norm": self.max_grad_norm, "loss_sync": self.loss_sync,
-                "compile": self.compile, "compile_mode": self.compile_mode}
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 # ---- torch.compile (tilefit.tracing.fusion) --------------------------------------------------
 # torch.compile's mode= as tilefit predicts it: "default" (Inductor's kernels, launched by the

@@ -20,14 +20,20 @@ from tilefit.advise.whatif import WhatIf
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate, estimate_trace
 from tilefit.hardware import Device, get_device
+from tilefit.legacy import read_legacy
+from tilefit.models.module import module_workload
+from tilefit.recipe import (
+    DEFAULT_GPU,
+    PLAIN_PYTORCH,
+    Recipe,
+    batch_recipe,
+    is_named_model,
+)
 from tilefit.tracing.records import Trace
-from tilefit.vocab import Recipe, default_precision, parse_precision
 
 if TYPE_CHECKING:
     from tilefit.models import Workload
 
-DEFAULT_GPU = "a100-80gb"
-DEFAULT_BATCH = 8
 
 RULES: tuple[Callable[[WhatIf], list[Finding]], ...] = (
     dimension_findings, memory_bound_findings, wave_findings, precision_findings,
@@ -81,48 +87,40 @@ class _Subject:
     notes: tuple[str, ...] = ()
 
 
-def audit(model: Any, batch: Any = None, *, gpu: str | Device = DEFAULT_GPU,
-          batch_size: int = DEFAULT_BATCH, seq_len: int | None = None,
-          precision: str | None = None, optimizer: str = "adamw",
-          grad_checkpointing: bool = False, accumulation_steps: int = 1,
-          attention: str = "auto", input_shape: tuple[int, ...] | None = None,
-          task: str | None = None, loss_fn: Any = None, confirm: bool = False,
-          max_grad_norm: float | None = None, loss_sync: bool = False,
-          fused_ce: bool = False, compile: bool = False,
-          compile_mode: str = "default", peft: bool = False) -> Audit:
-    """Audit one training step of ``model`` on ``gpu``.
+# audit's old keywords that are not the recipe's: what the model is built from
+LEGACY_MODEL: dict[str, str] = {
+    "input_shape": "audit(load_workload(model, input_shape=...))",
+    "task": "audit(load_workload(model, task=...))"}
 
-    ``model``: a catalog name, a config.json path, ``package.module:function`` (with
-    ``input_shape``), a Workload, or an nn.Module / zero-argument factory with an example
-    ``batch`` (then ``loss_fn`` as for tilefit.estimate; fixes that need a new trace, such as
-    batch or memory what-ifs, are skipped for it).
-    ``confirm``: re-trace the top weight-dimension finding's fix and record how close the
-    cheap rewrite was (Audit.confirmation). ``compile_mode`` (with ``compile``): a
-    vocab.CompileMode, "reduce-overhead" for CUDA graphs. ``peft``: LoRA fine-tuning as
-    ``tilefit estimate --lora`` traces it (named models only).
-    """
-    from tilefit.models import Workload
 
+def audit(model: Any, batch: Any = None, *, recipe: Recipe | None = None,
+          gpu: str | Device = DEFAULT_GPU, loss_fn: Any = None, seq_len: int | None = None,
+          confirm: bool = False, **legacy: Any) -> Audit:
+    """Audit one training step of ``model`` under ``recipe`` on ``gpu``.
+
+    ``model``: a catalog name, a config.json path, ``package.module:function``, a Workload
+    (``batch``: the micro-batch size, default ``recipe.batch_size``), or an nn.Module /
+    zero-argument factory with an example ``batch`` (a Hugging Face module with its own
+    loss is audited as its config, so every what-if can re-trace it; a plain module is
+    traced as given, with ``loss_fn``, and the what-ifs that need a re-trace are skipped,
+    with a note). ``recipe``: default ``Recipe.for_model(model)``, the loop the model's
+    framework runs (the CLI's own default). ``confirm``: re-trace the top weight-dimension
+    finding's fix and record how close the cheap rewrite was (Audit.confirmation). The old
+    keywords (batch_size=, precision=, peft=, ...) still work, with a DeprecationWarning."""
     t0 = time.perf_counter()
+    old = read_legacy("audit", recipe, legacy, PLAIN_PYTORCH, own=LEGACY_MODEL)
     device = get_device(gpu)
-    recipe = Recipe(batch_size=batch_size,
-                    precision=parse_precision(precision).name if precision
-                    else default_precision(device),
-                    optimizer=str(optimizer), grad_checkpointing=grad_checkpointing,
-                    accumulation_steps=accumulation_steps, attention=attention,
-                    max_grad_norm=max_grad_norm, loss_sync=loss_sync, fused_ce=fused_ce,
-                    compile=compile, compile_mode=compile_mode, peft=peft)
-    if isinstance(model, str | Workload):
-        if batch is not None:
-            raise TilefitError("a batch is given with a named model",
-                               expected="batch_size= for catalog/config models; batch= only "
-                               "with an nn.Module", given=type(batch).__name__,
-                               fix="drop batch= and pass batch_size=")
-        subject = _workload_subject(model, recipe, device, seq_len=seq_len,
-                                    input_shape=input_shape, task=task)
+    recipe = old.recipe or Recipe.for_model(model)
+    if not is_named_model(model):
+        found = None if loss_fn is not None else module_workload(model, batch)
+        if found is not None:  # a Hugging Face module: audited as its config
+            model, batch = found
+    if is_named_model(model):
+        subject = _workload_subject(model, batch_recipe(recipe, batch).on(device), device,
+                                    seq_len=seq_len, input_shape=old.rest.get("input_shape"),
+                                    task=old.rest.get("task"))
     else:
-        subject = _module_subject(model, batch, recipe, device, optimizer=optimizer,
-                                  loss_fn=loss_fn)
+        subject = _module_subject(model, batch, recipe.on(device), device, loss_fn=loss_fn)
     return _run_rules(subject, device, confirm=confirm, started_s=t0)
 
 
@@ -135,7 +133,8 @@ def _workload_subject(model: str | Workload, recipe: Recipe, device: Device, *,
 
     work = model if isinstance(model, Workload) else load_workload(
         model, seq_len=seq_len, input_shape=input_shape, task=task)
-    notes = ("the loss is a stand-in (mean of the model's output)",) if work.is_factory else ()
+    notes = recipe.notes + (("the loss is a stand-in (mean of the model's output)",)
+                            if work.is_factory else ())
     return _Subject(name=work.name, seq_len=work.seq_len, recipe=recipe,
                     trace=trace_workload(work, recipe, device), workload=work,
                     retrace_fn=lambda wk, rc: trace_workload(wk, rc, device), modules=None,
@@ -143,7 +142,7 @@ def _workload_subject(model: str | Workload, recipe: Recipe, device: Device, *,
 
 
 def _module_subject(model: Any, batch: Any, recipe: Recipe, device: Device, *,
-                    optimizer: Any, loss_fn: Any) -> _Subject:
+                    loss_fn: Any) -> _Subject:
     """An nn.Module (or factory) with an example batch: traced as given, never re-traced."""
     if recipe.peft:
         raise TilefitError("peft wraps a named model's linear layers; an nn.Module is traced "
@@ -159,19 +158,16 @@ def _module_subject(model: Any, batch: Any, recipe: Recipe, device: Device, *,
         raise TilefitError("an nn.Module (or factory) needs an example batch",
                            expected="audit(model, batch, ...)", given="no batch",
                            fix="pass one batch as your DataLoader yields it")
-    from tilefit.tracing import trace
+    from tilefit.tracing.step import trace_module
 
-    notes = []
+    notes = list(recipe.notes)
     if loss_fn is None and not isinstance(batch, dict):
         from tilefit.models.factory import stand_in_loss
 
         def loss_fn(m: Any, b: Any) -> Any:
             return stand_in_loss(m(b))
         notes.append("no loss_fn given: the loss is a stand-in (mean of the output)")
-    # the user's own optimizer (a name or a factory) over the recipe's name for it
-    tr = trace(model, batch, loss_fn=loss_fn, **{**recipe.step_options(), "optimizer": optimizer},
-               accumulation_steps=recipe.accumulation_steps, attention=recipe.attention,
-               device=device)
+    tr = trace_module(model, batch, recipe, device, loss_fn=loss_fn)
     notes.append("model given as an nn.Module: batch, sequence and memory what-ifs need a "
                  "re-trace and were skipped; pass a catalog name, config.json or factory for "
                  "them")

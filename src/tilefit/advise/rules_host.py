@@ -14,6 +14,7 @@ from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, effect, se
 from tilefit.advise.whatif import WhatIf
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate
+from tilefit.recipe import Compile
 from tilefit.vocab import REDUCE_OVERHEAD
 
 # Below this share of the step spent waiting for the host, no finding: the gain would be
@@ -36,7 +37,7 @@ def graphed_estimate(whatif: WhatIf) -> Estimate | None:
     if not whatif.can_retrace or recipe.grad_checkpointing or tr.world_size > 1:
         return None
     try:
-        return whatif.retrace(compile=True, compile_mode=REDUCE_OVERHEAD)
+        return whatif.retrace(compile=Compile(REDUCE_OVERHEAD))
     except TilefitError:  # a torch without Inductor, a step it cannot capture
         return None
 

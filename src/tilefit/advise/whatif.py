@@ -16,10 +16,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from tilefit.estimator import Estimate, estimate_trace
-from tilefit.estimator.workloads import Recipe
 from tilefit.hardware import Device
 from tilefit.hardware.host import HostModel
 from tilefit.models import Workload
+from tilefit.recipe import Compile, Recipe
 from tilefit.tracing.records import GemmShape, OpRecord, Trace
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ class WhatIf:
 
     def _compiled_trace(self, work: Workload, recipe: Recipe) -> Trace:
         """A compiled re-trace, shared by the compile modes (traced once, in "default")."""
-        key = (work, replace(recipe, compile_mode="default"))
+        key = (work, replace(recipe, compile=Compile()))
         if key not in self._compiled:
             assert self.retrace_fn is not None
             self.retraces += 1

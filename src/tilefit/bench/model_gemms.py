@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections import Counter
 
 from tilefit.bench.sweeps import SweepShape
-from tilefit.estimator.workloads import Recipe, estimate_workload
+from tilefit.estimator.workloads import estimate_workload
 from tilefit.hardware.device import Device
 from tilefit.models import Workload
+from tilefit.recipe import Recipe
 
 
 def model_gemm_shapes(workload: Workload, recipe: Recipe, device: Device

@@ -16,8 +16,8 @@ from typing import Any
 
 from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
-from tilefit.estimator.workloads import Recipe
 from tilefit.models import Workload
+from tilefit.recipe import Recipe
 from tilefit.vocab import PRECISIONS, mixed_precision, parse_precision
 
 # Repeated steps whose spread (max - min over the median) exceeds this are reported as

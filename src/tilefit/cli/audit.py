@@ -55,15 +55,12 @@ def audit(
 
         device = get_device(gpu)  # "auto" without a GPU: says so and names --gpu
         work = mo.load(model, seq, input_shape, task)
-        result = run_audit(work, gpu=device, batch_size=batch, precision=precision,
-                           optimizer=mo.optimizer_name(optimizer, work),
-                           grad_checkpointing=grad_checkpointing,
-                           accumulation_steps=accumulation, attention=attention,
-                           confirm=confirm,
-                           max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
-                           loss_sync=mo.loss_sync(loss_sync, work),
-                           fused_ce=fused_ce, peft=lora,
-                           compile=compile_, compile_mode=compile_mode)
+        recipe = mo.recipe(
+            work, batch_size=batch, precision=precision, optimizer=optimizer,
+            grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation,
+            attention=attention, max_grad_norm=max_grad_norm, loss_sync=loss_sync,
+            fused_ce=fused_ce, lora=lora, compile_=compile_, compile_mode=compile_mode)
+        result = run_audit(work, recipe=recipe, gpu=device, confirm=confirm)
         if html is not None:
             from tilefit.report.html import write_html
 

@@ -41,16 +41,17 @@ def step(
     estimate's prediction for the same device."""
     from tilefit.bench.step import measure_step
     from tilefit.calibrate.run import live_kind_device
-    from tilefit.cli.model_options import load, precision_name
-    from tilefit.estimator.workloads import Recipe, estimate_workload
+    from tilefit.cli.model_options import load
+    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.recipe import Recipe
 
     with user_errors():
         dev = live_kind_device(device)
         work = load(model, seq, input_shape, None)
         if layers is not None:
             work = work.with_config(num_hidden_layers=layers)
-        recipe = Recipe(batch_size=batch, precision=precision_name(precision, dev),
-                        optimizer=optimizer, grad_checkpointing=grad_checkpointing)
+        recipe = Recipe(batch_size=batch, precision=precision or "auto", optimizer=optimizer,
+                        grad_checkpointing=grad_checkpointing).on(dev)
         predicted = estimate_workload(work, recipe, dev)
         measured = measure_step(work, recipe, dev.kind, steps=steps)
     row = {
@@ -129,13 +130,13 @@ def run_model_bench(device: str, model: str, batch: int, seq: int | None,
     from tilefit.calibrate.fit import error_summary
     from tilefit.calibrate.run import live_kind_device
     from tilefit.cli.model_options import load
-    from tilefit.estimator.workloads import Recipe, default_precision
+    from tilefit.recipe import Recipe
 
     dev = live_kind_device(device)
     work = load(model, seq, None, None)
     if layers is not None:
         work = work.with_config(num_hidden_layers=layers)
-    recipe = Recipe(batch_size=batch, precision=default_precision(dev))
+    recipe = Recipe(batch_size=batch).on(dev)
     dt, shapes = model_gemm_shapes(work, recipe, dev)
     rows = run_sweep(shapes, dt, dev, quick=quick)
     med, p90 = error_summary(np.array([abs(r.error) for r in rows])) if rows else (0.0, 0.0)

@@ -45,25 +45,26 @@ def estimate(
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Predict one training step's time and peak memory on a GPU, traced on fake tensors."""
-    from tilefit.estimator.workloads import Recipe, estimate_workload
+    from tilefit.estimator import estimate_recipe
     from tilefit.hardware import get_device
+    from tilefit.recipe import training_loop_note
     from tilefit.report.terminal import print_estimate
 
     with user_errors():
         device = mo.placed(get_device(gpu), gpus, nodes, network)
         work = mo.load(model, seq, input_shape, task)
-        recipe = Recipe(batch_size=batch, precision=mo.precision_name(precision, device),
-                        optimizer=mo.optimizer_name(optimizer, work),
-                        grad_checkpointing=grad_checkpointing,
-                        accumulation_steps=accumulation, attention=attention,
-                        max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
-                        loss_sync=mo.loss_sync(loss_sync, work),
-                        fused_ce=fused_ce, peft=lora, compile=compile_,
-                        compile_mode=compile_mode)
-        result = estimate_workload(work, recipe, device, graph_breaks=graph_breaks,
-                                   world_size=gpus, strategy=strategy, offload=offload)
+        recipe = mo.recipe(
+            work, batch_size=batch, precision=precision, optimizer=optimizer,
+            grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation,
+            attention=attention, max_grad_norm=max_grad_norm, loss_sync=loss_sync,
+            fused_ce=fused_ce, lora=lora, compile_=compile_, compile_mode=compile_mode,
+            graph_breaks=graph_breaks, gpus=gpus, strategy=strategy,
+            offload=offload).on(device)
+        result = estimate_recipe(work, None, recipe, device)
+    for note in recipe.notes:
+        err_console.print(f"note: {note}", highlight=False)
     if not work.is_factory:
-        err_console.print(mo.trainer_defaults_note(recipe), highlight=False)
+        err_console.print(training_loop_note(recipe), highlight=False)
     if work.is_factory:
         err_console.print("note: the loss is a stand-in (mean of the model's output); pass your "
                           "own loss_fn through the Python API for exact numbers", highlight=False)

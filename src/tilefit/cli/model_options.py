@@ -15,13 +15,13 @@ from tilefit.vocab import (
     PRECISION_NAMES,
     STRATEGIES,
     ZERO_STRATEGIES,
+    check_compile_mode,
     check_max_grad_norm,
-    default_precision,
-    parse_precision,
 )
 
 if TYPE_CHECKING:
     from tilefit.hardware import Device
+    from tilefit.recipe import Recipe
 
 GPU_OPTION = typer.Option(
     "a100-80gb", "--gpu", help="Catalog name or alias (see `tilefit gpus`), a TOML spec file, "
@@ -86,25 +86,6 @@ def parse_shape(text: str | None) -> tuple[int, ...] | None:
     return dims
 
 
-def precision_name(text: str | None, device: Device) -> str:
-    """The canonical precision for --precision (any accepted spelling), or the device's
-    default when it is not given."""
-    return parse_precision(text).name if text else default_precision(device)
-
-
-# transformers.TrainingArguments(optim="adamw_torch_fused") with torch >= 2.8
-HF_TRAINER_OPTIMIZER = "adamw-fused"
-
-
-def optimizer_name(text: str | None, work: Any) -> str:
-    """--optimizer, or by default what the model's usual training loop runs: the HF
-    Trainer's fused AdamW for Hugging Face models, torch.optim.AdamW's default for plain
-    modules (checked against tilefit.vocab.OPTIMIZER_NAMES where it is traced)."""
-    if text is None:
-        return "adamw" if work.is_factory else HF_TRAINER_OPTIMIZER
-    return text
-
-
 LOSS_SYNC_OPTION = typer.Option(
     None, "--loss-sync/--no-loss-sync",
     help="The training loop reads the loss on the host after each micro-batch, waiting for "
@@ -137,33 +118,8 @@ COMPILE_MODE_OPTION = typer.Option(
     "graph on the host, their memory in a private pool; GPUs only).")
 
 
-def loss_sync(flag: bool | None, work: Any) -> bool:
-    """--loss-sync, or by default what the model's usual loop does (the HF Trainer's
-    non-finite loss filter for Hugging Face models; nothing for plain modules)."""
-    return (not work.is_factory) if flag is None else flag
-
-
-def trainer_defaults_note(recipe: Any) -> str:
-    """What the estimate of a Hugging Face model assumed of its training loop."""
-    clip = (f"gradients clipped at {recipe.max_grad_norm}" if recipe.max_grad_norm
-            else "no clipping")
-    sync = "the loss read each micro-batch" if recipe.loss_sync else "no loss read"
-    return (f"note: the training loop as assumed: {clip}, {recipe.optimizer}, {sync} (the "
-            "Hugging Face Trainer's defaults are max_grad_norm=1.0, optim='adamw_torch_fused', "
-            "logging_nan_inf_filter=True; --max-grad-norm, --optimizer and --no-loss-sync "
-            "change them)")
-
-
-# transformers.TrainingArguments(max_grad_norm=1.0): the Trainer clips by default
-HF_TRAINER_MAX_GRAD_NORM = 1.0
-
-
-def max_grad_norm(text: str | None, work: Any) -> float | None:
-    """--max-grad-norm: a positive number or 'none'; by default what the model's usual
-    training loop does (the HF Trainer's 1.0 for Hugging Face models, no clipping for
-    plain modules)."""
-    if text is None:
-        return None if work.is_factory else HF_TRAINER_MAX_GRAD_NORM
+def max_grad_norm(text: str) -> float | None:
+    """--max-grad-norm: a positive number, or 'none' (no clipping)."""
     if text.strip().lower() in ("none", "off", "no"):
         return None
     try:
@@ -172,6 +128,30 @@ def max_grad_norm(text: str | None, work: Any) -> float | None:
         value = float("nan")
     check_max_grad_norm(value, given=repr(text))
     return value
+
+
+def recipe(work: Any, *, compile_: bool = False, compile_mode: str = "default",
+           graph_breaks: bool = False, gpus: int = 1, strategy: str | None = None,
+           offload: bool = False, lora: bool = False, **flags: Any) -> Recipe:
+    """The Recipe of the command line's flags: ``Recipe.for_model`` (the Trainer's loop for
+    Hugging Face models, plain PyTorch's for module:function models) with the flags the
+    user gave on top (None: not given). The same function Python users call, so the CLI and
+    Python agree by construction."""
+    from tilefit.recipe import Compile, Lora, Parallelism
+    from tilefit.recipe import Recipe as Recipe_
+
+    if graph_breaks and not compile_:
+        raise TilefitError("--graph-breaks looks for torch.compile's graph breaks",
+                           expected="--compile with --graph-breaks", given="no --compile",
+                           fix="add --compile")
+    check_compile_mode(compile_mode, compile_)
+    given = {k: v for k, v in flags.items() if v is not None}
+    if isinstance(given.get("max_grad_norm"), str):
+        given["max_grad_norm"] = max_grad_norm(given["max_grad_norm"])
+    return Recipe_.for_model(
+        work, **given, lora=Lora() if lora else None,
+        compile=Compile(compile_mode, graph_breaks) if compile_ else None,
+        parallel=Parallelism(world_size=gpus, strategy=strategy, offload=offload))
 
 
 def load(model: str, seq: int | None, input_shape: str | None, task: str | None):  # type: ignore[no-untyped-def]

@@ -57,6 +57,7 @@ def plan(
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Choose batch, accumulation, checkpointing, precision and optimizer together, with configs."""
+    from tilefit.planner import PlanSearch
     from tilefit.planner import plan as run_plan
     from tilefit.planner.multiplan import check_divisible
     from tilefit.planner.plan import check_fraction
@@ -71,15 +72,14 @@ def plan(
             check_divisible(global_batch, gpus)
         b_noise = None if noise_scale is None else read_noise_scale(noise_scale)
         work = mo.load(model, seq, input_shape, task)
-        result = run_plan(work, gpu=gpu, global_batch=global_batch,
-                          memory_fraction=memory_fraction, objective=objective,
-                          optimizer=mo.optimizer_name(optimizer, work),
-                          allow_optimizer_change=allow_optimizer_change,
-                          allow_peft=allow_peft,
-                          max_grad_norm=mo.max_grad_norm(max_grad_norm, work),
-                          loss_sync=mo.loss_sync(loss_sync, work),
-                          fused_ce=fused_ce,
-                          compile=compile_, world_size=gpus, strategy=strategy)
+        recipe = mo.recipe(work, optimizer=optimizer, max_grad_norm=max_grad_norm,
+                           loss_sync=loss_sync, fused_ce=fused_ce, compile_=compile_,
+                           gpus=gpus, strategy=strategy)
+        result = run_plan(work, gpu=gpu, global_batch=global_batch, recipe=recipe,
+                          search=PlanSearch(memory_fraction=memory_fraction,
+                                            objective=objective,
+                                            allow_optimizer_change=allow_optimizer_change,
+                                            allow_lora=allow_peft))
         written = None if write_configs is None else write_launch_files(
             result, Path(write_configs))
     if work.is_factory:

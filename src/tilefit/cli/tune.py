@@ -188,7 +188,8 @@ def _run(options: TuneOptions, *, show_progress: bool, job: Job | None = None) -
     try:
         limit_bytes = None if options.memory_limit is None else parse_bytes(options.memory_limit)
         workload = _workload(options)
-        factory = optimizer_factory(mo.optimizer_name(options.optimizer, workload))
+        factory = optimizer_factory(options.optimizer
+                                    or mo.recipe(workload).to_dict()["optimizer"])
         torch_device = live_device(options.gpu)
         precision = live_precision(options.precision, torch_device)
         report.line(f"building {options.model} on {torch_device} ({precision})")

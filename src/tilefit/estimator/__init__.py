@@ -21,9 +21,17 @@ from tilefit.estimator.fusion import compiled_op_time_s
 from tilefit.estimator.result import Estimate, ModuleSummary, OpCost
 from tilefit.estimator.steptime import step_timeline
 from tilefit.estimator.timeline import Timeline
-from tilefit.estimator.zero import DEEPSPEED_DEFAULTS, ZeroConfig
-from tilefit.estimator.zero_step import estimate_zero, is_zero, traced_setup
+from tilefit.estimator.zero_step import estimate_zero, is_zero, traced_recipe
 from tilefit.hardware import Device, get_device
+from tilefit.legacy import read_legacy
+from tilefit.recipe import (
+    DEFAULT_GPU,
+    Parallelism,
+    Recipe,
+    ZeroConfig,
+    batch_recipe,
+    is_named_model,
+)
 from tilefit.tracing.records import Trace
 from tilefit.vocab import MICRO_PHASES, OPTIMIZER_PHASES, parse_precision
 
@@ -58,54 +66,60 @@ def overhead_bytes(device: Device) -> int:
     return CUDA_CONTEXT_BYTES + cublas_workspace_bytes(device)
 
 
-def estimate(model: Any, batch: Any, *, loss_fn: Any = None, optimizer: Any = "adamw",
-             precision: str = "fp32", grad_checkpointing: bool = False,
-             accumulation_steps: int = 1, attention: str = "auto",
-             device: str | Device = "cpu", max_grad_norm: float | None = None,
-             loss_sync: bool = False, compile: bool = False, compile_mode: str = "default",
-             graph_breaks: bool = False, world_size: int = 1,
-             strategy: str | None = None, offload: bool = False,
-             zero_config: ZeroConfig = DEEPSPEED_DEFAULTS) -> Estimate:
-    """Predict one training step's time and peak memory on ``device`` (a catalog name, a
-    Device, or "cpu" for this machine) without running it: the step is traced on fake
-    tensors as the device would run it, then costed op by op. ``compile``: the forward and
-    backward as torch.compile (Inductor) runs them, costed kernel by kernel
-    (tilefit.estimator.fusion), in ``compile_mode`` ("reduce-overhead": replayed as CUDA
-    graphs, tilefit.estimator.cudagraphs); ``graph_breaks``: list Dynamo's graph breaks in
-    the notes.
-    ``world_size`` GPUs with ``strategy`` ("ddp" or "fsdp2", the default on several GPUs):
-    one rank's step with the engine's collectives (``batch`` is one rank's micro-batch);
-    ``Estimate.parallel`` summarises communication, throughput and scaling.
-    ``strategy`` "zero1" / "zero2" / "zero3": DeepSpeed ZeRO, modelled on the one-GPU trace
-    (``Estimate.parallel.modelled``; tilefit.estimator.zero), ``offload`` its optimizer on
-    the CPU, ``zero_config`` the bucket sizes of your DeepSpeed config."""
-    from tilefit.tracing import trace
+def estimate(model: Any, batch: Any = None, *, recipe: Recipe | None = None,
+             gpu: str | Device | None = None, loss_fn: Any = None, **legacy: Any) -> Estimate:
+    """Predict one training step's time and peak memory on ``gpu`` (a catalog name, a
+    Device, or "cpu" for this machine; default DEFAULT_GPU) without running it: the step is
+    traced on fake tensors as the GPU would run it (``tilefit.trace``: ``model``, ``batch``,
+    ``recipe`` and ``loss_fn`` as there), then costed op by op.
+
+    ``recipe.compile``: the forward and backward as torch.compile (Inductor) runs them,
+    costed kernel by kernel (tilefit.estimator.fusion; mode "reduce-overhead": replayed as
+    CUDA graphs, tilefit.estimator.cudagraphs; ``graph_breaks``: Dynamo's breaks listed in
+    the notes). ``recipe.parallel``: one rank's step of ``world_size`` GPUs with the
+    engine's collectives (ddp, fsdp2), ``Estimate.parallel`` summarising communication,
+    throughput and scaling; DeepSpeed ZeRO (zero1-3, ``offload``, the ``zero`` buckets)
+    modelled on the one-GPU trace (``Estimate.parallel.modelled``; tilefit.estimator.zero).
+    The old keywords (precision=, device=, world_size=, ...) still work, with a
+    DeprecationWarning (tilefit.legacy)."""
+    from tilefit.tracing.step import LEGACY_DEFAULTS
+
+    old = read_legacy("estimate", recipe, legacy, LEGACY_DEFAULTS)
+    if gpu is None:
+        gpu = old.rest.get("device", "cpu" if legacy else DEFAULT_GPU)
+    elif "device" in old.rest:
+        raise TypeError("estimate() got both gpu= and its old spelling device=")
+    recipe = old.recipe or Recipe.for_model(model)
+    if is_named_model(model):
+        recipe = batch_recipe(recipe, batch)
+    return estimate_recipe(model, batch, recipe, get_device(gpu), loss_fn=loss_fn)
+
+
+def estimate_recipe(model: Any, batch: Any, recipe: Recipe, device: Device, *,
+                    loss_fn: Any = None) -> Estimate:
+    """The estimate of ``model`` (named, or a module with its example ``batch``) under a
+    validated ``recipe`` on ``device``: the one path estimate, the CLI and the audit take."""
     from tilefit.tracing.gc_pause import gc_paused
+    from tilefit.tracing.step import trace_module
+    from tilefit.tracing.workloads import trace_workload
 
-    dev = get_device(device)
-    if world_size > 1:
-        check_world_size(dev, world_size)
-    traced_world, traced_strategy = traced_setup(world_size, strategy, offload)
+    if recipe.parallel.world_size > 1:
+        check_world_size(device, recipe.parallel.world_size)
+    traced = traced_recipe(recipe)
     with gc_paused():  # the trace's objects are all alive until it is costed
-        tr = trace(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
-                   grad_checkpointing=grad_checkpointing,
-                   accumulation_steps=accumulation_steps, attention=attention, device=dev,
-                   max_grad_norm=max_grad_norm, loss_sync=loss_sync, compile=compile,
-                   compile_mode=compile_mode, graph_breaks=graph_breaks,
-                   world_size=traced_world, strategy=traced_strategy)
-        return estimate_strategy(tr, dev, world_size, strategy, offload, zero_config)
+        tr = (trace_workload(model, traced, device) if is_named_model(model)
+              else trace_module(model, batch, traced, device, loss_fn=loss_fn))
+        return estimate_strategy(tr, device, recipe.parallel)
 
 
-def estimate_strategy(tr: Trace, device: Device, world_size: int, strategy: str | None,
-                      offload: bool = False,
-                      zero_config: ZeroConfig = DEEPSPEED_DEFAULTS) -> Estimate:
+def estimate_strategy(tr: Trace, device: Device, parallel: Parallelism) -> Estimate:
     """The trace's estimate; under a ZeRO strategy, one of ``world_size`` ranks, modelled."""
     base = estimate_trace(tr, device)
-    if not is_zero(strategy):
+    if not is_zero(parallel.strategy):
         return base
-    assert strategy is not None
-    return estimate_zero(base, tr, device, strategy, world_size, offload=offload,
-                         config=zero_config)
+    assert parallel.strategy is not None
+    return estimate_zero(base, tr, device, parallel.strategy, parallel.world_size,
+                         offload=parallel.offload, config=parallel.zero)
 
 
 def estimate_trace(tr: Trace, device: Device,

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tilefit.errors import TilefitError
+from tilefit.recipe import DEEPSPEED_DEFAULTS, ZeroConfig
 from tilefit.vocab import ZERO_STRATEGIES
 
 MASTER_BYTES = 4  # fp32 master copy of each parameter in the partition
@@ -41,23 +42,7 @@ LOAD_BYTES = 4  # DeepSpeed's CPU estimate: each process holds the fp32 model wh
 CPU_BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor default for CPU memory
 
 
-@dataclass(frozen=True)
-class ZeroConfig:
-    """DeepSpeed's zero_optimization settings that size buffers and collectives, at their
-    defaults (deepspeed/runtime/zero/config.py, DeepSpeed 0.19.8); sizes in elements."""
-
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_max_live_parameters: int = 1_000_000_000
-    stage3_max_reuse_distance: int = 1_000_000_000
-    overlap_comm: bool | None = None  # None: DeepSpeed's default, True at stage 3 only
-
-    def overlaps(self, stage: int) -> bool:
-        return stage == 3 if self.overlap_comm is None else self.overlap_comm
-
-
-DEEPSPEED_DEFAULTS = ZeroConfig()
+# DeepSpeed's bucket sizes are part of the recipe (tilefit.recipe.Parallelism.zero)
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 from typing import Any
 
 from tilefit.dtypes import parse_dtype
-from tilefit.errors import TilefitError
 from tilefit.estimator.collectives import (
     ParallelSummary,
     bus_bandwidth_bytes_per_s,
@@ -41,11 +41,11 @@ from tilefit.estimator.zero import (
     zero_stage,
 )
 from tilefit.hardware import Device
+from tilefit.recipe import ONE_GPU, Recipe
 from tilefit.tracing.records import Trace
 from tilefit.vocab import (
     MICRO_PHASES,
     OPTIMIZER_PHASES,
-    STRATEGIES,
     ZERO_STRATEGIES,
     parse_precision,
 )
@@ -57,24 +57,12 @@ def is_zero(strategy: str | None) -> bool:
     return strategy is not None and str(strategy).strip().lower() in ZERO_STRATEGIES
 
 
-def traced_setup(world_size: int, strategy: str | None, offload: bool
-                 ) -> tuple[int, str | None]:
-    """(world size, strategy) to trace: ZeRO is modelled on the one-GPU trace; ``offload``
-    is ZeRO's only."""
-    if is_zero(strategy):
-        return 1, None
-    if strategy is not None and str(strategy).strip().lower() not in STRATEGIES:
-        raise TilefitError(f"unknown data-parallel strategy {strategy!r}",
-                           expected="one of " + ", ".join((*STRATEGIES, *ZERO_STRATEGIES)),
-                           given=repr(strategy),
-                           fix="pass --strategy fsdp2 (traced), or zero2 (DeepSpeed, modelled)")
-    if offload:
-        raise TilefitError(
-            "offload of the optimizer to the CPU is modelled for DeepSpeed ZeRO only",
-            expected="strategy zero1, zero2 or zero3 with offload",
-            given=f"offload with strategy {strategy!r}",
-            fix="pass --strategy zero2 --offload, or drop --offload")
-    return world_size, strategy
+def traced_recipe(recipe: Recipe) -> Recipe:
+    """The recipe to trace: ZeRO is modelled on the one-GPU trace (tilefit.estimator.zero);
+    DDP and FSDP2 are traced as they are."""
+    if is_zero(recipe.parallel.strategy):
+        return replace(recipe, parallel=ONE_GPU)
+    return recipe
 
 
 def zero_inputs(tr: Trace) -> ZeroInputs:

@@ -149,7 +149,7 @@ class Workload:
         if "num_labels" in changes:  # id2label would otherwise win over num_labels
             new.pop("id2label", None)
             new.pop("label2id", None)
-        return _hf_workload(self.name, new, task=self.task, seq_len=self.seq_len)
+        return hf_workload(self.name, new, task=self.task, seq_len=self.seq_len)
 
     def with_seq_len(self, seq_len: int) -> Workload:
         """The same workload with another sequence length (checked against the model's limit)."""
@@ -161,7 +161,7 @@ class Workload:
                 fix="change the input shape instead",
             )
         assert self.config is not None
-        return _hf_workload(self.name, dict(self.config), task=self.task, seq_len=seq_len)
+        return hf_workload(self.name, dict(self.config), task=self.task, seq_len=seq_len)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -199,10 +199,10 @@ def load_workload(
     name = catalog.resolve_name(source)
     if name is not None:
         config = catalog.catalog_entry(name)
-        return _hf_workload(name, config, task=task, seq_len=seq_len, input_shape=input_shape)
+        return hf_workload(name, config, task=task, seq_len=seq_len, input_shape=input_shape)
     path = Path(os.path.expanduser(source))
     if path.suffix == ".json" or path.is_file() or path.is_dir():
-        return _hf_workload(source, _read_config(path), task=task, seq_len=seq_len,
+        return hf_workload(source, _read_config(path), task=task, seq_len=seq_len,
                             input_shape=input_shape)
     if factory.looks_like_factory(source):
         return _factory_workload(source, seq_len=seq_len, input_shape=input_shape, task=task)
@@ -238,7 +238,7 @@ def _read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def _hf_workload(
+def hf_workload(
     name: str,
     config: dict[str, Any],
     *,

@@ -5,7 +5,8 @@ model), search (tracing a recipe into rows), offload (ZeRO-Offload model), multi
 fallback), rank (the choice), configs (what to paste), plan (the entry point).
 """
 
-from tilefit.planner.plan import Confirmation, Plan, plan
+from tilefit.planner.plan import Confirmation, Plan  # noqa: I001 (plan, the function, last)
 from tilefit.planner.rows import PlanRow
+from tilefit.planner.api import PlanSearch, plan
 
-__all__ = ["Confirmation", "Plan", "PlanRow", "plan"]
+__all__ = ["Confirmation", "Plan", "PlanRow", "PlanSearch", "plan"]

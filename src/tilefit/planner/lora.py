@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from tilefit.models import Workload
-    from tilefit.vocab import Recipe
+    from tilefit.recipe import Recipe
 
 
 def require_peft() -> Any:

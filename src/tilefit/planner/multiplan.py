@@ -26,8 +26,9 @@ from tilefit.planner import space
 from tilefit.planner.affine import SweepModel
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.search import Depth, row_from, safe_sweep, zero_sweeps
+from tilefit.recipe import Recipe
 from tilefit.tracing.distributed import Parallel, parallel_spec
-from tilefit.vocab import PRECISIONS, STRATEGIES, ZERO_STRATEGIES, Recipe
+from tilefit.vocab import PRECISIONS, STRATEGIES, ZERO_STRATEGIES
 
 # FSDP2 wraps each block of a list of two or more (tilefit.tracing.distributed.
 # find_layer_list): a deep model is traced at 2 and 3 layers (not 1 and 2, where one block

@@ -13,6 +13,7 @@ from tilefit.hardware import Device, get_device
 from tilefit.models import Workload
 from tilefit.planner import configs, multiplan, rank, space
 from tilefit.planner.affine import SweepModel
+from tilefit.planner.api import DEFAULT_MEMORY_FRACTION, PlanSearch, searched_fields_note
 from tilefit.planner.lora import require_peft
 from tilefit.planner.multigpu import MAX_GPUS, smallest_setup
 from tilefit.planner.offload import (
@@ -32,13 +33,13 @@ from tilefit.planner.search import (
     safe_sweep,
     trace_sample,
 )
+from tilefit.recipe import Recipe
 from tilefit.tracing.distributed import parallel_spec
-from tilefit.vocab import ZERO_STRATEGIES, Recipe
+from tilefit.vocab import ZERO_STRATEGIES
 
 # The share of the GPU's memory a plan may use: the caching allocator fragments (PyTorch's
 # CUDA memory notes: reserved exceeds allocated by a few to ~10 percent on long runs), so
 # 10 percent is kept as headroom by default.
-DEFAULT_MEMORY_FRACTION = 0.9
 MAX_CONFIRMS = 3
 # When nothing fits one GPU: the GPU counts traced from the formula's fewest up
 FALLBACK_GPU_COUNTS = 3
@@ -223,17 +224,11 @@ class _Planner:
         return confirmed, conf
 
 
-def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
-         seq_len: int | None = None, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
-         objective: str = "throughput", optimizer: str = "adamw",
-         allow_optimizer_change: bool = False, allow_peft: bool = False,
-         max_grad_norm: float | None = None, loss_sync: bool = False, fused_ce: bool = False,
-         compile: bool = False, input_shape: tuple[int, ...] | None = None, task: str | None = None,
-         confirm: bool = True, layer_lever: bool | None = None,
-         pcie_bytes_per_s: float | None = None,
-         host_bandwidth_bytes_per_s: float | None = None,
-         world_size: int = 1, strategy: str | None = None) -> Plan:
-    """Search training recipes for ``model`` on ``gpu`` at a fixed global batch.
+def search_plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
+                seq_len: int | None, recipe: Recipe, search: PlanSearch,
+                input_shape: tuple[int, ...] | None = None, task: str | None = None) -> Plan:
+    """Search training recipes for ``model`` on ``gpu`` at a fixed global batch
+    (tilefit.plan, tilefit.planner.api, is the public entry point).
 
     Every plan keeps micro_batch x accumulation_steps == global_batch. Recipes that keep the
     user's ``optimizer`` are searched first (precision the GPU supports, SDPA/eager attention,
@@ -247,6 +242,13 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
     checkpointing x precision, traced as rank 0 of the real engine; memory per GPU, the
     throughput of all GPUs, configs that launch (``tilefit.planner.launch``).
     """
+    memory_fraction, objective = search.memory_fraction, search.objective
+    allow_optimizer_change, allow_peft = search.allow_optimizer_change, search.allow_lora
+    confirm, layer_lever = search.confirm, search.layer_lever
+    pcie_bytes_per_s = search.pcie_bytes_per_s
+    host_bandwidth_bytes_per_s = search.host_bandwidth_bytes_per_s
+    world_size, strategy = recipe.parallel.world_size, recipe.parallel.strategy
+    optimizer, compile = _optimizer_name(recipe), recipe.compile is not None
     started = time.perf_counter()
     check_fraction(memory_fraction)
     rank.check_objective(objective)
@@ -269,9 +271,11 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
         depth = depth_of(work, use_lever=layer_lever)
     except TilefitError:
         depth = Depth(None, 1, (1,))
-    user = Recipe(max_grad_norm=max_grad_norm, loss_sync=loss_sync, fused_ce=fused_ce,
-                  compile=compile)
+    user = Recipe(max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync,
+                  fused_ce=recipe.fused_ce, compile=recipe.compile)
     p = _Planner(work, device, global_batch, budget, optimizer, depth, link, user)
+    note = searched_fields_note(recipe)
+    p.notes.extend([*recipe.notes, *([note] if note else [])])
     p.world_size = world_size
     hf_model = not work.is_factory
     if world_size > 1:
@@ -295,6 +299,14 @@ def plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
         overhead_bytes=overhead, rows=tuple(rows), best=best, reason=reason, confirmation=conf,
         configs=cfg, multi_gpu=multi, notes=tuple(p.notes), traces=p.traces,
         wall_time_s=time.perf_counter() - started, world_size=world_size)
+
+
+def _optimizer_name(recipe: Recipe) -> str:
+    if callable(recipe.optimizer):
+        raise TilefitError("plan searches optimizers by name", expected="Recipe(optimizer="
+                           "'adamw') or another name of tilefit.vocab.OPTIMIZER_NAMES",
+                           given=repr(recipe.optimizer), fix="name the optimizer")
+    return recipe.optimizer
 
 
 def _configs_of(best: PlanRow | None, work: Workload) -> dict[str, Any]:
@@ -506,4 +518,4 @@ def _formula_gpus(p: _Planner, optimizer: str, hf_model: bool, budget: int) -> i
     return fewest
 
 
-__all__ = ["DEFAULT_MEMORY_FRACTION", "SWEEP_ACCUMULATION", "Confirmation", "Plan", "plan"]
+__all__ = ["DEFAULT_MEMORY_FRACTION", "SWEEP_ACCUMULATION", "Confirmation", "Plan", "search_plan"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tilefit.vocab import Recipe
+from tilefit.recipe import Recipe
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from tilefit.batches import is_friendly
@@ -16,10 +16,11 @@ from tilefit.planner.offload import OffloadLink, offload_peak_bytes, offload_ste
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.sample import Sample, sample_of
 from tilefit.planner.space import OPTIMIZER_LABELS
+from tilefit.recipe import Parallelism, Recipe
 from tilefit.tracing import Trace
 from tilefit.tracing.distributed import Parallel
 from tilefit.tracing.fused_loss import fused_ce_affine_tokens
-from tilefit.vocab import Recipe, parse_precision, same_update
+from tilefit.vocab import parse_precision, same_update
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -99,9 +100,10 @@ def trace_point(workload: Workload, spec: Recipe, micro_batch: int, layers: int,
     work = workload
     if depth.field is not None and layers != depth.full:
         work = workload.with_config(**{depth.field: layers})
-    return trace_workload(work, spec.with_batch(micro_batch, accumulation_steps), device,
-                          world_size=1 if parallel is None else parallel.world_size,
-                          strategy=None if parallel is None else parallel.strategy)
+    recipe = spec.with_batch(micro_batch, accumulation_steps)
+    if parallel is not None:
+        recipe = replace(recipe, parallel=Parallelism(parallel.world_size, parallel.strategy))
+    return trace_workload(work, recipe, device)
 
 
 def zero_sample(tr: Trace, base: Estimate, device: Device, parallel: Parallel,

@@ -3,8 +3,7 @@
 The global batch is the user's training recipe (it sets the gradient noise and the learning
 rate schedule), so every candidate keeps micro_batch x accumulation_steps == global_batch
 exactly; only divisors of the global batch are micro-batch candidates. A recipe here is a
-tilefit.vocab.Recipe whose batch is set per trace (Recipe.with_batch); Recipe.key() is the
-recipe without its batch.
+tilefit.recipe.Recipe whose batch is set per trace (Recipe.with_batch).
 """
 
 from __future__ import annotations
@@ -12,7 +11,8 @@ from __future__ import annotations
 from tilefit.batches import divisors, is_friendly
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device
-from tilefit.vocab import FUSED_IMPLEMENTATION, PRECISIONS, Recipe, device_precisions
+from tilefit.recipe import Lora, Recipe
+from tilefit.vocab import FUSED_IMPLEMENTATION, PRECISIONS, device_precisions
 
 # What a change of optimizer means for training, shown in the plan's "changes" column.
 OPTIMIZER_LABELS = {
@@ -137,4 +137,4 @@ def peft_recipes(device: Device, optimizer: str) -> list[Recipe]:
     (Hugging Face models only: the adapters wrap their linear layers)."""
     prec = precisions(device)[0]
     return [Recipe(precision=prec, optimizer=optimizer, grad_checkpointing=ckpt,
-                   attention="sdpa", peft=True) for ckpt in (False, True)]
+                   attention="sdpa", lora=Lora()) for ckpt in (False, True)]

@@ -16,6 +16,14 @@ from torch.utils._pytree import tree_map
 from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device, get_device
+from tilefit.legacy import read_legacy
+from tilefit.recipe import (
+    DEFAULT_GPU,
+    PLAIN_PYTORCH,
+    Recipe,
+    batch_recipe,
+    is_named_model,
+)
 from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.autocast import CudaAutocast
 from tilefit.tracing.compiled import (
@@ -40,7 +48,6 @@ from tilefit.tracing.hf_compat import (
     use_checkpoint_function,
 )
 from tilefit.tracing.optimizers import (
-    OPTIMIZER_NAMES,
     OptimizerSpec,
     host_step_counters,
     make_optimizer,
@@ -57,17 +64,16 @@ from tilefit.tracing.torch_compat import (
     new_fake_mode,
 )
 from tilefit.vocab import (
-    ATTENTIONS,
     MICRO_PHASES,
     Precision,
     check_compile_mode,
-    check_max_grad_norm,
     check_precision_supported,
     gpus_supporting,
-    parse_precision,
 )
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
+# what trace() did before recipe= (tilefit.legacy): fp32, plain PyTorch's loop, on the CPU
+LEGACY_DEFAULTS: dict[str, Any] = {**PLAIN_PYTORCH, "precision": "fp32"}
 ModelSpec = nn.Module | Callable[[], nn.Module]
 
 # torch.amp.GradScaler's defaults (torch/amp/grad_scaler.py): init_scale 2**16,
@@ -83,22 +89,8 @@ def resolve_target(device: str | Device) -> tuple[Target, Device | None]:
     return Target.from_device(dev), dev
 
 
-def check_options(precision: str, optimizer: OptimizerSpec, attention: str,
-                  accumulation_steps: int, device: Device | None) -> None:
-    spec = parse_precision(precision)
-    if isinstance(optimizer, str) and optimizer.lower() not in OPTIMIZER_NAMES:
-        raise TilefitError(f"unknown optimizer {optimizer!r}",
-                           expected="one of " + ", ".join(OPTIMIZER_NAMES),
-                           given=repr(optimizer), fix="pass one of the names above")
-    if attention not in ATTENTIONS:
-        raise TilefitError(f"unknown attention implementation {attention!r}",
-                           expected="one of " + ", ".join(ATTENTIONS), given=repr(attention),
-                           fix="use sdpa (PyTorch's fused kernels) unless you need eager")
-    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) \
-            or accumulation_steps < 1:
-        raise TilefitError("accumulation_steps must be a whole number >= 1",
-                           expected="1, 2, 4, ...", given=repr(accumulation_steps),
-                           fix="pass the number of micro-batches per optimizer step")
+def check_device_options(spec: Precision, device: Device | None) -> None:
+    """The precision against the target (the recipe checked the rest when it was made)."""
     if device is not None:
         check_precision_supported(spec, device)
     elif spec.requires == "fp8":
@@ -345,63 +337,67 @@ class _Prepared:
     notes: tuple[str, ...] = ()  # what wrapping the model in a data-parallel engine noted
 
 
-def trace(
-    model: ModelSpec,
-    batch: Any,
-    *,
-    loss_fn: LossFn | None = None,
-    optimizer: OptimizerSpec = "adamw",
-    precision: str = "fp32",
-    grad_checkpointing: bool = False,
-    accumulation_steps: int = 1,
-    attention: str = "auto",
-    device: str | Device = "cpu",
-    replay_steady_step: bool = True,
-    max_grad_norm: float | None = None,
-    loss_sync: bool = False,
-    compile: bool = False,
-    compile_mode: str = "default",
-    graph_breaks: bool = False,
-    world_size: int = 1,
-    strategy: str | None = None,
-) -> Trace:
+def trace(model: Any, batch: Any = None, *, recipe: Recipe | None = None,
+          gpu: str | Device | None = None, loss_fn: LossFn | None = None,
+          replay_steady_step: bool = True, **legacy: Any) -> Trace:
     """Trace two training steps (the first creates optimizer state lazily; the second is the
-    steady state) of ``model`` on ``batch`` as ``device`` would run them, on fake tensors.
+    steady state) of ``model`` under ``recipe`` as ``gpu`` would run them, on fake tensors.
+
+    ``model``: a catalog name, a config.json path, ``package.module:function`` or a
+    tilefit Workload (``batch``: the micro-batch size, default ``recipe.batch_size``), or an
+    nn.Module / zero-argument factory with an example ``batch`` as your DataLoader yields it
+    (its samples are the micro-batch; ``loss_fn(model, batch)`` the loss, by default the
+    model output's ``.loss`` or its mean). ``recipe``: the step (tilefit.recipe.Recipe;
+    default ``Recipe.for_model(model)``, the loop the model's framework runs), its
+    ``precision="auto"`` the GPU's default. ``gpu``: a catalog name, a Device, or "cpu" for
+    this machine (default DEFAULT_GPU). With ``recipe.parallel`` on several GPUs (ddp or
+    fsdp2) rank 0 is traced, the model wrapped in the real engine under PyTorch's fake
+    process group (tilefit.tracing.distributed); the batch is one rank's. DDP runs both
+    steps in full: it rebuilds its buckets in the second forward.
 
     The steady step's forward and backward are the first step's again (same ops, same
-    tensors; only the optimizer state around them differs), so by default they are replayed
-    from the first step's records rather than run twice; its optimizer step always runs.
-    ``replay_steady_step=False`` runs both steps in full (a check of that assumption for
-    models whose second forward differs, such as lazy modules). ``max_grad_norm``: clip the
-    gradients' total norm before each optimizer step, as the Hugging Face Trainer (1.0 by
-    default) and Lightning's gradient_clip_val do. ``loss_sync``: the loop reads the loss on
-    the host after each micro-batch's backward, so the host waits for the GPU there (the HF
-    Trainer's default logging_nan_inf_filter=True does; so does a loss printed or logged
-    to a progress bar each step). ``compile``: the forward and backward as
-    ``torch.compile`` (Inductor, default mode) runs them (tilefit.tracing.compiled): the
-    activations its partitioner saves, its fused kernels; the optimizer step stays eager.
-    ``compile_mode`` (with ``compile``): "reduce-overhead" replays the graphs as CUDA graphs
-    (CUDA targets only; the same ops, recorded on the trace for the estimator).
-    ``graph_breaks`` (with ``compile``): run Dynamo over the step first and list where it
-    would break it into several graphs (the prediction is of one graph); seconds more.
-    ``world_size`` and ``strategy`` ("ddp" or "fsdp2"; several
-    GPUs default to fsdp2): trace rank 0 of a data-parallel step, the model wrapped in the
-    real engine under PyTorch's fake process group (tilefit.tracing.distributed); the batch
-    is one rank's. DDP runs both steps in full: it rebuilds its buckets in the second
-    forward."""
-    target, dev = resolve_target(device)
-    parallel = parallel_spec(world_size, strategy)
-    check_options(precision, optimizer, attention, accumulation_steps, dev)
-    check_max_grad_norm(max_grad_norm)
+    tensors), so by default they are replayed from the first step's records rather than run
+    twice; its optimizer step always runs. ``replay_steady_step=False`` runs both steps in
+    full (a check of that assumption for models whose second forward differs). The old
+    keywords (precision=, device=, compile=, ...) still work, with a DeprecationWarning
+    (tilefit.legacy)."""
+    old = read_legacy("trace", recipe, legacy, LEGACY_DEFAULTS)
+    if gpu is None:
+        gpu = old.rest.get("device", "cpu" if legacy else DEFAULT_GPU)
+    elif "device" in old.rest:
+        raise TypeError("trace() got both gpu= and its old spelling device=")
+    if is_named_model(model):
+        from tilefit.tracing.workloads import trace_workload
+
+        recipe = old.recipe or Recipe.for_model(model)
+        return trace_workload(model, batch_recipe(recipe, batch), gpu)
+    return trace_module(model, batch, old.recipe or Recipe.for_model(model), gpu,
+                        loss_fn=loss_fn, replay_steady_step=replay_steady_step)
+
+
+def trace_module(model: ModelSpec, batch: Any, recipe: Recipe, gpu: str | Device, *,
+                 loss_fn: LossFn | None = None, replay_steady_step: bool = True) -> Trace:
+    """``trace`` of an nn.Module or factory on an example batch (the recipe's own batch
+    size is the batch's): the one place a recipe becomes the tracer's options."""
+    if batch is None:
+        raise TilefitError("an nn.Module (or factory) needs an example batch",
+                           expected="trace(model, batch, ...)", given="no batch",
+                           fix="pass one batch as your DataLoader yields it")
+    target, dev = resolve_target(gpu)
+    recipe = recipe.on(dev)
+    parallel = parallel_spec(recipe.parallel.world_size, recipe.parallel.strategy)
+    check_device_options(recipe.spec, dev)
+    compiled = recipe.compile
     options = TraceOptions(
-        loss_fn=loss_fn or default_loss, optimizer=optimizer,
-        precision=parse_precision(precision), grad_checkpointing=grad_checkpointing,
-        accumulation_steps=accumulation_steps, attention=attention,
+        loss_fn=loss_fn or default_loss, optimizer=recipe.optimizer, precision=recipe.spec,
+        grad_checkpointing=recipe.grad_checkpointing,
+        accumulation_steps=recipe.accumulation_steps, attention=recipe.attention,
         # DDP's steady buckets come from its rebuild in the second forward: no replay
         replay_steady_step=replay_steady_step and (parallel is None
                                                    or parallel.strategy != "ddp"),
-        max_grad_norm=max_grad_norm, loss_sync=loss_sync, compile=compile,
-        compile_mode=compile_mode, graph_breaks=graph_breaks, parallel=parallel,
+        max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync,
+        compile=compiled is not None, compile_mode=recipe.compile_mode,
+        graph_breaks=compiled is not None and compiled.graph_breaks, parallel=parallel,
         foreach=target.foreach, cuda=target.kind == "cuda")
     _check_compile(options)
     with quiet_transformers(), gc_paused():  # tilefit.tracing.gc_pause: a quarter faster

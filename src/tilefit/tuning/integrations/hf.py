@@ -80,7 +80,7 @@ def precision_of(args: Any, model: Any = None) -> str:
     if spec.autocast_dtype is None and model is not None:
         floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
         if floating and all(d == torch.bfloat16 for d in floating):
-            return "bf16"
+            return "bf16-true"
     return spec.name
 
 

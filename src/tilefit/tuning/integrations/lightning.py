@@ -136,7 +136,7 @@ def precision_from_lightning(spelling: str) -> Precision:
     """The tilefit Precision of Lightning's normalised precision string (``trainer.precision``:
     "32-true", "16-mixed", "bf16-mixed", "bf16-true"). Only spellings whose Lightning meaning
     is the Precision's own are accepted: Lightning's legacy "bf16" is bf16-mixed (Lightning
-    normalises it before the Trainer reports it), tilefit's "bf16" is pure bf16."""
+    normalises it before the Trainer reports it), as tilefit reads a bare "bf16"."""
     try:
         precision: Precision | None = parse_precision(spelling)
     except TilefitError:

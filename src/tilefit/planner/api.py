@@ -1,0 +1,114 @@
+"""``tilefit.plan``: the public entry point of the planner, in the recipe's terms.
+
+The user's ``Recipe`` says what every plan keeps (the optimizer, the loop's clipping and loss
+read, the fused loss, torch.compile and its mode, the GPUs and engine); ``PlanSearch`` says
+what the search may do beyond it. The search itself is tilefit.planner.plan.search_plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tilefit.errors import TilefitError
+from tilefit.legacy import read_legacy
+from tilefit.recipe import DEFAULT_GPU, PLAIN_PYTORCH, Recipe, is_named_model
+
+if TYPE_CHECKING:
+    from tilefit.hardware import Device
+    from tilefit.planner.plan import Plan
+
+# a plan may use this share of the GPU's memory; the rest is headroom for fragmentation
+DEFAULT_MEMORY_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class PlanSearch:
+    """What the planner may search beyond the user's recipe, and how."""
+
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION  # share of GPU memory a plan may use
+    objective: str = "throughput"  # or "memory" (tilefit.planner.rank)
+    allow_optimizer_change: bool = False  # also rank other optimizers (another algorithm)
+    allow_lora: bool = False  # also rank LoRA fine-tuning (peft adapters, frozen base)
+    confirm: bool = True  # trace the chosen plan in full
+    layer_lever: bool | None = None  # trace deep models at two layer counts (None: auto)
+    pcie_bytes_per_s: float | None = None  # the host link for CPU offload (None: PCIe 4 x16)
+    host_bandwidth_bytes_per_s: float | None = None  # CPU memory bandwidth for offload
+
+
+# plan's old keywords that are the search's, not the recipe's, and the model's
+LEGACY_SEARCH: dict[str, str] = {
+    **{k: f"search=PlanSearch({k}=...)" for k in (
+        "memory_fraction", "objective", "allow_optimizer_change", "confirm", "layer_lever",
+        "pcie_bytes_per_s", "host_bandwidth_bytes_per_s")},
+    "allow_peft": "search=PlanSearch(allow_lora=...)",
+    "input_shape": "plan(load_workload(model, input_shape=...))",
+    "task": "plan(load_workload(model, task=...))"}
+# what the planner chooses itself: a recipe's own values of these are not kept
+SEARCHED: tuple[str, ...] = ("batch_size", "accumulation_steps", "precision",
+                             "grad_checkpointing", "attention")
+
+
+def plan(model: Any, batch: Any = None, *, global_batch: int,
+         gpu: str | Device = DEFAULT_GPU, recipe: Recipe | None = None,
+         search: PlanSearch | None = None, seq_len: int | None = None,
+         **legacy: Any) -> Plan:
+    """Search training recipes for ``model`` on ``gpu`` at a fixed ``global_batch``.
+
+    ``model``: a catalog name, a config.json path, ``package.module:function`` or a
+    Workload, or a Hugging Face module (or factory) with an example ``batch`` (planned as
+    its config). ``recipe`` (default ``Recipe.for_model(model)``): what every plan keeps —
+    the optimizer, clipping, the loop's loss read, the fused loss, ``compile`` (its mode
+    included) and ``parallel`` (``world_size`` > 1: plans for that many GPUs, each
+    engine or the one named); the micro-batch, accumulation, precision, checkpointing and
+    attention are the planner's to choose. ``search``: what else it may search
+    (PlanSearch). The old keywords still work, with a DeprecationWarning."""
+    from tilefit.models.module import module_workload
+    from tilefit.planner.plan import search_plan
+
+    old = read_legacy("plan", recipe, legacy, PLAIN_PYTORCH, own=LEGACY_SEARCH)
+    recipe = old.recipe or Recipe.for_model(model)
+    search = _search_of(search, old.rest)
+    if not is_named_model(model):
+        found = module_workload(model, batch)
+        if found is None:
+            raise TilefitError(
+                "plan rebuilds the model at every batch size it tries, which it can do for "
+                "a named model or a Hugging Face module", expected="a catalog name, a "
+                "config.json, package.module:function, or a transformers model with an "
+                "example batch (a dict with input_ids or pixel_values)",
+                given=type(model).__name__, fix="pass the model's config.json, or a "
+                "package.module:function factory with --input-shape")
+        model = found[0]
+    if recipe.lora is not None:
+        raise TilefitError("plan ranks LoRA among other recipes; it does not keep one",
+                           expected="search=PlanSearch(allow_lora=True)",
+                           given="recipe=Recipe(lora=...)", fix="plan(..., search="
+                           "PlanSearch(allow_lora=True)) (tilefit plan --allow-peft)")
+    return search_plan(model, gpu=gpu, global_batch=global_batch, seq_len=seq_len,
+                       recipe=recipe, search=search, input_shape=old.rest.get("input_shape"),
+                       task=old.rest.get("task"))
+
+
+def _search_of(search: PlanSearch | None, rest: dict[str, Any]) -> PlanSearch:
+    fields_ = {k: v for k, v in rest.items() if k in LEGACY_SEARCH
+               and k not in ("input_shape", "task", "allow_peft")}
+    if "allow_peft" in rest:
+        fields_["allow_lora"] = rest["allow_peft"]
+    if not fields_:
+        return search or PlanSearch()
+    if search is not None:
+        raise TilefitError(f"plan() got search= and the old keywords {sorted(fields_)}",
+                           expected="search=PlanSearch(...) alone", given="both",
+                           fix="set those fields on the PlanSearch instead")
+    return PlanSearch(**fields_)
+
+
+def searched_fields_note(recipe: Recipe) -> str | None:
+    """A note when the user's recipe set what the planner chooses itself."""
+    default = Recipe()
+    set_ = [name for name in SEARCHED if getattr(recipe, name) != getattr(default, name)]
+    if not set_:
+        return None
+    return (f"the recipe's {', '.join(set_)} are the planner's to choose: each plan has its "
+            "own (estimate or audit a recipe to keep them)")

@@ -1,0 +1,361 @@
+"""The one description of a training step: ``Recipe`` and its grouped parts.
+
+Everything about a step but the model, the batch's contents and the GPU: the micro-batch,
+precision, optimizer, checkpointing, accumulation, attention, the training loop's clipping and
+loss read, the fused loss, ``Compile`` (torch.compile's mode and graph breaks),
+``Parallelism`` (GPUs, engine, offload, DeepSpeed's buckets) and ``Lora`` (adapters as
+peft.LoraConfig takes them). ``tilefit.trace``, ``estimate``, ``audit`` and ``plan`` take one
+as ``recipe=``; the CLI builds one from its flags through ``Recipe.for_model``, so Python and
+the command line describe the same step by construction.
+
+Torch-free, like tilefit.vocab, whose names it uses and never re-maps.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from tilefit.errors import TilefitError
+from tilefit.vocab import (
+    ATTENTIONS,
+    DEFAULT_STRATEGY,
+    OPTIMIZER_NAMES,
+    STRATEGIES,
+    ZERO_STRATEGIES,
+    Precision,
+    check_compile_mode,
+    check_max_grad_norm,
+    default_precision,
+    parse_precision,
+    precision_reading,
+)
+
+# the precision a Recipe resolves against its GPU: bf16-mixed where the part has bf16,
+# fp16-mixed before (V100, T4), fp32 on the CPU (vocab.default_precision)
+AUTO = "auto"
+# the GPU tilefit predicts for when none is named (the CLI's --gpu default)
+DEFAULT_GPU = "a100-80gb"
+# tilefit's micro-batch when none is given: the CLI's --batch default and Hugging Face
+# TrainingArguments' per_device_train_batch_size default
+DEFAULT_BATCH = 8
+
+
+def _whole(value: object, minimum: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= minimum
+
+
+@dataclass(frozen=True)
+class Compile:
+    """The forward and backward as torch.compile (Inductor) runs them; the optimizer step
+    stays eager (tilefit.tracing.compiled)."""
+
+    mode: str = "default"  # a vocab.CompileMode; "reduce-overhead" replays CUDA graphs
+    graph_breaks: bool = False  # run Dynamo over the step first and list its graph breaks
+
+    def __post_init__(self) -> None:
+        check_compile_mode(self.mode, True)
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """DeepSpeed's zero_optimization settings that size buffers and collectives, at their
+    defaults (deepspeed/runtime/zero/config.py, DeepSpeed 0.19.8); sizes in elements."""
+
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    overlap_comm: bool | None = None  # None: DeepSpeed's default, True at stage 3 only
+
+    def overlaps(self, stage: int) -> bool:
+        return stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+
+DEEPSPEED_DEFAULTS = ZeroConfig()
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """Data parallelism: ``world_size`` GPUs, one rank each, under ``strategy`` (ddp and
+    fsdp2 traced under PyTorch's fake process group; zero1-3 DeepSpeed ZeRO, modelled on the
+    one-GPU trace). The recipe's micro-batch is each rank's."""
+
+    world_size: int = 1
+    strategy: str | None = None  # None: one GPU, or DEFAULT_STRATEGY (fsdp2) on several
+    offload: bool = False  # ZeRO-Offload: the optimizer and its state on the CPU
+    zero: ZeroConfig = DEEPSPEED_DEFAULTS  # your DeepSpeed config's bucket sizes
+
+    def __post_init__(self) -> None:
+        if not _whole(self.world_size, 1):
+            raise TilefitError("the world size must be a whole number of GPUs >= 1",
+                               expected="1, 2, 4, 8, ...", given=repr(self.world_size),
+                               fix="pass --gpus with the number of GPUs "
+                               "(Parallelism(world_size=...) in Python)")
+        if self.strategy is not None:
+            key = str(self.strategy).strip().lower()
+            if key not in (*STRATEGIES, *ZERO_STRATEGIES):
+                raise TilefitError(
+                    f"unknown data-parallel strategy {self.strategy!r}",
+                    expected="one of " + ", ".join(STRATEGIES) + " (traced) or "
+                    + ", ".join(ZERO_STRATEGIES) + " (DeepSpeed ZeRO, modelled)",
+                    given=repr(self.strategy), fix="pass --strategy fsdp2 (sharded), ddp "
+                    "(replicated) or zero2 (DeepSpeed ZeRO-2)")
+            object.__setattr__(self, "strategy", key)
+        if self.offload and self.strategy not in ZERO_STRATEGIES:
+            raise TilefitError(
+                "offload of the optimizer to the CPU is modelled for DeepSpeed ZeRO only",
+                expected="strategy zero1, zero2 or zero3 with offload",
+                given=f"offload with strategy {self.strategy!r}",
+                fix="pass --strategy zero2 --offload, or drop --offload")
+
+    @property
+    def engine(self) -> str | None:
+        """The strategy that runs: the given one, fsdp2 on several GPUs without one, None on
+        one GPU without one."""
+        if self.strategy is None and self.world_size > 1:
+            return DEFAULT_STRATEGY
+        return self.strategy
+
+
+ONE_GPU = Parallelism()
+
+
+@dataclass(frozen=True)
+class Lora:
+    """LoRA adapters on a frozen base, one-to-one with peft.LoraConfig (r, lora_alpha,
+    lora_dropout, target_modules): today the rank-16, alpha-32 adapters on every linear layer
+    but the output head that `tilefit plan --allow-peft` proposes."""
+
+    rank: int = 16  # peft's r
+    alpha: int = 32  # peft's lora_alpha
+    dropout: float = 0.0  # peft's lora_dropout
+    targets: str = "all-linear"  # peft's target_modules
+
+    def __post_init__(self) -> None:
+        if (self.rank, self.alpha, self.dropout, self.targets) != (16, 32, 0.0, "all-linear"):
+            raise TilefitError(
+                "LoRA settings other than rank 16, alpha 32, dropout 0 on all linear layers "
+                "are not traced yet", expected="Lora() (what --lora traces)",
+                given=repr(self), fix="use Lora() (--lora) for now; the adapters' rank "
+                "changes the step by a few percent at most beside the frozen base")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a model is trained: everything but the model, the batch's contents and the GPU.
+
+    Validated once, here: a precision in any accepted spelling becomes its canonical name
+    (an ambiguous one, such as "bf16", adds a line to ``notes`` saying how it was read);
+    ``precision="auto"`` is the GPU's own default, fixed by ``on(device)``. ``compile``
+    takes a Compile (True: Compile()); ``lora`` a Lora (True: Lora()). ``optimizer`` is a
+    name of vocab.OPTIMIZER_NAMES or your own factory ``params -> torch.optim.Optimizer``.
+    """
+
+    batch_size: int = DEFAULT_BATCH  # the micro-batch: samples per forward/backward (per GPU)
+    precision: str = AUTO  # a vocab.PrecisionName, any accepted spelling, or "auto"
+    optimizer: str | Callable[..., Any] = "adamw"
+    grad_checkpointing: bool = False
+    accumulation_steps: int = 1
+    attention: str = "auto"  # a vocab.Attention
+    max_grad_norm: float | None = None  # gradient clipping (HF Trainer's default: 1.0)
+    # the loop reads the loss on the host after each micro-batch, waiting for the GPU (HF
+    # Trainer's default logging_nan_inf_filter=True; a loss printed or logged each step)
+    loss_sync: bool = False
+    # a causal LM's loss as fused linear cross-entropy (Liger Kernel): the logits never whole
+    fused_ce: bool = False
+    compile: Compile | None = None
+    parallel: Parallelism = ONE_GPU
+    lora: Lora | None = None
+    notes: tuple[str, ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        notes = list(self.notes)
+        if self.precision != AUTO:
+            reading = precision_reading(self.precision)
+            object.__setattr__(self, "precision", parse_precision(self.precision).name)
+            if reading and reading not in notes:
+                notes.append(reading)
+        object.__setattr__(self, "notes", tuple(notes))
+        if self.compile is True or isinstance(self.compile, str):
+            mode = "default" if self.compile is True else self.compile
+            object.__setattr__(self, "compile", Compile(mode))  # type: ignore[arg-type]
+        elif self.compile is False:
+            object.__setattr__(self, "compile", None)
+        if self.lora is True or self.lora is False:
+            object.__setattr__(self, "lora", Lora() if self.lora else None)
+        self._check()
+
+    def _check(self) -> None:
+        if not _whole(self.batch_size, 1):
+            raise TilefitError("the batch size must be a whole number >= 1",
+                               expected="1, 2, 8, ...", given=repr(self.batch_size),
+                               fix="pass --batch with a positive integer")
+        if not _whole(self.accumulation_steps, 1):
+            raise TilefitError("accumulation_steps must be a whole number >= 1",
+                               expected="1, 2, 4, ...", given=repr(self.accumulation_steps),
+                               fix="pass the number of micro-batches per optimizer step")
+        check_optimizer(self.optimizer)
+        if self.attention not in ATTENTIONS:
+            raise TilefitError(f"unknown attention implementation {self.attention!r}",
+                               expected="one of " + ", ".join(ATTENTIONS),
+                               given=repr(self.attention),
+                               fix="use sdpa (PyTorch's fused kernels) unless you need eager")
+        check_max_grad_norm(self.max_grad_norm)
+        for name, kind in (("compile", Compile), ("lora", Lora)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise TilefitError(f"Recipe({name}=...) takes a {kind.__name__}",
+                                   expected=f"{kind.__name__}(...), True or None",
+                                   given=repr(value), fix=f"Recipe({name}={kind.__name__}())")
+        if not isinstance(self.parallel, Parallelism):
+            raise TilefitError("Recipe(parallel=...) takes a Parallelism",
+                               expected="Parallelism(world_size=8, strategy='fsdp2')",
+                               given=repr(self.parallel), fix="wrap it in Parallelism(...)")
+        if self.fused_ce and self.compile is not None:
+            raise TilefitError(
+                "fused linear cross-entropy is not predicted under torch.compile",
+                expected="fused_ce=True (--fused-ce) or compile=True (--compile), not both",
+                given="fused_ce=True with compile=True",
+                fix="drop --compile to predict Liger's fused loss in eager mode, or drop "
+                "--fused-ce to predict the compiled step (Inductor fuses the loss's softmax "
+                "itself); docs/references.md, section 17 says why")
+
+    @classmethod
+    def for_model(cls, model: Any, **fields_: Any) -> Recipe:
+        """The recipe the model's usual training loop runs, with ``fields_`` set on top:
+        for a Hugging Face model (a catalog name, a config.json, a transformers or peft
+        module) the Trainer's defaults (``HF_TRAINER``: fused AdamW, clipping at 1.0, the
+        loss read after each micro-batch), for anything else plain PyTorch's
+        (``PLAIN_PYTORCH``: foreach AdamW, no clipping, no read)."""
+        unknown = sorted(set(fields_) - {f.name for f in fields(cls)})
+        if unknown:
+            raise TypeError(f"Recipe.for_model() got unexpected fields {unknown}")
+        loop = HF_TRAINER if is_hugging_face(model) else PLAIN_PYTORCH
+        return cls(**{**loop, **fields_})
+
+    def on(self, device: Any) -> Recipe:
+        """This recipe with ``precision="auto"`` resolved for ``device`` (a hardware.Device;
+        None: this machine's CPU, fp32), the precision checked against what the device
+        supports."""
+        from tilefit.vocab import check_precision_supported
+
+        if self.precision == AUTO:
+            return replace(self, precision="fp32" if device is None
+                           else default_precision(device))
+        if device is not None:
+            check_precision_supported(self.precision, device)
+        return self
+
+    @property
+    def spec(self) -> Precision:
+        if self.precision == AUTO:
+            raise TilefitError("the recipe's precision is 'auto', the GPU's default",
+                               expected="a recipe resolved for its GPU",
+                               given="precision='auto'",
+                               fix="call recipe.on(get_device(gpu)) first")
+        return parse_precision(self.precision)
+
+    @property
+    def peft(self) -> bool:
+        """Whether LoRA adapters are trained on a frozen base (peft)."""
+        return self.lora is not None
+
+    @property
+    def compile_mode(self) -> str:
+        return "default" if self.compile is None else self.compile.mode
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.accumulation_steps
+
+    def with_batch(self, batch_size: int, accumulation_steps: int | None = None) -> Recipe:
+        return replace(self, batch_size=batch_size, accumulation_steps=(
+            self.accumulation_steps if accumulation_steps is None else accumulation_steps))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "notes"}
+        if callable(self.optimizer):
+            out["optimizer"] = getattr(self.optimizer, "__name__", type(self.optimizer).__name__)
+        for name in ("compile", "parallel", "lora"):
+            value = out[name]
+            out[name] = None if value is None else asdict(value)
+        return out
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """A name of vocab.OPTIMIZER_NAMES (close spellings suggested) or a factory."""
+    if callable(optimizer):
+        return
+    if isinstance(optimizer, str) and optimizer.lower() in OPTIMIZER_NAMES:
+        return
+    key = str(optimizer).lower().replace("_", "-")
+    close = difflib.get_close_matches(key, OPTIMIZER_NAMES, n=2, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+    raise TilefitError(f"unknown optimizer {optimizer!r}{hint}",
+                       expected="one of " + ", ".join(OPTIMIZER_NAMES)
+                       + ", or a factory params -> torch.optim.Optimizer",
+                       given=repr(optimizer), fix="pass one of the names above")
+
+
+# The Hugging Face Trainer's training loop, as transformers' TrainingArguments defaults it:
+# optim="adamw_torch_fused" (its default with torch >= 2.8), max_grad_norm=1.0,
+# logging_nan_inf_filter=True (the loss read on the host after each micro-batch).
+HF_TRAINER: dict[str, Any] = {"optimizer": "adamw-fused", "max_grad_norm": 1.0,
+                              "loss_sync": True}
+# A plain PyTorch loop: torch.optim.AdamW as torch defaults it (foreach on a GPU), no
+# clipping, no read of the loss.
+PLAIN_PYTORCH: dict[str, Any] = {"optimizer": "adamw", "max_grad_norm": None,
+                                 "loss_sync": False}
+
+
+def is_hugging_face(model: Any) -> bool:
+    """Whether ``model`` trains in the Hugging Face Trainer by default: a catalog name or
+    config.json (a Workload that is not a factory), a transformers or peft module, or a
+    factory that builds one (built on the meta device to see)."""
+    if isinstance(model, str):
+        from tilefit.models.factory import looks_like_factory
+
+        return not looks_like_factory(model.strip())
+    if hasattr(model, "is_factory"):  # a tilefit Workload
+        return not model.is_factory
+    peft = sys.modules.get("peft")  # not imported: the model cannot be one of its own
+    if peft is not None and isinstance(model, peft.PeftModel):
+        return True
+    from tilefit.models.module import hugging_face_module
+
+    return hugging_face_module(model) is not None
+
+
+def is_named_model(model: Any) -> bool:
+    """A catalog name, config.json path, ``package.module:function`` or tilefit Workload
+    (which tilefit builds, and can re-build at any batch size), not a user's module."""
+    return isinstance(model, str) or hasattr(model, "make_batch")
+
+
+def batch_recipe(recipe: Recipe, batch: Any) -> Recipe:
+    """The recipe at a named model's ``batch``: None keeps recipe.batch_size, an int sets it."""
+    if batch is None:
+        return recipe
+    if _whole(batch, 1):
+        return recipe.with_batch(batch)
+    raise TilefitError("a named model takes a batch size, not a batch",
+                       expected="batch=8 (or recipe=Recipe(batch_size=8)); an example batch "
+                       "only with an nn.Module", given=type(batch).__name__,
+                       fix="pass the micro-batch size as an int")
+
+
+def training_loop_note(recipe: Recipe) -> str:
+    """What an estimate of a Hugging Face model assumed of its training loop."""
+    clip = (f"gradients clipped at {recipe.max_grad_norm}" if recipe.max_grad_norm
+            else "no clipping")
+    sync = "the loss read each micro-batch" if recipe.loss_sync else "no loss read"
+    optimizer = recipe.to_dict()["optimizer"]
+    return (f"note: the training loop as assumed: {clip}, {optimizer}, {sync} (the "
+            "Hugging Face Trainer's defaults are max_grad_norm=1.0, optim='adamw_torch_fused', "
+            "logging_nan_inf_filter=True; --max-grad-norm, --optimizer and --no-loss-sync "
+            "change them)")
