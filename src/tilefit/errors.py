@@ -40,6 +40,15 @@ class TilefitError(Exception):
         return "\n".join(lines)
 
 
+def error_line(err: BaseException) -> str:
+    """An error in one line, for a note: a TilefitError's problem, another error's type and
+    the first line of its message."""
+    if isinstance(err, TilefitError):
+        return err.problem.splitlines()[0] if err.problem else "TilefitError"
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
 def check_positive_int(value: object, problem: str, *, expected: str, fix: str) -> int:
     """``value`` when it is a whole number >= 1 (a bool is not one), else a TilefitError with
     ``problem``, ``expected`` and ``fix``."""

@@ -44,9 +44,3 @@ def cpu_fit(device: Device, dt: DType) -> GemmFit:
         s_per_c_element=dt.bytes / bw,  # write C once
         misaligned_factor=1.0,
     )
-
-
-def cpu_gemm_time(m: int, n: int, k: int, dt: DType, device: Device,
-                  aligned: bool) -> tuple[float, float, float]:
-    """(total, math, memory) seconds of one M x N x K GEMM on the CPU ``device``."""
-    return cpu_fit(device, dt).cpu_time_s(m, n, k, aligned)

@@ -191,7 +191,7 @@ def _run_rules(subject: _Subject, device: Device, *, confirm: bool,
     return Audit(model=subject.name, device=device, recipe=subject.recipe,
                  seq_len=subject.seq_len, estimate=est, findings=ordered,
                  retraces=whatif.retraces, elapsed_s=time.perf_counter() - started_s,
-                 confirmation=confirmation, notes=subject.notes)
+                 confirmation=confirmation, notes=(*subject.notes, *whatif.notes))
 
 
 def _confirm(whatif: WhatIf, findings: tuple[Finding, ...]) -> dict[str, float] | None:

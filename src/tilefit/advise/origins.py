@@ -82,18 +82,6 @@ def config_fields(workload: Workload) -> list[Origin]:
     return out
 
 
-def token_counts(workload: Workload, batch_size: int) -> dict[int, str]:
-    """Token-dimension values: batch x seq (and seq alone, the rows of attention scores)."""
-    if workload.seq_len is None:
-        return {}
-    return {batch_size * workload.seq_len: "batch x seq", workload.seq_len: "seq"}
-
-
-def is_batch_rows(value: int, batch_size: int) -> bool:
-    """A GEMM with one row per sample (a pooler or classification head): the batch itself."""
-    return value == batch_size
-
-
 def nearest_aligned(value: int, multiple: int, step: int = 1) -> int:
     """The smallest value >= ``value`` that is a multiple of both ``multiple`` and ``step``."""
     return round_up(value, lcm(multiple, step))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, effect, severity_of
 from tilefit.advise.whatif import WhatIf
-from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate
 from tilefit.vocab import EXTERN_KINDS
 
@@ -36,9 +35,9 @@ def compile_findings(whatif: WhatIf) -> list[Finding]:
     if whatif.device.kind != "cuda" or recipe.compile or not whatif.can_retrace:
         return []
     est = whatif.estimate
-    try:
-        after = whatif.retrace(compile=True)
-    except TilefitError:  # a torch without Inductor, a step it cannot capture
+    # a torch without Inductor, a step it cannot capture: a note, no finding
+    after = whatif.try_retrace("compile", "the step under torch.compile", compile=True)
+    if after is None:
         return []
     speedup = est.step_time_s / after.step_time_s
     ok = speedup >= MIN_RECOMMENDED_SPEEDUP

@@ -19,7 +19,6 @@ from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate
 from tilefit.estimator.result import OpCost
 from tilefit.gemm import analyze_gemm, round_up
-from tilefit.models import Workload
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -80,11 +79,12 @@ def _factory_origin(whatif: WhatIf, value: int, ops: list[OpCost]) -> Origin:
 def _module_map(whatif: WhatIf) -> dict[str, nn.Module]:
     """WhatIf.named_modules, from the workload built on the meta device the first time."""
     if whatif.named_modules is None:
-        whatif.named_modules = _meta_modules(whatif.workload)
+        whatif.named_modules = _meta_modules(whatif)
     return whatif.named_modules
 
 
-def _meta_modules(work: Workload | None) -> dict[str, nn.Module]:
+def _meta_modules(whatif: WhatIf) -> dict[str, nn.Module]:
+    work = whatif.workload
     if work is None:
         return {}
     import torch
@@ -94,10 +94,12 @@ def _meta_modules(work: Workload | None) -> dict[str, nn.Module]:
     try:
         with torch.device("meta"):
             model = work.build()
-    except (TilefitError, *USER_CODE_ERRORS):
+    except (TilefitError, *USER_CODE_ERRORS) as err:
         # the trace built it on fake tensors; on the meta device a factory may still fail (it
         # reads a tensor's value), or a transformers model without SDPA (traced with eager
         # attention): no layer names then, the rest of the finding stands
+        whatif.skipped("weight-dim-alignment", "the layers holding each dimension (the model "
+                       "built on the meta device)", err)
         return {}
     return dict(model.named_modules())
 
@@ -217,16 +219,21 @@ def _token_what_if(whatif: WhatIf, origin: Origin, hit: _Hit) -> _DimFix | None:
     8 elsewhere), so batch x seq is aligned for any batch size, the last partial batch
     included; None where padding cannot fix it or the padded step cannot be re-traced."""
     work = whatif.workload
-    if not whatif.can_retrace or work is None or work.seq_len is None:
-        return None  # image patches: fixed by the image and patch size, not padding
+    if not whatif.can_retrace or work is None:
+        return None  # an nn.Module: the audit's own note says re-traces were skipped
+    if work.seq_len is None:
+        whatif.skipped("sequence-length", f"{origin.dimension} = {hit.value} aligned",
+                       "image patches: fixed by the image and patch size, not by padding")
+        return None
     pad, seq = hit.multiple, work.seq_len
     new_seq = round_up(seq, pad)
     if new_seq == seq:
         return None
-    try:
-        after = whatif.retrace(work.with_seq_len(new_seq))
-    except TilefitError:
-        return None  # the padded length exceeds the model's positions
+    # the padded length exceeds the model's positions: a note, no finding
+    after = whatif.try_retrace("sequence-length", f"the step at sequence length {new_seq}",
+                               work.with_seq_len(new_seq))
+    if after is None:
+        return None
     fix = (f"pad every batch to a multiple of {pad} tokens: DataCollatorWithPadding(tokenizer, "
            f"pad_to_multiple_of={pad}) (or tokenizer(..., padding='max_length', max_length="
            f"{new_seq})); the padding is masked out of the loss")
@@ -247,11 +254,12 @@ def _weight_what_if(whatif: WhatIf, origin: Origin, hit: _Hit) -> _DimFix | None
     if origin.dimension == "hidden_size" or origin.dimension.endswith("head_dim"):
         if not whatif.can_retrace or whatif.workload is None or origin.config_field is None:
             return None
-        try:
-            after = whatif.retrace(whatif.workload.with_config(
-                **{origin.config_field: origin.field_value(new)}))
-        except TilefitError:
-            return None  # (e.g. hidden not divisible by heads): no what-if, no finding
+        key, value = origin.config_field, origin.field_value(new)
+        # (e.g. hidden not divisible by heads): a note, no finding
+        after = whatif.try_retrace("weight-dim-alignment", f"the step with {key}={value}",
+                                   whatif.workload.with_config(**{key: value}))
+        if after is None:
+            return None
         method = "retrace"
     else:
         after, method = whatif.with_dim(hit.value, new), "rewrite"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, effect, severity_of
 from tilefit.advise.whatif import WhatIf
-from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate
 from tilefit.vocab import PRECISIONS, Precision
 
@@ -41,12 +40,15 @@ def fp8_findings(whatif: WhatIf) -> list[Finding]:
             or recipe.spec.float8_linears):
         return []
     compiled = True  # torch.compile fuses torchao's casts (checkpointed recipes too)
-    try:
-        after = whatif.retrace(precision=fp8.name, compile=compiled)
-        # fp8's own share of the gain: against bf16 compiled alike
-        same = whatif.estimate if recipe.compile == compiled else whatif.retrace(
-            compile=compiled)
-    except TilefitError:  # torchao not installed, a step Inductor cannot capture
+    # torchao not installed, a step Inductor cannot capture: a note, no finding
+    after = whatif.try_retrace("fp8", f"the step in {fp8.name} under torch.compile",
+                               precision=fp8.name, compile=compiled)
+    if after is None:
+        return []
+    # fp8's own share of the gain: against bf16 compiled alike
+    same = whatif.estimate if recipe.compile == compiled else whatif.try_retrace(
+        "fp8", "the step under torch.compile (fp8's baseline)", compile=compiled)
+    if same is None:
         return []
     speedup = whatif.estimate.step_time_s / after.step_time_s
     own = same.step_time_s / after.step_time_s

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, effect, severity_of
 from tilefit.advise.whatif import WhatIf
-from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate
 from tilefit.recipe import Compile
 from tilefit.vocab import REDUCE_OVERHEAD
@@ -29,17 +28,22 @@ GRAPH_FIX = ('model = torch.compile(model, mode="reduce-overhead") (CUDA graphs:
 def graphed_estimate(whatif: WhatIf) -> Estimate | None:
     """The step under torch.compile(mode="reduce-overhead"), or None where it is not
     predicted (already in that mode; no re-trace for an nn.Module; checkpointing or several
-    GPUs, which compile is not predicted with; a step Inductor cannot capture)."""
+    GPUs, which CUDA graphs are not predicted with; a step Inductor cannot capture), with a note
+    where the step needed it."""
     recipe, tr = whatif.recipe, whatif.trace
     if tr.compiled:
         return None if tr.compile_mode == REDUCE_OVERHEAD else \
             whatif.with_compile_mode(REDUCE_OVERHEAD)
-    if not whatif.can_retrace or recipe.grad_checkpointing or tr.world_size > 1:
+    if not whatif.can_retrace:
+        return None  # an nn.Module: the audit's own note says re-traces were skipped
+    what = "the step replayed as CUDA graphs"
+    if recipe.grad_checkpointing or tr.world_size > 1:
+        whatif.skipped("host-bound", what, "CUDA graphs are not predicted with "
+                       + ("gradient checkpointing" if recipe.grad_checkpointing
+                          else "several GPUs"))
         return None
-    try:
-        return whatif.retrace(compile=Compile(REDUCE_OVERHEAD))
-    except TilefitError:  # a torch without Inductor, a step it cannot capture
-        return None
+    # a torch without Inductor, a step it cannot capture: a note, no finding
+    return whatif.try_retrace("host-bound", what, compile=Compile(REDUCE_OVERHEAD))
 
 
 def host_findings(whatif: WhatIf) -> list[Finding]:

@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 from tilefit.advise.findings import Finding, effect
 from tilefit.advise.whatif import WhatIf
-from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate
 
 # a category "dominates" the peak above this share (one half: it is the majority of the memory)
@@ -72,11 +71,15 @@ def _optimizer_candidate(whatif: WhatIf) -> Finding | None:
 
 
 def _checkpoint_candidate(whatif: WhatIf) -> Finding | None:
-    if whatif.recipe.grad_checkpointing or whatif.workload.is_factory:
+    if whatif.recipe.grad_checkpointing:
         return None
-    try:
-        after = whatif.retrace(grad_checkpointing=True)
-    except TilefitError:
+    what = "the step with gradient checkpointing"
+    if whatif.workload.is_factory:
+        whatif.skipped("activation-memory", what, "tilefit checkpoints a Hugging Face model's "
+                       "layers; a factory's model is traced as its code runs")
+        return None
+    after = whatif.try_retrace("activation-memory", what, grad_checkpointing=True)
+    if after is None:
         return None
     activations = whatif.estimate.memory_breakdown.get("activations", 0)
     return _mem_finding(

@@ -6,7 +6,6 @@ from __future__ import annotations
 from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, severity_of
 from tilefit.advise.origins import config_fields
 from tilefit.advise.whatif import WhatIf
-from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate, OpCost
 from tilefit.vocab import default_precision, parse_precision
 
@@ -43,10 +42,7 @@ def precision_findings(whatif: WhatIf) -> list[Finding]:
             "by default since 1.12 (convolutions already use it).", after, "precision"))
     mixed = default_precision(whatif.device)
     if parse_precision(mixed).autocast_dtype == "bf16" and whatif.can_retrace:
-        try:
-            after = whatif.retrace(precision=mixed)
-        except TilefitError:
-            after = None
+        after = whatif.try_retrace("fp32-gemms", f"the step in {mixed}", precision=mixed)
         if after is not None:
             out.append(_finding(
                 whatif, "fp32-gemms", "the step runs in fp32; bf16 autocast halves activation "

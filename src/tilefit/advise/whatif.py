@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from tilefit.errors import TilefitError, error_line
 from tilefit.estimator import Estimate, estimate_trace
 from tilefit.hardware import Device
-from tilefit.hardware.host import HostModel
 from tilefit.models import Workload
 from tilefit.recipe import Compile, Recipe
 from tilefit.tracing.records import GemmShape, OpRecord, Trace
@@ -91,16 +91,30 @@ class WhatIf:
     # the compiled re-traces themselves: one trace serves every compile mode (the modes
     # differ in how the estimator costs the same graphs)
     _compiled: dict[tuple[Workload, Recipe], Trace] = field(default_factory=dict)
+    # what the rules could not predict, and why (Audit.notes): nothing is skipped silently
+    notes: list[str] = field(default_factory=list)
+
+    def skipped(self, rule: str, what: str, why: BaseException | str) -> None:
+        """Note that ``rule`` could not predict ``what``, and why (an error's first line)."""
+        reason = why if isinstance(why, str) else error_line(why)
+        note = f"{rule}: {what} could not be predicted ({reason})"
+        if note not in self.notes:
+            self.notes.append(note)
+
+    def try_retrace(self, rule: str, what: str, workload: Workload | None = None,
+                    **recipe_changes: Any) -> Estimate | None:
+        """retrace(), or None with a note (skipped) where the variant cannot be traced."""
+        try:
+            return self.retrace(workload, **recipe_changes)
+        except TilefitError as err:
+            self.skipped(rule, what, err)
+            return None
 
     def with_dim(self, old: int, new: int) -> Estimate:
         return estimate_trace(rewrite_dim(self.trace, old, new), self.device)
 
     def with_precision_cost(self, precision: str) -> Estimate:
         return estimate_trace(replace(self.trace, precision=precision), self.device)
-
-    def with_host(self, host: HostModel) -> Estimate:
-        """The same step issued by another host."""
-        return estimate_trace(self.trace, replace(self.device, host=host))
 
     def with_compile_mode(self, mode: str) -> Estimate:
         """The same compiled step in another torch.compile mode (the graphs are the same;

@@ -194,11 +194,3 @@ def fit_gpu(samples: Sequence[GemmSample], dtype: str, device: Device) -> GemmFi
     med, p90 = error_summary(relative_errors(pred, meas))
     return GemmFit(dtype=dtype, model=MODEL_GPU, call_overhead_s=launch, gemm_efficiency=eff,
                    shapes=len(rows), median_error=med, p90_error=p90)
-
-
-def geometric_dims(lo: int, hi: int, count: int) -> list[int]:
-    """``count`` integers spaced evenly in log between lo and hi."""
-    if count == 1:
-        return [lo]
-    r = math.log(hi / lo) / (count - 1)
-    return [round(lo * math.exp(r * i)) for i in range(count)]

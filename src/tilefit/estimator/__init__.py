@@ -174,6 +174,11 @@ def estimate_trace(tr: Trace, device: Device,
     if unknown:
         warnings.append("ops with no FLOP formula, costed as memory-bound (bytes / bandwidth): "
                         + ", ".join(unknown))
+    failed = sorted({f"{c.record.op} ({c.record.flops_error})" for c in costs
+                     if c.record.flops_error is not None})
+    if failed:
+        warnings.append("ops whose FLOP formula failed, counted as 0 FLOPs (the MFU leaves them "
+                        "out): " + ", ".join(failed))
     return Estimate(
         device=device, precision=tr.precision, optimizer=tr.optimizer,
         peak_memory_bytes=peak, memory_breakdown=breakdown,

@@ -4,6 +4,7 @@ time-by-module table."""
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 
 from tilefit.advise import Audit, Finding
 from tilefit.report.terminal import fmt_bytes, fmt_time, modules_table, summary_table
@@ -51,7 +52,8 @@ def print_audit(console: Console, audit: Audit) -> None:
         console.print("no findings: every GEMM dimension is on the multiple, the batch keeps "
                       "the GEMMs math-bound, and memory is not the limit.")
     console.print(modules_table(audit.estimate))
+    # escaped: a note quotes error messages, whose [brackets] are not markup
     for note in audit.notes:
-        console.print(f"[dim]note: {note}[/]")
+        console.print(f"[dim]note: {escape(note)}[/]")
     for warning in audit.estimate.warnings:
-        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)

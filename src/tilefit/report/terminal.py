@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tilefit.estimator import Estimate
@@ -157,4 +158,4 @@ def print_estimate(console: Console, estimate: Estimate, title: str, *, top: int
     console.print(modules_table(estimate, top))
     console.print(ops_table(estimate, top))
     for warning in estimate.warnings:
-        console.print(f"[yellow]note:[/] {warning}", highlight=False)
+        console.print(f"[yellow]note:[/] {escape(warning)}", highlight=False)

@@ -375,9 +375,7 @@ class Recorder(TorchDispatchMode):
         attention = None
         if kind == "attention":
             attention = self._attention_info(func, args, kwargs, out)
-        flops = op_flops(func, args, kwargs, out, attention)
-        if flops is None:
-            flops = 0
+        flops, flops_error = op_flops(func, args, kwargs, out, attention)
         gemms: tuple[GemmShape, ...] = gemm_shapes(
             func, unwrap_float8(args) if float8 else args, kwargs, out, kind) \
             if kind in ("gemm", "conv") else ()
@@ -399,7 +397,7 @@ class Recorder(TorchDispatchMode):
             flops=int(flops), bytes=int(nbytes), kind=kind, step=self._step, micro=self._micro,
             gemms=gemms, attention=attention, alloc_bytes=alloc,
             multi_tensor=_multi_tensor(name, args, out), on_host=on_host, **compiled,
-            collective=collective,
+            collective=collective, flops_error=flops_error,
         ))
         self._events += 1
         return out

@@ -82,6 +82,8 @@ class OpRecord:
     fused: bool = False
     kernel: FusedKernel | None = None
     collective: Collective | None = None  # kind "collective": what it communicates
+    # its FLOP formula (torch.utils.flop_counter's) failed: the error's first line; flops is 0
+    flops_error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from tilefit.errors import error_line
 from tilefit.tracing.collectives import ENGINE_COPY_NAMESPACE, WAIT_OPS, is_collective
 from tilefit.tracing.records import GemmShape
 from tilefit.tracing.torch_compat import flop_formula
@@ -160,13 +161,15 @@ def attention_flops(info: dict[str, Any]) -> int:
 
 
 def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
-             attention: dict[str, Any] | None) -> int | None:
+             attention: dict[str, Any] | None) -> tuple[int, str | None]:
+    """(the op's FLOPs, 0 where torch.utils.flop_counter has no formula for it; why its
+    formula failed, None where it ran or there is none): OpRecord.flops, .flops_error."""
     if attention is not None and "b" in attention:
-        return attention_flops(attention)
+        return attention_flops(attention), None
     formula = flop_formula(func)
     if formula is None:
-        return None
+        return 0, None
     try:
-        return int(formula(*args, **kwargs, out_val=out))
-    except (AssertionError, TypeError, ValueError, IndexError):
-        return None
+        return int(formula(*args, **kwargs, out_val=out)), None
+    except (AssertionError, TypeError, ValueError, IndexError) as err:
+        return 0, error_line(err)
