@@ -153,8 +153,8 @@ from tilefit.hardware.host import (
 from tilefit.models import Workload, load_workload
 from tilefit.recipe import Recipe
 from tilefit.tracing import OpRecord, Trace, trace
+from tilefit.tracing.fakes import cast_floating
 from tilefit.tracing.shapes import attention_flops
-from tilefit.tracing.step import cast_floating
 
 CORPUS = Path(__file__).resolve().parent / "gpu_corpus"
 KINDS = ("gemm", "attention", "layer", "memory", "e2e")

@@ -409,7 +409,7 @@ def test_a_host_bound_step_gets_a_cuda_graph_finding() -> None:
     (finding,) = [f for f in result.findings if f.rule == "host-bound"]
     after = estimate_workload(
         load_workload(model, input_shape=(32,)),
-        dataclasses.replace(result.recipe, compile=True, compile_mode="reduce-overhead"),
+        dataclasses.replace(result.recipe, compile="reduce-overhead"),
         result.device)
     assert finding.step_time_after_s == pytest.approx(after.step_time_s, rel=1e-9)
     assert finding.peak_memory_after_bytes == after.peak_memory_bytes

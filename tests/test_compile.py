@@ -21,6 +21,8 @@ from torch import nn
 from typer.testing import CliRunner
 
 from tilefit.cli.app import app
+from tilefit.compat import compile as tc
+from tilefit.compat.modules import node_module
 from tilefit.errors import TilefitError
 from tilefit.estimator import estimate, estimate_trace
 from tilefit.estimator.fusion import compiled_op_time_s, kernel_time_s
@@ -28,7 +30,6 @@ from tilefit.estimator.steptime import host_time_s
 from tilefit.hardware import get_device
 from tilefit.tracing import compiled as compiled_mod
 from tilefit.tracing import schedule as sched
-from tilefit.tracing import torch_compat as tc
 from tilefit.tracing import trace
 from tilefit.tracing.fusion import GRAPH_OUTPUT, GraphNode, plan_kernels
 from tilefit.tracing.records import Trace
@@ -195,7 +196,7 @@ def test_each_compat_wrapper_works_on_this_torch() -> None:
     assert len(leaves) == 3 and set(tc.unflatten_batch(leaves, spec)) == {"a", "b"}
     node = next(iter(gm.graph.nodes))
     node.meta["nn_module_stack"] = {"h.0": ("h.0", nn.Linear)}
-    assert tc.node_module(node) == "h.0"  # record_module_paths: the MLP test above
+    assert node_module(node) == "h.0"  # record_module_paths: the MLP test above
 
 
 class _Tuple(nn.Module):
@@ -424,8 +425,11 @@ class _Halving(nn.Module):
 def test_a_mutating_custom_op_runs_in_place_under_compile() -> None:
     # AOTAutograd wraps the op as auto_functionalized(_v2), which a dispatch mode cannot run
     # without a rule: the trace used to fail with NotImplementedError. It now records the op
-    # once, writing the scale in place: no clone of it, as Inductor reinplaces.
+    # once, writing the scale in place: no clone of it, as Inductor reinplaces. The rule is
+    # registered for the trace only: torch's global table is as it was before, after it.
+    before = {v: tc.registered_modes(v) for v in ("auto_functionalized", "auto_functionalized_v2")}
     tr = trace(_Halving, torch.randn(B, IN), loss_fn=_loss, optimizer="sgd", compile=True)
+    assert {v: tc.registered_modes(v) for v in before} == before
     halves = [op for op in tr.ops if op.op.startswith("tilefit_test.halve_")]
     linears = [op for op in tr.ops if op.op == "aten.addmm.default" and op.phase == "forward"]
     assert len(halves) == len(linears) >= 1  # once per traced step, like the layer's GEMM

@@ -148,7 +148,7 @@ def test_fp8_on_the_cpu_is_an_error() -> None:
 
 
 def test_without_torchao_the_error_gives_the_install_command(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import tilefit.tracing.float8 as f8
+    import tilefit.compat.torchao as f8
 
     def missing(name: str) -> None:
         raise ImportError(name)

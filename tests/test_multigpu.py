@@ -14,6 +14,13 @@ from typer.testing import CliRunner
 
 import tilefit
 from tilefit.cli.app import app
+from tilefit.compat.distributed import (
+    fake_process_group,
+    local_tensor,
+    process_group_initialized,
+    process_group_size,
+    storage_resizes,
+)
 from tilefit.errors import TilefitError
 from tilefit.estimator.collectives import (
     bus_bandwidth_bytes_per_s,
@@ -26,13 +33,6 @@ from tilefit.estimator.result import OpCost
 from tilefit.hardware import get_device
 from tilefit.tracing.distributed import find_layer_list, parallel_spec
 from tilefit.tracing.records import Collective, OpRecord
-from tilefit.tracing.torch_compat import (
-    fake_process_group,
-    local_tensor,
-    process_group_initialized,
-    process_group_size,
-    storage_resizes,
-)
 from tilefit.vocab import CATEGORIES, OP_KINDS
 
 F32 = 4
@@ -232,7 +232,7 @@ def test_fsdp2_without_a_layer_list_wraps_the_root_with_a_note() -> None:
     assert any("Linear" in w and "only the root" in w for w in tr.warnings)
 
 
-def test_torch_compat_fake_process_group() -> None:
+def test_compat_fake_process_group() -> None:
     assert not process_group_initialized()
     with fake_process_group(4):
         import torch.distributed as dist

@@ -53,7 +53,7 @@ def traced_trainable(work: Workload) -> int:
     from tilefit.estimator.workloads import trace_workload
     from tilefit.recipe import Recipe
 
-    spec = Recipe(batch_size=2, precision="bf16-mixed", attention="sdpa", peft=True)
+    spec = Recipe(batch_size=2, precision="bf16-mixed", attention="sdpa", lora=True)
     return trace_workload(work, spec, "a100-80gb").trainable_param_count
 
 
@@ -133,7 +133,7 @@ def test_allow_peft_without_peft_says_pip_install(monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_estimate_with_peft_traces_the_lora_model(name: str) -> None:
-    # Recipe(peft=True) through estimate_workload (tilefit estimate --lora) traces the same
+    # Recipe(lora=True) through estimate_workload (tilefit estimate --lora) traces the same
     # peft model as the plan: the adapters alone are trainable, and AdamW keeps its two fp32
     # moments (8 bytes per adapter parameter; each adapter matrix is a multiple of 512 bytes)
     # and a step count (one 512-byte allocator block) per adapter tensor, for them alone.
@@ -141,7 +141,7 @@ def test_estimate_with_peft_traces_the_lora_model(name: str) -> None:
     from tilefit.recipe import Recipe
 
     work = tiny(name)
-    lora = Recipe(batch_size=2, precision="bf16-mixed", attention="sdpa", peft=True)
+    lora = Recipe(batch_size=2, precision="bf16-mixed", attention="sdpa", lora=True)
     est = estimate_workload(work, lora, "a100-80gb")
     full = estimate_workload(work, Recipe(batch_size=2, precision="bf16-mixed",
                                           attention="sdpa"), "a100-80gb")
@@ -204,9 +204,9 @@ def test_lora_base_dtype_follows_the_precision() -> None:
     from tilefit.planner.lora import lora_base_dtype
     from tilefit.recipe import Recipe
 
-    assert lora_base_dtype(Recipe(precision="bf16-mixed", peft=True)) == torch.bfloat16
-    assert lora_base_dtype(Recipe(precision="fp16-mixed", peft=True)) == torch.float16
-    assert lora_base_dtype(Recipe(precision="fp32", peft=True)) == torch.float32
+    assert lora_base_dtype(Recipe(precision="bf16-mixed", lora=True)) == torch.bfloat16
+    assert lora_base_dtype(Recipe(precision="fp16-mixed", lora=True)) == torch.float16
+    assert lora_base_dtype(Recipe(precision="fp32", lora=True)) == torch.float32
     work = tiny("llama-3.2-1b")
     full = estimate_workload(work, Recipe(batch_size=2, precision="fp32", attention="sdpa"),
                              "a100-80gb")

@@ -335,16 +335,16 @@ def test_backward_ops_are_not_credited_to_an_identity_module() -> None:
 
 
 def test_out_arguments_are_written_not_read() -> None:
-    # torch_compat.write_only_args: an op's out= tensor is only written (add.out reads a and b:
+    # compat.fake.write_only_args: an op's out= tensor is only written (add.out reads a and b:
     # 2 x 64 B, writes c: 64 B), unless the same tensor is also an input it reads
     # (addmm(c, a, b, out=c) reads c before accumulating into it).
-    from tilefit.tracing.recorder import _traffic
-    from tilefit.tracing.torch_compat import write_only_args
+    from tilefit.compat.fake import write_only_args
+    from tilefit.tracing.traffic import traffic
 
     a, b, c = torch.ones(4, 4), torch.ones(4, 4), torch.empty(4, 4)
     add_out = torch.ops.aten.add.out
     assert write_only_args(add_out, (a, b), {"out": c}) == [c]
-    assert _traffic([a, b, c], [c], (), write_only_args(add_out, (a, b), {"out": c})) == 3 * 64
+    assert traffic([a, b, c], [c], (), write_only_args(add_out, (a, b), {"out": c})) == 3 * 64
     addmm_out = torch.ops.aten.addmm.out
     assert write_only_args(addmm_out, (c, a, b), {"out": c}) == []
     assert write_only_args(torch.ops.aten.add.Tensor, (a, b), {}) == []

@@ -89,7 +89,7 @@ def _meta_modules(whatif: WhatIf) -> dict[str, nn.Module]:
         return {}
     import torch
 
-    from tilefit.tracing.step import USER_CODE_ERRORS
+    from tilefit.tracing.errors import USER_CODE_ERRORS
 
     try:
         with torch.device("meta"):

@@ -151,9 +151,10 @@ def memtracker_peak_bytes(model: Any, opt: Any, batch: Any, step: Any, steps: in
     """Peak live tensor bytes of ``steps`` calls of ``step()`` on real CPU tensors, by PyTorch's
     MemTracker (its own accounting, independent of tilefit's tracer)."""
     import torch
-    from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = MemTracker()
+    from tilefit.compat.distributed import new_mem_tracker
+
+    tracker = new_mem_tracker()
     tracker.track_external(model, opt, batch)
     with tracker:
         for _ in range(steps):

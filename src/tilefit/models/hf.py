@@ -279,10 +279,10 @@ def _tensors_have_data() -> bool:
     probe tensor would show up in a tracer's record of the build).
     """
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    if any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack()):
+    from tilefit.compat.fake import fake_mode_active
+
+    if fake_mode_active():
         return False
     return torch.get_default_device().type != "meta"
 

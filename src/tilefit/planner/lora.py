@@ -75,8 +75,8 @@ def build_lora_model(work: Workload, attention: str, base_dtype: torch.dtype
     and the adapters in fp32 (peft's autocast_adapter_dtype keeps them there)."""
     import torch
 
-    from tilefit.tracing.hf_compat import quiet_transformers
-    from tilefit.tracing.step import cast_floating
+    from tilefit.compat.transformers import quiet_transformers
+    from tilefit.tracing.fakes import cast_floating
 
     with quiet_transformers(), torch.device("meta"):
         model = get_peft_model(work.build(attention), work.task)

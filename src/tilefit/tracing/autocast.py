@@ -9,20 +9,28 @@ The op lists are CUDA's, from ATen/autocast_mode.h (AT_FORALL_LOWER_PRECISION_FP
 AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE, in the header shipped with
 torch). As in ATen's cached_cast, casts of leaf tensors that require grad (the weights) are
 cached while the forward runs, so each weight is cast once per forward.
+
+``CpuAutocast`` is torch.autocast("cpu") for a CPU target; ``autocast_for`` picks the
+target's, ``recompute_contexts`` enters CUDA's again around a checkpointed recompute.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
 
-from tilefit.tracing.torch_compat import is_view
+from tilefit.compat.fake import is_view, tree_map
+from tilefit.tracing.attention import AttentionRouter
+from tilefit.tracing.target import Target
+
+if TYPE_CHECKING:
+    from tilefit.tracing.recorder import Recorder
 
 T = torch.Tensor
 
@@ -201,3 +209,54 @@ def _positional_dtype(func: Callable[..., Any], args: tuple[Any, ...]) -> bool:
     return any(isinstance(a, torch.dtype) for a in args[1:])
 
 
+def recompute_contexts(target: Target, recorder: Recorder, low: torch.dtype | None
+                       ) -> Callable[[], tuple[Any, Any]] | None:
+    """torch.utils.checkpoint's context_fn: the recomputed forward runs inside the autograd
+    engine, where torch-function modes are not active, so the CUDA autocast policy and the
+    attention routing are entered again around it."""
+    if target.kind != "cuda":
+        return None
+
+    def recompute() -> CudaAutocast:
+        mode = CudaAutocast(low, AttentionRouter(target, recorder))
+        mode.enabled = True
+        return mode
+
+    return lambda: (contextlib.nullcontext(), recompute())
+
+
+def autocast_for(target: Target, low: torch.dtype | None,
+                 router: AttentionRouter | None) -> CudaAutocast | CpuAutocast | None:
+    """The CUDA target casts under mixed precision and routes SDPA always; the CPU target
+    follows CPU autocast's policy under mixed precision."""
+    if target.kind == "cuda":
+        return CudaAutocast(low, router)
+    return CpuAutocast(low) if low is not None else None
+
+
+class CpuAutocast:
+    """torch.autocast("cpu"): a CPU target follows CPU autocast's own policy."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._ctx: Any = None
+
+    def __enter__(self) -> CpuAutocast:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(None, None, None)
+            self._ctx = None
+
+    def begin_forward(self) -> None:
+        self._ctx = torch.autocast("cpu", dtype=self.dtype)
+        self._ctx.__enter__()
+
+    def end_forward(self) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(None, None, None)
+            self._ctx = None
+
+    def end_backward(self) -> None:
+        pass

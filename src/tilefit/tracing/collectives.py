@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from tilefit.compat.distributed import local_tensor, process_group_size
 from tilefit.tracing.records import Collective
-from tilefit.tracing.torch_compat import local_tensor, process_group_size
 
 # packet -> (collective, which argument holds the payload: an index, or "out")
 _PAYLOAD: dict[str, tuple[str, int | str]] = {

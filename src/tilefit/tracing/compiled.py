@@ -1,7 +1,7 @@
 """The training step as torch.compile (Inductor, default mode) runs it, on fake tensors.
 
 ``capture_step`` hands the step's loss computation (``loss_fn(model, batch)``) to
-AOTAutograd as Dynamo's Inductor backend does (tilefit.tracing.torch_compat.aot_capture):
+AOTAutograd as Dynamo's Inductor backend does (tilefit.compat.compile.aot_capture):
 the joint forward+backward graph is traced with Inductor's decompositions and split by
 Inductor's partition function (its joint-graph passes and the min-cut rematerialization
 partitioner), which decides what the forward saves for the backward and what the backward
@@ -30,11 +30,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from tilefit.errors import TilefitError
-from tilefit.tracing.fusion import GRAPH_OUTPUT, GraphNode, NodePlan, plan_kernels
-from tilefit.tracing.schedule import graph_input_bytes, reuse_holds, schedule_order
-from tilefit.tracing.shapes import classify
-from tilefit.tracing.torch_compat import (
+from tilefit.compat.compile import (
     COMPILE_MIN_TORCH,
     aot_capture,
     boxed_graph_run,
@@ -48,14 +44,17 @@ from tilefit.tracing.torch_compat import (
     inductor_partition_fn,
     inductor_realizes_inputs,
     mark_boxed,
-    node_module,
-    record_module_paths,
     rng_wrapped_call,
     tied_parameter_aliases,
     tied_while_traced,
     unflatten_batch,
     without_first_call_checks,
 )
+from tilefit.compat.modules import node_module, record_module_paths
+from tilefit.errors import TilefitError
+from tilefit.tracing.fusion import GRAPH_OUTPUT, GraphNode, NodePlan, plan_kernels
+from tilefit.tracing.schedule import graph_input_bytes, reuse_holds, schedule_order
+from tilefit.tracing.shapes import classify
 from tilefit.vocab import EXTERN_KINDS
 
 
@@ -91,7 +90,7 @@ class _LossModule(nn.Module):
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """Each parameter once, tied ones too, as Dynamo lifts them: AOTAutograd asks with
         remove_duplicate=False; the tied slots are pointed at the traced stand-in in
-        forward (torch_compat.tied_while_traced)."""
+        forward (compat.compile.tied_while_traced)."""
         return super().named_parameters(prefix, recurse, remove_duplicate=True)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -381,7 +380,7 @@ def capture_step(model: nn.Module, batch: Any,
     outside the recorder: tracing records nothing); ``cpu``: the target is the CPU;
     ``forward_context``: entered around each trace of the forward (the target's
     autocast); ``checkpointed``: the model's checkpointed layers run through
-    ``torch_compat.checkpoint_region_tagger`` (the partitioner recomputes them)."""
+    ``compat.compile.checkpoint_region_tagger`` (the partitioner recomputes them)."""
     check_compile_supported()
     leaves, spec = flatten_batch(batch)
     module = _LossModule(model, loss_fn, leaves, spec, forward_context)

@@ -31,16 +31,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from tilefit.errors import TilefitError
-from tilefit.tracing.recorder import Recorder
-from tilefit.tracing.torch_compat import (
-    FakeTensorMode,
+from tilefit.compat.distributed import (
     distributed_available,
     enable_dtensor,
     fake_process_group,
     process_group_initialized,
     rebuild_ddp_buckets_on_fake_tensors,
 )
+from tilefit.compat.fake import FakeTensorMode
+from tilefit.errors import TilefitError
+from tilefit.tracing.recorder import Recorder
 from tilefit.vocab import DEFAULT_STRATEGY, STRATEGIES, ZERO_STRATEGIES
 
 __all__ = ["Parallel", "find_layer_list", "fsdp2_policy", "parallel_spec", "process_group",

@@ -7,8 +7,9 @@ input and the weight in the forward; of the gradient, the weight and the input a
 backward: e4m3 for inputs and weights, e5m2 for gradients), and its autograd function saves
 the high-precision input and weight for backward, never an fp8 copy. On a CPU torchao's
 ``_scaled_mm`` runs inside its tensor subclass, below the recorder, which therefore sees an
-``aten.mm`` of two Float8TrainingTensors: ``float8_payload`` gives the recorder their fp8
-data, so the GEMM is recorded in fp8 (1-byte operands) as ``_scaled_mm`` runs it on the GPU.
+``aten.mm`` of two Float8TrainingTensors: ``float8_payload`` (tilefit.compat.torchao) gives
+the recorder their fp8 data, so the GEMM is recorded in fp8 (1-byte operands) as
+``_scaled_mm`` runs it on the GPU.
 
 Layers whose dimensions are not multiples of 16 are left in bf16, as torchao's documented
 module filter and accelerate's filter do: ``_scaled_mm`` refuses them on a GPU.
@@ -16,44 +17,16 @@ module filter and accelerate's filter do: ``_scaled_mm`` refuses them on a GPU.
 
 from __future__ import annotations
 
-import importlib
 from types import MethodType
 from typing import Any
 
 import torch
 from torch import nn
 
-from tilefit.errors import TilefitError
-from tilefit.quiet_imports import quiet_imports
+from tilefit.compat.torchao import float8_linear_module, torchao_float8
 
 # torch._scaled_mm needs every GEMM dimension divisible by 16 (docs/references.md, section 21)
 FLOAT8_ALIGN = 16
-TORCHAO_PIP = "pip install 'tilefit[fp8]' (or: pip install torchao)"
-_FLOAT8_TENSOR: list[type] = []
-
-
-def torchao_float8() -> Any:
-    """torchao.float8, or an error with the command that installs it."""
-    try:
-        with quiet_imports():
-            module = importlib.import_module("torchao.float8")
-    except ImportError:
-        raise TilefitError(
-            "precision fp8-mixed traces torchao's float8 training, and torchao is not "
-            "installed", expected="the torchao package (tilefit's fp8 extra)",
-            given="no module named torchao", fix=TORCHAO_PIP) from None
-    if not _FLOAT8_TENSOR:
-        training = importlib.import_module("torchao.float8.float8_training_tensor")
-        _FLOAT8_TENSOR.append(training.Float8TrainingTensor)
-    return module
-
-
-def torchao_available() -> bool:
-    try:
-        torchao_float8()
-    except TilefitError:
-        return False
-    return True
 
 
 def float8_eligible(module: nn.Module) -> bool:
@@ -74,7 +47,7 @@ def convert_linears(model: nn.Module, autocast_dtype: torch.dtype
                if isinstance(m, nn.Linear) and not float8_eligible(m)]
     model = ao.convert_to_float8_training(model, module_filter_fn=lambda m, _fqn: (
         not isinstance(m, nn.Linear) or float8_eligible(m)))
-    linear_cls = importlib.import_module("torchao.float8.float8_linear")
+    linear_cls = float8_linear_module()
     converted = 0
     for m in model.modules():
         if isinstance(m, linear_cls.Float8Linear):
@@ -107,31 +80,3 @@ def _autocast_forward(linear_cls: Any, autocast_dtype: torch.dtype) -> Any:
         return out  # type: ignore[no-any-return]
 
     return forward
-
-
-def is_float8_tensor(t: Any) -> bool:
-    return bool(_FLOAT8_TENSOR) and isinstance(t, _FLOAT8_TENSOR[0])
-
-
-def float8_payload(t: torch.Tensor) -> torch.Tensor:
-    """The fp8 data of a torchao Float8TrainingTensor (what the GPU kernel reads), or ``t``."""
-    return t._data if is_float8_tensor(t) else t  # type: ignore[attr-defined, no-any-return]
-
-
-def holds_float8(tree: Any) -> bool:
-    """Whether an op's arguments include a Float8TrainingTensor (free until torchao is
-    loaded)."""
-    if not _FLOAT8_TENSOR:
-        return False
-    from torch.utils._pytree import tree_leaves
-
-    return any(is_float8_tensor(t) for t in tree_leaves(tree))
-
-
-def unwrap_float8(tree: Any) -> Any:
-    """``tree`` with each Float8TrainingTensor replaced by its fp8 data."""
-    if not _FLOAT8_TENSOR:
-        return tree
-    from torch.utils._pytree import tree_map
-
-    return tree_map(float8_payload, tree)

@@ -5,45 +5,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from tilefit.compat.distributed import storage_resizes
+from tilefit.compat.fake import DataDependentOutputException, TorchDispatchMode, write_only_args
+from tilefit.compat.modules import ModulePath
+from tilefit.compat.torchao import holds_float8, unwrap_float8
 from tilefit.tracing.collectives import ENGINE_COPY_NAMESPACE, collective_of
-from tilefit.tracing.float8 import float8_payload, holds_float8, unwrap_float8
 from tilefit.tracing.fusion import NodePlan
 from tilefit.tracing.records import Collective, GemmShape, OpRecord, StorageRecord
 from tilefit.tracing.shapes import classify, gemm_shapes, op_flops, packet_name
-from tilefit.tracing.torch_compat import (
-    DataDependentOutputException,
-    ModulePath,
-    local_tensor,
-    run_mutating_ops_in_place,
-    storage_resizes,
-    write_only_args,
-    written_args,
-)
+from tilefit.tracing.traffic import multi_tensor, op_tensors, traffic, written_in_place
 from tilefit.vocab import OPTIMIZER_PHASES, Phase
 
 _SKIP = {"prim.device.default", "profiler._record_function_enter_new.default",
          "profiler._record_function_exit._RecordFunction"}
-
-
-def _tensors(tree: Any) -> Iterator[torch.Tensor]:
-    """The tensors in nested tuples/lists/dicts (aten arguments are no deeper than that)."""
-    if isinstance(tree, torch.Tensor):
-        # a DTensor's shard: what this rank holds; a torchao float8 tensor's fp8 data
-        yield float8_payload(local_tensor(tree))
-    elif isinstance(tree, tuple | list):
-        for x in tree:
-            yield from _tensors(x)
-    elif isinstance(tree, dict):
-        for x in tree.values():
-            yield from _tensors(x)
 
 
 @dataclass(frozen=True)
@@ -206,13 +187,13 @@ class Recorder(TorchDispatchMode):
 
     def register_existing(self, tree: Any, category: str) -> None:
         """Storages alive before the step (parameters, buffers, inputs)."""
-        for t in _tensors(tree):
+        for t in op_tensors(tree):
             uid = self._track(t, -1, category)
             self.category.setdefault(uid, category)
 
     def label(self, tree: Any, category: str) -> None:
         """Give the storages of these tensors a category (gradients, optimizer state)."""
-        for t in _tensors(tree):
+        for t in op_tensors(tree):
             uid = self._uid_of.get(t.untyped_storage())
             if uid is not None and uid not in self.category:
                 self.category[uid] = category
@@ -220,7 +201,7 @@ class Recorder(TorchDispatchMode):
     def mark_host(self, tensors: Any) -> None:
         """These tensors live in host memory on the target (torch.optim's step counters
         beside CUDA parameters): ops on them alone run on the host."""
-        for t in _tensors(tensors):
+        for t in op_tensors(tensors):
             self._host_uids.add(self._track(t, self._events))
 
     def _runs_on_host(self, name: str, inputs: list[torch.Tensor]) -> bool:
@@ -358,8 +339,8 @@ class Recorder(TorchDispatchMode):
             return out
         at = self._events
         module = self._node_module or self.module
-        inputs = list(_tensors((args, kwargs)))
-        outputs = list(_tensors(out))
+        inputs = list(op_tensors((args, kwargs)))
+        outputs = list(op_tensors(out))
         before = self._next_uid
         kind = classify(func)
         float8 = holds_float8(args)
@@ -379,8 +360,8 @@ class Recorder(TorchDispatchMode):
         gemms: tuple[GemmShape, ...] = gemm_shapes(
             func, unwrap_float8(args) if float8 else args, kwargs, out, kind) \
             if kind in ("gemm", "conv") else ()
-        nbytes = 0 if kind == "view" else _traffic(
-            inputs, outputs, _written(name, func, args, kwargs),
+        nbytes = 0 if kind == "view" else traffic(
+            inputs, outputs, written_in_place(name, func, args, kwargs),
             write_only_args(func, args, kwargs))
         on_host = self._runs_on_host(name, inputs)
         if on_host:
@@ -396,7 +377,7 @@ class Recorder(TorchDispatchMode):
             dtype=str(ref.dtype).removeprefix("torch.") if ref is not None else "",
             flops=int(flops), bytes=int(nbytes), kind=kind, step=self._step, micro=self._micro,
             gemms=gemms, attention=attention, alloc_bytes=alloc,
-            multi_tensor=_multi_tensor(name, args, out), on_host=on_host, **compiled,
+            multi_tensor=multi_tensor(name, args, out), on_host=on_host, **compiled,
             collective=collective, flops_error=flops_error,
         ))
         self._events += 1
@@ -427,75 +408,3 @@ class Recorder(TorchDispatchMode):
         if uid is not None:
             self._attn_by_uid[uid] = dict(info)
         return info
-
-
-# a compiled graph's mutating custom ops (the fused cross-entropy's) run in place under it
-run_mutating_ops_in_place(Recorder)
-
-# torch's multi-tensor ops (foreach, fused optimizers, GradScaler's unscale): in place over
-# tensor lists, returning nothing
-_MULTI_TENSOR_PREFIXES = ("aten._foreach_", "aten._fused_", "aten._amp_")
-_NATIVE_PREFIXES = ("aten.", "prims.")  # ops whose in-place forms return what they write
-
-
-def _written(name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-             ) -> list[torch.Tensor]:
-    """The tensors an op writes in place and does not return: torch's multi-tensor ops, and
-    every custom op (tilefit's fused loss, FSDP2's ``fsdp.split_with_sizes_copy`` and
-    ``fsdp.chunk_cat`` into their ``out`` lists, a user's ``mutates_args`` op: a custom op
-    may not return an input). ATen's other in-place ops return what they write. torch's fused
-    optimizers mark the gradients mutable but write them back only when they unscale them (a
-    ``grad_scale`` is given)."""
-    if name.startswith(_NATIVE_PREFIXES) and not name.startswith(_MULTI_TENSOR_PREFIXES):
-        return []
-    written = written_args(func, args, kwargs)
-    if name.startswith("aten._fused_") and kwargs.get("grad_scale") is None and \
-            len(written) > 1:
-        written = [written[0], *written[2:]]
-    return list(_tensors(written))
-
-
-def _multi_tensor(name: str, args: tuple[Any, ...], out: Any
-                  ) -> tuple[int, tuple[int, ...]] | None:
-    """(depth, numels of the first list) of a foreach or fused multi-tensor op: the lists
-    its kernel walks together are those of the first list's length and element counts (a
-    list of 0-dim step counters or an empty amsgrad list is not walked), and the result
-    list of an out-of-place op."""
-    if not name.startswith(_MULTI_TENSOR_PREFIXES):
-        return None
-    first = args[0] if args and isinstance(args[0], list | tuple) else None  # a tensor list
-    if not first or not all(isinstance(t, torch.Tensor) for t in first):
-        return None
-    numels = tuple(t.numel() for t in first)
-    lists = [a for a in args if isinstance(a, list | tuple)]
-    if isinstance(out, list | tuple) and out:
-        lists.append(out)
-    depth = sum(1 for lst in lists if len(lst) == len(numels) and all(
-        isinstance(t, torch.Tensor) and t.numel() == n for t, n in zip(lst, numels,
-                                                                       strict=True)))
-    return depth, numels
-
-
-def _traffic(inputs: list[torch.Tensor], outputs: list[torch.Tensor],
-             written: Sequence[torch.Tensor] = (),
-             write_only: Sequence[torch.Tensor] = ()) -> int:
-    """Bytes a kernel reads and writes: each distinct input read once (no more than its
-    storage holds, for broadcast views) except the ``out`` arguments it only writes, each
-    output written once, and each input written in place that the op does not return
-    (``_foreach_mul_``, ``_fused_adamw_``, a custom op's mutated or ``out`` arguments)."""
-    seen: set[int] = {id(t) for t in write_only}
-    total = 0
-    returned = {id(t) for t in outputs}
-    total += sum(t.numel() * t.element_size() for t in written if id(t) not in returned)
-    for t in inputs:
-        key = id(t)
-        if key in seen:
-            continue
-        seen.add(key)
-        n = t.numel() * t.element_size()
-        if 0 in t.stride():  # a broadcast view reads no more than its storage holds
-            n = min(n, t.untyped_storage().nbytes())
-        total += n
-    for t in outputs:
-        total += t.numel() * t.element_size()
-    return total

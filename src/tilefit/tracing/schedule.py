@@ -293,7 +293,7 @@ def reuse_holds(order: Sequence[GraphNode], materialized: set[int],
     then held far ahead. Returns value -> the node whose allocation takes its buffer
     (``order``: the graph's nodes as they run; ``materialized``: the values allocated,
     tilefit.tracing.fusion's plan; ``input_bytes``: the graph inputs the estimate counts,
-    torch_compat.inductor_freeable_input)."""
+    compat.compile.inductor_freeable_input)."""
     nodes = {n.index: n for n in order}
     sizes = dict(input_bytes)
     sizes.update({i: nodes[i].out_bytes for i in materialized if i in nodes

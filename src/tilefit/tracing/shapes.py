@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
+from tilefit.compat.fake import flop_formula
 from tilefit.errors import error_line
 from tilefit.tracing.collectives import ENGINE_COPY_NAMESPACE, WAIT_OPS, is_collective
 from tilefit.tracing.records import GemmShape
-from tilefit.tracing.torch_compat import flop_formula
 
 GEMM_OPS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm"}
 CONV_OPS = {"aten.convolution", "aten._convolution", "aten.convolution_backward",

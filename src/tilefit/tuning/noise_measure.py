@@ -25,7 +25,7 @@ from torch import nn
 
 from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError, check_positive_int
-from tilefit.tracing.step import check_scalar_loss, default_loss
+from tilefit.tracing.loop import check_scalar_loss, default_loss
 from tilefit.tuning.executor import LossFn, _to_device
 from tilefit.tuning.noise import (
     DEFAULT_CONFIDENCE,

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tilefit.compat.fake import storage_key
 from tilefit.errors import TilefitError
 
 PROBE_BATCHES = (1, 2)
@@ -124,7 +125,7 @@ def _unique_bytes(tensors: Iterable[Any]) -> int:
     for t in tensors:
         if isinstance(t, torch.Tensor) and not t.is_meta:
             storage = t.untyped_storage()
-            sizes[storage._cdata] = int(storage.nbytes())
+            sizes[storage_key(storage)] = int(storage.nbytes())
     return sum(sizes.values())
 
 

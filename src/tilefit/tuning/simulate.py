@@ -24,8 +24,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from tilefit.compat.fake import TorchDispatchMode, storage_key, tree_flatten, tree_unflatten
 
 # torch.OutOfMemoryError is the top-level name from torch 2.5; torch.cuda.OutOfMemoryError
 # (the same class) is older.
@@ -66,7 +66,7 @@ class MemoryLimitMode(TorchDispatchMode):
         storage = _storage(t)
         if storage is None:
             return
-        key = storage._cdata
+        key = storage_key(storage)
         if key in self._live:
             return
         nbytes = int(storage.nbytes())
@@ -87,7 +87,7 @@ class MemoryLimitMode(TorchDispatchMode):
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s storage is counted (on the simulated device)."""
         storage = _storage(t)
-        return storage is not None and storage._cdata in self._live
+        return storage is not None and storage_key(storage) in self._live
 
     def device_copy(self, tree: Any) -> Any:
         """``tree`` with every tensor the device does not hold replaced by a copy of its own
@@ -104,11 +104,11 @@ class MemoryLimitMode(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         # storages the inputs already had: an output on one of them is a view or an in-place
         # result, not an allocation (and if that input is not counted, neither is the view)
-        inputs = {s._cdata for s in map(_storage, tree_flatten((args, kwargs))[0])
+        inputs = {storage_key(s) for s in map(_storage, tree_flatten((args, kwargs))[0])
                   if s is not None}
         for t in tree_flatten(out)[0]:
             storage = _storage(t)
-            if storage is not None and storage._cdata not in inputs:
+            if storage is not None and storage_key(storage) not in inputs:
                 self._track(t)
         if self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
             over = self.live_bytes

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tilefit.compat.modules import buffer_slots
+
 
 @dataclass(frozen=True)
 class _Saved:
@@ -198,7 +200,7 @@ def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Snaps
     ]
     buffers: list[tuple[nn.Module, str, torch.Tensor | None, Any]] = []
     for module in model.modules():
-        for name, buf in module._buffers.items():
+        for name, buf in buffer_slots(module).items():
             buffers.append((module, name, buf, None if buf is None else _to_cpu(buf)))
     modes = [(m, m.training) for m in model.modules()]
     restored_elsewhere = {id(t) for t in (*model.parameters(), *model.buffers())}
@@ -235,9 +237,9 @@ def restore_weights(snap: Snapshot) -> None:
             p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype, copy=True)
         for module, name, original, saved in snap.buffers:
             if original is None:
-                module._buffers[name] = None
+                buffer_slots(module)[name] = None
                 continue
-            module._buffers[name] = original  # the same tensor object the model had
+            buffer_slots(module)[name] = original  # the same tensor object the model had
             original.copy_(_from_cpu(saved))
     if snap.optimizer is not None:
         opt = snap.optimizer

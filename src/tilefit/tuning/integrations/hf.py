@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
+from tilefit.compat.fake import FakeTensor
 from tilefit.errors import TilefitError
-from tilefit.tracing.torch_compat import FakeTensor
 from tilefit.tuning.executor import is_oom
 from tilefit.tuning.noise import NoiseScale
 from tilefit.tuning.ranks import current_ranks

@@ -1,4 +1,5 @@
-"""Where Hugging Face code would take a different path on fake tensors than on a GPU.
+"""transformers' private and version-dependent APIs: where Hugging Face code would take a
+different path on fake tensors than on a GPU, its attention and checkpointing switches.
 
 transformers' masking_utils treats FakeTensors as "tracing" (utils.import_utils.is_tracing) and
 then builds an explicit causal mask instead of passing is_causal=True to SDPA, which on a GPU
@@ -10,16 +11,24 @@ Likewise, without a KV cache (training, and always with gradient checkpointing) 
 looks for packed sequences in position_ids by reading their values; on fake tensors it cannot,
 and assumes packing. The trace assumes unpacked sequences (position ids 0..S-1 per row), which
 is what the synthetic batches hold and what an ordinary padded or unpadded batch holds.
+
+``set_attention`` and ``enable_checkpointing`` switch a model's attention implementation
+and its own gradient checkpointing (``config._attn_implementation`` where the model has no
+setter; ``_gradient_checkpointing_func`` for a compiled step).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from tilefit.tracing.torch_compat import FakeTensor, holds_fake
+from torch import nn
+
+from tilefit.compat.compile import checkpoint_region_tagger
+from tilefit.compat.fake import FakeTensor, holds_fake
+from tilefit.errors import TilefitError
 
 
 def is_fake(x: Any) -> bool:
@@ -97,3 +106,43 @@ def use_checkpoint_function(model: Any, function: Any) -> None:
         if getattr(module, "gradient_checkpointing", False) and \
                 hasattr(module, "_gradient_checkpointing_func"):
             module._gradient_checkpointing_func = function
+
+
+def set_attention(model: nn.Module, attention: str) -> None:
+    """The model's attention implementation ("auto": the model's own choice)."""
+    if attention == "auto":
+        return
+    setter = getattr(model, "set_attn_implementation", None)
+    config = getattr(model, "config", None)
+    if setter is not None:
+        setter(attention)
+    elif config is not None and hasattr(config, "_attn_implementation"):
+        config._attn_implementation = attention
+    else:
+        raise TilefitError(
+            f"attention={attention!r} needs a Hugging Face model",
+            expected="a transformers PreTrainedModel, or attention='auto' for plain modules",
+            given=type(model).__name__,
+            fix="pass attention='auto'; a plain module's own code decides its attention")
+
+
+def enable_checkpointing(model: nn.Module, context_fn: Callable[[], Any] | None, *,
+                         compiled: bool = False) -> None:
+    """Hugging Face's own checkpointing (its choice of layers), non-reentrant; ``compiled``:
+    as torch.compile runs it, each checkpointed call tagged for the partitioner to recompute
+    (tilefit.compat.compile.checkpoint_region_tagger) instead of torch.utils.checkpoint's
+    saved-tensor hooks."""
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise TilefitError(
+            "grad_checkpointing=True needs a model with gradient_checkpointing_enable()",
+            expected="a Hugging Face model, or torch.utils.checkpoint inside your forward "
+            "(then leave grad_checkpointing=False: the trace follows your code)",
+            given=type(model).__name__,
+            fix="call torch.utils.checkpoint.checkpoint in your model's forward")
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if context_fn is not None and not compiled:
+        kwargs["context_fn"] = context_fn
+    enable(gradient_checkpointing_kwargs=kwargs)
+    if compiled:
+        use_checkpoint_function(model, checkpoint_region_tagger())

@@ -1,0 +1,132 @@
+"""Fake tensors, dispatch modes, aten schemas, pytrees and storage identity.
+
+Tested on torch 2.4-2.13 APIs: FakeTensorMode and its exceptions, the dispatch mode stack,
+torch.utils._pytree, and the flop formula registry of torch.utils.flop_counter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+    unset_fake_temporarily,
+)
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils.flop_counter import flop_registry
+
+__all__ = [
+    "FAKE_ERRORS",
+    "DataDependentOutputException",
+    "FakeTensor",
+    "FakeTensorMode",
+    "TorchDispatchMode",
+    "fake_mode_active",
+    "flop_formula",
+    "holds_fake",
+    "is_view",
+    "new_fake_mode",
+    "storage_key",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_map",
+    "tree_unflatten",
+    "unset_fake_temporarily",
+    "write_only_args",
+    "written_args",
+]
+
+# Exceptions a fake-tensor run raises for code that needs real values or real kernels.
+FAKE_ERRORS: tuple[type[BaseException], ...] = (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+)
+
+
+def new_fake_mode() -> FakeTensorMode:
+    # allow_non_fake_inputs lets module-level constants (real CPU tensors a model keeps as
+    # plain attributes) mix with fake tensors, as they would on a device.
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_mode_active() -> bool:
+    """Whether a FakeTensorMode is on the dispatch mode stack now (read without creating a
+    tensor: a probe tensor would show up in a tracer's record)."""
+    return any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
+
+
+def holds_fake(x: object) -> bool:
+    """Whether ``x`` is AOTAutograd's functionalization wrapper (a FunctionalTensor) around a
+    fake tensor (torch._subclasses.fake_tensor.is_fake looks inside); a bare FakeTensor is
+    the caller's own isinstance check. Only a FunctionalTensor is looked into: Dynamo,
+    listing a model's graph breaks, sees no FunctionalTensor and never reaches is_fake, a
+    function it refuses to trace."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(x, FunctionalTensor) and bool(is_fake(x))
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view of another tensor's storage (Tensor._is_view)."""
+    return bool(t._is_view())
+
+
+def storage_key(storage: Any) -> int:
+    """An UntypedStorage's identity: its StorageImpl pointer (the private ``_cdata``), the
+    same for every view and Python wrapper of one storage."""
+    return int(storage._cdata)
+
+
+def flop_formula(func: Any) -> Callable[..., int] | None:
+    """torch.utils.flop_counter's formula for an aten overload, or None."""
+    packet = getattr(func, "overloadpacket", func)
+    return flop_registry.get(packet)
+
+
+def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The arguments an aten op writes in place (``Tensor(a!)`` in its schema), by position
+    or keyword: what an in-place op that returns nothing (``_foreach_add_``,
+    ``_fused_adamw_``) still writes."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if value is not None:
+            out.append(value)
+    return out
+
+
+def write_only_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The arguments an op writes without reading: its schema's ``out`` arguments
+    (``fsdp.split_with_sizes_copy(..., out=[...])``), less any tensor also passed as an input
+    it reads (``torch.addmm(c, a, b, out=c)`` reads ``c``)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    outs: list[Any] = []
+    read_ids: set[int] = set()
+    for i, arg in enumerate(schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if value is None:
+            continue
+        leaves = list(value) if isinstance(value, (list, tuple)) else [value]
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if arg.is_out:
+            outs.extend(tensors)
+        else:
+            read_ids.update(id(t) for t in tensors)
+    return [t for t in outs if id(t) not in read_ids]

@@ -1,0 +1,85 @@
+"""Errors raised inside the traced step or while building its fake model, translated into
+a TilefitError that names the op and the module."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from tilefit.compat.fake import FAKE_ERRORS
+from tilefit.errors import TilefitError
+from tilefit.tracing.recorder import Recorder
+from tilefit.vocab import MICRO_PHASES
+
+__all__ = ["USER_CODE_ERRORS", "explain_build_errors", "explain_fake_errors", "first_line",
+           "where_in_step"]
+
+USER_CODE_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError,
+                    AssertionError, NotImplementedError)
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def where_in_step(recorder: Recorder) -> str:
+    """Where in the step an error happened, in words."""
+    if recorder.phase not in MICRO_PHASES:
+        return f"the {recorder.phase} step"
+    name = recorder.failing_module
+    return f"module {name!r}" if name else "code outside any module (the loss function?)"
+
+
+@contextlib.contextmanager
+def explain_fake_errors(recorder: Recorder) -> Iterator[None]:
+    """Errors raised inside the user's step become a TilefitError naming the op and module."""
+    try:
+        yield
+    except TilefitError:
+        raise
+    except FAKE_ERRORS as exc:
+        func = getattr(exc, "func", None)
+        op = str(func) if func is not None else type(exc).__name__
+        where = where_in_step(recorder)
+        raise TilefitError(
+            f"the model cannot run on fake tensors: {op} in {where} needs real values or a "
+            "real kernel",
+            expected="a training step whose control flow does not depend on tensor values "
+            "(no .item(), .tolist(), nonzero() or data-dependent branches) and ops with "
+            "fake/meta implementations",
+            given=f"{type(exc).__name__} from {op} in {where}",
+            fix="move the value-dependent code out of the step (e.g. compute it once before "
+            "training), or register a fake implementation for the custom op with "
+            "torch.library.register_fake",
+        ) from None
+    except USER_CODE_ERRORS as exc:
+        where = where_in_step(recorder)
+        raise TilefitError(
+            f"one training step of the model failed in {where}: {type(exc).__name__}: "
+            f"{first_line(exc)}",
+            expected="a model whose forward, loss and backward run on the given batch",
+            given=f"{type(exc).__name__} in {where} ({recorder.phase})",
+            fix="check the batch shape (--batch, --seq, --input-shape) against the model, and "
+            "run the model once on a real batch of that shape to see the full error",
+        ) from None
+
+
+@contextlib.contextmanager
+def explain_build_errors() -> Iterator[None]:
+    """Errors while building the fake model become a TilefitError."""
+    try:
+        yield
+    except TilefitError:
+        raise
+    except FAKE_ERRORS as exc:
+        raise TilefitError(f"the model could not be built on fake tensors: {exc}",
+                           expected="a model whose construction needs no real tensor values",
+                           given=type(exc).__name__,
+                           fix="build the model on the meta device and pass the module") from None
+    except USER_CODE_ERRORS as exc:
+        raise TilefitError(f"the model could not be built: {type(exc).__name__}: "
+                           f"{first_line(exc)}",
+                           expected="a model (or factory) that builds without real data",
+                           given=type(exc).__name__,
+                           fix="build it once in plain PyTorch to see the full error") from None

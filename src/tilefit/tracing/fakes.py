@@ -1,0 +1,153 @@
+"""The fake model, batch, optimizer and scaler state one trace runs: fake copies of the
+user's tensors (nothing real is copied), the model's precision, attention, checkpointing,
+fp8 linears and data-parallel wrapper set as the recipe says."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tilefit.compat.fake import FakeTensorMode, tree_map
+from tilefit.compat.modules import buffer_slots, parameter_slots
+from tilefit.compat.transformers import enable_checkpointing, set_attention
+from tilefit.errors import TilefitError
+from tilefit.tracing.autocast import recompute_contexts
+from tilefit.tracing.compiled import CompiledStep
+from tilefit.tracing.distributed import wrap_model
+from tilefit.tracing.errors import USER_CODE_ERRORS
+from tilefit.tracing.float8 import convert_linears
+from tilefit.tracing.loop import SCALER_INIT
+from tilefit.tracing.optimizers import make_optimizer
+from tilefit.tracing.options import ModelSpec, TraceOptions
+from tilefit.tracing.recorder import Recorder
+from tilefit.tracing.target import Target
+
+__all__ = ["Prepared", "build_model", "cast_floating", "fake_batch", "fake_copy", "prepare"]
+
+def _fake_like(t: torch.Tensor, mode: FakeTensorMode, dtype: torch.dtype | None = None
+               ) -> torch.Tensor:
+    with mode:
+        return torch.empty_strided(tuple(t.shape), tuple(t.stride()),
+                                   dtype=dtype or t.dtype, device="cpu")
+
+
+def fake_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
+    """A copy of the user's module whose parameters and buffers are fake CPU tensors; the
+    user's module, its weights and its device are untouched (nothing real is copied)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters(recurse=True):
+        if id(p) not in memo:
+            memo[id(p)] = nn.Parameter(_fake_like(p, mode), requires_grad=p.requires_grad)
+    for b in model.buffers(recurse=True):
+        if id(b) not in memo:
+            memo[id(b)] = _fake_like(b, mode)
+    return copy.deepcopy(model, memo)
+
+
+def cast_floating(model: nn.Module, dtype: torch.dtype, *, frozen_only: bool = False) -> None:
+    """model.to(dtype), in place, for a fake (or meta) model: Module._apply swaps tensors,
+    which fake parameters refuse ("Cannot swap ... weakref", torch 2.13), so new parameters
+    are put in place instead; tied weights stay tied. ``frozen_only``: only the parameters
+    without requires_grad (a LoRA base model loaded in 16 bits), no buffers."""
+    done: dict[int, Any] = {}
+    for mod in model.modules():
+        params = parameter_slots(mod)
+        for name, p in list(params.items()):
+            if p is None or not p.is_floating_point() or (frozen_only and p.requires_grad):
+                continue
+            if id(p) not in done:
+                done[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+            params[name] = done[id(p)]
+        if frozen_only:
+            continue
+        buffers = buffer_slots(mod)
+        for name, b in list(buffers.items()):
+            if b is None or not b.is_floating_point():
+                continue
+            if id(b) not in done:
+                done[id(b)] = b.to(dtype)
+            buffers[name] = done[id(b)]
+
+
+def fake_batch(batch: Any, mode: FakeTensorMode, float_dtype: torch.dtype | None) -> Any:
+    def conv(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            dt = float_dtype if (float_dtype is not None and x.is_floating_point()) else None
+            return _fake_like(x.contiguous() if x.device.type != "meta" else x, mode, dt)
+        return x
+    return tree_map(conv, batch)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The fake model, batch and optimizer one trace runs."""
+
+    model: nn.Module
+    batch: Any
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scaler_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    compiled: CompiledStep | None = None  # the captured loss computation (compile=True)
+    notes: tuple[str, ...] = ()  # what wrapping the model in a data-parallel engine noted
+
+
+def build_model(model: ModelSpec, mode: FakeTensorMode, meta: bool = False) -> nn.Module:
+    """The fake model: the factory's product built under the fake mode, or a fake copy.
+    ``meta``: a factory's model on the meta device (FSDP2 shards it, then materialises it)."""
+    if isinstance(model, nn.Module):
+        return fake_copy(model, mode)
+    with torch.device("meta") if meta else mode:
+        built = model()
+    if not isinstance(built, nn.Module):
+        raise TilefitError("the model factory did not return an nn.Module",
+                           expected="a zero-argument callable returning torch.nn.Module",
+                           given=type(built).__name__, fix="return the module")
+    return built
+
+
+def prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target,
+            recorder: Recorder, mode: FakeTensorMode, mesh: Any = None) -> Prepared:
+    """The fake model (as ``options`` set it up, wrapped in its data-parallel engine), the
+    fake batch, the optimizer and GradScaler's state."""
+    parallel = options.parallel
+    fmodel = build_model(model, mode, meta=parallel is not None and parallel.strategy == "fsdp2")
+    with mode:
+        set_attention(fmodel, options.attention)
+        if options.pure_half is not None:
+            cast_floating(fmodel, options.pure_half)
+        notes: tuple[str, ...] = ()
+        if options.precision.float8_linears and options.low_dtype is not None:
+            fmodel, notes = convert_linears(fmodel, options.low_dtype)
+        if options.grad_checkpointing:
+            enable_checkpointing(fmodel,
+                                 recompute_contexts(target, recorder, options.low_dtype),
+                                 compiled=options.compile)
+        fmodel.train()
+    if parallel is not None:
+        fmodel, wrap_notes = wrap_model(fmodel, parallel, mesh, mode, recorder,
+                                        param_dtype=options.low_dtype)
+        notes += wrap_notes
+    with mode:
+        fbatch = fake_batch(batch, mode, options.pure_half)
+        params = [p for p in fmodel.parameters() if p.requires_grad]
+        if not params:
+            raise TilefitError("the model has no trainable parameters",
+                               expected="at least one parameter with requires_grad=True",
+                               given="none", fix="unfreeze the parameters to train")
+        try:
+            opt = make_optimizer(options.optimizer, params, foreach=target.foreach)
+        except USER_CODE_ERRORS as exc:
+            raise TilefitError(
+                f"the optimizer could not be created: {type(exc).__name__}: {exc}",
+                expected="a name (adamw, sgd, ...) or a factory params -> Optimizer",
+                given=repr(options.optimizer), fix="call the factory once on "
+                "model.parameters() to see the full error") from None
+        scaler_state = None
+        if options.precision.grad_scaler:
+            scaler_state = (torch.full((1,), SCALER_INIT), torch.zeros(1, dtype=torch.int32),
+                            torch.zeros(1))
+    return Prepared(fmodel, fbatch, params, opt, scaler_state, notes=notes)
