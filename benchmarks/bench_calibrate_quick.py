@@ -17,7 +17,7 @@ that has no fast bf16 path. A dtype the calibration found slow gets a fifth of t
 shapes, so that checking it does not take longer than calibrating.
 
 Before and after each scenario: CPU model, torch threads, load average (busy neighbours slow
-2-thread GEMMs by whole scheduler slices; see tilefit.calibrate.run.busy_warning).
+2-thread GEMMs by whole scheduler slices; see tilefit.calibrate.measure.busy_warning).
 
 Targets (issue 16): the quick calibration under 180 s in every scenario; fp32 held-out median
 error <= 5%.

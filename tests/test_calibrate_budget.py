@@ -133,7 +133,7 @@ def test_describe_cut_says_what_was_skipped(chosen, rounds_done, expected) -> No
 
 
 def test_rounds_stop_at_the_deadline(monkeypatch) -> None:
-    import tilefit.calibrate.run as run
+    import tilefit.calibrate.measure as measure
 
     # A fake clock: each measured shape takes 1 s. 3 shapes, deadline 7 s: round 1 ends at
     # 3 s, round 2 would end at 6 s (runs), round 3 at 9 s > 7 s (not started).
@@ -143,9 +143,9 @@ def test_rounds_stop_at_the_deadline(monkeypatch) -> None:
         now[0] += 1.0
         return Timing(1e-3, 1e-3, 1e-3, 5)
 
-    monkeypatch.setattr(run, "time_gemm", fake_time_gemm)
+    monkeypatch.setattr(measure, "time_gemm", fake_time_gemm)
     steps: list[tuple[int, int]] = []
-    samples, done = run.measure_rounds(
+    samples, done = measure.measure_rounds(
         [(8, 8, 8), (16, 8, 8), (9, 8, 8)], "fp32", cpu_device(), 0.01, 3,
         deadline_s=7.0, step=lambda r, j: steps.append((r, j)), clock=lambda: now[0])
     assert done == 2 and now[0] == 6.0

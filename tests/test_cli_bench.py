@@ -77,13 +77,14 @@ TINY_GRID = ((16, 16, 16), (16, 64, 32), (64, 16, 48), (48, 48, 64), (64, 64, 64
 def tiny_calibration(monkeypatch):
     """A tiny grid so a calibration takes a second: 8 shapes, a 64^3 probe, a 16 MiB copy;
     two options (3 rounds, or 6 of the shapes once) for a budget to choose from."""
+    import tilefit.calibrate.measure as measure
     import tilefit.calibrate.run as run
     from tilefit.calibrate.grid import GridOption
 
     ladder = (GridOption(TINY_GRID, 3), GridOption(TINY_GRID[:6], 1))
     monkeypatch.setattr(run, "grid_options", lambda kind, quick: ladder)
     monkeypatch.setattr(run, "PROBE_SHAPES", {"cpu": (64, 64, 64)})
-    monkeypatch.setattr(run, "COPY_BYTES", 16 * 1024**2)
+    monkeypatch.setattr(measure, "COPY_BYTES", 16 * 1024**2)
     return run
 
 

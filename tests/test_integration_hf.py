@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from tilefit.errors import TilefitError
-from tilefit.tuning.integrations import hf
+from tilefit.tuning.integrations import adapter, hf, hf_data
 from tilefit.tuning.integrations.hf import (
     precision_of,
     split_effective_batch,
@@ -242,13 +242,13 @@ def test_checkpointing_arguments_old_and_new_names() -> None:
 def test_bf16_arguments_tune_with_bf16_autocast(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str, Any] = {}
-    real_tune = hf.tune
+    real_tune = adapter.tune  # the one call of tune, for every framework
 
     def spy(*a: Any, **kw: Any) -> Any:
         seen.update(kw)
         return real_tune(*a, **kw)
 
-    monkeypatch.setattr(hf, "tune", spy)
+    monkeypatch.setattr(adapter, "tune", spy)
     trainer = make_trainer(gpt2(), TokenData(), tmp_path, bf16=True)
     result = tune_untimed(trainer)
     assert seen["precision"] == "bf16-mixed" and seen["global_batch"] == EFFECTIVE
@@ -290,7 +290,7 @@ def test_streaming_dataset_is_read_lazily_and_its_batch_trains(tmp_path: Path) -
 def test_short_streams_wrap_around_and_empty_ones_are_an_error() -> None:
     pool = hf.read_samples(StreamedTokens(n=3), 64)
     assert len(pool) == 3
-    batch = hf._pick(pool, 0, 7)
+    batch = hf_data._pick(pool, 0, 7)
     assert len(batch) == 7 and torch.equal(batch[3]["input_ids"], batch[0]["input_ids"])
     with pytest.raises(TilefitError, match="no samples"):
         hf.read_samples(StreamedTokens(n=0), 2)

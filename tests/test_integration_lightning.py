@@ -5,6 +5,7 @@ same cap without OOM."""
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -16,8 +17,10 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorD
 
 from tilefit.errors import TilefitError
 from tilefit.tuning.integrations import lightning as tl
+from tilefit.tuning.integrations.lightning import FinderOptions
 
 L = pytest.importorskip("lightning.pytorch")
+cb = pytest.importorskip("tilefit.tuning.integrations.lightning_callbacks")  # needs Lightning
 torchmetrics = pytest.importorskip("torchmetrics")
 
 LIMIT_BYTES = 1_200_000  # the simulated device: weights + AdamW state ~0.3 MB, ~3 KB/sample
@@ -161,6 +164,8 @@ def test_self_log_in_training_step() -> None:
     trainer, tuner, _, sizes = fit(module, max_steps=1)
     assert sizes.seen == [tuner.result.batch_size] and trainer.global_step == 1
     assert {"train_loss", "train_acc"} <= set(trainer.callback_metrics)  # logs after tuning
+    (note,) = tuner.result.notes  # the metric's bincount stopped the prediction: said so
+    assert "could not be traced on fake tensors" in note and "bincount" in note
     assert "log" not in vars(module) and "log_dict" not in vars(module)
 
 
@@ -257,3 +262,38 @@ def test_rebatched_loader_keeps_everything_but_the_batch_size() -> None:
     assert (again.batch_size, again.drop_last, again.sampler) == (4, True, loader.sampler)
     assert tl.samples_per_epoch(again) == 10 and len(again) == 2
     assert tl.samples_per_epoch(DataLoader(Stream(), batch_size=2)) is None
+
+
+class RecordingFinder(cb.TilefitBatchSizeFinder):  # type: ignore[misc, name-defined]
+    """A subclass: the finder's own hook, then what the module's batch size became."""
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        super().on_fit_start(trainer, pl_module)
+        self.applied = pl_module.batch_size
+
+
+def test_callbacks_are_classes_that_pickle_and_subclass() -> None:
+    finder = tl.tilefit_batch_size_finder(global_batch=64, memory_limit_bytes=LIMIT_BYTES)
+    assert type(finder) is cb.TilefitBatchSizeFinder and isinstance(finder, L.Callback)
+    again = pickle.loads(pickle.dumps(finder))
+    assert type(again) is cb.TilefitBatchSizeFinder and again.result is None
+    assert again.options == finder.options == FinderOptions(
+        global_batch=64, memory_limit_bytes=LIMIT_BYTES)
+    cap = pickle.loads(pickle.dumps(tl.simulated_memory_limit(LIMIT_BYTES)))
+    assert type(cap) is cb.SimulatedMemoryLimit and cap.limit_bytes == LIMIT_BYTES
+    monitor = pickle.loads(pickle.dumps(tl.noise_scale_monitor(at_steps=(5, 0, 5),
+                                                               batch_sizes=(2, 8))))
+    assert (monitor.at_steps, monitor.batch_sizes, monitor.results) == ([0, 5], (2, 8), [])
+    with pytest.raises(TilefitError, match="at_steps"):
+        cb.NoiseScaleMonitor(at_steps=())
+
+    module = ModuleData()
+    sub = RecordingFinder(FinderOptions(memory_limit_bytes=LIMIT_BYTES, measure_throughput=False))
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, enable_progress_bar=False, logger=False,
+                        enable_checkpointing=False, enable_model_summary=False, callbacks=[sub])
+    trainer.fit(module)
+    assert sub.result is not None and sub.applied == sub.result.batch_size == module.batch_size
+    assert sub.result.batch_size > 4  # tuned up from the module's 4
+    done = pickle.loads(pickle.dumps(sub))  # with its result, after the fit
+    assert done.result == sub.result and done.applied == sub.applied
+

@@ -289,6 +289,49 @@ def test_the_estimators_prediction_starts_the_search_next_to_the_exact_maximum()
     assert with_pred.fit_trials < without.fit_trials
 
 
+class HostRead(nn.Module):
+    """A step that reads a value back to the host (``float(tensor)``): it runs on real
+    tensors, but a fake tensor has no value, so the estimator cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y / float(y.detach().abs().max() + 1)
+
+
+def test_a_prediction_that_cannot_run_is_said_in_the_notes() -> None:
+    torch.manual_seed(0)
+    model = HostRead()
+
+    def run(**kwargs: Any) -> TuneResult:
+        return tune(model, lambda b: torch.randn(b, 32), loss_fn=lambda m, x: m(x).mean(),
+                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                    measure_throughput=False, **kwargs)
+
+    untraceable = run(memory_limit_bytes=200_000)
+    (note,) = untraceable.notes
+    assert note.startswith("the estimator's prediction of the largest batch was skipped: the "
+                           "step could not be traced on fake tensors: ")
+    assert "aten._local_scalar_dense" in note  # the op float() runs, named by the tracer
+    assert note.endswith("; the search began at batch 2 instead")
+    assert untraceable.predicted_max_batch is None and untraceable.trials[0]["batch_size"] == 2
+    assert untraceable.to_dict()["notes"] == [note]
+    # without a prediction asked for, nothing was skipped: no note, and the same search
+    asked = run(memory_limit_bytes=200_000, predict=False)
+    def probes(result: TuneResult) -> list[tuple[int, bool]]:
+        return [(t["batch_size"], t["fits"]) for t in result.trials]
+
+    assert asked.notes == () and probes(asked) == probes(untraceable)
+    # on the CPU without a memory limit there is no budget to predict against
+    (unbounded,) = run(max_batch=8).notes
+    assert unbounded == ("the estimator's prediction of the largest batch was skipped: there "
+                         "is no memory budget to predict against (the CPU without a memory "
+                         "limit); the search began at batch 2 instead")
+
+
 class Scale(nn.Module):
     """loss = sum(x * w) for x of shape (b, 64): memory small enough to count by hand."""
 

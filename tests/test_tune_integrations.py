@@ -19,7 +19,7 @@ from tilefit.tuning.integrations import lightning as tl
 
 
 def test_lightning_is_imported_only_when_used() -> None:
-    if importlib.util.find_spec("lightning") or importlib.util.find_spec("pytorch_lightning"):
+    if importlib.util.find_spec("lightning"):
         pytest.skip("Lightning is installed here")
     with pytest.raises(TilefitError, match="pip install lightning"):
         tl.tilefit_batch_size_finder()
@@ -73,6 +73,17 @@ def test_cli_tune_json_and_plot(tmp_path: Any) -> None:
     expected = int(lines[outlook].split("about ")[1].split(" trials")[0])
     assert expected == len(data["trials"])  # 1 fit trial (the cap) + 5 timed candidates
     assert f"trial 1 of ~{expected}: fit at batch 16: fits" in trial_lines[0]
+
+
+def test_cli_tune_shows_what_tune_skipped() -> None:
+    # the CPU without --memory-limit has no memory budget: no prediction to start from, and
+    # the table says so
+    out = CliRunner().invoke(app, ["tune", "tests.fixtures.tiny_models:mlp", "--input-shape",
+                                   "32", "--gpu", "cpu", "--max-batch", "4"])
+    assert out.exit_code == 0, out.output
+    assert ("note: the estimator's prediction of the largest batch was skipped: there is no "
+            "memory budget to predict against (the CPU without a memory limit); the search "
+            "began at batch 2 instead") in " ".join(out.stdout.split())  # rich wraps lines
 
 
 def test_cli_tune_errors_exit_2() -> None:

@@ -11,6 +11,7 @@ import contextlib
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -77,7 +78,42 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
     steps on a synthetic batch, and measure."""
     import torch
 
-    from tilefit.tracing.optimizers import make_optimizer
+    _check_recipe(recipe, kind)
+    model, batch, opt = _build(workload, recipe, kind)
+    old_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = recipe.spec.allow_tf32
+
+    loss_fn = workload.loss_for(recipe.fused_ce)
+
+    def step() -> None:
+        with _autocast(kind, recipe.precision):
+            loss = loss_fn(model, batch)
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    try:
+        if kind == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            step()
+            _sync(kind)
+            peak = int(torch.cuda.max_memory_allocated())
+        else:
+            peak = memtracker_peak_bytes(model, opt, batch, step)
+        times = _timed_steps(step, kind, steps=steps, warmup=warmup)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old_tf32
+    return StepMeasurement(device=kind, step_time_s=statistics.median(times),
+                           step_times_s=tuple(times), peak_memory_bytes=peak,
+                           threads=torch.get_num_threads(), load_average=os.getloadavg()[0],
+                           cores=os.cpu_count() or 0)
+
+
+def _check_recipe(recipe: Recipe, kind: str) -> None:
+    """An error unless bench step can run ``recipe`` on ``kind``."""
+    import torch
 
     if kind == "cuda" and not torch.cuda.is_available():
         raise TilefitError("--device cuda needs a CUDA GPU, and this machine has none",
@@ -93,6 +129,15 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
                                p.name for p in PRECISIONS if not p.grad_scaler),
                            given=recipe.precision,
                            fix="use --precision " + mixed_precision("bf16").name)
+
+
+def _build(workload: Workload, recipe: Recipe, kind: str) -> tuple[Any, Any, Any]:
+    """The model (seeded, in the recipe's weights, attention and checkpointing, in train
+    mode), its batch and its optimizer, for real on ``kind``."""
+    import torch
+
+    from tilefit.tracing.optimizers import make_optimizer
+
     torch.manual_seed(0)
     with torch.device(kind):
         model = workload.build("sdpa" if recipe.attention == "auto" else recipe.attention)
@@ -104,47 +149,30 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
     batch = workload.make_batch(recipe.batch_size, device=kind)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(recipe.optimizer, params, foreach=kind == "cuda")
-    old_tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = recipe.spec.allow_tf32
+    return model, batch, opt
 
-    loss_fn = workload.loss_for(recipe.fused_ce)
 
-    def step() -> None:
-        with _autocast(kind, recipe.precision):
-            loss = loss_fn(model, batch)
-        loss.backward()
-        del loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+def _sync(kind: str) -> None:
+    if kind == "cuda":
+        import torch
 
-    def sync() -> None:
-        if kind == "cuda":
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()
 
-    try:
-        if kind == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            step()
-            sync()
-            peak = int(torch.cuda.max_memory_allocated())
-        else:
-            peak = memtracker_peak_bytes(model, opt, batch, step)
-        for _ in range(max(0, warmup - 2)):
-            step()
-        times = []
-        for _ in range(steps):
-            sync()
-            t0 = time.perf_counter()
-            step()
-            sync()
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old_tf32
-    return StepMeasurement(device=kind, step_time_s=statistics.median(times),
-                           step_times_s=tuple(times), peak_memory_bytes=peak,
-                           threads=torch.get_num_threads(), load_average=os.getloadavg()[0],
-                           cores=os.cpu_count() or 0)
+
+def _timed_steps(step: Callable[[], None], kind: str, *, steps: int,
+                 warmup: int) -> list[float]:
+    """The rest of the warm-up (the peak's two steps count towards it), then ``steps`` timed
+    steps, each between two synchronizations."""
+    for _ in range(max(0, warmup - 2)):
+        step()
+    times = []
+    for _ in range(steps):
+        _sync(kind)
+        t0 = time.perf_counter()
+        step()
+        _sync(kind)
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def memtracker_peak_bytes(model: Any, opt: Any, batch: Any, step: Any, steps: int = 2) -> int:

@@ -29,7 +29,7 @@ CPU_MISALIGNED_FULL = (37, 131, 509, 1001, 1999)
 GPU_DIMS_QUICK = (128, 1024, 4096, 8192)
 GPU_DIMS_FULL = (128, 512, 1024, 2048, 4096, 8192)
 GPU_MISALIGNED = (127, 1001, 4095, 8191)
-ROUNDS = 3  # interleaved measurement rounds per shape (calibrate.run.measure_samples)
+ROUNDS = 3  # interleaved measurement rounds per shape (calibrate.measure.measure_samples)
 
 
 def crossed_shapes(dims: Sequence[int], odd: Sequence[int], seed: int = 0) -> list[Shape]:
@@ -105,7 +105,7 @@ def all_grid_shapes(kind: str) -> set[Shape]:
 
 # How tilefit.bench.timing.time_gemm times one shape: WARMUP_CALLS untimed calls, then timed
 # calls until both MIN_REPS calls and min_time_s have passed, at most MAX_REPS calls
-# (calibrate.run passes MIN_REPS and MAX_REPS to it).
+# (calibrate.run and calibrate.measure pass MIN_REPS and MAX_REPS to it).
 WARMUP_CALLS = 2
 MIN_REPS = 5
 MAX_REPS = 1000

@@ -331,6 +331,8 @@ def _render(result: Any, plot: str | None) -> None:
     console.print(f"chosen batch: [bold green]{result.batch_size}[/] x "
                   f"{result.accumulation_steps} accumulation steps{ranks}{rate} "
                   f"(noise band {result.noise:.1%})")
+    for note in result.notes:  # what tune skipped, and why
+        console.print(f"note: {note}", highlight=False)
     if result.objective == "time-to-loss":
         _render_time_to_loss(result)
     if plot:

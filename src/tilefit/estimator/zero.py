@@ -197,30 +197,47 @@ def zero_points(inp: ZeroInputs, stage: int, world_size: int, *, offload: bool =
     (``_prepare_fp32_grad_for_sub_group``) and keeps its bucket; nothing is gathered.
     """
     mem = zero_memory(inp, stage, world_size, offload=offload, config=config)
+    made = inp.weight_bytes * inp.params if grads_made is None else grads_made
+    if stage < 3:
+        return _stage12_points(inp, stage, world_size, mem, made, offload, config)
+    return _stage3_points(inp, world_size, mem, made, offload, config)
+
+
+def _stage12_points(inp: ZeroInputs, stage: int, world_size: int, mem: ZeroMemory, made: int,
+                    offload: bool, config: ZeroConfig
+                    ) -> tuple[dict[str, int], dict[str, int]]:
+    """zero_points at stages 1 and 2 (``made``: the gradient bytes backward has made)."""
     w, b = inp.weight_bytes, config.reduce_bucket_size
-    made = w * inp.params if grads_made is None else grads_made
     part = math.ceil(inp.params / world_size)
     big, second = inp.largest_layer_params, inp.second_largest_params
     optimizer = mem.optimizer_state_bytes
-    if stage < 3:
-        buckets = 2 if config.overlaps(stage) else 1
-        if offload:
-            in_partition = optimizer_bwd = 0
-        else:
-            in_partition = w * inp.overlap_params(world_size)
-            optimizer_bwd = optimizer - FP32_GRAD_BYTES * part
-        waiting = w * (big + (second if second > b else 0))
-        grads = made if stage == 1 else min(made, waiting)
-        # stage 1 copies into grads_in_partition after backward (reduce_gradients); stage 2
-        # at its first bucket reduction, when the second gradient arrives
-        first = inp.param_sizes[-1] if inp.param_sizes else big
-        copied = made >= w * inp.params if stage == 1 else made > w * first
-        backward = {"parameters": mem.parameters_bytes, "gradients": grads,
-                    "optimizer_state": optimizer_bwd + (in_partition if copied else 0),
-                    "communication": buckets * b * w if made else 0}
-        step = {"parameters": mem.parameters_bytes, "gradients": 0,
-                "optimizer_state": optimizer, "communication": 0}
-        return backward, step
+    buckets = 2 if config.overlaps(stage) else 1
+    if offload:
+        in_partition = optimizer_bwd = 0
+    else:
+        in_partition = w * inp.overlap_params(world_size)
+        optimizer_bwd = optimizer - FP32_GRAD_BYTES * part
+    waiting = w * (big + (second if second > b else 0))
+    grads = made if stage == 1 else min(made, waiting)
+    # stage 1 copies into grads_in_partition after backward (reduce_gradients); stage 2
+    # at its first bucket reduction, when the second gradient arrives
+    first = inp.param_sizes[-1] if inp.param_sizes else big
+    copied = made >= w * inp.params if stage == 1 else made > w * first
+    backward = {"parameters": mem.parameters_bytes, "gradients": grads,
+                "optimizer_state": optimizer_bwd + (in_partition if copied else 0),
+                "communication": buckets * b * w if made else 0}
+    step = {"parameters": mem.parameters_bytes, "gradients": 0,
+            "optimizer_state": optimizer, "communication": 0}
+    return backward, step
+
+
+def _stage3_points(inp: ZeroInputs, world_size: int, mem: ZeroMemory, made: int,
+                   offload: bool, config: ZeroConfig) -> tuple[dict[str, int], dict[str, int]]:
+    """zero_points at stage 3 (``made``: the gradient bytes backward has made)."""
+    w, b = inp.weight_bytes, config.reduce_bucket_size
+    part = math.ceil(inp.params / world_size)
+    big, second = inp.largest_layer_params, inp.second_largest_params
+    optimizer = mem.optimizer_state_bytes
     kept = min(inp.params, config.stage3_max_reuse_distance // 2)
     room = max(min(inp.params, config.stage3_max_live_parameters) - kept, 0)
     prefetch = min(max(config.stage3_prefetch_bucket_size, second), room)

@@ -115,6 +115,24 @@ def load_spec_file(path: Path) -> Device:
     without ``base`` the file must give name, sms, memory_bytes, bandwidth_bytes_per_s and
     peak_flops_per_s (a table dtype -> FLOP/s).
     """
+    data = _read_spec(path)
+    base_name = data.pop("base", None)
+    data = _spec_fields(data, path)
+    try:
+        if base_name is not None:
+            return _from_base(get_device(str(base_name)), data, path)
+        return _from_scratch(data, path)
+    except (ValueError, TypeError) as exc:
+        raise TilefitError(
+            f"GPU spec file {str(path)!r} has a bad value",
+            expected="positive numbers; alignment_bytes 16 or 128; efficiencies in (0, 1]",
+            given=str(exc),
+            fix="correct the value named above",
+        ) from None
+
+
+def _read_spec(path: Path) -> dict[str, Any]:
+    """The spec file's TOML table, or an error saying the file is missing or not TOML."""
     if not path.is_file():
         raise TilefitError(
             f"GPU spec file {str(path)!r} does not exist",
@@ -123,7 +141,7 @@ def load_spec_file(path: Path) -> Device:
             fix="check the path, or run `tilefit gpus` for catalog names",
         )
     try:
-        data: dict[str, Any] = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise TilefitError(
             f"GPU spec file {str(path)!r} is not valid TOML",
@@ -131,8 +149,12 @@ def load_spec_file(path: Path) -> Device:
             given=str(exc),
             fix="fix the line the parser names",
         ) from None
+
+
+def _spec_fields(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The file's keys (``base`` removed) as Device fields: unknown keys are an error; the
+    host table, compute capability and aliases in the Device's types."""
     fields = {f.name for f in dataclasses.fields(Device)}
-    base_name = data.pop("base", None)
     unknown = sorted(set(data) - fields)
     if unknown:
         raise TilefitError(
@@ -148,39 +170,36 @@ def load_spec_file(path: Path) -> Device:
         data["compute_capability"] = (int(cc[0]), int(cc[1]) if len(cc) > 1 else 0)
     if "aliases" in data:
         data["aliases"] = tuple(data["aliases"])
-    try:
-        if base_name is not None:
-            base = get_device(str(base_name))
-            # a peak table in the file overrides the base's entries one dtype at a time
-            if isinstance(data.get("peak_flops_per_s"), dict):
-                data["peak_flops_per_s"] = {**base.peak_flops_per_s, **data["peak_flops_per_s"]}
-            if "name" in data:
-                data.setdefault("display_name", data["name"])
-            overridden = ", ".join(sorted(data)) or "nothing"
-            data.setdefault("source", f"{base.source}; {overridden} from user spec file {path}")
-            device = dataclasses.replace(base, **data)
-        else:
-            missing = [k for k in _REQUIRED if k not in data]
-            if missing:
-                raise TilefitError(
-                    f"GPU spec file {str(path)!r} lacks required keys",
-                    expected=", ".join(_REQUIRED) + " (or base = \"<catalog name>\")",
-                    given="missing " + ", ".join(missing),
-                    fix='add them, or start from a catalog entry with base = "a100-80gb"',
-                )
-            data.setdefault("display_name", data["name"])
-            data.setdefault("architecture", "unknown")
-            data.setdefault("compute_capability", None)
-            data.setdefault("source", f"user spec file {path}")
-            device = Device(**data)
-    except (ValueError, TypeError) as exc:
+    return data
+
+
+def _from_base(base: Device, data: dict[str, Any], path: Path) -> Device:
+    """The catalog entry with the file's fields; a peak table in the file overrides the
+    base's entries one dtype at a time."""
+    if isinstance(data.get("peak_flops_per_s"), dict):
+        data["peak_flops_per_s"] = {**base.peak_flops_per_s, **data["peak_flops_per_s"]}
+    if "name" in data:
+        data.setdefault("display_name", data["name"])
+    overridden = ", ".join(sorted(data)) or "nothing"
+    data.setdefault("source", f"{base.source}; {overridden} from user spec file {path}")
+    return dataclasses.replace(base, **data)
+
+
+def _from_scratch(data: dict[str, Any], path: Path) -> Device:
+    """A Device from the file alone: it must give every required field."""
+    missing = [k for k in _REQUIRED if k not in data]
+    if missing:
         raise TilefitError(
-            f"GPU spec file {str(path)!r} has a bad value",
-            expected="positive numbers; alignment_bytes 16 or 128; efficiencies in (0, 1]",
-            given=str(exc),
-            fix="correct the value named above",
-        ) from None
-    return device
+            f"GPU spec file {str(path)!r} lacks required keys",
+            expected=", ".join(_REQUIRED) + " (or base = \"<catalog name>\")",
+            given="missing " + ", ".join(missing),
+            fix='add them, or start from a catalog entry with base = "a100-80gb"',
+        )
+    data.setdefault("display_name", data["name"])
+    data.setdefault("architecture", "unknown")
+    data.setdefault("compute_capability", None)
+    data.setdefault("source", f"user spec file {path}")
+    return Device(**data)
 
 
 def match_catalog(device_name: str) -> Device | None:

@@ -81,7 +81,7 @@ class Profile:
     duration_s: float = 0.0  # how long the calibration took
     path: str = ""  # where it was loaded from (not saved)
     # What else ran: load average and the OpenMP settings during the measurement (on a busy
-    # machine, libgomp's default active wait stalls 2-thread GEMMs; tilefit.calibrate.run).
+    # machine, libgomp's default active wait stalls 2-thread GEMMs; tilefit.calibrate.measure).
     environment: dict[str, str] = field(default_factory=dict, hash=False)
     # cuda: eager PyTorch's per-op host issue costs measured on this machine
     # (tilefit.calibrate.host), which replace the shipped defaults for this GPU

@@ -77,17 +77,7 @@ def noise_scale(
     ``keep_modes``; parameters, buffers, gradients, module
     attributes, optimizer state, modes and RNG states are restored bit for bit.
     """
-    b_small, b_big = check_batch_sizes(*(batch_sizes or DEFAULT_BATCH_SIZES))
-    check_positive_int(measurements, "measurements must be a whole number >= 2",
-                       expected="e.g. 10", fix="pass measurements=10")
-    if measurements < 2:
-        raise TilefitError("one measurement gives no interval", expected="measurements >= 2",
-                           given=repr(measurements), fix="pass measurements=10")
-    from tilefit.tuning.tuner import check_on_device, resolve_device
-
-    first = next(model.parameters(), None)
-    dev = resolve_device(device if device is not None or first is None else first.device)
-    check_on_device(model, dev)
+    b_small, b_big, dev = _checked(model, device, batch_sizes, measurements)
     autocast = _autocast_of(precision, dev)
     start_s = time.perf_counter()
     snap = snapshot(model, optimizer)
@@ -114,6 +104,25 @@ def noise_scale(
         found, b_small, b_big, time_s=time.perf_counter() - start_s, confidence=confidence,
         loss=run.loss_sum / max(1, run.micro_batches),
         optimizer=None if optimizer is None else type(optimizer).__name__, learning_rate=lr)
+
+
+def _checked(model: nn.Module, device: str | torch.device | None,
+             batch_sizes: tuple[int, int] | None,
+             measurements: int) -> tuple[int, int, torch.device]:
+    """(B_small, B_big, the device) from noise_scale's arguments, checked; the model must
+    be on the device (default: its parameters')."""
+    b_small, b_big = check_batch_sizes(*(batch_sizes or DEFAULT_BATCH_SIZES))
+    check_positive_int(measurements, "measurements must be a whole number >= 2",
+                       expected="e.g. 10", fix="pass measurements=10")
+    if measurements < 2:
+        raise TilefitError("one measurement gives no interval", expected="measurements >= 2",
+                           given=repr(measurements), fix="pass measurements=10")
+    from tilefit.tuning.request import check_on_device, resolve_device
+
+    first = next(model.parameters(), None)
+    dev = resolve_device(device if device is not None or first is None else first.device)
+    check_on_device(model, dev)
+    return b_small, b_big, dev
 
 
 def _autocast_of(precision: str, device: torch.device) -> Callable[[], Any]:

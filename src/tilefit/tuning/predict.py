@@ -19,6 +19,7 @@ from torch import nn
 
 from tilefit.compat.fake import storage_key
 from tilefit.errors import TilefitError
+from tilefit.tuning.search import DEFAULT_START
 
 PROBE_BATCHES = (1, 2)
 MAX_REFINE_TRACES = 3
@@ -35,13 +36,31 @@ def _optimizer_factory(optimizer: Any) -> Callable[[Any], torch.optim.Optimizer]
     return optimizer
 
 
+@dataclass(frozen=True)
+class Prediction:
+    """The estimator's predicted largest batch (tune's first probe), or None with the reason
+    it could not be predicted (tune reports it among its result's notes)."""
+
+    max_batch: int | None
+    skipped: str | None = None  # why there is no prediction
+
+
+def skipped_note(why: str, cap: int | None) -> str:
+    """What tune's notes say when the prediction is skipped: why, and where the search began."""
+    start = DEFAULT_START if cap is None else min(DEFAULT_START, cap)
+    return (f"the estimator's prediction of the largest batch was skipped: {why}; the search "
+            f"began at batch {start} instead")
+
+
 def predict_max_batch(model: nn.Module, make_batch: Callable[[int], Any], *,
                       loss_fn: Any, optimizer: Any, precision: str, device: torch.device,
-                      budget_bytes: int | None, cap: int | None) -> int | None:
-    """The largest batch whose predicted peak fits ``budget_bytes``, or None when there is no
-    budget or the step cannot be traced (tune then searches from its default start)."""
+                      budget_bytes: int | None, cap: int | None) -> Prediction:
+    """The largest batch whose predicted peak fits ``budget_bytes``; none, with the reason,
+    when there is no budget or the step cannot be traced (tune then searches from its
+    default start)."""
     if budget_bytes is None:
-        return None
+        return Prediction(None, skipped_note(
+            "there is no memory budget to predict against (the CPU without a memory limit)", cap))
     from tilefit.estimator import cublas_workspace_bytes
     from tilefit.hardware import get_device
     from tilefit.tracing import trace
@@ -79,11 +98,19 @@ def predict_max_batch(model: nn.Module, make_batch: Callable[[int], Any], *,
                 guess = guess if nxt is None else nxt
                 break
             guess = nxt
-    except TilefitError:
-        return None
-    if guess is None:
-        return cap
-    return max(1, min(guess, cap) if cap is not None else guess)
+    except TilefitError as exc:
+        return Prediction(None, skipped_note(
+            f"the step could not be traced on fake tensors: {_first_line(exc)}", cap))
+    if guess is None:  # the loop sets a guess of None to the cap: there is none
+        return Prediction(None, skipped_note(
+            "the traced step's peak does not grow with the batch and there is no largest batch "
+            "to stop at", cap))
+    return Prediction(max(1, min(guess, cap) if cap is not None else guess))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _solve(lo: tuple[int, tuple[int, int]], hi: tuple[int, tuple[int, int]],

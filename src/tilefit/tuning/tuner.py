@@ -6,7 +6,6 @@ change is restored in ``finally`` (``state.py``), also on Ctrl-C or an error.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -15,13 +14,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from tilefit.dtypes import parse_dtype
-from tilefit.errors import TilefitError
+from tilefit.tuning.diagnose import PLAN_COMMAND as PLAN_COMMAND  # re-exported
+from tilefit.tuning.diagnose import gib as gib  # re-exported
+from tilefit.tuning.diagnose import nothing_fits
 from tilefit.tuning.executor import Executor, LossFn, OptimizerArg, Trial
 from tilefit.tuning.noise import LearningRateAdvice, NoiseScale, TimeToLoss
-from tilefit.tuning.objective import check_objective
 from tilefit.tuning.outlook import Outlook, outlook, per_sample_s, timing_batch
-from tilefit.tuning.ranks import Ranks, current_ranks, rank_share
+from tilefit.tuning.predict import Prediction, predict_max_batch
+from tilefit.tuning.ranks import rank_share
+from tilefit.tuning.request import (
+    OBJECTIVE_RATE,
+    TuneRequest,
+    check_model_and_optimizer,
+    current_job,
+    make_request,
+    preferred_multiple,
+)
+from tilefit.tuning.request import check_on_device as check_on_device  # re-exported
+from tilefit.tuning.request import resolve_device as resolve_device  # re-exported
 from tilefit.tuning.search import (
     accumulation_for,
     candidate_sizes,
@@ -29,7 +39,6 @@ from tilefit.tuning.search import (
     find_max_batch,
 )
 from tilefit.tuning.state import restore, snapshot, train_mode
-from tilefit.vocab import Precision, mixed_precision, parse_precision
 
 # Fraction of device memory kept free. Not a measurement: a policy. The caching allocator
 # fragments (PyTorch "CUDA memory management" notes: reserved > allocated), and batches later
@@ -43,10 +52,6 @@ DEFAULT_STEPS_PER_TRIAL = 2
 WARMUP_STEPS = 2  # untimed steps before timing (allocator, autotuning, caches)
 REPEATS = 3  # timed repeats per candidate; their spread is the noise band of the choice
 MIN_TIMED_STEPS = 3  # micro-batches per timed repeat at least
-CPU_MULTIPLE = 8  # the CPU has no Tensor Core rule; multiples of 8 suit SIMD widths
-# the mixed precision to suggest: bf16 autocast (tilefit.vocab)
-MIXED = mixed_precision("bf16").name
-OBJECTIVE_RATE = "samples-per-s"
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,9 @@ class TuneResult:
     # (the slowest rank's times), global_batch_size = batch_size x world_size x accumulation
     world_size: int = 1
     global_batch_size: int | None = None
+    # what tune skipped or could not do, and why (the estimator's prediction, when it could
+    # not run); the CLI shows them
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -83,6 +91,7 @@ class TuneResult:
         d["candidates"] = list(self.candidates)
         d["time_to_loss"] = [r.to_dict() for r in self.time_to_loss]
         d["warnings"] = list(self.warnings)
+        d["notes"] = list(self.notes)
         if self.noise_measurement is not None:
             d["noise_measurement"] = self.noise_measurement.to_dict()
         return d
@@ -90,84 +99,6 @@ class TuneResult:
     @property
     def fit_trials(self) -> int:
         return sum(1 for t in self.trials if t["kind"] == "fit")
-
-
-def _positive(name: str, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or value < 1):
-        raise TilefitError(
-            f"{name} must be a positive whole number",
-            expected="an integer >= 1 or None",
-            given=repr(value),
-            fix=f"pass {name}=<n> with n >= 1",
-        )
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise TilefitError(
-            f"unknown device {device!r}",
-            expected="cuda, cuda:N or cpu",
-            given=repr(device),
-            fix="pass device='cuda' or device='cpu'",
-        ) from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise TilefitError(
-                "device cuda was asked for but there is no CUDA GPU",
-                expected="a machine with a CUDA GPU and a CUDA build of PyTorch",
-                given="torch.cuda.is_available() is False",
-                fix="use device='cpu' (with memory_limit_bytes to simulate a GPU's memory)",
-            )
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
-def preferred_multiple(device: torch.device, precision: str) -> int:
-    """The batch multiple the device's Tensor Cores want for the dtype (Device.multiple:
-    alignment bytes / element size, NVIDIA Matrix Multiplication guide Table 1)."""
-    if device.type != "cuda":
-        return CPU_MULTIPLE
-    from tilefit.hardware import detect_live_device
-
-    dtype = parse_precision(precision).compute_dtype
-    try:
-        return detect_live_device(device.index or 0).multiple(dtype)
-    except TilefitError:  # a GPU missing from the catalog: the general 16-byte rule
-        return max(1, 16 // parse_dtype(dtype).bytes)
-
-
-@dataclass(frozen=True)
-class TuneRequest:
-    """tune's options, validated: what to search and under which limits."""
-
-    precision: Precision
-    device: torch.device
-    global_batch: int | None
-    max_batch: int | None
-    memory_limit_bytes: int | None
-    margin: float
-    steps_per_trial: int
-    predicted_max_batch: int | None
-    predict: bool
-    measure_throughput: bool
-    objective: str = "samples-per-s"
-    noise_scale: float | NoiseScale | None = None
-    ranks: Ranks = dataclasses.field(default_factory=Ranks)  # under torchrun; global_batch
-    # above is then this rank's share
-
-    @property
-    def cap(self) -> int | None:
-        """The largest batch to try: max_batch, and no more than the global batch."""
-        if self.global_batch is None:
-            return self.max_batch
-        return self.global_batch if self.max_batch is None else min(self.max_batch,
-                                                                     self.global_batch)
 
 
 def tune(
@@ -200,7 +131,8 @@ def tune(
     memory_limit_bytes: simulate a device of this size (works on the CPU).
     margin: fraction of memory kept free (see DEFAULT_MARGIN).
     predicted_max_batch: the first probe; by default (``predict``) the estimator predicts it
-    from two fake-tensor traces of the step (no run on the device).
+    from two fake-tensor traces of the step (no run on the device); when it cannot, the
+    result's ``notes`` say why.
     on_trial: called with each Trial as it completes (progress display).
     on_outlook: called once before the first trial with what tune expects to run: about how
     many trials and how long (from steps timed at batch 1 and at a quarter of the expected
@@ -213,23 +145,32 @@ def tune(
     for loops that train them as the user left them (Lightning 2.6's fit loop calls no
     ``train()``; a BatchNorm the user froze in eval mode stays so). Model (parameters,
     buffers, gradients, every module's own attributes, see ``tuning.state``), optimizer, RNG
-    states and module modes are exactly as before when tune returns or raises
-    (KeyboardInterrupt included).
+    states and module modes are exactly as before when tune returns or raises.
     objective="time-to-loss": the timed batch soonest to a given loss, from ``noise_scale``
     (B_noise or a NoiseScale; else measured on make_batch's batches): ``tuning.objective``.
     Under ``torchrun`` call it on every rank: they agree on every trial (``tuning.ranks``);
     ``batch_size`` is per rank, ``global_batch`` the job's; rank 0 alone reports progress.
     """
-    ranks = _job(objective, noise_scale)
-    if not ranks.is_main:
-        on_trial = on_outlook = None  # one rank reports progress
-    request = dataclasses.replace(make_request(
+    ranks = current_job(objective, noise_scale)
+    request = make_request(
         precision=precision, device=device, global_batch=rank_share(global_batch, ranks),
         max_batch=max_batch, memory_limit_bytes=memory_limit_bytes, margin=margin,
         steps_per_trial=steps_per_trial, predicted_max_batch=predicted_max_batch,
-        predict=predict, measure_throughput=measure_throughput or objective != OBJECTIVE_RATE),
+        predict=predict, measure_throughput=measure_throughput or objective != OBJECTIVE_RATE,
         objective=objective, noise_scale=noise_scale, ranks=ranks)
     check_model_and_optimizer(model, optimizer, request)
+    return _run(model, make_batch, loss_fn, optimizer, request, keep_modes=keep_modes,
+                on_trial=on_trial, on_outlook=on_outlook)
+
+
+def _run(model: nn.Module, make_batch: Callable[[int], Any], loss_fn: LossFn | None,
+         optimizer: OptimizerArg, request: TuneRequest, *, keep_modes: bool,
+         on_trial: Callable[[Trial], None] | None,
+         on_outlook: Callable[[Outlook], None] | None) -> TuneResult:
+    """The trials, with the model, optimizer, RNG, modes and TF32 flags put back in
+    ``finally`` (KeyboardInterrupt included); progress from rank 0 alone."""
+    if not request.ranks.is_main:
+        on_trial = on_outlook = None  # one rank reports progress
     user_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     snap = snapshot(model, user_opt)
     tf32_before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
@@ -242,7 +183,7 @@ def tune(
         ex = Executor(
             model=model, make_batch=make_batch, loss_fn=loss_fn, optimizer=optimizer, snap=snap,
             precision=request.precision.name, device=request.device, on_trial=on_trial,
-            keep_modes=keep_modes, ranks=ranks, **_trial_settings(request))
+            keep_modes=keep_modes, ranks=request.ranks, **_trial_settings(request))
         return _probe_and_search(ex, request, on_outlook)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
@@ -255,27 +196,13 @@ def tune(
 def _probe_and_search(ex: Executor, request: TuneRequest,
                       on_outlook: Callable[[Outlook], None] | None) -> TuneResult:
     """The first probe (the ranks' smallest), the outlook when asked for, the search."""
-    first_probe = request.ranks.smallest_probe(
-        _first_probe(ex.local, ex.make_batch, ex.loss_fn, ex.optimizer, request, ex))
+    prediction = _first_probe(ex, request)
+    first_probe = request.ranks.smallest_probe(prediction.max_batch)
     expected = None if on_outlook is None else _outlook(ex, request, first_probe)
     if on_outlook is not None and expected is not None:
         on_outlook(expected)
-    return _search(ex, request, first_probe)
-
-
-def _job(objective: str, noise_scale: float | NoiseScale | None) -> Ranks:
-    """The torchrun job this process is in (rank 0 of 1 outside one); the objective
-    checked for it."""
-    ranks = current_ranks()
-    check_objective(objective, noise_scale)
-    if ranks.distributed and objective != OBJECTIVE_RATE and noise_scale is None:
-        raise TilefitError(
-            "under torchrun, objective='time-to-loss' needs the noise scale given",
-            expected="noise_scale=B_noise (measured once, on one process)",
-            given="noise_scale=None (each rank would measure its own)",
-            fix="measure it with `tilefit noise-scale` and pass noise_scale= (CLI: "
-            "--noise-scale)")
-    return ranks
+    notes = () if prediction.skipped is None else (prediction.skipped,)
+    return _search(ex, request, first_probe, notes)
 
 
 def _trial_settings(request: TuneRequest) -> dict[str, Any]:
@@ -284,65 +211,13 @@ def _trial_settings(request: TuneRequest) -> dict[str, Any]:
             "repeats": REPEATS, "min_timed_steps": MIN_TIMED_STEPS}
 
 
-def make_request(*, precision: str, device: str | torch.device | None,
-                 global_batch: int | None, max_batch: int | None,
-                 memory_limit_bytes: int | None, margin: float, steps_per_trial: int,
-                 predicted_max_batch: int | None, predict: bool,
-                 measure_throughput: bool) -> TuneRequest:
-    """tune's options checked (each error says what was expected and the fix)."""
-    for name, value in (("global_batch", global_batch), ("max_batch", max_batch),
-                        ("memory_limit_bytes", memory_limit_bytes),
-                        ("steps_per_trial", steps_per_trial),
-                        ("predicted_max_batch", predicted_max_batch)):
-        _positive(name, value)
-    if not 0 <= margin < 1:
-        raise TilefitError("margin must be a fraction in [0, 1)", expected="e.g. 0.1",
-                           given=repr(margin), fix="pass margin=0.1 to keep 10% free")
-    dev = resolve_device(device)
-    if dev.type == "cpu" and memory_limit_bytes is None and max_batch is None:
-        raise TilefitError(
-            "on the CPU tune needs a memory limit or a largest batch to stop at",
-            expected="memory_limit_bytes (simulate a GPU's memory) or max_batch",
-            given="neither",
-            fix="pass memory_limit_bytes=16 * 2**30 (CLI: --memory-limit 16GiB) or max_batch",
-        )
-    return TuneRequest(parse_precision(precision), dev, global_batch, max_batch,
-                       memory_limit_bytes, margin, steps_per_trial, predicted_max_batch,
-                       predict, measure_throughput)
-
-
-def check_model_and_optimizer(model: nn.Module, optimizer: OptimizerArg,
-                              request: TuneRequest) -> None:
-    if not (isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)):
-        raise TilefitError("optimizer must be an optimizer or a factory",
-                           expected="torch.optim.AdamW(model.parameters()) or params -> Optimizer",
-                           given=type(optimizer).__name__,
-                           fix="pass optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4)")
-    check_on_device(model, request.device)
-
-
-def check_on_device(model: nn.Module, dev: torch.device) -> None:
-    """An error unless every parameter is on ``dev`` (tilefit does not move the model)."""
-    wrong = {str(p.device) for p in model.parameters() if p.device.type != dev.type
-             or (dev.index is not None and p.device.index != dev.index)}
-    if wrong:
-        raise TilefitError(
-            "the model is not on the device being tuned",
-            expected=f"parameters on {dev}",
-            given=f"parameters on {', '.join(sorted(wrong))}",
-            fix=f"call model.to('{dev}') before tune (tilefit does not move your model)",
-        )
-
-
-def _first_probe(model: nn.Module, make_batch: Callable[[int], Any], loss_fn: LossFn | None,
-                 optimizer: OptimizerArg, request: TuneRequest, ex: Executor) -> int | None:
-    """The search's first batch: the user's, or the estimator's predicted largest fit."""
+def _first_probe(ex: Executor, request: TuneRequest) -> Prediction:
+    """The search's first batch: the user's, or the estimator's predicted largest fit (with
+    the reason when it could not be predicted)."""
     if request.predicted_max_batch is not None or not request.predict:
-        return request.predicted_max_batch
-    from tilefit.tuning.predict import predict_max_batch
-
+        return Prediction(request.predicted_max_batch)
     return predict_max_batch(
-        model, make_batch, loss_fn=loss_fn, optimizer=optimizer,
+        ex.local, ex.make_batch, loss_fn=ex.loss_fn, optimizer=ex.optimizer,
         precision=request.precision.name, device=request.device,
         budget_bytes=ex.budget_bytes, cap=request.cap)
 
@@ -365,7 +240,8 @@ def _outlook(ex: Executor, request: TuneRequest, first_probe: int | None) -> Out
         shape=ex.trial_shape)
 
 
-def _search(ex: Executor, request: TuneRequest, first_probe: int | None) -> TuneResult:
+def _search(ex: Executor, request: TuneRequest, first_probe: int | None,
+            notes: tuple[str, ...] = ()) -> TuneResult:
     """The exact largest batch that fits, then the fastest friendly batch up to it (or the
     soonest to a loss, objective="time-to-loss")."""
     search = find_max_batch(ex.fit, start=first_probe, max_batch=request.cap)
@@ -400,7 +276,8 @@ def _search(ex: Executor, request: TuneRequest, first_probe: int | None) -> Tune
         global_batch=None if request.global_batch is None else request.global_batch * world,
         candidates=candidates, noise=noise,
         predicted_max_batch=first_probe, objective=request.objective,
-        world_size=world, global_batch_size=chosen * world * accumulation, **extra,
+        world_size=world, global_batch_size=chosen * world * accumulation, notes=notes,
+        **extra,
     )
 
 
@@ -432,55 +309,3 @@ def _optimizer_name(ex: Executor) -> str:
     if isinstance(ex.optimizer, torch.optim.Optimizer):
         return type(ex.optimizer).__name__
     return type(ex.optimizer(ex.model.parameters())).__name__
-
-
-def gib(nbytes: int) -> str:
-    """Bytes in GiB, with the exact count where two decimals would read 0.00."""
-    if nbytes >= 0.01 * 2**30:
-        return f"{nbytes / 2**30:.2f} GiB"
-    return f"{nbytes / 2**30:.2g} GiB ({nbytes:,} B)"
-
-
-# What `tilefit plan` needs to rank every way of shrinking a step (its --global-batch is
-# required; other optimizers and LoRA are ranked only when allowed).
-PLAN_COMMAND = ("tilefit plan MODEL --gpu GPU --global-batch N --allow-optimizer-change "
-                "--allow-peft")
-PLAN_FIX = (f"`{PLAN_COMMAND}` ranks precisions, optimizers, gradient checkpointing, LoRA "
-            "and offload by what fits")
-
-
-def nothing_fits(ex: Executor, request: TuneRequest) -> TilefitError:
-    """Why not even a batch of 1 fits: the persistent state alone exceeds the budget (say
-    how much, and what would shrink it), or what it leaves is too little for one sample."""
-    from tilefit.tuning.predict import persistent_state
-
-    state = persistent_state(ex.local, ex.make_batch, loss_fn=ex.loss_fn,
-                             optimizer=ex.optimizer, precision=request.precision.name,
-                             device=request.device)
-    budget = ex.budget_bytes
-    of = "" if ex.capacity_bytes is None or budget == ex.capacity_bytes else \
-        f" = {1 - request.margin:.0%} of {gib(ex.capacity_bytes)}"
-    opt = ("optimizer state unknown (the step could not be traced)"
-           if state.optimizer_state_bytes is None else
-           f"optimizer state {gib(state.optimizer_state_bytes)} ({state.optimizer_source})")
-    parts = (f"parameters and buffers {gib(state.parameters_bytes)} + gradients "
-             f"{gib(state.gradients_bytes)} + {opt} = {gib(state.total_bytes)}")
-    if budget is not None and state.total_bytes > budget:
-        return TilefitError(
-            f"the model's persistent state alone, {gib(state.total_bytes)}, exceeds the "
-            f"memory budget of {gib(budget)}{of}: no batch can fit",
-            expected="parameters, gradients and optimizer state within the budget, with "
-            "room left for a batch's activations",
-            given=parts,
-            fix="a device with more memory, a lighter optimizer (--optimizer sgd, adafactor "
-            "or adamw-8bit: less optimizer state), bf16 weights (--precision bf16: half the "
-            f"parameters, gradients and state), or LoRA; {PLAN_FIX}")
-    room = "" if budget is None else f", leaving {gib(budget - state.total_bytes)} of " \
-        f"the {gib(budget)} budget{of}"
-    return TilefitError(
-        "not even a batch of 1 fits in the memory budget",
-        expected="a step at batch 1 (its activations, and the optimizer step's temporaries) "
-        "within the memory the persistent state leaves",
-        given=f"batch size 1 ran out of memory; persistent state {parts}{room}",
-        fix=f"gradient checkpointing, mixed precision (--precision {MIXED}), shorter "
-        f"samples (--seq) or a smaller --margin; {PLAN_FIX}")

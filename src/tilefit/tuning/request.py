@@ -1,0 +1,167 @@
+"""tune's options, validated: the device, the limits, the first probe, the objective, the
+torchrun job; each error says what was expected and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tilefit.dtypes import parse_dtype
+from tilefit.errors import TilefitError
+from tilefit.tuning.executor import OptimizerArg
+from tilefit.tuning.noise import NoiseScale
+from tilefit.tuning.objective import check_objective
+from tilefit.tuning.ranks import Ranks, current_ranks
+from tilefit.vocab import Precision, parse_precision
+
+CPU_MULTIPLE = 8  # the CPU has no Tensor Core rule; multiples of 8 suit SIMD widths
+OBJECTIVE_RATE = "samples-per-s"
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise TilefitError(
+            f"{name} must be a positive whole number",
+            expected="an integer >= 1 or None",
+            given=repr(value),
+            fix=f"pass {name}=<n> with n >= 1",
+        )
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise TilefitError(
+            f"unknown device {device!r}",
+            expected="cuda, cuda:N or cpu",
+            given=repr(device),
+            fix="pass device='cuda' or device='cpu'",
+        ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TilefitError(
+                "device cuda was asked for but there is no CUDA GPU",
+                expected="a machine with a CUDA GPU and a CUDA build of PyTorch",
+                given="torch.cuda.is_available() is False",
+                fix="use device='cpu' (with memory_limit_bytes to simulate a GPU's memory)",
+            )
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def preferred_multiple(device: torch.device, precision: str) -> int:
+    """The batch multiple the device's Tensor Cores want for the dtype (Device.multiple:
+    alignment bytes / element size, NVIDIA Matrix Multiplication guide Table 1)."""
+    if device.type != "cuda":
+        return CPU_MULTIPLE
+    from tilefit.hardware import detect_live_device
+
+    dtype = parse_precision(precision).compute_dtype
+    try:
+        return detect_live_device(device.index or 0).multiple(dtype)
+    except TilefitError:  # a GPU missing from the catalog: the general 16-byte rule
+        return max(1, 16 // parse_dtype(dtype).bytes)
+
+
+@dataclass(frozen=True)
+class TuneRequest:
+    """tune's options, validated: what to search and under which limits."""
+
+    precision: Precision
+    device: torch.device
+    global_batch: int | None
+    max_batch: int | None
+    memory_limit_bytes: int | None
+    margin: float
+    steps_per_trial: int
+    predicted_max_batch: int | None
+    predict: bool
+    measure_throughput: bool
+    objective: str = "samples-per-s"
+    noise_scale: float | NoiseScale | None = None
+    ranks: Ranks = dataclasses.field(default_factory=Ranks)  # under torchrun; global_batch
+    # above is then this rank's share
+
+    @property
+    def cap(self) -> int | None:
+        """The largest batch to try: max_batch, and no more than the global batch."""
+        if self.global_batch is None:
+            return self.max_batch
+        return self.global_batch if self.max_batch is None else min(self.max_batch,
+                                                                     self.global_batch)
+
+
+def current_job(objective: str, noise_scale: float | NoiseScale | None) -> Ranks:
+    """The torchrun job this process is in (rank 0 of 1 outside one); the objective
+    checked for it."""
+    ranks = current_ranks()
+    check_objective(objective, noise_scale)
+    if ranks.distributed and objective != OBJECTIVE_RATE and noise_scale is None:
+        raise TilefitError(
+            "under torchrun, objective='time-to-loss' needs the noise scale given",
+            expected="noise_scale=B_noise (measured once, on one process)",
+            given="noise_scale=None (each rank would measure its own)",
+            fix="measure it with `tilefit noise-scale` and pass noise_scale= (CLI: "
+            "--noise-scale)")
+    return ranks
+
+
+def make_request(*, precision: str, device: str | torch.device | None,
+                 global_batch: int | None, max_batch: int | None,
+                 memory_limit_bytes: int | None, margin: float, steps_per_trial: int,
+                 predicted_max_batch: int | None, predict: bool,
+                 measure_throughput: bool, objective: str = OBJECTIVE_RATE,
+                 noise_scale: float | NoiseScale | None = None,
+                 ranks: Ranks | None = None) -> TuneRequest:
+    """tune's options checked (each error says what was expected and the fix)."""
+    for name, value in (("global_batch", global_batch), ("max_batch", max_batch),
+                        ("memory_limit_bytes", memory_limit_bytes),
+                        ("steps_per_trial", steps_per_trial),
+                        ("predicted_max_batch", predicted_max_batch)):
+        _positive(name, value)
+    if not 0 <= margin < 1:
+        raise TilefitError("margin must be a fraction in [0, 1)", expected="e.g. 0.1",
+                           given=repr(margin), fix="pass margin=0.1 to keep 10% free")
+    dev = resolve_device(device)
+    if dev.type == "cpu" and memory_limit_bytes is None and max_batch is None:
+        raise TilefitError(
+            "on the CPU tune needs a memory limit or a largest batch to stop at",
+            expected="memory_limit_bytes (simulate a GPU's memory) or max_batch",
+            given="neither",
+            fix="pass memory_limit_bytes=16 * 2**30 (CLI: --memory-limit 16GiB) or max_batch",
+        )
+    return TuneRequest(parse_precision(precision), dev, global_batch, max_batch,
+                       memory_limit_bytes, margin, steps_per_trial, predicted_max_batch,
+                       predict, measure_throughput, objective, noise_scale,
+                       Ranks() if ranks is None else ranks)
+
+
+def check_model_and_optimizer(model: nn.Module, optimizer: OptimizerArg,
+                              request: TuneRequest) -> None:
+    if not (isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)):
+        raise TilefitError("optimizer must be an optimizer or a factory",
+                           expected="torch.optim.AdamW(model.parameters()) or params -> Optimizer",
+                           given=type(optimizer).__name__,
+                           fix="pass optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4)")
+    check_on_device(model, request.device)
+
+
+def check_on_device(model: nn.Module, dev: torch.device) -> None:
+    """An error unless every parameter is on ``dev`` (tilefit does not move the model)."""
+    wrong = {str(p.device) for p in model.parameters() if p.device.type != dev.type
+             or (dev.index is not None and p.device.index != dev.index)}
+    if wrong:
+        raise TilefitError(
+            "the model is not on the device being tuned",
+            expected=f"parameters on {dev}",
+            given=f"parameters on {', '.join(sorted(wrong))}",
+            fix=f"call model.to('{dev}') before tune (tilefit does not move your model)",
+        )
