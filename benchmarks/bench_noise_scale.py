@@ -44,11 +44,12 @@ from torch import nn
 
 from tilefit.tuning.noise import StepsFit, fit_steps_curve
 from tilefit.tuning.noise_measure import noise_scale
+from tilefit.tuning.options import NoiseMeasure
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results_noise_scale_cpu.txt"
 PLOT = HERE / "noise_scale_cpu.png"
-MEASURE = {"batch_sizes": (8, 128), "measurements": 20}  # the real cases' measurement
+MEASURE = NoiseMeasure(batch_sizes=(8, 128), measurements=20)  # the real cases' measurement
 FRACTIONS = (0.1, 0.25, 0.5, 0.75, 1.0)  # points of the reference run measured
 EARLY = 0.1  # "early in training": after the first tenth of the reference run
 REFERENCE_BATCH = 32
@@ -99,8 +100,9 @@ def exact_case(quick: bool) -> bool:
     for distance in (2.0, 0.5, 0.1):
         model, make_batch, g2, trace = least_squares(32, 0.5, distance, seed=0)
         batch_small, batch_big = (8, 64) if distance > 1 else (8, 512)
-        r = noise_scale(model, make_batch, loss_fn=half_mse, measurements=200,
-                        batch_sizes=(batch_small, batch_big), device="cpu")
+        r = noise_scale(model, make_batch, loss_fn=half_mse, device="cpu",
+                        measure=NoiseMeasure(batch_sizes=(batch_small, batch_big),
+                                             measurements=200))
         err = r.b_simple / (trace / g2) - 1
         ok &= abs(err) <= 0.10
         say(f"{distance} | {g2:.4g} | {r.gradient_sq_norm:.4g} | {trace:.4g} | "
@@ -252,7 +254,7 @@ def reference_measurements(task: Task, fetch: Callable[[torch.Tensor], Any], lr:
         nn.functional.cross_entropy(model(xb), yb).backward()
         opt.step()
         if step in marks:
-            r = noise_scale(model, make_batch, loss_fn=ce, device="cpu", **MEASURE)
+            r = noise_scale(model, make_batch, loss_fn=ce, device="cpu", measure=MEASURE)
             exact = exact_b_simple(model, task) if len(task.y) < 5000 else None
             out.append((marks[step], step, task.eval_loss(model), r, exact))
     return out
@@ -306,8 +308,8 @@ def real_case(task: Task, fetch: Callable[[torch.Tensor], Any], seeds: int
         f"worst relative error {fit.max_relative_error:.0%}")
     measured = reference_measurements(task, fetch, lrs[REFERENCE_BATCH], steps[REFERENCE_BATCH])
     say(f"tilefit B_simple on the reference run (batch {REFERENCE_BATCH}, lr "
-        f"{lrs[REFERENCE_BATCH]:g}), batch_sizes={MEASURE['batch_sizes']}, "
-        f"{MEASURE['measurements']} measurements:")
+        f"{lrs[REFERENCE_BATCH]:g}), batch_sizes={MEASURE.batch_sizes}, "
+        f"{MEASURE.measurements} measurements:")
     say("fraction | step | eval loss | B_simple | 90% CI | exact (whole data) | "
         "B_simple / B_crit | time_s")
     for frac, step, loss, r, exact in measured:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tilefit.tuning import tune
+from tilefit.tuning import TuneSearch, tune
 from tilefit.tuning.search import accelerate_walkdown, lightning_binsearch
 from tilefit.tuning.simulate import MemoryLimitMode
 
@@ -169,7 +169,8 @@ def interrupted_run(spec: Spec, device: torch.device, limit_bytes: int) -> bool:
 
     try:
         tune(model, batch, loss_fn=spec.loss_fn, optimizer=opt, device=device,
-             memory_limit_bytes=limit_bytes, margin=MARGIN, measure_throughput=False)
+             search=TuneSearch(memory_limit_bytes=limit_bytes, margin=MARGIN,
+                               measure_throughput=False))
     except KeyboardInterrupt:
         pass
     else:
@@ -214,8 +215,9 @@ def run_simulated(device: torch.device, measure_throughput: bool) -> bool:
             before = state_of(model, opt)
             t0 = time.perf_counter()
             result = tune(model, lambda b, s=spec: s.make_batch(b, device), loss_fn=spec.loss_fn,
-                          optimizer=opt, device=device, memory_limit_bytes=limit, margin=MARGIN,
-                          measure_throughput=measure_throughput)
+                          optimizer=opt, device=device,
+                          search=TuneSearch(memory_limit_bytes=limit, margin=MARGIN,
+                                            measure_throughput=measure_throughput))
             elapsed_s = time.perf_counter() - t0
             restored = same_state(before, state_of(model, opt))
             truth = exact_max(fits, result.max_fitting_batch_size)
@@ -268,7 +270,8 @@ def cuda_throughput_rows(scale: int) -> list[dict[str, Any]]:
         model, opt = fresh(spec, device)
         t0 = time.perf_counter()
         result = tune(model, lambda b, s=spec: s.make_batch(b, device), loss_fn=spec.loss_fn,
-                      optimizer=opt, device=device, max_batch=8192, margin=MARGIN)
+                      optimizer=opt, device=device,
+                      search=TuneSearch(max_batch=8192, margin=MARGIN))
         elapsed_s = time.perf_counter() - t0
         top = result.max_fitting_batch_size
         sizes = sorted({*range(8, top + 1, 8), top})

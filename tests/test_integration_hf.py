@@ -251,7 +251,7 @@ def test_bf16_arguments_tune_with_bf16_autocast(tmp_path: Path,
     monkeypatch.setattr(adapter, "tune", spy)
     trainer = make_trainer(gpt2(), TokenData(), tmp_path, bf16=True)
     result = tune_untimed(trainer)
-    assert seen["precision"] == "bf16-mixed" and seen["global_batch"] == EFFECTIVE
+    assert seen["precision"] == "bf16-mixed" and seen["search"].global_batch == EFFECTIVE
     assert result.batch_size * result.accumulation_steps == EFFECTIVE
     assert trains_within_cap(trainer) <= CAP_BYTES
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from torch import nn
 
 import tilefit
 from tilefit.errors import TilefitError
+from tilefit.tuning import NoiseMeasure
 from tilefit.tuning.noise import (
     Measurement,
     choose_time_to_loss,
@@ -123,8 +125,8 @@ def test_measurements_match_per_sample_gradients_by_hand() -> None:
 
     model = _linear()
     w = model.weight.detach().double().numpy()[0]
-    r = noise_scale(model, make_batch, loss_fn=_half_mse, batch_sizes=(4, 16),
-                    measurements=2, device="cpu")
+    r = noise_scale(model, make_batch, loss_fn=_half_mse, device="cpu",
+                    measure=NoiseMeasure(batch_sizes=(4, 16), measurements=2))
     per_sample = xs * (xs @ w - ys)[:, None]  # gradient of 0.5 (w.x - y)^2
     for j, m in enumerate(r.per_measurement):
         block = per_sample[16 * j:16 * (j + 1)]
@@ -152,8 +154,8 @@ def test_least_squares_closed_form() -> None:
     delta, c = model.weight.detach()[0] - w_star, scales**2
     g2 = float(((c * delta) ** 2).sum())
     trace = float(c.sum()) * (float((c * delta * delta).sum()) + s**2) + g2
-    r = noise_scale(model, make_batch, loss_fn=_half_mse, batch_sizes=(4, 64),
-                    measurements=100, device="cpu")
+    r = noise_scale(model, make_batch, loss_fn=_half_mse, device="cpu",
+                    measure=NoiseMeasure(batch_sizes=(4, 64), measurements=100))
     assert r.b_simple == pytest.approx(trace / g2, rel=0.15)  # 7% off with these seeds
 
 
@@ -196,8 +198,8 @@ def test_state_is_restored_bit_for_bit_and_eval_mode_measured_in_train_mode() ->
     grads = [p.grad.clone() for p in model.parameters()]
     opt_before = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
     rng = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
-    r = noise_scale(model, _net_batch, loss_fn=_ce, optimizer=opt, batch_sizes=(4, 16),
-                    measurements=3, device="cpu")
+    r = noise_scale(model, _net_batch, loss_fn=_ce, optimizer=opt, device="cpu",
+                    measure=NoiseMeasure(batch_sizes=(4, 16), measurements=3))
     assert r.optimizer == "AdamW" and r.learning_rate == pytest.approx(1e-3)
     assert MODES_SEEN and all(MODES_SEEN)  # measured in train mode
     assert not any(m.training for m in model.modules())  # and eval mode is back
@@ -219,13 +221,9 @@ def test_checkpoint_is_measured_and_the_model_kept(tmp_path: Path) -> None:
     weight = model.weight.detach().clone()
 
     def run(m: nn.Module, **kw: Any) -> float:
-        gen = torch.Generator().manual_seed(5)
-
-        def make_batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return torch.randn(b, D, generator=gen), torch.randn(b, generator=gen)
-
-        return noise_scale(m, make_batch, loss_fn=_half_mse, batch_sizes=(2, 8),
-                           measurements=3, device="cpu", **kw).b_simple
+        return noise_scale(m, _seeded_batches(), loss_fn=_half_mse, device="cpu",
+                           measure=NoiseMeasure(batch_sizes=(2, 8), measurements=3,
+                                                **kw)).b_simple
 
     assert run(model, checkpoint=path) == run(trained)
     assert torch.equal(model.weight, weight)
@@ -239,7 +237,8 @@ def test_checkpoint_is_measured_and_the_model_kept(tmp_path: Path) -> None:
 @pytest.mark.parametrize("sizes", [(1, 8), (8, 8), (8, 12), (8, 4)])
 def test_batch_sizes_that_cannot_measure(sizes: tuple[int, int]) -> None:
     with pytest.raises(TilefitError) as err:
-        noise_scale(_linear(), _net_batch, loss_fn=_half_mse, batch_sizes=sizes, device="cpu")
+        noise_scale(_linear(), _net_batch, loss_fn=_half_mse, device="cpu",
+                    measure=NoiseMeasure(batch_sizes=sizes))
     assert "batch_sizes=(8, 64)" in err.value.message
 
 
@@ -261,13 +260,55 @@ def test_the_same_batch_every_call_has_no_noise() -> None:
     fixed = (torch.ones(8, D), torch.zeros(8))
     with pytest.raises(TilefitError, match="no gradient noise") as err:
         noise_scale(_linear(), lambda b: (fixed[0][:b], fixed[1][:b]), loss_fn=_half_mse,
-                    batch_sizes=(2, 8), measurements=2, device="cpu")
+                    device="cpu", measure=NoiseMeasure(batch_sizes=(2, 8), measurements=2))
     assert "at random" in err.value.message
+
+
+def test_measurements_and_confidence_are_checked_when_the_options_are_made() -> None:
+    with pytest.raises(TilefitError, match="one measurement gives no interval"):
+        NoiseMeasure(measurements=1)
+    with pytest.raises(TilefitError, match="measurements must be a whole number"):
+        NoiseMeasure(measurements=2.5)  # type: ignore[arg-type]
+    with pytest.raises(TilefitError, match=r"confidence must be a fraction in \(0, 1\)"):
+        NoiseMeasure(confidence=1.0)
+
+
+def test_the_old_keywords_still_work_and_name_the_new_spelling() -> None:
+    with pytest.warns(DeprecationWarning) as caught:
+        old = noise_scale(_linear(), _seeded_batches(), loss_fn=_half_mse, device="cpu",
+                          batch_sizes=(2, 8), measurements=3)
+    assert len(caught) == 1  # one warning for the call
+    assert str(caught[0].message) == (
+        "tilefit.noise_scale(): these keywords are deprecated and will be removed in tilefit "
+        "0.3: batch_sizes= -> measure=NoiseMeasure(batch_sizes=...); measurements= -> "
+        "measure=NoiseMeasure(measurements=...)")
+    assert caught[0].filename == __file__  # points at the caller
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # the new spelling warns nothing
+        new = noise_scale(_linear(), _seeded_batches(), loss_fn=_half_mse, device="cpu",
+                          measure=NoiseMeasure(batch_sizes=(2, 8), measurements=3))
+    assert old.per_measurement == new.per_measurement and old.b_simple == new.b_simple
+    assert (old.batch_small, old.batch_big) == (2, 8) and len(old.per_measurement) == 3
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['batch_size'\]"):
+        noise_scale(_linear(), _seeded_batches(), batch_size=(2, 8))
+    with pytest.raises(TilefitError, match="measure= and the old keywords"), \
+            pytest.warns(DeprecationWarning):
+        noise_scale(_linear(), _seeded_batches(), measure=NoiseMeasure(), measurements=3)
+
+
+def _seeded_batches() -> Any:
+    gen = torch.Generator().manual_seed(5)
+
+    def make_batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(b, D, generator=gen), torch.randn(b, generator=gen)
+
+    return make_batch
 
 
 def test_public_names() -> None:
     assert tilefit.noise_scale is noise_scale
     assert tilefit.NoiseScale.__name__ == "NoiseScale"
+    assert tilefit.NoiseMeasure is NoiseMeasure
 
 
 def test_expanded_percentile_tails() -> None:

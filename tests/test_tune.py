@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
+import warnings
 from typing import Any
 
 import numpy as np
@@ -12,7 +14,7 @@ import torch
 from torch import nn
 
 from tilefit.errors import TilefitError
-from tilefit.tuning import TuneResult, tune
+from tilefit.tuning import TuneResult, TuneSearch, tune
 from tilefit.tuning.executor import is_oom
 from tilefit.tuning.simulate import OOM_ERROR, MemoryLimitMode
 from tilefit.tuning.state import restore, snapshot
@@ -144,7 +146,8 @@ def test_tune_finds_exact_max_and_restores_state() -> None:
     model, opt = fresh()
     before = state_of(model, opt)
     result = tune(model, make_batch, loss_fn=loss_fn, optimizer=opt,
-                  memory_limit_bytes=LIMIT_BYTES, margin=0.1, measure_throughput=False)
+                  search=TuneSearch(memory_limit_bytes=LIMIT_BYTES, margin=0.1,
+                                    measure_throughput=False))
     assert isinstance(result, TuneResult)
     assert_same(before, state_of(model, opt))
     budget = int(LIMIT_BYTES * 0.9)  # 360000
@@ -169,8 +172,9 @@ def test_tune_finds_exact_max_and_restores_state() -> None:
 def test_global_batch_is_kept_exact_and_prediction_is_first_probe() -> None:
     model, opt = fresh()
     before = state_of(model, opt)
-    result = tune(model, make_batch, loss_fn=loss_fn, optimizer=opt, memory_limit_bytes=LIMIT_BYTES,
-                  global_batch=32, max_batch=20, predicted_max_batch=20)
+    result = tune(model, make_batch, loss_fn=loss_fn, optimizer=opt,
+                  search=TuneSearch(memory_limit_bytes=LIMIT_BYTES, global_batch=32,
+                                    max_batch=20, predicted_max_batch=20))
     assert_same(before, state_of(model, opt))  # timing steps restored too
     assert result.trials[0]["batch_size"] == 20 and result.trials[0]["kind"] == "fit"
     assert result.max_fitting_batch_size == 20  # capped: 20 fits far below the limit
@@ -203,7 +207,7 @@ def test_interrupted_mid_trial_restores_everything(error: type[BaseException]) -
 
     with pytest.raises(error):
         tune(model, interrupting_batch, loss_fn=loss_fn, optimizer=opt,
-             memory_limit_bytes=LIMIT_BYTES)
+             search=TuneSearch(memory_limit_bytes=LIMIT_BYTES))
     assert calls["n"] == 4
     assert_same(before, state_of(model, opt))
 
@@ -219,8 +223,8 @@ def test_optimizer_factory_and_dict_batches_with_default_loss() -> None:
 
     model = HFLike()
     result = tune(model, lambda b: {"x": torch.randn(b, 8), "labels": torch.zeros(b).long()},
-                  optimizer=lambda params: torch.optim.SGD(params, lr=0.1), max_batch=24,
-                  measure_throughput=False)
+                  optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                  search=TuneSearch(max_batch=24, measure_throughput=False))
     # no memory limit on the CPU: the cap 24 is the answer; 2, 4, 8, 16, 24
     assert result.max_fitting_batch_size == 24
     assert [t["batch_size"] for t in result.trials] == [2, 4, 8, 16, 24]
@@ -229,14 +233,47 @@ def test_optimizer_factory_and_dict_batches_with_default_loss() -> None:
 def test_clear_errors() -> None:
     model, opt = fresh()
     with pytest.raises(TilefitError, match="loss_fn"):
-        tune(model, make_batch, optimizer=opt, memory_limit_bytes=LIMIT_BYTES)
+        tune(model, make_batch, optimizer=opt, search=TuneSearch(memory_limit_bytes=LIMIT_BYTES))
     with pytest.raises(TilefitError, match="memory limit or a largest batch"):
         tune(model, make_batch, loss_fn=loss_fn, optimizer=opt)
     with pytest.raises(TilefitError, match="persistent state alone"):
-        tune(model, make_batch, loss_fn=loss_fn, optimizer=opt, memory_limit_bytes=20_000)
+        tune(model, make_batch, loss_fn=loss_fn, optimizer=opt,
+             search=TuneSearch(memory_limit_bytes=20_000))
     with pytest.raises(TilefitError, match="positive whole number"):
-        tune(model, make_batch, loss_fn=loss_fn, optimizer=opt, max_batch=0)
+        TuneSearch(max_batch=0)
+    with pytest.raises(TilefitError, match=r"margin must be a fraction in \[0, 1\)"):
+        TuneSearch(margin=1.0)
 
+
+
+def test_the_old_keywords_still_work_and_name_the_new_spelling() -> None:
+    def fits(result: TuneResult) -> list[tuple[int, bool, int | None]]:
+        return [(t["batch_size"], t["fits"], t["peak_memory_bytes"]) for t in result.trials]
+
+    model, opt = fresh()
+    with pytest.warns(DeprecationWarning) as caught:
+        old = tune(model, make_batch, loss_fn=loss_fn, optimizer=opt,
+                   memory_limit_bytes=LIMIT_BYTES, margin=0.1, measure_throughput=False)
+    assert len(caught) == 1  # one warning for the call
+    assert str(caught[0].message) == (
+        "tilefit.tune(): these keywords are deprecated and will be removed in tilefit 0.3: "
+        "memory_limit_bytes= -> search=TuneSearch(memory_limit_bytes=...); margin= -> "
+        "search=TuneSearch(margin=...); measure_throughput= -> "
+        "search=TuneSearch(measure_throughput=...)")
+    assert caught[0].filename == __file__  # points at the caller
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # the new spelling warns nothing
+        new = tune(model, make_batch, loss_fn=loss_fn, optimizer=opt,
+                   search=TuneSearch(memory_limit_bytes=LIMIT_BYTES, margin=0.1,
+                                     measure_throughput=False))
+    assert old.budget_bytes == new.budget_bytes == int(LIMIT_BYTES * 0.9)
+    assert old.max_fitting_batch_size == new.max_fitting_batch_size > 8
+    assert fits(old) == fits(new)  # the same probes, the same simulated peaks
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['max_batches'\]"):
+        tune(model, make_batch, optimizer=opt, max_batches=4)
+    with pytest.raises(TilefitError, match="search= and the old keywords"), \
+            pytest.warns(DeprecationWarning):
+        tune(model, make_batch, optimizer=opt, search=TuneSearch(), max_batch=4)
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -247,7 +284,8 @@ def test_cuda_memory_is_given_back() -> None:
     before = torch.cuda.memory_allocated()
     result = tune(model, lambda b: (torch.randn(b, 256, device="cuda"),
                                     torch.randint(0, 10, (b,), device="cuda")),
-                  loss_fn=loss_fn, optimizer=opt, max_batch=4096, device="cuda")
+                  loss_fn=loss_fn, optimizer=opt, device="cuda",
+                  search=TuneSearch(max_batch=4096))
     assert result.max_fitting_batch_size == 4096
     assert torch.cuda.memory_allocated() <= before
 
@@ -259,7 +297,7 @@ def test_tilefit_tune_stays_the_function_after_the_package_is_imported() -> None
     model = nn.Linear(4, 2)
     result = tilefit.tune(model, lambda b: (torch.randn(b, 4), torch.zeros(b).long()),
                           loss_fn=loss_fn_linear, optimizer=torch.optim.SGD(model.parameters()),
-                          max_batch=3, measure_throughput=False)
+                          search=tilefit.TuneSearch(max_batch=3, measure_throughput=False))
     assert result.max_fitting_batch_size == 3  # 2 fits, 4 > cap -> 3 (the cap) fits
     assert [t["batch_size"] for t in result.trials] == [2, 3]
 
@@ -278,11 +316,12 @@ def test_the_estimators_prediction_starts_the_search_next_to_the_exact_maximum()
         return model(batch).mean()
 
     model = mlp()
-    kwargs = dict(loss_fn=loss, memory_limit_bytes=4_000_000, measure_throughput=False)
-    with_pred = tune(model, lambda b: torch.randn(b, 32),
-                             optimizer=torch.optim.AdamW(model.parameters()), **kwargs)
-    without = tune(model, lambda b: torch.randn(b, 32), predict=False,
-                           optimizer=torch.optim.AdamW(model.parameters()), **kwargs)
+    search = TuneSearch(memory_limit_bytes=4_000_000, measure_throughput=False)
+    with_pred = tune(model, lambda b: torch.randn(b, 32), loss_fn=loss,
+                     optimizer=torch.optim.AdamW(model.parameters()), search=search)
+    without = tune(model, lambda b: torch.randn(b, 32), loss_fn=loss,
+                   optimizer=torch.optim.AdamW(model.parameters()),
+                   search=dataclasses.replace(search, predict=False))
     exact = without.max_fitting_batch_size
     assert with_pred.max_fitting_batch_size == exact
     assert abs(with_pred.predicted_max_batch - exact) <= 0.01 * exact
@@ -309,7 +348,7 @@ def test_a_prediction_that_cannot_run_is_said_in_the_notes() -> None:
     def run(**kwargs: Any) -> TuneResult:
         return tune(model, lambda b: torch.randn(b, 32), loss_fn=lambda m, x: m(x).mean(),
                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                    measure_throughput=False, **kwargs)
+                    search=TuneSearch(measure_throughput=False, **kwargs))
 
     untraceable = run(memory_limit_bytes=200_000)
     (note,) = untraceable.notes
@@ -359,14 +398,16 @@ def test_the_users_dataset_at_rest_is_not_charged_to_the_device() -> None:
         model = Scale()
         result = tune(model, lambda b, data=data: data[:b], loss_fn=lambda m, x: m(x),
                       optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-                      memory_limit_bytes=limit_bytes, margin=0, measure_throughput=False)
+                      search=TuneSearch(memory_limit_bytes=limit_bytes, margin=0,
+                                        measure_throughput=False))
         fit = {t["batch_size"]: t for t in result.trials if t["kind"] == "fit"}
         assert fit[12]["fits"] and fit[12]["peak_memory_bytes"] == expected_peak_bytes
         answers.append(result.max_fitting_batch_size)
     # a second method: batches made fresh on the "device" (no dataset at all)
     fresh_result = tune(Scale(), lambda b: torch.randn(b, 64), loss_fn=lambda m, x: m(x),
                         optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-                        memory_limit_bytes=limit_bytes, margin=0, measure_throughput=False)
+                        search=TuneSearch(memory_limit_bytes=limit_bytes, margin=0,
+                                          measure_throughput=False))
     assert answers == [12, 12, 12] == [fresh_result.max_fitting_batch_size] * 3
 
 
@@ -445,7 +486,8 @@ def test_trials_run_in_train_mode_and_the_modes_come_back() -> None:
         if isinstance(m, nn.Dropout):
             m.register_forward_pre_hook(lambda mod, args: seen.append(mod.training))
     result = tune(model, make_batch_64, loss_fn=loss_fn, optimizer=sgd,
-                  memory_limit_bytes=limit_bytes, margin=0, measure_throughput=False)
+                  search=TuneSearch(memory_limit_bytes=limit_bytes, margin=0,
+                                    measure_throughput=False))
     assert seen and all(seen)  # dropout on in every trial
     assert not any(m.training for m in model.modules())  # eval again, every module
     in_train = largest(lambda b: own_loop_fits(b, True, limit_bytes))
@@ -519,7 +561,7 @@ def test_every_modules_own_state_is_restored_as_deepcopy_sees_it() -> None:
 
     tune(model, lambda b: {"x": torch.randn(b, 16), "y": torch.randint(0, 4, (b,))},
          loss_fn=loss, optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-         memory_limit_bytes=200_000, max_batch=64, predicted_max_batch=64)
+         search=TuneSearch(memory_limit_bytes=200_000, max_batch=64, predicted_max_batch=64))
     # the trials did update the metric (two steps per fit trial, timed steps after), and
     # none of it is left
     assert max(counts) > 1
@@ -580,7 +622,8 @@ def test_a_cap_below_the_persistent_state_says_so_in_gib(user_optimizer: bool) -
         source = "measured"
     with pytest.raises(TilefitError) as info:
         tune(model, lambda b: torch.randn(b, 256), loss_fn=linear_sum, optimizer=optimizer,
-             memory_limit_bytes=1_000_000, margin=0, measure_throughput=False)
+             search=TuneSearch(memory_limit_bytes=1_000_000, margin=0,
+                               measure_throughput=False))
     err = info.value
     assert err.problem == ("the model's persistent state alone, 0.00098 GiB (1,052,680 B), "
                            "exceeds the memory budget of 0.00093 GiB (1,000,000 B): no batch "
@@ -601,7 +644,8 @@ def test_a_cap_above_the_state_but_below_batch_1_says_what_is_left() -> None:
     with pytest.raises(TilefitError) as info:
         tune(nn.Linear(256, 256), lambda b: torch.randn(b, 256), loss_fn=linear_sum,
              optimizer=lambda params: torch.optim.AdamW(params),
-             memory_limit_bytes=limit_bytes, margin=0, measure_throughput=False)
+             search=TuneSearch(memory_limit_bytes=limit_bytes, margin=0,
+                               measure_throughput=False))
     err = info.value
     assert err.problem == "not even a batch of 1 fits in the memory budget"
     assert "= 0.00098 GiB (1,052,680 B), leaving 9.3e-05 GiB (100,000 B)" in err.given

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from tilefit.tuning import Outlook, tune
+from tilefit.tuning import Outlook, TuneSearch, tune
 from tilefit.tuning.outlook import (
     TrialShape,
     outlook,
@@ -92,9 +92,10 @@ def test_tune_says_its_outlook_before_the_first_trial() -> None:
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     events: list[Any] = []
     result = tune(model, lambda b: torch.randn(b, 16), loss_fn=lambda m, x: m(x).sum(),
-                  optimizer=lambda p: torch.optim.SGD(p, lr=0.1), memory_limit_bytes=10**6,
-                  global_batch=32, max_batch=20, predicted_max_batch=20,
-                  on_trial=events.append, on_outlook=events.append)
+                  optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                  search=TuneSearch(memory_limit_bytes=10**6, global_batch=32, max_batch=20,
+                                    predicted_max_batch=20, on_trial=events.append,
+                                    on_outlook=events.append))
     first, *trials = events
     assert isinstance(first, Outlook) and not any(isinstance(e, Outlook) for e in trials)
     assert len(trials) == len(result.trials)  # the timing steps are not trials

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tilefit.errors import TilefitError
-from tilefit.tuning import tune
+from tilefit.tuning import TuneSearch, tune
 from tilefit.tuning.noise import NoiseScale
 
 
@@ -31,8 +31,9 @@ def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
 def test_time_to_loss_choice_by_hand() -> None:
     model, opt = _model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    r = tune(model, _batch, loss_fn=_ce, optimizer=opt, device="cpu", max_batch=16,
-             predict=False, objective="time-to-loss", noise_scale=16.0)
+    r = tune(model, _batch, loss_fn=_ce, optimizer=opt, device="cpu",
+             search=TuneSearch(max_batch=16, predict=False, objective="time-to-loss",
+                               noise_scale=16.0))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert r.objective == "time-to-loss" and r.b_noise == 16.0
     rates = {row.batch_size: row.samples_per_s for row in r.time_to_loss}
@@ -55,8 +56,8 @@ def test_time_to_loss_choice_by_hand() -> None:
 def test_global_batch_far_above_the_noise_scale_warns() -> None:
     model, _ = _model()
     r = tune(model, _batch, loss_fn=_ce, optimizer=lambda p: torch.optim.AdamW(p), device="cpu",
-             max_batch=16, global_batch=64, predict=False, objective="time-to-loss",
-             noise_scale=8.0)
+             search=TuneSearch(max_batch=16, global_batch=64, predict=False,
+                               objective="time-to-loss", noise_scale=8.0))
     assert r.batch_size == r.samples_per_s_batch  # the same steps whatever the micro-batch
     assert r.time_to_loss_slowdown == 1.0
     assert r.learning_rate is not None and r.learning_rate.rule == "adam"
@@ -66,18 +67,16 @@ def test_global_batch_far_above_the_noise_scale_warns() -> None:
 
 def test_tune_measures_the_noise_scale_when_not_given() -> None:
     model, opt = _model()
-    r = tune(model, _batch, loss_fn=_ce, optimizer=opt, device="cpu", max_batch=16,
-             predict=False, objective="time-to-loss")
+    r = tune(model, _batch, loss_fn=_ce, optimizer=opt, device="cpu",
+             search=TuneSearch(max_batch=16, predict=False, objective="time-to-loss"))
     assert isinstance(r.noise_measurement, NoiseScale)
     assert (r.noise_measurement.batch_small, r.noise_measurement.batch_big) == (8, 64)
     assert r.b_noise == r.noise_measurement.b_simple
 
 
 def test_bad_objective_and_noise_scale() -> None:
-    model, opt = _model()
+    # checked when the search is made, before any trial
     with pytest.raises(TilefitError, match="unknown objective"):
-        tune(model, _batch, loss_fn=_ce, optimizer=opt, device="cpu", max_batch=4,
-             objective="fastest")
+        TuneSearch(max_batch=4, objective="fastest")
     with pytest.raises(TilefitError, match="noise_scale must be a positive number"):
-        tune(model, _batch, loss_fn=_ce, optimizer=opt, device="cpu", max_batch=4,
-             objective="time-to-loss", noise_scale=-3)
+        TuneSearch(max_batch=4, objective="time-to-loss", noise_scale=-3)

@@ -121,16 +121,16 @@ def run_cli() -> dict[str, Any]:
 def worker(out_dir: str) -> None:
     import torch.distributed as dist
 
-    from tilefit.tuning import tune
+    from tilefit.tuning import TuneSearch, tune
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model, opt = fresh(wrap=True)
     before = state_of(model, opt)
     reported: list[int] = []
-    result = tune(model, make_batch, loss_fn=loss_fn, optimizer=opt, margin=0,
-                  memory_limit_bytes=LIMITS_BYTES[rank], max_batch=MAX_BATCH, predict=False,
-                  global_batch=2 * MAX_BATCH, on_trial=lambda t: reported.append(t.batch_size))
+    result = tune(model, make_batch, loss_fn=loss_fn, optimizer=opt, search=TuneSearch(
+        margin=0, memory_limit_bytes=LIMITS_BYTES[rank], max_batch=MAX_BATCH, predict=False,
+        global_batch=2 * MAX_BATCH, on_trial=lambda t: reported.append(t.batch_size)))
     restored = same(before, state_of(model, opt))
     dist.barrier()
     own = largest_fitting(LIMITS_BYTES[rank])

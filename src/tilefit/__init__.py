@@ -44,8 +44,10 @@ _LAZY = {
     "Plan": ("tilefit.planner", "Plan"),
     "tune": ("tilefit.tuning", "tune"),
     "TuneResult": ("tilefit.tuning", "TuneResult"),
+    "TuneSearch": ("tilefit.tuning", "TuneSearch"),
     "noise_scale": ("tilefit.tuning", "noise_scale"),
     "NoiseScale": ("tilefit.tuning", "NoiseScale"),
+    "NoiseMeasure": ("tilefit.tuning", "NoiseMeasure"),
 }
 
 __all__ = ["__version__", *_LAZY]

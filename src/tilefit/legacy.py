@@ -4,14 +4,17 @@ accepted for one release, each with a DeprecationWarning that names its new spel
 ``tilefit.estimate(model, batch, precision="bf16-mixed", device="h100")`` is
 ``tilefit.estimate(model, batch, recipe=Recipe(precision="bf16-mixed"), gpu="h100")``. A call
 that uses them keeps the defaults the function had (fp32 and plain PyTorch's loop for trace and
-estimate, on the CPU), so its numbers do not move while users migrate.
+estimate, on the CPU), so its numbers do not move while users migrate. ``read_options`` does
+the same for a function's options object (``tune(max_batch=64)`` is
+``tune(search=TuneSearch(max_batch=64))``): each old keyword a field of the same name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tilefit.errors import TilefitError
 from tilefit.recipe import Compile, Lora, Parallelism, Recipe
@@ -59,6 +62,30 @@ def read_legacy(function: str, recipe: Recipe | None, legacy: dict[str, Any],
             expected="recipe=Recipe(...) alone", given="both",
             fix="set those fields on the Recipe instead")
     return Legacy(_recipe_of(legacy, base), rest)
+
+
+Options = TypeVar("Options")
+
+
+def read_options(function: str, name: str, options: Options | None, legacy: dict[str, Any],
+                 kind: type[Options]) -> Options:
+    """The options object ``name`` (a frozen dataclass of type ``kind``) of a call: the one
+    given, or one of the ``legacy`` keywords of the same names (each a field), warning once
+    for the call. An unknown keyword is a TypeError, as Python's own; the object and old
+    keywords both given are an error."""
+    fields_ = {f.name for f in dataclasses.fields(kind)}  # type: ignore[arg-type]
+    unknown = sorted(set(legacy) - fields_)
+    if unknown:
+        raise TypeError(f"{function}() got unexpected keyword arguments {unknown}")
+    if not legacy:
+        return kind() if options is None else options
+    _warn(function, legacy, {k: f"{name}={kind.__name__}({k}=...)" for k in legacy})
+    if options is not None:
+        raise TilefitError(
+            f"{function}() got {name}= and the old keywords {sorted(legacy)}",
+            expected=f"{name}={kind.__name__}(...) alone", given="both",
+            fix=f"set those fields on the {kind.__name__} instead")
+    return kind(**legacy)
 
 
 def _recipe_of(legacy: dict[str, Any], base: dict[str, Any]) -> Recipe:

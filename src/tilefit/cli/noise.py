@@ -124,6 +124,7 @@ def noise_scale_command(
     """
     from tilefit.cli.tune import live_device, live_precision
     from tilefit.tuning.noise_measure import noise_scale
+    from tilefit.tuning.options import NoiseMeasure
 
     with user_errors():
         make_batch = load_data(data)
@@ -133,9 +134,10 @@ def noise_scale_command(
         module = build_model(model, seq, input_shape, task).to(device)
         err_console.print(f"measuring {model} on {device}: {measurements} big batches of "
                           f"{sizes[1]} from micro-batches of {sizes[0]}", highlight=False)
-        result = noise_scale(module, make_batch, loss_fn=loss_fn, device=device,
-                             batch_sizes=sizes, measurements=measurements,
-                             precision=live_precision(precision, device), checkpoint=checkpoint)
+        result = noise_scale(module, make_batch, loss_fn=loss_fn,
+                             precision=live_precision(precision, device), device=device,
+                             measure=NoiseMeasure(batch_sizes=sizes, measurements=measurements,
+                                                  checkpoint=checkpoint))
     if json_out:
         print_json(result.to_dict())
         return

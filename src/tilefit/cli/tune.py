@@ -182,7 +182,7 @@ def optimizer_factory(name: str) -> Any:
 
 
 def _run(options: TuneOptions, *, show_progress: bool, job: Job | None = None) -> Any:
-    from tilefit.tuning import DEFAULT_MARGIN, tune
+    from tilefit.tuning import DEFAULT_MARGIN, TuneSearch, tune
 
     report = TuneReport(err_console, enabled=show_progress)
     try:
@@ -199,12 +199,13 @@ def _run(options: TuneOptions, *, show_progress: bool, job: Job | None = None) -
         report.line("predicting the largest batch from fake-tensor traces of the step, then "
                     "timing a step at batch 1 and at a quarter of that batch")
         return tune(
-            module, make_batch, loss_fn=loss_fn, optimizer=factory,
-            precision=precision, device=torch_device, global_batch=options.global_batch,
-            max_batch=options.max_batch, memory_limit_bytes=limit_bytes,
-            margin=DEFAULT_MARGIN if options.margin is None else options.margin,
-            on_trial=report.trial, on_outlook=report.outlook,
-            objective=options.objective, noise_scale=options.noise_scale,
+            module, make_batch, optimizer=factory, loss_fn=loss_fn, precision=precision,
+            device=torch_device, search=TuneSearch(
+                global_batch=options.global_batch, max_batch=options.max_batch,
+                memory_limit_bytes=limit_bytes,
+                margin=DEFAULT_MARGIN if options.margin is None else options.margin,
+                objective=options.objective, noise_scale=options.noise_scale,
+                on_trial=report.trial, on_outlook=report.outlook),
         )
     finally:
         report.stop()

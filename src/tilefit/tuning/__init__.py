@@ -4,6 +4,7 @@ global batch kept by accumulation, all state restored. See ``tuner.tune``."""
 from tilefit.tuning.executor import Trial, is_oom
 from tilefit.tuning.noise import NoiseScale
 from tilefit.tuning.noise_measure import noise_scale
+from tilefit.tuning.options import NoiseMeasure, TuneSearch
 from tilefit.tuning.outlook import Outlook
 from tilefit.tuning.search import FitProbe, FitSearch, candidate_sizes, choose_batch, find_max_batch
 from tilefit.tuning.tuner import DEFAULT_MARGIN, TuneResult, tune
@@ -12,10 +13,12 @@ __all__ = [
     "DEFAULT_MARGIN",
     "FitProbe",
     "FitSearch",
+    "NoiseMeasure",
     "NoiseScale",
     "Outlook",
     "Trial",
     "TuneResult",
+    "TuneSearch",
     "candidate_sizes",
     "choose_batch",
     "find_max_batch",

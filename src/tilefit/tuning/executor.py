@@ -161,7 +161,7 @@ class Executor:
             capacity = free_bytes + torch.cuda.memory_reserved(device)  # what we could hold
         self.capacity_bytes = capacity
         # The margin is memory kept free: the caching allocator's fragmentation and longer
-        # sequences later in training. A policy choice (default in tuner.DEFAULT_MARGIN).
+        # sequences later in training. A policy choice (default in options.DEFAULT_MARGIN).
         self.budget_bytes = None if capacity is None else int(capacity * (1 - margin))
 
     # --- one step ---

@@ -24,72 +24,61 @@ import torch
 from torch import nn
 
 from tilefit.dtypes import torch_dtype
-from tilefit.errors import TilefitError, check_positive_int
+from tilefit.errors import TilefitError
+from tilefit.legacy import read_options
 from tilefit.tracing.loop import check_scalar_loss, default_loss
 from tilefit.tuning.executor import LossFn, _to_device
-from tilefit.tuning.noise import (
-    DEFAULT_CONFIDENCE,
-    Measurement,
-    NoiseScale,
-    check_batch_sizes,
-    from_measurements,
-)
+from tilefit.tuning.noise import Measurement, NoiseScale, from_measurements
+from tilefit.tuning.options import DEFAULT_BATCH_SIZES as DEFAULT_BATCH_SIZES  # re-exported
+from tilefit.tuning.options import DEFAULT_MEASUREMENTS as DEFAULT_MEASUREMENTS  # re-exported
+from tilefit.tuning.options import NoiseMeasure
 from tilefit.tuning.state import restore, snapshot, train_mode
 from tilefit.vocab import mixed_precision, parse_precision
-
-# A small batch of 8 and a big one of 64 (8 micro-batches): B_big / B_small = 8 keeps the
-# tr(Sigma) difference well above the noise of one measurement; ten measurements of 64 are
-# ten forward/backward passes' worth of samples at the big batch: 7 training steps at 64 where
-# compute grows with the batch, 40 to 75 where every micro-batch costs a whole step
-# (benchmarks/results_noise_scale_cpu.txt). Policy defaults; the interval in the result says
-# whether they resolved the noise scale.
-DEFAULT_BATCH_SIZES = (8, 64)
-DEFAULT_MEASUREMENTS = 10
 
 
 def noise_scale(
     model: nn.Module,
     make_batch: Callable[[int], Any],
     *,
-    loss_fn: LossFn | None = None,
     optimizer: torch.optim.Optimizer | None = None,
-    device: str | torch.device | None = None,
-    batch_sizes: tuple[int, int] | None = None,
-    measurements: int = DEFAULT_MEASUREMENTS,
+    loss_fn: LossFn | None = None,
     precision: str = "fp32",
-    confidence: float = DEFAULT_CONFIDENCE,
-    checkpoint: str | Path | None = None,
-    keep_modes: bool = False,
+    device: str | torch.device | None = None,
+    measure: NoiseMeasure | None = None,
+    **legacy: Any,
 ) -> NoiseScale:
     """The simple gradient noise scale B_simple = tr(Sigma) / |G|^2 of the model on its data.
 
     make_batch(b) must draw b fresh samples at random from the training data on every call
     (a fixed batch has no noise to measure). loss_fn(model, batch) the mean loss of the
-    batch (default model(**batch).loss). batch_sizes=(B_small, B_big): B_small >= 2, B_big a
-    larger multiple of it, accumulated from micro-batches of B_small (so only B_small must fit
-    in memory). optimizer: not stepped; given, its state is kept intact and its class and lr
-    are reported for the learning-rate advice. checkpoint: a state dict file or a Hugging
-    Face checkpoint folder loaded for the measurement only (the noise scale grows as training
-    proceeds: measure after warm-up, and again from later checkpoints). precision: runs
+    batch (default model(**batch).loss). optimizer: not stepped; given, its state is kept
+    intact and its class and lr are reported for the learning-rate advice. precision: runs
     under bf16 autocast as training does; fp16 with a loss scaler is measured in fp32.
+    device: where the model is (default: its parameters' device).
 
-    device: where the model is (default: its parameters' device). Runs in train mode unless
-    ``keep_modes``; parameters, buffers, gradients, module
-    attributes, optimizer state, modes and RNG states are restored bit for bit.
+    measure (``NoiseMeasure``): batch_sizes=(B_small, B_big): B_small >= 2, B_big a larger
+    multiple of it, accumulated from micro-batches of B_small (so only B_small must fit in
+    memory); how many big batches, the interval's confidence; checkpoint: a state dict file
+    or a Hugging Face checkpoint folder loaded for the measurement only (the noise scale
+    grows as training proceeds: measure after warm-up, and again from later checkpoints).
+    Runs in train mode unless ``keep_modes``; parameters, buffers, gradients, module
+    attributes, optimizer state, modes and RNG states are restored bit for bit. The old
+    keywords (``batch_sizes=``, ...) still work, with a DeprecationWarning.
     """
-    b_small, b_big, dev = _checked(model, device, batch_sizes, measurements)
+    measure = read_options("noise_scale", "measure", measure, legacy, NoiseMeasure)
+    (b_small, b_big), dev = measure.sizes, _device_of(model, device)
     autocast = _autocast_of(precision, dev)
     start_s = time.perf_counter()
     snap = snapshot(model, optimizer)
     run: _Run | None = None
     try:
-        if checkpoint is not None:
-            load_checkpoint(model, checkpoint)
-        if not keep_modes:
+        if measure.checkpoint is not None:
+            load_checkpoint(model, measure.checkpoint)
+        if not measure.keep_modes:
             train_mode(model)
         params = _trainable(model)
         run = _Run(model, make_batch, loss_fn or default_loss, params, dev, autocast)
-        found = [run.measure(b_small, b_big // b_small, i) for i in range(measurements)]
+        found = [run.measure(b_small, b_big // b_small, i) for i in range(measure.measurements)]
     except BaseException:
         gc.collect()  # an error's traceback can hold activations (as tune's executor frees)
         raise
@@ -101,28 +90,19 @@ def noise_scale(
             torch.cuda.empty_cache()
     lr = None if optimizer is None else float(optimizer.param_groups[0]["lr"])
     return from_measurements(
-        found, b_small, b_big, time_s=time.perf_counter() - start_s, confidence=confidence,
-        loss=run.loss_sum / max(1, run.micro_batches),
+        found, b_small, b_big, time_s=time.perf_counter() - start_s,
+        confidence=measure.confidence, loss=run.loss_sum / max(1, run.micro_batches),
         optimizer=None if optimizer is None else type(optimizer).__name__, learning_rate=lr)
 
 
-def _checked(model: nn.Module, device: str | torch.device | None,
-             batch_sizes: tuple[int, int] | None,
-             measurements: int) -> tuple[int, int, torch.device]:
-    """(B_small, B_big, the device) from noise_scale's arguments, checked; the model must
-    be on the device (default: its parameters')."""
-    b_small, b_big = check_batch_sizes(*(batch_sizes or DEFAULT_BATCH_SIZES))
-    check_positive_int(measurements, "measurements must be a whole number >= 2",
-                       expected="e.g. 10", fix="pass measurements=10")
-    if measurements < 2:
-        raise TilefitError("one measurement gives no interval", expected="measurements >= 2",
-                           given=repr(measurements), fix="pass measurements=10")
+def _device_of(model: nn.Module, device: str | torch.device | None) -> torch.device:
+    """The device noise_scale runs on (default: the model's parameters'), the model on it."""
     from tilefit.tuning.request import check_on_device, resolve_device
 
     first = next(model.parameters(), None)
     dev = resolve_device(device if device is not None or first is None else first.device)
     check_on_device(model, dev)
-    return b_small, b_big, dev
+    return dev
 
 
 def _autocast_of(precision: str, device: torch.device) -> Callable[[], Any]:

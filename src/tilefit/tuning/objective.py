@@ -84,7 +84,7 @@ def choose(rates: Mapping[int, Sequence[float]], noise: float, samples_per_s_bat
 def measuring_sizes(max_batch: int) -> tuple[int, int]:
     """(B_small, B_big) for tune's own measurement: the default small batch of 8 or the
     largest that fits below it, and 8 micro-batches of it."""
-    from tilefit.tuning.noise_measure import DEFAULT_BATCH_SIZES
+    from tilefit.tuning.options import DEFAULT_BATCH_SIZES
 
     b_small = min(DEFAULT_BATCH_SIZES[0], max_batch)
     if b_small < 2:
@@ -92,8 +92,8 @@ def measuring_sizes(max_batch: int) -> tuple[int, int]:
             "the noise scale cannot be measured: only a batch of 1 fits",
             expected="a batch of at least 2 in memory (B_small >= 2)",
             given=f"largest fitting batch {max_batch}",
-            fix="pass noise_scale=<B_noise> measured elsewhere (tilefit.noise_scale on a "
-            "larger device), or objective='samples-per-s'")
+            fix="pass search=TuneSearch(noise_scale=<B_noise>) measured elsewhere "
+            "(tilefit.noise_scale on a larger device), or objective='samples-per-s'")
     return b_small, b_small * DEFAULT_BATCH_SIZES[1] // DEFAULT_BATCH_SIZES[0]
 
 

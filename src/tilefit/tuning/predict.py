@@ -12,7 +12,7 @@ import inspect
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,6 +20,9 @@ from torch import nn
 from tilefit.compat.fake import storage_key
 from tilefit.errors import TilefitError
 from tilefit.tuning.search import DEFAULT_START
+
+if TYPE_CHECKING:
+    from tilefit.recipe import Recipe
 
 PROBE_BATCHES = (1, 2)
 MAX_REFINE_TRACES = 3
@@ -65,14 +68,14 @@ def predict_max_batch(model: nn.Module, make_batch: Callable[[int], Any], *,
     from tilefit.hardware import get_device
     from tilefit.tracing import trace
 
+    recipe = _traced_recipe(optimizer, precision)
     target: Any = "cpu"
     extra = 0
     if device.type == "cuda":
         target = get_device("auto")
         extra = cublas_workspace_bytes(target)  # counted by the caching allocator too
     def pieces_at(b: int) -> tuple[int, int]:
-        tr = trace(model, make_batch(b), loss_fn=loss_fn, optimizer=_optimizer_factory(optimizer),
-                   precision=precision, device=target)
+        tr = trace(model, make_batch(b), recipe=recipe, gpu=target, loss_fn=loss_fn)
         fb, _, opt = tr.phase_peaks(rounded=device.type == "cuda")
         return fb + extra, opt + extra
 
@@ -156,6 +159,15 @@ def _unique_bytes(tensors: Iterable[Any]) -> int:
     return sum(sizes.values())
 
 
+def _traced_recipe(optimizer: Any, precision: str) -> Recipe:
+    """The step as tune runs it, for the tracer: the user's optimizer in a plain PyTorch
+    loop (no clipping, no read of the loss) at tune's precision."""
+    from tilefit.recipe import PLAIN_PYTORCH, Recipe
+
+    return Recipe(**{**PLAIN_PYTORCH, "optimizer": _optimizer_factory(optimizer),
+                     "precision": precision})
+
+
 def _measured_optimizer_state(optimizer: Any, trainable: list[nn.Parameter]) -> int | None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         return None
@@ -172,8 +184,8 @@ def _traced_optimizer_state(model: nn.Module, make_batch: Callable[[int], Any], 
 
     try:
         target: Any = get_device("auto") if device.type == "cuda" else "cpu"
-        tr = trace(model, make_batch(1), loss_fn=loss_fn,
-                   optimizer=_optimizer_factory(optimizer), precision=precision, device=target)
+        tr = trace(model, make_batch(1), recipe=_traced_recipe(optimizer, precision),
+                   gpu=target, loss_fn=loss_fn)
     except TilefitError:
         return None
     timeline = tr.live_bytes_timeline(rounded=False,

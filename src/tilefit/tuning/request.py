@@ -1,5 +1,5 @@
-"""tune's options, validated: the device, the limits, the first probe, the objective, the
-torchrun job; each error says what was expected and the fix."""
+"""tune's request: its ``TuneSearch`` (validated on its own) on the device and in the
+torchrun job, checked for them; each error says what was expected and the fix."""
 
 from __future__ import annotations
 
@@ -13,22 +13,12 @@ from tilefit.dtypes import parse_dtype
 from tilefit.errors import TilefitError
 from tilefit.tuning.executor import OptimizerArg
 from tilefit.tuning.noise import NoiseScale
-from tilefit.tuning.objective import check_objective
-from tilefit.tuning.ranks import Ranks, current_ranks
+from tilefit.tuning.options import TuneSearch
+from tilefit.tuning.ranks import Ranks, current_ranks, rank_share
 from tilefit.vocab import Precision, parse_precision
 
 CPU_MULTIPLE = 8  # the CPU has no Tensor Core rule; multiples of 8 suit SIMD widths
 OBJECTIVE_RATE = "samples-per-s"
-
-
-def _positive(name: str, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or value < 1):
-        raise TilefitError(
-            f"{name} must be a positive whole number",
-            expected="an integer >= 1 or None",
-            given=repr(value),
-            fix=f"pass {name}=<n> with n >= 1",
-        )
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -103,45 +93,36 @@ def current_job(objective: str, noise_scale: float | NoiseScale | None) -> Ranks
     """The torchrun job this process is in (rank 0 of 1 outside one); the objective
     checked for it."""
     ranks = current_ranks()
-    check_objective(objective, noise_scale)
     if ranks.distributed and objective != OBJECTIVE_RATE and noise_scale is None:
         raise TilefitError(
             "under torchrun, objective='time-to-loss' needs the noise scale given",
             expected="noise_scale=B_noise (measured once, on one process)",
             given="noise_scale=None (each rank would measure its own)",
-            fix="measure it with `tilefit noise-scale` and pass noise_scale= (CLI: "
-            "--noise-scale)")
+            fix="measure it with `tilefit noise-scale` and pass "
+            "search=TuneSearch(noise_scale=...) (CLI: --noise-scale)")
     return ranks
 
 
-def make_request(*, precision: str, device: str | torch.device | None,
-                 global_batch: int | None, max_batch: int | None,
-                 memory_limit_bytes: int | None, margin: float, steps_per_trial: int,
-                 predicted_max_batch: int | None, predict: bool,
-                 measure_throughput: bool, objective: str = OBJECTIVE_RATE,
-                 noise_scale: float | NoiseScale | None = None,
+def make_request(search: TuneSearch, *, precision: str, device: str | torch.device | None,
                  ranks: Ranks | None = None) -> TuneRequest:
-    """tune's options checked (each error says what was expected and the fix)."""
-    for name, value in (("global_batch", global_batch), ("max_batch", max_batch),
-                        ("memory_limit_bytes", memory_limit_bytes),
-                        ("steps_per_trial", steps_per_trial),
-                        ("predicted_max_batch", predicted_max_batch)):
-        _positive(name, value)
-    if not 0 <= margin < 1:
-        raise TilefitError("margin must be a fraction in [0, 1)", expected="e.g. 0.1",
-                           given=repr(margin), fix="pass margin=0.1 to keep 10% free")
+    """tune's options for this device and job (the search's own are checked by TuneSearch;
+    each error says what was expected and the fix): global_batch becomes this rank's share."""
+    ranks = Ranks() if ranks is None else ranks
     dev = resolve_device(device)
-    if dev.type == "cpu" and memory_limit_bytes is None and max_batch is None:
+    if dev.type == "cpu" and search.memory_limit_bytes is None and search.max_batch is None:
         raise TilefitError(
             "on the CPU tune needs a memory limit or a largest batch to stop at",
             expected="memory_limit_bytes (simulate a GPU's memory) or max_batch",
             given="neither",
-            fix="pass memory_limit_bytes=16 * 2**30 (CLI: --memory-limit 16GiB) or max_batch",
+            fix="pass search=TuneSearch(memory_limit_bytes=16 * 2**30) (CLI: --memory-limit "
+            "16GiB) or TuneSearch(max_batch=...)",
         )
-    return TuneRequest(parse_precision(precision), dev, global_batch, max_batch,
-                       memory_limit_bytes, margin, steps_per_trial, predicted_max_batch,
-                       predict, measure_throughput, objective, noise_scale,
-                       Ranks() if ranks is None else ranks)
+    return TuneRequest(
+        parse_precision(precision), dev, rank_share(search.global_batch, ranks),
+        search.max_batch, search.memory_limit_bytes, search.margin, search.steps_per_trial,
+        search.predicted_max_batch, search.predict,
+        search.measure_throughput or search.objective != OBJECTIVE_RATE, search.objective,
+        search.noise_scale, ranks)
 
 
 def check_model_and_optimizer(model: nn.Module, optimizer: OptimizerArg,

@@ -14,14 +14,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from tilefit.legacy import read_options
 from tilefit.tuning.diagnose import PLAN_COMMAND as PLAN_COMMAND  # re-exported
 from tilefit.tuning.diagnose import gib as gib  # re-exported
 from tilefit.tuning.diagnose import nothing_fits
 from tilefit.tuning.executor import Executor, LossFn, OptimizerArg, Trial
 from tilefit.tuning.noise import LearningRateAdvice, NoiseScale, TimeToLoss
+from tilefit.tuning.options import DEFAULT_MARGIN as DEFAULT_MARGIN  # re-exported
+from tilefit.tuning.options import NoiseMeasure, TuneSearch
 from tilefit.tuning.outlook import Outlook, outlook, per_sample_s, timing_batch
 from tilefit.tuning.predict import Prediction, predict_max_batch
-from tilefit.tuning.ranks import rank_share
 from tilefit.tuning.request import (
     OBJECTIVE_RATE,
     TuneRequest,
@@ -40,15 +42,6 @@ from tilefit.tuning.search import (
 )
 from tilefit.tuning.state import restore, snapshot, train_mode
 
-# Fraction of device memory kept free. Not a measurement: a policy. The caching allocator
-# fragments (PyTorch "CUDA memory management" notes: reserved > allocated), and batches later
-# in training can be larger than the synthetic ones (longer sequences, more targets), which is
-# how tuned runs OOM later. 10% is the default; pass margin=0 to pack the device full.
-DEFAULT_MARGIN = 0.10
-# Steps per fit trial: the optimizer state is created by the first step, so the second step is
-# the first with weights + gradients + optimizer state + activations all live (the steady-state
-# peak). Lightning runs 3 steps per trial (BatchSizeFinder steps_per_trial=3).
-DEFAULT_STEPS_PER_TRIAL = 2
 WARMUP_STEPS = 2  # untimed steps before timing (allocator, autotuning, caches)
 REPEATS = 3  # timed repeats per candidate; their spread is the noise band of the choice
 MIN_TIMED_STEPS = 3  # micro-batches per timed repeat at least
@@ -105,39 +98,29 @@ def tune(
     model: nn.Module,
     make_batch: Callable[[int], Any],
     *,
-    loss_fn: LossFn | None = None,
     optimizer: OptimizerArg,
+    loss_fn: LossFn | None = None,
     precision: str = "fp32",
     device: str | torch.device | None = None,
-    global_batch: int | None = None,
-    max_batch: int | None = None,
-    memory_limit_bytes: int | None = None,
-    margin: float = DEFAULT_MARGIN,
-    steps_per_trial: int = DEFAULT_STEPS_PER_TRIAL,
-    predicted_max_batch: int | None = None,
-    predict: bool = True,
-    measure_throughput: bool = True,
-    on_trial: Callable[[Trial], None] | None = None,
-    on_outlook: Callable[[Outlook], None] | None = None,
-    keep_modes: bool = False,
-    objective: str = "samples-per-s", noise_scale: float | NoiseScale | None = None,
+    search: TuneSearch | None = None,
+    **legacy: Any,
 ) -> TuneResult:
     """Find the largest batch that fits, then the fastest hardware-friendly batch up to it.
 
     model: the user's module, already on the device. make_batch(b): a batch of b samples.
     loss_fn(model, batch): the scalar loss (default: model(**batch).loss for dict batches).
     optimizer: the user's optimizer (its state is restored) or a factory params -> Optimizer.
-    global_batch: keep it exact with accumulation; the chosen batch divides it.
-    memory_limit_bytes: simulate a device of this size (works on the CPU).
-    margin: fraction of memory kept free (see DEFAULT_MARGIN).
-    predicted_max_batch: the first probe; by default (``predict``) the estimator predicts it
-    from two fake-tensor traces of the step (no run on the device); when it cannot, the
-    result's ``notes`` say why.
-    on_trial: called with each Trial as it completes (progress display).
-    on_outlook: called once before the first trial with what tune expects to run: about how
-    many trials and how long (from steps timed at batch 1 and at a quarter of the expected
-    largest batch: three extra steps that run only when this is given). Not called when
-    there is no batch to expect (no prediction, no cap) or those steps run out of memory.
+    search (``TuneSearch``, default ``TuneSearch()``): global_batch, kept exact with
+    accumulation (the chosen batch divides it); max_batch; memory_limit_bytes, a simulated
+    device of that size (works on the CPU); margin, the fraction of memory kept free
+    (DEFAULT_MARGIN); predicted_max_batch, the first probe: by default (``predict``) the
+    estimator predicts it from fake-tensor traces of the step (no run on the device), and when
+    it cannot, the result's ``notes`` say why. on_trial: called with each Trial as it
+    completes. on_outlook: called once before the first trial with what tune expects to run:
+    about how many trials and how long (from steps timed at batch 1 and at a quarter of the
+    expected largest batch: three extra steps that run only when it is given); not called when
+    there is no batch to expect (no prediction, no cap) or those steps run out of memory. The
+    old keywords (``max_batch=``, ``margin=``, ...) still work, with a DeprecationWarning.
 
     The trials run with every module in train mode (``model.train()``, as Hugging Face's
     Trainer and most loops train; a ``from_pretrained`` model arrives in eval mode, where
@@ -151,16 +134,12 @@ def tune(
     Under ``torchrun`` call it on every rank: they agree on every trial (``tuning.ranks``);
     ``batch_size`` is per rank, ``global_batch`` the job's; rank 0 alone reports progress.
     """
-    ranks = current_job(objective, noise_scale)
-    request = make_request(
-        precision=precision, device=device, global_batch=rank_share(global_batch, ranks),
-        max_batch=max_batch, memory_limit_bytes=memory_limit_bytes, margin=margin,
-        steps_per_trial=steps_per_trial, predicted_max_batch=predicted_max_batch,
-        predict=predict, measure_throughput=measure_throughput or objective != OBJECTIVE_RATE,
-        objective=objective, noise_scale=noise_scale, ranks=ranks)
+    search = read_options("tune", "search", search, legacy, TuneSearch)
+    ranks = current_job(search.objective, search.noise_scale)
+    request = make_request(search, precision=precision, device=device, ranks=ranks)
     check_model_and_optimizer(model, optimizer, request)
-    return _run(model, make_batch, loss_fn, optimizer, request, keep_modes=keep_modes,
-                on_trial=on_trial, on_outlook=on_outlook)
+    return _run(model, make_batch, loss_fn, optimizer, request, keep_modes=search.keep_modes,
+                on_trial=search.on_trial, on_outlook=search.on_outlook)
 
 
 def _run(model: nn.Module, make_batch: Callable[[int], Any], loss_fn: LossFn | None,
@@ -294,8 +273,9 @@ def _time_to_loss(ex: Executor, request: TuneRequest, measured: dict[int, list[f
         user_opt = ex.optimizer if isinstance(ex.optimizer, torch.optim.Optimizer) else None
         noise_scale = measure(
             ex.model, ex.make_batch, loss_fn=ex.loss_fn, optimizer=user_opt,
-            device=request.device, batch_sizes=objective.measuring_sizes(max_batch),
-            precision=request.precision.name, keep_modes=ex.keep_modes)
+            precision=request.precision.name, device=request.device,
+            measure=NoiseMeasure(batch_sizes=objective.measuring_sizes(max_batch),
+                                 keep_modes=ex.keep_modes))
     choice = objective.choose(measured, noise, rate_choice, noise_scale, request.global_batch,
                               _optimizer_name(ex))
     fields = objective.summary(choice)

@@ -22,7 +22,8 @@ from torch import nn
 
 from tilefit.tuning.executor import LossFn, OptimizerArg
 from tilefit.tuning.noise import NoiseScale
-from tilefit.tuning.tuner import DEFAULT_MARGIN, TuneResult, tune
+from tilefit.tuning.options import DEFAULT_MARGIN, DEFAULT_MEASUREMENTS, NoiseMeasure, TuneSearch
+from tilefit.tuning.tuner import TuneResult, tune
 
 # What a failing user step raises (the model's own ValueError / TypeError, a shape mismatch's
 # RuntimeError); tracing/step.py words the same families for the fake-tensor trace.
@@ -103,11 +104,12 @@ def tune_with(
     make_batch = adapter.trial_batches()  # outside the trial context: a data error is its own
     with adapter.around_trials():
         return tune(
-            adapter.model, make_batch, loss_fn=adapter.loss_fn(), optimizer=adapter.optimizer(),
-            precision=adapter.precision, device=adapter.device, global_batch=global_batch,
-            max_batch=max_batch, memory_limit_bytes=memory_limit_bytes, margin=margin,
-            predicted_max_batch=predicted_max_batch, measure_throughput=measure_throughput,
-            objective=objective, noise_scale=noise_scale, keep_modes=adapter.keep_modes,
+            adapter.model, make_batch, optimizer=adapter.optimizer(), loss_fn=adapter.loss_fn(),
+            precision=adapter.precision, device=adapter.device, search=TuneSearch(
+                global_batch=global_batch, max_batch=max_batch,
+                memory_limit_bytes=memory_limit_bytes, margin=margin,
+                predicted_max_batch=predicted_max_batch, measure_throughput=measure_throughput,
+                keep_modes=adapter.keep_modes, objective=objective, noise_scale=noise_scale),
         )
 
 
@@ -121,11 +123,12 @@ def noise_scale_with(
 ) -> NoiseScale:
     """``tilefit.noise_scale`` on the framework's model, loss, precision and random samples of
     its training data, the optimizer's state kept."""
-    from tilefit.tuning.noise_measure import DEFAULT_MEASUREMENTS, noise_scale
+    from tilefit.tuning.noise_measure import noise_scale
 
     with adapter.around_trials():
         return noise_scale(
-            adapter.model, adapter.random_batches(seed), loss_fn=adapter.loss_fn(),
-            optimizer=adapter.held_optimizer(), device=adapter.device, batch_sizes=batch_sizes,
-            measurements=measurements or DEFAULT_MEASUREMENTS, precision=adapter.precision,
-            checkpoint=checkpoint, keep_modes=adapter.keep_modes)
+            adapter.model, adapter.random_batches(seed), optimizer=adapter.held_optimizer(),
+            loss_fn=adapter.loss_fn(), precision=adapter.precision, device=adapter.device,
+            measure=NoiseMeasure(batch_sizes=batch_sizes,
+                                 measurements=measurements or DEFAULT_MEASUREMENTS,
+                                 checkpoint=checkpoint, keep_modes=adapter.keep_modes))
