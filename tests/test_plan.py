@@ -10,7 +10,7 @@ import os
 import pytest
 
 from tilefit.errors import TilefitError
-from tilefit.planner import offload as off
+from tilefit.estimator import offload as off
 from tilefit.planner.affine import Line, SweepModel
 from tilefit.planner.configs import deepspeed_offload, hf_training_arguments, single_gpu_configs
 from tilefit.planner.multigpu import per_gpu_bytes, smallest_setup

@@ -1,8 +1,9 @@
 """tilefit plan: search training recipes with the estimator, before the first run.
 
 Modules: space (micro-batches and recipes), sample (what a trace yields), affine (the sweep
-model), search (tracing a recipe into rows), offload (ZeRO-Offload model), multigpu (sharded
-fallback), rank (the choice), configs (what to paste), plan (the entry point).
+model), search (tracing a recipe into rows; the ZeRO-Offload model is
+tilefit.estimator.offload), multigpu (sharded fallback), rank (the choice), configs (what to
+paste), plan (the entry point).
 """
 
 from tilefit.planner.plan import Confirmation, Plan, plan

@@ -8,8 +8,8 @@ import json
 from typing import Any
 
 from tilefit.dtypes import parse_dtype
+from tilefit.estimator.offload import REDUCE_BUCKET_ELEMENTS
 from tilefit.models import Workload
-from tilefit.planner.offload import REDUCE_BUCKET_ELEMENTS
 from tilefit.planner.rows import PlanRow
 
 # LoRA rank 16, alpha 32: a common choice between peft's default (r=8) and QLoRA's r=64

@@ -8,6 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tilefit.errors import TilefitError
+from tilefit.estimator.offload import (
+    HOST_BANDWIDTH_BYTES_PER_S,
+    PCIE_BYTES_PER_S,
+    OffloadLink,
+    offload_peak_bytes,
+    offload_step_time_s,
+)
 from tilefit.estimator.zero_step import is_zero
 from tilefit.hardware import Device, get_device
 from tilefit.models import Workload
@@ -15,13 +22,6 @@ from tilefit.planner import configs, multiplan, rank, space
 from tilefit.planner.affine import SweepModel
 from tilefit.planner.lora import require_peft
 from tilefit.planner.multigpu import MAX_GPUS, smallest_setup
-from tilefit.planner.offload import (
-    HOST_BANDWIDTH_BYTES_PER_S,
-    PCIE_BYTES_PER_S,
-    OffloadLink,
-    offload_peak_bytes,
-    offload_step_time_s,
-)
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.search import (
     SWEEP_ACCUMULATION,

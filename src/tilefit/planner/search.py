@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 from tilefit.batches import is_friendly
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate, estimate_trace
+from tilefit.estimator.offload import OffloadLink, offload_peak_bytes, offload_step_time_s
 from tilefit.estimator.workloads import trace_workload
 from tilefit.hardware import Device
 from tilefit.models import Workload
 from tilefit.planner.affine import SweepModel
-from tilefit.planner.offload import OffloadLink, offload_peak_bytes, offload_step_time_s
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.sample import Sample, sample_of
 from tilefit.planner.space import OPTIMIZER_LABELS
