@@ -254,7 +254,7 @@ class Recipe:
     grad_checkpointing: bool = False
     accumulation_steps: int = 1
     attention: str = "auto"  # an Attention name
-    peft: bool = False  # LoRA adapters on frozen weights (tilefit.planner.lora, peft)
+    peft: bool = False  # LoRA adapters on frozen weights (tilefit.models.lora, peft)
     max_grad_norm: float | None = None  # gradient clipping (HF Trainer's default: 1.0)
     # the loop reads the loss on the host after each micro-batch, waiting for the GPU (HF
     # Trainer's default logging_nan_inf_filter=True; a loss printed or logged each step)

@@ -64,7 +64,7 @@ def measure_sample(name: str, *, repeats: int = 20, warmup: int = 5,
 
     from tilefit.estimator.workloads import trace_workload
     from tilefit.models import load_workload
-    from tilefit.tracing.hf_compat import quiet_transformers
+    from tilefit.quiet_imports import quiet_transformers
     from tilefit.vocab import Recipe
 
     work = load_workload(name, seq_len=SEQ_LEN).with_config(**MINIATURES[name])

@@ -34,8 +34,8 @@ def trace_workload(workload: Workload, recipe: Recipe, device: str | Device, *,
             expected="auto for a plain nn.Module factory (its own code chooses)",
             given=recipe.attention, fix="drop --attention")
     model: Any = functools.partial(workload.build, build_attention)
-    if recipe.peft:  # peft's LoRA, built on the meta device (tilefit.planner.lora says why)
-        from tilefit.planner.lora import build_lora_model, lora_base_dtype
+    if recipe.peft:  # peft's LoRA, built on the meta device (tilefit.models.lora says why)
+        from tilefit.models.lora import build_lora_model, lora_base_dtype
 
         check_lora(workload)
         model = build_lora_model(workload, build_attention, lora_base_dtype(recipe))

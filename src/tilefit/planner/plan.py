@@ -18,9 +18,9 @@ from tilefit.estimator.offload import (
 from tilefit.estimator.zero_step import is_zero
 from tilefit.hardware import Device, get_device
 from tilefit.models import Workload
+from tilefit.models.lora import require_peft
 from tilefit.planner import configs, multiplan, rank, space
 from tilefit.planner.affine import SweepModel
-from tilefit.planner.lora import require_peft
 from tilefit.planner.multigpu import MAX_GPUS, smallest_setup
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.search import (

@@ -159,7 +159,7 @@ def changes_of(spec: Recipe, user_optimizer: str, offload: bool,
     out: list[str] = []
     zero = parallel is not None and parallel.modelled
     if spec.peft:
-        from tilefit.planner.configs import LORA_ALPHA, LORA_RANK
+        from tilefit.models.lora import LORA_ALPHA, LORA_RANK
 
         out.append(f"LoRA r={LORA_RANK} alpha={LORA_ALPHA} on all linear layers, base weights "
                    "frozen in 16 bits: trains adapters, not the model (a different recipe)")

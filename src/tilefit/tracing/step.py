@@ -16,6 +16,8 @@ from torch.utils._pytree import tree_map
 from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device, get_device
+from tilefit.models.cast import cast_floating
+from tilefit.quiet_imports import quiet_transformers
 from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.autocast import CudaAutocast
 from tilefit.tracing.compiled import (
@@ -34,11 +36,7 @@ from tilefit.tracing.distributed import (
 )
 from tilefit.tracing.float8 import convert_linears
 from tilefit.tracing.gc_pause import gc_paused
-from tilefit.tracing.hf_compat import (
-    gpu_mask_semantics,
-    quiet_transformers,
-    use_checkpoint_function,
-)
+from tilefit.tracing.hf_compat import gpu_mask_semantics, use_checkpoint_function
 from tilefit.tracing.optimizers import (
     OPTIMIZER_NAMES,
     OptimizerSpec,
@@ -126,29 +124,6 @@ def fake_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
         if id(b) not in memo:
             memo[id(b)] = _fake_like(b, mode)
     return copy.deepcopy(model, memo)
-
-
-def cast_floating(model: nn.Module, dtype: torch.dtype, *, frozen_only: bool = False) -> None:
-    """model.to(dtype), in place, for a fake (or meta) model: Module._apply swaps tensors,
-    which fake parameters refuse ("Cannot swap ... weakref", torch 2.13), so new parameters
-    are put in place instead; tied weights stay tied. ``frozen_only``: only the parameters
-    without requires_grad (a LoRA base model loaded in 16 bits), no buffers."""
-    done: dict[int, Any] = {}
-    for mod in model.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is None or not p.is_floating_point() or (frozen_only and p.requires_grad):
-                continue
-            if id(p) not in done:
-                done[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-            mod._parameters[name] = done[id(p)]
-        if frozen_only:
-            continue
-        for name, b in list(mod._buffers.items()):
-            if b is None or not b.is_floating_point():
-                continue
-            if id(b) not in done:
-                done[id(b)] = b.to(dtype)
-            mod._buffers[name] = done[id(b)]
 
 
 def fake_batch(batch: Any, mode: FakeTensorMode, float_dtype: torch.dtype | None) -> Any:
