@@ -97,7 +97,7 @@ def tune_command(
                               noise_scale, data, loss)
         result = _run(options, show_progress=job.is_main, job=job)
         if plot and job.is_main:
-            from tilefit.tuning.plot import plot_throughput
+            from tilefit.report.plots import plot_throughput
 
             plot_throughput(result, plot)
     if not job.is_main:
