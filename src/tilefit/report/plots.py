@@ -215,9 +215,9 @@ def plot_throughput(result: TuneResult, path: str | Path) -> Path:
     chosen batch and the largest that fits."""
     plt = pyplot()
     points = sorted(
-        (t["batch_size"], t["samples_per_s"])
+        (t.batch_size, t.samples_per_s)
         for t in result.trials
-        if t["kind"] == "throughput" and t["samples_per_s"]
+        if t.kind == "throughput" and t.samples_per_s
     )
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     if points:
