@@ -2,11 +2,14 @@
 
 Modules: space (micro-batches and recipes), sample (what a trace yields), affine (the sweep
 model), search (tracing a recipe into rows; the ZeRO-Offload model is
-tilefit.estimator.offload), multigpu (sharded fallback), rank (the choice), configs (what to
-paste), plan (the entry point).
+tilefit.estimator.offload), multigpu (sharded fallback), rank (the choice, pure), state (the
+search's state), policy (what is traced, in what order, and the choice confirmed), notes (the
+prose), checks (the input), result (Plan and what it holds), configs (what to paste), plan
+(the entry point).
 """
 
-from tilefit.planner.plan import Confirmation, Plan, plan
+from tilefit.planner.plan import plan
+from tilefit.planner.result import Confirmation, Plan
 from tilefit.planner.rows import PlanRow
 
 __all__ = ["Confirmation", "Plan", "PlanRow", "plan"]
