@@ -1,4 +1,4 @@
-"""Fused linear cross-entropy (Liger Kernel's algorithm, tilefit.tracing.fused_loss): the
+"""Fused linear cross-entropy (Liger Kernel's algorithm, tilefit.models.fused_loss): the
 traced peak against real CPU steps, and what it changes on GPUs.
 
 Issue 13, item 3. First table: small causal LMs trained for real on this CPU (fp32), peak

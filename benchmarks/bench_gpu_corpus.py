@@ -151,9 +151,9 @@ from tilefit.hardware.host import (
     CUDA_FORWARD_ISSUE_SCALE,
 )
 from tilefit.models import Workload, load_workload
+from tilefit.models.cast import cast_floating
 from tilefit.recipe import Recipe
 from tilefit.tracing import OpRecord, Trace, trace
-from tilefit.tracing.fakes import cast_floating
 from tilefit.tracing.shapes import attention_flops
 
 CORPUS = Path(__file__).resolve().parent / "gpu_corpus"

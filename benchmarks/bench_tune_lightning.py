@@ -197,7 +197,7 @@ def run_tilefit(spec: Spec, cap: int, steps: int, throughput: bool) -> dict[str,
             "fit_trials": result.fit_trials,
             "tput_trials": len(result.trials) - result.fit_trials, "oom": oom,
             "peak": limit.peak_bytes, "s": time.perf_counter() - t0,
-            "fit_s": sum(t["time_s"] for t in result.trials if t["kind"] == "fit")}
+            "fit_s": sum(t.time_s for t in result.trials if t.kind == "fit")}
 
 
 def run_lightning(spec: Spec, cap: int, steps: int) -> dict[str, Any]:

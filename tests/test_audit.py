@@ -62,8 +62,15 @@ def test_cheap_rewrite_matches_a_full_retrace(gpt2_audit) -> None:  # type: igno
     vocab_size=50304. They must agree (the rewrite only scales shapes it can see)."""
     c = gpt2_audit.confirmation
     assert c is not None
-    assert c["retrace_speedup"] > 1
-    assert c["rewrite_speedup"] == pytest.approx(c["retrace_speedup"], rel=0.01)
+    assert c.retrace_speedup > 1
+    assert c.rewrite_speedup == pytest.approx(c.retrace_speedup, rel=0.01)
+    # the re-trace's speedup is the audited step over the re-traced one
+    assert c.retrace_speedup == pytest.approx(
+        gpt2_audit.estimate.step_time_s / c.retrace_step_time_s)
+    assert gpt2_audit.to_dict()["confirmation"] == {
+        "rewrite_step_time_s": c.rewrite_step_time_s,
+        "retrace_step_time_s": c.retrace_step_time_s,
+        "rewrite_speedup": c.rewrite_speedup, "retrace_speedup": c.retrace_speedup}
 
 
 def test_findings_are_ordered_by_predicted_gain(gpt2_audit) -> None:  # type: ignore[no-untyped-def]

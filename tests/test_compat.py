@@ -257,7 +257,8 @@ def test_transformers_switches() -> None:
 
 def test_gpu_mask_semantics_patches_and_restores() -> None:
     mu = pytest.importorskip("transformers.masking_utils")
-    from tilefit.compat.transformers import gpu_mask_semantics, quiet_transformers
+    from tilefit.compat.transformers import gpu_mask_semantics
+    from tilefit.quiet_imports import quiet_transformers
 
     original = getattr(mu, "_ignore_causal_mask_sdpa", None)
     if original is None:

@@ -1,4 +1,4 @@
-"""Fused linear cross-entropy (Liger Kernel's algorithm, tilefit.tracing.fused_loss): its
+"""Fused linear cross-entropy (Liger Kernel's algorithm, tilefit.models.fused_loss): its
 chunks, its math against torch's cross-entropy, its traced memory against a real run, and the
 audit's finding (docs/references.md, section 17)."""
 
@@ -11,8 +11,8 @@ from tilefit.bench.step import measure_step
 from tilefit.errors import TilefitError
 from tilefit.estimator.workloads import estimate_workload
 from tilefit.models import load_workload
+from tilefit.models.fused_loss import FusedLinearCrossEntropy, chunk_rows
 from tilefit.recipe import Recipe
-from tilefit.tracing.fused_loss import FusedLinearCrossEntropy, chunk_rows
 
 
 @pytest.mark.parametrize(("tokens", "hidden", "vocab", "rows"), [

@@ -221,7 +221,7 @@ def test_batch_is_capped_at_the_dataset_length() -> None:
     result = tuner.result
     assert result.samples_per_epoch == 24 and result.max_fitting_batch_size == 24
     assert result.samples_per_s is not None and result.batch_size <= 24
-    assert max(t["batch_size"] for t in result.trials) <= 24
+    assert max(t.batch_size for t in result.trials) <= 24
     assert sizes.seen[0] == result.batch_size
 
 

@@ -15,7 +15,7 @@ peft = pytest.importorskip("peft")
 
 from tilefit.errors import TilefitError  # noqa: E402
 from tilefit.models import Workload, load_workload  # noqa: E402
-from tilefit.planner.configs import LORA_RANK, peft_config  # noqa: E402
+from tilefit.models.lora import LORA_RANK, peft_config  # noqa: E402
 
 # Tiny configs: 2 layers, hidden 64, so that the real CPU model and its traces take ~1 s.
 TINY = {
@@ -69,7 +69,7 @@ def test_traced_trainable_count_is_peft_count(name: str) -> None:
 def test_peft_wraps_every_linear_but_the_head_on_a_16_bit_base(name: str) -> None:
     import torch
 
-    from tilefit.planner.lora import build_lora_model
+    from tilefit.models.lora import build_lora_model
 
     model = build_lora_model(tiny(name), "sdpa", torch.bfloat16)
     wrapped = {n for n, m in model.named_modules()
@@ -201,7 +201,7 @@ def test_lora_base_dtype_follows_the_precision() -> None:
     import torch
 
     from tilefit.estimator.workloads import estimate_workload
-    from tilefit.planner.lora import lora_base_dtype
+    from tilefit.models.lora import lora_base_dtype
     from tilefit.recipe import Recipe
 
     assert lora_base_dtype(Recipe(precision="bf16-mixed", lora=True)) == torch.bfloat16

@@ -10,11 +10,12 @@ import os
 import pytest
 
 from tilefit.errors import TilefitError
-from tilefit.planner import offload as off
+from tilefit.estimator import offload as off
 from tilefit.planner.affine import Line, SweepModel
+from tilefit.planner.checks import check_fraction
 from tilefit.planner.configs import deepspeed_offload, hf_training_arguments, single_gpu_configs
 from tilefit.planner.multigpu import per_gpu_bytes, smallest_setup
-from tilefit.planner.plan import budget_of, check_fraction
+from tilefit.planner.plan import budget_of
 from tilefit.planner.rank import choose, prune_unfriendly, rank
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.sample import Sample
@@ -275,26 +276,39 @@ def test_tiny_gpu_falls_back_to_offload_then_sharding(tiny_gpt2, a100_plan) -> N
     assert keeps and not any(r.fits for r in keeps)  # never claims AdamW on the GPU fits
     assert p.best is not None and p.best.fits and p.best.offload
     assert p.configs["deepspeed"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
-    assert p.multi_gpu is not None and p.multi_gpu["gpus"] >= 2
-    assert p.multi_gpu["predicted_per_gpu_memory_bytes"] <= p.budget_bytes
+    m = p.multi_gpu
+    assert m is not None and m.gpus is not None and m.gpus >= 2 and m.best is not None
+    assert m.best.predicted_peak_memory_bytes <= p.budget_bytes
     # the fallback is traced: its confirmed figures are those of estimating the chosen setup
     # directly (a second call, the same engine under the fake process group)
     from tilefit.estimator.workloads import estimate_workload
     from tilefit.recipe import Recipe
     from tilefit.vocab import STRATEGIES
 
-    m = p.multi_gpu
-    r = m["recipe"]
-    assert m["engine"] in STRATEGIES and m["gpus"] >= m["formula_gpus"]
-    assert m["micro_batch"] * m["accumulation_steps"] * m["gpus"] == 16
+    best = m.best
+    assert best.strategy in STRATEGIES and m.formula_gpus is not None
+    assert m.gpus >= m.formula_gpus and best.world_size == m.gpus
+    assert best.micro_batch * best.accumulation_steps * m.gpus == 16
     direct = estimate_workload(tiny_gpt2, Recipe(
-        batch_size=m["micro_batch"], accumulation_steps=m["accumulation_steps"],
-        precision=r["precision"], optimizer=r["optimizer"],
-        grad_checkpointing=r["grad_checkpointing"], attention=r["attention"]), tiny,
-        world_size=m["gpus"], strategy=m["engine"])
-    assert m["predicted_per_gpu_memory_bytes"] == direct.peak_memory_bytes
-    assert m["step_time_s"] == pytest.approx(direct.step_time_s)
-    assert "torchrun_script" in m["configs"]
+        batch_size=best.micro_batch, accumulation_steps=best.accumulation_steps,
+        precision=best.precision, optimizer=best.optimizer,
+        grad_checkpointing=best.grad_checkpointing, attention=best.attention), tiny,
+        world_size=m.gpus, strategy=best.strategy)
+    assert best.predicted_peak_memory_bytes == direct.peak_memory_bytes
+    assert best.predicted_step_time_s == pytest.approx(direct.step_time_s)
+    assert "torchrun_script" in m.configs
+    # --json: the same figures under the keys the dict always had
+    d = p.to_dict()["multi_gpu"]
+    assert (d["gpus"], d["engine"], d["formula_gpus"]) == (m.gpus, best.strategy,
+                                                          m.formula_gpus)
+    assert d["predicted_per_gpu_memory_bytes"] == direct.peak_memory_bytes
+    assert d["micro_batch"] * d["accumulation_steps"] * d["gpus"] == 16
+    assert d["recipe"] == {"precision": best.precision, "optimizer": "adamw",
+                           "grad_checkpointing": best.grad_checkpointing,
+                           "attention": best.attention}
+    assert d["confirmation"]["traced_peak_bytes"] == direct.peak_memory_bytes
+    assert d["model"].startswith(("traced: rank 0 of", "modelled: DeepSpeed"))
+    assert len(d["plans"]) == len(m.plans) <= 8 and "torchrun_script" in d["configs"]
 
 
 def test_layer_lever_matches_the_full_trace() -> None:

@@ -129,7 +129,7 @@ def test_plan_searches_deepspeed_zero_and_offload_as_estimate_models_them() -> N
     and the fp32 gradient partition (4 bytes) off each GPU: 16 Psi / N bytes."""
     from tilefit.estimator.workloads import estimate_workload
     from tilefit.models import load_workload
-    from tilefit.planner.plan import plan
+    from tilefit.planner import plan
 
     work = load_workload("tests.fixtures.tiny_models:mlp", input_shape=(32,))
     p = plan(work, gpu="h100", global_batch=8, world_size=2, strategy="zero2", confirm=False)

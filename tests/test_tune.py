@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import random
 import warnings
 from typing import Any
@@ -157,16 +158,37 @@ def test_tune_finds_exact_max_and_restores_state() -> None:
     # checked by a second method: our own two-step loop under the same simulated device
     assert fits_directly(best, LIMIT_BYTES, budget)
     assert not fits_directly(best + 1, LIMIT_BYTES, budget)
-    fit_trials = [t for t in result.trials if t["kind"] == "fit"]
+    fit_trials = [t for t in result.trials if t.kind == "fit"]
     lightning_bound = 2 * best.bit_length()  # doubling to 2^k > best, bisecting 2^(k-1)
     assert len(fit_trials) < lightning_bound
     assert result.batch_size == result.candidates[-1] == best  # untimed: the largest
     assert result.accumulation_steps == 1 and result.samples_per_s is None
-    for t in result.trials:
-        assert set(t) == {"kind", "batch_size", "fits", "samples_per_s", "peak_memory_bytes",
-                          "time_s"}
+    assert result.fit_trials == len(fit_trials)
     d = result.to_dict()
     assert d["batch_size"] == result.batch_size and isinstance(d["trials"], list)
+    # --json: each trial under the keys it always had, with the typed trial's values
+    assert [set(t) for t in d["trials"]] == [
+        {"kind", "batch_size", "fits", "samples_per_s", "peak_memory_bytes", "time_s"}
+    ] * len(result.trials)
+    assert [(t["kind"], t["batch_size"], t["fits"], t["peak_memory_bytes"])
+            for t in d["trials"]] == [(t.kind, t.batch_size, t.fits, t.peak_memory_bytes)
+                                      for t in result.trials]
+    json.dumps(d)  # plain JSON, nothing typed left in it
+
+
+def test_the_throughput_plot_draws_the_typed_trials(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tilefit.report.plots import plot_throughput
+    from tilefit.tuning.executor import Trial
+    from tilefit.tuning.tuner import TuneResult
+
+    trials = (Trial("fit", 16, True, None, 1000, 0.1),
+              Trial("throughput", 4, True, 40.0, None, 0.2),
+              Trial("throughput", 8, True, 64.0, None, 0.2))
+    result = TuneResult(batch_size=8, max_fitting_batch_size=16, accumulation_steps=1,
+                        samples_per_s=64.0, trials=trials)
+    assert result.fit_trials == 1
+    out = plot_throughput(result, tmp_path / "tune.png")
+    assert out == tmp_path / "tune.png" and out.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_global_batch_is_kept_exact_and_prediction_is_first_probe() -> None:
@@ -176,15 +198,15 @@ def test_global_batch_is_kept_exact_and_prediction_is_first_probe() -> None:
                   search=TuneSearch(memory_limit_bytes=LIMIT_BYTES, global_batch=32,
                                     max_batch=20, predicted_max_batch=20))
     assert_same(before, state_of(model, opt))  # timing steps restored too
-    assert result.trials[0]["batch_size"] == 20 and result.trials[0]["kind"] == "fit"
+    assert result.trials[0].batch_size == 20 and result.trials[0].kind == "fit"
     assert result.max_fitting_batch_size == 20  # capped: 20 fits far below the limit
     # divisors of 32 up to 20: 1 2 4 8 16, all powers of two
     assert result.candidates == (1, 2, 4, 8, 16)
-    timed = [t for t in result.trials if t["kind"] == "throughput"]
-    assert [t["batch_size"] for t in timed] == [1, 2, 4, 8, 16]
-    assert all(t["samples_per_s"] > 0 for t in timed)
+    timed = [t for t in result.trials if t.kind == "throughput"]
+    assert [t.batch_size for t in timed] == [1, 2, 4, 8, 16]
+    assert all(t.samples_per_s is not None and t.samples_per_s > 0 for t in timed)
     assert result.samples_per_s == max(  # the chosen size's score is its fastest repeat
-        t["samples_per_s"] for t in timed if t["batch_size"] == result.batch_size)
+        t.samples_per_s for t in timed if t.batch_size == result.batch_size)
     assert 32 % result.batch_size == 0
     assert result.batch_size * result.accumulation_steps == 32
 
@@ -227,7 +249,7 @@ def test_optimizer_factory_and_dict_batches_with_default_loss() -> None:
                   search=TuneSearch(max_batch=24, measure_throughput=False))
     # no memory limit on the CPU: the cap 24 is the answer; 2, 4, 8, 16, 24
     assert result.max_fitting_batch_size == 24
-    assert [t["batch_size"] for t in result.trials] == [2, 4, 8, 16, 24]
+    assert [t.batch_size for t in result.trials] == [2, 4, 8, 16, 24]
 
 
 def test_clear_errors() -> None:
@@ -299,7 +321,7 @@ def test_tilefit_tune_stays_the_function_after_the_package_is_imported() -> None
                           loss_fn=loss_fn_linear, optimizer=torch.optim.SGD(model.parameters()),
                           search=tilefit.TuneSearch(max_batch=3, measure_throughput=False))
     assert result.max_fitting_batch_size == 3  # 2 fits, 4 > cap -> 3 (the cap) fits
-    assert [t["batch_size"] for t in result.trials] == [2, 3]
+    assert [t.batch_size for t in result.trials] == [2, 3]
 
 
 def loss_fn_linear(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -400,8 +422,8 @@ def test_the_users_dataset_at_rest_is_not_charged_to_the_device() -> None:
                       optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
                       search=TuneSearch(memory_limit_bytes=limit_bytes, margin=0,
                                         measure_throughput=False))
-        fit = {t["batch_size"]: t for t in result.trials if t["kind"] == "fit"}
-        assert fit[12]["fits"] and fit[12]["peak_memory_bytes"] == expected_peak_bytes
+        fit = {t.batch_size: t for t in result.trials if t.kind == "fit"}
+        assert fit[12].fits and fit[12].peak_memory_bytes == expected_peak_bytes
         answers.append(result.max_fitting_batch_size)
     # a second method: batches made fresh on the "device" (no dataset at all)
     fresh_result = tune(Scale(), lambda b: torch.randn(b, 64), loss_fn=lambda m, x: m(x),

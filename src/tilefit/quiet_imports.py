@@ -5,7 +5,10 @@ machine; tilefit never runs them, it traces on fake tensors), and torch's pytree
 each Enum constant torchao registers. transformers imports torchao whenever it is installed
 (its quantizers), so without this every estimate would print four lines about a library the
 user did not ask for. The loggers' levels are restored afterwards: the user's logging is
-theirs."""
+theirs.
+
+``quiet_transformers`` likewise silences transformers' own notices while tilefit builds and
+traces a model."""
 
 from __future__ import annotations
 
@@ -28,3 +31,27 @@ def quiet_imports() -> Iterator[None]:
     finally:
         for log, level in zip(logs, levels, strict=True):
             log.setLevel(level)
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' own notices while tilefit builds and traces a model (deprecation
+    warnings, "use_cache=True is incompatible with gradient checkpointing") are about
+    tilefit's fake copy, not the user's code: silence them for the duration."""
+    import warnings
+
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        hf_logging = None
+    level = hf_logging.get_verbosity() if hf_logging is not None else None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+        warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
+        if hf_logging is not None:
+            hf_logging.set_verbosity_error()
+        try:
+            yield
+        finally:
+            if hf_logging is not None and level is not None:
+                hf_logging.set_verbosity(level)

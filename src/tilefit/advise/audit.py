@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tilefit.advise.findings import Finding
+from tilefit.advise.findings import Finding, RewriteConfirmation
 from tilefit.advise.rules_batch import memory_bound_findings, wave_findings
 from tilefit.advise.rules_compile import compile_findings
 from tilefit.advise.rules_dims import dimension_findings
@@ -51,7 +51,7 @@ class Audit:
     findings: tuple[Finding, ...]
     retraces: int  # full re-traces the what-ifs needed
     elapsed_s: float
-    confirmation: dict[str, float] | None = None  # top finding: cheap what-if vs. re-trace
+    confirmation: RewriteConfirmation | None = None  # top finding: cheap what-if vs. re-trace
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -64,7 +64,8 @@ class Audit:
                 "estimate": self.estimate.to_dict(include_ops=False),
                 "findings": [f.to_dict() for f in self.findings],
                 "retraces": self.retraces, "elapsed_s": self.elapsed_s,
-                "confirmation": self.confirmation, "notes": list(self.notes)}
+                "confirmation": None if self.confirmation is None
+                else self.confirmation.to_dict(), "notes": list(self.notes)}
 
 
 def order(findings: list[Finding]) -> tuple[Finding, ...]:
@@ -194,7 +195,7 @@ def _run_rules(subject: _Subject, device: Device, *, confirm: bool,
                  confirmation=confirmation, notes=(*subject.notes, *whatif.notes))
 
 
-def _confirm(whatif: WhatIf, findings: tuple[Finding, ...]) -> dict[str, float] | None:
+def _confirm(whatif: WhatIf, findings: tuple[Finding, ...]) -> RewriteConfirmation | None:
     """Re-trace the top rewrite finding's fix: how close is the cheap what-if?"""
     top = next((f for f in findings if f.method == "rewrite" and f.recommended), None)
     if top is None or not whatif.can_retrace or whatif.workload.config is None:
@@ -206,6 +207,7 @@ def _confirm(whatif: WhatIf, findings: tuple[Finding, ...]) -> dict[str, float] 
     if field_ is None:
         return None
     full = whatif.retrace(whatif.workload.with_config(**{field_: top.suggested}))
-    return {"rewrite_step_time_s": top.step_time_after_s, "retrace_step_time_s":
-            full.step_time_s, "rewrite_speedup": top.predicted_speedup,
-            "retrace_speedup": whatif.estimate.step_time_s / full.step_time_s}
+    return RewriteConfirmation(
+        rewrite_step_time_s=top.step_time_after_s, retrace_step_time_s=full.step_time_s,
+        rewrite_speedup=top.predicted_speedup,
+        retrace_speedup=whatif.estimate.step_time_s / full.step_time_s)

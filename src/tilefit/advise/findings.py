@@ -70,3 +70,17 @@ def effect(before: Estimate, after: Estimate) -> dict[str, Any]:
     return {"step_time_before_s": before.step_time_s, "step_time_after_s": after.step_time_s,
             "peak_memory_before_bytes": before.peak_memory_bytes,
             "peak_memory_after_bytes": after.peak_memory_bytes}
+
+
+@dataclass(frozen=True)
+class RewriteConfirmation:
+    """The top rewrite finding's fix re-traced in full (``Audit.confirmation``): the cheap
+    what-if's step time and speedup against the re-trace's."""
+
+    rewrite_step_time_s: float
+    retrace_step_time_s: float
+    rewrite_speedup: float
+    retrace_speedup: float
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)

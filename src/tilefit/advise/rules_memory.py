@@ -21,7 +21,7 @@ MEMORY_PRESSURE = 0.5
 # below this share of the peak, activations are not worth recomputing
 MIN_ACTIVATION_SHARE = 0.05
 # a causal LM's logits are worth not materialising above this share of the peak (one fp32 copy;
-# the eager loss holds more than one: tilefit.tracing.fused_loss)
+# the eager loss holds more than one: tilefit.models.fused_loss)
 LOGITS_SHARE = 0.05
 GIB = 2**30
 LIGER_FIX = ("TrainingArguments(use_liger_kernel=True, liger_kernel_config={"

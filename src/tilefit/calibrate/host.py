@@ -62,9 +62,9 @@ def measure_sample(name: str, *, repeats: int = 20, warmup: int = 5,
         if device != "cpu":
             torch.cuda.synchronize()
 
-    from tilefit.compat.transformers import quiet_transformers
     from tilefit.estimator.workloads import trace_workload
     from tilefit.models import load_workload
+    from tilefit.quiet_imports import quiet_transformers
     from tilefit.recipe import Recipe
 
     work = load_workload(name, seq_len=SEQ_LEN).with_config(**MINIATURES[name])

@@ -180,7 +180,7 @@ def run_bench(device: str, sweep: str, in_features: int | None, out_features: in
         "median_abs_error": med, "p90_abs_error": p90, "plot": None,
     }
     if plot:
-        from tilefit.bench.plot import plot_sweep
+        from tilefit.report.plots import plot_sweep
 
         title = f"{sweep} sweep, {dt} on {dev.display_name}"
         result["plot"] = str(plot_sweep(rows, sweep, title, plot))

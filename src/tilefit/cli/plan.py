@@ -59,8 +59,8 @@ def plan(
     """Choose batch, accumulation, checkpointing, precision and optimizer together, with configs."""
     from tilefit.planner import PlanSearch
     from tilefit.planner import plan as run_plan
+    from tilefit.planner.checks import check_fraction
     from tilefit.planner.multiplan import check_divisible
-    from tilefit.planner.plan import check_fraction
     from tilefit.planner.space import check_global_batch
     from tilefit.report.plan import print_plan
     from tilefit.tuning.noise import far_above_noise_scale
@@ -105,8 +105,8 @@ def write_launch_files(result: object, directory: Path) -> list[Path]:
 
     assert isinstance(result, Plan)
     cfg = result.configs
-    if "torchrun_script" not in cfg and result.multi_gpu and result.multi_gpu.get("configs"):
-        cfg = result.multi_gpu["configs"]
+    if "torchrun_script" not in cfg and result.multi_gpu and result.multi_gpu.configs:
+        cfg = result.multi_gpu.configs
     if "torchrun_script" not in cfg:
         raise TilefitError("there is no multi-GPU plan to write",
                            expected="a plan with --gpus N (N > 1) that fits, or one that "

@@ -97,7 +97,7 @@ def tune_command(
                               noise_scale, data, loss)
         result = _run(options, show_progress=job.is_main, job=job)
         if plot and job.is_main:
-            from tilefit.tuning.plot import plot_throughput
+            from tilefit.report.plots import plot_throughput
 
             plot_throughput(result, plot)
     if not job.is_main:
@@ -317,10 +317,10 @@ def _render(result: Any, plot: str | None) -> None:
     for col in ("kind", "batch", "fits", "peak memory", "samples/s", "time"):
         t.add_column(col, justify="right")
     for tr in result.trials:
-        t.add_row(tr["kind"], str(tr["batch_size"]), "yes" if tr["fits"] else "[red]no[/]",
-                  "" if tr["peak_memory_bytes"] is None else f"{tr['peak_memory_bytes']:,} B",
-                  "" if tr["samples_per_s"] is None else _rate(tr["samples_per_s"]),
-                  f"{tr['time_s']:.2f} s")
+        t.add_row(tr.kind, str(tr.batch_size), "yes" if tr.fits else "[red]no[/]",
+                  "" if tr.peak_memory_bytes is None else f"{tr.peak_memory_bytes:,} B",
+                  "" if tr.samples_per_s is None else _rate(tr.samples_per_s),
+                  f"{tr.time_s:.2f} s")
     console.print(t)
     console.print(f"largest batch that fits: [bold]{result.max_fitting_batch_size}[/]"
                   + (f" (budget {result.budget_bytes:,} B)" if result.budget_bytes else ""))

@@ -74,30 +74,6 @@ def gpu_mask_semantics() -> Iterator[None]:
             mu.find_packed_sequence_indices = find_packed
 
 
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """transformers' own notices while tilefit builds and traces a model (deprecation
-    warnings, "use_cache=True is incompatible with gradient checkpointing") are about
-    tilefit's fake copy, not the user's code: silence them for the duration."""
-    import warnings
-
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        hf_logging = None
-    level = hf_logging.get_verbosity() if hf_logging is not None else None
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
-        warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
-        if hf_logging is not None:
-            hf_logging.set_verbosity_error()
-        try:
-            yield
-        finally:
-            if hf_logging is not None and level is not None:
-                hf_logging.set_verbosity(level)
-
-
 def use_checkpoint_function(model: Any, function: Any) -> None:
     """Every module Hugging Face's ``gradient_checkpointing_enable`` armed calls ``function``
     in place of torch.utils.checkpoint (transformers' ``GradientCheckpointingLayer`` calls

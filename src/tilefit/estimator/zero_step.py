@@ -10,7 +10,7 @@
 - Time: the traced step, its optimizer phases over one partition (1/N of the parameters),
   plus the collectives that the compute does not hide (estimator/collectives.py's ring
   formulas and overlap rule); with ``offload`` the optimizer step runs on the CPU instead,
-  its PCIe copies and CPU-Adam step added (the ZeRO-Offload model of planner/offload.py).
+  its PCIe copies and CPU-Adam step added (the ZeRO-Offload model of estimator/offload.py).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tilefit.estimator.collectives import (
     exposed_s,
     link_description,
 )
+from tilefit.estimator.offload import OffloadLink, offload_step_time_s
 from tilefit.estimator.result import Estimate
 from tilefit.estimator.zero import (
     DEEPSPEED_DEFAULTS,
@@ -232,9 +233,7 @@ def _partitioned_phases(one_gpu: dict[str, float], world_size: int, offload: boo
 
 def _offload_s(partition_params: float) -> float:
     """The partition's 16-bit gradients to the CPU and parameters back over PCIe, and the
-    CPU-Adam step (planner/offload.py's ZeRO-Offload model, no overlap: an upper bound)."""
-    from tilefit.planner.offload import OffloadLink, offload_step_time_s
-
+    CPU-Adam step (estimator/offload.py's ZeRO-Offload model, no overlap: an upper bound)."""
     return offload_step_time_s(0.0, 0, partition_params, OffloadLink())
 
 

@@ -107,7 +107,7 @@ class Workload:
 
     def loss_for(self, fused_ce: bool) -> Any:
         """The loss function a recipe trains with: the head's own, or (``fused_ce``) a
-        causal LM's loss as fused linear cross-entropy (tilefit.tracing.fused_loss)."""
+        causal LM's loss as fused linear cross-entropy (tilefit.models.fused_loss)."""
         if not fused_ce:
             return self.loss_fn
         if self.task != "causal-lm":
@@ -115,7 +115,7 @@ class Workload:
                 "fused linear cross-entropy applies to a causal LM's loss",
                 expected="a Hugging Face causal LM (task causal-lm)",
                 given=f"{self.name} ({self.task})", fix="drop --fused-ce")
-        from tilefit.tracing.fused_loss import fused_causal_lm_loss
+        from tilefit.models.fused_loss import fused_causal_lm_loss
 
         return fused_causal_lm_loss
 

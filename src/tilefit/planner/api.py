@@ -18,7 +18,9 @@ if TYPE_CHECKING:
     from tilefit.hardware import Device
     from tilefit.planner.plan import Plan
 
-# a plan may use this share of the GPU's memory; the rest is headroom for fragmentation
+# The share of the GPU's memory a plan may use: the caching allocator fragments (PyTorch's
+# CUDA memory notes: reserved exceeds allocated by a few to ~10 percent on long runs), so
+# 10 percent is kept as headroom by default.
 DEFAULT_MEMORY_FRACTION = 0.9
 
 

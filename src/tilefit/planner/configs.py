@@ -8,18 +8,11 @@ import json
 from typing import Any
 
 from tilefit.dtypes import parse_dtype
+from tilefit.estimator.offload import REDUCE_BUCKET_ELEMENTS
 from tilefit.models import Workload
-from tilefit.planner.offload import REDUCE_BUCKET_ELEMENTS
+from tilefit.models.lora import peft_config
 from tilefit.planner.rows import PlanRow
 
-# LoRA rank 16, alpha 32: a common choice between peft's default (r=8) and QLoRA's r=64
-# (Dettmers et al. 2023); the adapter memory is tiny at any of them.
-LORA_RANK = 16
-LORA_ALPHA = 32
-# tilefit's task (tilefit.models.hf.TASKS) -> peft's TaskType: the PeftModel class that wraps
-# the model. None: the plain PeftModel (peft has no masked-LM or image task type).
-PEFT_TASK_TYPES: dict[str, str | None] = {"causal-lm": "CAUSAL_LM", "seq-cls": "SEQ_CLS",
-                                           "masked-lm": None, "image-cls": None}
 # TrainingArguments(optim=...) names (transformers training_args.OptimizerNames).
 # "adamw_torch" is torch.optim.AdamW as torch defaults it (foreach on CUDA);
 # "adamw_torch_fused" is AdamW(fused=True), the Trainer's default with torch >= 2.8.
@@ -191,20 +184,6 @@ def single_gpu_configs(row: PlanRow, task: str) -> dict[str, Any]:
         out["deepspeed"] = deepspeed_offload(row)
     if row.peft:
         out["peft_lora_config"] = peft_config(task)
-    return out
-
-
-def peft_config(task: str) -> dict[str, Any]:
-    """peft.LoraConfig(**this) then peft.get_peft_model(model, config), the base model loaded
-    with torch_dtype=torch.bfloat16: what the plan traced (tilefit.planner.lora builds the
-    traced model from this same dict). "all-linear" leaves out the output head; a
-    classifier head is trained in full (SEQ_CLS: peft's modules_to_save; image-cls: named
-    here, as peft's image classification guide does)."""
-    out: dict[str, Any] = {"r": LORA_RANK, "lora_alpha": LORA_ALPHA, "lora_dropout": 0.0,
-                           "target_modules": "all-linear",
-                           "task_type": PEFT_TASK_TYPES.get(task)}
-    if task == "image-cls":
-        out["modules_to_save"] = ["classifier"]
     return out
 
 

@@ -8,18 +8,18 @@ from typing import TYPE_CHECKING
 from tilefit.batches import is_friendly
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate, estimate_trace
+from tilefit.estimator.offload import OffloadLink, offload_peak_bytes, offload_step_time_s
 from tilefit.estimator.workloads import trace_workload
 from tilefit.hardware import Device
 from tilefit.models import Workload
+from tilefit.models.fused_loss import fused_ce_affine_tokens
 from tilefit.planner.affine import SweepModel
-from tilefit.planner.offload import OffloadLink, offload_peak_bytes, offload_step_time_s
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.sample import Sample, sample_of
 from tilefit.planner.space import OPTIMIZER_LABELS
 from tilefit.recipe import Parallelism, Recipe
 from tilefit.tracing import Trace
 from tilefit.tracing.distributed import Parallel
-from tilefit.tracing.fused_loss import fused_ce_affine_tokens
 from tilefit.vocab import parse_precision, same_update
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ def sweep_points(workload: Workload, spec: Recipe, micro_batches: list[int]) -> 
     """The micro-batches a sweep traces: the smallest and the largest. A fused-loss recipe
     starts where its chunking does: below V/H tokens a chunk is one row and the chunk count
     grows with the tokens, above it the count is about V/H and the step is affine again
-    (tilefit.tracing.fused_loss.chunk_rows)."""
+    (tilefit.models.fused_loss.chunk_rows)."""
     low = min(micro_batches)
     if spec.fused_ce:
         low = min((b for b in micro_batches if b * (workload.seq_len or 1) >=
@@ -161,7 +161,7 @@ def changes_of(spec: Recipe, user_optimizer: str, offload: bool,
     out: list[str] = []
     zero = parallel is not None and parallel.modelled
     if spec.peft:
-        from tilefit.planner.configs import LORA_ALPHA, LORA_RANK
+        from tilefit.models.lora import LORA_ALPHA, LORA_RANK
 
         out.append(f"LoRA r={LORA_RANK} alpha={LORA_ALPHA} on all linear layers, base weights "
                    "frozen in 16 bits: trains adapters, not the model (a different recipe)")

@@ -174,15 +174,16 @@ def _print_multi_gpu(console: Console, plan: Plan) -> None:
     multi = plan.multi_gpu
     if multi is None:
         return
-    if multi.get("gpus") is None:
-        console.print(f"multi-GPU: {multi['note']}", highlight=False)
+    best = multi.best
+    if multi.gpus is None or best is None:
+        console.print(f"multi-GPU: {multi.note}", highlight=False)
         return
     console.print(
         f"[bold]multi-GPU[/]: nothing fits one GPU with the optimizer on it; traced from the "
-        f"ZeRO-3 formula's GPU count ({multi['formula_gpus']}) up, the first that fits: "
-        f"{multi['gpus']} x {plan.device.display_name} with {multi['engine']}: "
-        f"micro-batch {multi['micro_batch']} x {multi['accumulation_steps']} accumulation x "
-        f"{multi['gpus']} GPUs, {fmt_bytes(multi['predicted_per_gpu_memory_bytes'])} per GPU, "
-        f"step {fmt_time(multi['step_time_s'])}, {multi['samples_per_s_all_gpus']:,.1f} "
-        f"samples/s on all GPUs ({multi['model']})", highlight=False)
-    _print_launch(console, multi["configs"])
+        f"ZeRO-3 formula's GPU count ({multi.formula_gpus}) up, the first that fits: "
+        f"{multi.gpus} x {plan.device.display_name} with {best.strategy}: "
+        f"micro-batch {best.micro_batch} x {best.accumulation_steps} accumulation x "
+        f"{multi.gpus} GPUs, {fmt_bytes(best.predicted_peak_memory_bytes)} per GPU, "
+        f"step {fmt_time(best.predicted_step_time_s)}, {best.samples_per_s:,.1f} "
+        f"samples/s on all GPUs ({multi.method})", highlight=False)
+    _print_launch(console, multi.configs)

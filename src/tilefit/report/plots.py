@@ -12,6 +12,9 @@ from tilefit.linear import PHASES, LinearAnalysis
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+    from tilefit.bench.sweeps import SweepRow
+    from tilefit.tuning.tuner import TuneResult
+
 PHASE_LABELS = {
     "forward": "forward (M=T, N=out, K=in)",
     "activation_grad": "activation gradient (M=T, N=in, K=out)",
@@ -163,3 +166,74 @@ def bars_png(labels: list[str], values: list[float], xlabel: str, title: str) ->
     ax.tick_params(axis="y", labelsize=8)
     ax.grid(True, axis="x", alpha=0.3)
     return _png_bytes(fig)
+
+
+# ---- measurements: bench sweeps and tune's trials -----------------------------------------
+
+def plot_sweep(rows: list[SweepRow], sweep: str, title: str, path: str | Path) -> Path:
+    """Measured against predicted for a ``tilefit bench`` sweep (tilefit.bench.sweeps): delivered
+    TFLOP/s by batch for the batch sweep, time by the swept dimension for the others."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    labels = list(dict.fromkeys(r.label for r in rows))
+    for i, label in enumerate(labels):
+        sub = [r for r in rows if r.label == label]
+        xs = [r.x for r in sub]
+        color = f"C{i}"
+        if sweep == "batch":
+            ax.plot(xs, [r.measured_tflops for r in sub], "o", color=color,
+                    label=f"{label} measured")
+            ax.plot(xs, [r.predicted_tflops for r in sub], "-", color=color,
+                    label=f"{label} predicted")
+        else:
+            ax.plot(xs, [r.measured_time_s * 1e6 for r in sub], "o-", color=color,
+                    label="measured")
+            ax.plot(xs, [r.predicted_time_s * 1e6 for r in sub], "--", color="C1",
+                    label="predicted")
+    if sweep == "batch":
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (tokens T)")
+        ax.set_ylabel("delivered TFLOP/s")
+    else:
+        ax.set_xlabel(sweep.upper())
+        ax.set_ylabel("time (us)")
+        for r in rows:
+            if r.x % 8 == 0:
+                ax.axvline(r.x, color="0.85", lw=0.8, zorder=0)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_throughput(result: TuneResult, path: str | Path) -> Path:
+    """samples/s against batch size from a TuneResult: the measured throughput trials, the
+    chosen batch and the largest that fits."""
+    plt = pyplot()
+    points = sorted(
+        (t.batch_size, t.samples_per_s)
+        for t in result.trials
+        if t.kind == "throughput" and t.samples_per_s
+    )
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    if points:
+        xs, ys = zip(*points, strict=True)
+        ax.plot(xs, ys, "o-", label="measured (fastest repeat)")
+        if result.samples_per_s:
+            ax.plot([result.batch_size], [result.samples_per_s], "r*", markersize=14,
+                    label=f"chosen: {result.batch_size}")
+    ax.axvline(result.max_fitting_batch_size, color="grey", linestyle="--",
+               label=f"largest fitting: {result.max_fitting_batch_size}")
+    ax.set_xlabel("batch size (samples per step)")
+    ax.set_ylabel("samples / s")
+    ax.set_title("tilefit tune: throughput by batch size")
+    ax.legend()
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -88,7 +88,7 @@ def _classify(func: Any) -> str:
         return "attention"
     if torch.Tag.pointwise in getattr(func, "tags", ()) or _MEMORY_FAMILIES.match(name):
         return "memory"
-    if name.startswith("tilefit."):  # tilefit's own kernels (tracing.fused_loss): streaming
+    if name.startswith("tilefit."):  # tilefit's own kernels (models.fused_loss): streaming
         return "memory"
     return "unknown"
 

@@ -16,10 +16,11 @@ import torch
 from tilefit.compat.compile import mutating_ops_in_place
 from tilefit.compat.fake import FakeTensorMode, new_fake_mode, tree_leaves
 from tilefit.compat.modules import ModulePath
-from tilefit.compat.transformers import gpu_mask_semantics, quiet_transformers
+from tilefit.compat.transformers import gpu_mask_semantics
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device
 from tilefit.legacy import read_legacy
+from tilefit.quiet_imports import quiet_transformers
 from tilefit.recipe import DEFAULT_GPU, PLAIN_PYTORCH, Recipe, batch_recipe, is_named_model
 from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.autocast import autocast_for

@@ -32,7 +32,7 @@ def trace_workload(workload: str | Workload, recipe: Recipe, gpu: str | Device) 
             given=recipe.attention, fix="drop --attention")
     model: Any = functools.partial(work.build, build_attention)
     if recipe.lora is not None:  # peft's LoRA, built on the meta device (models.lora says why)
-        from tilefit.planner.lora import build_lora_model, lora_base_dtype
+        from tilefit.models.lora import build_lora_model, lora_base_dtype
 
         check_lora(work)
         model = build_lora_model(work, build_attention, lora_base_dtype(recipe))

@@ -53,7 +53,7 @@ class TuneResult:
     max_fitting_batch_size: int  # the exact largest batch that fits within the budget
     accumulation_steps: int  # global_batch / batch_size (1 without a global batch)
     samples_per_s: float | None  # measured at the chosen size
-    trials: tuple[dict[str, Any], ...]
+    trials: tuple[Trial, ...]
     budget_bytes: int | None = None  # memory allowed per step (capacity * (1 - margin))
     capacity_bytes: int | None = None
     global_batch: int | None = None
@@ -80,7 +80,7 @@ class TuneResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["trials"] = [dict(t) for t in self.trials]
+        d["trials"] = [t.to_dict() for t in self.trials]
         d["candidates"] = list(self.candidates)
         d["time_to_loss"] = [r.to_dict() for r in self.time_to_loss]
         d["warnings"] = list(self.warnings)
@@ -91,7 +91,7 @@ class TuneResult:
 
     @property
     def fit_trials(self) -> int:
-        return sum(1 for t in self.trials if t["kind"] == "fit")
+        return sum(1 for t in self.trials if t.kind == "fit")
 
 
 def tune(
@@ -250,7 +250,7 @@ def _search(ex: Executor, request: TuneRequest, first_probe: int | None,
     return TuneResult(
         batch_size=chosen, max_fitting_batch_size=search.max_batch,
         accumulation_steps=accumulation,
-        samples_per_s=rate, trials=tuple(t.to_dict() for t in ex.trials),
+        samples_per_s=rate, trials=tuple(ex.trials),
         budget_bytes=ex.budget_bytes, capacity_bytes=ex.capacity_bytes,
         global_batch=None if request.global_batch is None else request.global_batch * world,
         candidates=candidates, noise=noise,

@@ -1,5 +1,5 @@
 """LoRA as the peft library runs it: ``peft.get_peft_model(model, LoraConfig(...))`` with the
-config the plan emits (tilefit.planner.configs.peft_config), on a 16-bit frozen base.
+config the plan emits (``peft_config``), on a 16-bit frozen base.
 
 peft is an optional dependency (the "peft" extra): only ``--allow-peft`` (plan) and ``--lora``
 (estimate) need it.
@@ -18,6 +18,15 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from tilefit.errors import TilefitError
+
+# LoRA rank 16, alpha 32: a common choice between peft's default (r=8) and QLoRA's r=64
+# (Dettmers et al. 2023); the adapter memory is tiny at any of them.
+LORA_RANK = 16
+LORA_ALPHA = 32
+# tilefit's task (tilefit.models.hf.TASKS) -> peft's TaskType: the PeftModel class that wraps
+# the model. None: the plain PeftModel (peft has no masked-LM or image task type).
+PEFT_TASK_TYPES: dict[str, str | None] = {"causal-lm": "CAUSAL_LM", "seq-cls": "SEQ_CLS",
+                                           "masked-lm": None, "image-cls": None}
 
 if TYPE_CHECKING:
     import torch
@@ -42,11 +51,23 @@ def require_peft() -> Any:
     return peft
 
 
+def peft_config(task: str) -> dict[str, Any]:
+    """peft.LoraConfig(**this) then peft.get_peft_model(model, config), the base model loaded
+    with torch_dtype=torch.bfloat16: what the plan traced (build_lora_model builds the
+    traced model from this same dict). "all-linear" leaves out the output head; a
+    classifier head is trained in full (SEQ_CLS: peft's modules_to_save; image-cls: named
+    here, as peft's image classification guide does)."""
+    out: dict[str, Any] = {"r": LORA_RANK, "lora_alpha": LORA_ALPHA, "lora_dropout": 0.0,
+                           "target_modules": "all-linear",
+                           "task_type": PEFT_TASK_TYPES.get(task)}
+    if task == "image-cls":
+        out["modules_to_save"] = ["classifier"]
+    return out
+
+
 def get_peft_model(model: torch.nn.Module, task: str) -> torch.nn.Module:
     """``peft.get_peft_model`` with ``LoraConfig(**peft_config(task))``: every base parameter
     frozen, LoRA adapters on the linear layers peft's "all-linear" picks."""
-    from tilefit.planner.configs import peft_config
-
     peft = require_peft()
     config = peft.LoraConfig(**peft_config(task))
     with warnings.catch_warnings():
@@ -75,8 +96,8 @@ def build_lora_model(work: Workload, attention: str, base_dtype: torch.dtype
     and the adapters in fp32 (peft's autocast_adapter_dtype keeps them there)."""
     import torch
 
-    from tilefit.compat.transformers import quiet_transformers
-    from tilefit.tracing.fakes import cast_floating
+    from tilefit.models.cast import cast_floating
+    from tilefit.quiet_imports import quiet_transformers
 
     with quiet_transformers(), torch.device("meta"):
         model = get_peft_model(work.build(attention), work.task)

@@ -1,0 +1,95 @@
+"""The planner's prose: the notes a plan carries and the reason for its choice, in words.
+
+Pure functions of what the search found; the search decides when each is said."""
+
+from __future__ import annotations
+
+from tilefit.estimator.zero_step import is_zero
+from tilefit.hardware import Device
+from tilefit.planner import rank
+from tilefit.planner.multigpu import MAX_GPUS
+from tilefit.planner.rows import PlanRow
+from tilefit.planner.search import Depth
+
+FUSED_CE_UNDER_COMPILE = (
+    "fused linear cross-entropy is not predicted under torch.compile "
+    "(docs/references.md, section 17): recipes with both are left out")
+FULL_DEPTH = "the model did not trace at fewer layers; traced at full depth"
+PEFT_FACTORY = ("PEFT/LoRA is planned for Hugging Face models only (the adapters wrap "
+                "their linear layers): --allow-peft adds no plans for a factory")
+NO_SHARDED_SETUP = f"no sharded setup of up to {MAX_GPUS} GPUs fits (ZeRO-3 formula)"
+
+
+def deep_model(depth: Depth, where: str | None = None) -> str:
+    """Each recipe traced at a few layer counts and extrapolated; ``where``: on how many
+    ranks, for a multi-GPU search."""
+    traced = f"traced {where} at" if where else "traced at"
+    return (f"deep model: each recipe {traced} {', '.join(map(str, depth.traced))} of "
+            f"{depth.full} layers and extrapolated (affine in the layer count)")
+
+
+def not_on_gpus(*, allow_peft: bool, compile: bool, allow_optimizer_change: bool
+                ) -> list[str]:
+    """Notes for the options a multi-GPU plan does not search yet."""
+    out = [f"{flag} is not planned on several GPUs yet: ignored" for flag, on in (
+        ("--allow-peft", allow_peft), ("--compile", compile),
+        ("--allow-optimizer-change", allow_optimizer_change)) if on]
+    out.append("on several GPUs other optimizers are not searched, and CPU offload only with "
+               "DeepSpeed ZeRO-Offload (one GPU plans them: drop --gpus)")
+    return out
+
+
+def over_budget(chosen: PlanRow, confirmed: PlanRow) -> str:
+    """The chosen plan's full trace did not fit."""
+    return (f"{chosen.recipe_label()} at micro-batch {chosen.micro_batch}: the full "
+            f"trace needs {confirmed.predicted_peak_memory_bytes / 2**30:.1f} GiB, "
+            "over the budget; next plan tried")
+
+
+def nothing_fits(device: Device, world_size: int, budget: int, global_batch: int) -> str:
+    """The reason of a plan without a choice."""
+    where = f"one {device.display_name}" if world_size == 1 else \
+        f"{world_size} x {device.display_name}"
+    return (f"nothing fits on {where} "
+            f"(budget {budget / 2**30:.1f} GiB per GPU) at global batch {global_batch}")
+
+
+def smallest_on_one_gpu(optimizer: str, smallest: PlanRow, budget: int) -> str:
+    return (f"with {optimizer} on the GPU alone nothing fits: the smallest plan "
+            f"({smallest.recipe_label()}, micro-batch {smallest.micro_batch}) needs "
+            f"{smallest.predicted_peak_memory_bytes / 2**30:.1f} GiB of "
+            f"{budget / 2**30:.1f} GiB")
+
+
+def nothing_traced_fits(first: int, fallback_counts: int, global_batch: int) -> str:
+    return (f"nothing traced fits on {first} or the next {fallback_counts - 1} GPU counts "
+            f"dividing global batch {global_batch}")
+
+
+def why(row: PlanRow, rows: list[PlanRow], objective: str, allow_change: bool) -> str:
+    """Why ``row`` was chosen, in one sentence."""
+    fits = [r for r in rows if r.fits]
+    what = ("the most samples/s" if objective == "throughput" else "the smallest peak memory")
+    tiers = {0: "keeps your training algorithm on the GPU",
+             1: "no plan fits with the optimizer on the GPU; CPU offload keeps the algorithm",
+             2: "nothing else fits: it CHANGES THE OPTIMIZER"}
+    t = rank.tier(row, allow_change)
+    how = tiers[t]
+    if row.changes_optimizer and allow_change:
+        how = f"it changes the optimizer to {row.optimizer} (allowed)"
+    if row.peft:
+        how = "it trains LoRA adapters instead of the full model (allowed by --allow-peft)"
+    gpus = f" x {row.world_size} GPUs ({row.strategy})" if row.strategy else ""
+    return (f"{what} of the {len(fits)} plans that fit the budget; "
+            f"{how}; micro-batch {row.micro_batch} x {row.accumulation_steps} "
+            f"accumulation steps{gpus} = global batch {row.global_batch}")
+
+
+def engine_model(strategy: str | None, gpus: int) -> str:
+    """How the chosen engine's figures were made, in words."""
+    if is_zero(strategy):
+        return (f"modelled: DeepSpeed {strategy} on {gpus} GPUs on top of one-GPU traces "
+                "(DeepSpeed's engine does not run on fake tensors), its peak per GPU and its "
+                "step with the communication the compute does not hide")
+    return (f"traced: rank 0 of {gpus} under {strategy} (PyTorch's fake process group), its "
+            "peak per GPU and its step with the communication the compute does not hide")

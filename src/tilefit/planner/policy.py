@@ -1,0 +1,152 @@
+"""The planner's policy: which recipes are traced and in what order, which plan is chosen
+(confirmed by a full trace), and the fewest GPUs that fit when nothing fits one."""
+
+from __future__ import annotations
+
+from tilefit.planner import configs, multiplan, notes, rank, space
+from tilefit.planner.multigpu import smallest_setup
+from tilefit.planner.result import Confirmation, MultiGpuPlan
+from tilefit.planner.rows import PlanRow
+from tilefit.planner.search import half_parameter_bytes
+from tilefit.planner.state import PlanState
+from tilefit.recipe import Recipe
+from tilefit.vocab import ZERO_STRATEGIES
+
+MAX_CONFIRMS = 3
+# When nothing fits one GPU: the GPU counts traced from the formula's fewest up
+FALLBACK_GPU_COUNTS = 3
+
+
+def trace_on_gpus(p: PlanState, strategy: str | None, *, hf_model: bool,
+                  precisions: bool = True) -> None:
+    """The rows of ``p.world_size`` GPUs: every engine x recipe, swept from traces."""
+    world_size, depth = p.world_size, p.depth
+    setup = multiplan.MultiSpace(
+        world_size, multiplan.strategies_for(strategy, world_size),
+        tuple(multiplan.multi_recipes(p.device, p.optimizer, hf_model=hf_model,
+                                      precisions=precisions)), depth)
+    rows, traces = multiplan.search_rows(p.work, p.device, p.global_batch, p.budget,
+                                         p.optimizer, setup, p.with_user, p.notes)
+    p.add_rows(rows, traces)
+    if depth.lever:
+        where = f"on {world_size} ranks" if set(setup.strategies) - set(ZERO_STRATEGIES) \
+            else "on one GPU (DeepSpeed ZeRO modelled on it)"
+        p.notes.insert(0, notes.deep_model(depth, where))
+
+
+def trace_recipes(p: PlanState, optimizer: str, *, hf_model: bool, allow_peft: bool,
+                  allow_optimizer_change: bool) -> None:
+    """The user's optimizer first; LoRA when allowed; CPU offload when nothing fits; other
+    optimizers when allowed or when still nothing fits."""
+    device = p.device
+    if allow_peft and not hf_model:
+        p.notes.append(notes.PEFT_FACTORY)
+    for spec in space.base_recipes(device, optimizer, hf_model=hf_model):
+        p.add(spec)
+    for spec in space.same_math_recipes(device, optimizer,
+                                        causal_lm=hf_model and p.work.task == "causal-lm"):
+        p.add(spec)
+    for spec in space.fp8_recipes(device, optimizer, hf_model=hf_model):
+        p.add(spec)
+    if allow_peft and hf_model:
+        for spec in space.peft_recipes(device, optimizer):
+            p.add(spec)
+    if not p.any_fits(allow_optimizer_change=False, offload=False):
+        off_prec = "bf16" if device.supports("bf16") else space.precisions(device)[0]
+        att = "sdpa" if hf_model else "auto"
+        for ckpt in (False, True):
+            p.add(Recipe(precision=off_prec, optimizer=optimizer, grad_checkpointing=ckpt,
+                         attention=att), offload=True)
+    if allow_optimizer_change or not p.any_fits(allow_optimizer_change=False, offload=True):
+        for spec in space.optimizer_recipes(device, optimizer, hf_model=hf_model):
+            p.add(spec)
+    if p.depth.lever:
+        p.notes.insert(0, notes.deep_model(p.depth))
+
+
+def choose(p: PlanState, rows: list[PlanRow], objective: str, allow_change: bool, *,
+           confirm: bool) -> tuple[PlanRow | None, Confirmation | None, str, list[PlanRow]]:
+    """The best plan that fits, confirmed by a full trace (the next one when the full trace
+    does not fit). The confirmed figures replace the chosen row's in the table: one plan,
+    one set of figures."""
+    candidates = [r for r in rows if r.fits]
+    for _ in range(MAX_CONFIRMS):
+        chosen = rank.choose(candidates, objective, allow_change)
+        if chosen is None:
+            break
+        reason = notes.why(chosen, rows, objective, allow_change)
+        if not confirm:
+            return chosen, None, reason, rows
+        confirmed, conf = p.confirm(chosen)
+        if confirmed.fits:
+            return confirmed, conf, reason, [confirmed if r is chosen else r for r in rows]
+        p.notes.append(notes.over_budget(chosen, confirmed))
+        candidates = [r for r in candidates if r is not chosen]
+    reason = notes.nothing_fits(p.device, p.world_size, p.budget, p.global_batch)
+    return None, None, reason, rows
+
+
+def when_nothing_fits(p: PlanState, rows: list[PlanRow], optimizer: str, hf_model: bool,
+                      budget: int) -> MultiGpuPlan | None:
+    """When no plan keeps the optimizer on one GPU: a note with the smallest one, and the
+    fewest GPUs that would fit."""
+    keeps = [r for r in rows if not r.offload and not r.changes_optimizer and not r.peft]
+    if not keeps or any(r.fits for r in keeps):
+        return None
+    smallest = min(keeps, key=lambda r: r.predicted_peak_memory_bytes)
+    p.notes.append(notes.smallest_on_one_gpu(optimizer, smallest, budget))
+    return _multi_gpu(p, optimizer, hf_model, budget)
+
+
+def _multi_gpu(p: PlanState, optimizer: str, hf_model: bool, budget: int) -> MultiGpuPlan:
+    """The fewest GPUs that fit, from traces: the ZeRO-3 formula (tilefit.planner.multigpu)
+    only proposes where to start; each engine x recipe is then traced on that many ranks
+    (tilefit.planner.multiplan), and on the next GPU counts dividing the global batch when
+    nothing traced fits."""
+    first = _formula_gpus(p, optimizer, hf_model, budget)
+    if first is None:
+        return MultiGpuPlan(gpus=None, note=notes.NO_SHARDED_SETUP)
+    for gpus in multiplan.candidate_world_sizes(p.global_batch, first, FALLBACK_GPU_COUNTS):
+        sub = PlanState(p.work, p.device, p.global_batch, budget, optimizer, p.depth, p.link,
+                        p.user, world_size=gpus)
+        trace_on_gpus(sub, None, hf_model=hf_model, precisions=False)
+        p.count(sub.traces)
+        best = multiplan.best_fitting(sub.rows)
+        if best is None:
+            continue
+        confirmed, conf = sub.confirm(best)
+        p.count(1)
+        return MultiGpuPlan(
+            gpus=gpus, formula_gpus=first, best=confirmed, confirmation=conf,
+            plans=tuple(rank.rank(sub.rows, "throughput", False)[:8]),
+            configs=configs.multi_gpu_configs(confirmed, p.work),
+            method=notes.engine_model(confirmed.strategy, gpus))
+    return MultiGpuPlan(gpus=None, note=notes.nothing_traced_fits(first, FALLBACK_GPU_COUNTS,
+                                                                  p.global_batch))
+
+
+def _formula_gpus(p: PlanState, optimizer: str, hf_model: bool, budget: int) -> int | None:
+    """The ZeRO-3 formula's fewest GPUs (a fast prefilter): model state of the mixed-precision
+    sweep divided by N plus the 16-bit working set of the offload sweep."""
+    att = "sdpa" if hf_model else "auto"
+    mixed_recipe = p.with_user(Recipe(precision=space.precisions(p.device)[0],
+                                      optimizer=optimizer, attention=att))
+    mixed = p.sweeps.get((mixed_recipe, False))
+    if mixed is None:
+        return None
+    layers = p.depth.full if p.depth.lever else None
+    fewest: int | None = None
+    for (spec, offload), model16 in p.sweeps.items():
+        if not offload:
+            continue
+        cands = []
+        for b in p.micro_batches:
+            x = mixed.predict_all(b, layers)
+            y = model16.predict_all(b, layers)
+            state = x["parameters_bytes"] + x["gradients_bytes"] + x["optimizer_state_bytes"]
+            params16 = half_parameter_bytes(y["parameters_bytes"], spec.precision)
+            cands.append((b, state, params16, y["work_peak_bytes"], y["micro_time_s"]))
+        setup = smallest_setup(p.global_batch, cands, p.depth.full, budget)
+        if setup is not None and (fewest is None or setup.gpus < fewest):
+            fewest = setup.gpus
+    return fewest

@@ -1,0 +1,119 @@
+"""The planner's state while it searches: the sweeps traced so far, their rows, the notes and
+the trace count. ``PlanState`` owns it: the search adds recipes (``add``), rows swept
+elsewhere (``add_rows``) and traces spent elsewhere (``count``); nothing sets its fields
+from outside."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tilefit.estimator.offload import OffloadLink, offload_peak_bytes, offload_step_time_s
+from tilefit.hardware import Device
+from tilefit.models import Workload
+from tilefit.planner import multiplan, notes, space
+from tilefit.planner.affine import SweepModel
+from tilefit.planner.result import Confirmation
+from tilefit.planner.rows import PlanRow
+from tilefit.planner.search import Depth, half_parameter_bytes, row_from, safe_sweep, trace_sample
+from tilefit.recipe import Recipe
+
+
+class PlanState:
+    """The search's state: sweeps traced so far, rows, notes, the trace count, for one GPU or
+    ``world_size`` GPUs (rows per GPU; the sweep's depth is then multiplan.multi_depth's)."""
+
+    def __init__(self, work: Workload, device: Device, global_batch: int, budget: int,
+                 optimizer: str, depth: Depth, link: OffloadLink,
+                 user: Recipe | None = None, world_size: int = 1) -> None:
+        self.work, self.device, self.global_batch = work, device, global_batch
+        self.budget, self.optimizer, self.link = budget, optimizer, link
+        self.world_size = world_size
+        self.depth = depth if world_size == 1 else multiplan.multi_depth(depth)
+        # what every recipe keeps of the user's: the clip, the loop's loss read, the fused
+        # loss and torch.compile (the last two may also be proposed)
+        self.user = user or Recipe()
+        friendly, others = space.micro_batch_candidates(global_batch)
+        self.micro_batches = sorted(friendly + others)
+        self.sweeps: dict[tuple[Recipe, bool], SweepModel] = {}
+        self.tried: set[tuple[Recipe, bool]] = set()  # recipes swept (or that failed)
+        self.rows: list[PlanRow] = []
+        self.notes: list[str] = []
+        self.traces = 0
+
+    def with_user(self, spec: Recipe) -> Recipe:
+        """The recipe with the user's loop settings, as it is traced and keyed."""
+        user = self.user
+        return dataclasses.replace(spec, max_grad_norm=user.max_grad_norm,
+                                   loss_sync=user.loss_sync,
+                                   fused_ce=user.fused_ce or spec.fused_ce,
+                                   compile=user.compile or spec.compile)
+
+    def add(self, spec: Recipe, *, offload: bool = False) -> None:
+        """Sweep ``spec`` (with the user's loop settings) over the micro-batches: its rows."""
+        if (self.user.fused_ce or spec.fused_ce) and (self.user.compile or spec.compile):
+            if notes.FUSED_CE_UNDER_COMPILE not in self.notes:
+                self.notes.append(notes.FUSED_CE_UNDER_COMPILE)
+            return
+        spec = self.with_user(spec)
+        if (spec, offload) in self.tried:  # the user's flags can make two recipes one
+            return
+        self.tried.add((spec, offload))
+        model = safe_sweep(self.work, spec, self.micro_batches, self.depth, self.device,
+                           self.notes)
+        self.traces += len(self.depth.traced) * len({min(self.micro_batches),
+                                                     max(self.micro_batches)})
+        if model is None and self.depth.lever and not self.sweeps:
+            # the model may not build with fewer layers (per-layer config lists): trace it
+            # at full depth instead
+            self.notes.append(notes.FULL_DEPTH)
+            self.depth = Depth(None, self.depth.full, (self.depth.full,))
+            model = safe_sweep(self.work, spec, self.micro_batches, self.depth, self.device,
+                               self.notes)
+            self.traces += len({min(self.micro_batches), max(self.micro_batches)})
+        if model is None:
+            return
+        self.sweeps[(spec, offload)] = model
+        for b in self.micro_batches:
+            self.rows.append(row_from(
+                spec, model, b, self.global_batch, self.depth, self.device, self.budget,
+                self.work.tokens_per_sample, self.optimizer,
+                offload=self.link if offload else None))
+
+    def add_rows(self, rows: list[PlanRow], traces: int) -> None:
+        """Rows swept by another search (multiplan's), and the traces it took."""
+        self.rows.extend(rows)
+        self.traces += traces
+
+    def count(self, traces: int) -> None:
+        """Traces spent on this plan's behalf by another search (the multi-GPU fallback)."""
+        self.traces += traces
+
+    def any_fits(self, *, allow_optimizer_change: bool, offload: bool) -> bool:
+        """Whether a full fine-tuning plan (PEFT aside) of the kind fits."""
+        return any(r.fits and not r.peft and (allow_optimizer_change or not r.changes_optimizer)
+                   and (offload or not r.offload) for r in self.rows)
+
+    def confirm(self, row: PlanRow) -> tuple[PlanRow, Confirmation]:
+        """``row`` traced in full: the row with the trace's figures, and the comparison."""
+        spec = row.recipe
+        s = trace_sample(self.work, spec, row.micro_batch, self.depth.full,
+                         Depth(None, self.depth.full, (self.depth.full,)), self.device,
+                         row.accumulation_steps, multiplan.parallel_of(row))
+        self.traces += 1
+        if row.offload and row.strategy is None:  # ZeRO-Offload: modelled in the sample
+            params16 = half_parameter_bytes(s.parameters_bytes, row.precision)
+            peak = offload_peak_bytes(params16, s.work_peak_bytes, s.param_count)
+            step = offload_step_time_s(s.micro_time_s, row.accumulation_steps,
+                                       s.param_count, self.link)
+        else:
+            peak = max(s.peak_bytes, s.peak_optimizer_bytes)
+            step = row.accumulation_steps * s.micro_time_s + s.fixed_time_s
+        conf = Confirmation(row.predicted_peak_memory_bytes, round(peak),
+                            row.predicted_step_time_s, step)
+        scale = row.predicted_step_time_s / step if step else 1.0
+        tokens = row.tokens_per_s * scale if row.tokens_per_s is not None else None
+        confirmed = dataclasses.replace(
+            row, predicted_peak_memory_bytes=round(peak), predicted_step_time_s=step,
+            samples_per_s=self.global_batch / step if step else 0.0, tokens_per_s=tokens,
+            mfu=row.mfu * scale)
+        return confirmed, conf
