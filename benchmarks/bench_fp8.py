@@ -32,7 +32,7 @@ def linear_speedups(gpu: str) -> None:
     import torch
     from torch import nn
 
-    from tilefit import estimate
+    from tilefit import Recipe, estimate
 
     print("one nn.Linear(K, N, bias=False) on an M x K input that requires grad (three "
           "GEMMs), forward + backward GPU time, compiled; bf16: pure bf16 weights, fp8: "
@@ -40,14 +40,14 @@ def linear_speedups(gpu: str) -> None:
     print(f"{'M, K, N':>20} {'bf16 ms':>9} {'fp8 ms':>9} {'predicted':>10} {'published':>10}")
     for (m, k, n), published in PUBLISHED_LINEAR.items():
         times = {}
-        for precision in ("bf16", "fp8-mixed"):
+        for precision in ("bf16-true", "fp8-mixed"):
             model = nn.Linear(k, n, bias=False)
             batch = torch.empty(m, k, device="meta")
-            est = estimate(model, batch, loss_fn=_linear_loss, optimizer="sgd",
-                           precision=precision, device=gpu, compile=True)
+            est = estimate(model, batch, loss_fn=_linear_loss, gpu=gpu,
+                           recipe=Recipe(precision=precision, optimizer="sgd", compile=True))
             times[precision] = sum(est.time_by_phase_s.get(p, 0.0)
                                    for p in ("forward", "backward"))
-        print(f"{f'{m}, {k}, {n}':>20} {times['bf16'] * 1e3:9.3f} "
+        print(f"{f'{m}, {k}, {n}':>20} {times['bf16-true'] * 1e3:9.3f} "
               f"{times['fp8-mixed'] * 1e3:9.3f} "
               f"{times['bf16'] / times['fp8-mixed']:9.2f}x {published:9.2f}x")
 

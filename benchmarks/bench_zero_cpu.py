@@ -81,7 +81,7 @@ def hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 # name: (build, batch, loss, description), AdamW; fp32 unless the name ends in -bf16
-# (DeepSpeed's bf16 mode; tilefit's precision "bf16", 16-bit weights)
+# (DeepSpeed's bf16 mode; tilefit's precision "bf16-true", 16-bit weights)
 WORKLOADS: dict[str, tuple[Any, Any, Any, str]] = {
     "mlp": (make_mlp, mlp_batch, mlp_loss, "MLP 256-1024-1024-256"),
     "gpt2": (make_gpt2, token_batch, hf_loss,
@@ -138,16 +138,15 @@ def measured(name: str, stage: int, deepspeed_dir: str) -> list[dict[str, int]]:
 
 
 def modelled(name: str, stage: int) -> Any:
-    from tilefit import estimate
-    from tilefit.estimator import ZeroConfig
+    from tilefit import Parallelism, Recipe, ZeroConfig, estimate
 
     config = ZeroConfig(reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET,
                         stage3_prefetch_bucket_size=BUCKET)
     build, batch, loss_fn, _ = WORKLOADS[name]
-    precision = "bf16" if name.endswith("-bf16") else "fp32"
-    return estimate(build, batch(), loss_fn=loss_fn, optimizer="adamw", precision=precision,
-                    device="cpu", world_size=NPROC, strategy=f"zero{stage}",
-                    zero_config=config)
+    precision = "bf16-true" if name.endswith("-bf16") else "fp32"
+    recipe = Recipe(precision=precision, optimizer="adamw",
+                    parallel=Parallelism(NPROC, f"zero{stage}", zero=config))
+    return estimate(build, batch(), loss_fn=loss_fn, gpu="cpu", recipe=recipe)
 
 
 def main() -> int:

@@ -262,7 +262,7 @@ def test_precision_of_training_arguments() -> None:
     assert precision_of(SimpleNamespace(bf16=False, fp16=False, tf32=True)) == "tf32"
     assert precision_of(SimpleNamespace(bf16=False, fp16=False, tf32=None)) == "fp32"
     bf16_weights = torch.nn.Linear(2, 2).to(torch.bfloat16)
-    assert precision_of(SimpleNamespace(bf16=False, fp16=False), bf16_weights) == "bf16"
+    assert precision_of(SimpleNamespace(bf16=False, fp16=False), bf16_weights) == "bf16-true"
 
 
 def test_split_effective_batch_keeps_the_product() -> None:

@@ -200,7 +200,7 @@ def test_bf16_mixed_is_tuned_in_bf16_mixed(fp32_run: Any) -> None:
 
 
 def test_lightning_precision_spellings_map_to_the_vocabulary() -> None:
-    expected = {"32-true": "fp32", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16",
+    expected = {"32-true": "fp32", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true",
                 "16-mixed": "fp16-mixed", "bf16": "bf16-mixed", "32": "fp32"}
     for given, name in expected.items():
         if given == "16-mixed":  # not on a CPU Trainer: the string as a GPU Trainer reports it

@@ -23,10 +23,14 @@ ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 # of one tier never import each other.
 TIERS: tuple[tuple[str, ...], ...] = (
     ("leaves",),  # errors, dtypes, batches, quiet_imports
+    # every private or version-dependent API of torch, transformers and torchao
+    ("compat",),
     ("hardware",),
     # vocab sits above hardware, not beside the leaves: check_precision names the catalog's
     # GPUs that support a precision (hardware never imports vocab)
     ("vocab", "gemm"),
+    # the one description of a training step (recipe.py) and its old keywords (legacy.py)
+    ("recipe",),
     ("models",),
     ("tracing",),
     ("estimator",),
@@ -40,7 +44,7 @@ TIERS: tuple[tuple[str, ...], ...] = (
 # the modules at the top of src/tilefit, by layer (a package is its own layer)
 TOP_LEVEL = {"errors": "leaves", "dtypes": "leaves", "batches": "leaves",
              "quiet_imports": "leaves", "vocab": "vocab", "gemm": "gemm", "gemm_cpu": "gemm",
-             "linear": "gemm", "__main__": "tilefit"}
+             "linear": "gemm", "recipe": "recipe", "legacy": "recipe", "__main__": "tilefit"}
 TIER_OF = {layer: i for i, tier in enumerate(TIERS) for layer in tier}
 
 
@@ -147,11 +151,11 @@ def test_the_checker_flags_an_upward_edge_and_passes_a_downward_one() -> None:
     assert resolve("tilefit.estimate", modules) == "tilefit"  # a lazy name of the package
     assert layer_of("tilefit.gemm_cpu") == "gemm" and layer_of("tilefit.errors") == "leaves"
     assert layer_of("tilefit.tracing.step") == "tracing" and layer_of("tilefit") == "tilefit"
-    assert not allowed("tilefit.estimator.workloads", "tilefit.planner.plan")
+    assert not allowed("tilefit.estimator.workloads", "tilefit.planner.run")
     assert not allowed("tilefit.models.workload", "tilefit.tracing.step")
     assert not allowed("tilefit.bench.sweeps", "tilefit.report.plots")
     assert not allowed("tilefit.hardware.lookup", "tilefit.calibrate.run")
-    assert not allowed("tilefit.planner.plan", "tilefit.tuning.tuner")  # one tier: siblings
+    assert not allowed("tilefit.planner.run", "tilefit.tuning.tuner")  # one tier: siblings
     assert not allowed("tilefit.advise.audit", "tilefit")  # the package's names: from above
     assert allowed("tilefit.planner.search", "tilefit.estimator.offload")
     assert allowed("tilefit.cli.tune", "tilefit.report.plots")
@@ -161,15 +165,15 @@ def test_the_checker_flags_an_upward_edge_and_passes_a_downward_one() -> None:
 def test_a_violation_names_both_ends_and_the_line(tmp_path: Path) -> None:
     fake = tmp_path / "fake.py"
     fake.write_text("from tilefit.estimator.offload import OffloadLink\n\n\n"
-                    "def f():\n    from tilefit.planner.plan import plan\n")
+                    "def f():\n    from tilefit.planner.run import plan\n")
     modules = set(source_files()) | {"tilefit.estimator.fake"}
     assert violations({"tilefit.estimator.fake": fake}, modules) == [
-        f"tilefit.estimator.fake -> tilefit.planner.plan ({fake}:5)"]
+        f"tilefit.estimator.fake -> tilefit.planner.run ({fake}:5)"]
 
 
 def test_every_module_has_a_layer() -> None:
     files = source_files()
-    assert {"tilefit", "tilefit.hardware.lookup", "tilefit.planner.plan"} <= set(files)
+    assert {"tilefit", "tilefit.hardware.lookup", "tilefit.planner.run"} <= set(files)
     missing = [m for m in files if layer_of(m) not in TIER_OF]
     assert not missing, f"modules without a layer (add them to TOP_LEVEL or TIERS): {missing}"
 

@@ -185,7 +185,7 @@ def test_audit_and_fused_loss_with_peft() -> None:
     result = audit(work, gpu="a100-80gb", batch_size=2, precision="bf16-mixed", peft=True)
     assert result.estimate.trainable_param_count == hand_lora_count("llama-3.2-1b")
     fused = estimate_workload(work, Recipe(batch_size=2, precision="bf16-mixed",
-                                           attention="sdpa", peft=True, fused_ce=True),
+                                           attention="sdpa", lora=True, fused_ce=True),
                               "a100-80gb")
     assert fused.trainable_param_count == hand_lora_count("llama-3.2-1b")
     assert any(o.record.op.startswith("tilefit.ce_grad_") for o in fused.ops)
@@ -211,7 +211,7 @@ def test_lora_base_dtype_follows_the_precision() -> None:
     full = estimate_workload(work, Recipe(batch_size=2, precision="fp32", attention="sdpa"),
                              "a100-80gb")
     lora = estimate_workload(work, Recipe(batch_size=2, precision="fp32", attention="sdpa",
-                                          peft=True), "a100-80gb")
+                                          lora=True), "a100-80gb")
     # every weight fp32, the adapters' 4 bytes each added to the base's
     assert lora.memory_breakdown["parameters"] >= full.memory_breakdown["parameters"] + \
         4 * hand_lora_count("llama-3.2-1b")

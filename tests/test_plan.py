@@ -15,7 +15,7 @@ from tilefit.planner.affine import Line, SweepModel
 from tilefit.planner.checks import check_fraction
 from tilefit.planner.configs import deepspeed_offload, hf_training_arguments, single_gpu_configs
 from tilefit.planner.multigpu import per_gpu_bytes, smallest_setup
-from tilefit.planner.plan import budget_of
+from tilefit.planner.run import budget_of
 from tilefit.planner.rank import choose, prune_unfriendly, rank
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.sample import Sample
@@ -142,7 +142,7 @@ def _row(micro: int, peak_gib: float, step_s: float, budget_gib: float = 20, **k
                     precision=str(kw.pop("precision", "bf16-mixed")),
                     optimizer=str(kw.pop("optimizer", "adamw")),
                     grad_checkpointing=bool(kw.pop("ckpt", False)), attention="sdpa",
-                    peft=bool(kw.pop("peft", False)))
+                    lora=bool(kw.pop("peft", False)))
     return PlanRow(recipe=recipe,
                    predicted_peak_memory_bytes=int(peak_gib * GIB), predicted_step_time_s=step_s,
                    samples_per_s=g / step_s, tokens_per_s=None, mfu=0.0,
@@ -217,7 +217,7 @@ def test_configs_follow_the_row() -> None:
     assert (hf["per_device_train_batch_size"], hf["gradient_accumulation_steps"]) == (8, 4)
     assert hf["bf16"] and hf["gradient_checkpointing"] and "deepspeed" not in hf
     assert "deepspeed" not in single_gpu_configs(row, "causal-lm")
-    offloaded = _row(2, 10, 1.0, offload=True, precision="bf16")
+    offloaded = _row(2, 10, 1.0, offload=True, precision="bf16-true")
     ds = deepspeed_offload(offloaded)
     assert ds["train_batch_size"] == 32 and ds["gradient_accumulation_steps"] == 16
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"

@@ -150,7 +150,7 @@ def test_plan_searches_deepspeed_zero_and_offload_as_estimate_models_them() -> N
     # Psi x max(4 N, 16) x 1.5, its 16 bytes per parameter being 8 + Adam's state (here the
     # traced state, AdamW's 8 bytes per parameter and its four 4-byte step counters, widened
     # to fp32 like the partition: 8 Psi + 32), without Psi x 4 x GPUs per node x 1.5 (N = 2)
-    host = {r.offload: r.host_memory_bytes for r in p.rows if r.precision == "bf16"}
+    host = {r.offload: r.host_memory_bytes for r in p.rows if r.precision == "bf16-true"}
     assert host == {True: round((16 * psi + 32) * 1.5), False: round(psi * 4 * 2 * 1.5)}
     assert any("modelled" not in n and "ZeRO-Offload" in n for n in p.notes)
 
@@ -162,7 +162,7 @@ def test_zero_strategy_names_are_accepted_and_checked() -> None:
     assert strategies_for("ZeRO3", 4) == ("zero3",)
     assert [(e.strategy, e.offload) for e in engines_of(("ddp", "zero1", "zero3"), 4)] == [
         ("ddp", False), ("zero1", False), ("zero3", False), ("zero3", True)]
-    assert zero_recipe(Recipe(precision="bf16-mixed")).precision == "bf16"  # type: ignore[union-attr]
+    assert zero_recipe(Recipe(precision="bf16-mixed")).precision == "bf16-true"  # type: ignore[union-attr]
     assert zero_recipe(Recipe(precision="fp16-mixed")).precision == "fp16-true"  # type: ignore[union-attr]
     assert zero_recipe(Recipe(precision="tf32")).precision == "tf32"  # type: ignore[union-attr]
     assert zero_recipe(Recipe(precision="fp8-mixed")) is None

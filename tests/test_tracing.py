@@ -199,7 +199,7 @@ def test_users_module_is_never_changed():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trace(model, (torch.randn(4, 8), torch.randint(0, 2, (4,))), loss_fn=_ce,
-          precision="bf16", device="a100-80gb")
+          precision="bf16-true", device="a100-80gb")
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) and after[k].dtype == before[k].dtype
                for k in before)

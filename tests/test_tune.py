@@ -270,7 +270,7 @@ def test_clear_errors() -> None:
 
 def test_the_old_keywords_still_work_and_name_the_new_spelling() -> None:
     def fits(result: TuneResult) -> list[tuple[int, bool, int | None]]:
-        return [(t["batch_size"], t["fits"], t["peak_memory_bytes"]) for t in result.trials]
+        return [(t.batch_size, t.fits, t.peak_memory_bytes) for t in result.trials]
 
     model, opt = fresh()
     with pytest.warns(DeprecationWarning) as caught:
@@ -378,12 +378,12 @@ def test_a_prediction_that_cannot_run_is_said_in_the_notes() -> None:
                            "step could not be traced on fake tensors: ")
     assert "aten._local_scalar_dense" in note  # the op float() runs, named by the tracer
     assert note.endswith("; the search began at batch 2 instead")
-    assert untraceable.predicted_max_batch is None and untraceable.trials[0]["batch_size"] == 2
+    assert untraceable.predicted_max_batch is None and untraceable.trials[0].batch_size == 2
     assert untraceable.to_dict()["notes"] == [note]
     # without a prediction asked for, nothing was skipped: no note, and the same search
     asked = run(memory_limit_bytes=200_000, predict=False)
     def probes(result: TuneResult) -> list[tuple[int, bool]]:
-        return [(t["batch_size"], t["fits"]) for t in result.trials]
+        return [(t.batch_size, t.fits) for t in result.trials]
 
     assert asked.notes == () and probes(asked) == probes(untraceable)
     # on the CPU without a memory limit there is no budget to predict against

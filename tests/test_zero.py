@@ -186,7 +186,7 @@ def mean_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def zero_estimate(strategy: str | None, world_size: int = 8, **kw: object) -> object:
     return estimate(mlp, torch.randn(4, 32), loss_fn=mean_loss, device="h100-sxm",
-                    precision="bf16", world_size=world_size, strategy=strategy, **kw)
+                    precision="bf16-true", world_size=world_size, strategy=strategy, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +201,7 @@ def test_estimate_zero2_on_a_tiny_model(one_and_zero2: tuple[object, object]) ->
     from tilefit.tracing import trace
 
     tr = trace(mlp, torch.randn(4, 32), loss_fn=mean_loss, device=get_device("h100-sxm"),
-               precision="bf16")
+               precision="bf16-true")
     inp = zero_inputs(tr)
     assert inp.params == MLP_PARAMS and inp.weight_bytes == 2
     assert inp.largest_layer_params == 32 * 64  # the first Linear's weight
@@ -253,7 +253,7 @@ def test_bad_strategies_and_offload_without_zero_are_errors() -> None:
 def test_cli_strategy_zero2_json() -> None:
     out = CliRunner().invoke(app, ["estimate", "tests.fixtures.tiny_models:mlp",
                                    "--input-shape", "32", "--gpu", "h100-sxm", "--gpus", "8",
-                                   "--strategy", "zero2", "--precision", "bf16", "--json",
+                                   "--strategy", "zero2", "--precision", "bf16-true", "--json",
                                    "--no-ops"])
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
@@ -272,7 +272,7 @@ def test_micro_breakdowns_sweep_is_breakdown_at() -> None:
     from tilefit.tracing import trace
 
     tr = trace(mlp, torch.randn(4, 32), loss_fn=mean_loss, device=get_device("h100-sxm"),
-               precision="bf16")
+               precision="bf16-true")
     points = _micro_breakdowns(tr, True)
     assert len(points) > 10
     for j, at in points:

@@ -7,7 +7,7 @@ One description of a training step, ``tilefit.Recipe``, is what trace, estimate,
 plan take (``recipe=``), with the GPU to predict for (``gpu=``)::
 
     import tilefit
-    recipe = tilefit.Recipe.for_model("gpt2", batch_size=8, precision="bf16-mixed")
+    recipe = tilefit.Recipe.for_model("gpt2", batch_size=8, grad_checkpointing=True)
     tilefit.estimate("gpt2", recipe=recipe, gpu="h100").step_time_s
 """
 

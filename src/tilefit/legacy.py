@@ -1,8 +1,8 @@
 """The keyword arguments tilefit's functions took before ``recipe=`` and ``gpu=``: still
 accepted for one release, each with a DeprecationWarning that names its new spelling.
 
-``tilefit.estimate(model, batch, precision="bf16-mixed", device="h100")`` is
-``tilefit.estimate(model, batch, recipe=Recipe(precision="bf16-mixed"), gpu="h100")``. A call
+``tilefit.estimate(model, batch, optimizer="sgd", device="h100")`` is
+``tilefit.estimate(model, batch, recipe=Recipe(optimizer="sgd"), gpu="h100")``. A call
 that uses them keeps the defaults the function had (fp32 and plain PyTorch's loop for trace and
 estimate, on the CPU), so its numbers do not move while users migrate. ``read_options`` does
 the same for a function's options object (``tune(max_batch=64)`` is

@@ -34,7 +34,7 @@ from tilefit.vocab import (
     precision_reading,
 )
 
-# the precision a Recipe resolves against its GPU: bf16-mixed where the part has bf16,
+# the precision a Recipe resolves against its GPU: mixed bf16 where the part has bf16,
 # fp16-mixed before (V100, T4), fp32 on the CPU (vocab.default_precision)
 AUTO = "auto"
 # the GPU tilefit predicts for when none is named (the CLI's --gpu default)
@@ -318,17 +318,24 @@ def is_hugging_face(model: Any) -> bool:
     config.json (a Workload that is not a factory), a transformers or peft module, or a
     factory that builds one (built on the meta device to see)."""
     if isinstance(model, str):
-        from tilefit.models.factory import looks_like_factory
-
         return not looks_like_factory(model.strip())
     if hasattr(model, "is_factory"):  # a tilefit Workload
         return not model.is_factory
     peft = sys.modules.get("peft")  # not imported: the model cannot be one of its own
     if peft is not None and isinstance(model, peft.PeftModel):
         return True
-    from tilefit.models.module import hugging_face_module
+    from tilefit.compat.transformers import hugging_face_module
 
     return hugging_face_module(model) is not None
+
+
+def looks_like_factory(source: str) -> bool:
+    """``pkg.mod:fn`` (a colon, no path separator before it, not a Windows drive letter)."""
+    if ":" not in source or source.endswith(".json"):
+        return False
+    module, _, fn = source.rpartition(":")
+    has_separator = "/" in module or "\\" in module
+    return bool(module) and bool(fn) and not has_separator and len(module) > 1
 
 
 def is_named_model(model: Any) -> bool:

@@ -54,7 +54,17 @@ def step(
                         grad_checkpointing=grad_checkpointing).on(dev)
         predicted = estimate_workload(work, recipe, dev)
         measured = measure_step(work, recipe, dev.kind, steps=steps)
-    row = {
+    row = _step_row(work, dev, recipe, predicted, measured)
+    if json_out:
+        print_json(row)
+        return
+    _print_step(row, work, dev, recipe, measured)
+
+
+def _step_row(work: Any, dev: Any, recipe: Any, predicted: Any, measured: Any
+              ) -> dict[str, Any]:
+    """The measured step beside its prediction: what --json prints."""
+    return {
         "model": work.name, "device": dev.name, "recipe": recipe.to_dict(),
         "measured_step_time_s": measured.step_time_s,
         "predicted_step_time_s": predicted.step_time_s,
@@ -66,10 +76,11 @@ def step(
         "step_time_spread": measured.spread, "noisy": measured.noisy,
         "threads": measured.threads, "load_average": measured.load_average,
     }
-    if json_out:
-        print_json(row)
-        return
-    console.print(f"{work.name} on {dev.display_name}, batch {batch}, {recipe.precision}:")
+
+
+def _print_step(row: dict[str, Any], work: Any, dev: Any, recipe: Any, measured: Any) -> None:
+    console.print(f"{work.name} on {dev.display_name}, batch {recipe.batch_size}, "
+                  f"{recipe.precision}:")
     console.print(f"  step time   measured {row['measured_step_time_s'] * 1e3:9.2f} ms   "
                   f"predicted {row['predicted_step_time_s'] * 1e3:9.2f} ms   "
                   f"error {row['step_time_error']:+.1%}")

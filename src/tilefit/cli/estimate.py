@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
 
 from tilefit.cli import model_options as mo
 from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
+
+if TYPE_CHECKING:
+    from tilefit.recipe import Recipe
 
 
 def register(app: typer.Typer) -> None:
@@ -47,7 +52,6 @@ def estimate(
     """Predict one training step's time and peak memory on a GPU, traced on fake tensors."""
     from tilefit.estimator import estimate_recipe
     from tilefit.hardware import get_device
-    from tilefit.recipe import training_loop_note
     from tilefit.report.terminal import print_estimate
 
     with user_errors():
@@ -61,13 +65,7 @@ def estimate(
             graph_breaks=graph_breaks, gpus=gpus, strategy=strategy,
             offload=offload).on(device)
         result = estimate_recipe(work, None, recipe, device)
-    for note in recipe.notes:
-        err_console.print(f"note: {note}", highlight=False)
-    if not work.is_factory:
-        err_console.print(training_loop_note(recipe), highlight=False)
-    if work.is_factory:
-        err_console.print("note: the loss is a stand-in (mean of the model's output); pass your "
-                          "own loss_fn through the Python API for exact numbers", highlight=False)
+    _notes(recipe, work.is_factory)
     if json_out:
         print_json({"model": work.name, "recipe": recipe.to_dict(),
                     "seq_len": work.seq_len, **result.to_dict(include_ops=ops)})
@@ -78,3 +76,16 @@ def estimate(
         console.print(f"[bold red]does not fit:[/] `tilefit audit {model} --gpu {gpu}` says "
                       "what would make it fit, `tilefit plan` chooses a recipe that does",
                       highlight=False)
+
+
+def _notes(recipe: Recipe, is_factory: bool) -> None:
+    """What the estimate assumed: how the precision was read, the training loop, the loss."""
+    from tilefit.recipe import training_loop_note
+
+    for note in recipe.notes:
+        err_console.print(f"note: {note}", highlight=False)
+    if not is_factory:
+        err_console.print(training_loop_note(recipe), highlight=False)
+    else:
+        err_console.print("note: the loss is a stand-in (mean of the model's output); pass your "
+                          "own loss_fn through the Python API for exact numbers", highlight=False)

@@ -88,7 +88,8 @@ def load_loss(loss: str | None) -> Any:
 def build_model(model: str, seq: int | None, input_shape: str | None, task: str | None) -> Any:
     """The module to measure: a module:function factory needs no --input-shape here (the
     data factory makes the batches); a catalog model or config is built as elsewhere."""
-    from tilefit.models.factory import build_module, looks_like_factory
+    from tilefit.models.factory import build_module
+    from tilefit.recipe import looks_like_factory
 
     if looks_like_factory(model) and input_shape is None:
         return build_module(model)

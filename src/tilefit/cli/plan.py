@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -59,41 +60,52 @@ def plan(
     """Choose batch, accumulation, checkpointing, precision and optimizer together, with configs."""
     from tilefit.planner import PlanSearch
     from tilefit.planner import plan as run_plan
-    from tilefit.planner.checks import check_fraction
-    from tilefit.planner.multiplan import check_divisible
-    from tilefit.planner.space import check_global_batch
-    from tilefit.report.plan import print_plan
     from tilefit.tuning.noise import far_above_noise_scale
 
     with user_errors():
-        check_fraction(memory_fraction)
-        check_global_batch(global_batch)
-        if gpus > 1:
-            check_divisible(global_batch, gpus)
+        _check_early(memory_fraction, global_batch, gpus)
         b_noise = None if noise_scale is None else read_noise_scale(noise_scale)
         work = mo.load(model, seq, input_shape, task)
         recipe = mo.recipe(work, optimizer=optimizer, max_grad_norm=max_grad_norm,
                            loss_sync=loss_sync, fused_ce=fused_ce, compile_=compile_,
                            gpus=gpus, strategy=strategy)
+        search = PlanSearch(memory_fraction, objective, allow_optimizer_change, allow_peft)
         result = run_plan(work, gpu=gpu, global_batch=global_batch, recipe=recipe,
-                          search=PlanSearch(memory_fraction=memory_fraction,
-                                            objective=objective,
-                                            allow_optimizer_change=allow_optimizer_change,
-                                            allow_lora=allow_peft))
+                          search=search)
         written = None if write_configs is None else write_launch_files(
             result, Path(write_configs))
-    if work.is_factory:
+    warning = None if b_noise is None else far_above_noise_scale(global_batch, b_noise)
+    _render(result, warning, written or [], json_out=json_out, top=top,
+            stand_in_loss=work.is_factory)
+
+
+def _check_early(memory_fraction: float, global_batch: int, gpus: int) -> None:
+    """What can be checked before the model is loaded: fail in a second, not a minute."""
+    from tilefit.planner.checks import check_fraction
+    from tilefit.planner.multiplan import check_divisible
+    from tilefit.planner.space import check_global_batch
+
+    check_fraction(memory_fraction)
+    check_global_batch(global_batch)
+    if gpus > 1:
+        check_divisible(global_batch, gpus)
+
+
+def _render(result: Any, warning: str | None, written: list[Path], *, json_out: bool,
+            top: int, stand_in_loss: bool) -> None:
+    from tilefit.report.plan import print_plan
+
+    if stand_in_loss:
         err_console.print("note: the loss is a stand-in (mean of the model's output)",
                           highlight=False)
-    warning = None if b_noise is None else far_above_noise_scale(global_batch, b_noise)
     if warning is not None:
         err_console.print(f"[yellow]warning:[/] {warning}", highlight=False)
     if json_out:
         print_json({**result.to_dict(), "warnings": [] if warning is None else [warning],
-                    "written": [str(w) for w in written or ()]})
+                    "written": [str(w) for w in written]})
         return
     print_plan(console, result, top=top)
-    for path in written or ():
+    for path in written:
         console.print(f"wrote {path}", highlight=False)
 
 

@@ -97,15 +97,19 @@ def tune_command(
                               noise_scale, data, loss)
         result = _run(options, show_progress=job.is_main, job=job)
         if plot and job.is_main:
-            from tilefit.report.plots import plot_throughput
-
-            plot_throughput(result, plot)
+            _plot(result, plot)
     if not job.is_main:
         return
     if json_out:
         print_json(result.to_dict())
         return
     _render(result, plot)
+
+
+def _plot(result: Any, path: str) -> None:
+    from tilefit.report.plots import plot_throughput
+
+    plot_throughput(result, path)
 
 
 @dataclass(frozen=True)
@@ -220,7 +224,7 @@ class _PlainModule:
 
 
 def _workload(options: TuneOptions) -> Any:
-    from tilefit.models.factory import looks_like_factory
+    from tilefit.recipe import looks_like_factory
 
     if options.data is not None and options.input_shape is None \
             and looks_like_factory(options.model):

@@ -122,3 +122,19 @@ def enable_checkpointing(model: nn.Module, context_fn: Callable[[], Any] | None,
     enable(gradient_checkpointing_kwargs=kwargs)
     if compiled:
         use_checkpoint_function(model, checkpoint_region_tagger())
+
+
+def hugging_face_module(model: Any) -> Any:
+    """The transformers model ``model`` is (a PreTrainedModel, or a zero-argument factory
+    returning one, built on the meta device to read its config), or None."""
+    import sys
+
+    if callable(model) and not hasattr(model, "forward"):  # a factory: what does it build?
+        import torch
+
+        with torch.device("meta"):
+            model = model()
+    transformers = sys.modules.get("transformers")  # not imported: not one of its models
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return None
+    return model

@@ -127,11 +127,42 @@ def estimate_trace(tr: Trace, device: Device,
     """Cost a trace on a device: the steady-state step's ops for time, the whole run's
     memory timeline for the peak. ``efficiency``: the kernel efficiencies beyond the
     device's own terms (tilefit.estimator.cost; the corpus benchmark varies them)."""
-    ctx = CostContext(precision=tr.precision, efficiency=efficiency)
     a = tr.accumulation_steps
-    steady = tr.ops_of_step(1)
+    costs = _op_costs(tr, device, CostContext(precision=tr.precision, efficiency=efficiency))
+    timeline, comm, step_time = _step_time(tr, costs, device)
+    hw_flops = sum(c.record.flops * c.repeats for c in costs)
+    model_flops = sum(c.record.flops * c.repeats for c in costs if c.record.phase != "recompute")
+    by_phase, module_summaries = _by_phase_and_module(costs)
+    peak, breakdown = _peak_memory(tr)
+    samples = tr.samples_per_micro_batch * a
+    tokens = tr.tokens_per_micro_batch * a if tr.tokens_per_micro_batch is not None else None
+    mfu_dtype = parse_precision(tr.precision).compute_dtype
+    if not device.supports(mfu_dtype):
+        mfu_dtype = "fp32"
+    mfu = model_flops / step_time / device.peak(mfu_dtype) if step_time > 0 else 0.0
+    warnings = [*tr.warnings, *_cost_warnings(costs)]
+    return Estimate(
+        device=device, precision=tr.precision, optimizer=tr.optimizer,
+        peak_memory_bytes=peak, memory_breakdown=breakdown,
+        overhead_bytes=overhead_bytes(device), step_time_s=step_time, flops=int(model_flops),
+        hardware_flops=int(hw_flops), samples_per_step=samples, tokens_per_step=tokens,
+        samples_per_s=samples / step_time if step_time else 0.0,
+        tokens_per_s=tokens / step_time if (tokens and step_time) else None,
+        mfu=mfu, mfu_dtype=mfu_dtype, time_by_phase_s=by_phase, ops=tuple(costs),
+        modules=module_summaries, warnings=tuple(warnings), param_count=tr.param_count,
+        trainable_param_count=tr.trainable_param_count, accumulation_steps=a,
+        host_time_s=timeline.host_s, device_time_s=timeline.device_s,
+        host_bound_fraction=timeline.host_bound_fraction,
+        parallel=_parallel_summary(tr, device, costs, comm, step_time),
+        compile_mode=tr.compile_mode if tr.compiled else None,
+    )
+
+
+def _op_costs(tr: Trace, device: Device, ctx: CostContext) -> list[OpCost]:
+    """The steady step's ops, each costed once, with how often it runs per optimizer step."""
+    a = tr.accumulation_steps
     costs: list[OpCost] = []
-    for op in steady:
+    for op in tr.ops_of_step(1):
         if op.phase in MICRO_PHASES:
             # micro-batch 0 runs once; micro-batch 1 (traced when accumulating) stands for
             # the other a - 1, which accumulate into existing gradients
@@ -142,9 +173,12 @@ def estimate_trace(tr: Trace, device: Device,
         time_s = compiled_op_time_s(op, device, ctx) if op.compiled else \
             op_time_s(op, device, ctx)
         costs.append(OpCost(op, time_s, repeats))
-    timeline, comm, step_time = _step_time(tr, costs, device)
-    hw_flops = sum(c.record.flops * c.repeats for c in costs)
-    model_flops = sum(c.record.flops * c.repeats for c in costs if c.record.phase != "recompute")
+    return costs
+
+
+def _by_phase_and_module(costs: list[OpCost]
+                         ) -> tuple[dict[str, float], tuple[ModuleSummary, ...]]:
+    """Device time by phase (collectives left out: their own stream) and by module."""
     by_phase: dict[str, float] = defaultdict(float)
     modules: dict[str, list[float]] = {}
     for c in costs:
@@ -158,42 +192,25 @@ def estimate_trace(tr: Trace, device: Device,
         m[1] += c.record.flops * c.repeats
         m[2] += c.record.bytes * c.repeats
         m[3] += 1
-    module_summaries = tuple(sorted(
+    return dict(by_phase), tuple(sorted(
         (ModuleSummary(k, v[0], int(v[1]), int(v[2]), int(v[3])) for k, v in modules.items()),
         key=lambda s: -s.time_s))
-    peak, breakdown = _peak_memory(tr)
-    samples = tr.samples_per_micro_batch * a
-    tokens = tr.tokens_per_micro_batch * a if tr.tokens_per_micro_batch is not None else None
-    mfu_dtype = parse_precision(tr.precision).compute_dtype
-    if not device.supports(mfu_dtype):
-        mfu_dtype = "fp32"
-    mfu = model_flops / step_time / device.peak(mfu_dtype) if step_time > 0 else 0.0
-    warnings = list(tr.warnings)
+
+
+def _cost_warnings(costs: list[OpCost]) -> list[str]:
+    """Ops the cost model could not count exactly, named."""
+    out = []
     unknown = sorted({c.record.op for c in costs if c.record.kind == "unknown"
                       and not c.record.fused})  # a fused op is costed by its kernel
     if unknown:
-        warnings.append("ops with no FLOP formula, costed as memory-bound (bytes / bandwidth): "
-                        + ", ".join(unknown))
+        out.append("ops with no FLOP formula, costed as memory-bound (bytes / bandwidth): "
+                   + ", ".join(unknown))
     failed = sorted({f"{c.record.op} ({c.record.flops_error})" for c in costs
                      if c.record.flops_error is not None})
     if failed:
-        warnings.append("ops whose FLOP formula failed, counted as 0 FLOPs (the MFU leaves them "
-                        "out): " + ", ".join(failed))
-    return Estimate(
-        device=device, precision=tr.precision, optimizer=tr.optimizer,
-        peak_memory_bytes=peak, memory_breakdown=breakdown,
-        overhead_bytes=overhead_bytes(device), step_time_s=step_time, flops=int(model_flops),
-        hardware_flops=int(hw_flops), samples_per_step=samples, tokens_per_step=tokens,
-        samples_per_s=samples / step_time if step_time else 0.0,
-        tokens_per_s=tokens / step_time if (tokens and step_time) else None,
-        mfu=mfu, mfu_dtype=mfu_dtype, time_by_phase_s=dict(by_phase), ops=tuple(costs),
-        modules=module_summaries, warnings=tuple(warnings), param_count=tr.param_count,
-        trainable_param_count=tr.trainable_param_count, accumulation_steps=a,
-        host_time_s=timeline.host_s, device_time_s=timeline.device_s,
-        host_bound_fraction=timeline.host_bound_fraction,
-        parallel=_parallel_summary(tr, device, costs, comm, step_time),
-        compile_mode=tr.compile_mode if tr.compiled else None,
-    )
+        out.append("ops whose FLOP formula failed, counted as 0 FLOPs (the MFU leaves them "
+                   "out): " + ", ".join(failed))
+    return out
 
 
 def _peak_memory(tr: Trace) -> tuple[int, dict[str, int]]:

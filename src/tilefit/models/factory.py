@@ -19,15 +19,6 @@ if TYPE_CHECKING:
     import torch
 
 
-def looks_like_factory(source: str) -> bool:
-    """``pkg.mod:fn`` (a colon, no path separator before it, not a Windows drive letter)."""
-    if ":" not in source or source.endswith(".json"):
-        return False
-    module, _, fn = source.rpartition(":")
-    has_separator = "/" in module or "\\" in module
-    return bool(module) and bool(fn) and not has_separator and len(module) > 1
-
-
 def split_factory(source: str) -> tuple[str, str]:
     module, _, fn = source.rpartition(":")
     if not module or not fn or not fn.isidentifier():

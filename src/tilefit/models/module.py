@@ -6,23 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tilefit.compat.transformers import hugging_face_module
 from tilefit.models.workload import Workload, hf_workload
-
-
-def hugging_face_module(model: Any) -> Any:
-    """The transformers model ``model`` is (a PreTrainedModel, or a zero-argument factory
-    returning one, built on the meta device to read its config), or None."""
-    import sys
-
-    if callable(model) and not hasattr(model, "forward"):  # a factory: what does it build?
-        import torch
-
-        with torch.device("meta"):
-            model = model()
-    transformers = sys.modules.get("transformers")  # not imported: not one of its models
-    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
-        return None
-    return model
 
 
 def module_workload(model: Any, batch: Any) -> tuple[Workload, int] | None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from tilefit.errors import TilefitError, close_matches
 from tilefit.models import catalog, factory, hf
+from tilefit.recipe import looks_like_factory
 
 if TYPE_CHECKING:
     import torch
@@ -204,7 +205,7 @@ def load_workload(
     if path.suffix == ".json" or path.is_file() or path.is_dir():
         return hf_workload(source, _read_config(path), task=task, seq_len=seq_len,
                             input_shape=input_shape)
-    if factory.looks_like_factory(source):
+    if looks_like_factory(source):
         return _factory_workload(source, seq_len=seq_len, input_shape=input_shape, task=task)
     raise catalog.unknown_model_error(source)
 

@@ -2,7 +2,7 @@
 
 The user's ``Recipe`` says what every plan keeps (the optimizer, the loop's clipping and loss
 read, the fused loss, torch.compile and its mode, the GPUs and engine); ``PlanSearch`` says
-what the search may do beyond it. The search itself is tilefit.planner.plan.search_plan.
+what the search may do beyond it. The search itself is tilefit.planner.run.search_plan.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tilefit.recipe import DEFAULT_GPU, PLAIN_PYTORCH, Recipe, is_named_model
 
 if TYPE_CHECKING:
     from tilefit.hardware import Device
-    from tilefit.planner.plan import Plan
+    from tilefit.planner.run import Plan
 
 # The share of the GPU's memory a plan may use: the caching allocator fragments (PyTorch's
 # CUDA memory notes: reserved exceeds allocated by a few to ~10 percent on long runs), so
@@ -66,7 +66,7 @@ def plan(model: Any, batch: Any = None, *, global_batch: int,
     attention are the planner's to choose. ``search``: what else it may search
     (PlanSearch). The old keywords still work, with a DeprecationWarning."""
     from tilefit.models.module import module_workload
-    from tilefit.planner.plan import search_plan
+    from tilefit.planner.run import search_plan
 
     old = read_legacy("plan", recipe, legacy, PLAIN_PYTORCH, own=LEGACY_SEARCH)
     recipe = old.recipe or Recipe.for_model(model)

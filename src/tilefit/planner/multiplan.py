@@ -93,7 +93,7 @@ def engines_of(strategies: Sequence[str], world_size: int) -> list[Parallel]:
 
 def zero_recipe(spec: Recipe) -> Recipe | None:
     """The recipe as DeepSpeed runs it: a 16-bit autocast becomes its bf16 or fp16 mode
-    (16-bit weights and gradients, tilefit's precision "bf16" or "fp16-true", the fp32
+    (16-bit weights and gradients, tilefit's precision "bf16-true" or "fp16-true", the fp32
     master in the partitioned optimizer, the fp16 mode's loss scaling DeepSpeed's own);
     fp32 and TF32 as they are; None for fp8, which DeepSpeed does not run this way."""
     prec = spec.spec

@@ -52,7 +52,7 @@ def trace_recipes(p: PlanState, optimizer: str, *, hf_model: bool, allow_peft: b
         for spec in space.peft_recipes(device, optimizer):
             p.add(spec)
     if not p.any_fits(allow_optimizer_change=False, offload=False):
-        off_prec = "bf16" if device.supports("bf16") else space.precisions(device)[0]
+        off_prec = "bf16-true" if device.supports("bf16") else space.precisions(device)[0]
         att = "sdpa" if hf_model else "auto"
         for ckpt in (False, True):
             p.add(Recipe(precision=off_prec, optimizer=optimizer, grad_checkpointing=ckpt,
