@@ -187,6 +187,36 @@ def test_freed_expandable_pages_are_unmapped_by_a_cache_release() -> None:
     assert (a.empty_cache(), a.reserved, a.segment_infos()) == (20 * MIB, 0, ())
 
 
+def test_an_expandable_search_spares_the_block_before_the_unmapped_pages() -> None:
+    # one 20 MiB page: x 4 MiB, y 2 MiB, z 11 MiB, 3 MiB free at the end; x freed. A 2.5
+    # MiB request's best fit is the 3 MiB block, but get_free_block counts it as what it
+    # can grow to (3 MiB + the unmapped pages) and moves on to the 4 MiB block, which can
+    # grow less: it takes the front of the segment and leaves the 3 MiB block whole.
+    a = Allocator(parse_alloc_conf("expandable_segments:True"))
+    x, y, z = a.malloc(4 * MIB), a.malloc(2 * MIB), a.malloc(11 * MIB)
+    assert x and y and z
+    front = x.addr
+    a.free(x)
+    w = a.malloc(5 * MIB // 2)
+    assert w is not None and w.addr == front
+    # 3.5 MiB then fits neither 1.5 MiB (front) nor 3 MiB (end): the end block takes in
+    # 0.5 MiB of a new page, 40 MiB mapped (plain best fit would have left 0.5 MiB at the
+    # end and 4 MiB at the front, where 3.5 MiB fits: 20 MiB)
+    a.malloc(7 * MIB // 2)
+    assert (a.reserved, a.allocated) == (40 * MIB, 19 * MIB)
+
+
+def test_a_stream_reuses_only_its_own_cached_blocks() -> None:
+    # blocks are cached per stream: stream 1 cannot take stream 0's free 2 MiB segment
+    a = Allocator(DEFAULT)
+    first = a.malloc(600 * KIB, stream=0)
+    assert first is not None
+    a.free(first)
+    a.malloc(600 * KIB, stream=1)
+    assert (a.reserved, a.segments_created) == (4 * MIB, 2)
+    assert (a.empty_cache(), a.reserved) == (2 * MIB, 2 * MIB)  # stream 0's goes back
+
+
 # ---- the out-of-memory line ----------------------------------------------------------------
 def test_releasing_the_cache_lets_a_step_fit_that_fails_without_it() -> None:
     # a 30 MiB segment, freed (cached), then a 600 KiB request: the small pool has no
