@@ -1,0 +1,156 @@
+"""A trace's storages replayed through PyTorch's caching allocator
+(tilefit.estimator.allocator): the memory the GPU holds (reserved segments) beside what the
+tensors use, and whether the step stays under a memory line once the allocator has released
+its cache and retried (docs/references.md, section 31)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from tilefit.estimator.allocator import Allocator, Block, SegmentInfo
+from tilefit.estimator.allocator_config import AllocatorConfig
+from tilefit.tracing.records import Trace
+
+__all__ = ["AllocEvent", "AllocatorReplay", "events_of", "replay"]
+
+
+@dataclass(frozen=True)
+class AllocEvent:
+    """One request to the allocator: storage ``uid`` allocated or freed at trace event
+    ``at`` (-1: before the trace), on ``stream``."""
+
+    kind: Literal["alloc", "free"]
+    uid: int
+    nbytes: int
+    at: int
+    stream: int = 0
+
+
+def events_of(trace: Trace) -> list[AllocEvent]:
+    """The allocations and frees of ``trace``'s storages in the order the step made them.
+
+    The storages alive before the trace (alloc_at -1: parameters, buffers, the batch) come
+    first, in uid order (the order the tracer registered them). Then, at each event index k:
+    first the frees of older storages with free_at == k, then the allocations of op k, then
+    the frees of storages op k made and that died at once. The recorder
+    (tilefit.tracing.recorder) gives a storage alloc_at = the index of the op that returned
+    it (outputs are tracked before the event counter moves on) and free_at = the counter
+    when its finalizer ran: a storage dropped between op k-1 and op k has free_at == k and
+    was freed before op k allocated anything. Frees at one index go in uid order (Python's
+    garbage collector fixes the real one). A zero-byte storage (a value a compiled graph
+    keeps in registers) allocates nothing: PyTorch's allocator is not called for 0 bytes.
+
+    Every event is on the default stream: records.StorageRecord carries no stream (the
+    collectives' streams of a data-parallel trace are not recorded)."""
+    keyed: list[tuple[tuple[int, int, int], AllocEvent]] = []
+    for s in trace.storages:
+        if s.nbytes <= 0:
+            continue
+        keyed.append(((s.alloc_at, 1, s.uid), AllocEvent("alloc", s.uid, s.nbytes, s.alloc_at)))
+        if s.free_at is not None:
+            order = 0 if s.free_at > s.alloc_at else 2
+            keyed.append(((s.free_at, order, s.uid),
+                          AllocEvent("free", s.uid, s.nbytes, s.free_at)))
+    keyed.sort(key=lambda pair: pair[0])
+    return [event for _, event in keyed]
+
+
+@dataclass(frozen=True)
+class AllocatorReplay:
+    """What the caching allocator did over a replay.
+
+    ``peak_reserved_bytes``: torch.cuda.max_memory_reserved, the segments' bytes at their
+    most; ``allocated_at_peak_bytes``: the blocks in use when reserved first reached it (the
+    rest of the peak is cache and fragmentation); ``peak_allocated_bytes``:
+    torch.cuda.max_memory_allocated, which counts each block's size (512-byte multiples, or
+    a whole cached large block the request did not split). ``segments``: those held at the
+    reserved peak. ``failed``: the allocation that raised OutOfMemoryError against
+    ``limit_bytes`` even after the allocator released its cache and retried (None: the step
+    fits); the figures then cover the events before it. ``released_bytes``: what those
+    releases gave back over the replay; ``retried_allocations``: the allocations that
+    succeeded only after one."""
+
+    config: AllocatorConfig
+    limit_bytes: int | None
+    peak_reserved_bytes: int
+    allocated_at_peak_bytes: int
+    peak_allocated_bytes: int
+    segments: tuple[SegmentInfo, ...]
+    segments_created: int  # cudaMalloc calls (expandable segments: segments created)
+    final_reserved_bytes: int
+    failed: AllocEvent | None = None
+    released_bytes: int = 0
+    retried_allocations: int = 0
+
+    @property
+    def fits(self) -> bool:
+        return self.failed is None
+
+    @property
+    def n_segments(self) -> int:
+        return len(self.segments)
+
+    @property
+    def segment_sizes(self) -> tuple[int, ...]:
+        return tuple(s.size for s in self.segments)
+
+    @property
+    def fragmentation_bytes(self) -> int:
+        """Reserved but not allocated at the reserved peak."""
+        return self.peak_reserved_bytes - self.allocated_at_peak_bytes
+
+
+@dataclass
+class _Marks:
+    peak_reserved: int = 0
+    allocated_at_peak: int = 0
+    peak_at: int = -1  # the position in the events where reserved first reached its peak
+    peak_allocated: int = 0
+    failed: AllocEvent | None = None
+
+
+def _run(events: list[AllocEvent], alloc: Allocator) -> _Marks:
+    """Feed ``events`` to ``alloc`` until one fails; the peaks on the way."""
+    marks, live = _Marks(), dict[int, Block]()
+    for i, ev in enumerate(events):
+        if ev.kind == "free":
+            block = live.pop(ev.uid, None)
+            if block is not None:
+                alloc.free(block)
+            continue
+        if ev.nbytes <= 0:  # PyTorch does not call the allocator for 0 bytes
+            continue
+        new = alloc.malloc(ev.nbytes, ev.stream, ev.uid)
+        if new is None:
+            marks.failed = ev
+            break
+        live[ev.uid] = new
+        marks.peak_allocated = max(marks.peak_allocated, alloc.allocated)
+        if alloc.reserved > marks.peak_reserved:
+            marks.peak_reserved, marks.allocated_at_peak = alloc.reserved, alloc.allocated
+            marks.peak_at = i
+    return marks
+
+
+def replay(events: Iterable[AllocEvent], config: AllocatorConfig | None = None,
+           limit_bytes: int | None = None) -> AllocatorReplay:
+    """Replay ``events`` (events_of(trace)) through a fresh caching allocator under
+    ``config`` (PyTorch's defaults if None). ``limit_bytes``: the most the allocator can
+    reserve (the device's memory less what is not PyTorch's: the CUDA context, other
+    processes), None for no line."""
+    config = config or AllocatorConfig()
+    events = list(events)
+    alloc = Allocator(config, limit_bytes)
+    marks = _run(events, alloc)
+    at_peak = Allocator(config, limit_bytes)
+    if marks.peak_at >= 0:  # the same replay again, stopped at the peak, for its segments
+        _run(events[:marks.peak_at + 1], at_peak)
+    return AllocatorReplay(
+        config=config, limit_bytes=limit_bytes, peak_reserved_bytes=marks.peak_reserved,
+        allocated_at_peak_bytes=marks.allocated_at_peak,
+        peak_allocated_bytes=marks.peak_allocated, segments=at_peak.segment_infos(),
+        segments_created=alloc.segments_created, final_reserved_bytes=alloc.reserved,
+        failed=marks.failed, released_bytes=alloc.released,
+        retried_allocations=alloc.retried)
