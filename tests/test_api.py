@@ -43,17 +43,27 @@ def _findings(rows: list[dict[str, Any]]) -> list[tuple[str, float]]:
     return [(f["rule"], round(f["predicted_speedup"], 9)) for f in rows]
 
 
-def test_python_audit_and_the_cli_give_the_same_step_to_the_byte() -> None:
-    # `tilefit audit gpt2` and tilefit.audit("gpt2") both take Recipe.for_model's defaults
-    # (the HF Trainer's loop: fused AdamW, clipping at 1.0, the loss read each micro-batch)
-    cli = _cli_json("audit", "gpt2", "--batch", "2", "--seq", str(SEQ))
-    py = tilefit.audit(tilefit.load_workload("gpt2", seq_len=SEQ), 2).to_dict()
+def test_python_audit_and_the_cli_give_the_same_step_to_the_byte(tiny_config: Path) -> None:
+    # `tilefit audit CONFIG` and tilefit.audit(CONFIG) both take Recipe.for_model's defaults
+    # (the HF Trainer's loop: fused AdamW, clipping at 1.0, the loss read each micro-batch);
+    # a 2-layer GPT-2 config goes through the same code as the catalog's gpt2, in seconds
+    cli = _cli_json("audit", str(tiny_config), "--batch", "2", "--seq", str(SEQ))
+    py = tilefit.audit(str(tiny_config), 2, seq_len=SEQ).to_dict()
     assert py["estimate"]["step_time_s"] == cli["estimate"]["step_time_s"]
     assert py["estimate"]["peak_memory_bytes"] == cli["estimate"]["peak_memory_bytes"]
     assert py["recipe"] == cli["recipe"]
     assert (py["recipe"]["optimizer"], py["recipe"]["max_grad_norm"],
             py["recipe"]["loss_sync"]) == ("adamw-fused", 1.0, True)
     assert _findings(py["findings"]) == _findings(cli["findings"])
+
+
+def test_python_estimate_and_the_cli_agree_on_gpt2() -> None:
+    cli = _cli_json("estimate", "gpt2", "--batch", "2", "--seq", str(SEQ), "--no-ops")
+    py = tilefit.estimate(tilefit.load_workload("gpt2", seq_len=SEQ), 2).to_dict(
+        include_ops=False)
+    for key in ("step_time_s", "peak_memory_bytes", "memory_breakdown", "flops"):
+        assert py[key] == cli[key], key
+    assert cli["recipe"]["optimizer"] == "adamw-fused" and py["optimizer"] == "adamw-fused"
 
 
 def _tiny_module() -> torch.nn.Module:

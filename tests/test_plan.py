@@ -15,9 +15,9 @@ from tilefit.planner.affine import Line, SweepModel
 from tilefit.planner.checks import check_fraction
 from tilefit.planner.configs import deepspeed_offload, hf_training_arguments, single_gpu_configs
 from tilefit.planner.multigpu import per_gpu_bytes, smallest_setup
-from tilefit.planner.run import budget_of
 from tilefit.planner.rank import choose, prune_unfriendly, rank
 from tilefit.planner.rows import PlanRow
+from tilefit.planner.run import budget_of
 from tilefit.planner.sample import Sample
 from tilefit.planner.space import check_global_batch, micro_batch_candidates, precisions
 from tilefit.recipe import Recipe
@@ -271,6 +271,7 @@ def test_tiny_gpu_falls_back_to_offload_then_sharding(tiny_gpt2, a100_plan) -> N
     # a made-up GPU whose budget (0.9 x memory - overhead) is 60% of the smallest GPU plan
     over = budget_of(a100, 1.0)[1]
     tiny = dataclasses.replace(a100, memory_bytes=int((0.6 * base_min + over) / 0.9))
+    # no recipe: Recipe.for_model, the HF Trainer's loop (fused AdamW, clipping), as the CLI plans
     p = plan(tiny_gpt2, gpu=tiny, global_batch=16)
     keeps = [r for r in p.rows if not r.offload and not r.changes_optimizer]
     assert keeps and not any(r.fits for r in keeps)  # never claims AdamW on the GPU fits
@@ -282,18 +283,17 @@ def test_tiny_gpu_falls_back_to_offload_then_sharding(tiny_gpt2, a100_plan) -> N
     # the fallback is traced: its confirmed figures are those of estimating the chosen setup
     # directly (a second call, the same engine under the fake process group)
     from tilefit.estimator.workloads import estimate_workload
-    from tilefit.recipe import Recipe
+    from tilefit.recipe import Parallelism
     from tilefit.vocab import STRATEGIES
 
     best = m.best
     assert best.strategy in STRATEGIES and m.formula_gpus is not None
     assert m.gpus >= m.formula_gpus and best.world_size == m.gpus
     assert best.micro_batch * best.accumulation_steps * m.gpus == 16
-    direct = estimate_workload(tiny_gpt2, Recipe(
-        batch_size=best.micro_batch, accumulation_steps=best.accumulation_steps,
-        precision=best.precision, optimizer=best.optimizer,
-        grad_checkpointing=best.grad_checkpointing, attention=best.attention), tiny,
-        world_size=m.gpus, strategy=best.strategy)
+    # the row's own recipe (the Trainer's loop the plan kept: clipping, the loss read) on
+    # the row's GPUs and engine
+    direct = estimate_workload(tiny_gpt2, dataclasses.replace(
+        best.recipe, parallel=Parallelism(m.gpus, best.strategy)), tiny)
     assert best.predicted_peak_memory_bytes == direct.peak_memory_bytes
     assert best.predicted_step_time_s == pytest.approx(direct.step_time_s)
     assert "torchrun_script" in m.configs
@@ -303,7 +303,7 @@ def test_tiny_gpu_falls_back_to_offload_then_sharding(tiny_gpt2, a100_plan) -> N
                                                           m.formula_gpus)
     assert d["predicted_per_gpu_memory_bytes"] == direct.peak_memory_bytes
     assert d["micro_batch"] * d["accumulation_steps"] * d["gpus"] == 16
-    assert d["recipe"] == {"precision": best.precision, "optimizer": "adamw",
+    assert d["recipe"] == {"precision": best.precision, "optimizer": "adamw-fused",
                            "grad_checkpointing": best.grad_checkpointing,
                            "attention": best.attention}
     assert d["confirmation"]["traced_peak_bytes"] == direct.peak_memory_bytes

@@ -127,24 +127,27 @@ def test_plan_searches_deepspeed_zero_and_offload_as_estimate_models_them() -> N
     tilefit.estimate(strategy="zero2") run on that row's recipe; offloading moves the
     optimizer's fp32 partition (master weights, Adam's m and v: 12 bytes per parameter)
     and the fp32 gradient partition (4 bytes) off each GPU: 16 Psi / N bytes."""
+    import dataclasses
+
     from tilefit.estimator.workloads import estimate_workload
     from tilefit.models import load_workload
     from tilefit.planner import plan
+    from tilefit.recipe import Parallelism
 
     work = load_workload("tests.fixtures.tiny_models:mlp", input_shape=(32,))
     p = plan(work, gpu="h100", global_batch=8, world_size=2, strategy="zero2", confirm=False)
     assert {(r.strategy, r.precision, r.offload) for r in p.rows} == {
-        ("zero2", prec, off) for prec in ("bf16", "tf32") for off in (False, True)}
+        ("zero2", prec, off) for prec in ("bf16-true", "tf32") for off in (False, True)}
     assert all(r.micro_batch * r.accumulation_steps * 2 == 8 for r in p.rows)
     for r in p.rows:
-        est = estimate_workload(work, r.recipe, "h100", world_size=2, strategy="zero2",
-                                offload=r.offload)
+        recipe = dataclasses.replace(r.recipe, parallel=Parallelism(2, "zero2", r.offload))
+        est = estimate_workload(work, recipe, "h100")
         assert abs(r.predicted_peak_memory_bytes / est.peak_memory_bytes - 1) < 1e-3
         assert abs(r.predicted_step_time_s / est.step_time_s - 1) < 0.10
     psi = 32 * 64 + 64 + 64 * 10 + 10  # the MLP's parameters
     by = {(r.precision, r.micro_batch, r.offload): r.predicted_peak_memory_bytes
           for r in p.rows}
-    moved = by[("bf16", 4, False)] - by[("bf16", 4, True)]
+    moved = by[("bf16-true", 4, False)] - by[("bf16-true", 4, True)]
     assert abs(moved - 16 * psi / 2) <= 1024  # two of the allocator's 512-byte blocks
     # CPU memory per node, DeepSpeed's estimate_zero2_model_states_mem_needs: with offload
     # Psi x max(4 N, 16) x 1.5, its 16 bytes per parameter being 8 + Adam's state (here the

@@ -112,7 +112,7 @@ def _spelling(key: str, value: Any, own: dict[str, str]) -> str:
     if key in own:
         return own[key]
     if key == "device":
-        return f"gpu={value!r}"
+        return f"gpu={getattr(value, 'name', value)!r}"
     if key in COMPILE_FIELDS:
         return f"recipe=Recipe(compile=Compile({COMPILE_FIELDS[key] or 'mode'}=...))"
     if key in PARALLEL_FIELDS:
