@@ -10,16 +10,16 @@ import pytest
 import torch
 
 import tilefit
-from tilefit.errors import TilefitError
-from tilefit.estimator import estimate_trace
-from tilefit.estimator.allocator import Allocator
-from tilefit.estimator.allocator_config import (
+from tilefit.alloc_conf import (
     MIB,
     AllocatorConfig,
     alloc_conf_from_env,
     parse_alloc_conf,
     round_size,
 )
+from tilefit.errors import TilefitError
+from tilefit.estimator import estimate_trace
+from tilefit.estimator.allocator import Allocator
 from tilefit.estimator.allocator_replay import AllocEvent, events_of, replay
 from tilefit.hardware import get_device
 from tilefit.recipe import Recipe

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from tilefit.alloc_conf import parse_alloc_conf
 from tilefit.errors import TilefitError
 from tilefit.vocab import (
     ATTENTIONS,
@@ -171,6 +172,9 @@ class Recipe:
     compile: Compile | None = None
     parallel: Parallelism = ONE_GPU
     lora: Lora | None = None
+    # PyTorch's CUDA caching allocator settings (PYTORCH_CUDA_ALLOC_CONF's text, e.g.
+    # "expandable_segments:True"); None: the environment's, read when the step is estimated
+    alloc_conf: str | None = None
     notes: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -206,6 +210,8 @@ class Recipe:
                                given=repr(self.attention),
                                fix="use sdpa (PyTorch's fused kernels) unless you need eager")
         check_max_grad_norm(self.max_grad_norm)
+        if self.alloc_conf is not None:
+            parse_alloc_conf(self.alloc_conf)  # an unknown key is an error naming the known
         for name, kind in (("compile", Compile), ("lora", Lora)):
             value = getattr(self, name)
             if value is not None and not isinstance(value, kind):

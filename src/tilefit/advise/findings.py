@@ -30,7 +30,9 @@ class Finding:
     step_time_after_s: float  # re-estimated with the fix applied
     peak_memory_before_bytes: int = 0
     peak_memory_after_bytes: int = 0
-    method: str = "rewrite"  # how the after-figures were obtained: rewrite | retrace | precision
+    # how the after-figures were obtained: rewrite | retrace | precision | replay (the same
+    # trace through the caching allocator under other settings)
+    method: str = "rewrite"
     per_sample: bool = False  # speedup compares time per sample (batch what-ifs)
     recommended: bool = True
     samples_before: int = 1

@@ -36,6 +36,7 @@ def audit(
     lora: bool = mo.LORA_OPTION,
     compile_: bool = mo.COMPILE_OPTION,
     compile_mode: str = mo.COMPILE_MODE_OPTION,
+    alloc_conf: str | None = mo.ALLOC_CONF_OPTION,
     html: Path | None = HTML_OPTION,
     confirm: bool = typer.Option(False, "--confirm", help="Re-trace the top dimension fix to "
                                  "confirm the quick what-if (one more trace)."),
@@ -59,7 +60,8 @@ def audit(
             work, batch_size=batch, precision=precision, optimizer=optimizer,
             grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation,
             attention=attention, max_grad_norm=max_grad_norm, loss_sync=loss_sync,
-            fused_ce=fused_ce, lora=lora, compile_=compile_, compile_mode=compile_mode)
+            fused_ce=fused_ce, lora=lora, compile_=compile_, compile_mode=compile_mode,
+            alloc_conf=alloc_conf)
         result = run_audit(work, recipe=recipe, gpu=device, confirm=confirm)
         if html is not None:
             from tilefit.report.html import write_html

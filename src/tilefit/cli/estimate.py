@@ -44,6 +44,7 @@ def estimate(
                              "of the steady step (--no-ops for the summary only)."),
     compile_: bool = mo.COMPILE_OPTION,
     compile_mode: str = mo.COMPILE_MODE_OPTION,
+    alloc_conf: str | None = mo.ALLOC_CONF_OPTION,
     graph_breaks: bool = typer.Option(False, "--graph-breaks", help="With --compile: run "
                                       "Dynamo over the step and list where it would break "
                                       "it into several graphs (seconds more)."),
@@ -62,6 +63,7 @@ def estimate(
             grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation,
             attention=attention, max_grad_norm=max_grad_norm, loss_sync=loss_sync,
             fused_ce=fused_ce, lora=lora, compile_=compile_, compile_mode=compile_mode,
+            alloc_conf=alloc_conf,
             graph_breaks=graph_breaks, gpus=gpus, strategy=strategy,
             offload=offload).on(device)
         result = estimate_recipe(work, None, recipe, device)

@@ -106,6 +106,12 @@ LORA_OPTION = typer.Option(
     "proposes. Hugging Face models; needs peft.")
 
 
+ALLOC_CONF_OPTION = typer.Option(
+    None, "--alloc-conf", help="PyTorch's CUDA caching allocator settings, as "
+    "PYTORCH_CUDA_ALLOC_CONF takes them (e.g. expandable_segments:True, "
+    "max_split_size_mb:512); default: the PYTORCH_CUDA_ALLOC_CONF of this environment.")
+
+
 COMPILE_OPTION = typer.Option(
     False, "--compile", help="Predict the step as torch.compile (Inductor, default mode) runs "
     "it: the activations its partitioner saves, its fused kernels; the optimizer step stays "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from typing import Any
 
@@ -18,6 +19,7 @@ from tilefit.estimator.collectives import (
 from tilefit.estimator.cost import DEFAULT_EFFICIENCY, CostContext, KernelEfficiency, op_time_s
 from tilefit.estimator.cudagraphs import graphed, graphed_memory
 from tilefit.estimator.fusion import compiled_op_time_s
+from tilefit.estimator.reserved import ReservedMemory, allocator_config_of, reserved_memory
 from tilefit.estimator.result import Estimate, ModuleSummary, OpCost
 from tilefit.estimator.steptime import step_timeline
 from tilefit.estimator.timeline import Timeline
@@ -118,8 +120,11 @@ def estimate_strategy(tr: Trace, device: Device, parallel: Parallelism) -> Estim
     if not is_zero(parallel.strategy):
         return base
     assert parallel.strategy is not None
-    return estimate_zero(base, tr, device, parallel.strategy, parallel.world_size,
-                         offload=parallel.offload, config=parallel.zero)
+    # ZeRO is modelled on the one-GPU trace: its partitions were never allocated, so there
+    # is nothing to replay through the allocator
+    return dataclasses.replace(estimate_zero(
+        base, tr, device, parallel.strategy, parallel.world_size, offload=parallel.offload,
+        config=parallel.zero), reserved=None)
 
 
 def estimate_trace(tr: Trace, device: Device,
@@ -155,7 +160,16 @@ def estimate_trace(tr: Trace, device: Device,
         host_bound_fraction=timeline.host_bound_fraction,
         parallel=_parallel_summary(tr, device, costs, comm, step_time),
         compile_mode=tr.compile_mode if tr.compiled else None,
+        reserved=_reserved(tr, device),
     )
+
+
+def _reserved(tr: Trace, device: Device) -> ReservedMemory | None:
+    """The caching allocator's replay on a GPU (the CPU's allocator is not CUDA's)."""
+    if device.kind != "cuda":
+        return None
+    limit = device.memory_bytes - overhead_bytes(device)
+    return reserved_memory(tr, limit, allocator_config_of(tr))
 
 
 def _op_costs(tr: Trace, device: Device, ctx: CostContext) -> list[OpCost]:

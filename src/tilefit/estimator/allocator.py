@@ -26,7 +26,7 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass
 from typing import Literal
 
-from tilefit.estimator.allocator_config import (
+from tilefit.alloc_conf import (
     K_LARGE_BUFFER,
     K_SMALL_BUFFER,
     K_SMALL_SIZE,

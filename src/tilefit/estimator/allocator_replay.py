@@ -9,8 +9,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from tilefit.alloc_conf import AllocatorConfig
 from tilefit.estimator.allocator import Allocator, Block, SegmentInfo
-from tilefit.estimator.allocator_config import AllocatorConfig
 from tilefit.tracing.records import Trace
 
 __all__ = ["AllocEvent", "AllocatorReplay", "events_of", "replay"]

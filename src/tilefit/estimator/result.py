@@ -13,6 +13,7 @@ from tilefit.tracing.records import GemmShape, OpRecord
 
 if TYPE_CHECKING:
     from tilefit.estimator.collectives import ParallelSummary
+    from tilefit.estimator.reserved import ReservedMemory
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,9 @@ class Estimate:
     parallel: ParallelSummary | None = None
     # how the host issues the step: None eager, else the trace's vocab.CompileMode
     compile_mode: str | None = None
+    # what the CUDA caching allocator holds over the step and whether it runs out of memory
+    # (tilefit.estimator.reserved); None on the CPU and for modelled (ZeRO) estimates
+    reserved: ReservedMemory | None = None
 
     @property
     def total_memory_bytes(self) -> int:
@@ -88,7 +92,16 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.total_memory_bytes <= self.device.memory_bytes
+        """Whether the step runs without an out-of-memory error: on a GPU, as the caching
+        allocator replays it (its cache released and the allocation retried first); and
+        the tensors with the context and workspace within the device's memory."""
+        within = self.total_memory_bytes <= self.device.memory_bytes
+        return within and (self.reserved is None or self.reserved.fits)
+
+    @property
+    def peak_reserved_bytes(self) -> int | None:
+        """torch.cuda.max_memory_reserved as predicted; None where it is not modelled."""
+        return None if self.reserved is None else self.reserved.peak_reserved_bytes
 
     def gemms(self) -> Iterator[tuple[OpCost, GemmShape, str]]:
         """Every GEMM of the steady step's GEMM and convolution ops: (its op, its shape, the
@@ -125,6 +138,8 @@ class Estimate:
             "total_memory_bytes": self.total_memory_bytes,
             "device_memory_bytes": self.device.memory_bytes,
             "fits": self.fits,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "reserved": None if self.reserved is None else self.reserved.to_dict(),
             "step_time_s": self.step_time_s,
             "compile_mode": self.compile_mode,
             "host_time_s": self.host_time_s,

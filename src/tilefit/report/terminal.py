@@ -84,7 +84,24 @@ def summary_table(estimate: Estimate, title: str) -> Table:
                   f"{fmt_bytes(estimate.overhead_bytes)} CUDA context/workspace = "
                   f"{fmt_bytes(estimate.total_memory_bytes)} of "
                   f"{fmt_bytes(device.memory_bytes)}: [{style}]{verdict}[/]")
+    if device.kind == "cuda":
+        table.add_row("reserved", reserved_line(estimate))
     return table
+
+
+def reserved_line(estimate: Estimate) -> str:
+    """What the caching allocator holds: the reserved peak, its fragmentation, the line."""
+    r = estimate.reserved
+    if r is None:
+        return "not modelled (DeepSpeed ZeRO is modelled, not traced)"
+    conf = f"PYTORCH_CUDA_ALLOC_CONF={r.alloc_conf}" if r.alloc_conf else "PyTorch's defaults"
+    if not r.fits:
+        return (f"the caching allocator runs out of memory at {fmt_bytes(r.limit_bytes)} (the "
+                f"device less context and workspace) on a {fmt_bytes(r.failed_request_bytes or 0)}"
+                f" request ({r.failed_where}), after releasing its cache; {conf}")
+    return (f"{fmt_bytes(r.peak_reserved_bytes)} held by the caching allocator at its peak "
+            f"({fmt_bytes(r.fragmentation_bytes)} beyond the tensors' peak, cached or split; "
+            f"{r.segments} segments), of {fmt_bytes(r.limit_bytes)} it may hold; {conf}")
 
 
 def parallel_rows(estimate: Estimate) -> list[tuple[str, str]]:

@@ -124,6 +124,8 @@ class Trace:
     compile_mode: str = "default"
     world_size: int = 1  # ranks of the data-parallel group; the trace is rank 0's
     strategy: str | None = None  # a vocab.STRATEGIES name, None on one GPU
+    # the recipe's PYTORCH_CUDA_ALLOC_CONF (None: the environment's, read when estimated)
+    alloc_conf: str | None = None
 
     # ---- memory -------------------------------------------------------------------------
     def live_bytes_timeline(self, *, rounded: bool = True,

@@ -116,7 +116,9 @@ def trace_module(model: ModelSpec, batch: Any, recipe: Recipe, gpu: str | Device
         foreach=target.foreach, cuda=target.kind == "cuda")
     _check_compile(options)
     with quiet_transformers(), gc_paused():  # tilefit.tracing.gc_pause: a quarter faster
-        return _trace(model, batch, options, target)
+        tr = _trace(model, batch, options, target)
+    return tr if recipe.alloc_conf is None else dataclasses.replace(
+        tr, alloc_conf=recipe.alloc_conf)
 
 
 def _check_compile(options: TraceOptions) -> None:

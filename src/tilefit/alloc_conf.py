@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from tilefit.errors import TilefitError
+from tilefit.errors import TilefitError, close_matches
 
 __all__ = ["ACCEPTED_KEYS", "K_LARGE_BUFFER", "K_MIN_BLOCK_SIZE", "K_MIN_LARGE_ALLOC",
            "K_ROUND_LARGE", "K_SMALL_BUFFER", "K_SMALL_SIZE", "MIB", "AllocatorConfig",
@@ -229,7 +229,13 @@ def _check_key(key: str) -> None:
         raise TilefitError(
             f"PYTORCH_CUDA_ALLOC_CONF: unrecognized key {key!r} (PyTorch refuses it too)",
             expected="one of " + ", ".join(sorted(ACCEPTED_KEYS)), given=repr(key),
-            fix="remove it or correct its spelling")
+            fix=_spelling_fix(key))
+
+
+def _spelling_fix(key: str) -> str:
+    close = close_matches(key, sorted(ACCEPTED_KEYS), n=2)
+    return (f"did you mean {' or '.join(close)}? " if close else "") + \
+        "remove it or correct its spelling"
 
 
 def _modelled(cfg: AllocatorConfig, key: str, value: str) -> AllocatorConfig:
