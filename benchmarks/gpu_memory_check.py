@@ -55,23 +55,35 @@ def measure(case: Case, precision: str, steps: int = 10) -> dict[str, float]:
         opt.zero_grad(set_to_none=True)
         end.record()
         torch.cuda.synchronize()
-        if i == 1:
+        if i == 1:  # the two traced steps: the first makes the optimizer state
             peak = torch.cuda.max_memory_allocated()
+            reserved = torch.cuda.max_memory_reserved()
+            # the allocator's own layout, for checking the replay segment by segment
+            segments = sorted(s["total_size"] for s in torch.cuda.memory_snapshot())
+            retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         if i >= 2:
             times.append(start.elapsed_time(end) / 1e3)
     del model, opt, batch
     torch.cuda.empty_cache()
-    return {"peak_bytes": peak, "base_bytes": base, "step_time_s": statistics.median(times)}
+    return {"peak_bytes": peak, "base_bytes": base, "step_time_s": statistics.median(times),
+            "reserved_bytes": reserved, "segments": segments, "alloc_retries": retries}
 
 
 def predict(case: Case, precision: str) -> dict[str, float]:
+    from tilefit import Recipe
     from tilefit.estimator import cublas_workspace_bytes, estimate
 
-    e = estimate(case.build, case.batch(), loss_fn=case.loss_fn, optimizer=case.optimizer,
-                 precision=precision, grad_checkpointing=case.grad_checkpointing, device="auto")
+    recipe = Recipe(optimizer=case.optimizer, precision=precision,
+                    grad_checkpointing=case.grad_checkpointing)
+    e = estimate(case.build, case.batch(), loss_fn=case.loss_fn, recipe=recipe, gpu="auto")
     # max_memory_allocated also counts cuBLAS's workspace, which the caching allocator holds
-    visible = e.peak_memory_bytes + cublas_workspace_bytes(e.device)
-    return {"peak_bytes": visible, "step_time_s": e.step_time_s, "gpu": e.device.name}
+    # (one more segment of its own in max_memory_reserved)
+    workspace = cublas_workspace_bytes(e.device)
+    visible = e.peak_memory_bytes + workspace
+    reserved = None if e.reserved is None else e.reserved.peak_reserved_bytes + workspace
+    return {"peak_bytes": visible, "step_time_s": e.step_time_s, "gpu": e.device.name,
+            "reserved_bytes": reserved,
+            "segments": None if e.reserved is None else e.reserved.segments}
 
 
 def run() -> list[dict[str, Any]]:
@@ -88,6 +100,11 @@ def run() -> list[dict[str, Any]]:
                 "measured_step_time_s": real["step_time_s"],
                 "predicted_step_time_s": pred["step_time_s"],
                 "step_time_error": pred["step_time_s"] / real["step_time_s"] - 1,
+                "measured_reserved_bytes": real["reserved_bytes"],
+                "predicted_reserved_bytes": pred["reserved_bytes"],
+                "reserved_error": (pred["reserved_bytes"] or 0) / real["reserved_bytes"] - 1,
+                "measured_segments": real["segments"], "predicted_segments": pred["segments"],
+                "alloc_retries": real["alloc_retries"],
             })
     return rows
 

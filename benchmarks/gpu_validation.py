@@ -134,6 +134,15 @@ def check_estimate_memory(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return check_estimate(rows, "peak_error", MEMORY_TARGET)
 
 
+# issue 26: the caching allocator's reserved peak, worst record within 12%
+RESERVED_TARGET = 0.12
+
+
+def check_estimate_reserved(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Estimate.reserved's peak (+ cuBLAS workspace) vs torch.cuda.max_memory_reserved."""
+    return check_estimate(rows, "reserved_error", RESERVED_TARGET)
+
+
 def check_estimate_step_time(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Estimate.step_time_s vs the measured median step."""
     return check_estimate(rows, "step_time_error", STEP_TIME_TARGET)
@@ -238,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             result["estimate_error"] = f"{type(exc).__name__}: {exc}"
         result["estimate_rows"] = rows
         result["estimate_memory"] = check_estimate_memory(rows)
+        result["estimate_reserved"] = check_estimate_reserved(rows)
         result["estimate_step_time"] = check_estimate_step_time(rows)
         result["tune"] = check_tune()
         result["host"] = check_host()
