@@ -110,3 +110,12 @@ def test_no_module_is_longer_than_the_limit() -> None:
     long_files = [f"{p.relative_to(ROOT)}: {n} lines" for p in sorted((ROOT / "src").rglob("*.py"))
                   if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_FILE_LINES]
     assert not long_files, "split these by concern:\n" + "\n".join(long_files)
+
+
+def test_the_architecture_names_every_module() -> None:
+    # docs/architecture.md is where a newcomer finds where things are: every module has a line
+    doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    unnamed = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "src").rglob("*.py"))
+               if p.name not in ("__init__.py", "__main__.py")
+               and p.name not in doc and f"`{p.stem}`" not in doc]
+    assert not unnamed, f"docs/architecture.md does not name: {unnamed}"

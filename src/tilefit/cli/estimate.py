@@ -63,8 +63,7 @@ def estimate(
             grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation,
             attention=attention, max_grad_norm=max_grad_norm, loss_sync=loss_sync,
             fused_ce=fused_ce, lora=lora, compile_=compile_, compile_mode=compile_mode,
-            alloc_conf=alloc_conf,
-            graph_breaks=graph_breaks, gpus=gpus, strategy=strategy,
+            alloc_conf=alloc_conf, graph_breaks=graph_breaks, gpus=gpus, strategy=strategy,
             offload=offload).on(device)
         result = estimate_recipe(work, None, recipe, device)
     _notes(recipe, work.is_factory)
