@@ -144,8 +144,11 @@ def replay(events: Iterable[AllocEvent], config: AllocatorConfig | None = None,
     events = list(events)
     alloc = Allocator(config, limit_bytes)
     marks = _run(events, alloc)
-    at_peak = Allocator(config, limit_bytes)
-    if marks.peak_at >= 0:  # the same replay again, stopped at the peak, for its segments
+    at_peak = alloc
+    # without a release, reserved never shrinks: the segments at the end are those at the
+    # peak; after one, the same replay again, stopped at the peak, gives them
+    if alloc.released and marks.peak_at >= 0:
+        at_peak = Allocator(config, limit_bytes)
         _run(events[:marks.peak_at + 1], at_peak)
     return AllocatorReplay(
         config=config, limit_bytes=limit_bytes, peak_reserved_bytes=marks.peak_reserved,
