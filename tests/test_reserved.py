@@ -78,8 +78,11 @@ def test_fits_is_the_replay_s_verdict_at_the_line() -> None:
                   big.peak_reserved_bytes - 1, big.peak_reserved_bytes):
         small = dataclasses.replace(a100, memory_bytes=limit + over)
         est = estimate_trace(tr, small)
-        expected = replay(events_of(tr), parse_alloc_conf(""), limit).fits
-        assert est.reserved is not None and est.fits == expected == est.reserved.fits, limit
+        rep = replay(events_of(tr), parse_alloc_conf(""), limit)
+        assert est.reserved is not None and est.fits == rep.fits == est.reserved.fits, limit
+        # the segments at the peak, counted on the way and listed when asked (a second
+        # replay where the cache was released) agree
+        assert rep.n_segments == len(rep.segments) == est.reserved.segments
     # under the blocks in use at the peak nothing can fit
     under = dataclasses.replace(a100, memory_bytes=big.peak_allocated_bytes - 512 + over)
     assert not estimate_trace(tr, under).fits

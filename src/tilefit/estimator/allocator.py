@@ -138,12 +138,15 @@ class Allocator:
         self.retried = 0  # allocations that succeeded only after releasing the cache
         self.segments_created = 0
         self._next_addr = 0
+        self._rounded: dict[int, int] = {}  # request -> round_size (a step repeats its sizes)
 
     # ---- malloc and free ------------------------------------------------------------------
     def malloc(self, nbytes: int, stream: int = 0, tag: int | None = None) -> Block | None:
         """DeviceCachingAllocator::malloc: a cached block, else a new segment, else the
         cache released and a new segment again; None if even that fails."""
-        size = round_size(self.config, nbytes)
+        size = self._rounded.get(nbytes)
+        if size is None:
+            size = self._rounded[nbytes] = round_size(self.config, nbytes)
         small = size <= K_SMALL_SIZE
         pool = self.pools.get((stream, small)) or self.pools.setdefault(
             (stream, small), _Pool(stream, small))
@@ -178,6 +181,12 @@ class Allocator:
                 elif not block.is_split:
                     self._release_block(pool, block)
         return before - self.reserved
+
+    @property
+    def live_segments(self) -> int:
+        """Segments holding memory (an expandable one with no page mapped holds none)."""
+        return sum(1 for s in self.segments.values() if s.reserved > 0) \
+            if self.config.expandable_segments else len(self.segments)
 
     def segment_infos(self) -> tuple[SegmentInfo, ...]:
         return tuple(SegmentInfo(s.reserved, "small" if s.pool.small else "large",

@@ -5,8 +5,9 @@ its cache and retried (docs/references.md, section 31)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from tilefit.alloc_conf import AllocatorConfig
@@ -77,20 +78,33 @@ class AllocatorReplay:
     peak_reserved_bytes: int
     allocated_at_peak_bytes: int
     peak_allocated_bytes: int
-    segments: tuple[SegmentInfo, ...]
+    n_segments: int  # segments held at the reserved peak
     segments_created: int  # cudaMalloc calls (expandable segments: segments created)
     final_reserved_bytes: int
     failed: AllocEvent | None = None
     released_bytes: int = 0
     retried_allocations: int = 0
+    # what ``segments`` is computed from, when asked: the final segments where the cache was
+    # never released (reserved never shrank), else the events replayed again to the peak
+    final_segments: tuple[SegmentInfo, ...] | None = field(default=None, repr=False,
+                                                           compare=False)
+    events: tuple[AllocEvent, ...] = field(default=(), repr=False, compare=False)
+    peak_at: int = field(default=-1, repr=False, compare=False)
 
     @property
     def fits(self) -> bool:
         return self.failed is None
 
-    @property
-    def n_segments(self) -> int:
-        return len(self.segments)
+    @functools.cached_property
+    def segments(self) -> tuple[SegmentInfo, ...]:
+        """The segments held at the reserved peak (computed when first asked: a second
+        replay where the allocator released its cache on the way)."""
+        if self.final_segments is not None:
+            return self.final_segments
+        at_peak = Allocator(self.config, self.limit_bytes)
+        if self.peak_at >= 0:
+            _run(list(self.events[:self.peak_at + 1]), at_peak)
+        return at_peak.segment_infos()
 
     @property
     def segment_sizes(self) -> tuple[int, ...]:
@@ -108,6 +122,7 @@ class _Marks:
     allocated_at_peak: int = 0
     peak_at: int = -1  # the position in the events where reserved first reached its peak
     peak_allocated: int = 0
+    segments_at_peak: int = 0
     failed: AllocEvent | None = None
 
 
@@ -130,7 +145,7 @@ def _run(events: list[AllocEvent], alloc: Allocator) -> _Marks:
         marks.peak_allocated = max(marks.peak_allocated, alloc.allocated)
         if alloc.reserved > marks.peak_reserved:
             marks.peak_reserved, marks.allocated_at_peak = alloc.reserved, alloc.allocated
-            marks.peak_at = i
+            marks.peak_at, marks.segments_at_peak = i, alloc.live_segments
     return marks
 
 
@@ -144,16 +159,13 @@ def replay(events: Iterable[AllocEvent], config: AllocatorConfig | None = None,
     events = list(events)
     alloc = Allocator(config, limit_bytes)
     marks = _run(events, alloc)
-    at_peak = alloc
-    # without a release, reserved never shrinks: the segments at the end are those at the
-    # peak; after one, the same replay again, stopped at the peak, gives them
-    if alloc.released and marks.peak_at >= 0:
-        at_peak = Allocator(config, limit_bytes)
-        _run(events[:marks.peak_at + 1], at_peak)
+    # without a release reserved never shrinks: the segments at the end are those at the peak
+    final = None if alloc.released else alloc.segment_infos()
     return AllocatorReplay(
         config=config, limit_bytes=limit_bytes, peak_reserved_bytes=marks.peak_reserved,
         allocated_at_peak_bytes=marks.allocated_at_peak,
-        peak_allocated_bytes=marks.peak_allocated, segments=at_peak.segment_infos(),
+        peak_allocated_bytes=marks.peak_allocated, n_segments=marks.segments_at_peak,
         segments_created=alloc.segments_created, final_reserved_bytes=alloc.reserved,
         failed=marks.failed, released_bytes=alloc.released,
-        retried_allocations=alloc.retried)
+        retried_allocations=alloc.retried, final_segments=final,
+        events=tuple(events) if final is None else (), peak_at=marks.peak_at)
