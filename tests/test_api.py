@@ -164,6 +164,14 @@ def test_recipe_for_model_uses_each_framework_s_defaults() -> None:
     # an explicit None (--max-grad-norm none) is kept, not replaced by the default
     assert Recipe.for_model("gpt2", max_grad_norm=None).max_grad_norm is None
 
+    def needs_values() -> torch.nn.Module:  # .item() has no value on the meta device
+        torch.ones(1).item()
+        return torch.nn.Linear(2, 2)
+
+    # the factory is built on meta to see what it is; one that cannot be is not taken for a
+    # Hugging Face model (its own error comes from the trace, which runs it on fake tensors)
+    assert Recipe.for_model(needs_values).optimizer == "adamw"
+
 
 def test_recipe_groups_and_validates_once() -> None:
     r = Recipe(compile=True, lora=True, parallel=Parallelism(8, "fsdp2"))

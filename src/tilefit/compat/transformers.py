@@ -132,8 +132,11 @@ def hugging_face_module(model: Any) -> Any:
     if callable(model) and not hasattr(model, "forward"):  # a factory: what does it build?
         import torch
 
-        with torch.device("meta"):
-            model = model()
+        try:
+            with torch.device("meta"):
+                model = model()
+        except Exception:  # a factory that cannot build on meta: the trace will say why
+            return None
     transformers = sys.modules.get("transformers")  # not imported: not one of its models
     if transformers is None or not isinstance(model, transformers.PreTrainedModel):
         return None
