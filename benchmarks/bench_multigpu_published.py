@@ -85,23 +85,23 @@ _SEEN: dict[str, Any] = {}  # one run's estimates, by configuration (never writt
 def predict(rec: dict[str, Any], checkpoint: bool) -> tuple[Any, float]:
     """(Estimate, seconds spent) of the record's step with or without full checkpointing."""
     from tilefit.estimator.workloads import estimate_workload
-    from tilefit.estimator.zero import ZeroConfig
     from tilefit.models import load_workload
-    from tilefit.recipe import Recipe
+    from tilefit.recipe import Parallelism, Recipe, ZeroConfig
 
     model = rec["model"]
     # torchao float8 linears over bf16 autocast: tilefit's fp8-mixed
     # (docs/references.md, section 21)
     precision = "fp8-mixed" if rec["float8"] else rec["precision"]
-    recipe = Recipe(batch_size=rec["micro_batch"], precision=precision,
-                    optimizer=rec["optimizer"], grad_checkpointing=checkpoint,
-                    accumulation_steps=rec["accumulation"],
-                    max_grad_norm=rec.get("max_grad_norm"), compile=rec["compiled"])
     ws, zero = rec["world_size"], rec["strategy"].startswith("zero")
     # ZeRO is modelled on one GPU too (ZeRO-Offload on one GPU); a traced engine needs two
     strategy = rec["strategy"] if ws > 1 or zero else None
     offload = bool(rec.get("offload", False))
     zero_config = ZeroConfig(**rec.get("zero_config", {}))
+    recipe = Recipe(batch_size=rec["micro_batch"], precision=precision,
+                    optimizer=rec["optimizer"], grad_checkpointing=checkpoint,
+                    accumulation_steps=rec["accumulation"],
+                    max_grad_norm=rec.get("max_grad_norm"), compile=rec["compiled"],
+                    parallel=Parallelism(ws, strategy, offload, zero_config))
     key = json.dumps([model["base"], model.get("task"), model["changes"], rec["seq"],
                       repr(recipe), rec["gpu"], ws, strategy, offload, repr(zero_config)],
                      sort_keys=True)
@@ -111,8 +111,7 @@ def predict(rec: dict[str, Any], checkpoint: bool) -> tuple[Any, float]:
     if model["changes"]:
         work = work.with_config(**model["changes"])
     t0 = time.perf_counter()
-    est = estimate_workload(work, recipe, gpu_spec(rec), world_size=ws, strategy=strategy,
-                            offload=offload, zero_config=zero_config)
+    est = estimate_workload(work, recipe, gpu_spec(rec))
     _SEEN[key] = est
     return est, time.perf_counter() - t0
 
