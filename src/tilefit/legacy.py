@@ -38,6 +38,16 @@ class Legacy:
     rest: dict[str, Any] = field(default_factory=dict)
 
 
+def legacy_gpu(function: str, gpu: Any, old: Legacy, legacy_given: bool, default: str) -> Any:
+    """The target of a call: ``gpu``, else its old spelling ``device=``, else the CPU for a
+    call in the old keywords (their default) or ``default``; both spellings are an error."""
+    if gpu is None:
+        return old.rest.get("device", "cpu" if legacy_given else default)
+    if "device" in old.rest:
+        raise TypeError(f"{function}() got both gpu= and its old spelling device=")
+    return gpu
+
+
 def read_legacy(function: str, recipe: Recipe | None, legacy: dict[str, Any],
                 base: dict[str, Any], *, own: dict[str, str] | None = None) -> Legacy:
     """The recipe of ``legacy`` keywords on top of ``base`` (the function's old defaults),

@@ -20,7 +20,7 @@ EXPANDABLE = "expandable_segments:True"
 def fragmentation_findings(whatif: WhatIf) -> list[Finding]:
     before = whatif.estimate
     r = before.reserved
-    if r is None or "expandable_segments:True" in r.alloc_conf:
+    if r is None or EXPANDABLE in r.alloc_conf:
         return []
     frag_share = r.fragmentation_bytes / max(r.peak_reserved_bytes, 1)
     if r.fits and frag_share < FRAGMENTATION_SHARE:

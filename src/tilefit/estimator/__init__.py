@@ -25,7 +25,7 @@ from tilefit.estimator.steptime import step_timeline
 from tilefit.estimator.timeline import Timeline
 from tilefit.estimator.zero_step import estimate_zero, is_zero, traced_recipe
 from tilefit.hardware import Device, get_device
-from tilefit.legacy import read_legacy
+from tilefit.legacy import legacy_gpu, read_legacy
 from tilefit.recipe import (
     DEFAULT_GPU,
     Parallelism,
@@ -87,10 +87,7 @@ def estimate(model: Any, batch: Any = None, *, recipe: Recipe | None = None,
     from tilefit.tracing.step import LEGACY_DEFAULTS
 
     old = read_legacy("estimate", recipe, legacy, LEGACY_DEFAULTS)
-    if gpu is None:
-        gpu = old.rest.get("device", "cpu" if legacy else DEFAULT_GPU)
-    elif "device" in old.rest:
-        raise TypeError("estimate() got both gpu= and its old spelling device=")
+    gpu = legacy_gpu("estimate", gpu, old, bool(legacy), DEFAULT_GPU)
     recipe = old.recipe or Recipe.for_model(model)
     if is_named_model(model):
         recipe = batch_recipe(recipe, batch)

@@ -19,7 +19,7 @@ from tilefit.compat.modules import ModulePath
 from tilefit.compat.transformers import gpu_mask_semantics
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device
-from tilefit.legacy import read_legacy
+from tilefit.legacy import legacy_gpu, read_legacy
 from tilefit.quiet_imports import quiet_transformers
 from tilefit.recipe import DEFAULT_GPU, PLAIN_PYTORCH, Recipe, batch_recipe, is_named_model
 from tilefit.tracing.attention import AttentionRouter
@@ -77,10 +77,7 @@ def trace(model: Any, batch: Any = None, *, recipe: Recipe | None = None,
     keywords (precision=, device=, compile=, ...) still work, with a DeprecationWarning
     (tilefit.legacy)."""
     old = read_legacy("trace", recipe, legacy, LEGACY_DEFAULTS)
-    if gpu is None:
-        gpu = old.rest.get("device", "cpu" if legacy else DEFAULT_GPU)
-    elif "device" in old.rest:
-        raise TypeError("trace() got both gpu= and its old spelling device=")
+    gpu = legacy_gpu("trace", gpu, old, bool(legacy), DEFAULT_GPU)
     if is_named_model(model):
         from tilefit.tracing.workloads import trace_workload
 
