@@ -262,15 +262,45 @@ def test_real_plan_keeps_the_global_batch_and_picks_the_fastest_fit(a100_plan) -
     json.dumps(d)
 
 
+def test_plan_judges_the_chosen_row_by_the_allocators_reserved_memory(a100_plan,
+                                                                        tiny_gpt2) -> None:
+    """The chosen row's memory is the caching allocator's reserved peak of its full trace:
+    what estimating the row's own recipe directly replays (a second path), to the byte up
+    to rounding; the budget is the device's memory less context and workspace (no fixed
+    fragmentation margin: the replay is the margin)."""
+    from tilefit.estimator.workloads import estimate_workload
+
+    best = a100_plan.best
+    direct = estimate_workload(tiny_gpt2, best.recipe, "a100-80gb")
+    assert direct.reserved is not None
+    assert best.predicted_peak_memory_bytes == direct.peak_memory_bytes
+    assert best.predicted_reserved_bytes == pytest.approx(direct.peak_reserved_bytes, abs=2)
+    assert best.predicted_reserved_bytes >= best.predicted_peak_memory_bytes
+    assert best.memory_bytes == best.predicted_reserved_bytes
+    assert a100_plan.budget_bytes == budget_of(a100_plan.device, 1.0)[0]
+    assert a100_plan.to_dict()["best"]["predicted_reserved_bytes"] == \
+        best.predicted_reserved_bytes
+
+
+def test_a_row_fits_by_its_reserved_memory_where_modelled() -> None:
+    gib = 2**30
+    row = PlanRow(recipe=Recipe(batch_size=8), predicted_peak_memory_bytes=10 * gib,
+                  predicted_step_time_s=1.0, samples_per_s=8.0, tokens_per_s=None, mfu=0.5,
+                  budget_bytes=int(10.5 * gib), predicted_reserved_bytes=11 * gib)
+    assert not row.fits and row.headroom_bytes == int(10.5 * gib) - 11 * gib
+    offload = dataclasses.replace(row, predicted_reserved_bytes=None)
+    assert offload.fits and offload.headroom_bytes == gib // 2
+
+
 def test_tiny_gpu_falls_back_to_offload_then_sharding(tiny_gpt2, a100_plan) -> None:
     from tilefit.hardware import get_device
     from tilefit.planner import plan
 
     a100 = get_device("a100-80gb")
-    base_min = min(r.predicted_peak_memory_bytes for r in a100_plan.rows)
-    # a made-up GPU whose budget (0.9 x memory - overhead) is 60% of the smallest GPU plan
+    base_min = min(r.memory_bytes for r in a100_plan.rows)
+    # a made-up GPU whose budget (memory - overhead) is 60% of the smallest GPU plan
     over = budget_of(a100, 1.0)[1]
-    tiny = dataclasses.replace(a100, memory_bytes=int((0.6 * base_min + over) / 0.9))
+    tiny = dataclasses.replace(a100, memory_bytes=int(0.6 * base_min + over))
     # no recipe: Recipe.for_model, the HF Trainer's loop (fused AdamW, clipping), as the CLI plans
     p = plan(tiny_gpt2, gpu=tiny, global_batch=16)
     keeps = [r for r in p.rows if not r.offload and not r.changes_optimizer]
@@ -279,7 +309,7 @@ def test_tiny_gpu_falls_back_to_offload_then_sharding(tiny_gpt2, a100_plan) -> N
     assert p.configs["deepspeed"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     m = p.multi_gpu
     assert m is not None and m.gpus is not None and m.gpus >= 2 and m.best is not None
-    assert m.best.predicted_peak_memory_bytes <= p.budget_bytes
+    assert m.best.memory_bytes <= p.budget_bytes
     # the fallback is traced: its confirmed figures are those of estimating the chosen setup
     # directly (a second call, the same engine under the fake process group)
     from tilefit.estimator.workloads import estimate_workload

@@ -686,3 +686,23 @@ def test_the_plan_command_the_errors_name_parses() -> None:
     ctx = plan.make_context("plan", args)  # raises on a missing or unknown option
     assert ctx.params["model"] == "gpt2" and ctx.params["global_batch"] == 32
     assert ctx.params["allow_peft"] and ctx.params["allow_optimizer_change"]
+
+
+def test_the_first_probe_on_a_gpu_counts_what_the_allocator_reserves() -> None:
+    """On a GPU the first probe is the batch whose reserved memory meets the budget: the
+    traced step plus the caching allocator's excess. A step whose every tensor is under
+    1 MiB lives in the allocator's small pool, in one 2 MiB segment (CUDACachingAllocator:
+    kSmallSize 1 MiB, kSmallBuffer 2 MiB), so the excess is 2 MiB less the step's peak in
+    512-byte blocks."""
+    from tilefit.estimator import estimate_trace
+    from tilefit.hardware import get_device
+    from tilefit.recipe import Recipe
+    from tilefit.tracing import trace
+    from tilefit.tuning.predict import fragmentation_bytes
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    tr = trace(model, torch.randn(4, 16), recipe=Recipe(precision="fp32", optimizer="adam"),
+               gpu="a100-80gb", loss_fn=lambda m, b: m(b).square().mean())
+    peak = estimate_trace(tr, get_device("a100-80gb")).peak_memory_bytes
+    assert peak % 512 == 0 and 0 < peak < 2**20
+    assert fragmentation_bytes(tr) == 2 * 2**20 - peak

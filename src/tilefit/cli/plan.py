@@ -24,9 +24,10 @@ def plan(
                                      help="Samples per optimizer step (kept exactly)."),
     seq: int | None = mo.SEQ_OPTION,
     memory_fraction: float = typer.Option(
-        0.9, "--memory-fraction",
-        help="Share of GPU memory a plan may use, in (0, 1]; the rest is headroom for the "
-        "allocator's fragmentation."),
+        1.0, "--memory-fraction",
+        help="Share of GPU memory a plan may use, in (0, 1] (default all of it: plans are "
+        "judged by the caching allocator's predicted reserved memory); less keeps headroom, "
+        "e.g. for longer sequences later in training."),
     objective: str = typer.Option("throughput", "--objective", help="throughput or memory."),
     optimizer: str | None = mo.OPTIMIZER_OPTION,
     allow_optimizer_change: bool = typer.Option(

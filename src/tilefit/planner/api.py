@@ -18,10 +18,12 @@ if TYPE_CHECKING:
     from tilefit.hardware import Device
     from tilefit.planner.run import Plan
 
-# The share of the GPU's memory a plan may use: the caching allocator fragments (PyTorch's
-# CUDA memory notes: reserved exceeds allocated by a few to ~10 percent on long runs), so
-# 10 percent is kept as headroom by default.
-DEFAULT_MEMORY_FRACTION = 0.9
+# The share of the GPU's memory a plan may use. All of it by default: a row fits when the
+# caching allocator's predicted reserved peak (its replay: the tensors and the fragmentation
+# of this step, tilefit.estimator.reserved) is under the device's memory less the CUDA
+# context and cuBLAS workspace; a smaller share keeps headroom for what the traced step does
+# not show (longer sequences later in training, other processes on the GPU).
+DEFAULT_MEMORY_FRACTION = 1.0
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ def check_fraction(memory_fraction: float) -> None:
         raise TilefitError("the memory fraction must be in (0, 1]",
                            expected="the share of GPU memory a plan may use, e.g. 0.9",
                            given=repr(memory_fraction),
-                           fix="pass --memory-fraction 0.9 (10% headroom for fragmentation)")
+                           fix="pass --memory-fraction 0.9 (10% headroom) or leave it out "
+                           "(all of it)")
 
 
 def check_gpu(device: Device) -> None:

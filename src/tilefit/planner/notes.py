@@ -42,7 +42,7 @@ def not_on_gpus(*, allow_peft: bool, compile: bool, allow_optimizer_change: bool
 def over_budget(chosen: PlanRow, confirmed: PlanRow) -> str:
     """The chosen plan's full trace did not fit."""
     return (f"{chosen.recipe_label()} at micro-batch {chosen.micro_batch}: the full "
-            f"trace needs {confirmed.predicted_peak_memory_bytes / 2**30:.1f} GiB, "
+            f"trace needs {confirmed.memory_bytes / 2**30:.1f} GiB, "
             "over the budget; next plan tried")
 
 
@@ -57,7 +57,7 @@ def nothing_fits(device: Device, world_size: int, budget: int, global_batch: int
 def smallest_on_one_gpu(optimizer: str, smallest: PlanRow, budget: int) -> str:
     return (f"with {optimizer} on the GPU alone nothing fits: the smallest plan "
             f"({smallest.recipe_label()}, micro-batch {smallest.micro_batch}) needs "
-            f"{smallest.predicted_peak_memory_bytes / 2**30:.1f} GiB of "
+            f"{smallest.memory_bytes / 2**30:.1f} GiB of "
             f"{budget / 2**30:.1f} GiB")
 
 

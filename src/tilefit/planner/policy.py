@@ -93,7 +93,7 @@ def when_nothing_fits(p: PlanState, rows: list[PlanRow], optimizer: str, hf_mode
     keeps = [r for r in rows if not r.offload and not r.changes_optimizer and not r.peft]
     if not keeps or any(r.fits for r in keeps):
         return None
-    smallest = min(keeps, key=lambda r: r.predicted_peak_memory_bytes)
+    smallest = min(keeps, key=lambda r: r.memory_bytes)
     p.notes.append(notes.smallest_on_one_gpu(optimizer, smallest, budget))
     return _multi_gpu(p, optimizer, hf_model, budget)
 

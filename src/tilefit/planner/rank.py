@@ -39,8 +39,8 @@ MEMORY_TIE = 0.01
 def sort_key(row: PlanRow, objective: str) -> tuple[float, ...]:
     if objective == "memory":
         bucket = max(1, int(row.budget_bytes * MEMORY_TIE))
-        return (row.predicted_peak_memory_bytes // bucket, -row.samples_per_s)
-    return (-row.samples_per_s, row.predicted_peak_memory_bytes)
+        return (row.memory_bytes // bucket, -row.samples_per_s)
+    return (-row.samples_per_s, row.memory_bytes)
 
 
 def rank(rows: Sequence[PlanRow], objective: str, allow_optimizer_change: bool
@@ -49,7 +49,7 @@ def rank(rows: Sequence[PlanRow], objective: str, allow_optimizer_change: bool
     fit = [r for r in rows if r.fits]
     rest = [r for r in rows if not r.fits]
     fit.sort(key=lambda r: (tier(r, allow_optimizer_change), *sort_key(r, objective)))
-    rest.sort(key=lambda r: (r.predicted_peak_memory_bytes, -r.samples_per_s))
+    rest.sort(key=lambda r: (r.memory_bytes, -r.samples_per_s))
     return fit + rest
 
 

@@ -27,6 +27,10 @@ class PlanRow:
     # CPU memory per node the engine needs (DeepSpeed ZeRO: its own estimator's figure,
     # ZeRO-Offload's optimizer state included); None where not modelled
     host_memory_bytes: int | None = None
+    # what the caching allocator reserves at the peak (tensors + fragmentation, its replay,
+    # tilefit.estimator.reserved); None where no reserved model applies (CPU offload, a
+    # modelled DeepSpeed engine): the allocated peak decides there
+    predicted_reserved_bytes: int | None = None
 
     @property
     def micro_batch(self) -> int:
@@ -65,12 +69,20 @@ class PlanRow:
         return None if self.tokens_per_s is None else self.tokens_per_s / self.world_size
 
     @property
+    def memory_bytes(self) -> int:
+        """What decides whether the row fits: the reserved peak where it is modelled, else
+        the allocated peak."""
+        if self.predicted_reserved_bytes is None:
+            return self.predicted_peak_memory_bytes
+        return self.predicted_reserved_bytes
+
+    @property
     def fits(self) -> bool:
-        return self.predicted_peak_memory_bytes <= self.budget_bytes
+        return self.memory_bytes <= self.budget_bytes
 
     @property
     def headroom_bytes(self) -> int:
-        return self.budget_bytes - self.predicted_peak_memory_bytes
+        return self.budget_bytes - self.memory_bytes
 
     def recipe_label(self) -> str:
         parts = [] if self.strategy is None else [f"{self.strategy} x{self.world_size}"]
@@ -93,6 +105,7 @@ class PlanRow:
             "peft": self.peft, "offload": self.offload, "world_size": self.world_size,
             "strategy": self.strategy, "host_memory_bytes": self.host_memory_bytes,
             "predicted_peak_memory_bytes": self.predicted_peak_memory_bytes,
+            "predicted_reserved_bytes": self.predicted_reserved_bytes,
             "headroom_bytes": self.headroom_bytes,
             "predicted_step_time_s": self.predicted_step_time_s,
             "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,

@@ -35,6 +35,9 @@ class Sample:
     micro_flops: model FLOPs of one micro-batch (checkpoint recompute excluded).
     host_bytes: CPU memory per node a modelled engine needs (DeepSpeed ZeRO: its own
       estimator's figure, tilefit.estimator.zero.ZeroMemory.host_bytes); 0 otherwise.
+    fragmentation_ratio: what the caching allocator reserves beyond the allocated peak, as a
+      share of it (the trace replayed through the allocator, Estimate.reserved); 0 where no
+      reserved model applies (a modelled engine, the CPU).
     """
 
     micro_batch: float
@@ -51,6 +54,7 @@ class Sample:
     micro_flops: float
     param_count: float
     host_bytes: float = 0.0
+    fragmentation_ratio: float = 0.0
 
     def metrics(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)
@@ -122,4 +126,14 @@ def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int, *,
         parameters_bytes=cats.get("parameters", 0), gradients_bytes=cats.get("gradients", 0),
         optimizer_state_bytes=cats.get("optimizer_state", 0),
         work_peak_bytes=work_peak(tr, rounded=rounded), micro_flops=est.flops / a,
-        param_count=tr.param_count, host_bytes=host_bytes)
+        param_count=tr.param_count, host_bytes=host_bytes,
+        fragmentation_ratio=0.0 if peaks is not None else fragmentation_ratio(est))
+
+
+def fragmentation_ratio(est: Estimate) -> float:
+    """The reserved peak's excess over the traced peak, as a share of the traced peak (0
+    without a reserved model)."""
+    r, peak = est.reserved, est.peak_memory_bytes
+    if r is None or peak <= 0:
+        return 0.0
+    return max(0, r.peak_reserved_bytes - peak) / peak

@@ -223,6 +223,7 @@ def row_from(spec: Recipe, model: SweepModel, micro_batch: int, global_batch: in
     mfu = flops / step / device.peak(mfu_dtype_for(spec.precision, device)) if step > 0 else 0.0
     return PlanRow(
         recipe=spec.with_batch(micro_batch, accum), predicted_peak_memory_bytes=round(peak),
+        predicted_reserved_bytes=None if offload is not None else reserved_of(model, p, peak),
         predicted_step_time_s=step, samples_per_s=global_batch / step if step else 0.0,
         tokens_per_s=(global_batch * tokens_per_sample / step
                       if (tokens_per_sample and step) else None),
@@ -236,6 +237,18 @@ def row_from(spec: Recipe, model: SweepModel, micro_batch: int, global_batch: in
         strategy=None if parallel is None else parallel.strategy,
         host_memory_bytes=round(p["host_bytes"]) if parallel is not None and
         parallel.modelled else None)
+
+
+def reserved_of(model: SweepModel, p: dict[str, float], peak: float) -> int | None:
+    """The caching allocator's predicted reserved peak at a swept point: the allocated peak
+    and the traced points' fragmentation ratio along the sweep, held inside the ratios the
+    traces measured (fragmentation is not affine; this keeps it to what was replayed).
+    None where no trace of the sweep had a reserved model."""
+    ratios = [s.fragmentation_ratio for s in model.samples]
+    if not any(ratios):
+        return None
+    ratio = min(max(p["fragmentation_ratio"], min(ratios)), max(ratios))
+    return round(peak * (1 + ratio))
 
 
 def safe_sweep(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Depth,

@@ -100,6 +100,7 @@ class PlanState:
                          Depth(None, self.depth.full, (self.depth.full,)), self.device,
                          row.accumulation_steps, multiplan.parallel_of(row))
         self.traces += 1
+        reserved = None
         if row.offload and row.strategy is None:  # ZeRO-Offload: modelled in the sample
             params16 = half_parameter_bytes(s.parameters_bytes, row.precision)
             peak = offload_peak_bytes(params16, s.work_peak_bytes, s.param_count)
@@ -108,12 +109,15 @@ class PlanState:
         else:
             peak = max(s.peak_bytes, s.peak_optimizer_bytes)
             step = row.accumulation_steps * s.micro_time_s + s.fixed_time_s
+            if s.fragmentation_ratio:
+                reserved = round(peak * (1 + s.fragmentation_ratio))
         conf = Confirmation(row.predicted_peak_memory_bytes, round(peak),
                             row.predicted_step_time_s, step)
         scale = row.predicted_step_time_s / step if step else 1.0
         tokens = row.tokens_per_s * scale if row.tokens_per_s is not None else None
         confirmed = dataclasses.replace(
-            row, predicted_peak_memory_bytes=round(peak), predicted_step_time_s=step,
+            row, predicted_peak_memory_bytes=round(peak), predicted_reserved_bytes=reserved,
+            predicted_step_time_s=step,
             samples_per_s=self.global_batch / step if step else 0.0, tokens_per_s=tokens,
             mfu=row.mfu * scale)
         return confirmed, conf

@@ -51,7 +51,8 @@ def short_label(row: PlanRow) -> str:
 
 
 def plans_table(plan: Plan, top: int) -> Table:
-    table = Table(title=f"plans, ranked (affine predictions; budget {_gib(plan.budget_bytes)}iB)",
+    table = Table(title=f"plans, ranked (affine predictions; peak: the caching allocator's "
+                  f"reserved memory; budget {_gib(plan.budget_bytes)}iB)",
                   box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
     for name, just in (("recipe", "left"), ("mb", "right"),
                        ("acc", "right"), ("peak", "right"), ("free", "right"),
@@ -63,7 +64,7 @@ def plans_table(plan: Plan, top: int) -> Table:
         head = f"[green]{_gib(row.headroom_bytes)}[/]" if row.fits else \
             f"[red]{_gib(row.headroom_bytes)}[/]"
         table.add_row(short_label(row), str(row.micro_batch),
-                      str(row.accumulation_steps), _gib(row.predicted_peak_memory_bytes), head,
+                      str(row.accumulation_steps), _gib(row.memory_bytes), head,
                       _ms(row.predicted_step_time_s), f"{row.samples_per_s:,.1f}",
                       f"{row.tokens_per_s:,.0f}" if row.tokens_per_s is not None else "-",
                       f"{row.mfu:.0%}", style=style)
@@ -92,7 +93,10 @@ def best_table(plan: Plan, best: PlanRow) -> Table:
                       "does not run on fake tensors)")
     elif best.strategy is not None:
         table.add_row("memory", "per GPU (rank 0 traced under the fake process group)")
-    table.add_row("peak memory", f"{fmt_bytes(best.predicted_peak_memory_bytes)} of "
+    held = fmt_bytes(best.predicted_peak_memory_bytes) if best.predicted_reserved_bytes \
+        is None else (f"{fmt_bytes(best.predicted_reserved_bytes)} reserved by the caching "
+                      f"allocator ({fmt_bytes(best.predicted_peak_memory_bytes)} of tensors)")
+    table.add_row("peak memory", f"{held} of "
                   f"{fmt_bytes(plan.budget_bytes)} budget ({plan.memory_fraction:.0%} of "
                   f"{fmt_bytes(plan.device.memory_bytes)} minus "
                   f"{fmt_bytes(plan.overhead_bytes)} CUDA context/workspace)")

@@ -3,7 +3,9 @@
 The step is traced on fake tensors (no real run, nothing allocated on the device) at two
 batch sizes; its peak is affine in the batch (the activations and temporaries grow with it,
 parameters, gradients and optimizer state do not), so two traces give the batch at which the
-peak reaches the budget. tune still confirms it with a real trial and brackets from there.
+peak reaches the budget. On a GPU the peak is what the caching allocator would reserve: the
+tensors plus the fragmentation of the trace replayed through its model. tune still confirms
+it with a real trial and brackets from there.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ if TYPE_CHECKING:
     from tilefit.recipe import Recipe
 
 PROBE_BATCHES = (1, 2)
+# the allocator replay's limit when only its fragmentation is wanted: never reached
+UNLIMITED_BYTES = 2**62
 MAX_REFINE_TRACES = 3
 
 
@@ -77,7 +81,8 @@ def predict_max_batch(model: nn.Module, make_batch: Callable[[int], Any], *,
     def pieces_at(b: int) -> tuple[int, int]:
         tr = trace(model, make_batch(b), recipe=recipe, gpu=target, loss_fn=loss_fn)
         fb, _, opt = tr.phase_peaks(rounded=device.type == "cuda")
-        return fb + extra, opt + extra
+        held = extra + (fragmentation_bytes(tr) if device.type == "cuda" else 0)
+        return fb + held, opt + held
 
     # Each piece (forward/backward peak, optimizer-step peak) is affine in b at large b, but
     # at small b a fixed-size temporary can hold the piece's peak; so extrapolate from the
@@ -109,6 +114,17 @@ def predict_max_batch(model: nn.Module, make_batch: Callable[[int], Any], *,
             "the traced step's peak does not grow with the batch and there is no largest batch "
             "to stop at", cap))
     return Prediction(max(1, min(guess, cap) if cap is not None else guess))
+
+
+def fragmentation_bytes(tr: Any) -> int:
+    """What the CUDA caching allocator would reserve beyond the traced step's allocated peak
+    (its replay under this process's PYTORCH_CUDA_ALLOC_CONF, tilefit.estimator.reserved),
+    so that the first probe is the batch whose reserved memory, not only its tensors, meets
+    the budget."""
+    from tilefit.estimator.reserved import allocator_config_of, reserved_memory
+
+    held = reserved_memory(tr, UNLIMITED_BYTES, allocator_config_of(tr))
+    return max(0, held.fragmentation_bytes)
 
 
 def _first_line(exc: BaseException) -> str:
