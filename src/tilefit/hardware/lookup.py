@@ -38,7 +38,18 @@ def _keys(device: Device) -> list[str]:
     return [normalize(device.name), *(normalize(a) for a in device.aliases)]
 
 
+def compact(key: str) -> str:
+    """A normalized name without its dashes: "rtx4090" and "rtx-4090" are one name."""
+    return key.replace("-", "")
+
+
 _BY_KEY: dict[str, Device] = {k: d for d in CATALOG for k in _keys(d)}
+_BY_COMPACT: dict[str, Device] = {compact(k): d for k, d in _BY_KEY.items()}
+
+
+def _exact(key: str) -> Device | None:
+    """The entry a normalized name names, with or without its dashes."""
+    return _BY_KEY.get(key) or _BY_COMPACT.get(compact(key))
 
 
 def list_devices() -> tuple[Device, ...]:
@@ -65,8 +76,9 @@ def get_device(spec: str | Device) -> Device:
     if text.lower().endswith(".toml") or Path(text).is_file():
         return load_spec_file(Path(text))
     key = normalize(text)
-    if key in _BY_KEY:
-        return with_profile(_BY_KEY[key])
+    exact = _exact(key)
+    if exact is not None:
+        return with_profile(exact)
     prefixed = sorted({d.name for k, d in _BY_KEY.items() if k.startswith(key + "-")})
     if len(prefixed) == 1:
         return with_profile(_BY_KEY[prefixed[0]])
@@ -202,14 +214,26 @@ def _from_scratch(data: dict[str, Any], path: Path) -> Device:
     return Device(**data)
 
 
-def match_catalog(device_name: str) -> Device | None:
-    """The catalog entry for a name as CUDA reports it ("NVIDIA A100-SXM4-80GB")."""
+def match_catalog(device_name: str, memory_bytes: int | None = None) -> Device | None:
+    """The catalog entry for a name as CUDA reports it ("NVIDIA A100-SXM4-80GB").
+
+    CUDA names carry extra words ("NVIDIA H100 80GB HBM3"): without an exact match, the
+    longest known name that the reported one starts with. One product name may cover
+    several memory sizes ("NVIDIA GeForce RTX 4060 Ti": 8 and 16 GB); ``memory_bytes`` (the
+    live device's) picks the entry nearest to it.
+    """
     key = normalize(device_name)
-    if key in _BY_KEY:
-        return _BY_KEY[key]
-    # CUDA names carry extra words ("NVIDIA H100 80GB HBM3"); take the longest known key
-    # that the reported name starts with.
-    best = max((k for k in _BY_KEY if key.startswith(k)), key=len, default=None)
+    exact = _exact(key)
+    sized = {d.name: d for k, d in _BY_KEY.items() if re.fullmatch(re.escape(key) + r"-\d+gb", k)}
+    if exact is not None and not (sized and memory_bytes):
+        return exact
+    if sized:
+        if exact is not None:
+            sized[exact.name] = exact
+        if memory_bytes:
+            return min(sized.values(), key=lambda d: abs(d.memory_bytes - memory_bytes))
+        return next(iter(sized.values())) if len(sized) == 1 else None
+    best = max((k for k in _BY_KEY if key.startswith(k + "-")), key=len, default=None)
     return _BY_KEY[best] if best else None
 
 
@@ -227,7 +251,7 @@ def detect_live_device(index: int = 0, *, use_profile: bool = True) -> Device:
             fix="name the GPU to predict for, e.g. --gpu a100-80gb (`tilefit gpus` lists them)",
         )
     props = torch.cuda.get_device_properties(index)
-    base = match_catalog(props.name)
+    base = match_catalog(props.name, props.total_memory)
     if base is None:
         raise TilefitError(
             f"the live GPU {props.name!r} is not in the catalog, so its peak FLOP/s are unknown",
