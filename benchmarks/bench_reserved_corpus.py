@@ -78,10 +78,24 @@ def recipe_of(rec: dict[str, Any]) -> Any:
     parallel = Parallelism() if rec["strategy"] == "none" else Parallelism(
         rec["world_size"], rec["strategy"])
     return Recipe(batch_size=rec["micro_batch"], accumulation_steps=rec["accumulation"],
-                  precision=rec["precision"], optimizer=rec["optimizer"],
+                  precision=rec["precision"], optimizer=optimizer_of(rec),
                   grad_checkpointing=rec["activation_checkpointing"] == "full",
                   attention=rec.get("attention") or "auto", parallel=parallel,
                   alloc_conf=rec.get("alloc_conf"))
+
+
+def optimizer_of(rec: dict[str, Any]) -> Any:
+    """The record's optimizer: tilefit's name, or the torch.optim class of that name with
+    the record's own arguments (``optimizer_kwargs``) as the recipe's factory."""
+    kwargs = rec.get("optimizer_kwargs")
+    if not kwargs:
+        return rec["optimizer"]
+    import functools
+
+    import torch
+
+    classes = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+    return functools.partial(classes[rec["optimizer"]], **kwargs)
 
 
 def device_of(rec: dict[str, Any]) -> Any:
