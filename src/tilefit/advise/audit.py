@@ -17,6 +17,7 @@ from tilefit.advise.rules_host import host_findings
 from tilefit.advise.rules_memory import memory_findings
 from tilefit.advise.rules_optimizer import fused_optimizer_findings
 from tilefit.advise.rules_precision import attention_findings, precision_findings
+from tilefit.advise.way_forward import way_forward
 from tilefit.advise.whatif import WhatIf
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate, estimate_trace
@@ -34,6 +35,7 @@ from tilefit.tracing.records import Trace
 
 if TYPE_CHECKING:
     from tilefit.models import Workload
+    from tilefit.planner.result import Plan
 
 
 RULES: tuple[Callable[[WhatIf], list[Finding]], ...] = (
@@ -54,6 +56,8 @@ class Audit:
     elapsed_s: float
     confirmation: RewriteConfirmation | None = None  # top finding: cheap what-if vs. re-trace
     notes: tuple[str, ...] = field(default=())
+    # when the step does not fit: the plan behind the first finding (its configs to paste)
+    plan: Plan | None = None
 
     @property
     def recommended(self) -> tuple[Finding, ...]:
@@ -66,7 +70,8 @@ class Audit:
                 "findings": [f.to_dict() for f in self.findings],
                 "retraces": self.retraces, "elapsed_s": self.elapsed_s,
                 "confirmation": None if self.confirmation is None
-                else self.confirmation.to_dict(), "notes": list(self.notes)}
+                else self.confirmation.to_dict(), "notes": list(self.notes),
+                "way_forward": None if self.plan is None else self.plan.to_dict()}
 
 
 def order(findings: list[Finding]) -> tuple[Finding, ...]:
@@ -188,12 +193,16 @@ def _run_rules(subject: _Subject, device: Device, *, confirm: bool,
     whatif = WhatIf(workload=subject.workload, recipe=subject.recipe, device=device,
                     trace=subject.trace, estimate=est, retrace_fn=subject.retrace_fn,
                     named_modules=subject.modules)
+    forward = way_forward(whatif)
     ordered = order([f for rule in RULES for f in rule(whatif)])
     confirmation = _confirm(whatif, ordered) if confirm else None
+    if forward is not None:  # a step that does not fit: the way forward comes first
+        ordered = (forward[0], *ordered)
     return Audit(model=subject.name, device=device, recipe=subject.recipe,
                  seq_len=subject.seq_len, estimate=est, findings=ordered,
                  retraces=whatif.retraces, elapsed_s=time.perf_counter() - started_s,
-                 confirmation=confirmation, notes=(*subject.notes, *whatif.notes))
+                 confirmation=confirmation, notes=(*subject.notes, *whatif.notes),
+                 plan=None if forward is None else forward[1])
 
 
 def _confirm(whatif: WhatIf, findings: tuple[Finding, ...]) -> RewriteConfirmation | None:

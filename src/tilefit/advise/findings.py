@@ -31,7 +31,8 @@ class Finding:
     peak_memory_before_bytes: int = 0
     peak_memory_after_bytes: int = 0
     # how the after-figures were obtained: rewrite | retrace | precision | replay (the same
-    # trace through the caching allocator under other settings)
+    # trace through the caching allocator under other settings) | plan (the planner's
+    # recipe, confirmed by a full trace: the way forward of a step that does not fit)
     method: str = "rewrite"
     per_sample: bool = False  # speedup compares time per sample (batch what-ifs)
     recommended: bool = True
