@@ -140,7 +140,7 @@ def _build(workload: Workload, recipe: Recipe, kind: str) -> tuple[Any, Any, Any
 
     torch.manual_seed(0)
     with torch.device(kind):
-        model = workload.build("sdpa" if recipe.attention == "auto" else recipe.attention)
+        model = workload.build(recipe.attention)
     if recipe.spec.param_dtype != "fp32":
         model = model.to(torch_dtype(recipe.spec.param_dtype))
     if recipe.grad_checkpointing:

@@ -10,6 +10,7 @@ from tilefit.cli import model_options as mo
 from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
 
 if TYPE_CHECKING:
+    from tilefit.models import Workload
     from tilefit.recipe import Recipe
 
 
@@ -29,6 +30,8 @@ def estimate(
     attention: str = mo.ATTENTION_OPTION,
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
+    target_seq: int | None = mo.TARGET_SEQ_OPTION,
+    image_size: int | None = mo.IMAGE_SIZE_OPTION,
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     fused_ce: bool = mo.FUSED_CE_OPTION,
@@ -57,7 +60,7 @@ def estimate(
 
     with user_errors():
         device = mo.placed(get_device(gpu), gpus, nodes, network)
-        work = mo.load(model, seq, input_shape, task)
+        work = mo.load(model, seq, input_shape, task, target_seq, image_size)
         recipe = mo.recipe(
             work, batch_size=batch, precision=precision, optimizer=optimizer,
             grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation,
@@ -68,15 +71,27 @@ def estimate(
         result = estimate_recipe(work, None, recipe, device)
     _notes(recipe, work.is_factory)
     if json_out:
-        print_json({"model": work.name, "recipe": recipe.to_dict(),
-                    "seq_len": work.seq_len, **result.to_dict(include_ops=ops)})
+        print_json({"model": work.name, "task": work.task, "recipe": recipe.to_dict(),
+                    **_lengths(work), **result.to_dict(include_ops=ops)})
         return
-    shape = f"batch {batch}" + (f" x seq {work.seq_len}" if work.seq_len else "")
-    print_estimate(console, result, f"tilefit estimate: {work.name}, {shape}")
+    print_estimate(console, result, f"tilefit estimate: {work.name}, {_shape(batch, work)}")
     if not result.fits:
-        console.print(f"[bold red]does not fit:[/] `tilefit audit {model} --gpu {gpu}` says "
-                      "what would make it fit, `tilefit plan` chooses a recipe that does",
-                      highlight=False)
+        _does_not_fit(model, gpu)
+
+
+def _shape(batch: int, work: Workload) -> str:
+    return f"batch {batch}" + (f" x seq {work.seq_len}" if work.seq_len else "") + (
+        f", target {work.target_seq_len}" if work.target_seq_len else "")
+
+
+def _lengths(work: Workload) -> dict[str, int | None]:
+    return {"seq_len": work.seq_len, "target_seq_len": work.target_seq_len}
+
+
+def _does_not_fit(model: str, gpu: str) -> None:
+    console.print(f"[bold red]does not fit:[/] `tilefit audit {model} --gpu {gpu}` says "
+                  "what would make it fit, `tilefit plan` chooses a recipe that does",
+                  highlight=False)
 
 
 def _notes(recipe: Recipe, is_factory: bool) -> None:

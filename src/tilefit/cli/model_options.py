@@ -67,7 +67,15 @@ STRATEGY_OPTION = typer.Option(
     f"{DEFAULT_STRATEGY}, fully sharded); " + ", ".join(ZERO_STRATEGIES)
     + ": DeepSpeed ZeRO, modelled (not traced).")
 TASK_OPTION = typer.Option(
-    None, "--task", help="causal-lm, masked-lm, seq-cls or image-cls (default: the model's).")
+    None, "--task", help="causal-lm, masked-lm, seq-cls, image-cls, seq2seq-lm, speech-seq2seq "
+    "or ctc (default: the config's architecture, through transformers' auto mappings).")
+TARGET_SEQ_OPTION = typer.Option(
+    None, "--target-seq", help="Label tokens per sample of an encoder-decoder's decoder "
+    "(default: --seq; Whisper: its max_target_positions) or a CTC transcript (default: the "
+    "encoder's frames, the most CTC aligns).")
+IMAGE_SIZE_OPTION = typer.Option(
+    None, "--image-size", help="Pixels a side of an image model's input; the model is built for "
+    "it (default: the config's image_size).")
 
 
 def parse_shape(text: str | None) -> tuple[int, ...] | None:
@@ -160,11 +168,13 @@ def recipe(work: Any, *, compile_: bool = False, compile_mode: str = "default",
         parallel=Parallelism(world_size=gpus, strategy=strategy, offload=offload))
 
 
-def load(model: str, seq: int | None, input_shape: str | None, task: str | None):  # type: ignore[no-untyped-def]
+def load(model: str, seq: int | None, input_shape: str | None, task: str | None,  # type: ignore[no-untyped-def]
+         target_seq: int | None = None, image_size: int | None = None):
     """The Workload for the command line's model options."""
     from tilefit.models import load_workload
 
-    return load_workload(model, seq_len=seq, input_shape=parse_shape(input_shape), task=task)
+    return load_workload(model, seq_len=seq, input_shape=parse_shape(input_shape), task=task,
+                         target_seq_len=target_seq, image_size=image_size)
 
 
 def placed(device: Device, gpus: int, nodes: int | None, network: str | None) -> Device:

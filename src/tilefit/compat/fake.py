@@ -130,3 +130,33 @@ def write_only_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         else:
             read_ids.update(id(t) for t in tensors)
     return [t for t in outs if id(t) not in read_ids]
+
+
+_CTC_FAKES: list[bool] = []  # registered once per process
+
+
+def register_ctc_fakes() -> None:
+    """Fake kernels for ``aten._ctc_loss`` and its backward with the lengths as int lists.
+    torch tags the loss dynamic_output_shape (its Tensor-lengths overload reads their
+    values), so a fake run refuses it, and the backward has no meta kernel. With int lengths
+    the shapes are known, those of torch's CPU and CUDA kernels (aten/src/ATen/native/
+    LossCTC.cpp, cuda/LossCTC.cu): the negative log-likelihood (batch,), log_alpha (batch,
+    frames, 2 x longest target + 1), the gradient contiguous, shaped as the log-probabilities."""
+    if _CTC_FAKES:
+        return
+
+    def forward(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: list[int],
+                target_lengths: list[int], blank: int = 0, zero_infinity: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = int(log_probs.shape[1])
+        longest = max((int(n) for n in target_lengths), default=0)
+        return (log_probs.new_empty((batch,)),
+                log_probs.new_empty((batch, int(log_probs.shape[0]), 2 * longest + 1)))
+
+    def backward(grad: torch.Tensor, log_probs: torch.Tensor, *args: Any, **kwargs: Any
+                 ) -> torch.Tensor:
+        return torch.empty_like(log_probs, memory_format=torch.contiguous_format)
+
+    torch.library.register_fake("aten::_ctc_loss", forward)
+    torch.library.register_fake("aten::_ctc_loss_backward", backward)
+    _CTC_FAKES.append(True)

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from tilefit.compat.compile import checkpoint_region_tagger
@@ -84,10 +86,29 @@ def use_checkpoint_function(model: Any, function: Any) -> None:
             module._gradient_checkpointing_func = function
 
 
+def check_attention(model_class: type, attention: str) -> None:
+    """A TilefitError when ``attention`` is "sdpa" and the transformers class refuses SDPA
+    (its ``_supports_sdpa`` is False: Gemma 2, BLOOM, Mamba); transformers itself would
+    raise a ValueError from deep inside the build."""
+    if attention != "sdpa" or getattr(model_class, "_supports_sdpa", True) is not False:
+        return
+    import transformers
+
+    name = model_class.__name__
+    raise TilefitError(
+        f"{name} does not support attention 'sdpa' (PyTorch's scaled_dot_product_attention) "
+        f"in transformers {transformers.__version__}",
+        expected=f"attention 'auto' or 'eager' for {name}",
+        given="attention='sdpa'",
+        fix="drop --attention (auto: transformers chooses, eager for this model), or pass "
+        "--attention eager (attention='eager' in Python)")
+
+
 def set_attention(model: nn.Module, attention: str) -> None:
     """The model's attention implementation ("auto": the model's own choice)."""
     if attention == "auto":
         return
+    check_attention(type(model), attention)
     setter = getattr(model, "set_attn_implementation", None)
     config = getattr(model, "config", None)
     if setter is not None:
@@ -127,11 +148,7 @@ def enable_checkpointing(model: nn.Module, context_fn: Callable[[], Any] | None,
 def hugging_face_module(model: Any) -> Any:
     """The transformers model ``model`` is (a PreTrainedModel, or a zero-argument factory
     returning one, built on the meta device to read its config), or None."""
-    import sys
-
     if callable(model) and not hasattr(model, "forward"):  # a factory: what does it build?
-        import torch
-
         try:
             with torch.device("meta"):
                 model = model()
@@ -141,3 +158,60 @@ def hugging_face_module(model: Any) -> Any:
     if transformers is None or not isinstance(model, transformers.PreTrainedModel):
         return None
     return model
+
+
+def tensors_have_data() -> bool:
+    """False inside a FakeTensorMode or under the meta device, where weights hold no values.
+
+    Read from the active dispatch modes and the default device, without creating a tensor (a
+    probe tensor would show up in a tracer's record of the build).
+    """
+    from tilefit.compat.fake import fake_mode_active
+
+    if fake_mode_active():
+        return False
+    return torch.get_default_device().type != "meta"
+
+
+@contextlib.contextmanager
+def skip_init_without_data() -> Iterator[None]:
+    """Skip weight initialisation when tensors are fake or meta (nothing to initialise).
+
+    Needed, not only faster: ``torch.nn.init.trunc_normal_`` (ViT, ...) branches on
+    ``mask.any()``, a data-dependent value a FakeTensor cannot give. Weight tying still runs
+    (GPT-2's lm_head shares wte), since it is ``tie_weights``, not ``initialize_weights``.
+    With real tensors nothing is skipped: real runs get the model's own initialisation.
+    """
+    if tensors_have_data():
+        yield
+        return
+    from transformers import PreTrainedModel
+
+    try:  # transformers >= 5: the torch init functions and modules it patches itself
+        from transformers.initialization import TORCH_INIT_FUNCTIONS, TORCH_MODULES_TO_PATCH
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+
+        with no_init_weights():
+            yield
+        return
+
+    def _noop(*args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else None
+
+    originals: list[tuple[Any, str, Any]] = []
+    for module_name in TORCH_MODULES_TO_PATCH:
+        module = sys.modules.get(module_name)
+        for func_name in TORCH_INIT_FUNCTIONS:
+            if module is not None and hasattr(module, func_name):
+                originals.append((module, func_name, getattr(module, func_name)))
+                setattr(module, func_name, _noop)
+    originals.append(
+        (PreTrainedModel, "initialize_weights", PreTrainedModel.__dict__["initialize_weights"])
+    )
+    PreTrainedModel.initialize_weights = _noop  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for owner, attr, original in reversed(originals):
+            setattr(owner, attr, original)

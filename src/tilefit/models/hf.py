@@ -13,39 +13,16 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from tilefit.errors import TilefitError, close_matches
+from tilefit.models.tasks import DEFAULT_SEQ_LEN, TASKS, auto_class_name, head_class_name
 from tilefit.quiet_imports import quiet_imports
+from tilefit.vocab import ATTENTIONS
 
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-TASKS: tuple[str, ...] = ("causal-lm", "masked-lm", "seq-cls", "image-cls")
-
-# task -> (name of the model_type -> class-name mapping in transformers.models.auto.modeling_auto,
-#          Auto class name)
-_TASK_MAPPINGS: dict[str, tuple[str, str]] = {
-    "causal-lm": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM"),
-    "masked-lm": ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "AutoModelForMaskedLM"),
-    "seq-cls": ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
-                "AutoModelForSequenceClassification"),
-    "image-cls": ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
-                  "AutoModelForImageClassification"),
-}
-
-# Suffix of a class in the config's "architectures" list -> task.
-_ARCH_SUFFIXES: tuple[tuple[str, str], ...] = (
-    ("ForCausalLM", "causal-lm"),
-    ("LMHeadModel", "causal-lm"),  # GPT2LMHeadModel
-    ("ForMaskedLM", "masked-lm"),
-    ("ForSequenceClassification", "seq-cls"),
-    ("ForImageClassification", "image-cls"),
-)
-
-# Default tokens per sample when the user gives none: decoders 2048 (the context length of the
-# Llama/Mistral/Qwen/Phi pre-training recipes, and a common fine-tuning length), encoders 512
-# (BERT's and RoBERTa's pre-training length); both capped by the model's position limit, so
-# GPT-2 gets 1024 and BERT 512.
-DEFAULT_SEQ_LEN = {"causal-lm": 2048, "masked-lm": 512, "seq-cls": 512}
+# Re-exported: callers that read the task table through hf keep working.
+__all__ = ["TASKS", "auto_class_name", "build_model", "make_config"]
 
 # Model types whose position ids start after the padding index (RobertaEmbeddings:
 # position ids = padding_idx + 1 + cumulative count), so max_position_embeddings - (pad + 1)
@@ -57,17 +34,6 @@ _PADDING_OFFSET_TYPES = frozenset(
 
 # A field name people use for one model family that another family spells differently.
 _FIELD_ALIASES = {"gpt2": {"intermediate_size": "n_inner"}}
-
-
-def auto_class_name(task: str) -> str:
-    """transformers' Auto class of a task (AutoModelForCausalLM, ...)."""
-    return _TASK_MAPPINGS[task][1]
-
-
-def _mapping(task: str) -> Mapping[str, Any]:
-    from transformers.models.auto import modeling_auto
-
-    return getattr(modeling_auto, _TASK_MAPPINGS[task][0])
 
 
 def transformers_config_dict(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -88,9 +54,12 @@ def check_model_type(config: Mapping[str, Any], origin: str) -> str:
             fix='add "model_type" (see the model\'s config.json on the hub)',
         )
     if model_type not in CONFIG_MAPPING:
+        import transformers
+
         hints = close_matches(str(model_type), list(CONFIG_MAPPING.keys()))
         raise TilefitError(
-            f"model_type {model_type!r} in {origin} is not known to this transformers version",
+            f"model_type {model_type!r} in {origin} is not known to transformers "
+            f"{transformers.__version__} (installed)",
             expected="a model_type of transformers' CONFIG_MAPPING",
             given=str(model_type),
             fix=(f"did you mean {', '.join(hints)}? " if hints else "")
@@ -134,48 +103,6 @@ def make_config(config: Mapping[str, Any]) -> PretrainedConfig:
         clean = transformers_config_dict(config)
         model_type = clean.pop("model_type")
         return AutoConfig.for_model(model_type, **clean)
-
-
-def default_task(config: Mapping[str, Any]) -> str:
-    """The task of the config's own architecture, else the first task its model_type supports.
-
-    Order of the fallback: image classification for vision types, then masked LM (encoders
-    such as BERT also register a causal-LM head, but are pre-trained as masked LMs), then
-    causal LM, then sequence classification.
-    """
-    for arch in config.get("architectures") or ():
-        for suffix, task in _ARCH_SUFFIXES:
-            if str(arch).endswith(suffix):
-                return task
-    model_type = config["model_type"]
-    for task in ("image-cls", "masked-lm", "causal-lm", "seq-cls"):
-        if model_type in _mapping(task):
-            return task
-    raise TilefitError(
-        f"model_type {model_type!r} has no head tilefit can train",
-        expected="a model with a causal-LM, masked-LM, sequence- or image-classification head",
-        given=str(model_type),
-        fix="wrap the model in a package.module:function factory that returns an nn.Module",
-    )
-
-
-def check_task(config: Mapping[str, Any], task: str) -> None:
-    if task not in TASKS:
-        raise TilefitError(
-            f"unknown task {task!r}",
-            expected=" | ".join(TASKS),
-            given=task,
-            fix="pick one of the tasks, or leave it out to use the model's own head",
-        )
-    model_type = config["model_type"]
-    if model_type not in _mapping(task):
-        supported = [t for t in TASKS if model_type in _mapping(t)]
-        raise TilefitError(
-            f"{model_type} models have no {task} head in transformers",
-            expected=" | ".join(supported) or "a supported task",
-            given=task,
-            fix="choose a task this model supports, or leave --task out",
-        )
 
 
 def position_limit(cfg: PretrainedConfig) -> int | None:
@@ -240,16 +167,27 @@ def canonical_field(config: Mapping[str, Any], field: str) -> str:
 
 
 def build_model(config: Mapping[str, Any], task: str, attention: str) -> torch.nn.Module:
-    """A fresh model in train mode, fp32, on the current default device / fake mode."""
+    """A fresh model in train mode, fp32, on the current default device / fake mode.
+
+    ``attention``: "auto" lets transformers choose for the architecture (SDPA where the model
+    class supports it, else eager: Gemma 2, BLOOM, Mamba); "sdpa" or "eager" as asked, and
+    "sdpa" on a class that refuses it is a TilefitError naming the fix.
+    """
     import torch
     import transformers
 
-    if attention not in ("eager", "sdpa"):
+    from tilefit.compat.transformers import (
+        check_attention,
+        skip_init_without_data,
+        tensors_have_data,
+    )
+
+    if attention not in ATTENTIONS:
         raise TilefitError(
             f"unknown attention implementation {attention!r}",
-            expected="eager | sdpa",
+            expected=" | ".join(ATTENTIONS),
             given=str(attention),
-            fix="pass attention='sdpa' (PyTorch's fused attention) or 'eager'",
+            fix="pass attention='auto' (transformers' choice for the model), 'sdpa' or 'eager'",
         )
     cfg = make_config(config)
     if task == "seq-cls" and getattr(cfg, "pad_token_id", None) is None:
@@ -257,13 +195,20 @@ def build_model(config: Mapping[str, Any], task: str, attention: str) -> torch.n
         # a pad id; the synthetic batch never contains it, so the last token is used.
         eos = getattr(cfg, "eos_token_id", None)
         cfg.pad_token_id = (eos[0] if isinstance(eos, list | tuple) else eos) or 0
+    if not tensors_have_data():
+        _no_random_structure(cfg)
     # the Auto class imports transformers' modeling code, and with it torchao if installed
     with quiet_imports():
-        auto_class = getattr(transformers, _TASK_MAPPINGS[task][1])
+        auto_class = getattr(transformers, auto_class_name(task))
+        head = head_class_name(task, cfg.model_type)
+        if head is not None and hasattr(transformers, head):
+            check_attention(getattr(transformers, head), attention)
     # fp32 master weights whatever dtype the checkpoint was published in; the precision of a
     # recipe (tilefit.vocab.Precision) is applied by the tracer, not here.
-    with quiet_imports(), _skip_init_without_data(), hub_offline():
-        model = auto_class.from_config(cfg, attn_implementation=attention, dtype=torch.float32)
+    with quiet_imports(), skip_init_without_data(), hub_offline():
+        model = auto_class.from_config(
+            cfg, attn_implementation=None if attention == "auto" else attention,
+            dtype=torch.float32)
     if task == "causal-lm" and getattr(model, "loss_type", "") is None:
         # GPT2LMHeadModel's name matches no loss family, so transformers falls back to its
         # causal-LM loss with a warning on every run; name that same loss to keep stderr clean.
@@ -272,106 +217,20 @@ def build_model(config: Mapping[str, Any], task: str, attention: str) -> torch.n
     return model
 
 
-def _tensors_have_data() -> bool:
-    """False inside a FakeTensorMode or under the meta device, where weights hold no values.
+def _no_random_structure(cfg: PretrainedConfig) -> None:
+    """LayerDrop and SpecAugment off, in a build without data (the trace's).
 
-    Read from the active dispatch modes and the default device, without creating a tensor (a
-    probe tensor would show up in a tracer's record of the build).
+    LayerDrop (Wav2Vec2's layerdrop 0.1, BART's encoder_layerdrop, ...) skips each layer at
+    random by comparing torch.rand([]) with the rate, a value a fake tensor cannot give: the
+    trace runs every layer, the step whose peak is highest. SpecAugment (Wav2Vec2's
+    mask_time_prob 0.05, mask_feature_prob) indexes the hidden states with a boolean mask drawn
+    on the host, whose backward needs the mask's true count: the trace leaves out that one
+    masked write of the hidden states.
     """
-    import torch
-
-    from tilefit.compat.fake import fake_mode_active
-
-    if fake_mode_active():
-        return False
-    return torch.get_default_device().type != "meta"
+    for field, value in cfg.to_dict().items():
+        random_part = field.endswith("layerdrop") or field in _SPEC_AUGMENT
+        if random_part and isinstance(value, float) and value > 0:
+            setattr(cfg, field, 0.0)
 
 
-@contextmanager
-def _skip_init_without_data() -> Iterator[None]:
-    """Skip weight initialisation when tensors are fake or meta (nothing to initialise).
-
-    Needed, not only faster: ``torch.nn.init.trunc_normal_`` (ViT, ...) branches on
-    ``mask.any()``, a data-dependent value a FakeTensor cannot give. Weight tying still runs
-    (GPT-2's lm_head shares wte), since it is ``tie_weights``, not ``initialize_weights``.
-    With real tensors nothing is skipped: real runs get the model's own initialisation.
-    """
-    if _tensors_have_data():
-        yield
-        return
-    from transformers import PreTrainedModel
-
-    try:  # transformers >= 5: the torch init functions and modules it patches itself
-        from transformers.initialization import TORCH_INIT_FUNCTIONS, TORCH_MODULES_TO_PATCH
-    except ImportError:  # transformers 4.x
-        from transformers.modeling_utils import no_init_weights
-
-        with no_init_weights():
-            yield
-        return
-
-    import sys
-
-    def _noop(*args: Any, **kwargs: Any) -> Any:
-        return args[0] if args else None
-
-    originals: list[tuple[Any, str, Any]] = []
-    for module_name in TORCH_MODULES_TO_PATCH:
-        module = sys.modules.get(module_name)
-        for func_name in TORCH_INIT_FUNCTIONS:
-            if module is not None and hasattr(module, func_name):
-                originals.append((module, func_name, getattr(module, func_name)))
-                setattr(module, func_name, _noop)
-    originals.append(
-        (PreTrainedModel, "initialize_weights", PreTrainedModel.__dict__["initialize_weights"])
-    )
-    PreTrainedModel.initialize_weights = _noop  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        for owner, attr, original in reversed(originals):
-            setattr(owner, attr, original)
-
-
-def _token_ids(batch_size: int, seq_len: int, cfg: PretrainedConfig, device: Any) -> torch.Tensor:
-    """Deterministic ids 0, 1, 2, ... (mod vocab) in every row, with the pad id stepped over."""
-    import torch
-
-    vocab = int(cfg.vocab_size)
-    ids = torch.arange(seq_len, dtype=torch.int64, device=device) % vocab
-    pad = getattr(cfg, "pad_token_id", None)
-    if pad is not None and vocab > 1:
-        ids = torch.where(ids == pad, (pad + 1) % vocab, ids)
-    return ids.unsqueeze(0).expand(batch_size, seq_len).contiguous()
-
-
-def make_hf_batch(
-    config: Mapping[str, Any], task: str, batch_size: int, seq_len: int | None, device: Any
-) -> dict[str, torch.Tensor]:
-    """A synthetic batch with the shapes and dtypes the task's head takes, labels included.
-
-    causal-lm / masked-lm: input_ids and labels (B, S) int64, every position labelled (for the
-    masked LM that is the cost of the loss over all positions; the encoder's cost does not
-    depend on which tokens are masked). seq-cls: input_ids (B, S), labels (B,) class 0.
-    image-cls: pixel_values (B, C, H, W) float32 zeros, labels (B,) class 0.
-    """
-    import torch
-
-    cfg = make_config(config)
-    if task == "image-cls":
-        size = cfg.image_size
-        height, width = (size, size) if isinstance(size, int) else tuple(size)
-        channels = int(getattr(cfg, "num_channels", 3))
-        return {
-            "pixel_values": torch.zeros(batch_size, channels, height, width, device=device),
-            "labels": torch.zeros(batch_size, dtype=torch.int64, device=device),
-        }
-    assert seq_len is not None
-    ids = _token_ids(batch_size, seq_len, cfg, device)
-    if task == "seq-cls":
-        # One label means regression in transformers (MSE on a float target).
-        dtype = torch.float32 if int(cfg.num_labels) == 1 else torch.int64
-        labels = torch.zeros(batch_size, dtype=dtype, device=device)
-    else:
-        labels = ids.clone()
-    return {"input_ids": ids, "labels": labels}
+_SPEC_AUGMENT = frozenset({"mask_time_prob", "mask_feature_prob"})

@@ -26,7 +26,9 @@ LORA_ALPHA = 32
 # tilefit's task (tilefit.models.hf.TASKS) -> peft's TaskType: the PeftModel class that wraps
 # the model. None: the plain PeftModel (peft has no masked-LM or image task type).
 PEFT_TASK_TYPES: dict[str, str | None] = {"causal-lm": "CAUSAL_LM", "seq-cls": "SEQ_CLS",
-                                           "masked-lm": None, "image-cls": None}
+                                           "masked-lm": None, "image-cls": None,
+                                           "seq2seq-lm": "SEQ_2_SEQ_LM", "speech-seq2seq": None,
+                                           "ctc": None}
 
 if TYPE_CHECKING:
     import torch

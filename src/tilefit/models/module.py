@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from tilefit.compat.transformers import hugging_face_module
+from tilefit.models.tasks import TARGET_TASKS, default_task
 from tilefit.models.workload import Workload, hf_workload
 
 
@@ -16,11 +17,23 @@ def module_workload(model: Any, batch: Any) -> tuple[Workload, int] | None:
     hf_model = hugging_face_module(model)
     if hf_model is None or not isinstance(batch, dict):
         return None
-    first = batch.get("input_ids", batch.get("pixel_values"))
-    if first is None or not hasattr(first, "shape"):
+    key = next((k for k in _INPUTS if hasattr(batch.get(k), "shape")), None)
+    if key is None:
         return None
+    first = batch[key]
     config = hf_model.config.to_dict()
     config["architectures"] = [type(hf_model).__name__]  # the head: the workload's task
     name = str(config.get("_name_or_path") or type(hf_model).__name__)
-    seq_len = int(first.shape[1]) if "input_ids" in batch else None
-    return hf_workload(name, config, task=None, seq_len=seq_len), int(first.shape[0])
+    seq_len = int(first.shape[1]) if key == "input_ids" else None
+    audio = (int(first.shape[1]),) if key == "input_values" else None
+    labels = batch.get("labels")  # a decoder's or a transcript's: their length
+    target = int(labels.shape[1]) if getattr(labels, "ndim", 0) == 2 and \
+        default_task(config) in TARGET_TASKS else None
+    work = hf_workload(name, config, task=None, seq_len=seq_len, input_shape=audio,
+                       target_seq_len=target)
+    return work, int(first.shape[0])
+
+
+# The main input of each task's head: token ids, pixels, log-mel features, raw audio.
+_INPUTS = ("input_ids", "pixel_values", "input_features", "input_values")
+

@@ -17,7 +17,7 @@ def count_parameters(workload: Workload) -> int:
     import torch
 
     with torch.device("meta"):
-        model = workload.build(attention="sdpa")
+        model = workload.build(attention="auto")
     return sum(p.numel() for p in model.parameters())
 
 

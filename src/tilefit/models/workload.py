@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from tilefit.errors import TilefitError, close_matches
-from tilefit.models import catalog, factory, hf
+from tilefit.models import catalog, factory, hf, inputs, tasks
 from tilefit.recipe import looks_like_factory
 
 if TYPE_CHECKING:
@@ -36,7 +36,10 @@ class Workload:
 
     ``config`` is the Hugging Face config as a read-only mapping (tilefit's ``_source`` notes
     included; None for plain factories). ``seq_len`` is tokens per sample (None when inputs are
-    not tokens). ``input_shape`` is one sample's shape for plain factories (None otherwise).
+    not tokens; the encoder's for seq2seq-lm). ``input_shape`` is one sample's shape for plain
+    factories and the audio samples of a CTC model (None otherwise: an image's or log-mel
+    input's shape is its config's). ``target_seq_len`` is the labels' length of a decoder
+    (seq2seq-lm, speech-seq2seq) or a CTC transcript (None for other tasks).
     """
 
     name: str
@@ -44,10 +47,12 @@ class Workload:
     config: Mapping[str, Any] | None
     seq_len: int | None
     input_shape: tuple[int, ...] | None = None
+    target_seq_len: int | None = None
 
     def __hash__(self) -> int:  # the config mapping is not hashable; its JSON text is
         config = None if self.config is None else json.dumps(dict(self.config), sort_keys=True)
-        return hash((self.name, self.task, self.seq_len, self.input_shape, config))
+        return hash((self.name, self.task, self.seq_len, self.input_shape, self.target_seq_len,
+                     config))
 
     @property
     def tokens_per_sample(self) -> int | None:
@@ -66,11 +71,12 @@ class Workload:
     def is_factory(self) -> bool:
         return self.task == MODULE_TASK
 
-    def build(self, attention: str = "sdpa") -> torch.nn.Module:
+    def build(self, attention: str = "auto") -> torch.nn.Module:
         """A fresh module in train mode, on the current default device / active fake mode.
 
-        Hugging Face models are built fp32 with ``attn_implementation=attention`` ("eager" or
-        "sdpa"); plain factories ignore ``attention`` (their code chooses).
+        Hugging Face models are built fp32 with ``attn_implementation=attention`` ("auto":
+        transformers' choice for the architecture, "eager" or "sdpa"); plain factories ignore
+        ``attention`` (their code chooses).
         """
         if self.config is None:
             return factory.build_module(self.name)
@@ -80,7 +86,7 @@ class Workload:
         """A synthetic batch of ``batch_size`` samples (deterministic; no RNG is used).
 
         Hugging Face tasks: a dict of tensors the model's forward takes, labels included (see
-        ``hf.make_hf_batch``). Factories: float32 zeros of shape (B, *input_shape).
+        ``inputs.make_hf_batch``). Factories: float32 zeros of shape (B, *input_shape).
         """
         import torch
 
@@ -94,16 +100,21 @@ class Workload:
         if self.config is None:
             assert self.input_shape is not None
             return torch.zeros(batch_size, *self.input_shape, device=device)
-        return hf.make_hf_batch(self.config, self.task, batch_size, self.seq_len, device)
+        return inputs.make_hf_batch(self.config, self.task, batch_size, self.seq_len, device,
+                                    target_seq_len=self.target_seq_len,
+                                    input_shape=self.input_shape)
 
     def loss_fn(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         """The scalar loss of one forward.
 
-        Hugging Face models: ``model(**batch).loss`` (the head's own loss). Factories: the mean of
-        the output, a STAND-IN for the user's loss (see ``factory.stand_in_loss``).
+        Hugging Face models: ``model(**batch).loss`` (the head's own loss; a CTC head's as
+        ``inputs.ctc_loss`` computes it with static shapes). Factories: the mean of the output,
+        a STAND-IN for the user's loss (see ``factory.stand_in_loss``).
         """
         if self.config is None:
             return factory.stand_in_loss(model(batch))
+        if self.task == "ctc":
+            return inputs.ctc_loss(model, batch)
         return model(**batch).loss
 
     def loss_for(self, fused_ce: bool) -> Any:
@@ -150,7 +161,8 @@ class Workload:
         if "num_labels" in changes:  # id2label would otherwise win over num_labels
             new.pop("id2label", None)
             new.pop("label2id", None)
-        return hf_workload(self.name, new, task=self.task, seq_len=self.seq_len)
+        return hf_workload(self.name, new, task=self.task, seq_len=self.seq_len,
+                           input_shape=self.input_shape, target_seq_len=self.target_seq_len)
 
     def with_seq_len(self, seq_len: int) -> Workload:
         """The same workload with another sequence length (checked against the model's limit)."""
@@ -162,7 +174,8 @@ class Workload:
                 fix="change the input shape instead",
             )
         assert self.config is not None
-        return hf_workload(self.name, dict(self.config), task=self.task, seq_len=seq_len)
+        return hf_workload(self.name, dict(self.config), task=self.task, seq_len=seq_len,
+                           input_shape=self.input_shape, target_seq_len=self.target_seq_len)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -171,6 +184,7 @@ class Workload:
             "model_type": self.model_type,
             "seq_len": self.seq_len,
             "input_shape": None if self.input_shape is None else list(self.input_shape),
+            "target_seq_len": self.target_seq_len,
             "loss_is_stand_in": self.loss_is_stand_in,
             "config": None if self.config is None else dict(self.config),
         }
@@ -182,12 +196,18 @@ def load_workload(
     seq_len: int | None = None,
     input_shape: tuple[int, ...] | None = None,
     task: str | None = None,
+    target_seq_len: int | None = None,
+    image_size: int | None = None,
 ) -> Workload:
     """A Workload from a catalog name / hub id, a config.json path, or ``pkg.mod:function``.
 
-    ``seq_len`` defaults per task (``hf.DEFAULT_SEQ_LEN``: 2048 for causal LMs, 512 for
-    encoders, capped by the model's positions); ``task`` defaults to the config's architecture
-    ("causal-lm" | "masked-lm" | "seq-cls" | "image-cls").
+    ``seq_len`` defaults per task (``tasks.DEFAULT_SEQ_LEN``: 2048 for causal LMs, 512 for
+    encoders and encoder-decoders, capped by the model's positions); ``task`` defaults to the
+    config's architecture, read through transformers' auto mappings (``tasks.TASKS``:
+    causal-lm, masked-lm, seq-cls, image-cls, seq2seq-lm, speech-seq2seq, ctc).
+    ``target_seq_len``: the labels of a decoder or a CTC transcript (``inputs.resolve_target``
+    says the defaults); ``image_size``: an image model's size (default: its config's).
+    ``input_shape``: a factory's sample, or a CTC model's audio samples (default 20 s at 16 kHz).
     """
     if not isinstance(source, str) or not source.strip():
         raise TilefitError(
@@ -200,12 +220,20 @@ def load_workload(
     name = catalog.resolve_name(source)
     if name is not None:
         config = catalog.catalog_entry(name)
-        return hf_workload(name, config, task=task, seq_len=seq_len, input_shape=input_shape)
+        return hf_workload(name, config, task=task, seq_len=seq_len, input_shape=input_shape,
+                           target_seq_len=target_seq_len, image_size=image_size)
     path = Path(os.path.expanduser(source))
     if path.suffix == ".json" or path.is_file() or path.is_dir():
         return hf_workload(source, _read_config(path), task=task, seq_len=seq_len,
-                            input_shape=input_shape)
+                           input_shape=input_shape, target_seq_len=target_seq_len,
+                           image_size=image_size)
     if looks_like_factory(source):
+        if target_seq_len is not None or image_size is not None:
+            raise TilefitError(
+                f"{source} is a plain nn.Module factory; target_seq_len and image_size apply "
+                "to Hugging Face configs", expected="--input-shape for a factory",
+                given=f"target_seq_len={target_seq_len}, image_size={image_size}",
+                fix="drop --target-seq / --image-size; give --input-shape")
         return _factory_workload(source, seq_len=seq_len, input_shape=input_shape, task=task)
     raise catalog.unknown_model_error(source)
 
@@ -246,10 +274,19 @@ def hf_workload(
     task: str | None,
     seq_len: int | None,
     input_shape: tuple[int, ...] | None = None,
+    target_seq_len: int | None = None,
+    image_size: int | None = None,
 ) -> Workload:
     hf.check_model_type(config, repr(name))
-    task = task or hf.default_task(config)
-    hf.check_task(config, task)
+    task = task or tasks.default_task(config)
+    tasks.check_task(config, task)
+    if image_size is not None:
+        if task != "image-cls":
+            raise TilefitError(f"{name} ({task}) is not an image model; it takes no image size",
+                               expected="--image-size for image classification",
+                               given=f"image_size={image_size}", fix="drop --image-size")
+        inputs.check_image_size(image_size)
+        config = {**config, "image_size": image_size}  # the model is built for it (ViT's table)
     try:
         cfg = hf.make_config(config)
     except hf.config_rejections() as exc:
@@ -259,43 +296,34 @@ def hf_workload(
             given=name,
             fix="compare the fields with the model's published config.json",
         ) from None
-    if task == "image-cls":
-        if seq_len is not None:
-            raise TilefitError(
-                f"{name} is an image model; it takes no seq_len",
-                expected="no --seq for image classification",
-                given=f"seq_len={seq_len}",
-                fix="leave --seq out (the image size comes from the config: image_size)",
-            )
-        if input_shape is not None:
-            size = cfg.image_size
-            hw = (size, size) if isinstance(size, int) else tuple(size)
-            own = (int(getattr(cfg, "num_channels", 3)), *hw)
-            if tuple(input_shape) != own:
-                raise TilefitError(
-                    f"{name} takes images of shape {own} (num_channels, image_size)",
-                    expected=f"input_shape {own} or none",
-                    given=str(tuple(input_shape)),
-                    fix="leave --input-shape out, or change image_size with a config what-if",
-                )
-        resolved_seq = None
-    else:
-        if input_shape is not None:
-            raise TilefitError(
-                f"{name} takes token sequences; input_shape is for module:function factories",
-                expected="--seq (seq_len= in Python) for text models",
-                given=f"input_shape={tuple(input_shape)}",
-                fix="use --seq instead of --input-shape",
-            )
-        resolved_seq = hf.choose_seq_len(task, cfg) if seq_len is None else seq_len
-        hf.check_seq_len(name, cfg, resolved_seq)
+    shape = inputs.resolve_input_shape(name, cfg, task, input_shape)
     return Workload(
         name=name,
         task=task,
         config=MappingProxyType(config),
-        seq_len=resolved_seq,
-        input_shape=None,
+        seq_len=(resolved := _resolve_seq_len(name, cfg, task, seq_len)),
+        input_shape=shape,
+        target_seq_len=inputs.resolve_target(cfg, task, resolved, target_seq_len, shape),
     )
+
+
+def _resolve_seq_len(name: str, cfg: Any, task: str, seq_len: int | None) -> int | None:
+    """Tokens per sample: as given (within the model's positions) or the task's default; None
+    for inputs that are not tokens (images, log-mel features, audio)."""
+    if task not in tasks.TOKEN_INPUT_TASKS:
+        if seq_len is not None:
+            what = "an image" if task == "image-cls" else "a speech"
+            raise TilefitError(
+                f"{name} is {what} model; it takes no seq_len",
+                expected=f"no --seq for {task}",
+                given=f"seq_len={seq_len}",
+                fix="leave --seq out (the input's size comes from the config, or --image-size; "
+                "--target-seq sets the labels' length)",
+            )
+        return None
+    resolved = hf.choose_seq_len(task, cfg) if seq_len is None else seq_len
+    hf.check_seq_len(name, cfg, resolved)
+    return resolved
 
 
 def _factory_workload(

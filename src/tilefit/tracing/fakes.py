@@ -11,8 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from tilefit.compat.fake import FakeTensorMode, tree_map
-from tilefit.compat.transformers import enable_checkpointing, set_attention
+from tilefit.compat.fake import DataDependentOutputException, FakeTensorMode, tree_map
+from tilefit.compat.transformers import (
+    enable_checkpointing,
+    set_attention,
+    skip_init_without_data,
+)
 from tilefit.errors import TilefitError
 from tilefit.models.cast import cast_floating
 from tilefit.tracing.autocast import recompute_contexts
@@ -75,13 +79,31 @@ def build_model(model: ModelSpec, mode: FakeTensorMode, meta: bool = False) -> n
     ``meta``: a factory's model on the meta device (FSDP2 shards it, then materialises it)."""
     if isinstance(model, nn.Module):
         return fake_copy(model, mode)
-    with torch.device("meta") if meta else mode:
-        built = model()
+    if meta:
+        with torch.device("meta"):
+            built = model()
+    else:
+        built = _build_fake(model, mode)
     if not isinstance(built, nn.Module):
         raise TilefitError("the model factory did not return an nn.Module",
                            expected="a zero-argument callable returning torch.nn.Module",
                            given=type(built).__name__, fix="return the module")
     return built
+
+
+def _build_fake(factory: Any, mode: FakeTensorMode) -> Any:
+    """The factory's product on fake tensors, without weight initialisation (no values to
+    initialise; torch.nn.init.trunc_normal_ reads one: ViT, DINOv2). An ``__init__`` that
+    reads a tensor it made on an explicit device (ConvNeXt's drop-path rates,
+    ``torch.linspace(..., device="cpu").tolist()``) cannot run under the fake mode; it is
+    built on the meta device, where such a tensor keeps its values, and copied to fakes."""
+    try:
+        with mode, skip_init_without_data():
+            return factory()
+    except DataDependentOutputException:
+        with torch.device("meta"), skip_init_without_data():
+            built = factory()
+    return fake_copy(built, mode) if isinstance(built, nn.Module) else built
 
 
 def prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target,

@@ -24,7 +24,7 @@ def trace_workload(workload: str | Workload, recipe: Recipe, gpu: str | Device) 
 
     work = load_workload(workload) if isinstance(workload, str) else workload
     recipe = recipe.on(resolve_target(gpu)[1])
-    build_attention = "sdpa" if recipe.attention == "auto" else recipe.attention
+    build_attention = recipe.attention  # auto: transformers' choice for the architecture
     if work.is_factory and recipe.attention != "auto":
         raise TilefitError(
             f"--attention {recipe.attention} applies to Hugging Face models",
