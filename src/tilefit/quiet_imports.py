@@ -16,7 +16,9 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
-IMPORT_TIME_LOGGERS = ("torchao", "torch.utils._pytree")
+# bitsandbytes: its CPU backend logs that it cannot fetch an optional kernel from the Hub
+# ("Failed to load CPU gemm_4bit_forward from kernels-community", bitsandbytes 0.50.2)
+IMPORT_TIME_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ from tilefit.vocab import (
     ATTENTIONS,
     DEFAULT_STRATEGY,
     OPTIMIZER_NAMES,
+    QUANTIZATIONS,
     STRATEGIES,
     ZERO_STRATEGIES,
     Precision,
@@ -172,6 +173,9 @@ class Recipe:
     compile: Compile | None = None
     parallel: Parallelism = ONE_GPU
     lora: Lora | None = None
+    # the frozen base's linear layers quantized by bitsandbytes (a vocab.Quantization: "nf4",
+    # "fp4", "int8"), as transformers' BitsAndBytesConfig loads them; needs lora (QLoRA)
+    quantize: str | None = None
     # PyTorch's CUDA caching allocator settings (PYTORCH_CUDA_ALLOC_CONF's text, e.g.
     # "expandable_segments:True"); None: the environment's, read when the step is estimated
     alloc_conf: str | None = None
@@ -222,6 +226,7 @@ class Recipe:
             raise TilefitError("Recipe(parallel=...) takes a Parallelism",
                                expected="Parallelism(world_size=8, strategy='fsdp2')",
                                given=repr(self.parallel), fix="wrap it in Parallelism(...)")
+        check_quantize(self)
         if self.fused_ce and self.compile is not None:
             raise TilefitError(
                 "fused linear cross-entropy is not predicted under torch.compile",
@@ -372,3 +377,40 @@ def training_loop_note(recipe: Recipe) -> str:
             "Hugging Face Trainer's defaults are max_grad_norm=1.0, optim='adamw_torch_fused', "
             "logging_nan_inf_filter=True; --max-grad-norm, --optimizer and --no-loss-sync "
             "change them)")
+
+
+def check_quantize(recipe: Recipe) -> None:
+    """A quantized base: a name of vocab.QUANTIZATIONS, under LoRA adapters (its 4- and
+    8-bit weights take no gradient), on one GPU, in eager mode, outside fp8-mixed."""
+    q = recipe.quantize
+    if q is None:
+        return
+    if q not in QUANTIZATIONS:
+        close = difflib.get_close_matches(str(q).lower(), QUANTIZATIONS, n=1, cutoff=0.5)
+        raise TilefitError(f"unknown quantization {q!r}"
+                           + (f" (did you mean {close[0]}?)" if close else ""),
+                           expected="one of " + ", ".join(QUANTIZATIONS), given=repr(q),
+                           fix="pass --quantize nf4 (QLoRA's 4-bit NormalFloat)")
+    clash = ("lora" if recipe.lora is None else "compile" if recipe.compile is not None
+             else "gpus" if recipe.parallel.world_size > 1
+             else "fp8" if recipe.precision == "fp8-mixed" else None)
+    if clash is None:
+        return
+    problem, fix = {
+        "lora": ("a quantized base is frozen: bitsandbytes' 4- and 8-bit weights take no "
+                 "gradient, so something else must train", "add --lora (QLoRA)"),
+        "compile": ("a quantized base is not predicted under torch.compile yet",
+                    "drop --compile"),
+        "gpus": ("a quantized base is predicted on one GPU (FSDP needs bitsandbytes' "
+                 "quant_storage set to the compute dtype)", "drop --gpus"),
+        "fp8": ("bitsandbytes' layers compute in bf16, fp16 or fp32, not fp8 (torchao's "
+                "float8 training would swap the same linear layers)",
+                "pass another --precision (QLoRA trains under bf16 autocast)"),
+    }[clash]
+    raise TilefitError(problem, expected=f"--quantize {q} with --lora, on one GPU, eager, "
+                       "in a 16-bit or fp32 precision",
+                       given=f"--quantize {q} with " + {
+                           "lora": "no --lora", "compile": "--compile",
+                           "gpus": f"--gpus {recipe.parallel.world_size}",
+                           "fp8": "--precision fp8-mixed"}[clash],
+                       fix=fix)

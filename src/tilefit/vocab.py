@@ -55,8 +55,15 @@ ZeroStrategy = Literal["zero1", "zero2", "zero3"]
 ZERO_STRATEGIES: tuple[str, ...] = get_args(ZeroStrategy)
 
 # ---- optimizers (tilefit.tracing.optimizers builds them) ------------------------------------
+# adamw-8bit, paged-adamw-8bit, paged-adamw: bitsandbytes' AdamW8bit, PagedAdamW8bit and
+# PagedAdamW (the optional extra "quant"); paged state lives in CUDA unified memory
 OPTIMIZER_NAMES: tuple[str, ...] = ("sgd", "adam", "adamw", "adamw-fused", "adafactor",
-                                    "adamw-8bit")
+                                    "adamw-8bit", "paged-adamw-8bit", "paged-adamw")
+# the optimizers bitsandbytes builds (tilefit.tracing.optimizers)
+BNB_OPTIMIZERS: tuple[str, ...] = ("adamw-8bit", "paged-adamw-8bit", "paged-adamw")
+# of those, the ones whose state is paged (cudaMallocManaged): the driver may evict it to the
+# host under memory pressure instead of failing the allocation
+PAGED_OPTIMIZERS: tuple[str, ...] = ("paged-adamw-8bit", "paged-adamw")
 # an optimizer -> the same update as one fused kernel (torch.optim's fused=True)
 FUSED_IMPLEMENTATION: dict[str, str] = {"adamw": "adamw-fused"}
 
@@ -65,6 +72,12 @@ def same_update(a: str, b: str) -> bool:
     """Whether two optimizer names are the same training algorithm (one may be the other's
     fused implementation)."""
     return a == b or FUSED_IMPLEMENTATION.get(a) == b or FUSED_IMPLEMENTATION.get(b) == a
+
+# ---- quantized base weights (tilefit.models.quantize: bitsandbytes' own layers) ----------
+# nf4 / fp4: Linear4bit (QLoRA's 4-bit NormalFloat / 4-bit float); int8: Linear8bitLt
+# (LLM.int8()). Every linear layer but the output head, as transformers' BitsAndBytesConfig
+Quantization = Literal["nf4", "fp4", "int8"]
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 # ---- precisions ---------------------------------------------------------------------------
 PrecisionName = Literal["fp32", "tf32", "fp16-mixed", "bf16-mixed", "bf16-true", "fp16-true",

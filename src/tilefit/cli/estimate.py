@@ -36,13 +36,13 @@ def estimate(
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     fused_ce: bool = mo.FUSED_CE_OPTION,
     lora: bool = mo.LORA_OPTION,
+    quantize: str | None = mo.QUANTIZE_OPTION,
     gpus: int = mo.GPUS_OPTION,
     nodes: int | None = mo.NODES_OPTION,
     network: str | None = mo.NETWORK_OPTION,
     strategy: str | None = mo.STRATEGY_OPTION,
-    offload: bool = typer.Option(False, "--offload", help="With --strategy zero1/zero2/"
-                                 "zero3: DeepSpeed's optimizer offloaded to the CPU "
-                                 "(modelled)."),
+    offload: bool = typer.Option(False, "--offload", help="With --strategy zero1/zero2/zero3:"
+                                 " DeepSpeed's optimizer offloaded to the CPU (modelled)."),
     ops: bool = typer.Option(True, "--ops/--no-ops", help="With --json: include every op record "
                              "of the steady step (--no-ops for the summary only)."),
     compile_: bool = mo.COMPILE_OPTION,
@@ -65,9 +65,9 @@ def estimate(
             work, batch_size=batch, precision=precision, optimizer=optimizer,
             grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation,
             attention=attention, max_grad_norm=max_grad_norm, loss_sync=loss_sync,
-            fused_ce=fused_ce, lora=lora, compile_=compile_, compile_mode=compile_mode,
-            alloc_conf=alloc_conf, graph_breaks=graph_breaks, gpus=gpus, strategy=strategy,
-            offload=offload).on(device)
+            fused_ce=fused_ce, lora=lora, quantize=quantize, compile_=compile_,
+            compile_mode=compile_mode, alloc_conf=alloc_conf, graph_breaks=graph_breaks,
+            gpus=gpus, strategy=strategy, offload=offload).on(device)
         result = estimate_recipe(work, None, recipe, device)
     _notes(recipe, work.is_factory)
     if json_out:

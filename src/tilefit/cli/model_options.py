@@ -114,6 +114,13 @@ LORA_OPTION = typer.Option(
     "proposes. Hugging Face models; needs peft.")
 
 
+QUANTIZE_OPTION = typer.Option(
+    None, "--quantize", help="With --lora (QLoRA): the frozen base's linear layers but the "
+    "output head quantized by bitsandbytes, as transformers' BitsAndBytesConfig loads them: "
+    "nf4 or fp4 (Linear4bit, blocks of 64, double quantization, computing in the "
+    "precision's 16-bit dtype), or int8 (Linear8bitLt; --gpu cpu only). Needs bitsandbytes.")
+
+
 ALLOC_CONF_OPTION = typer.Option(
     None, "--alloc-conf", help="PyTorch's CUDA caching allocator settings, as "
     "PYTORCH_CUDA_ALLOC_CONF takes them (e.g. expandable_segments:True, "

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal, get_args
 
+from tilefit.dtypes import parse_dtype
 from tilefit.estimator.collectives import collective_time_s
 from tilefit.estimator.multitensor import kernel_launches
 from tilefit.gemm import analyze_gemm
@@ -246,8 +247,30 @@ def _unknown(op: OpRecord, device: Device, ctx: CostContext) -> float:
 
 @register_cost("gemm")
 def _gemm(op: OpRecord, device: Device, ctx: CostContext) -> float:
-    return sum(gemm_time_s(g, gemm_dtype(g.dtype, conv=False, device=device, ctx=ctx), device)
-               for g in op.gemms) or memory_time_s(op.bytes, device)
+    return (sum(gemm_time_s(g, gemm_dtype(g.dtype, conv=False, device=device, ctx=ctx), device)
+                for g in op.gemms) or memory_time_s(op.bytes, device)) \
+        + dequantize_time_s(op, device)
+
+
+# bitsandbytes' gemm_4bit dequantizes the 4-bit weight into a buffer of A's dtype, then runs
+# F.linear: always on the CPU, and on CUDA past M = 1536 rows, below which its own kernel reads
+# the packed weight inside the GEMM (bitsandbytes 0.50.2, backends/cuda/ops.py
+# _gemm_4bit_custom_max_m and _dequant_linear_fallback; docs/references.md, section 33)
+BNB_DEQUANT_MIN_M = 1536
+BNB_BLOCK = 64  # 4-bit quantization block: one absmax per 64 weights (fp32 once dequantized)
+
+
+def dequantize_time_s(op: OpRecord, device: Device) -> float:
+    """The dequantization kernel before a 4-bit GEMM: it reads the packed weight (half a
+    byte each) and its fp32 absmax, and writes the dense weight."""
+    if not op.op.startswith("bitsandbytes.gemm_4bit") or not op.gemms:
+        return 0.0
+    g = op.gemms[0]
+    if device.kind != "cpu" and g.m <= BNB_DEQUANT_MIN_M:
+        return 0.0
+    weights = g.n * g.k
+    dense = weights * parse_dtype(g.dtype).bytes
+    return memory_time_s(weights // 2 + 4 * weights // BNB_BLOCK + dense, device)
 
 
 @register_cost("conv")

@@ -39,8 +39,11 @@ if TYPE_CHECKING:
 
 def require_peft() -> Any:
     """The peft module, or a TilefitError saying how to install it."""
+    from tilefit.quiet_imports import quiet_imports
+
     try:
-        import peft
+        with quiet_imports():  # peft imports bitsandbytes where installed, which logs
+            import peft
     except ImportError:
         raise TilefitError(
             "LoRA (estimate's --lora, plan's --allow-peft) is traced with the peft library, "

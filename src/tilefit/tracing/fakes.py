@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tilefit.compat.bitsandbytes import fake_quantized, is_quantized_param
 from tilefit.compat.fake import DataDependentOutputException, FakeTensorMode, tree_map
 from tilefit.compat.transformers import (
     enable_checkpointing,
@@ -44,7 +45,11 @@ def fake_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     user's module, its weights and its device are untouched (nothing real is copied)."""
     memo: dict[int, Any] = {}
     for p in model.parameters(recurse=True):
-        if id(p) not in memo:
+        if id(p) in memo:
+            continue
+        if is_quantized_param(p):  # bitsandbytes' weights, quantized as its layers load them
+            memo[id(p)] = fake_quantized(p, mode)
+        else:
             memo[id(p)] = nn.Parameter(_fake_like(p, mode), requires_grad=p.requires_grad)
     for b in model.buffers(recurse=True):
         if id(b) not in memo:

@@ -3,63 +3,66 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 
 from tilefit.errors import TilefitError
-from tilefit.vocab import OPTIMIZER_NAMES
+from tilefit.vocab import OPTIMIZER_NAMES, PAGED_OPTIMIZERS
 
 __all__ = [
+    "BNB_CLASSES",
     "OPTIMIZER_NAMES",
-    "AdamW8bitModel",
     "OptimizerSpec",
+    "bnb_optimizer",
     "host_step_counters",
     "make_optimizer",
     "optimizer_state_tensors",
+    "paged_note",
 ]
 
 OptimizerSpec = str | Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
-# bitsandbytes' 8-bit optimizers quantise each state blockwise with one fp32 absmax per block
-# of 256 values (bitsandbytes functional.optimizer_update_8bit_blockwise, blocksize 256), and
-# keep tensors smaller than min_8bit_size = 4096 elements in 32-bit state.
-BNB_BLOCK = 256
-BNB_MIN_8BIT_SIZE = 4096
+# bitsandbytes' optimizers by name (vocab.BNB_OPTIMIZERS): the library's own classes
+BNB_CLASSES = {"adamw-8bit": "AdamW8bit", "paged-adamw-8bit": "PagedAdamW8bit",
+               "paged-adamw": "PagedAdamW"}
 
 
-class AdamW8bitModel(torch.optim.Optimizer):
-    """What bitsandbytes' AdamW8bit allocates and moves, without bitsandbytes.
+def bnb_optimizer(name: str, params: list[torch.nn.Parameter], lr: float
+                  ) -> torch.optim.Optimizer:
+    """bitsandbytes' own optimizer, its 8-bit quantization maps built on the real CPU first
+    (it builds them with ``.tolist()``, which fake tensors cannot answer; 256 values each).
+    Its state, as init_state allocates it: two uint8 moments and one fp32 absmax per 256
+    values for a tensor of at least min_8bit_size = 4096 values, two fp32 moments below; on
+    fake (CPU) tensors the paged variants allocate the same state with zeros_like, as
+    bitsandbytes does on a CPU (tilefit.tracing.step notes where it would be paged)."""
+    from tilefit.compat.bitsandbytes import quiet_paged_fallback, require_bitsandbytes
+    from tilefit.compat.fake import unset_fake_temporarily
 
-    State per parameter: two uint8 moments plus one fp32 absmax per 256 values (fp32 moments
-    for tensors under 4096 elements). Its step is one fused kernel per tensor that reads the
-    parameter, the gradient and both states and writes the parameter and both states; the
-    in-place ops below move the same bytes and allocate nothing, as the fused kernel does.
-    """
+    bnb = require_bitsandbytes(f"optimizer {name!r}")
+    with unset_fake_temporarily():  # its constructor reads its maps' values too
+        opt = getattr(bnb.optim, BNB_CLASSES[name])(params, lr=lr)
+        if hasattr(opt, "fill_qmap"):
+            opt.fill_qmap()
+    quiet_paged_fallback(opt)
+    return opt  # type: ignore[no-any-return]
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1e-3) -> None:
-        super().__init__(params, {"lr": lr})
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    if p.numel() < BNB_MIN_8BIT_SIZE:
-                        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                    else:
-                        blocks = -(-p.numel() // BNB_BLOCK)
-                        state["exp_avg"] = torch.zeros_like(p, dtype=torch.uint8)
-                        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.uint8)
-                        state["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
-                        state["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
-                state["exp_avg"].add_(1)
-                state["exp_avg_sq"].add_(1)
-                p.add_(p.grad, alpha=-group["lr"])
+# bitsandbytes pages a state buffer (cudaMallocManaged) only for tensors of 1e5 values or more
+# (bitsandbytes 0.50.2, optim/optimizer.py Optimizer8bit.get_state_buffer)
+BNB_PAGED_MIN_NUMEL = 100_000
+
+
+def paged_note(name: object, opt: torch.optim.Optimizer) -> str | None:
+    """What a paged optimizer's state means for the memory line, or None."""
+    if name not in PAGED_OPTIMIZERS:
+        return None
+    paged = sum(t.nbytes for p, state in opt.state.items() if p.numel() >= BNB_PAGED_MIN_NUMEL
+                for t in state.values() if isinstance(t, torch.Tensor))
+    return (f"{name}: {paged / 2**20:.1f} MiB of optimizer state is paged (CUDA unified "
+            "memory, outside PyTorch's caching allocator): it is counted in the peak as if "
+            "resident, but under memory pressure the driver evicts it to host memory "
+            "instead of failing, so a step over the line by up to that much still runs, "
+            "paging over PCIe")
 
 
 def make_optimizer(spec: OptimizerSpec, params: list[torch.nn.Parameter], *,
@@ -85,8 +88,8 @@ def make_optimizer(spec: OptimizerSpec, params: list[torch.nn.Parameter], *,
                 expected="torch >= 2.5", given=f"torch {torch.__version__}",
                 fix="upgrade PyTorch, or pass a factory: optimizer=lambda ps: MyAdafactor(ps)")
         return torch.optim.Adafactor(params, lr=1e-2, foreach=foreach)
-    if name == "adamw-8bit":
-        return AdamW8bitModel(params, lr=lr)
+    if name in BNB_CLASSES:
+        return bnb_optimizer(name, params, lr)
     raise TilefitError(
         f"unknown optimizer {spec!r}",
         expected="one of " + ", ".join(OPTIMIZER_NAMES) + ", or a factory params -> Optimizer",

@@ -30,6 +30,14 @@ NO_KERNEL = {"aten.detach", "aten.alias", "aten.lift_fresh", "aten._unsafe_view"
              "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided", "aten.empty_like",
              "aten._local_scalar_dense", "aten.set_", "aten.lift_fresh_copy"}
 
+# bitsandbytes' custom ops (bitsandbytes/_ops.py): its 4-bit GEMM (the weight dequantized,
+# then multiplied: tilefit.estimator.cost adds the dequantization's bytes) and its
+# memory-bound kernels, which stream their operands once: blockwise (de)quantization, the
+# 8-bit vectorwise (de)quantization and the optimizers' fused updates
+BNB_GEMM_OPS = {"bitsandbytes.gemm_4bit", "bitsandbytes.gemv_4bit"}
+BNB_MEMORY_OPS = ("bitsandbytes.dequantize_", "bitsandbytes.quantize_",
+                  "bitsandbytes.int8_vectorwise_", "bitsandbytes.optimizer_update_")
+
 # Op families that are memory-bound by nature (copies, creation, reductions, norms,
 # softmax, losses, indexing, pooling, optimizer foreach kernels and their backward ops):
 # bytes over bandwidth is their right cost. Pointwise ops are recognised by torch's
@@ -90,6 +98,10 @@ def _classify(func: Any) -> str:
         return "memory"
     if name.startswith("tilefit."):  # tilefit's own kernels (models.fused_loss): streaming
         return "memory"
+    if name in BNB_GEMM_OPS:
+        return "gemm"
+    if name.startswith(BNB_MEMORY_OPS):  # bitsandbytes' (de)quantize and optimizer kernels
+        return "memory"
     return "unknown"
 
 
@@ -112,6 +124,9 @@ def gemm_shapes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: A
     if name == "aten.baddbmm":
         a, b = args[1], args[2]
         return (GemmShape(a.shape[0], a.shape[1], b.shape[2], a.shape[2], tilefit_dtype(a.dtype)),)
+    if name in BNB_GEMM_OPS:  # A (..., K) times the 4-bit weight of shape shapeB = (N, K)
+        a, n = args[0], args[2][0]
+        return (GemmShape(1, a.numel() // a.shape[-1], n, a.shape[-1], tilefit_dtype(a.dtype)),)
     if name == "aten.convolution_backward":
         return _conv_backward_gemms(args)
     if name in CONV_OPS:
@@ -166,6 +181,9 @@ def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
     formula failed, None where it ran or there is none): OpRecord.flops, .flops_error."""
     if attention is not None and "b" in attention:
         return attention_flops(attention), None
+    if packet_name(func) in BNB_GEMM_OPS:
+        g = gemm_shapes(func, args, kwargs, out, "gemm")[0]
+        return 2 * g.m * g.n * g.k, None
     formula = flop_formula(func)
     if formula is None:
         return 0, None

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from tilefit.compat.bitsandbytes import logical_numel, quant_state_tensors
 from tilefit.compat.compile import mutating_ops_in_place
 from tilefit.compat.fake import FakeTensorMode, new_fake_mode, tree_leaves
 from tilefit.compat.modules import ModulePath
@@ -35,7 +36,7 @@ from tilefit.tracing.errors import explain_build_errors, explain_fake_errors
 from tilefit.tracing.fakes import Prepared, prepare
 from tilefit.tracing.gc_pause import gc_paused
 from tilefit.tracing.loop import default_loss, micro_step, optimizer_step
-from tilefit.tracing.optimizers import host_step_counters
+from tilefit.tracing.optimizers import host_step_counters, paged_note
 from tilefit.tracing.options import (
     LossFn,
     ModelSpec,
@@ -164,7 +165,8 @@ def _trace_prepared(prep: Prepared, options: TraceOptions, target: Target,
     autocast = autocast_for(target, options.low_dtype, router)
     with mode:
         recorder.register_existing(list(prep.model.parameters()) +
-                                   list(prep.model.buffers()), "parameters")
+                                   list(prep.model.buffers()) +
+                                   list(quant_state_tensors(prep.model)), "parameters")
         recorder.register_existing(prep.batch, "inputs")
         if prep.scaler_state is not None:
             recorder.register_existing(prep.scaler_state, "optimizer_state")
@@ -263,6 +265,9 @@ def _to_trace(prep: Prepared, options: TraceOptions, target: Target, recorder: R
                         "step: it materialises the S x S scores (fp32 or unsupported head dim "
                         "or mask)")
     warnings.extend(prep.notes)
+    paged = paged_note(options.optimizer, prep.optimizer)
+    if paged is not None:
+        warnings.append(paged)
     optimizer = options.optimizer
     parallel = options.parallel
     return Trace(
@@ -273,7 +278,7 @@ def _to_trace(prep: Prepared, options: TraceOptions, target: Target, recorder: R
         accumulation_steps=options.accumulation_steps,
         traced_micro_steps=min(options.accumulation_steps, 2),
         ops=tuple(recorder.ops), storages=recorder.storages(), n_events=recorder.events,
-        param_count=sum(p.numel() for p in prep.model.parameters()),
+        param_count=sum(logical_numel(p) for p in prep.model.parameters()),
         trainable_param_count=sum(p.numel() for p in prep.params),
         trainable_param_tensors=len(prep.params),
         samples_per_micro_batch=samples, tokens_per_micro_batch=tokens,

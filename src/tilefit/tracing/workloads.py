@@ -31,15 +31,26 @@ def trace_workload(workload: str | Workload, recipe: Recipe, gpu: str | Device) 
             expected="auto for a plain nn.Module factory (its own code chooses)",
             given=recipe.attention, fix="drop --attention")
     model: Any = functools.partial(work.build, build_attention)
-    if recipe.lora is not None:  # peft's LoRA, built on the meta device (models.lora says why)
+    if recipe.quantize is not None:  # QLoRA: bitsandbytes' layers under peft's adapters
+        from tilefit.models.quantize import build_quantized_model, check_target
+
+        check_lora(work)
+        check_target(recipe, resolve_target(gpu)[0].kind == "cuda")
+        model = build_quantized_model(work, build_attention, recipe)
+    elif recipe.lora is not None:  # peft's LoRA, built on the meta device (models.lora says why)
         from tilefit.models.lora import build_lora_model, lora_base_dtype
 
         check_lora(work)
         model = build_lora_model(work, build_attention, lora_base_dtype(recipe))
     # the workload's model already has its attention implementation built in
-    return trace_module(model, work.make_batch(recipe.batch_size, device="meta"),
-                        replace(recipe, attention="auto"), gpu,
-                        loss_fn=work.loss_for(recipe.fused_ce))
+    tr = trace_module(model, work.make_batch(recipe.batch_size, device="meta"),
+                      replace(recipe, attention="auto"), gpu,
+                      loss_fn=work.loss_for(recipe.fused_ce))
+    if recipe.quantize is None:
+        return tr
+    from tilefit.models.quantize import quantize_notes
+
+    return replace(tr, warnings=tr.warnings + quantize_notes(recipe))
 
 
 def check_lora(workload: Workload) -> None:

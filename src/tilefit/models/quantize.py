@@ -1,0 +1,101 @@
+"""A quantized base as QLoRA loads it: transformers' bitsandbytes quantizer swaps every
+linear layer but the output head for bitsandbytes' own ``Linear4bit`` (nf4, fp4) or
+``Linear8bitLt`` (int8), peft's ``prepare_model_for_kbit_training`` casts what stays
+unquantized to fp32 and freezes it, and peft's LoRA adapters wrap the quantized layers.
+
+Built on the meta device, as tilefit.models.lora builds LoRA; the weights are quantized when
+the tracer makes its fake copy (tilefit.compat.bitsandbytes.fake_quantized: bitsandbytes'
+quantizer on fake tensors), so the trace holds the packed weights and their quant state.
+
+The settings are QLoRA's (Dettmers et al. 2023; docs/references.md, section 33): blocks
+of 64 weights with double quantization (``bnb_4bit_use_double_quant=True``), and the
+compute dtype is the recipe's own 16-bit autocast dtype (bf16 or fp16; fp32 without
+autocast) where transformers' BitsAndBytesConfig defaults
+``bnb_4bit_compute_dtype`` to fp32.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tilefit.compat.bitsandbytes import require_bitsandbytes
+from tilefit.errors import TilefitError
+
+if TYPE_CHECKING:
+    import torch
+
+    from tilefit.models import Workload
+    from tilefit.recipe import Recipe
+
+DOUBLE_QUANT = True  # QLoRA's double quantization: the absmax themselves in 8 bits
+
+
+def compute_dtype(recipe: Recipe) -> torch.dtype:
+    """The dtype bitsandbytes' layers compute in: the recipe's 16-bit dtype, else fp32."""
+    from tilefit.dtypes import torch_dtype
+
+    return torch_dtype(recipe.spec.half_dtype or "fp32")  # type: ignore[no-any-return]
+
+
+def bnb_config(quantize: str, dtype: torch.dtype) -> Any:
+    """transformers' BitsAndBytesConfig for ``quantize`` (a vocab.Quantization)."""
+    from transformers import BitsAndBytesConfig
+
+    if quantize == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantize,
+                              bnb_4bit_use_double_quant=DOUBLE_QUANT,
+                              bnb_4bit_compute_dtype=dtype)
+
+
+def check_target(recipe: Recipe, cuda: bool) -> None:
+    """What bitsandbytes runs that tilefit can trace for this target."""
+    if recipe.quantize == "int8" and cuda:
+        raise TilefitError(
+            "--quantize int8 is predicted on the CPU only: bitsandbytes picks LLM.int8()'s "
+            "training path by the tensors' device (MatMul8bitLt on CUDA, a dequantize-and-"
+            "matmul MatMul8bitFp on the CPU) and tilefit's fake tensors live on the CPU, so "
+            "a GPU trace would show the CPU's kernels", expected="--quantize nf4 or fp4 on a "
+            "GPU, int8 with --gpu cpu", given="--quantize int8 on a GPU",
+            fix="pass --quantize nf4 (QLoRA's 4-bit base)")
+
+
+def quantize_notes(recipe: Recipe) -> tuple[str, ...]:
+    if recipe.quantize is None:
+        return ()
+    if recipe.quantize == "int8":
+        return ("int8 base: bitsandbytes' Linear8bitLt (LLM.int8(), outlier threshold 0) on "
+                "every linear layer but the output head; the rest fp32 "
+                "(peft's prepare_model_for_kbit_training)",)
+    return (f"{recipe.quantize} base: bitsandbytes' Linear4bit on every linear layer but the "
+            "output head, blocks of 64 with double quantization, computing in "
+            f"{str(compute_dtype(recipe)).removeprefix('torch.')} (the recipe's dtype; "
+            "BitsAndBytesConfig's default bnb_4bit_compute_dtype is fp32); the rest fp32 "
+            "(peft's prepare_model_for_kbit_training)",)
+
+
+def build_quantized_model(work: Workload, attention: str, recipe: Recipe) -> torch.nn.Module:
+    """The workload's model as QLoRA trains it, on the meta device: bitsandbytes' layers
+    (not yet quantized), peft's fp32 casts, peft's LoRA adapters."""
+    import torch
+
+    from tilefit.models.lora import get_peft_model, require_peft
+    from tilefit.quiet_imports import quiet_imports, quiet_transformers
+
+    with quiet_imports():  # transformers' quantizers import torchao where installed
+        from transformers.quantizers import AutoHfQuantizer
+    bnb = require_bitsandbytes(f"--quantize {recipe.quantize}")  # first: quietly imported
+    peft = require_peft()
+    dtype = compute_dtype(recipe)
+    quantizer = AutoHfQuantizer.from_config(bnb_config(str(recipe.quantize), dtype),
+                                            pre_quantized=False)
+    with quiet_transformers(), torch.device("meta"):
+        model = work.build(attention)
+        quantizer.preprocess_model(model, device_map={"": "cpu"})
+        for module in model.modules():  # the 16-bit weights the quantizer is given
+            if isinstance(module, bnb.nn.Linear4bit):
+                module.weight.data = module.weight.data.to(dtype)
+        quantizer.postprocess_model(model)  # is_loaded_in_4bit / 8bit, as from_pretrained
+        # checkpointing is the tracer's (non-reentrant, which needs no input hook)
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        return get_peft_model(model, work.task)

@@ -1,0 +1,165 @@
+"""Quantized bases (Recipe.quantize) traced with bitsandbytes' own layers and its
+optimizers: sizes counted by hand (bitsandbytes' formats: docs/references.md, section 33)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("peft")
+
+from tests.conftest import run_cli
+
+from tilefit import Recipe, trace
+from tilefit.errors import TilefitError
+from tilefit.recipe import Lora
+
+# a Llama of 2 layers, hidden 64, vocab 128: 7 linear layers per block, q/o 64x64,
+# k/v 32x64 (2 KV heads of 16), gate/up 128x64, down 64x128, an untied lm_head
+CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64,
+          "tie_word_embeddings": False}
+LINEARS = [(64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128)] * 2
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from tilefit.models import load_workload
+
+    path = tmp_path_factory.mktemp("qlora") / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    return load_workload(str(path), seq_len=32)
+
+
+def nf4_weight_bytes(n: int, k: int, double_quant: bool = True) -> int:
+    """One 4-bit weight as bitsandbytes stores it: two weights a byte, one absmax per block
+    of 64 (uint8 with double quantization, plus one fp32 absmax per 256 of them and an fp32
+    offset; fp32 without), and the 16-value fp32 code of nf4."""
+    blocks = math.ceil(n * k / 64)
+    absmax = blocks + 4 * math.ceil(blocks / 256) + 4 if double_quant else 4 * blocks
+    return n * k // 2 + absmax + 16 * 4
+
+
+def test_fake_quantization_has_bitsandbytes_sizes() -> None:
+    import bitsandbytes as bnb
+    import torch
+
+    from tilefit.compat.bitsandbytes import fake_quantized, quant_state_tensors
+    from tilefit.compat.fake import new_fake_mode
+
+    mode = new_fake_mode()
+    for n, k in ((128, 64), (4096, 4096)):
+        for double in (True, False):
+            with torch.device("meta"):
+                layer = bnb.nn.Linear4bit(k, n, bias=False, compress_statistics=double,
+                                          quant_type="nf4")
+            w = fake_quantized(layer.weight, mode)
+            assert (w.dtype, tuple(w.shape)) == (torch.uint8, (n * k // 2, 1))
+            holder = torch.nn.Linear(1, 1)
+            holder.weight = w
+            state = [t for t in quant_state_tensors(holder)
+                     if t.numel() != 256]  # the dynamic map: one real tensor, shared
+            total = w.nbytes + sum(t.nbytes for t in state)
+            assert total == nf4_weight_bytes(n, k, double)
+
+
+def test_qlora_trace_holds_the_packed_base(workload) -> None:  # type: ignore[no-untyped-def]
+    recipe = Recipe(batch_size=2, precision="bf16-mixed", lora=Lora(), quantize="nf4",
+                    optimizer="adamw")
+    tr = trace(workload, recipe=recipe, gpu="a100-80gb")
+    params = sum(s.nbytes for s in tr.storages if s.category == "parameters")
+    quantized = sum(nf4_weight_bytes(n, k) for n, k in LINEARS)
+    # prepare_model_for_kbit_training: embeddings, norms and lm_head in fp32; the adapters
+    # fp32 (peft); the 8-bit dynamic map of double quantization, 256 fp32, held once; the
+    # rotary embedding's inv_freq and original_inv_freq buffers, 8 fp32 each
+    unquantized = 4 * (128 * 64 + 128 * 64 + 5 * 64)
+    assert params == quantized + unquantized + 4 * tr.trainable_param_count + 256 * 4 + 64
+    assert tr.param_count == sum(n * k for n, k in LINEARS) + unquantized // 4 \
+        + tr.trainable_param_count
+    kinds = {o.op.split(".")[1]: o.kind for o in tr.ops if o.op.startswith("bitsandbytes.")}
+    assert kinds == {"gemm_4bit": "gemm", "dequantize_4bit": "memory",
+                     "dequantize_blockwise": "memory"}
+    gemm = next(o for o in tr.ops if o.op.startswith("bitsandbytes.gemm_4bit"))
+    g = gemm.gemms[0]
+    assert gemm.flops == 2 * g.m * g.n * g.k and g.m == 2 * 32 and g.dtype == "bf16"
+    assert any("bnb_4bit_compute_dtype is fp32" in w for w in tr.warnings)
+
+
+def test_dequantize_before_the_gemm_costs_its_bytes() -> None:
+    from tilefit.estimator.cost import dequantize_time_s, memory_time_s
+    from tilefit.hardware import get_device
+    from tilefit.tracing.records import GemmShape, OpRecord
+
+    def op(m: int) -> OpRecord:
+        return OpRecord(op="bitsandbytes.gemm_4bit.default", phase="forward", module="",
+                        input_shapes=(), output_shapes=(), dtype="bfloat16", flops=0, bytes=0,
+                        kind="gemm", step=1, micro=0,
+                        gemms=(GemmShape(1, m, 4096, 4096, "bf16"),))
+
+    gpu = get_device("a100-80gb")
+    assert dequantize_time_s(op(1536), gpu) == 0.0  # bitsandbytes' fused kernel
+    weights = 4096 * 4096
+    assert dequantize_time_s(op(4096), gpu) == pytest.approx(
+        memory_time_s(weights // 2 + 4 * weights // 64 + 2 * weights, gpu))
+
+
+def test_adamw_8bit_is_bitsandbytes_own(workload) -> None:  # type: ignore[no-untyped-def]
+    def state(opt: str) -> int:
+        tr = trace(workload, recipe=Recipe(batch_size=1, precision="bf16-mixed",
+                                           optimizer=opt), gpu="a100-80gb")
+        return sum(s.nbytes for s in tr.storages if s.category == "optimizer_state")
+
+    # min_8bit_size = 4096: tensors of fewer values keep two fp32 moments
+    sizes = [128 * 64, 128 * 64] + [n * k for n, k in LINEARS] + [64] * 5
+    eight = sum(2 * s + 2 * 4 * math.ceil(s / 256) for s in sizes if s >= 4096)
+    thirty_two = sum(2 * 4 * s for s in sizes if s < 4096)
+    assert state("adamw-8bit") == eight + thirty_two == 234496
+    assert state("paged-adamw-8bit") == 234496  # same buffers, paged on CUDA
+    assert state("paged-adamw") == 2 * 4 * sum(sizes)
+
+
+def test_paged_optimizers_say_what_paging_means(workload) -> None:  # type: ignore[no-untyped-def]
+    tr = trace(workload, recipe=Recipe(batch_size=1, precision="bf16-mixed",
+                                       optimizer="paged-adamw"), gpu="a100-80gb")
+    assert any("evicts it to host memory" in w for w in tr.warnings)
+
+
+def test_recipe_rules() -> None:
+    with pytest.raises(TilefitError, match="frozen"):
+        Recipe(quantize="nf4")
+    with pytest.raises(TilefitError, match="did you mean nf4"):
+        Recipe(quantize="nf44", lora=Lora())
+    with pytest.raises(TilefitError, match="fp8"):
+        Recipe(quantize="nf4", lora=Lora(), precision="fp8-mixed")
+    assert Recipe(quantize="fp4", lora=Lora()).to_dict()["quantize"] == "fp4"
+
+
+def test_int8_on_a_gpu_says_why(workload) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(TilefitError, match="MatMul8bitLt on CUDA"):
+        trace(workload, recipe=Recipe(batch_size=1, lora=Lora(), quantize="int8"),
+              gpu="a100-80gb")
+
+
+def test_without_bitsandbytes_the_error_names_the_install(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from tilefit.compat.bitsandbytes import require_bitsandbytes
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    with pytest.raises(TilefitError, match=r"tilefit\[quant\]"):
+        require_bitsandbytes("--quantize nf4")
+
+
+def test_cli_quantize(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    ok = run_cli("estimate", str(path), "--seq", "32", "--batch", "1", "--lora",
+                 "--quantize", "nf4", "--json", "--no-ops", timeout_s=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "Failed to load" not in ok.stderr
+    bad = run_cli("estimate", str(path), "--quantize", "nf4", timeout_s=300)
+    assert bad.returncode == 2 and "--lora" in bad.stderr + bad.stdout
