@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -33,6 +33,12 @@ def estimate(
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     fused_ce: bool = mo.FUSED_CE_OPTION,
     lora: bool = mo.LORA_OPTION,
+    lora_rank: int | None = mo.LORA_RANK_OPTION,
+    lora_alpha: float | None = mo.LORA_ALPHA_OPTION,
+    lora_targets: str | None = mo.LORA_TARGETS_OPTION,
+    lora_dropout: float | None = mo.LORA_DROPOUT_OPTION,
+    dora: bool = mo.DORA_OPTION,
+    modules_to_save: str | None = mo.MODULES_TO_SAVE_OPTION,
     gpus: int = mo.GPUS_OPTION,
     nodes: int | None = mo.NODES_OPTION,
     network: str | None = mo.NETWORK_OPTION,
@@ -53,7 +59,6 @@ def estimate(
     """Predict one training step's time and peak memory on a GPU, traced on fake tensors."""
     from tilefit.estimator import estimate_recipe
     from tilefit.hardware import get_device
-    from tilefit.report.terminal import print_estimate
 
     with user_errors():
         device = mo.placed(get_device(gpu), gpus, nodes, network)
@@ -62,19 +67,30 @@ def estimate(
             work, batch_size=batch, precision=precision, optimizer=optimizer,
             grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation,
             attention=attention, max_grad_norm=max_grad_norm, loss_sync=loss_sync,
-            fused_ce=fused_ce, lora=lora, compile_=compile_, compile_mode=compile_mode,
+            fused_ce=fused_ce, lora=mo.lora_of(lora, lora_rank, lora_alpha, lora_targets,
+                                                lora_dropout, dora, modules_to_save),
+            compile_=compile_, compile_mode=compile_mode,
             alloc_conf=alloc_conf, graph_breaks=graph_breaks, gpus=gpus, strategy=strategy,
             offload=offload).on(device)
         result = estimate_recipe(work, None, recipe, device)
     _notes(recipe, work.is_factory)
+    _print(result, work, recipe, f"{model} --gpu {gpu}", json_out=json_out, ops=ops)
+
+
+def _print(result: Any, work: Any, recipe: Recipe, command: str, *, json_out: bool,
+           ops: bool) -> None:
+    """The estimate as JSON, or as the terminal's table (``command``: the model and GPU
+    that `tilefit audit` takes to say what would make a step that does not fit fit)."""
+    from tilefit.report.terminal import print_estimate
+
     if json_out:
         print_json({"model": work.name, "recipe": recipe.to_dict(),
                     "seq_len": work.seq_len, **result.to_dict(include_ops=ops)})
         return
-    shape = f"batch {batch}" + (f" x seq {work.seq_len}" if work.seq_len else "")
+    shape = f"batch {recipe.batch_size}" + (f" x seq {work.seq_len}" if work.seq_len else "")
     print_estimate(console, result, f"tilefit estimate: {work.name}, {shape}")
     if not result.fits:
-        console.print(f"[bold red]does not fit:[/] `tilefit audit {model} --gpu {gpu}` says "
+        console.print(f"[bold red]does not fit:[/] `tilefit audit {command}` says "
                       "what would make it fit, `tilefit plan` chooses a recipe that does",
                       highlight=False)
 
