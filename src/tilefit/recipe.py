@@ -127,24 +127,68 @@ class Parallelism:
 ONE_GPU = Parallelism()
 
 
+# peft's target_modules for every linear layer but the output head
+ALL_LINEAR = "all-linear"
+
+
 @dataclass(frozen=True)
 class Lora:
-    """LoRA adapters on a frozen base, one-to-one with peft.LoraConfig (r, lora_alpha,
-    lora_dropout, target_modules): today the rank-16, alpha-32 adapters on every linear layer
-    but the output head that `tilefit plan --allow-peft` proposes."""
+    """LoRA adapters on a frozen base, one-to-one with peft.LoraConfig: rank (r), alpha
+    (lora_alpha), dropout (lora_dropout), targets (target_modules: "all-linear" or module
+    names such as ("q_proj", "v_proj")), dora (use_dora), modules_to_save (trained in full).
+    The defaults are the rank-16, alpha-32 adapters on every linear layer but the output head
+    that `tilefit plan --allow-peft` proposes (tilefit.models.lora)."""
 
     rank: int = 16  # peft's r
-    alpha: int = 32  # peft's lora_alpha
+    alpha: float = 32  # peft's lora_alpha
     dropout: float = 0.0  # peft's lora_dropout
-    targets: str = "all-linear"  # peft's target_modules
+    targets: str | tuple[str, ...] = ALL_LINEAR  # peft's target_modules
+    dora: bool = False  # peft's use_dora: weight-decomposed LoRA, a magnitude per output
+    modules_to_save: tuple[str, ...] | None = None  # peft's modules_to_save
 
     def __post_init__(self) -> None:
-        if (self.rank, self.alpha, self.dropout, self.targets) != (16, 32, 0.0, "all-linear"):
-            raise TilefitError(
-                "LoRA settings other than rank 16, alpha 32, dropout 0 on all linear layers "
-                "are not traced yet", expected="Lora() (what --lora traces)",
-                given=repr(self), fix="use Lora() (--lora) for now; the adapters' rank "
-                "changes the step by a few percent at most beside the frozen base")
+        if not _whole(self.rank, 1):
+            raise TilefitError("the LoRA rank must be a whole number >= 1",
+                               expected="e.g. 8, 16 or 64", given=repr(self.rank),
+                               fix="pass --lora-rank 16 (Lora(rank=16) in Python)")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) \
+                or not self.alpha > 0:
+            raise TilefitError("the LoRA alpha must be a number > 0",
+                               expected="e.g. twice the rank (32 for rank 16)",
+                               given=repr(self.alpha),
+                               fix="pass --lora-alpha 32 (Lora(alpha=32) in Python)")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
+                or not 0 <= self.dropout < 1:
+            raise TilefitError("the LoRA dropout must be a probability in [0, 1)",
+                               expected="e.g. 0.0 or 0.05", given=repr(self.dropout),
+                               fix="pass --lora-dropout 0.05 (Lora(dropout=0.05) in Python)")
+        object.__setattr__(self, "targets", _lora_targets(self.targets))
+        if self.modules_to_save is not None:
+            object.__setattr__(self, "modules_to_save",
+                               _module_names(self.modules_to_save, "--modules-to-save"))
+        if not isinstance(self.dora, bool):
+            raise TilefitError("dora says whether peft's DoRA is on", expected="True or False",
+                               given=repr(self.dora), fix="pass --dora, or leave it out")
+
+
+def _lora_targets(value: object) -> str | tuple[str, ...]:
+    """peft's target_modules: "all-linear", or module names (a tuple, a list, or one string
+    of names separated by commas)."""
+    if isinstance(value, str) and value.strip().lower() == ALL_LINEAR:
+        return ALL_LINEAR
+    return _module_names(value, "--lora-targets")
+
+
+def _module_names(value: object, flag: str) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    names = tuple(str(n).strip() for n in items) \
+        if isinstance(items, (list, tuple)) and all(isinstance(n, str) for n in items) else ()
+    if not names or not all(names):
+        raise TilefitError(f"{flag} names modules of the model",
+                           expected="module names separated by commas, e.g. q_proj,v_proj"
+                           + (" (or all-linear)" if flag == "--lora-targets" else ""),
+                           given=repr(value), fix=f"pass {flag} q_proj,v_proj")
+    return names
 
 
 @dataclass(frozen=True)
