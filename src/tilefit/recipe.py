@@ -72,6 +72,11 @@ class Recipe:
     # the loop reads the loss on the host after each micro-batch, waiting for the GPU (HF
     # Trainer's default logging_nan_inf_filter=True; a loss printed or logged each step)
     loss_sync: bool = False
+    # how the loop clears the gradients after the optimizer step: optimizer.zero_grad() frees
+    # them (set_to_none=True, PyTorch 2's default and the HF Trainer's); False keeps them
+    # allocated and zeroed (set_to_none=False, PyTorch 1.x's default), so they are held
+    # through the next forward
+    zero_grad_to_none: bool = True
     # a causal LM's loss as fused linear cross-entropy (Liger Kernel): the logits never whole
     fused_ce: bool = False
     compile: Compile | None = None
@@ -118,6 +123,12 @@ class Recipe:
                                given=repr(self.attention),
                                fix="use sdpa (PyTorch's fused kernels) unless you need eager")
         check_max_grad_norm(self.max_grad_norm)
+        if not isinstance(self.zero_grad_to_none, bool):
+            raise TilefitError("zero_grad_to_none says how the loop clears the gradients",
+                               expected="True (zero_grad() frees them) or False (kept, zeroed)",
+                               given=repr(self.zero_grad_to_none),
+                               fix="Recipe(zero_grad_to_none=False) for zero_grad(set_to_none="
+                               "False)")
         if self.alloc_conf is not None:
             parse_alloc_conf(self.alloc_conf)  # an unknown key is an error naming the known
         for name, kind in (("compile", Compile), ("lora", Lora)):
