@@ -132,7 +132,7 @@ def test_version() -> None:
 
 
 def test_gpu_suggestions_name_each_device_once() -> None:
-    result = CliRunner().invoke(app, ["gemm", "64", "64", "64", "--gpu", "h100sxm5"])
+    result = CliRunner().invoke(app, ["gemm", "64", "64", "64", "--gpu", "h100-sxm7"])
     assert result.exit_code == 2
     match = re.search(r"did you mean ([^?]+)\?", " ".join(result.output.split()))
     assert match is not None
