@@ -32,6 +32,7 @@ def estimate(
     task: str | None = mo.TASK_OPTION,
     target_seq: int | None = mo.TARGET_SEQ_OPTION,
     image_size: int | None = mo.IMAGE_SIZE_OPTION,
+    revision: str | None = mo.REVISION_OPTION,
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     fused_ce: bool = mo.FUSED_CE_OPTION,
@@ -60,7 +61,7 @@ def estimate(
 
     with user_errors():
         device = mo.placed(get_device(gpu), gpus, nodes, network)
-        work = mo.load(model, seq, input_shape, task, target_seq, image_size)
+        work = mo.load(model, seq, input_shape, task, target_seq, image_size, revision)
         recipe = mo.recipe(
             work, batch_size=batch, precision=precision, optimizer=optimizer,
             grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation,
@@ -76,7 +77,7 @@ def estimate(
         return
     print_estimate(console, result, f"tilefit estimate: {work.name}, {_shape(batch, work)}")
     if not result.fits:
-        _does_not_fit(model, gpu)
+        _does_not_fit(model + ("" if revision is None else f" --revision {revision}"), gpu)
 
 
 def _shape(batch: int, work: Workload) -> str:

@@ -12,6 +12,16 @@ from tilefit.cli.common import GPU_HELP, JSON_OPTION, console, err_console, prin
 from tilefit.cli.noise import PLAN_NOISE_OPTION, read_noise_scale
 from tilefit.vocab import STRATEGIES, ZERO_STRATEGIES
 
+MEMORY_FRACTION_OPTION = typer.Option(
+    1.0, "--memory-fraction",
+    help="Share of GPU memory a plan may use, in (0, 1] (default all of it: plans are "
+    "judged by the caching allocator's predicted reserved memory); less keeps headroom, "
+    "e.g. for longer sequences later in training.")
+PLAN_GPUS_OPTION = typer.Option(
+    1, "--gpus", help="Plan for this many data-parallel GPUs (one rank each): engine x "
+    "micro-batch x accumulation x checkpointing x precision from traces of rank 0; "
+    "writes configs that launch (torchrun script, accelerate, DeepSpeed).")
+
 
 def register(app: typer.Typer) -> None:
     app.command("plan")(plan)
@@ -23,11 +33,7 @@ def plan(
     global_batch: int = typer.Option(..., "--global-batch",
                                      help="Samples per optimizer step (kept exactly)."),
     seq: int | None = mo.SEQ_OPTION,
-    memory_fraction: float = typer.Option(
-        1.0, "--memory-fraction",
-        help="Share of GPU memory a plan may use, in (0, 1] (default all of it: plans are "
-        "judged by the caching allocator's predicted reserved memory); less keeps headroom, "
-        "e.g. for longer sequences later in training."),
+    memory_fraction: float = MEMORY_FRACTION_OPTION,
     objective: str = typer.Option("throughput", "--objective", help="throughput or memory."),
     optimizer: str | None = mo.OPTIMIZER_OPTION,
     allow_optimizer_change: bool = typer.Option(
@@ -38,14 +44,14 @@ def plan(
         help="Also rank LoRA fine-tuning (frozen weights, adapters; needs peft)."),
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
+    target_seq: int | None = mo.TARGET_SEQ_OPTION,
+    image_size: int | None = mo.IMAGE_SIZE_OPTION,
+    revision: str | None = mo.REVISION_OPTION,
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     fused_ce: bool = mo.FUSED_CE_OPTION,
     compile_: bool = mo.COMPILE_OPTION,
-    gpus: int = typer.Option(
-        1, "--gpus", help="Plan for this many data-parallel GPUs (one rank each): engine x "
-        "micro-batch x accumulation x checkpointing x precision from traces of rank 0; "
-        "writes configs that launch (torchrun script, accelerate, DeepSpeed)."),
+    gpus: int = PLAN_GPUS_OPTION,
     strategy: str | None = typer.Option(
         None, "--strategy", help="With --gpus > 1: search this engine only (" +
         ", ".join((*STRATEGIES, *ZERO_STRATEGIES)) + "; DeepSpeed ZeRO modelled, stages 2 "
@@ -66,7 +72,7 @@ def plan(
     with user_errors():
         _check_early(memory_fraction, global_batch, gpus)
         b_noise = None if noise_scale is None else read_noise_scale(noise_scale)
-        work = mo.load(model, seq, input_shape, task)
+        work = mo.load(model, seq, input_shape, task, target_seq, image_size, revision)
         recipe = mo.recipe(work, optimizer=optimizer, max_grad_norm=max_grad_norm,
                            loss_sync=loss_sync, fused_ce=fused_ce, compile_=compile_,
                            gpus=gpus, strategy=strategy)
