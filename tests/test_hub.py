@@ -178,6 +178,13 @@ def test_repo_without_config_json(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "tiny-org/gguf-only has no config.json" in text
 
 
+def test_another_hub_answer_says_what_the_hub_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    _download_raises(monkeypatch, _http_error(errors.HfHubHTTPError, "401 Invalid token"))
+    text = _fails("estimate", "tiny-org/x", "--gpu", "cpu")
+    assert "the Hugging Face Hub refused the config.json of tiny-org/x: 401 Invalid token" \
+        in text
+
+
 @pytest.mark.parametrize("source", ["gtp2", "a/b/c", "org--x/name", "org/na..me"])
 def test_neither_catalog_path_factory_nor_repo_id_keeps_did_you_mean(
         source: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -83,7 +83,7 @@ def hub_error(exc: BaseException, repo_id: str, revision: str | None) -> Tilefit
             given=f"--revision {revision}",
             fix=f"see https://huggingface.co/{repo_id}/commits/main, or drop --revision "
             "(the main branch)")
-    if isinstance(exc, errors.LocalEntryNotFoundError | errors.OfflineModeIsEnabled):
+    if isinstance(exc, errors.LocalEntryNotFoundError | ConnectionError | TimeoutError):
         return _offline_error(repo_id, at)
     if isinstance(exc, errors.EntryNotFoundError):
         return TilefitError(
@@ -95,6 +95,12 @@ def hub_error(exc: BaseException, repo_id: str, revision: str | None) -> Tilefit
             f"huggingface_hub refuses {at}: {exc}", expected="a Hub id org/name and a "
             "revision that is a branch, tag or commit hash", given=at,
             fix="correct the id or --revision")
+    if isinstance(exc, errors.HfHubHTTPError):
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return TilefitError(
+            f"the Hugging Face Hub refused the config.json of {at}: {first}",
+            expected="the Hub answering with the file", given=at,
+            fix=f"check your token (`hf auth whoami`; HF_TOKEN) and try again, {LOCAL_CONFIG}")
     return None
 
 
