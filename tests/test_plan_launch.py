@@ -7,6 +7,7 @@ script, launched on 2 CPU ranks through accelerate's own FSDP2 path
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -191,3 +192,29 @@ def test_accelerate_fsdp2_config_shards_on_two_cpu_ranks(tmp_path: Path) -> None
     assert sorted((s["rank"], s["step"]) for s in steps) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(s["distributed_type"] == "FSDP" and s["dtensor_shards"] and s["world_size"] == 2
                and (s["micro_batch"], s["accumulation_steps"]) == (2, 2) for s in steps)
+
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 128,
+        "max_position_embeddings": 128}
+
+
+@pytest.mark.parametrize(("model_type", "attention"), [("gemma2", "auto"), ("llama", "sdpa")])
+def test_script_keeps_auto_attention_where_the_class_refuses_sdpa(
+        tmp_path: Path, model_type: str, attention: str) -> None:
+    """Gemma 2 refuses SDPA (transformers raises a ValueError for attn_implementation="sdpa"):
+    its "auto" plan keeps "auto" and the script's model builds (eager); Llama takes SDPA."""
+    import runpy
+
+    import torch
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": model_type, **TINY}))
+    work = load_workload(str(config), seq_len=16)
+    row = dataclasses.replace(_row("ddp"), recipe=dataclasses.replace(
+        _row("ddp").recipe, attention="auto"))
+    script = tmp_path / TORCHRUN_SCRIPT_NAME
+    script.write_text(launch_files(row, work)[TORCHRUN_SCRIPT_NAME])
+    assert f'ATTENTION = "{attention}"' in script.read_text()
+    built = runpy.run_path(str(script))["build_model"](torch.device("meta"), False)
+    assert built.config._attn_implementation == ("eager" if attention == "auto" else "sdpa")

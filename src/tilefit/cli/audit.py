@@ -30,6 +30,9 @@ def audit(
     attention: str = mo.ATTENTION_OPTION,
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
+    target_seq: int | None = mo.TARGET_SEQ_OPTION,
+    image_size: int | None = mo.IMAGE_SIZE_OPTION,
+    revision: str | None = mo.REVISION_OPTION,
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     fused_ce: bool = mo.FUSED_CE_OPTION,
@@ -58,7 +61,7 @@ def audit(
         from tilefit.hardware import get_device
 
         device = get_device(gpu)  # "auto" without a GPU: says so and names --gpu
-        work = mo.load(model, seq, input_shape, task)
+        work = mo.load(model, seq, input_shape, task, target_seq, image_size, revision)
         recipe = mo.recipe(
             work, batch_size=batch, precision=precision, optimizer=optimizer,
             grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation,

@@ -32,6 +32,7 @@ def estimate(
     task: str | None = mo.TASK_OPTION,
     target_seq: int | None = mo.TARGET_SEQ_OPTION,
     image_size: int | None = mo.IMAGE_SIZE_OPTION,
+    revision: str | None = mo.REVISION_OPTION,
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     fused_ce: bool = mo.FUSED_CE_OPTION,
@@ -65,7 +66,7 @@ def estimate(
 
     with user_errors():
         device = mo.placed(get_device(gpu), gpus, nodes, network)
-        work = mo.load(model, seq, input_shape, task, target_seq, image_size)
+        work = mo.load(model, seq, input_shape, task, target_seq, image_size, revision)
         recipe = mo.recipe(
             work, batch_size=batch, precision=precision, optimizer=optimizer,
             grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation,
@@ -77,7 +78,8 @@ def estimate(
             offload=offload).on(device)
         result = estimate_recipe(work, None, recipe, device)
     _notes(recipe, work.is_factory)
-    _print(result, work, recipe, f"{model} --gpu {gpu}", json_out=json_out, ops=ops)
+    where = f"{model} --gpu {gpu}" + ("" if revision is None else f" --revision {revision}")
+    _print(result, work, recipe, where, json_out=json_out, ops=ops)
 
 
 def _print(result: Any, work: Any, recipe: Recipe, command: str, *, json_out: bool,

@@ -32,8 +32,13 @@ CHECKPOINTING_OPTION = typer.Option(False, "--grad-checkpointing",
 ACCUMULATION_OPTION = typer.Option(1, "--accumulation",
                                    help="Gradient accumulation steps per optimizer step.")
 MODEL_ARG = typer.Argument(
-    ..., help="A catalog name (`tilefit models`), a path to a Hugging Face config.json, or "
-    "package.module:function returning an nn.Module (with --input-shape).")
+    ..., help="A catalog name (`tilefit models`), a Hugging Face Hub id org/name (its "
+    "config.json alone, through the Hugging Face cache; no weights), a path to a Hugging "
+    "Face config.json, or package.module:function returning an nn.Module (with "
+    "--input-shape).")
+REVISION_OPTION = typer.Option(
+    None, "--revision", help="With a Hub id: the branch, tag or commit hash whose config.json "
+    "is read (default: main).")
 SEQ_OPTION = typer.Option(None, "--seq", help="Tokens per sample (default: the model's own).")
 PRECISION_OPTION = typer.Option(
     None, "--precision",
@@ -208,12 +213,13 @@ def recipe(work: Any, *, compile_: bool = False, compile_mode: str = "default",
 
 
 def load(model: str, seq: int | None, input_shape: str | None, task: str | None,  # type: ignore[no-untyped-def]
-         target_seq: int | None = None, image_size: int | None = None):
+         target_seq: int | None = None, image_size: int | None = None,
+         revision: str | None = None):
     """The Workload for the command line's model options."""
     from tilefit.models import load_workload
 
     return load_workload(model, seq_len=seq, input_shape=parse_shape(input_shape), task=task,
-                         target_seq_len=target_seq, image_size=image_size)
+                         target_seq_len=target_seq, image_size=image_size, revision=revision)
 
 
 def placed(device: Device, gpus: int, nodes: int | None, network: str | None) -> Device:

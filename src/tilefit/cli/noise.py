@@ -85,15 +85,17 @@ def load_loss(loss: str | None) -> Any:
     return None if loss is None else load_factory(loss)
 
 
-def build_model(model: str, seq: int | None, input_shape: str | None, task: str | None) -> Any:
+def build_model(model: str, seq: int | None, input_shape: str | None, task: str | None,
+                **source: Any) -> Any:
     """The module to measure: a module:function factory needs no --input-shape here (the
-    data factory makes the batches); a catalog model or config is built as elsewhere."""
+    data factory makes the batches); a catalog model, Hub id or config is built as elsewhere
+    (``source``: ``mo.load``'s target_seq, image_size and revision)."""
     from tilefit.models.factory import build_module
     from tilefit.recipe import looks_like_factory
 
     if looks_like_factory(model) and input_shape is None:
         return build_module(model)
-    return mo.load(model, seq, input_shape, task).build()
+    return mo.load(model, seq, input_shape, task, **source).build()
 
 
 def noise_scale_command(
@@ -112,6 +114,9 @@ def noise_scale_command(
     seq: int | None = mo.SEQ_OPTION,
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
+    target_seq: int | None = mo.TARGET_SEQ_OPTION,
+    image_size: int | None = mo.IMAGE_SIZE_OPTION,
+    revision: str | None = mo.REVISION_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Measure the gradient noise scale B_simple (McCandlish et al. 2018) on your data.
@@ -132,7 +137,8 @@ def noise_scale_command(
         loss_fn = load_loss(loss)
         sizes = parse_batch_sizes(batch_sizes)
         device = live_device(gpu)
-        module = build_model(model, seq, input_shape, task).to(device)
+        module = build_model(model, seq, input_shape, task, target_seq=target_seq,
+                             image_size=image_size, revision=revision).to(device)
         err_console.print(f"measuring {model} on {device}: {measurements} big batches of "
                           f"{sizes[1]} from micro-batches of {sizes[0]}", highlight=False)
         result = noise_scale(module, make_batch, loss_fn=loss_fn,

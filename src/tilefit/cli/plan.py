@@ -29,6 +29,11 @@ WRITE_CONFIGS_OPTION = typer.Option(
     None, "--write-configs", help="With --gpus > 1: write the chosen plan's launch files "
     "into this directory: train_tilefit.py (torchrun), ds_config.json, and for DDP/FSDP2 "
     "accelerate.yaml with train_accelerate.py.")
+MEMORY_FRACTION_OPTION = typer.Option(
+    1.0, "--memory-fraction",
+    help="Share of GPU memory a plan may use, in (0, 1] (default all of it: plans are "
+    "judged by the caching allocator's predicted reserved memory); less keeps headroom, "
+    "e.g. for longer sequences later in training.")
 
 
 def register(app: typer.Typer) -> None:
@@ -41,11 +46,7 @@ def plan(
     global_batch: int = typer.Option(..., "--global-batch",
                                      help="Samples per optimizer step (kept exactly)."),
     seq: int | None = mo.SEQ_OPTION,
-    memory_fraction: float = typer.Option(
-        1.0, "--memory-fraction",
-        help="Share of GPU memory a plan may use, in (0, 1] (default all of it: plans are "
-        "judged by the caching allocator's predicted reserved memory); less keeps headroom, "
-        "e.g. for longer sequences later in training."),
+    memory_fraction: float = MEMORY_FRACTION_OPTION,
     objective: str = typer.Option("throughput", "--objective", help="throughput or memory."),
     optimizer: str | None = mo.OPTIMIZER_OPTION,
     allow_optimizer_change: bool = typer.Option(
@@ -60,6 +61,9 @@ def plan(
     modules_to_save: str | None = mo.MODULES_TO_SAVE_OPTION,
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
+    target_seq: int | None = mo.TARGET_SEQ_OPTION,
+    image_size: int | None = mo.IMAGE_SIZE_OPTION,
+    revision: str | None = mo.REVISION_OPTION,
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     fused_ce: bool = mo.FUSED_CE_OPTION,
@@ -79,7 +83,7 @@ def plan(
     with user_errors():
         _check_early(memory_fraction, global_batch, gpus)
         b_noise = None if noise_scale is None else read_noise_scale(noise_scale)
-        work = mo.load(model, seq, input_shape, task)
+        work = mo.load(model, seq, input_shape, task, target_seq, image_size, revision)
         recipe = mo.recipe(work, optimizer=optimizer, max_grad_norm=max_grad_norm,
                            loss_sync=loss_sync, fused_ce=fused_ce, compile_=compile_,
                            gpus=gpus, strategy=strategy)

@@ -23,6 +23,15 @@ UNITS: dict[str, int] = {
 }
 
 
+LIVE_GPU_OPTION = typer.Option(
+    "auto", "--gpu", help="The live device to tune on: auto (the CUDA GPU if there is one, "
+    "else the CPU), cuda, cuda:N or cpu.")
+OBJECTIVE_OPTION = typer.Option(
+    "samples-per-s", "--objective",
+    help="samples-per-s (the fastest batch) or time-to-loss (the batch reaching a given loss "
+    "soonest, from the gradient noise scale).")
+
+
 def register(app: typer.Typer) -> None:
     app.command("tune")(tune_command)
 
@@ -47,9 +56,7 @@ def parse_bytes(text: str) -> int:
 
 def tune_command(
     model: str = mo.MODEL_ARG,
-    gpu: str = typer.Option(
-        "auto", "--gpu", help="The live device to tune on: auto (the CUDA GPU if there is "
-        "one, else the CPU), cuda, cuda:N or cpu."),
+    gpu: str = LIVE_GPU_OPTION,
     global_batch: int = typer.Option(None, "--global-batch",
                                      help="Keep this many samples per optimizer step exact."),
     memory_limit: str = typer.Option(None, "--memory-limit",
@@ -58,15 +65,15 @@ def tune_command(
     seq: int | None = mo.SEQ_OPTION,
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
+    target_seq: int | None = mo.TARGET_SEQ_OPTION,
+    image_size: int | None = mo.IMAGE_SIZE_OPTION,
+    revision: str | None = mo.REVISION_OPTION,
     optimizer: str | None = mo.OPTIMIZER_OPTION,
     precision: str | None = mo.PRECISION_OPTION,
     margin: float = typer.Option(None, "--margin",
                                  help="Fraction of memory kept free (default 0.10)."),
     plot: str = typer.Option(None, "--plot", help="Write samples/s against batch size here."),
-    objective: str = typer.Option(
-        "samples-per-s", "--objective",
-        help="samples-per-s (the fastest batch) or time-to-loss (the batch reaching a given "
-        "loss soonest, from the gradient noise scale)."),
+    objective: str = OBJECTIVE_OPTION,
     noise_scale: float | None = typer.Option(
         None, "--noise-scale", help="B_noise in samples for --objective time-to-loss "
         "(default: measured on --data)."),
@@ -94,7 +101,8 @@ def tune_command(
     with user_errors(), torchrun_job(gpu) as job:
         options = TuneOptions(model, gpu, global_batch, memory_limit, max_batch, seq,
                               input_shape, task, optimizer, precision, margin, objective,
-                              noise_scale, data, loss)
+                              noise_scale, data, loss, target_seq=target_seq,
+                              image_size=image_size, revision=revision)
         result = _run(options, show_progress=job.is_main, job=job)
         if plot and job.is_main:
             _plot(result, plot)
@@ -131,6 +139,15 @@ class TuneOptions:
     noise_scale: float | None = None
     data: str | None = None
     loss: str | None = None
+    target_seq: int | None = None
+    image_size: int | None = None
+    revision: str | None = None
+
+    @property
+    def source(self) -> dict[str, Any]:
+        """The model options beyond --seq, --input-shape and --task, as ``mo.load`` takes them."""
+        return {"target_seq": self.target_seq, "image_size": self.image_size,
+                "revision": self.revision}
 
 
 def live_device(gpu: str) -> Any:
@@ -227,7 +244,8 @@ def _workload(options: TuneOptions) -> Any:
     if options.data is not None and options.input_shape is None \
             and looks_like_factory(options.model):
         return _PlainModule()
-    return mo.load(options.model, options.seq, options.input_shape, options.task)
+    return mo.load(options.model, options.seq, options.input_shape, options.task,
+                   **options.source)
 
 
 def _model_and_batches(options: TuneOptions, workload: Any, device: Any
@@ -236,7 +254,8 @@ def _model_and_batches(options: TuneOptions, workload: Any, device: Any
     --data and --loss (a module:function model then needs no --input-shape), else the
     workload's synthetic batches (no gradient noise: time-to-loss then needs --noise-scale)."""
     if options.data is not None:
-        module = build_model(options.model, options.seq, options.input_shape, options.task)
+        module = build_model(options.model, options.seq, options.input_shape, options.task,
+                             **options.source)
         return module.to(device), load_data(options.data), load_loss(options.loss)
     if options.objective == "time-to-loss" and options.noise_scale is None:
         raise TilefitError(

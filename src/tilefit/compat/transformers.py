@@ -86,11 +86,17 @@ def use_checkpoint_function(model: Any, function: Any) -> None:
             module._gradient_checkpointing_func = function
 
 
+def refuses_sdpa(model_class: type) -> bool:
+    """True when the transformers class refuses SDPA (its ``_supports_sdpa`` is False: Gemma
+    2, BLOOM, Mamba): attention "auto" then builds it eager."""
+    return getattr(model_class, "_supports_sdpa", True) is False
+
+
 def check_attention(model_class: type, attention: str) -> None:
     """A TilefitError when ``attention`` is "sdpa" and the transformers class refuses SDPA
     (its ``_supports_sdpa`` is False: Gemma 2, BLOOM, Mamba); transformers itself would
     raise a ValueError from deep inside the build."""
-    if attention != "sdpa" or getattr(model_class, "_supports_sdpa", True) is not False:
+    if attention != "sdpa" or not refuses_sdpa(model_class):
         return
     import transformers
 

@@ -60,14 +60,14 @@ def catalog_entry(name: str) -> dict[str, Any]:
 
 def unknown_model_error(source: str) -> TilefitError:
     suggestions = close_matches(source, catalog_names())
-    fix = "use one of the catalog names (`tilefit models`), a path to a config.json, or "
-    fix += "package.module:function returning an nn.Module"
+    fix = "use one of the catalog names (`tilefit models`), a Hugging Face Hub id org/name, "
+    fix += "a path to a config.json, or package.module:function returning an nn.Module"
     if suggestions:
         fix = f"did you mean {', '.join(suggestions)}? Otherwise {fix}"
     return TilefitError(
         f"unknown model {source!r}",
-        expected="a catalog name (" + ", ".join(catalog_names()) + "), a config.json path, "
-        "or package.module:function",
+        expected="a catalog name (" + ", ".join(catalog_names()) + "), a Hub id org/name, "
+        "a config.json path, or package.module:function",
         given=source,
         fix=fix,
     )

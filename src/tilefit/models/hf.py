@@ -217,6 +217,19 @@ def build_model(config: Mapping[str, Any], task: str, attention: str) -> torch.n
     return model
 
 
+def refuses_sdpa(config: Mapping[str, Any], task: str) -> bool:
+    """True when the class transformers builds for the config and task refuses SDPA (Gemma
+    2, BLOOM): its attention "auto" is eager."""
+    import transformers
+
+    from tilefit.compat.transformers import refuses_sdpa as class_refuses
+
+    head = head_class_name(task, str(config["model_type"]))
+    with quiet_imports():
+        return head is not None and hasattr(transformers, head) and \
+            class_refuses(getattr(transformers, head))
+
+
 def _no_random_structure(cfg: PretrainedConfig) -> None:
     """LayerDrop and SpecAugment off, in a build without data (the trace's).
 

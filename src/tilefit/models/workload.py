@@ -4,10 +4,11 @@
 
 - a catalog name (``gpt2``, ``llama-3-8b``; see ``catalog_names()``) or its hub id,
 - a path to a Hugging Face ``config.json`` (the user's own; ``model_type`` required),
-- ``package.module:function`` returning a plain ``nn.Module`` (with ``input_shape``).
+- ``package.module:function`` returning a plain ``nn.Module`` (with ``input_shape``),
+- any Hugging Face Hub id ``org/name`` (``hub.py``: its config.json alone, cached).
 
 ``build()`` makes a fresh module in whatever FakeTensorMode / default device is active, so the
-tracer can build a 70B model without allocating it; nothing is ever downloaded.
+tracer can build a 70B model without allocating it; no weights are ever downloaded.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from tilefit.errors import TilefitError, close_matches
-from tilefit.models import catalog, factory, hf, inputs, tasks
+from tilefit.models import catalog, factory, hf, hub, inputs, tasks
 from tilefit.recipe import looks_like_factory
 
 if TYPE_CHECKING:
@@ -198,8 +199,10 @@ def load_workload(
     task: str | None = None,
     target_seq_len: int | None = None,
     image_size: int | None = None,
+    revision: str | None = None,
 ) -> Workload:
-    """A Workload from a catalog name / hub id, a config.json path, or ``pkg.mod:function``.
+    """A Workload from a catalog name, a config.json path, ``pkg.mod:function``, or any
+    Hugging Face Hub id ``org/name`` (its config.json alone, through the Hugging Face cache).
 
     ``seq_len`` defaults per task (``tasks.DEFAULT_SEQ_LEN``: 2048 for causal LMs, 512 for
     encoders and encoder-decoders, capped by the model's positions); ``task`` defaults to the
@@ -208,23 +211,21 @@ def load_workload(
     ``target_seq_len``: the labels of a decoder or a CTC transcript (``inputs.resolve_target``
     says the defaults); ``image_size``: an image model's size (default: its config's).
     ``input_shape``: a factory's sample, or a CTC model's audio samples (default 20 s at 16 kHz).
+    ``revision``: a Hub id's branch, tag or commit (default main). Catalog names (and the
+    catalog's Hub ids without ``revision``) are read offline, before anything else.
     """
     if not isinstance(source, str) or not source.strip():
         raise TilefitError(
             "no model given",
-            expected="a catalog name, a config.json path, or package.module:function",
+            expected="a catalog name, a Hub id org/name, a config.json path, or "
+            "package.module:function",
             given=repr(source),
             fix="e.g. tilefit estimate gpt2",
         )
     source = source.strip()
-    name = catalog.resolve_name(source)
-    if name is not None:
-        config = catalog.catalog_entry(name)
-        return hf_workload(name, config, task=task, seq_len=seq_len, input_shape=input_shape,
-                           target_seq_len=target_seq_len, image_size=image_size)
-    path = Path(os.path.expanduser(source))
-    if path.suffix == ".json" or path.is_file() or path.is_dir():
-        return hf_workload(source, _read_config(path), task=task, seq_len=seq_len,
+    named = _named_config(source, revision)
+    if named is not None:
+        return hf_workload(named[0], named[1], task=task, seq_len=seq_len,
                            input_shape=input_shape, target_seq_len=target_seq_len,
                            image_size=image_size)
     if looks_like_factory(source):
@@ -236,6 +237,29 @@ def load_workload(
                 fix="drop --target-seq / --image-size; give --input-shape")
         return _factory_workload(source, seq_len=seq_len, input_shape=input_shape, task=task)
     raise catalog.unknown_model_error(source)
+
+
+def _named_config(source: str, revision: str | None) -> tuple[str, dict[str, Any]] | None:
+    """The name and config of a catalog model, a config.json path or a Hub id (None: a
+    factory or an unknown name). A revision pins a Hub id, so it skips the catalog."""
+    is_hub = hub.is_hub_id(source)
+    if revision is not None and not is_hub:
+        raise TilefitError(
+            f"--revision pins a Hugging Face Hub id's config; {source!r} is not one",
+            expected="a Hub id org/name with --revision",
+            given=f"{source} --revision {revision}",
+            fix="drop --revision (catalog models ship their config; a local config.json is "
+            "read as it is), or give the model's Hub id")
+    name = None if revision is not None else catalog.resolve_name(source)
+    if name is not None:
+        return name, catalog.catalog_entry(name)
+    path = Path(os.path.expanduser(source))
+    if path.suffix == ".json" or path.is_file() or path.is_dir():
+        return source, _read_config(path)
+    if not is_hub:
+        return None
+    fetched = hub.config_file(source, revision)
+    return source, {**_read_config(fetched), **hub.source_notes(source, fetched)}
 
 
 def _read_config(path: Path) -> dict[str, Any]:

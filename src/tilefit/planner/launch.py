@@ -47,7 +47,7 @@ STRATEGY = "$strategy"
 MODEL_CONFIG = $config  # Hugging Face config (None: a factory)
 FACTORY = $factory  # "package.module:function" (None: a Hugging Face model)
 AUTO_CLASS = "$auto_class"
-ATTENTION = "$attention"
+ATTENTION = "$attention"  # "auto": transformers' choice for the model class
 SEQ_LEN = $seq_len
 INPUT_SHAPE = $input_shape
 TASK = "$task"
@@ -77,7 +77,8 @@ def build_model(where, checkpointing=GRAD_CHECKPOINTING):
     config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with where:
         model = getattr(transformers, AUTO_CLASS).from_config(
-            config, attn_implementation=ATTENTION, dtype=torch.float32)
+            config, attn_implementation=None if ATTENTION == "auto" else ATTENTION,
+            dtype=torch.float32)
     if checkpointing:
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -293,6 +294,20 @@ def _title(row: PlanRow, work: Workload) -> str:
             f"{row.world_size} ranks = global batch {row.global_batch}")
 
 
+def _script_attention(row: PlanRow, work: Workload) -> str:
+    """The script's attention: the plan's; "auto" as traced, which is SDPA where the model
+    class supports it and stays "auto" (transformers' choice, eager) where it refuses SDPA
+    (Gemma 2, BLOOM), whose build would fail with attn_implementation="sdpa"."""
+    if row.attention != "auto":
+        return row.attention
+    if work.config is not None:
+        from tilefit.models.hf import refuses_sdpa
+
+        if refuses_sdpa(work.config, work.task):
+            return "auto"
+    return "sdpa"
+
+
 def script_header(row: PlanRow, work: Workload, launch: str) -> str:
     """The scripts' common start: the docstring (``launch`` says how to run it) and the
     plan's numbers as constants."""
@@ -309,7 +324,7 @@ def script_header(row: PlanRow, work: Workload, launch: str) -> str:
     return HEADER.substitute(
         title=_title(row, work), launch=launch, strategy=row.strategy, config=repr(config),
         factory=repr(None if hf else work.name), auto_class=auto,
-        attention="sdpa" if row.attention == "auto" else row.attention,
+        attention=_script_attention(row, work),
         seq_len=repr(work.seq_len), input_shape=repr(work.input_shape), task=work.task,
         micro_batch=row.micro_batch, accumulation=row.accumulation_steps,
         global_batch=row.global_batch, autocast=_torch_dtype(prec.autocast_dtype),
