@@ -35,6 +35,7 @@ def audit(
     fused_ce: bool = mo.FUSED_CE_OPTION,
     lora: bool = mo.LORA_OPTION,
     quantize: str | None = mo.QUANTIZE_OPTION,
+    routing: str | None = mo.ROUTING_OPTION,
     compile_: bool = mo.COMPILE_OPTION,
     compile_mode: str = mo.COMPILE_MODE_OPTION,
     alloc_conf: str | None = mo.ALLOC_CONF_OPTION,
@@ -61,7 +62,7 @@ def audit(
             work, batch_size=batch, precision=precision, optimizer=optimizer,
             grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation,
             attention=attention, max_grad_norm=max_grad_norm, loss_sync=loss_sync,
-            fused_ce=fused_ce, lora=lora, quantize=quantize, compile_=compile_,
+            fused_ce=fused_ce, lora=lora, quantize=quantize, routing=routing, compile_=compile_,
             compile_mode=compile_mode,
             alloc_conf=alloc_conf)
         result = run_audit(work, recipe=recipe, gpu=device, confirm=confirm)

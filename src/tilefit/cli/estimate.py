@@ -37,6 +37,7 @@ def estimate(
     fused_ce: bool = mo.FUSED_CE_OPTION,
     lora: bool = mo.LORA_OPTION,
     quantize: str | None = mo.QUANTIZE_OPTION,
+    routing: str | None = mo.ROUTING_OPTION,
     gpus: int = mo.GPUS_OPTION,
     nodes: int | None = mo.NODES_OPTION,
     network: str | None = mo.NETWORK_OPTION,
@@ -65,7 +66,7 @@ def estimate(
             work, batch_size=batch, precision=precision, optimizer=optimizer,
             grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation,
             attention=attention, max_grad_norm=max_grad_norm, loss_sync=loss_sync,
-            fused_ce=fused_ce, lora=lora, quantize=quantize, compile_=compile_,
+            fused_ce=fused_ce, lora=lora, quantize=quantize, routing=routing, compile_=compile_,
             compile_mode=compile_mode, alloc_conf=alloc_conf, graph_breaks=graph_breaks,
             gpus=gpus, strategy=strategy, offload=offload).on(device)
         result = estimate_recipe(work, None, recipe, device)
