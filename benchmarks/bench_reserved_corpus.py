@@ -81,6 +81,7 @@ def recipe_of(rec: dict[str, Any]) -> Any:
                   precision=rec["precision"], optimizer=optimizer_of(rec),
                   grad_checkpointing=rec["activation_checkpointing"] == "full",
                   attention=rec.get("attention") or "auto", parallel=parallel,
+                  zero_grad_to_none=rec.get("zero_grad_to_none", True),
                   alloc_conf=rec.get("alloc_conf"))
 
 

@@ -130,13 +130,14 @@ def test_module_path_follows_forward_and_backward() -> None:
     path = ModulePath()
     seen: dict[str, Any] = {}
     model[0].register_forward_pre_hook(
-        lambda *_: seen.update(parents=set(path.parents), bw=path.is_bw))
+        lambda *_: seen.update(current=path.current, bw=path.is_bw))
     x = torch.ones(1, 2, requires_grad=True)
     with path:
         out = model(x)
-        out.register_hook(lambda g: seen.update(in_bw=path.is_bw))
+        # a hook on ReLU's output runs in the backward of the node ReLU's forward created
+        out.register_hook(lambda g: seen.update(in_bw=path.is_bw, bw_current=path.current))
         out.sum().backward()
-    assert seen["parents"] >= {"Sequential", "Sequential.0"}
+    assert seen["current"] == "Sequential.0" and seen["bw_current"] == "Sequential.1"
     assert seen["bw"] is False and seen["in_bw"] is True
     assert path.last_entered == "Sequential.1" and not path.recomputing
 

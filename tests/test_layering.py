@@ -45,7 +45,8 @@ TIERS: tuple[tuple[str, ...], ...] = (
 # the modules at the top of src/tilefit, by layer (a package is its own layer)
 TOP_LEVEL = {"errors": "leaves", "dtypes": "leaves", "batches": "leaves",
              "quiet_imports": "leaves", "vocab": "vocab", "gemm": "gemm", "gemm_cpu": "gemm",
-             "linear": "gemm", "recipe": "recipe", "legacy": "recipe", "alloc_conf": "recipe",
+             "linear": "gemm", "recipe": "recipe", "recipe_parts": "recipe", "legacy": "recipe",
+             "alloc_conf": "recipe",
              "__main__": "tilefit"}
 TIER_OF = {layer: i for i, tier in enumerate(TIERS) for layer in tier}
 

@@ -1,4 +1,5 @@
-"""The one description of a training step: ``Recipe`` and its grouped parts.
+"""The one description of a training step: ``Recipe`` (its grouped parts live in
+tilefit.recipe_parts and are re-exported here).
 
 Everything about a step but the model, the batch's contents and the GPU: the micro-batch,
 precision, optimizer, checkpointing, accumulation, attention, the training loop's clipping and
@@ -21,15 +22,19 @@ from typing import Any
 
 from tilefit.alloc_conf import parse_alloc_conf
 from tilefit.errors import TilefitError
+from tilefit.recipe_parts import ALL_LINEAR as ALL_LINEAR  # re-exported: the parts' home
+from tilefit.recipe_parts import DEEPSPEED_DEFAULTS as DEEPSPEED_DEFAULTS
+from tilefit.recipe_parts import ONE_GPU as ONE_GPU
+from tilefit.recipe_parts import Compile as Compile
+from tilefit.recipe_parts import Lora as Lora
+from tilefit.recipe_parts import Parallelism as Parallelism
+from tilefit.recipe_parts import ZeroConfig as ZeroConfig
+from tilefit.recipe_parts import whole
 from tilefit.vocab import (
     ATTENTIONS,
-    DEFAULT_STRATEGY,
     OPTIMIZER_NAMES,
     QUANTIZATIONS,
-    STRATEGIES,
-    ZERO_STRATEGIES,
     Precision,
-    check_compile_mode,
     check_max_grad_norm,
     default_precision,
     parse_precision,
@@ -45,107 +50,6 @@ DEFAULT_GPU = "a100-80gb"
 # tilefit's micro-batch when none is given: the CLI's --batch default and Hugging Face
 # TrainingArguments' per_device_train_batch_size default
 DEFAULT_BATCH = 8
-
-
-def _whole(value: object, minimum: int) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and value >= minimum
-
-
-@dataclass(frozen=True)
-class Compile:
-    """The forward and backward as torch.compile (Inductor) runs them; the optimizer step
-    stays eager (tilefit.tracing.compiled)."""
-
-    mode: str = "default"  # a vocab.CompileMode; "reduce-overhead" replays CUDA graphs
-    graph_breaks: bool = False  # run Dynamo over the step first and list its graph breaks
-
-    def __post_init__(self) -> None:
-        check_compile_mode(self.mode, True)
-
-
-@dataclass(frozen=True)
-class ZeroConfig:
-    """DeepSpeed's zero_optimization settings that size buffers and collectives, at their
-    defaults (deepspeed/runtime/zero/config.py, DeepSpeed 0.19.8); sizes in elements."""
-
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_max_live_parameters: int = 1_000_000_000
-    stage3_max_reuse_distance: int = 1_000_000_000
-    overlap_comm: bool | None = None  # None: DeepSpeed's default, True at stage 3 only
-
-    def overlaps(self, stage: int) -> bool:
-        return stage == 3 if self.overlap_comm is None else self.overlap_comm
-
-
-DEEPSPEED_DEFAULTS = ZeroConfig()
-
-
-@dataclass(frozen=True)
-class Parallelism:
-    """Data parallelism: ``world_size`` GPUs, one rank each, under ``strategy`` (ddp and
-    fsdp2 traced under PyTorch's fake process group; zero1-3 DeepSpeed ZeRO, modelled on the
-    one-GPU trace). The recipe's micro-batch is each rank's."""
-
-    world_size: int = 1
-    strategy: str | None = None  # None: one GPU, or DEFAULT_STRATEGY (fsdp2) on several
-    offload: bool = False  # ZeRO-Offload: the optimizer and its state on the CPU
-    zero: ZeroConfig = DEEPSPEED_DEFAULTS  # your DeepSpeed config's bucket sizes
-
-    def __post_init__(self) -> None:
-        if not _whole(self.world_size, 1):
-            raise TilefitError("the world size must be a whole number of GPUs >= 1",
-                               expected="1, 2, 4, 8, ...", given=repr(self.world_size),
-                               fix="pass --gpus with the number of GPUs "
-                               "(Parallelism(world_size=...) in Python)")
-        if self.strategy is not None:
-            key = str(self.strategy).strip().lower()
-            if key not in (*STRATEGIES, *ZERO_STRATEGIES):
-                raise TilefitError(
-                    f"unknown data-parallel strategy {self.strategy!r}",
-                    expected="one of " + ", ".join(STRATEGIES) + " (traced) or "
-                    + ", ".join(ZERO_STRATEGIES) + " (DeepSpeed ZeRO, modelled)",
-                    given=repr(self.strategy), fix="pass --strategy fsdp2 (sharded), ddp "
-                    "(replicated) or zero2 (DeepSpeed ZeRO-2)")
-            object.__setattr__(self, "strategy", key)
-        if self.offload and self.strategy not in ZERO_STRATEGIES:
-            raise TilefitError(
-                "offload of the optimizer to the CPU is modelled for DeepSpeed ZeRO only",
-                expected="strategy zero1, zero2 or zero3 with offload",
-                given=f"offload with strategy {self.strategy!r}",
-                fix="pass --strategy zero2 --offload, or drop --offload")
-
-    @property
-    def engine(self) -> str | None:
-        """The strategy that runs: the given one, fsdp2 on several GPUs without one, None on
-        one GPU without one."""
-        if self.strategy is None and self.world_size > 1:
-            return DEFAULT_STRATEGY
-        return self.strategy
-
-
-ONE_GPU = Parallelism()
-
-
-@dataclass(frozen=True)
-class Lora:
-    """LoRA adapters on a frozen base, one-to-one with peft.LoraConfig (r, lora_alpha,
-    lora_dropout, target_modules): today the rank-16, alpha-32 adapters on every linear layer
-    but the output head that `tilefit plan --allow-peft` proposes."""
-
-    rank: int = 16  # peft's r
-    alpha: int = 32  # peft's lora_alpha
-    dropout: float = 0.0  # peft's lora_dropout
-    targets: str = "all-linear"  # peft's target_modules
-
-    def __post_init__(self) -> None:
-        if (self.rank, self.alpha, self.dropout, self.targets) != (16, 32, 0.0, "all-linear"):
-            raise TilefitError(
-                "LoRA settings other than rank 16, alpha 32, dropout 0 on all linear layers "
-                "are not traced yet", expected="Lora() (what --lora traces)",
-                given=repr(self), fix="use Lora() (--lora) for now; the adapters' rank "
-                "changes the step by a few percent at most beside the frozen base")
 
 
 @dataclass(frozen=True)
@@ -169,6 +73,11 @@ class Recipe:
     # the loop reads the loss on the host after each micro-batch, waiting for the GPU (HF
     # Trainer's default logging_nan_inf_filter=True; a loss printed or logged each step)
     loss_sync: bool = False
+    # how the loop clears the gradients after the optimizer step: optimizer.zero_grad() frees
+    # them (set_to_none=True, PyTorch 2's default and the HF Trainer's); False keeps them
+    # allocated and zeroed (set_to_none=False, PyTorch 1.x's default), so they are held
+    # through the next forward
+    zero_grad_to_none: bool = True
     # a causal LM's loss as fused linear cross-entropy (Liger Kernel): the logits never whole
     fused_ce: bool = False
     compile: Compile | None = None
@@ -203,11 +112,11 @@ class Recipe:
         self._check()
 
     def _check(self) -> None:
-        if not _whole(self.batch_size, 1):
+        if not whole(self.batch_size, 1):
             raise TilefitError("the batch size must be a whole number >= 1",
                                expected="1, 2, 8, ...", given=repr(self.batch_size),
                                fix="pass --batch with a positive integer")
-        if not _whole(self.accumulation_steps, 1):
+        if not whole(self.accumulation_steps, 1):
             raise TilefitError("accumulation_steps must be a whole number >= 1",
                                expected="1, 2, 4, ...", given=repr(self.accumulation_steps),
                                fix="pass the number of micro-batches per optimizer step")
@@ -218,6 +127,12 @@ class Recipe:
                                given=repr(self.attention),
                                fix="use sdpa (PyTorch's fused kernels) unless you need eager")
         check_max_grad_norm(self.max_grad_norm)
+        if not isinstance(self.zero_grad_to_none, bool):
+            raise TilefitError("zero_grad_to_none says how the loop clears the gradients",
+                               expected="True (zero_grad() frees them) or False (kept, zeroed)",
+                               given=repr(self.zero_grad_to_none),
+                               fix="Recipe(zero_grad_to_none=False) for zero_grad(set_to_none="
+                               "False)")
         if self.alloc_conf is not None:
             parse_alloc_conf(self.alloc_conf)  # an unknown key is an error naming the known
         for name, kind in (("compile", Compile), ("lora", Lora)):
@@ -364,7 +279,7 @@ def batch_recipe(recipe: Recipe, batch: Any) -> Recipe:
     """The recipe at a named model's ``batch``: None keeps recipe.batch_size, an int sets it."""
     if batch is None:
         return recipe
-    if _whole(batch, 1):
+    if whole(batch, 1):
         return recipe.with_batch(batch)
     raise TilefitError("a named model takes a batch size, not a batch",
                        expected="batch=8 (or recipe=Recipe(batch_size=8)); an example batch "

@@ -83,21 +83,21 @@ def _finding(whatif: WhatIf, found: Plan) -> Finding:
             rule=RULE, severity="high", title=f"{need}; no recipe fits one GPU{gpus}",
             modules=(), dimension="recipe", current=current, suggested=None,
             fix=f"{command}; LoRA adapters train a fraction of the weights: --allow-peft",
-            reason=f"Biggest: {biggest_consumer(est)}. {found.reason}",
+            reason=f"Biggest consumer: {biggest_consumer(est)}. {found.reason}.",
             step_time_before_s=est.step_time_s, step_time_after_s=est.step_time_s,
             peak_memory_before_bytes=est.peak_memory_bytes,
             peak_memory_after_bytes=est.peak_memory_bytes, method="plan", recommended=False)
-    after = best.memory_bytes
+    after = best.memory_bytes + found.overhead_bytes  # as est.total_memory_bytes counts
     slower = est.step_time_s / best.predicted_step_time_s
     return Finding(
         rule=RULE, severity="high",
-        title=f"{need}; {_label(best)} fits ({after / GIB:.1f} GiB), "
+        title=f"{need}; {_label(best)} fits ({after / GIB:.2f} GiB), "
         f"{slower:.2f}x the step's speed",
         modules=(), dimension="recipe", current=current, suggested=_label(best),
         fix="; ".join((*best.changes, f"micro-batch {best.micro_batch} x "
                        f"{best.accumulation_steps} accumulation steps (the global batch "
                        f"{best.global_batch} is kept)", command)),
-        reason=f"Biggest: {biggest_consumer(est)}. {found.reason} "
+        reason=f"Biggest consumer: {biggest_consumer(est)}. Chosen: {found.reason}. "
         f"Predicted {est.total_memory_bytes / GIB:.1f} -> {after / GIB:.1f} GiB, step "
         f"{est.step_time_s * 1e3:.1f} -> {best.predicted_step_time_s * 1e3:.1f} ms "
         "(one full trace of the chosen plan confirms it).",

@@ -6,6 +6,8 @@ import importlib
 
 import typer
 
+from tilefit.cli import common
+
 app = typer.Typer(
     name="tilefit",
     help="Predict and fix what makes single-GPU training slow or run out of memory.",
@@ -29,6 +31,32 @@ COMMAND_MODULES: tuple[str, ...] = (  # in the order `tilefit --help` lists them
     "tilefit.cli.gemm",
     "tilefit.cli.linear",
 )
+
+
+
+def _version(value: bool) -> None:
+    if value:  # the installed distribution's version (the package itself is a tier above)
+        from importlib.metadata import version
+
+        typer.echo(f"tilefit {version('tilefit')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _global_options(
+    ctx: typer.Context,
+    verbose: bool = typer.Option(
+        False, "--verbose", "-v", help="Keep the libraries' own log lines, warnings and "
+        "tracebacks (PyTorch, transformers, torchao), which tilefit otherwise replaces by "
+        "its own message. Before the command: tilefit --verbose estimate ..."),
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
+                                 help="Print tilefit's version and exit."),
+) -> None:
+    """Predict and fix what makes single-GPU training slow or run out of memory."""
+    common.VERBOSE["on"] = verbose
+    if not verbose:
+        ctx.with_resource(common.quiet_libraries())
+
 
 for _name in COMMAND_MODULES:
     importlib.import_module(_name).register(app)

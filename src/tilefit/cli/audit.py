@@ -35,6 +35,12 @@ def audit(
     fused_ce: bool = mo.FUSED_CE_OPTION,
     lora: bool = mo.LORA_OPTION,
     quantize: str | None = mo.QUANTIZE_OPTION,
+    lora_rank: int | None = mo.LORA_RANK_OPTION,
+    lora_alpha: float | None = mo.LORA_ALPHA_OPTION,
+    lora_targets: str | None = mo.LORA_TARGETS_OPTION,
+    lora_dropout: float | None = mo.LORA_DROPOUT_OPTION,
+    dora: bool = mo.DORA_OPTION,
+    modules_to_save: str | None = mo.MODULES_TO_SAVE_OPTION,
     routing: str | None = mo.ROUTING_OPTION,
     compile_: bool = mo.COMPILE_OPTION,
     compile_mode: str = mo.COMPILE_MODE_OPTION,
@@ -46,14 +52,10 @@ def audit(
 ) -> None:
     """Find what slows the training step or makes it not fit, with fixes and predicted gains."""
     from tilefit.advise import audit as run_audit
-    from tilefit.errors import TilefitError
     from tilefit.report.audit_terminal import print_audit
 
     with user_errors():
-        if html is not None and not html.parent.resolve().is_dir():
-            raise TilefitError(f"cannot write the report: folder {str(html.parent)!r} does "
-                               "not exist", expected="a path in an existing folder",
-                               given=str(html), fix="create the folder first")
+        _check_html(html)
         from tilefit.hardware import get_device
 
         device = get_device(gpu)  # "auto" without a GPU: says so and names --gpu
@@ -62,8 +64,9 @@ def audit(
             work, batch_size=batch, precision=precision, optimizer=optimizer,
             grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation,
             attention=attention, max_grad_norm=max_grad_norm, loss_sync=loss_sync,
-            fused_ce=fused_ce, lora=lora, quantize=quantize, routing=routing, compile_=compile_,
-            compile_mode=compile_mode,
+            fused_ce=fused_ce, lora=mo.lora_of(lora, lora_rank, lora_alpha, lora_targets,
+                                                lora_dropout, dora, modules_to_save),
+            quantize=quantize, routing=routing, compile_=compile_, compile_mode=compile_mode,
             alloc_conf=alloc_conf)
         result = run_audit(work, recipe=recipe, gpu=device, confirm=confirm)
         if html is not None:
@@ -76,3 +79,13 @@ def audit(
         print_audit(console, result)
     if html is not None:
         err_console.print(f"wrote {html}", highlight=False)
+
+
+def _check_html(html: Path | None) -> None:
+    """--html names a file in a folder that exists (checked before the minutes of tracing)."""
+    from tilefit.errors import TilefitError
+
+    if html is not None and not html.parent.resolve().is_dir():
+        raise TilefitError(f"cannot write the report: folder {str(html.parent)!r} does "
+                           "not exist", expected="a path in an existing folder",
+                           given=str(html), fix="create the folder first")

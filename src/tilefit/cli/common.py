@@ -10,10 +10,33 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from tilefit.errors import TilefitError
 
-console = Console()  # stdout: tables and reports
+
+class TableConsole(Console):
+    """A Console that prints a table as Rich lays it out only where it fits a terminal;
+    piped, or on a terminal too narrow for it, as plain text that keeps every header and
+    number (tilefit.report.layout)."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        if not any(isinstance(o, Table) for o in objects):
+            super().print(*objects, **kwargs)
+            return
+        from tilefit.report.layout import fits, plain_table, stacked_table
+
+        for o in objects:
+            if not isinstance(o, Table) or (self.is_terminal and fits(self, o)):
+                super().print(o, **kwargs)
+            elif self.is_terminal:  # too narrow: the terminal wraps each cell's line
+                super().print(Text(stacked_table(o)), **kwargs)
+            else:  # piped: one line per row, however long
+                super().print(Text(plain_table(o)), **{**kwargs, "soft_wrap": True})
+
+
+console = TableConsole()  # stdout: tables and reports
 err_console = Console(stderr=True)  # diagnostics; with --json, everything but the JSON
 
 JSON_OPTION = typer.Option(False, "--json", help="Print only JSON on stdout.")
@@ -32,11 +55,42 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
+# --verbose (tilefit --verbose COMMAND): the libraries' own log lines, warnings and the
+# traceback behind an error are kept; without it tilefit's message stands for them
+VERBOSE = {"on": False}
+
+
+@contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """While a command runs without --verbose: no log record and no warning from the
+    libraries tilefit drives (PyTorch logs the traceback of a failed fake-tensor op before
+    re-raising it, torchao a "Failed to load" line per kernel library on import); tilefit
+    says what went wrong in its own words. tilefit itself neither logs nor warns from the
+    CLI. The logging switch and the warning filters are restored afterwards."""
+    import logging
+    import warnings
+
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
+
+
 @contextmanager
 def user_errors() -> Iterator[None]:
-    """Turn TilefitError into a clear message on stderr and exit code 2."""
+    """Turn TilefitError into a clear message on stderr and exit code 2 (with --verbose,
+    after the traceback of the error behind it)."""
     try:
         yield
     except TilefitError as exc:
+        cause = exc.__cause__ or exc.__context__
+        if VERBOSE["on"] and cause is not None:
+            import traceback
+
+            sys.stderr.write("".join(traceback.format_exception(cause)))
         err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None

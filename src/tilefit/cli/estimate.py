@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -37,6 +37,12 @@ def estimate(
     fused_ce: bool = mo.FUSED_CE_OPTION,
     lora: bool = mo.LORA_OPTION,
     quantize: str | None = mo.QUANTIZE_OPTION,
+    lora_rank: int | None = mo.LORA_RANK_OPTION,
+    lora_alpha: float | None = mo.LORA_ALPHA_OPTION,
+    lora_targets: str | None = mo.LORA_TARGETS_OPTION,
+    lora_dropout: float | None = mo.LORA_DROPOUT_OPTION,
+    dora: bool = mo.DORA_OPTION,
+    modules_to_save: str | None = mo.MODULES_TO_SAVE_OPTION,
     routing: str | None = mo.ROUTING_OPTION,
     gpus: int = mo.GPUS_OPTION,
     nodes: int | None = mo.NODES_OPTION,
@@ -57,7 +63,6 @@ def estimate(
     """Predict one training step's time and peak memory on a GPU, traced on fake tensors."""
     from tilefit.estimator import estimate_recipe
     from tilefit.hardware import get_device
-    from tilefit.report.terminal import print_estimate
 
     with user_errors():
         device = mo.placed(get_device(gpu), gpus, nodes, network)
@@ -66,18 +71,32 @@ def estimate(
             work, batch_size=batch, precision=precision, optimizer=optimizer,
             grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation,
             attention=attention, max_grad_norm=max_grad_norm, loss_sync=loss_sync,
-            fused_ce=fused_ce, lora=lora, quantize=quantize, routing=routing, compile_=compile_,
-            compile_mode=compile_mode, alloc_conf=alloc_conf, graph_breaks=graph_breaks,
-            gpus=gpus, strategy=strategy, offload=offload).on(device)
+            fused_ce=fused_ce, lora=mo.lora_of(lora, lora_rank, lora_alpha, lora_targets,
+                                                lora_dropout, dora, modules_to_save),
+            quantize=quantize, routing=routing, compile_=compile_, compile_mode=compile_mode,
+            alloc_conf=alloc_conf, graph_breaks=graph_breaks, gpus=gpus, strategy=strategy,
+            offload=offload).on(device)
         result = estimate_recipe(work, None, recipe, device)
     _notes(recipe, work.is_factory)
+    _print(result, work, recipe, f"{model} --gpu {gpu}", json_out=json_out, ops=ops)
+
+
+def _print(result: Any, work: Any, recipe: Recipe, command: str, *, json_out: bool,
+           ops: bool) -> None:
+    """The estimate as JSON, or as the terminal's table (``command``: the model and GPU
+    that `tilefit audit` takes to say what would make a step that does not fit fit)."""
+    from tilefit.report.terminal import print_estimate
+
     if json_out:
         print_json({"model": work.name, "task": work.task, "recipe": recipe.to_dict(),
                     **_lengths(work), **result.to_dict(include_ops=ops)})
         return
-    print_estimate(console, result, f"tilefit estimate: {work.name}, {_shape(batch, work)}")
+    print_estimate(console, result, f"tilefit estimate: {work.name}, "
+                   f"{_shape(recipe.batch_size, work)}")
     if not result.fits:
-        _does_not_fit(model, gpu)
+        console.print(f"[bold red]does not fit:[/] `tilefit audit {command}` says "
+                      "what would make it fit, `tilefit plan` chooses a recipe that does",
+                      highlight=False)
 
 
 def _shape(batch: int, work: Workload) -> str:
@@ -87,12 +106,6 @@ def _shape(batch: int, work: Workload) -> str:
 
 def _lengths(work: Workload) -> dict[str, int | None]:
     return {"seq_len": work.seq_len, "target_seq_len": work.target_seq_len}
-
-
-def _does_not_fit(model: str, gpu: str) -> None:
-    console.print(f"[bold red]does not fit:[/] `tilefit audit {model} --gpu {gpu}` says "
-                  "what would make it fit, `tilefit plan` chooses a recipe that does",
-                  highlight=False)
 
 
 def _notes(recipe: Recipe, is_factory: bool) -> None:

@@ -21,7 +21,7 @@ from tilefit.vocab import (
 
 if TYPE_CHECKING:
     from tilefit.hardware import Device
-    from tilefit.recipe import Recipe
+    from tilefit.recipe import Lora, Recipe
 
 GPU_OPTION = typer.Option(
     "a100-80gb", "--gpu", help="Catalog name or alias (see `tilefit gpus`), a TOML spec file, "
@@ -111,7 +111,39 @@ LORA_OPTION = typer.Option(
     False, "--lora", help="LoRA fine-tuning as peft runs it: rank-16 adapters (alpha 32) on "
     "every linear layer but the output head, the base frozen in the precision's 16-bit dtype "
     "(fp32 under --precision fp32), the adapters in fp32: what `tilefit plan --allow-peft` "
-    "proposes. Hugging Face models; needs peft.")
+    "proposes. Hugging Face models; needs peft. --lora-rank, --lora-alpha, --lora-targets, "
+    "--lora-dropout, --dora and --modules-to-save change the adapters (and imply --lora).")
+LORA_RANK_OPTION = typer.Option(None, "--lora-rank", help="LoRA's rank (peft's r; default 16).")
+LORA_ALPHA_OPTION = typer.Option(None, "--lora-alpha",
+                                 help="LoRA's alpha (peft's lora_alpha; default 32).")
+LORA_TARGETS_OPTION = typer.Option(
+    None, "--lora-targets", help="The modules LoRA adapts (peft's target_modules): names "
+    "separated by commas, e.g. q_proj,v_proj, or all-linear (the default: every linear layer "
+    "but the output head).")
+LORA_DROPOUT_OPTION = typer.Option(None, "--lora-dropout",
+                                   help="Dropout on the adapters' input (peft's lora_dropout; "
+                                   "default 0).")
+DORA_OPTION = typer.Option(False, "--dora", help="DoRA (peft's use_dora): LoRA with a trained "
+                           "magnitude per output feature.")
+MODULES_TO_SAVE_OPTION = typer.Option(
+    None, "--modules-to-save", help="Modules trained in full beside the adapters (peft's "
+    "modules_to_save), names separated by commas, e.g. lm_head.")
+
+
+def lora_of(on: bool, rank: int | None, alpha: float | None, targets: str | None,
+            dropout: float | None, dora: bool, modules_to_save: str | None) -> Lora | None:
+    """The Lora of --lora and its settings: any setting implies --lora; the ones not given
+    keep Lora()'s defaults."""
+    from tilefit.recipe import Lora
+
+    given: dict[str, Any] = {k: v for k, v in (
+        ("rank", rank), ("dropout", dropout), ("targets", targets),
+        ("modules_to_save", modules_to_save)) if v is not None}
+    if alpha is not None:  # 32, not 32.0, in the configs a plan pastes
+        given["alpha"] = int(alpha) if float(alpha).is_integer() else alpha
+    if dora:
+        given["dora"] = True
+    return Lora(**given) if on or given else None
 
 
 QUANTIZE_OPTION = typer.Option(
@@ -160,12 +192,12 @@ def max_grad_norm(text: str) -> float | None:
 
 def recipe(work: Any, *, compile_: bool = False, compile_mode: str = "default",
            graph_breaks: bool = False, gpus: int = 1, strategy: str | None = None,
-           offload: bool = False, lora: bool = False, **flags: Any) -> Recipe:
+           offload: bool = False, lora: bool | Lora | None = False, **flags: Any) -> Recipe:
     """The Recipe of the command line's flags: ``Recipe.for_model`` (the Trainer's loop for
     Hugging Face models, plain PyTorch's for module:function models) with the flags the
     user gave on top (None: not given). The same function Python users call, so the CLI and
     Python agree by construction."""
-    from tilefit.recipe import Compile, Lora, Parallelism
+    from tilefit.recipe import Compile, Parallelism
     from tilefit.recipe import Recipe as Recipe_
 
     if graph_breaks and not compile_:
@@ -177,7 +209,7 @@ def recipe(work: Any, *, compile_: bool = False, compile_mode: str = "default",
     if isinstance(given.get("max_grad_norm"), str):
         given["max_grad_norm"] = max_grad_norm(given["max_grad_norm"])
     return Recipe_.for_model(
-        work, **given, lora=Lora() if lora else None,
+        work, **given, lora=lora or None,
         compile=Compile(compile_mode, graph_breaks) if compile_ else None,
         parallel=Parallelism(world_size=gpus, strategy=strategy, offload=offload))
 

@@ -12,6 +12,24 @@ from tilefit.cli.common import GPU_HELP, JSON_OPTION, console, err_console, prin
 from tilefit.cli.noise import PLAN_NOISE_OPTION, read_noise_scale
 from tilefit.vocab import STRATEGIES, ZERO_STRATEGIES
 
+ALLOW_PEFT_OPTION = typer.Option(
+    False, "--allow-peft",
+    help="Also rank LoRA fine-tuning (frozen weights, adapters; needs peft). "
+    "--lora-rank, --lora-alpha, --lora-targets, --lora-dropout, --dora and "
+    "--modules-to-save set its adapters (and imply --allow-peft).")
+GPUS_OPTION = typer.Option(
+    1, "--gpus", help="Plan for this many data-parallel GPUs (one rank each): engine x "
+    "micro-batch x accumulation x checkpointing x precision from traces of rank 0; "
+    "writes configs that launch (torchrun script, accelerate, DeepSpeed).")
+STRATEGY_OPTION = typer.Option(
+    None, "--strategy", help="With --gpus > 1: search this engine only (" +
+    ", ".join((*STRATEGIES, *ZERO_STRATEGIES)) + "; DeepSpeed ZeRO modelled, stages 2 "
+    "and 3 also with the optimizer offloaded to the CPU); default: all of them.")
+WRITE_CONFIGS_OPTION = typer.Option(
+    None, "--write-configs", help="With --gpus > 1: write the chosen plan's launch files "
+    "into this directory: train_tilefit.py (torchrun), ds_config.json, and for DDP/FSDP2 "
+    "accelerate.yaml with train_accelerate.py.")
+
 
 def register(app: typer.Typer) -> None:
     app.command("plan")(plan)
@@ -33,27 +51,22 @@ def plan(
     allow_optimizer_change: bool = typer.Option(
         False, "--allow-optimizer-change",
         help="Also rank other optimizers (a different training algorithm)."),
-    allow_peft: bool = typer.Option(
-        False, "--allow-peft",
-        help="Also rank LoRA fine-tuning (frozen weights, adapters; needs peft)."),
+    allow_peft: bool = ALLOW_PEFT_OPTION,
+    lora_rank: int | None = mo.LORA_RANK_OPTION,
+    lora_alpha: float | None = mo.LORA_ALPHA_OPTION,
+    lora_targets: str | None = mo.LORA_TARGETS_OPTION,
+    lora_dropout: float | None = mo.LORA_DROPOUT_OPTION,
+    dora: bool = mo.DORA_OPTION,
+    modules_to_save: str | None = mo.MODULES_TO_SAVE_OPTION,
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     fused_ce: bool = mo.FUSED_CE_OPTION,
     compile_: bool = mo.COMPILE_OPTION,
-    gpus: int = typer.Option(
-        1, "--gpus", help="Plan for this many data-parallel GPUs (one rank each): engine x "
-        "micro-batch x accumulation x checkpointing x precision from traces of rank 0; "
-        "writes configs that launch (torchrun script, accelerate, DeepSpeed)."),
-    strategy: str | None = typer.Option(
-        None, "--strategy", help="With --gpus > 1: search this engine only (" +
-        ", ".join((*STRATEGIES, *ZERO_STRATEGIES)) + "; DeepSpeed ZeRO modelled, stages 2 "
-        "and 3 also with the optimizer offloaded to the CPU); default: all of them."),
-    write_configs: str | None = typer.Option(
-        None, "--write-configs", help="With --gpus > 1: write the chosen plan's launch files "
-        "into this directory: train_tilefit.py (torchrun), ds_config.json, and for DDP/FSDP2 "
-        "accelerate.yaml with train_accelerate.py."),
+    gpus: int = GPUS_OPTION,
+    strategy: str | None = STRATEGY_OPTION,
+    write_configs: str | None = WRITE_CONFIGS_OPTION,
     top: int = typer.Option(15, "--top", help="Rows of the ranked table to show."),
     noise_scale: str | None = PLAN_NOISE_OPTION,
     json_out: bool = JSON_OPTION,
@@ -70,7 +83,10 @@ def plan(
         recipe = mo.recipe(work, optimizer=optimizer, max_grad_norm=max_grad_norm,
                            loss_sync=loss_sync, fused_ce=fused_ce, compile_=compile_,
                            gpus=gpus, strategy=strategy)
-        search = PlanSearch(memory_fraction, objective, allow_optimizer_change, allow_peft)
+        lora = mo.lora_of(False, lora_rank, lora_alpha, lora_targets, lora_dropout, dora,
+                          modules_to_save)
+        search = PlanSearch(memory_fraction, objective, allow_optimizer_change, allow_peft,
+                            lora=lora)
         result = run_plan(work, gpu=gpu, global_batch=global_batch, recipe=recipe,
                           search=search)
         written = None if write_configs is None else write_launch_files(

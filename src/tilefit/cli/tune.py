@@ -166,13 +166,11 @@ def live_precision(text: str | None, device: Any) -> str:
 
 def optimizer_factory(name: str) -> Any:
     """params -> the optimizer --optimizer names, as the other commands trace it."""
+    from tilefit.recipe import check_optimizer
     from tilefit.tracing.optimizers import make_optimizer
-    from tilefit.vocab import OPTIMIZER_NAMES
 
     key = name.strip().lower()
-    if key not in OPTIMIZER_NAMES:
-        raise TilefitError(f"unknown optimizer {name!r}", expected=", ".join(OPTIMIZER_NAMES),
-                           given=repr(name), fix="pass --optimizer adamw")
+    check_optimizer(key)  # an unknown name: the error suggests the close ones
     if key == "adamw-8bit":
         try:
             import bitsandbytes as bnb  # type: ignore[import-not-found]
@@ -317,17 +315,19 @@ def _rate(samples_per_s: float) -> str:
 def _render(result: Any, plot: str | None) -> None:
     from rich.table import Table
 
+    from tilefit.report.terminal import fmt_bytes
+
     t = Table(title="tilefit tune: trials")
     for col in ("kind", "batch", "fits", "peak memory", "samples/s", "time"):
         t.add_column(col, justify="right")
     for tr in result.trials:
         t.add_row(tr.kind, str(tr.batch_size), "yes" if tr.fits else "[red]no[/]",
-                  "" if tr.peak_memory_bytes is None else f"{tr.peak_memory_bytes:,} B",
+                  "" if tr.peak_memory_bytes is None else fmt_bytes(tr.peak_memory_bytes),
                   "" if tr.samples_per_s is None else _rate(tr.samples_per_s),
                   f"{tr.time_s:.2f} s")
     console.print(t)
     console.print(f"largest batch that fits: [bold]{result.max_fitting_batch_size}[/]"
-                  + (f" (budget {result.budget_bytes:,} B)" if result.budget_bytes else ""))
+                  + (f" (budget {fmt_bytes(result.budget_bytes)})" if result.budget_bytes else ""))
     rate = "" if result.samples_per_s is None else f", {_rate(result.samples_per_s)} samples/s"
     if result.world_size > 1 and result.samples_per_s is not None:  # the slowest rank's
         rate += f" per rank ({_rate(result.samples_per_s * result.world_size)} for the job)"

@@ -144,4 +144,19 @@ def new_mem_tracker() -> Any:
     bytes by module and category, by its own accounting."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    return MemTracker()
+    from tilefit.compat.modules import acyclic_mod_tracker
+
+    class FrozenAwareMemTracker(MemTracker):  # type: ignore[misc]
+        # MemTracker hooks every parameter's gradient, which torch refuses for a frozen one
+        # (a LoRA base): a module with frozen parameters gets no gradient hooks, and its
+        # gradients count by MemTracker's tracking of every op's output, uncategorized
+        def _track_module_params_and_buffers(self, module: Any,
+                                             install_grad_hooks: bool = True) -> Any:
+            hooks = install_grad_hooks and all(p.requires_grad for p in module.parameters())
+            return super()._track_module_params_and_buffers(module, hooks)
+
+    tracker = FrozenAwareMemTracker()
+    # its ModTracker's input hooks form the reference cycle compat.modules describes: a
+    # graph the backward never runs would live until the cycle collector ran
+    tracker._mod_tracker = acyclic_mod_tracker()
+    return tracker

@@ -2,21 +2,27 @@
 slots.
 
 ModTracker (torch.distributed._tools.mod_tracker, private) and ModuleTracker
-(torch.utils.module_tracker, public since 2.4); FX's node-meta propagation
+(torch.utils.module_tracker, public since 2.4) for module names; autograd's sequence numbers
+(torch._C._autograd._get_sequence_nr, Node._sequence_nr, torch._C._current_autograd_node,
+private) for the module a backward op belongs to; FX's node-meta propagation
 (torch.fx.traceback.current_meta, public but not backward compatible); nn.Module's
 ``_parameters`` and ``_buffers`` dicts.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["ModulePath", "buffer_slots", "node_module", "parameter_slots",
+__all__ = ["ModulePath", "acyclic_mod_tracker", "buffer_slots", "node_module", "parameter_slots",
            "record_module_paths"]
 
 
@@ -32,46 +38,96 @@ def buffer_slots(module: nn.Module) -> dict[str, Any]:
 
 
 class ModulePath:
-    """Which modules are running, whether autograd's backward is running, and whether a
-    checkpointed forward is being recomputed inside it.
+    """Which module's code is running: in the forward (and a checkpointed forward recomputed
+    in the backward), the innermost module whose forward runs; in the backward, the module
+    whose forward created the autograd node the engine runs.
 
-    Uses torch.distributed._tools.mod_tracker.ModTracker (what PyTorch's MemTracker uses): it
-    keeps no tensors alive. torch.utils.module_tracker.ModuleTracker, the fallback for builds
-    without torch.distributed, keeps recomputed activations alive through its grad hooks
-    when checkpointing (measured: +14% peak on a checkpointed Llama-like step).
+    The backward is attributed by autograd's sequence numbers (each node takes the next
+    number of its thread's counter when the forward creates it; the profiler links forward
+    and backward ops the same way): the forward marks the number at which each module starts
+    and ends, and a backward op belongs to the module running when its node's number was
+    taken. Not by ModTracker's backward hooks: those leave a module "running" until the
+    gradient of its input is complete, so q/k/v projections that share their input overlap
+    through each other's backward, and a module whose output is its input (nn.Identity,
+    nn.Dropout(p=0)) stays "running" for the rest of the backward. ModTracker
+    (torch.distributed._tools.mod_tracker, what MemTracker uses, with its input hook made
+    acyclic by ``acyclic_mod_tracker`` so that it keeps no tensors alive) still names the
+    modules. A reentrant checkpoint's nested backward, run on another
+    thread than the forward (a CUDA machine's device thread), runs nodes whose numbers come
+    from that thread's counter: they are attributed to no module.
     """
 
     def __init__(self) -> None:
         self.recompute_depth = 0
-        # nn.Identity modules by name: their output is their input, so ModTracker's backward
-        # hooks on the one tensor can leave them "running" for the rest of the backward
-        self.passthrough: set[str] = set()
         self.last_entered = ""  # the last module whose forward started (for error messages)
+        self._stack: list[str] = []  # the modules whose forward runs, innermost last
+        self._marks: list[int] = []  # sequence numbers where the running module changed
+        self._marked: list[str] = []  # the module running from that number on ("" none)
+        self._thread: int | None = None  # the thread whose counter the marks read
+        self._param_module: WeakIdKeyDictionary = WeakIdKeyDictionary()  # leaf -> owner
         try:
-            from torch.distributed._tools.mod_tracker import ModTracker
+            self._tracker: Any = acyclic_mod_tracker()
         except ImportError:  # pragma: no cover - builds without torch.distributed
             from torch.utils.module_tracker import ModuleTracker
 
-            self._tracker: Any = ModuleTracker()
-        else:
-            self._tracker = ModTracker()
+            self._tracker = ModuleTracker()
         self._handles: list[Any] = []
 
-    def _pre_fw(self, mod: Any, inputs: Any) -> None:
+    def _name(self, mod: Any) -> str:
         known = getattr(self._tracker, "get_known_fqn", None)
-        self.last_entered = (known(mod) if known is not None else None) or type(mod).__name__
-        if isinstance(mod, torch.nn.Identity):
-            self.passthrough.add(self.last_entered)
+        return (known(mod) if known is not None else None) or type(mod).__name__
+
+    def _pre_fw(self, mod: Any, inputs: Any) -> None:
+        self.last_entered = self._name(mod)
         if self.is_bw:
             self.recompute_depth += 1
+        self._stack.append(self.last_entered)
+        self._mark()
 
     def _post_fw(self, mod: Any, inputs: Any, outputs: Any) -> None:
         if self.is_bw and self.recompute_depth > 0:
             self.recompute_depth -= 1
+        name = self._name(mod)
+        for p in mod.parameters(recurse=False):  # FSDP2's unsharded ones, before it reshards
+            self._param_module[p] = name
+        if self._stack and self._stack[-1] == name:
+            self._stack.pop()
+        elif name in self._stack:  # an exception unwound inner modules without their hooks
+            del self._stack[self._stack.index(name):]
+        self._mark()
+
+    def _mark(self) -> None:
+        """From the counter's next number on, the top of the stack runs."""
+        thread = threading.get_ident()
+        if self._thread is None and not self.is_bw:
+            self._thread = thread
+        if thread != self._thread:  # another thread's counter: its numbers do not compare
+            return
+        seq = torch._C._autograd._get_sequence_nr()
+        top = self._stack[-1] if self._stack else ""
+        if self._marks and self._marks[-1] == seq:
+            self._marked[-1] = top
+        else:
+            self._marks.append(seq)
+            self._marked.append(top)
+
+    def _creator(self, node: Any) -> str:
+        """The module whose forward created ``node``; a parameter's gradient accumulator
+        (no sequence number of its own), the module that owns the parameter."""
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            return self._param_module.get(variable, "")
+        i = bisect.bisect_right(self._marks, node._sequence_nr()) - 1
+        return self._marked[i] if i >= 0 else ""
 
     @property
-    def parents(self) -> set[str]:
-        return set(self._tracker.parents) - self.passthrough
+    def current(self) -> str:
+        """The module (its ModTracker name) whose code runs now; "" outside every module."""
+        if self.is_bw and not self.recomputing:
+            node = torch._C._current_autograd_node()
+            # None: the engine's callbacks after the last node (FSDP2's, DDP's)
+            return "" if node is None else self._creator(node)
+        return self._stack[-1] if self._stack else ""
 
     @property
     def is_bw(self) -> bool:
@@ -100,6 +156,44 @@ class ModulePath:
             h.remove()
         self._handles = []
         self._tracker.__exit__(*exc)
+
+
+def acyclic_mod_tracker() -> Any:
+    """A ModTracker whose hook on a module's one input that requires grad holds no autograd
+    node. ModTracker registers it with register_multi_grad_hook(mode="all"), whose closure
+    holds the inputs' grad_fns while the hook sits on those same nodes: a reference cycle.
+    A graph that the backward never runs (DoRA's weight norm: peft's lora_B(lora_A(eye))
+    before .detach(), freed by reference count in a real step) then lives, with the
+    tensors it saved, until Python's cycle collector runs, which the trace pauses
+    (tilefit.tracing.gc_pause): two weight-sized tensors per DoRA layer held to the end.
+    With one such input "all" and "any" fire alike (once per backward, when its node runs),
+    and "any" holds no node; several inputs keep ModTracker's "all"."""
+    from torch.autograd.graph import register_multi_grad_hook
+    from torch.distributed._tools.mod_tracker import ModTracker
+    from torch.utils._pytree import tree_flatten
+
+    class AcyclicModTracker(ModTracker):  # type: ignore[misc]
+        def _fw_pre_hook(self, mod: Any, input: Any) -> None:
+            # ModTracker._fw_pre_hook (torch 2.13) but for the mode of the grad hook
+            if torch._dynamo.eval_frame._is_in_optimized_module():
+                return
+            name = self._get_mod_name(mod)
+            w_mod = weakref.ref(mod)
+            self._get_append_fn(w_mod, name, False)()
+            if self._user_pre_fw_hook is not None:
+                self._user_pre_fw_hook(mod, input)
+            args, _ = tree_flatten(input)
+            tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            if self.is_bw:
+                return
+            pop = self._get_pop_fn(w_mod, name, True)
+            if tensors:
+                register_multi_grad_hook(tensors, pop,
+                                         mode="any" if len(tensors) == 1 else "all")
+            else:
+                self._post_bw_callbacks_to_enqueue.append(pop)
+
+    return AcyclicModTracker()
 
 
 @contextlib.contextmanager

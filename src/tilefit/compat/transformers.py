@@ -31,7 +31,6 @@ from torch import nn
 from tilefit.compat.compile import checkpoint_region_tagger
 from tilefit.compat.fake import FakeTensor, holds_fake
 from tilefit.errors import TilefitError
-from tilefit.quiet_imports import quiet_imports
 
 
 def is_fake(x: Any) -> bool:
@@ -186,8 +185,7 @@ def skip_init_without_data() -> Iterator[None]:
     if tensors_have_data():
         yield
         return
-    with quiet_imports():  # the first import of transformers' models imports torchao
-        from transformers import PreTrainedModel
+    from transformers import PreTrainedModel
 
     try:  # transformers >= 5: the torch init functions and modules it patches itself
         from transformers.initialization import TORCH_INIT_FUNCTIONS, TORCH_MODULES_TO_PATCH

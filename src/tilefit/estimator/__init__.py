@@ -20,7 +20,14 @@ from tilefit.estimator.cost import DEFAULT_EFFICIENCY, CostContext, KernelEffici
 from tilefit.estimator.cudagraphs import graphed, graphed_memory
 from tilefit.estimator.fusion import compiled_op_time_s
 from tilefit.estimator.reserved import ReservedMemory, allocator_config_of, reserved_memory
-from tilefit.estimator.result import Estimate, ModuleSummary, OpCost
+from tilefit.estimator.result import (
+    EXPOSED_COMMUNICATION,
+    HOST_WAIT,
+    Estimate,
+    ModuleSummary,
+    OpCost,
+    module_key,
+)
 from tilefit.estimator.steptime import step_timeline
 from tilefit.estimator.timeline import Timeline
 from tilefit.estimator.zero_step import estimate_zero, is_zero, traced_recipe
@@ -35,7 +42,7 @@ from tilefit.recipe import (
     is_named_model,
 )
 from tilefit.tracing.records import Trace
-from tilefit.vocab import MICRO_PHASES, OPTIMIZER_PHASES, parse_precision
+from tilefit.vocab import MICRO_PHASES, parse_precision
 
 __all__ = ["Estimate", "ModuleSummary", "OpCost", "ParallelSummary", "ZeroConfig",
            "cublas_workspace_bytes",
@@ -134,7 +141,7 @@ def estimate_trace(tr: Trace, device: Device,
     timeline, comm, step_time = _step_time(tr, costs, device)
     hw_flops = sum(c.record.flops * c.repeats for c in costs)
     model_flops = sum(c.record.flops * c.repeats for c in costs if c.record.phase != "recompute")
-    by_phase, module_summaries = _by_phase_and_module(costs)
+    by_phase, by_module = _by_phase_and_module(costs)
     peak, breakdown = _peak_memory(tr)
     samples = tr.samples_per_micro_batch * a
     tokens = tr.tokens_per_micro_batch * a if tr.tokens_per_micro_batch is not None else None
@@ -151,7 +158,8 @@ def estimate_trace(tr: Trace, device: Device,
         samples_per_s=samples / step_time if step_time else 0.0,
         tokens_per_s=tokens / step_time if (tokens and step_time) else None,
         mfu=mfu, mfu_dtype=mfu_dtype, time_by_phase_s=by_phase, ops=tuple(costs),
-        modules=module_summaries, warnings=tuple(warnings), param_count=tr.param_count,
+        modules=_module_summaries(by_module, timeline, comm), warnings=tuple(warnings),
+        param_count=tr.param_count,
         trainable_param_count=tr.trainable_param_count, accumulation_steps=a,
         host_time_s=timeline.host_s, device_time_s=timeline.device_s,
         host_bound_fraction=timeline.host_bound_fraction,
@@ -188,24 +196,32 @@ def _op_costs(tr: Trace, device: Device, ctx: CostContext) -> list[OpCost]:
 
 
 def _by_phase_and_module(costs: list[OpCost]
-                         ) -> tuple[dict[str, float], tuple[ModuleSummary, ...]]:
-    """Device time by phase (collectives left out: their own stream) and by module."""
+                         ) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Device time by phase and by module (collectives left out of both: they run on their
+    own stream, Estimate.parallel has them); ops outside every module by what they are."""
     by_phase: dict[str, float] = defaultdict(float)
     modules: dict[str, list[float]] = {}
     for c in costs:
-        if c.record.kind != "collective":  # on its own stream: Estimate.parallel has them
-            by_phase[c.record.phase] += c.time_s * c.repeats
-        key = c.record.module or ("(optimizer)" if c.record.phase in OPTIMIZER_PHASES
-                                  else "(compiled graph)" if c.record.compiled
-                                  else "(outside modules)")
-        m = modules.setdefault(key, [0.0, 0, 0, 0])
+        if c.record.kind == "collective":
+            continue
+        by_phase[c.record.phase] += c.time_s * c.repeats
+        m = modules.setdefault(module_key(c.record), [0.0, 0, 0, 0])
         m[0] += c.time_s * c.repeats
         m[1] += c.record.flops * c.repeats
         m[2] += c.record.bytes * c.repeats
         m[3] += 1
-    return dict(by_phase), tuple(sorted(
-        (ModuleSummary(k, v[0], int(v[1]), int(v[2]), int(v[3])) for k, v in modules.items()),
-        key=lambda s: -s.time_s))
+    return dict(by_phase), modules
+
+
+def _module_summaries(modules: dict[str, list[float]], timeline: Timeline,
+                      comm: Communication | None) -> tuple[ModuleSummary, ...]:
+    """The modules' device time, and the rest of the step (the GPU waiting for the host,
+    communication the compute does not hide): together, the step time."""
+    rows = [ModuleSummary(k, v[0], int(v[1]), int(v[2]), int(v[3])) for k, v in modules.items()]
+    rest = {HOST_WAIT: timeline.step_time_s - timeline.device_s,
+            EXPOSED_COMMUNICATION: 0.0 if comm is None else comm.exposed_s}
+    rows += [ModuleSummary(k, v, 0, 0, 0) for k, v in rest.items() if v > 0]
+    return tuple(sorted(rows, key=lambda s: -s.time_s))
 
 
 def _cost_warnings(costs: list[OpCost]) -> list[str]:

@@ -7,9 +7,11 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tilefit.estimator.collectives import ENGINE_COPY_PREFIX
 from tilefit.estimator.cost import CostContext, gemm_dtype
 from tilefit.hardware.device import Device
 from tilefit.tracing.records import GemmShape, OpRecord
+from tilefit.vocab import OPTIMIZER_PHASES
 
 if TYPE_CHECKING:
     from tilefit.estimator.collectives import ParallelSummary
@@ -37,9 +39,41 @@ class OpCost:
         }
 
 
+# What the ops outside every module are, by phase: the loss (a Hugging Face model computes
+# it in its own forward, outside its submodules) and the training loop's own steps.
+OUTSIDE_MODULES: dict[str, str] = {
+    "forward": "(loss, top level: forward)", "backward": "(loss, top level: backward)",
+    "recompute": "(top level: recompute)", "loss_check": "(loop: loss read on the host)",
+    "clip_grad": "(loop: gradient clipping)", "optimizer": "(loop: optimizer step)",
+    "zero_grad": "(loop: zero_grad)", "scaler": "(loop: GradScaler)"}
+COMPILED_GRAPH = "(compiled graph)"
+ENGINE = "(data-parallel engine)"  # FSDP2's copies outside its modules' hooks
+# the rest of the step time, beyond the modules' device time
+HOST_WAIT = "(GPU waiting for the host)"
+EXPOSED_COMMUNICATION = "(communication not hidden by compute)"
+
+
+def module_key(record: OpRecord) -> str:
+    """The row of Estimate.modules an op's time goes to: its module, or what it is."""
+    if record.phase in OPTIMIZER_PHASES or record.phase == "loss_check":
+        return OUTSIDE_MODULES[record.phase]
+    if record.module:
+        return record.module
+    if record.compiled:
+        return COMPILED_GRAPH
+    if record.op.startswith(ENGINE_COPY_PREFIX):
+        return ENGINE
+    return OUTSIDE_MODULES.get(record.phase, f"({record.phase})")
+
+
 @dataclass(frozen=True)
 class ModuleSummary:
-    module: str  # module path, "(optimizer)", "(compiled graph)" or "(outside modules)"
+    """One row of the step's time: a module path (its forward and backward, the layers'
+    indices kept), what the ops outside every module are (OUTSIDE_MODULES,
+    COMPILED_GRAPH, ENGINE), or the rest of the step (HOST_WAIT, EXPOSED_COMMUNICATION).
+    The rows' times add up to the step time."""
+
+    module: str
     time_s: float  # per optimizer step, accumulation included
     flops: int
     bytes: int

@@ -89,8 +89,7 @@ def get_device(spec: str | Device) -> Device:
             given=f"{text!r}, which matches: {', '.join(prefixed)}",
             fix=f"say which one, e.g. --gpu {prefixed[0]}",
         )
-    names = [d.name for d in CATALOG]
-    near = close_matches(key, names + [a for d in CATALOG for a in d.aliases])
+    near = _near_devices(key)
     hint = f"did you mean {', '.join(near)}? " if near else ""
     raise TilefitError(
         f"unknown GPU {text!r}",
@@ -99,6 +98,13 @@ def get_device(spec: str | Device) -> Device:
         fix=f"{hint}run `tilefit gpus` for the list, or describe your GPU in a TOML file "
         "(see the README) and pass its path",
     )
+
+
+def _near_devices(key: str, n: int = 3) -> list[str]:
+    """The catalog names of the devices whose name or an alias is nearest to ``key``, one per
+    device (its aliases spell the same GPU several ways), best first."""
+    near = close_matches(key, list(_BY_KEY), n=len(_BY_KEY))
+    return list(dict.fromkeys(_BY_KEY[k].name for k in near))[:n]
 
 
 _REQUIRED = ("name", "sms", "memory_bytes", "bandwidth_bytes_per_s", "peak_flops_per_s")

@@ -14,15 +14,17 @@ with set_data instead, and peft's LoRA init (kaiming_uniform_, zeros_) is a no-o
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from typing import TYPE_CHECKING, Any
 
 from tilefit.errors import TilefitError
+from tilefit.recipe import ALL_LINEAR, Lora, Recipe
 
-# LoRA rank 16, alpha 32: a common choice between peft's default (r=8) and QLoRA's r=64
-# (Dettmers et al. 2023); the adapter memory is tiny at any of them.
-LORA_RANK = 16
-LORA_ALPHA = 32
+# LoRA rank 16, alpha 32 (tilefit.recipe.Lora's defaults): a common choice between peft's
+# default (r=8) and QLoRA's r=64 (Dettmers et al. 2023); the adapter memory is tiny at any.
+LORA_RANK = Lora().rank
+LORA_ALPHA = Lora().alpha
 # tilefit's task (tilefit.models.hf.TASKS) -> peft's TaskType: the PeftModel class that wraps
 # the model. None: the plain PeftModel (peft has no masked-LM or image task type).
 PEFT_TASK_TYPES: dict[str, str | None] = {"causal-lm": "CAUSAL_LM", "seq-cls": "SEQ_CLS",
@@ -32,9 +34,9 @@ PEFT_TASK_TYPES: dict[str, str | None] = {"causal-lm": "CAUSAL_LM", "seq-cls": "
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
     from tilefit.models import Workload
-    from tilefit.recipe import Recipe
 
 
 def require_peft() -> Any:
@@ -56,32 +58,82 @@ def require_peft() -> Any:
     return peft
 
 
-def peft_config(task: str) -> dict[str, Any]:
+def peft_config(task: str, lora: Lora | None = None) -> dict[str, Any]:
     """peft.LoraConfig(**this) then peft.get_peft_model(model, config), the base model loaded
     with torch_dtype=torch.bfloat16: what the plan traced (build_lora_model builds the
-    traced model from this same dict). "all-linear" leaves out the output head; a
-    classifier head is trained in full (SEQ_CLS: peft's modules_to_save; image-cls: named
-    here, as peft's image classification guide does)."""
-    out: dict[str, Any] = {"r": LORA_RANK, "lora_alpha": LORA_ALPHA, "lora_dropout": 0.0,
-                           "target_modules": "all-linear",
+    traced model from this same dict), ``lora``'s values one-to-one (default: Lora()).
+    "all-linear" leaves out the output head; a classifier head is trained in full (SEQ_CLS:
+    peft's modules_to_save; image-cls: named here, as peft's image classification guide
+    does, unless ``lora`` names the modules to save)."""
+    lora = lora or Lora()
+    targets = lora.targets if lora.targets == ALL_LINEAR else list(lora.targets)
+    out: dict[str, Any] = {"r": lora.rank, "lora_alpha": lora.alpha,
+                           "lora_dropout": lora.dropout, "target_modules": targets,
                            "task_type": PEFT_TASK_TYPES.get(task)}
-    if task == "image-cls":
+    if lora.dora:
+        out["use_dora"] = True
+    if lora.modules_to_save is not None:
+        out["modules_to_save"] = list(lora.modules_to_save)
+    elif task == "image-cls":
         out["modules_to_save"] = ["classifier"]
     return out
 
 
-def get_peft_model(model: torch.nn.Module, task: str) -> torch.nn.Module:
-    """``peft.get_peft_model`` with ``LoraConfig(**peft_config(task))``: every base parameter
-    frozen, LoRA adapters on the linear layers peft's "all-linear" picks."""
+def get_peft_model(model: nn.Module, task: str, lora: Lora | None = None) -> nn.Module:
+    """``peft.get_peft_model`` with ``LoraConfig(**peft_config(task, lora))``: every base
+    parameter frozen, LoRA adapters on the layers ``lora.targets`` names (peft's
+    "all-linear": every linear layer but the output head)."""
     peft = require_peft()
-    config = peft.LoraConfig(**peft_config(task))
+    config = peft.LoraConfig(**peft_config(task, lora))
+    check_targets(model, config)
     with warnings.catch_warnings():
         # GPT-2's Conv1D: peft sets fan_in_fan_out itself and says so; the deprecation of
         # is_gradient_checkpointing is transformers' notice to peft, not to the user.
         warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*", category=UserWarning)
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
                                 category=FutureWarning)
-        return peft.get_peft_model(model, config)
+        try:
+            return peft.get_peft_model(model, config)  # type: ignore[no-any-return]
+        except ValueError as err:  # a target peft cannot wrap (a module of no LoRA layer)
+            raise _bad_target(model, "--lora-targets", repr(config.target_modules),
+                              str(err).splitlines()[0]) from None
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """The short names (last part of the path) of the model's linear layers, once each, in
+    order: what --lora-targets can name (nn.Linear and transformers' Conv1D, which peft's
+    LoRA wraps)."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    names: dict[str, None] = {}
+    for path, module in model.named_modules():
+        if path and isinstance(module, (torch.nn.Linear, Conv1D)):
+            names.setdefault(path.rsplit(".", 1)[-1], None)
+    return list(names)
+
+
+def check_targets(model: nn.Module, config: Any) -> None:
+    """Each module name of target_modules and modules_to_save matches a module of
+    ``model`` as peft matches them (the name, or a path ending in "." + the name)."""
+    paths = [path for path, _ in model.named_modules() if path]
+    for flag, names in (("--lora-targets", config.target_modules),
+                        ("--modules-to-save", config.modules_to_save)):
+        if names is None or isinstance(names, str):  # "all-linear" (or peft's regex form)
+            continue
+        for name in sorted(names):
+            if not any(p == name or p.endswith("." + name) for p in paths):
+                raise _bad_target(model, flag, name, f"{flag} names {name!r}, which is no "
+                                  "module of this model")
+
+
+def _bad_target(model: nn.Module, flag: str, given: str, problem: str) -> TilefitError:
+    linear = linear_names(model)
+    close = difflib.get_close_matches(given, linear, n=1)
+    fix = f"pass {flag} " + ",".join(close or linear[:2])
+    return TilefitError(problem, expected="module names of this model; its linear layers: "
+                        + ", ".join(linear), given=given,
+                        fix=fix + (" (or all-linear)" if flag == "--lora-targets" else ""))
 
 
 def lora_base_dtype(recipe: Recipe) -> torch.dtype:
@@ -94,17 +146,18 @@ def lora_base_dtype(recipe: Recipe) -> torch.dtype:
     return torch_dtype(recipe.spec.half_dtype or "fp32")  # type: ignore[no-any-return]
 
 
-def build_lora_model(work: Workload, attention: str, base_dtype: torch.dtype
-                     ) -> torch.nn.Module:
-    """The workload's model with peft's LoRA adapters, on the meta device, the frozen base
-    in ``base_dtype`` (LoRA fine-tuning loads it with from_pretrained(torch_dtype=bfloat16))
-    and the adapters in fp32 (peft's autocast_adapter_dtype keeps them there)."""
+def build_lora_model(work: Workload, attention: str, base_dtype: torch.dtype,
+                     lora: Lora | None = None) -> torch.nn.Module:
+    """The workload's model with peft's LoRA adapters as ``lora`` says (default: Lora()),
+    on the meta device, the frozen base in ``base_dtype`` (LoRA fine-tuning loads it with
+    from_pretrained(torch_dtype=bfloat16)) and the adapters in fp32 (peft's
+    autocast_adapter_dtype keeps them there)."""
     import torch
 
     from tilefit.models.cast import cast_floating
     from tilefit.quiet_imports import quiet_transformers
 
     with quiet_transformers(), torch.device("meta"):
-        model = get_peft_model(work.build(attention), work.task)
+        model = get_peft_model(work.build(attention), work.task, lora)
     cast_floating(model, base_dtype, frozen_only=True)
     return model

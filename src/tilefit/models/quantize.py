@@ -98,4 +98,4 @@ def build_quantized_model(work: Workload, attention: str, recipe: Recipe) -> tor
         quantizer.postprocess_model(model)  # is_loaded_in_4bit / 8bit, as from_pretrained
         # checkpointing is the tracer's (non-reentrant, which needs no input hook)
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-        return get_peft_model(model, work.task)
+        return get_peft_model(model, work.task, recipe.lora)

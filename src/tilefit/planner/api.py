@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from tilefit.errors import TilefitError
 from tilefit.legacy import read_legacy
-from tilefit.recipe import DEFAULT_GPU, PLAIN_PYTORCH, Recipe, is_named_model
+from tilefit.recipe import DEFAULT_GPU, PLAIN_PYTORCH, Lora, Recipe, is_named_model
 
 if TYPE_CHECKING:
     from tilefit.hardware import Device
@@ -38,6 +38,11 @@ class PlanSearch:
     layer_lever: bool | None = None  # trace deep models at two layer counts (None: auto)
     pcie_bytes_per_s: float | None = None  # the host link for CPU offload (None: PCIe 4 x16)
     host_bandwidth_bytes_per_s: float | None = None  # CPU memory bandwidth for offload
+    lora: Lora | None = None  # the LoRA rows' adapters (None: Lora()); implies allow_lora
+
+    def __post_init__(self) -> None:
+        if self.lora is not None:
+            object.__setattr__(self, "allow_lora", True)
 
 
 # plan's old keywords that are the search's, not the recipe's, and the model's
@@ -88,7 +93,8 @@ def plan(model: Any, batch: Any = None, *, global_batch: int,
         raise TilefitError("plan ranks LoRA among other recipes; it does not keep one",
                            expected="search=PlanSearch(allow_lora=True)",
                            given="recipe=Recipe(lora=...)", fix="plan(..., search="
-                           "PlanSearch(allow_lora=True)) (tilefit plan --allow-peft)")
+                           "PlanSearch(lora=Lora(...))) (tilefit plan --allow-peft, "
+                           "--lora-rank ...)")
     return search_plan(model, gpu=gpu, global_batch=global_batch, seq_len=seq_len,
                        recipe=recipe, search=search, input_shape=old.rest.get("input_shape"),
                        task=old.rest.get("task"))

@@ -183,7 +183,7 @@ def single_gpu_configs(row: PlanRow, task: str) -> dict[str, Any]:
     if row.offload:
         out["deepspeed"] = deepspeed_offload(row)
     if row.peft:
-        out["peft_lora_config"] = peft_config(task)
+        out["peft_lora_config"] = peft_config(task, row.recipe.lora)
     return out
 
 

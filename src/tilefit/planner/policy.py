@@ -9,7 +9,7 @@ from tilefit.planner.result import Confirmation, MultiGpuPlan
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.search import half_parameter_bytes
 from tilefit.planner.state import PlanState
-from tilefit.recipe import Recipe
+from tilefit.recipe import Lora, Recipe
 from tilefit.vocab import ZERO_STRATEGIES
 
 MAX_CONFIRMS = 3
@@ -35,9 +35,10 @@ def trace_on_gpus(p: PlanState, strategy: str | None, *, hf_model: bool,
 
 
 def trace_recipes(p: PlanState, optimizer: str, *, hf_model: bool, allow_peft: bool,
-                  allow_optimizer_change: bool) -> None:
-    """The user's optimizer first; LoRA when allowed; CPU offload when nothing fits; other
-    optimizers when allowed or when still nothing fits."""
+                  allow_optimizer_change: bool, lora: Lora | None = None) -> None:
+    """The user's optimizer first; LoRA (``lora``'s adapters, default Lora()) when allowed;
+    CPU offload when nothing fits; other optimizers when allowed or when still nothing
+    fits."""
     device = p.device
     if allow_peft and not hf_model:
         p.notes.append(notes.PEFT_FACTORY)
@@ -49,7 +50,7 @@ def trace_recipes(p: PlanState, optimizer: str, *, hf_model: bool, allow_peft: b
     for spec in space.fp8_recipes(device, optimizer, hf_model=hf_model):
         p.add(spec)
     if allow_peft and hf_model:
-        for spec in space.peft_recipes(device, optimizer):
+        for spec in space.peft_recipes(device, optimizer, lora or Lora()):
             p.add(spec)
     if not p.any_fits(allow_optimizer_change=False, offload=False):
         off_prec = "bf16-true" if device.supports("bf16") else space.precisions(device)[0]

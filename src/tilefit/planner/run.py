@@ -72,7 +72,8 @@ def search_plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
         if search.allow_lora and hf_model:
             require_peft()  # before any tracing: LoRA is traced with the peft library itself
         policy.trace_recipes(p, optimizer, hf_model=hf_model, allow_peft=search.allow_lora,
-                             allow_optimizer_change=search.allow_optimizer_change)
+                             allow_optimizer_change=search.allow_optimizer_change,
+                             lora=search.lora)
     change = search.allow_optimizer_change
     rows = rank.rank(rank.prune_unfriendly(p.rows), search.objective, change)
     best, conf, reason, rows = policy.choose(p, rows, search.objective, change,

@@ -160,11 +160,12 @@ def changes_of(spec: Recipe, user_optimizer: str, offload: bool,
                parallel: Parallel | None = None) -> tuple[str, ...]:
     out: list[str] = []
     zero = parallel is not None and parallel.modelled
-    if spec.peft:
-        from tilefit.models.lora import LORA_ALPHA, LORA_RANK
-
-        out.append(f"LoRA r={LORA_RANK} alpha={LORA_ALPHA} on all linear layers, base weights "
-                   "frozen in 16 bits: trains adapters, not the model (a different recipe)")
+    if spec.lora is not None:
+        lora = spec.lora
+        on = "all linear layers" if isinstance(lora.targets, str) else ",".join(lora.targets)
+        out.append(f"{'DoRA' if lora.dora else 'LoRA'} r={lora.rank} alpha={lora.alpha} on "
+                   f"{on}, base weights frozen in 16 bits: trains adapters, not the model (a "
+                   "different recipe)")
     if spec.optimizer != user_optimizer:
         same = same_update(spec.optimizer, user_optimizer)
         out.append(f"optimizer {OPTIMIZER_LABELS.get(user_optimizer, user_optimizer)} -> "

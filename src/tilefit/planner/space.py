@@ -132,9 +132,10 @@ def optimizer_recipes(device: Device, optimizer: str, *, hf_model: bool) -> list
             for opt in ALTERNATIVE_OPTIMIZERS if opt != optimizer for ckpt in (False, True)]
 
 
-def peft_recipes(device: Device, optimizer: str) -> list[Recipe]:
-    """LoRA with the user's optimizer, mixed precision, SDPA, with and without checkpointing
-    (Hugging Face models only: the adapters wrap their linear layers)."""
+def peft_recipes(device: Device, optimizer: str, lora: Lora | None = None) -> list[Recipe]:
+    """LoRA (``lora``'s adapters, default Lora()) with the user's optimizer, mixed
+    precision, SDPA, with and without checkpointing (Hugging Face models only: the adapters
+    wrap their linear layers)."""
     prec = precisions(device)[0]
     return [Recipe(precision=prec, optimizer=optimizer, grad_checkpointing=ckpt,
-                   attention="sdpa", lora=Lora()) for ckpt in (False, True)]
+                   attention="sdpa", lora=lora or Lora()) for ckpt in (False, True)]

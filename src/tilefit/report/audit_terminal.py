@@ -24,12 +24,29 @@ def gain_text(f: Finding) -> str:
     return ", ".join(parts)
 
 
+def not_recommended_because(f: Finding, audit: Audit) -> str:
+    """Why a finding's fix is not recommended, in a few words: what its re-estimate says."""
+    if f.method == "none":
+        return "for information: no fix re-estimated"
+    est = audit.estimate
+    after = f.peak_memory_after_bytes + est.overhead_bytes
+    if f.peak_memory_after_bytes and after > est.device.memory_bytes:
+        return (f"does not fit after the fix: {fmt_bytes(after)} of "
+                f"{fmt_bytes(est.device.memory_bytes)}")
+    speedup = f.predicted_speedup
+    if f.memory_saved_bytes > 0 and speedup < 1:
+        return f"trade-off: saves {fmt_bytes(f.memory_saved_bytes)}, {speedup:.3f}x the speed"
+    if speedup < 1:
+        return f"slower: {speedup:.3f}x"
+    return f"gain too small to count: {speedup:.3f}x, within the cost model's error"
+
+
 def print_findings(console: Console, audit: Audit) -> None:
     """One block per finding: title and predicted gain, modules, change, fix, reason."""
     console.rule("findings, by predicted gain (each fix re-estimated)")
     for i, f in enumerate(audit.findings, 1):
         style = SEVERITY_STYLE.get(f.severity, "")
-        tag = f.severity if f.recommended else "not recommended"
+        tag = f.severity if f.recommended else escape(not_recommended_because(f, audit))
         console.print(f"[bold]{i}.[/] [{style}]\\[{tag}][/] [bold]{f.title}[/]", highlight=False)
         console.print(f"   predicted: {gain_text(f)}", highlight=False)
         if f.modules:

@@ -13,9 +13,9 @@ GIB = 1024**3
 
 
 def fmt_bytes(n: float) -> str:
-    if n >= GIB:
+    if abs(n) >= GIB:
         return f"{n / GIB:.2f} GiB"
-    if n >= 1024**2:
+    if abs(n) >= 1024**2:
         return f"{n / 1024**2:.1f} MiB"
     return f"{n / 1024:.1f} KiB"
 
@@ -164,7 +164,8 @@ def ops_table(estimate: Estimate, limit: int = 10) -> Table:
         kind = r.kind
         if r.kernel is not None:  # a torch.compile kernel, costed on its first op
             name, kind = f"fused kernel: {name} + {r.kernel.ops - 1} op(s)", "fused"
-            shapes = f"{r.kernel.read_bytes:,} B read, {r.kernel.write_bytes:,} B written"
+            shapes = (f"{fmt_bytes(r.kernel.read_bytes)} read, "
+                      f"{fmt_bytes(r.kernel.write_bytes)} written")
         table.add_row(name, r.phase, r.module or "-", shapes, fmt_time(c.time_s), kind)
     return table
 

@@ -64,6 +64,7 @@ class TraceOptions:
     foreach: bool | None = None  # the target's foreach default (CUDA: True)
     cuda: bool = False  # the target is a CUDA GPU (host memory and device memory differ)
     loss_sync: bool = False  # the loop reads the loss on the host after each micro-batch
+    zero_grad_to_none: bool = True  # zero_grad(set_to_none=...): False keeps the gradients
     compile: bool = False  # forward and backward as torch.compile (Inductor) runs them
     compile_mode: str = "default"  # with compile: a vocab.CompileMode
     graph_breaks: bool = False  # with compile: run Dynamo over the step to list its breaks

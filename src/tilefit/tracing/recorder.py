@@ -307,13 +307,12 @@ class Recorder(TorchDispatchMode):
     # ---- context ----------------------------------------------------------------------
     @property
     def module(self) -> str:
-        parents = [p for p in self.tracker.parents if p != "Global"]
-        if not parents:
+        """The module whose forward or backward issues the op now (compat.modules.ModulePath),
+        its path below the root; "" for the root's own code and outside every module."""
+        current = self.tracker.current
+        if current == self.root_name:
             return ""
-        deepest = max(parents, key=lambda p: (p.count("."), len(p)))
-        if deepest == self.root_name:
-            return ""
-        return deepest.removeprefix(self.root_prefix)
+        return current.removeprefix(self.root_prefix)
 
     @property
     def failing_module(self) -> str:

@@ -107,8 +107,11 @@ def trace_module(model: ModelSpec, batch: Any, recipe: Recipe, gpu: str | Device
         grad_checkpointing=recipe.grad_checkpointing,
         accumulation_steps=recipe.accumulation_steps, attention=recipe.attention,
         # DDP's steady buckets come from its rebuild in the second forward: no replay
-        replay_steady_step=replay_steady_step and (parallel is None
-                                                   or parallel.strategy != "ddp"),
+        # kept gradients make the steady step's backward accumulate into them: traced, not
+        # replayed from step 0 (where they were created)
+        replay_steady_step=replay_steady_step and recipe.zero_grad_to_none
+        and (parallel is None or parallel.strategy != "ddp"),
+        zero_grad_to_none=recipe.zero_grad_to_none,
         max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync,
         compile=compiled is not None, compile_mode=recipe.compile_mode,
         graph_breaks=compiled is not None and compiled.graph_breaks, parallel=parallel,
@@ -244,7 +247,7 @@ def _run_two_steps(prep: Prepared, options: TraceOptions, recorder: Recorder,
         optimizer_step(prep, options, recorder)
         zero_grad_at = recorder.events
         recorder.enter_phase("zero_grad")
-        prep.optimizer.zero_grad(set_to_none=True)
+        prep.optimizer.zero_grad(set_to_none=options.zero_grad_to_none)
         marks = StepMarks(forward_at, optimizer_at, zero_grad_at, recorder.events)
         if first is not None and pending:
             recorder.settle(pending, first=first, steady=marks)

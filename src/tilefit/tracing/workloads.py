@@ -41,7 +41,7 @@ def trace_workload(workload: str | Workload, recipe: Recipe, gpu: str | Device) 
         from tilefit.models.lora import build_lora_model, lora_base_dtype
 
         check_lora(work)
-        model = build_lora_model(work, build_attention, lora_base_dtype(recipe))
+        model = build_lora_model(work, build_attention, lora_base_dtype(recipe), recipe.lora)
     # the workload's model already has its attention implementation built in
     tr = trace_module(model, work.make_batch(recipe.batch_size, device="meta"),
                       replace(recipe, attention="auto"), gpu,
