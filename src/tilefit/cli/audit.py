@@ -61,13 +61,12 @@ def audit(
         device = get_device(gpu)  # "auto" without a GPU: says so and names --gpu
         work = mo.load(model, seq, input_shape, task)
         recipe = mo.recipe(
-            work, batch_size=batch, precision=precision, optimizer=optimizer,
+            work, batch_size=batch, precision=precision, optimizer=optimizer, routing=routing,
             grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation,
             attention=attention, max_grad_norm=max_grad_norm, loss_sync=loss_sync,
             fused_ce=fused_ce, lora=mo.lora_of(lora, lora_rank, lora_alpha, lora_targets,
                                                 lora_dropout, dora, modules_to_save),
-            quantize=quantize, routing=routing, compile_=compile_, compile_mode=compile_mode,
-            alloc_conf=alloc_conf)
+            quantize=quantize, compile_=compile_, compile_mode=compile_mode, alloc_conf=alloc_conf)
         result = run_audit(work, recipe=recipe, gpu=device, confirm=confirm)
         if html is not None:
             from tilefit.report.html import write_html

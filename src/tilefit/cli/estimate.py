@@ -68,14 +68,13 @@ def estimate(
         device = mo.placed(get_device(gpu), gpus, nodes, network)
         work = mo.load(model, seq, input_shape, task, target_seq, image_size)
         recipe = mo.recipe(
-            work, batch_size=batch, precision=precision, optimizer=optimizer,
+            work, batch_size=batch, precision=precision, optimizer=optimizer, routing=routing,
             grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation,
             attention=attention, max_grad_norm=max_grad_norm, loss_sync=loss_sync,
             fused_ce=fused_ce, lora=mo.lora_of(lora, lora_rank, lora_alpha, lora_targets,
                                                 lora_dropout, dora, modules_to_save),
-            quantize=quantize, routing=routing, compile_=compile_, compile_mode=compile_mode,
-            alloc_conf=alloc_conf, graph_breaks=graph_breaks, gpus=gpus, strategy=strategy,
-            offload=offload).on(device)
+            quantize=quantize, compile_=compile_, compile_mode=compile_mode, alloc_conf=alloc_conf,
+            graph_breaks=graph_breaks, gpus=gpus, strategy=strategy, offload=offload).on(device)
         result = estimate_recipe(work, None, recipe, device)
     _notes(recipe, work.is_factory)
     _print(result, work, recipe, f"{model} --gpu {gpu}", json_out=json_out, ops=ops)
