@@ -38,6 +38,7 @@ from tilefit.vocab import (
     check_max_grad_norm,
     default_precision,
     parse_precision,
+    parse_routing,
     precision_reading,
 )
 
@@ -88,6 +89,9 @@ class Recipe:
     # PyTorch's CUDA caching allocator settings (PYTORCH_CUDA_ALLOC_CONF's text, e.g.
     # "expandable_segments:True"); None: the environment's, read when the step is estimated
     alloc_conf: str | None = None
+    # a mixture-of-experts layer's tokens per expert (vocab.parse_routing): "balanced" or
+    # "skewed:F", the busiest expert's share F of the routed tokens
+    routing: str = "balanced"
     notes: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -142,6 +146,7 @@ class Recipe:
                                expected="Parallelism(world_size=8, strategy='fsdp2')",
                                given=repr(self.parallel), fix="wrap it in Parallelism(...)")
         check_quantize(self)
+        object.__setattr__(self, "routing", parse_routing(self.routing).name)
         if self.fused_ce and self.compile is not None:
             raise TilefitError(
                 "fused linear cross-entropy is not predicted under torch.compile",

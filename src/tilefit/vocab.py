@@ -301,3 +301,61 @@ def check_compile_mode(mode: str, compile: bool) -> None:
 # Op kinds Inductor runs as "extern" ATen kernels, never fused with their neighbours: GEMMs
 # (mm, addmm, bmm), convolutions and fused attention (docs/references.md, section 19).
 EXTERN_KINDS: tuple[str, ...] = ("gemm", "conv", "attention")
+
+
+# ---- mixture-of-experts routing (tilefit.tracing.moe traces under it) -------------------
+# How many of a MoE layer's routed token-slots (tokens x top_k) each expert receives: the
+# router decides it from values a fake tensor does not have, so a trace assumes it.
+# balanced: every expert an equal share; skewed:F: the busiest expert a share F
+ROUTINGS: tuple[str, ...] = ("balanced", "skewed:F")
+
+
+@dataclass(frozen=True)
+class ExpertRouting:
+    """A routing assumption: ``busiest`` None is balanced, else skewed's share F."""
+
+    busiest: float | None = None
+
+    @property
+    def name(self) -> str:
+        return "balanced" if self.busiest is None else f"skewed:{self.busiest:g}"
+
+    def counts(self, routed: int, experts: int, cap: int | None = None) -> tuple[int, ...]:
+        """Tokens per expert (expert 0 the busiest) of ``routed`` token-slots over ``experts``.
+        Balanced: ``routed // experts`` each, the first ``routed % experts`` one more.
+        Skewed: the busiest round(F x routed), at least an even share (ceil) and at most
+        ``cap`` (the tokens: top-k picks an expert once per token); the others share the
+        rest as balanced does."""
+        if self.busiest is None or experts == 1:
+            return _even(routed, experts)
+        top = min(max(round(self.busiest * routed), -(-routed // experts)), routed)
+        top = top if cap is None else min(top, cap)
+        return (top, *_even(routed - top, experts - 1))
+
+
+BALANCED = ExpertRouting()  # the default routing assumption
+
+
+def _even(routed: int, experts: int) -> tuple[int, ...]:
+    base, extra = divmod(routed, experts)
+    return tuple(base + (1 if i < extra else 0) for i in range(experts))
+
+
+def parse_routing(text: str) -> ExpertRouting:
+    """``"balanced"`` or ``"skewed:F"`` with F in (0, 1] (the busiest expert's share of the
+    routed token-slots) -> ExpertRouting; anything else a TilefitError naming both forms."""
+    key = str(text).strip().lower()
+    if key == "balanced":
+        return BALANCED
+    head, _, share = key.partition(":")
+    try:
+        value = float(share) if head == "skewed" else None
+    except ValueError:
+        value = None
+    if value is None or not 0.0 < value <= 1.0:
+        raise TilefitError(f"unknown routing {text!r}",
+                           expected="balanced, or skewed:F with F in (0, 1] (the busiest "
+                           "expert's share of the routed tokens, e.g. skewed:0.5)",
+                           given=repr(text), fix="pass --routing balanced or --routing "
+                           "skewed:0.5")
+    return ExpertRouting(value)

@@ -44,6 +44,7 @@ def audit(
     lora_dropout: float | None = mo.LORA_DROPOUT_OPTION,
     dora: bool = mo.DORA_OPTION,
     modules_to_save: str | None = mo.MODULES_TO_SAVE_OPTION,
+    routing: str | None = mo.ROUTING_OPTION,
     compile_: bool = mo.COMPILE_OPTION,
     compile_mode: str = mo.COMPILE_MODE_OPTION,
     alloc_conf: str | None = mo.ALLOC_CONF_OPTION,
@@ -63,13 +64,12 @@ def audit(
         device = get_device(gpu)  # "auto" without a GPU: says so and names --gpu
         work = mo.load(model, seq, input_shape, task, target_seq, image_size, revision)
         recipe = mo.recipe(
-            work, batch_size=batch, precision=precision, optimizer=optimizer,
+            work, batch_size=batch, precision=precision, optimizer=optimizer, routing=routing,
             grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation,
             attention=attention, max_grad_norm=max_grad_norm, loss_sync=loss_sync,
             fused_ce=fused_ce, lora=mo.lora_of(lora, lora_rank, lora_alpha, lora_targets,
                                                 lora_dropout, dora, modules_to_save),
-            quantize=quantize, compile_=compile_, compile_mode=compile_mode,
-            alloc_conf=alloc_conf)
+            quantize=quantize, compile_=compile_, compile_mode=compile_mode, alloc_conf=alloc_conf)
         result = run_audit(work, recipe=recipe, gpu=device, confirm=confirm)
         if html is not None:
             from tilefit.report.html import write_html

@@ -44,6 +44,7 @@ def estimate(
     lora_dropout: float | None = mo.LORA_DROPOUT_OPTION,
     dora: bool = mo.DORA_OPTION,
     modules_to_save: str | None = mo.MODULES_TO_SAVE_OPTION,
+    routing: str | None = mo.ROUTING_OPTION,
     gpus: int = mo.GPUS_OPTION,
     nodes: int | None = mo.NODES_OPTION,
     network: str | None = mo.NETWORK_OPTION,
@@ -68,14 +69,13 @@ def estimate(
         device = mo.placed(get_device(gpu), gpus, nodes, network)
         work = mo.load(model, seq, input_shape, task, target_seq, image_size, revision)
         recipe = mo.recipe(
-            work, batch_size=batch, precision=precision, optimizer=optimizer,
+            work, batch_size=batch, precision=precision, optimizer=optimizer, routing=routing,
             grad_checkpointing=grad_checkpointing, accumulation_steps=accumulation,
             attention=attention, max_grad_norm=max_grad_norm, loss_sync=loss_sync,
             fused_ce=fused_ce, lora=mo.lora_of(lora, lora_rank, lora_alpha, lora_targets,
                                                 lora_dropout, dora, modules_to_save),
-            quantize=quantize, compile_=compile_, compile_mode=compile_mode,
-            alloc_conf=alloc_conf, graph_breaks=graph_breaks, gpus=gpus, strategy=strategy,
-            offload=offload).on(device)
+            quantize=quantize, compile_=compile_, compile_mode=compile_mode, alloc_conf=alloc_conf,
+            graph_breaks=graph_breaks, gpus=gpus, strategy=strategy, offload=offload).on(device)
         result = estimate_recipe(work, None, recipe, device)
     _notes(recipe, work.is_factory)
     where = f"{model} --gpu {gpu}" + ("" if revision is None else f" --revision {revision}")

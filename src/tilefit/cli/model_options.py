@@ -158,6 +158,13 @@ QUANTIZE_OPTION = typer.Option(
     "precision's 16-bit dtype), or int8 (Linear8bitLt; --gpu cpu only). Needs bitsandbytes.")
 
 
+ROUTING_OPTION = typer.Option(
+    None, "--routing", help="A mixture-of-experts model's tokens per expert, which the router "
+    "decides from values a trace does not have: balanced (each expert tokens x top_k / "
+    "experts) or skewed:F (the busiest expert a share F in (0, 1] of the routed tokens, the "
+    "others the rest evenly). Default: balanced.")
+
+
 ALLOC_CONF_OPTION = typer.Option(
     None, "--alloc-conf", help="PyTorch's CUDA caching allocator settings, as "
     "PYTORCH_CUDA_ALLOC_CONF takes them (e.g. expandable_segments:True, "

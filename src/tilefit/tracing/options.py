@@ -17,6 +17,8 @@ from tilefit.tracing.distributed import Parallel
 from tilefit.tracing.optimizers import OptimizerSpec
 from tilefit.tracing.target import Target
 from tilefit.vocab import (
+    BALANCED,
+    ExpertRouting,
     Precision,
     check_precision_supported,
     gpus_supporting,
@@ -67,6 +69,7 @@ class TraceOptions:
     compile_mode: str = "default"  # with compile: a vocab.CompileMode
     graph_breaks: bool = False  # with compile: run Dynamo over the step to list its breaks
     parallel: Parallel | None = None  # data-parallel engine and world size; None: one device
+    routing: ExpertRouting = BALANCED  # a MoE layer's tokens per expert (tracing.moe)
 
     @property
     def low_dtype(self) -> torch.dtype | None:

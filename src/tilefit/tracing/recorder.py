@@ -19,7 +19,13 @@ from tilefit.compat.torchao import holds_float8, unwrap_float8
 from tilefit.tracing.collectives import ENGINE_COPY_NAMESPACE, collective_of
 from tilefit.tracing.fusion import NodePlan
 from tilefit.tracing.records import Collective, GemmShape, OpRecord, StorageRecord
-from tilefit.tracing.shapes import classify, gemm_shapes, op_flops, packet_name
+from tilefit.tracing.shapes import (
+    ExpertCounts,
+    classify,
+    gemm_shapes,
+    op_flops,
+    packet_name,
+)
 from tilefit.tracing.traffic import multi_tensor, op_tensors, traffic, written_in_place
 from tilefit.vocab import OPTIMIZER_PHASES, Phase
 
@@ -65,6 +71,8 @@ class Recorder(TorchDispatchMode):
         self._node_module = ""  # the module that node came from
         self._default_category: str | None = None  # for storages tracked now (allocations_as)
         self.stand_in_reads = 0  # .item() calls in the optimizer answered with a stand-in
+        # a MoE layer's tokens per expert under the recipe's routing (tracing.moe)
+        self.expert_counts: ExpertCounts | None = None
 
     # ---- where the step is --------------------------------------------------------------
     @property
@@ -357,8 +365,10 @@ class Recorder(TorchDispatchMode):
             attention = self._attention_info(func, args, kwargs, out)
         flops, flops_error = op_flops(func, args, kwargs, out, attention)
         gemms: tuple[GemmShape, ...] = gemm_shapes(
-            func, unwrap_float8(args) if float8 else args, kwargs, out, kind) \
-            if kind in ("gemm", "conv") else ()
+            func, unwrap_float8(args) if float8 else args, kwargs, out, kind,
+            self.expert_counts) if kind in ("gemm", "conv") else ()
+        if name == "aten._grouped_mm.default":  # one GEMM per expert: torch has no formula
+            flops = sum(2 * g.batch * g.m * g.n * g.k for g in gemms)
         nbytes = 0 if kind == "view" else traffic(
             inputs, outputs, written_in_place(name, func, args, kwargs),
             write_only_args(func, args, kwargs))

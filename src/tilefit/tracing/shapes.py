@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,8 +13,13 @@ from tilefit.compat.fake import flop_formula
 from tilefit.errors import error_line
 from tilefit.tracing.collectives import ENGINE_COPY_NAMESPACE, WAIT_OPS, is_collective
 from tilefit.tracing.records import GemmShape
+from tilefit.vocab import BALANCED
 
-GEMM_OPS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm"}
+GEMM_OPS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm",
+            "aten._grouped_mm"}
+# tokens per expert of ``routed`` token-slots over ``experts`` (vocab.ExpertRouting.counts,
+# with the model's top-k; tilefit.tracing.moe): what a grouped GEMM's offsets hold on a GPU
+ExpertCounts = Callable[[int, int], tuple[int, ...]]
 CONV_OPS = {"aten.convolution", "aten._convolution", "aten.convolution_backward",
             "aten.cudnn_convolution", "aten._slow_conv2d_forward", "aten.mkldnn_convolution",
             "aten.convolution_overrideable"}
@@ -52,8 +58,8 @@ _MEMORY_FAMILIES = re.compile(
     r"_fused_rms_norm|native_dropout|dropout|bernoulli|rand|normal|uniform|tril|triu|cumsum|"
     r"cumprod|sort|topk|constant_pad|pad|reflection_pad|replication_pad|upsample|max_pool|"
     r"avg_pool|adaptive_|col2im|im2col|repeat|roll|flip|_unsafe_index|new_zeros|new_ones|"
-    r"new_full|any|all|logsumexp|prod|isinf|isnan|isfinite|count_nonzero|bincount|one_hot|"
-    r"lerp|addcmul|addcdiv|sign|clamp|_local_scalar|item|equal|_assert|linspace|"
+    r"new_full|any|all|logsumexp|prod|isinf|isnan|isfinite|count_nonzero|bincount|histc|one_hot|"
+    r"lerp|addcmul|addcdiv|sign|clamp|_local_scalar|item|equal|_assert|linspace|floor_divide|"
     r"[a-z_0-9]*_backward)"
 )
 
@@ -110,8 +116,10 @@ def tilefit_dtype(dtype: torch.dtype) -> str:
 
 
 def gemm_shapes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
-                kind: str) -> tuple[GemmShape, ...]:
+                kind: str, expert_counts: ExpertCounts | None = None) -> tuple[GemmShape, ...]:
     name = packet_name(func)
+    if name == "aten._grouped_mm":
+        return grouped_gemms(args, kwargs, expert_counts)
     if name == "aten.mm" or name == "aten._scaled_mm":
         a, b = args[0], args[1]
         return (GemmShape(1, a.shape[0], b.shape[1], a.shape[1], tilefit_dtype(a.dtype)),)
@@ -132,6 +140,32 @@ def gemm_shapes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: A
     if name in CONV_OPS:
         return _conv_forward_gemms(args, out)
     return ()
+
+
+def grouped_gemms(args: tuple[Any, ...], kwargs: dict[str, Any],
+                  expert_counts: ExpertCounts | None) -> tuple[GemmShape, ...]:
+    """``aten._grouped_mm(a, b, offs)``: one GEMM per expert (group), the group's rows from
+    the routing (the offsets' values, which a fake tensor lacks). 2D x 3D: the experts'
+    forward, rows (S, K) times (E, K, N), M the expert's tokens; 2D x 2D: the weights'
+    gradient (K, S) times (S, N) -> (E, K, N), the tokens the contraction; 3D x 2D: N the
+    tokens; 3D x 3D: a plain batched GEMM. Experts of equal load are one batched shape."""
+    a, b = args[0], args[1]
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    dt = tilefit_dtype(a.dtype)
+    if a.dim() == 3 and b.dim() == 3:
+        return (GemmShape(a.shape[0], a.shape[1], b.shape[2], a.shape[2], dt),)
+    experts = int(offs.shape[0])
+    routed = int(b.shape[0] if a.dim() == 3 else a.shape[-1] if b.dim() == 2 else a.shape[0])
+    counts = (expert_counts or BALANCED.counts)(routed, experts)
+    loads: dict[int, int] = {}
+    for c in counts:
+        if c:
+            loads[c] = loads.get(c, 0) + 1
+    if b.dim() == 3:  # (S, K) x (E, K, N)
+        return tuple(GemmShape(n, c, b.shape[2], a.shape[1], dt) for c, n in loads.items())
+    if a.dim() == 2:  # (K, S) x (S, N) -> (E, K, N)
+        return tuple(GemmShape(n, a.shape[0], b.shape[1], c, dt) for c, n in loads.items())
+    return tuple(GemmShape(n, a.shape[1], c, a.shape[2], dt) for c, n in loads.items())
 
 
 def _conv_forward_gemms(args: tuple[Any, ...], out: Any) -> tuple[GemmShape, ...]:
@@ -184,6 +218,8 @@ def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
     if packet_name(func) in BNB_GEMM_OPS:
         g = gemm_shapes(func, args, kwargs, out, "gemm")[0]
         return 2 * g.m * g.n * g.k, None
+    if packet_name(func) == "aten._grouped_mm":  # the recorder sums its per-expert GEMMs
+        return 0, None
     formula = flop_formula(func)
     if formula is None:
         return 0, None

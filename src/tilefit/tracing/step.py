@@ -36,6 +36,7 @@ from tilefit.tracing.errors import explain_build_errors, explain_fake_errors
 from tilefit.tracing.fakes import Prepared, prepare
 from tilefit.tracing.gc_pause import gc_paused
 from tilefit.tracing.loop import default_loss, micro_step, optimizer_step
+from tilefit.tracing.moe import ExpertsTrace
 from tilefit.tracing.optimizers import host_step_counters, paged_note
 from tilefit.tracing.options import (
     LossFn,
@@ -47,7 +48,7 @@ from tilefit.tracing.options import (
 from tilefit.tracing.recorder import Recorder, StepMarks
 from tilefit.tracing.records import Trace
 from tilefit.tracing.target import Target
-from tilefit.vocab import check_compile_mode
+from tilefit.vocab import check_compile_mode, parse_routing
 
 # what trace() did before recipe= (tilefit.legacy): fp32, plain PyTorch's loop, on the CPU
 LEGACY_DEFAULTS: dict[str, Any] = {**PLAIN_PYTORCH, "precision": "fp32"}
@@ -114,7 +115,8 @@ def trace_module(model: ModelSpec, batch: Any, recipe: Recipe, gpu: str | Device
         max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync,
         compile=compiled is not None, compile_mode=recipe.compile_mode,
         graph_breaks=compiled is not None and compiled.graph_breaks, parallel=parallel,
-        foreach=target.foreach, cuda=target.kind == "cuda")
+        foreach=target.foreach, cuda=target.kind == "cuda",
+        routing=parse_routing(recipe.routing))
     _check_compile(options)
     with quiet_transformers(), gc_paused():  # tilefit.tracing.gc_pause: a quarter faster
         tr = _trace(model, batch, options, target)
@@ -166,6 +168,7 @@ def _trace_prepared(prep: Prepared, options: TraceOptions, target: Target,
     recorder.set_root(root_name(prep.model))
     router = AttentionRouter(target, recorder) if target.kind == "cuda" else None
     autocast = autocast_for(target, options.low_dtype, router)
+    experts = ExpertsTrace(prep.model, options.routing)
     with mode:
         recorder.register_existing(list(prep.model.parameters()) +
                                    list(prep.model.buffers()) +
@@ -177,6 +180,7 @@ def _trace_prepared(prep: Prepared, options: TraceOptions, target: Target,
             prep = _with_compiled(prep, options, recorder, autocast)
         with contextlib.ExitStack() as stack:
             stack.enter_context(tracker)
+            stack.enter_context(experts.active(recorder))  # below the recorder
             stack.enter_context(recorder)
             if autocast is not None:
                 stack.enter_context(autocast)
@@ -185,7 +189,7 @@ def _trace_prepared(prep: Prepared, options: TraceOptions, target: Target,
             if options.parallel is not None:
                 stack.enter_context(recorder.watching_resizes())
             _run_two_steps(prep, options, recorder, autocast)
-    return _to_trace(prep, options, target, recorder, router)
+    return _to_trace(prep, options, target, recorder, router, experts.notes())
 
 
 def _with_compiled(prep: Prepared, options: TraceOptions, recorder: Recorder,
@@ -253,7 +257,7 @@ def _run_two_steps(prep: Prepared, options: TraceOptions, recorder: Recorder,
 
 
 def _to_trace(prep: Prepared, options: TraceOptions, target: Target, recorder: Recorder,
-              router: AttentionRouter | None) -> Trace:
+              router: AttentionRouter | None, notes: list[str] | None = None) -> Trace:
     samples, tokens = _samples_and_tokens(prep.batch)
     warnings = []
     if recorder.stand_in_reads:
@@ -268,6 +272,7 @@ def _to_trace(prep: Prepared, options: TraceOptions, target: Target, recorder: R
                         "step: it materialises the S x S scores (fp32 or unsupported head dim "
                         "or mask)")
     warnings.extend(prep.notes)
+    warnings.extend(notes or ())
     paged = paged_note(options.optimizer, prep.optimizer)
     if paged is not None:
         warnings.append(paged)

@@ -1,0 +1,114 @@
+"""transformers' mixture-of-experts layers on fake tensors.
+
+transformers 5.x decorates each MoE model's experts class with ``@use_experts_implementation``
+(transformers/integrations/moe.py): its forward dispatches on ``config._experts_implementation``
+(private) to ``grouped_mm`` (the default: tokens sorted by expert, one ``aten._grouped_mm``
+per projection, the experts' rows given by offsets), ``batched_mm`` (each token-slot's expert
+weights gathered, one bmm) or ``eager`` (a Python loop over the experts hit). Two things fail
+on fake tensors, both answered here:
+
+- ``aten._grouped_mm``'s meta kernel (torch/_meta_registrations.py) accepts bf16 only, while
+  the CPU and CUDA kernels take fp32 and fp16 too, through ``_grouped_mm_fallback`` (one mm
+  per group; aten/src/ATen/native/GroupedMMUtils.h). Its output for other dtypes is made
+  here with the meta kernel's own ``_create_grouped_mm_output_tensor`` (private), the layout
+  the real kernels allocate.
+- the eager loop asks the data which experts are hit (``nonzero``), whether an index is the
+  sentinel (``.item()`` of ``expert_idx == num_experts``) and which tokens each expert has
+  (``torch.where``): ``RoutedExperts`` answers them from a routing assumption, between an
+  experts module's forward hooks (``begin``/``end``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch._meta_registrations import _create_grouped_mm_output_tensor
+
+from tilefit.compat.fake import TorchDispatchMode
+
+# tokens per expert (expert 0 first) of ``routed`` token-slots over ``experts``, at most
+# ``cap`` each (the tokens: top-k picks an expert once per token)
+CountsFn = Callable[[int, int, int], tuple[int, ...]]
+
+_GROUPED = torch.ops.aten._grouped_mm.default
+_NONZERO = torch.ops.aten.nonzero.default
+_ITEM = torch.ops.aten._local_scalar_dense.default
+
+
+def experts_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules ``@use_experts_implementation`` made: its __init__ sets
+    ``is_concatenated``, ``has_gate`` and ``config`` on each; ``num_experts`` is the class's."""
+    return [m for m in model.modules()
+            if hasattr(m, "is_concatenated") and hasattr(m, "has_gate")
+            and hasattr(m, "num_experts") and hasattr(m, "config")]
+
+
+def experts_implementation(module: nn.Module) -> str:
+    """What the experts module runs: ``config._experts_implementation`` (None: eager, its
+    own forward)."""
+    return str(getattr(module.config, "_experts_implementation", None) or "eager")
+
+
+def routing_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int]:
+    """(tokens, top_k) from an experts forward's ``(hidden_states, top_k_index,
+    top_k_weights)``: ``top_k_index`` is (tokens, top_k)."""
+    index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+    return int(index.shape[0]), int(index.shape[-1])
+
+
+def grouped_mm_needs_bf16(args: tuple[Any, ...]) -> bool:
+    """Whether the fast grouped kernel runs: both operands bf16 (else torch's fallback)."""
+    return all(getattr(a, "dtype", None) == torch.bfloat16 for a in args[:2])
+
+
+class RoutedExperts(TorchDispatchMode):
+    """Below the recorder, above the fake mode: a non-bf16 ``_grouped_mm`` gets its output,
+    and inside an eager experts forward the data-dependent ops get the routing's answers."""
+
+    def __init__(self, counts: CountsFn) -> None:
+        super().__init__()
+        self.counts = counts
+        self._hit: list[tuple[int, int]] | None = None  # (expert, tokens) of the experts hit
+        self._at = -1  # the loop's iteration: an index into _hit
+        self.fallback_grouped = 0  # non-bf16 grouped GEMMs answered
+
+    def begin(self, tokens: int, top_k: int, experts: int) -> None:
+        """An eager experts forward starts: ``tokens`` x ``top_k`` slots over ``experts``."""
+        counts = self.counts(tokens * top_k, experts, tokens)
+        self._hit = [(e, c) for e, c in enumerate(counts) if c]
+        self._at = -1
+
+    def end(self) -> None:
+        self._hit, self._at = None, -1
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _GROUPED and not grouped_mm_needs_bf16(args):
+            self.fallback_grouped += 1
+            offs = args[2] if len(args) > 2 else kwargs.get("offs")
+            return _create_grouped_mm_output_tensor(args[0], args[1], offs,
+                                                    kwargs.get("out_dtype"))
+        if self._hit is not None:
+            answer = self._answer(func, args[0] if args else None)
+            if answer is not None:
+                return answer
+        return func(*args, **kwargs)
+
+    def _answer(self, func: Any, x: Any) -> Any:
+        """The eager loop's questions, in its order: ``expert_hit = (...).nonzero()`` (the
+        experts hit); per iteration ``expert_idx == self.num_experts`` (a bool: no, the
+        next expert), ``expert_mask[expert_idx]`` and ``gate_up_proj[expert_idx]`` (an index:
+        that expert's), ``torch.where(expert_mask[expert_idx])`` (its tokens)."""
+        hit = self._hit or []
+        if func is _NONZERO:
+            rows = len(hit) if x.dim() == 1 else hit[self._at][1]
+            return torch.empty((rows, x.dim()), dtype=torch.int64, device=x.device)
+        if func is _ITEM and x.dtype == torch.bool:
+            self._at += 1
+            return False
+        if func is _ITEM and 0 <= self._at < len(hit):
+            return hit[self._at][0]
+        return None

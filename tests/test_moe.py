@@ -1,0 +1,190 @@
+"""Mixture-of-experts models traced under a routing assumption (tilefit.tracing.moe).
+
+Tiny Mixtral- and OLMoE-like configs (2 layers, hidden 64, 4 or 8 experts, top-2) are written
+in each test. The traced CPU peak is checked against PyTorch's MemTracker on a real CPU run
+whose routers are forced to the same routing: a forward hook on each router replaces its
+top-k indices (balanced: token t's k slots go to experts (t k + j) mod E, so each expert gets
+exactly tokens x k / E; skewed:0.5 with top-2: every token's first slot expert 0, its second
+expert 1 + t mod (E - 1))."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tilefit
+from tilefit.compat.fake import new_fake_mode
+from tilefit.errors import TilefitError
+from tilefit.models import load_workload
+from tilefit.recipe import Recipe
+from tilefit.tracing.records import GemmShape
+from tilefit.tracing.shapes import gemm_shapes
+from tilefit.vocab import ExpertRouting, parse_routing
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "vocab_size": 256, "max_position_embeddings": 128, "output_router_logits": True,
+           "router_aux_loss_coef": 0.02}
+OLMOE = {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_size": 64,
+         "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 4, "num_experts": 8, "num_experts_per_tok": 2,
+         "vocab_size": 256, "max_position_embeddings": 128, "output_router_logits": True,
+         "eos_token_id": 2, "pad_token_id": 1}
+SEQ, BATCH = 32, 2  # 64 tokens, 128 routed token-slots
+
+
+def _config(tmp_path: Path, config: dict[str, Any], **changes: Any) -> str:
+    path = tmp_path / f"{config['model_type']}.json"
+    path.write_text(json.dumps({**config, **changes}))
+    return str(path)
+
+
+def test_routing_counts_by_hand() -> None:
+    balanced = ExpertRouting()
+    assert balanced.counts(128, 4) == (32, 32, 32, 32)
+    assert balanced.counts(10, 4) == (3, 3, 2, 2)
+    half = parse_routing("skewed:0.5")
+    assert half.counts(128, 4, cap=64) == (64, 22, 21, 21)  # 0.5 x 128, the rest 64 over 3
+    assert parse_routing("skewed:0.9").counts(128, 4, cap=64)[0] == 64  # a token once each
+    assert parse_routing("skewed:0.1").counts(128, 4) == (32, 32, 32, 32)  # at least even
+    assert parse_routing("Skewed:0.50").name == "skewed:0.5"
+    assert Recipe(routing="skewed:0.50").routing == "skewed:0.5"
+    for bad in ("skewed", "skewed:0", "skewed:1.5", "uniform", "skewed:x"):
+        with pytest.raises(TilefitError, match="skewed:F"):
+            Recipe(routing=bad)
+
+
+def test_grouped_gemm_rows_per_expert_from_the_routing() -> None:
+    mm = torch.ops.aten._grouped_mm.default
+    with new_fake_mode():
+        x = torch.empty(128, 64)  # 64 tokens x top-2, hidden 64
+        w = torch.empty(4, 64, 256)  # 4 experts' gate_up, 2 x 128
+        offs = torch.empty(4, dtype=torch.int32)
+        grad = torch.empty(128, 256)
+        half = functools.partial(parse_routing("skewed:0.5").counts, cap=64)
+        assert gemm_shapes(mm, (x, w, offs), {}, None, "gemm") == (
+            GemmShape(4, 32, 256, 64, "fp32"),)
+        assert gemm_shapes(mm, (x, w, offs), {}, None, "gemm", half) == (
+            GemmShape(1, 64, 256, 64, "fp32"), GemmShape(1, 22, 256, 64, "fp32"),
+            GemmShape(2, 21, 256, 64, "fp32"))
+        # the weights' gradient: x^T (64, 128) times grad (128, 256), each expert its tokens
+        assert gemm_shapes(mm, (x.t(), grad, offs), {}, None, "gemm") == (
+            GemmShape(4, 64, 256, 32, "fp32"),)
+
+
+def _force(routing: str) -> Any:
+    def hook(module: torch.nn.Module, args: Any, out: Any) -> Any:
+        logits, scores, index = out
+        tokens, k = index.shape
+        experts = logits.shape[-1]
+        t = torch.arange(tokens)[:, None]
+        if routing == "balanced":
+            forced = (t * k + torch.arange(k)[None, :]) % experts
+        else:  # skewed:0.5 with top-2
+            forced = torch.cat([torch.zeros_like(t), 1 + t % (experts - 1)], dim=1)
+        return logits, scores, forced
+    return hook
+
+
+CASES = {  # name -> (config, experts implementation, routing)
+    "mixtral-grouped": (MIXTRAL, None, "balanced"),  # transformers' default: grouped_mm
+    "olmoe-eager": (OLMOE, "eager", "balanced"),
+    "mixtral-eager-skewed": (MIXTRAL, "eager", "skewed:0.5"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cpu_peak_matches_a_real_cpu_run_with_the_router_forced(tmp_path: Path,
+                                                                name: str) -> None:
+    from tilefit.bench.step import memtracker_peak_bytes
+
+    config, impl, routing = CASES[name]
+    work = load_workload(_config(tmp_path, config, **(
+        {"experts_implementation": impl} if impl else {})), seq_len=SEQ)
+    batch = work.make_batch(BATCH)
+
+    def make_opt(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-4, foreach=False)
+
+    torch.manual_seed(0)
+    model = work.build()  # real tensors
+    gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    assert len(gates) == 2
+    for gate in gates:
+        gate.register_forward_hook(_force(routing))
+    opt = make_opt(model.parameters())
+
+    def step() -> None:
+        loss = work.loss_fn(model, batch)
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    real = memtracker_peak_bytes(model, opt, batch, step)
+    traced = tilefit.trace(functools.partial(work.build), batch, loss_fn=work.loss_fn,
+                           recipe=Recipe(batch_size=BATCH, optimizer=make_opt,
+                                         routing=routing), gpu="cpu")
+    peak = traced.peak(rounded=False)[0]
+    assert abs(peak - real) <= 0.02 * real, (peak, real)
+    assert any(f"routing {routing}" in w for w in traced.warnings), traced.warnings
+    # the router's auxiliary loss (output_router_logits) is in the step: its histc
+    assert any(op.op.startswith("aten.histc") for op in traced.ops)
+    if impl is None:
+        _check_grouped_flops(traced, config)
+
+
+def _check_grouped_flops(traced: Any, config: dict[str, Any]) -> None:
+    """The grouped GEMMs' FLOPs: per layer gate_up (routed x H x 2I) and down (routed x I x
+    H), 2 per multiply-add, in the forward; the backward twice that."""
+    routed, h, i = BATCH * SEQ * 2, config["hidden_size"], config["intermediate_size"]
+    layer = 2 * routed * h * 2 * i + 2 * routed * i * h
+    grouped = [op for op in traced.ops if op.op == "aten._grouped_mm.default" and op.step == 0]
+    forward = sum(op.flops for op in grouped if op.phase == "forward")
+    backward = sum(op.flops for op in grouped if op.phase == "backward")
+    assert forward == 2 * layer and backward == 4 * layer, (forward, backward)
+    assert all(op.kind == "gemm" for op in grouped)
+
+
+def test_mixtral_catalog_entry_is_the_published_model() -> None:
+    from tilefit.models.catalog import catalog_entry
+    from tilefit.models.params import count_parameters
+
+    entry = catalog_entry("mistralai/Mixtral-8x7B-v0.1")
+    assert (entry["num_local_experts"], entry["num_experts_per_tok"]) == (8, 2)
+    # Mistral AI's figure for Mixtral 8x7B: 46.7B parameters (46,702,792,704 exactly: embed
+    # and head 2 x 32000 x 4096, 32 layers of attention 2 x 4096^2 + 2 x 4096 x 1024, eight
+    # experts of 3 x 4096 x 14336, the router 8 x 4096 and two norms, the final norm)
+    assert count_parameters(load_workload("mixtral-8x7b")) == 46_702_792_704
+
+
+def test_cli_estimate_of_a_mixtral_config_prints_no_third_party_lines(tmp_path: Path) -> None:
+    path = _config(tmp_path, MIXTRAL)
+    bad = subprocess.run([sys.executable, "-m", "tilefit", "estimate", path, "--gpu", "cpu",
+                          "--routing", "even"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=300)
+    assert bad.returncode == 2 and "skewed:F" in bad.stderr + bad.stdout
+    out = subprocess.run([sys.executable, "-m", "tilefit", "estimate", path, "--gpu", "cpu",
+                          "--batch", "2", "--seq", "32", "--routing", "skewed:0.5", "--json",
+                          "--no-ops"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["recipe"]["routing"] == "skewed:0.5"
+    # tilefit's own notes only: no torch log line (glog style "W1201 19:03:29..."), no
+    # torchao import failure, no fake-tensor traceback, no transformers notice
+    third_party = re.compile(r"^[WEI]\d{4} |Failed to load|Enum subclass|Traceback|"
+                             r"fake_tensor|\[transformers\]", re.MULTILINE)
+    assert not third_party.search(out.stderr), out.stderr
+    assert out.stderr.startswith("note:"), out.stderr
