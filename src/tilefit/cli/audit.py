@@ -4,6 +4,7 @@ with its gain predicted by re-estimating the step with the fix applied."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -12,6 +13,10 @@ from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, us
 
 HTML_OPTION = typer.Option(None, "--html", help="Also write a self-contained HTML report "
                            "(summary, findings, plots) to this file.")
+
+
+CONFIRM_OPTION = typer.Option(False, "--confirm", help="Re-trace the top dimension fix to "
+                              "confirm the quick what-if (one more trace).")
 
 
 def register(app: typer.Typer) -> None:
@@ -49,13 +54,11 @@ def audit(
     compile_mode: str = mo.COMPILE_MODE_OPTION,
     alloc_conf: str | None = mo.ALLOC_CONF_OPTION,
     html: Path | None = HTML_OPTION,
-    confirm: bool = typer.Option(False, "--confirm", help="Re-trace the top dimension fix to "
-                                 "confirm the quick what-if (one more trace)."),
+    confirm: bool = CONFIRM_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Find what slows the training step or makes it not fit, with fixes and predicted gains."""
     from tilefit.advise import audit as run_audit
-    from tilefit.report.audit_terminal import print_audit
 
     with user_errors():
         _check_html(html)
@@ -69,12 +72,20 @@ def audit(
             attention=attention, max_grad_norm=max_grad_norm, loss_sync=loss_sync,
             fused_ce=fused_ce, lora=mo.lora_of(lora, lora_rank, lora_alpha, lora_targets,
                                                 lora_dropout, dora, modules_to_save),
-            quantize=quantize, compile_=compile_, compile_mode=compile_mode, alloc_conf=alloc_conf)
+            quantize=quantize, compile_=compile_, compile_mode=compile_mode,
+            alloc_conf=alloc_conf)
         result = run_audit(work, recipe=recipe, gpu=device, confirm=confirm)
         if html is not None:
             from tilefit.report.html import write_html
 
             write_html(result, html)
+    _emit(result, html, json_out)
+
+
+def _emit(result: Any, html: Path | None, json_out: bool) -> None:
+    """The audit as JSON or the terminal's report, and where the HTML page went."""
+    from tilefit.report.audit_terminal import print_audit
+
     if json_out:
         print_json(result.to_dict())
     else:

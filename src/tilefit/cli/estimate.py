@@ -14,6 +14,15 @@ if TYPE_CHECKING:
     from tilefit.recipe import Recipe
 
 
+OFFLOAD_OPTION = typer.Option(False, "--offload", help="With --strategy zero1/zero2/zero3: "
+                              "DeepSpeed's optimizer offloaded to the CPU (modelled).")
+OPS_OPTION = typer.Option(True, "--ops/--no-ops", help="With --json: include every op record "
+                          "of the steady step (--no-ops for the summary only).")
+GRAPH_BREAKS_OPTION = typer.Option(False, "--graph-breaks", help="With --compile: run Dynamo "
+                                   "over the step and list where it would break it into "
+                                   "several graphs (seconds more).")
+
+
 def register(app: typer.Typer) -> None:
     app.command("estimate")(estimate)
 
@@ -49,16 +58,12 @@ def estimate(
     nodes: int | None = mo.NODES_OPTION,
     network: str | None = mo.NETWORK_OPTION,
     strategy: str | None = mo.STRATEGY_OPTION,
-    offload: bool = typer.Option(False, "--offload", help="With --strategy zero1/zero2/zero3:"
-                                 " DeepSpeed's optimizer offloaded to the CPU (modelled)."),
-    ops: bool = typer.Option(True, "--ops/--no-ops", help="With --json: include every op record "
-                             "of the steady step (--no-ops for the summary only)."),
+    offload: bool = OFFLOAD_OPTION,
+    ops: bool = OPS_OPTION,
     compile_: bool = mo.COMPILE_OPTION,
     compile_mode: str = mo.COMPILE_MODE_OPTION,
     alloc_conf: str | None = mo.ALLOC_CONF_OPTION,
-    graph_breaks: bool = typer.Option(False, "--graph-breaks", help="With --compile: run "
-                                      "Dynamo over the step and list where it would break "
-                                      "it into several graphs (seconds more)."),
+    graph_breaks: bool = GRAPH_BREAKS_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Predict one training step's time and peak memory on a GPU, traced on fake tensors."""
@@ -74,8 +79,9 @@ def estimate(
             attention=attention, max_grad_norm=max_grad_norm, loss_sync=loss_sync,
             fused_ce=fused_ce, lora=mo.lora_of(lora, lora_rank, lora_alpha, lora_targets,
                                                 lora_dropout, dora, modules_to_save),
-            quantize=quantize, compile_=compile_, compile_mode=compile_mode, alloc_conf=alloc_conf,
-            graph_breaks=graph_breaks, gpus=gpus, strategy=strategy, offload=offload).on(device)
+            quantize=quantize, compile_=compile_, compile_mode=compile_mode,
+            alloc_conf=alloc_conf, graph_breaks=graph_breaks, gpus=gpus, strategy=strategy,
+            offload=offload).on(device)
         result = estimate_recipe(work, None, recipe, device)
     _notes(recipe, work.is_factory)
     where = f"{model} --gpu {gpu}" + ("" if revision is None else f" --revision {revision}")
