@@ -86,17 +86,25 @@ def recipe_of(rec: dict[str, Any]) -> Any:
 
 
 def optimizer_of(rec: dict[str, Any]) -> Any:
-    """The record's optimizer: tilefit's name, or the torch.optim class of that name with
-    the record's own arguments (``optimizer_kwargs``) as the recipe's factory."""
+    """The record's optimizer: tilefit's name, or the class the record names
+    (``optimizer_class``, a dotted path; else the torch.optim class of that name) with the
+    record's own arguments (``optimizer_kwargs``) as the recipe's factory."""
     kwargs = rec.get("optimizer_kwargs")
     if not kwargs:
         return rec["optimizer"]
     import functools
+    import importlib
 
     import torch
 
-    classes = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-    return functools.partial(classes[rec["optimizer"]], **kwargs)
+    path = rec.get("optimizer_class")
+    if path:
+        module, _, name = path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+    else:
+        cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,
+               "adamw": torch.optim.AdamW}[rec["optimizer"]]
+    return functools.partial(cls, **kwargs)
 
 
 def device_of(rec: dict[str, Any]) -> Any:
