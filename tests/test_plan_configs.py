@@ -41,6 +41,7 @@ LORA = _row(precision="bf16-mixed", optimizer="adamw-fused", grad_checkpointing=
             lora=Lora(rank=4, alpha=8))
 MIXED = _row(precision="bf16-mixed", optimizer="adamw-fused", grad_checkpointing=True)
 PURE = _row(precision="bf16-true", optimizer="adamw")
+EIGHT_BIT = _row(precision="bf16-mixed", optimizer="adamw-8bit")
 OFFLOAD = _row(precision="bf16-true", optimizer="adamw-fused", grad_checkpointing=True,
                offload=True)
 
@@ -100,14 +101,20 @@ def _check_model(model: Any, row: PlanRow) -> None:
 
 
 def _check_optimizer(opt: Any, model: Any, row: PlanRow) -> None:
-    want = {"adamw": (torch.optim.AdamW, None), "adamw-fused": (torch.optim.AdamW, True)}
-    cls, fused = want[row.optimizer]
-    assert type(opt) is cls and opt.defaults.get("fused") == fused
+    if row.optimizer == "adamw-8bit":
+        import bitsandbytes
+
+        assert type(opt) is bitsandbytes.optim.AdamW8bit
+    else:
+        want = {"adamw": (torch.optim.AdamW, None), "adamw-fused": (torch.optim.AdamW, True)}
+        cls, fused = want[row.optimizer]
+        assert type(opt) is cls and opt.defaults.get("fused") == fused
     stepped = {id(p) for g in opt.param_groups for p in g["params"]}
     assert stepped == {id(p) for p in model.parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("row", [LORA, MIXED, PURE], ids=["lora", "mixed", "bf16-true"])
+@pytest.mark.parametrize("row", [LORA, MIXED, PURE, EIGHT_BIT],
+                         ids=["lora", "mixed", "bf16-true", "adamw-8bit"])
 def test_plain_pytorch_snippet_trains_the_row(tiny: str, row: PlanRow) -> None:
     ns = _run(configs.torch_loop(row), tiny, row)
     model, opt = ns["model"], ns["opt"]
@@ -327,3 +334,17 @@ def test_offload_rows_carry_deepspeeds_cpu_estimate(state: Any, tiny: str) -> No
     assert off and all(24 * params <= r.host_memory_bytes <= 24 * params + rounding
                        for r in off)
     assert all(r.to_dict()["host_memory_bytes"] == r.host_memory_bytes for r in off)
+
+
+def test_lightning_clips_a_fused_optimizer_as_its_precision_plugin_allows() -> None:
+    # Lightning's mixed-precision plugin refuses gradient_clip_val with a fused optimizer
+    # (the test above runs the bf16 hook); under fp16's loss scaler the hook would clip
+    # scaled gradients, so the optimizer is the same update unfused, which it unscales
+    fp16 = _row(precision="fp16-mixed", optimizer="adamw-fused")
+    light = configs.lightning(fp16)
+    assert light["trainer"]["gradient_clip_val"] == 1.0
+    assert "foreach=True" in light["model"]["configure_optimizers"]
+    assert "on_before_optimizer_step" not in configs.lightning_python(fp16)
+    # no clipping, or an unfused optimizer: Lightning's own gradient_clip_val
+    assert configs.lightning(MIXED)["trainer"]["gradient_clip_val"] is None
+    assert configs.lightning(PURE)["trainer"]["gradient_clip_val"] == 1.0
