@@ -277,6 +277,7 @@ def test_a_modelled_lower_bound_does_not_beat_a_traced_time() -> None:
     too_big = dataclasses.replace(fsdp, predicted_peak_memory_bytes=200)
     assert choose([zero3, too_big], "throughput", False) is zero3
     assert "lower bound" in notes.why(zero3, [zero3, too_big], "throughput", False)
+    assert "lower bound" in notes.engine_model("zero3", 8)  # the fallback's method says it
     # memory is not a bound: the memory objective ranks it as any row
     small = dataclasses.replace(zero3, predicted_peak_memory_bytes=0)
     assert choose([small, fsdp], "memory", False) is small

@@ -129,6 +129,8 @@ def engine_model(strategy: str | None, gpus: int) -> str:
     if is_zero(strategy):
         return (f"modelled: DeepSpeed {strategy} on {gpus} GPUs on top of one-GPU traces "
                 "(DeepSpeed's engine does not run on fake tensors), its peak per GPU and its "
-                "step with the communication the compute does not hide")
+                "step with the communication the compute does not hide; that step time is a "
+                "lower bound (DeepSpeed's bucket copies and hooks' host time are not costed): "
+                "a traced engine that fits ranks before it")
     return (f"traced: rank 0 of {gpus} under {strategy} (PyTorch's fake process group), its "
             "peak per GPU and its step with the communication the compute does not hide")
