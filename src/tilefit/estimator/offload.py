@@ -61,3 +61,21 @@ def offload_step_time_s(micro_time_s: float, accumulation_steps: int, param_coun
     transfer = param_count * (GRAD_BYTES_16BIT + 2) / link.pcie_bytes_per_s
     cpu_step = param_count * OFFLOAD_CPU_BYTES_PER_PARAM / link.host_bandwidth_bytes_per_s
     return accumulation_steps * micro_time_s + transfer + cpu_step
+
+
+def offload_host_bytes(param_count: float, optimizer_state_bytes: float,
+                       weight_bytes: int) -> int:
+    """The CPU memory ZeRO-Offload needs on one GPU, as DeepSpeed's own estimator counts it
+    (estimate_zero2_model_states_mem_needs with cpu_offload: fp32 master weights, fp32
+    gradients and the optimizer's state, 16 bytes per parameter for Adam, times its 1.5
+    buffer factor): tilefit.estimator.zero's stage-2 model on one GPU, offloaded.
+    ``optimizer_state_bytes``: the traced optimizer's state, in the traced weights' dtype
+    (``weight_bytes`` each); DeepSpeed keeps it in fp32, so it is widened as
+    tilefit.estimator.zero_step.zero_inputs widens it."""
+    from tilefit.estimator.zero import MASTER_BYTES, ZeroInputs, zero_memory
+
+    params = max(int(param_count), 1)
+    state = optimizer_state_bytes * MASTER_BYTES / weight_bytes
+    inp = ZeroInputs(params=params, weight_bytes=weight_bytes,
+                     optimizer_bytes_per_param=state / params, largest_layer_params=0)
+    return zero_memory(inp, 2, 1, offload=True).host_bytes

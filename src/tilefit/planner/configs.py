@@ -7,30 +7,23 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tilefit.dtypes import parse_dtype
 from tilefit.estimator.offload import REDUCE_BUCKET_ELEMENTS
 from tilefit.models import Workload
 from tilefit.models.lora import peft_config
+from tilefit.planner import model_code
 from tilefit.planner.rows import PlanRow
 
 # TrainingArguments(optim=...) names (transformers training_args.OptimizerNames).
 # "adamw_torch" is torch.optim.AdamW as torch defaults it (foreach on CUDA);
 # "adamw_torch_fused" is AdamW(fused=True), the Trainer's default with torch >= 2.8.
 HF_OPTIM = {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adam": "adamw_torch",
-            "adamw-8bit": "adamw_bnb_8bit", "adafactor": "adafactor", "sgd": "sgd"}
+            "adamw-8bit": "adamw_bnb_8bit", "adafactor": "adafactor", "sgd": "sgd",
+            "paged-adamw-8bit": "paged_adamw_8bit", "paged-adamw": "paged_adamw_32bit"}
 # transformers' use_liger_kernel applies every Liger kernel of the model type; this config
 # (TrainingArguments.liger_kernel_config, passed to Liger's apply_liger_kernel_to_<model>)
 # keeps only the fused linear cross-entropy that tilefit estimated
 LIGER_FUSED_CE_ONLY = {"fused_linear_cross_entropy": True, "cross_entropy": False,
                        "rope": False, "rms_norm": False, "swiglu": False}
-TORCH_OPTIM = {
-    "adamw": "torch.optim.AdamW(model.parameters(), lr=lr)",
-    "adamw-fused": "torch.optim.AdamW(model.parameters(), lr=lr, fused=True)",
-    "adam": "torch.optim.Adam(model.parameters(), lr=lr)",
-    "adamw-8bit": "bitsandbytes.optim.AdamW8bit(model.parameters(), lr=lr)",
-    "adafactor": "torch.optim.Adafactor(model.parameters(), lr=lr)",
-    "sgd": "torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)",
-}
 
 
 def hf_training_arguments(row: PlanRow, *, deepspeed_path: str | None = None) -> dict[str, Any]:
@@ -51,9 +44,23 @@ def hf_training_arguments(row: PlanRow, *, deepspeed_path: str | None = None) ->
     if row.recipe.fused_ce:  # Liger's fused linear cross-entropy alone, as estimated
         args["use_liger_kernel"] = True
         args["liger_kernel_config"] = dict(LIGER_FUSED_CE_ONLY)
+    if row.grad_checkpointing:  # as the pasted model enables it (model_code.CHECKPOINTING)
+        args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
     if row.offload:
-        args["deepspeed"] = deepspeed_path or "ds_config.json"
+        args.update(offload_training_arguments(deepspeed_path))
+        del args["optim"]
     return args
+
+
+def offload_training_arguments(deepspeed_path: str | None = None) -> dict[str, Any]:
+    """A ZeRO-Offload row's Trainer arguments: its DeepSpeed JSON, whose optimizer section
+    (DeepSpeed's CPU Adam) the Trainer takes in place of ``optim``; the learning rate and
+    weight decay that section names, which the Trainer requires to match its own."""
+    from tilefit.planner.launch import LEARNING_RATE
+    from tilefit.planner.launch_deepspeed import ADAMW_WEIGHT_DECAY
+
+    return {"deepspeed": deepspeed_path or "ds_config.json", "learning_rate": LEARNING_RATE,
+            "weight_decay": ADAMW_WEIGHT_DECAY}
 
 
 def _python_call(name: str, kwargs: dict[str, Any]) -> str:
@@ -79,29 +86,64 @@ def compile_lines(row: PlanRow) -> list[str]:
                                   else [])]
 
 
-def hf_python(row: PlanRow) -> str:
+def _auto_class(task: str, hf_model: bool) -> str | None:
+    if not hf_model:
+        return None
+    from tilefit.models.tasks import auto_class_name
+
+    return auto_class_name(task)
+
+
+def hf_python(row: PlanRow, task: str = "causal-lm", *, hf_model: bool = True) -> str:
+    """The model as the row trains it (model_code), then the Trainer's arguments."""
     args = hf_training_arguments(row)
-    lines = ["from transformers import AutoModelForCausalLM, TrainingArguments", ""]
-    if row.attention in ("sdpa", "eager"):
-        lines.append(f'model = AutoModelForCausalLM.from_pretrained(name, '
-                     f'attn_implementation="{row.attention}")')
-    if row.recipe.spec.float8_linears:
-        lines.append("import torch")
-        lines.extend(float8_lines(row))
-    lines.append("args = " + _python_call("TrainingArguments", {"output_dir": "out", **args}))
+    lines = model_code.model_lines(row, task, _auto_class(task, hf_model))
+    lines.extend(float8_lines(row))  # the Trainer compiles (torch_compile=True)
+    if row.offload:
+        lines.append("# ds_config.json: the plan's DeepSpeed JSON (ZeRO-Offload; pip install "
+                     "deepspeed)")
+    lines += ["from transformers import Trainer, TrainingArguments", "",
+              "args = " + _python_call("TrainingArguments", {"output_dir": "out", **args}),
+              "trainer = Trainer(model=model, args=args, train_dataset=dataset)"]
     return "\n".join(lines)
 
 
+def _lightning_fused_clip(row: PlanRow) -> str | None:
+    """How Lightning clips a row whose optimizer is fused under autocast: its
+    mixed-precision plugin refuses gradient_clip_val with an optimizer that unscales
+    itself (lightning/pytorch/plugins/precision/amp.py). Under bf16 ("hook") the module
+    clips in on_before_optimizer_step (no loss scale to undo); under fp16's loss scaler
+    ("foreach") the optimizer is the same update unfused, which Lightning unscales before
+    clipping. None: Lightning's gradient_clip_val as it is."""
+    spec = row.recipe.spec
+    if (row.recipe.max_grad_norm is None or row.offload or spec.autocast_dtype is None
+            or "fused=True" not in model_code.optimizer_expr(row)):
+        return None
+    return "foreach" if spec.grad_scaler else "hook"
+
+
+def lightning_optimizer(row: PlanRow, model: str) -> str:
+    text = model_code.optimizer_expr(row, model)
+    if _lightning_fused_clip(row) == "foreach":
+        return text.replace("fused=True", "foreach=True")
+    return text
+
+
 def lightning(row: PlanRow) -> dict[str, Any]:
+    clip = _lightning_fused_clip(row)
     out: dict[str, Any] = {
         "trainer": {"accelerator": "gpu", "devices": 1,
                     "precision": row.recipe.spec.lightning,
                     "accumulate_grad_batches": row.accumulation_steps,
-                    "gradient_clip_val": row.recipe.max_grad_norm},
+                    "gradient_clip_val": None if clip == "hook" else row.recipe.max_grad_norm},
         "dataloader": {"batch_size": row.micro_batch},
         "model": {"gradient_checkpointing_enable": row.grad_checkpointing,
-                  "attn_implementation": row.attention},
+                  "attn_implementation": row.attention,
+                  "dtype": model_code.torch_dtype(model_code.load_dtype(row)),
+                  "configure_optimizers": lightning_optimizer(row, "self")},
     }
+    if clip == "hook":
+        out["model"]["on_before_optimizer_step"] = _clip_line(row, "self")
     if row.recipe.compile or row.recipe.spec.float8_linears:
         # before trainer.fit(model): Lightning trains the module it is given
         out["model"]["before_fit"] = compile_lines(row)
@@ -110,75 +152,127 @@ def lightning(row: PlanRow) -> dict[str, Any]:
     return out
 
 
-def torch_loop(row: PlanRow) -> str:
+def lightning_python(row: PlanRow, task: str = "causal-lm", *, hf_model: bool = True) -> str:
+    """A LightningModule that trains the model as the row says (model_code) with the row's
+    optimizer (DeepSpeed's CPU Adam under ZeRO-Offload, as Lightning's DeepSpeed strategy
+    asks), and its Trainer."""
+    setup = [*model_code.model_lines(row, task, _auto_class(task, hf_model)),
+             *compile_lines(row), "self.model = model"]
+    kwargs = lightning(row)["trainer"]
+    lines = ["import lightning as L", "import torch", *model_code.optimizer_imports(row), "",
+             "",
+             "class PlannedModule(L.LightningModule):",
+             "    def __init__(self, name):",
+             "        super().__init__()",
+             *("        " + line for line in setup), "",
+             "    def training_step(self, batch, batch_idx):",
+             "        return self.model(**batch).loss", "",
+             "    def configure_optimizers(self):",
+             f"        return {lightning_optimizer(row, 'self.model')}", "",
+             *(["    def on_before_optimizer_step(self, optimizer):",
+                "        # Lightning refuses gradient_clip_val with a fused optimizer",
+                f"        {_clip_line(row, 'self.model')}", ""]
+               if _lightning_fused_clip(row) == "hook" else []), "",
+             f"loader = torch.utils.data.DataLoader(dataset, batch_size={row.micro_batch}, "
+             "shuffle=True)",
+             "trainer = " + _python_call("L.Trainer", kwargs),
+             "trainer.fit(PlannedModule(name), loader)"]
+    return "\n".join(lines)
+
+
+def _clip_line(row: PlanRow, model: str) -> str:
+    return (f"torch.nn.utils.clip_grad_norm_({model_code.trainable(row, model)}, "
+            f"{row.recipe.max_grad_norm})")
+
+
+def torch_loop(row: PlanRow, task: str = "causal-lm", *, hf_model: bool = True) -> str:
+    """The row as a plain PyTorch loop; a ZeRO-Offload row as DeepSpeed's engine
+    (offload_loop: plain PyTorch has no optimizer offload)."""
+    if row.offload:
+        return offload_loop(row, task, hf_model=hf_model)
     prec = row.recipe.spec
-    amp = f"torch.{parse_dtype(prec.autocast_dtype).torch_name}" if prec.autocast_dtype else None
-    lines = [
-        "import torch",
-        f"# micro-batch {row.micro_batch} x {row.accumulation_steps} accumulation steps = "
-        f"global batch {row.global_batch}",
-        f"loader = torch.utils.data.DataLoader(dataset, batch_size={row.micro_batch}, "
-        "shuffle=True, pin_memory=True)",
-    ]
+    amp = model_code.torch_dtype(prec.autocast_dtype) if prec.autocast_dtype else None
+    lines = [*model_code.model_lines(row, task, _auto_class(task, hf_model)),
+             'device = torch.device("cuda" if torch.cuda.is_available() else "cpu")',
+             "model.to(device)", *compile_lines(row), *model_code.optimizer_imports(row),
+             f"# micro-batch {row.micro_batch} x {row.accumulation_steps} accumulation steps "
+             f"= global batch {row.global_batch}",
+             f"loader = torch.utils.data.DataLoader(dataset, batch_size={row.micro_batch}, "
+             "shuffle=True, pin_memory=True)"]
     if prec.allow_tf32:
         lines.append("torch.backends.cuda.matmul.allow_tf32 = True")
-    if prec.param_dtype != "fp32":
-        lines.append(f"model = model.to(torch.{parse_dtype(prec.param_dtype).torch_name})")
-    if row.grad_checkpointing:
-        lines.append("model.gradient_checkpointing_enable()  # HF models; else "
-                     "torch.utils.checkpoint per block")
-    lines.extend(compile_lines(row))
-    lines.append(f"opt = {TORCH_OPTIM.get(row.optimizer, row.optimizer)}")
+    lines.append(f"opt = {model_code.optimizer_expr(row)}")
     if prec.grad_scaler:
-        lines.append("scaler = torch.amp.GradScaler('cuda')")
-    lines.append("for i, batch in enumerate(loader):")
-    ctx = (f"torch.autocast('cuda', dtype={amp})" if amp else "torch.autocast('cuda', "
-           "enabled=False)")
-    lines.append(f"    with {ctx}:")
-    lines.append(f"        loss = model(**batch).loss / {row.accumulation_steps}")
-    if prec.grad_scaler:
-        lines.append("    scaler.scale(loss).backward()")
-    else:
-        lines.append("    loss.backward()")
-    lines.append(f"    if (i + 1) % {row.accumulation_steps} == 0:")
+        lines.append("scaler = torch.amp.GradScaler(device.type)")
+    ctx = (f"torch.autocast(device.type, dtype={amp})" if amp else
+           "torch.autocast(device.type, enabled=False)")
+    lines += ["for i, batch in enumerate(loader):",
+              "    batch = {k: v.to(device) for k, v in batch.items()}",
+              f"    with {ctx}:",
+              f"        loss = model(**batch).loss / {row.accumulation_steps}",
+              "    scaler.scale(loss).backward()" if prec.grad_scaler else
+              "    loss.backward()",
+              f"    if (i + 1) % {row.accumulation_steps} == 0:"]
     if row.recipe.max_grad_norm is not None:
         if prec.grad_scaler:
             lines.append("        scaler.unscale_(opt)")
-        lines.append("        torch.nn.utils.clip_grad_norm_(model.parameters(), "
-                     f"{row.recipe.max_grad_norm})")
+        lines.append(f"        {_clip_line(row, 'model')}")
     lines.append("        scaler.step(opt); scaler.update()" if prec.grad_scaler
                  else "        opt.step()")
     lines.append("        opt.zero_grad(set_to_none=True)")
     return "\n".join(lines)
 
 
+def offload_loop(row: PlanRow, task: str = "causal-lm", *, hf_model: bool = True) -> str:
+    """A ZeRO-Offload row in plain PyTorch: torch has no optimizer offload, so the model is
+    handed to DeepSpeed's engine with the plan's JSON (its CPU Adam steps on the CPU)."""
+    config = deepspeed_offload(row)
+    client = "" if "optimizer" in config else \
+        f"optimizer={model_code.TORCH_OPTIMIZERS[row.optimizer].replace('PARAMS', 'params')}, "
+    lines = [*model_code.model_lines(row, task, _auto_class(task, hf_model)),
+             *compile_lines(row),
+             "# plain PyTorch has no optimizer offload: DeepSpeed's ZeRO-Offload runs this plan",
+             "# (pip install deepspeed; launch with: deepspeed --num_gpus 1 train.py)",
+             "import deepspeed",
+             f"ds_config = {config!r}  # the plan's DeepSpeed JSON (ds_config.json)",
+             f"params = {model_code.trainable(row)}",
+             f"engine, opt, _, _ = deepspeed.initialize(model=model, {client}"
+             "model_parameters=params, config=ds_config)",
+             f"# micro-batch {row.micro_batch} x {row.accumulation_steps} accumulation steps "
+             f"= global batch {row.global_batch}",
+             f"loader = torch.utils.data.DataLoader(dataset, batch_size={row.micro_batch}, "
+             "shuffle=True, pin_memory=True)",
+             "for batch in loader:",
+             "    batch = {k: v.to(engine.device) for k, v in batch.items()}",
+             "    loss = engine(**batch).loss",
+             "    engine.backward(loss)  # scaled by 1 / gradient_accumulation_steps",
+             f"    engine.step()  # the CPU optimizer steps every {row.accumulation_steps} "
+             "micro-batches, clipping included"]
+    return "\n".join(lines)
+
+
 def deepspeed_offload(row: PlanRow) -> dict[str, Any]:
-    """ZeRO stage 2 with the optimizer on the CPU (DeepSpeed's ZeRO-Offload)."""
-    return {
-        "train_batch_size": row.global_batch,
-        "train_micro_batch_size_per_gpu": row.micro_batch,
-        "gradient_accumulation_steps": row.accumulation_steps,
-        "bf16": {"enabled": row.recipe.spec.half_dtype == "bf16"},
-        "fp16": {"enabled": row.recipe.spec.half_dtype == "fp16"},
-        "zero_optimization": {
-            "stage": 2,
-            "offload_optimizer": {"device": "cpu", "pin_memory": True},
-            "contiguous_gradients": True,
-            "overlap_comm": True,
-            "reduce_bucket_size": REDUCE_BUCKET_ELEMENTS,
-        },
-        "gradient_clipping": row.recipe.max_grad_norm or 0.0,
-    }
+    """ZeRO stage 2 with the optimizer on the CPU (DeepSpeed's ZeRO-Offload) on one GPU: the
+    JSON of a one-GPU "zero2" offload plan (launch_deepspeed.deepspeed_config), its optimizer
+    section DeepSpeed's CPU Adam, its reduce bucket the one tilefit.estimator.offload counts."""
+    from dataclasses import replace
+
+    from tilefit.planner.launch_deepspeed import deepspeed_config
+
+    out = deepspeed_config(replace(row, strategy="zero2", world_size=1))
+    assert out["zero_optimization"]["reduce_bucket_size"] == REDUCE_BUCKET_ELEMENTS
+    return out
 
 
-def single_gpu_configs(row: PlanRow, task: str) -> dict[str, Any]:
+def single_gpu_configs(row: PlanRow, task: str, *, hf_model: bool = True) -> dict[str, Any]:
     hf = hf_training_arguments(row)
     out: dict[str, Any] = {
         "hf_training_arguments": hf,
         "hf_training_arguments_json": json.dumps(hf, indent=2),
-        "hf_python": hf_python(row),
+        "hf_python": hf_python(row, task, hf_model=hf_model),
         "lightning": lightning(row),
-        "pytorch_loop": torch_loop(row),
+        "lightning_python": lightning_python(row, task, hf_model=hf_model),
+        "pytorch_loop": torch_loop(row, task, hf_model=hf_model),
     }
     if row.offload:
         out["deepspeed"] = deepspeed_offload(row)

@@ -26,7 +26,7 @@ from tilefit.vocab import ZERO_STRATEGIES
 STAGES = {"ddp": 0, "fsdp2": 3, "zero1": 1, "zero2": 2, "zero3": 3}
 # torch.optim's defaults, spelled out: DeepSpeed's CPU Adam defaults weight_decay to 0
 ADAMW_WEIGHT_DECAY = 0.01
-SGD_MOMENTUM = 0.9  # what tilefit traces for "sgd" (tilefit.planner.configs.TORCH_OPTIM)
+SGD_MOMENTUM = 0.9  # what tilefit traces for "sgd" (tilefit.planner.model_code.TORCH_OPTIMIZERS)
 # optimizers DeepSpeed cannot name in its JSON: the script passes them as a client optimizer
 CLIENT_OPTIMIZERS = {"adamw-8bit": "bitsandbytes.optim.AdamW8bit"}
 

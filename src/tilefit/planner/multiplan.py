@@ -24,6 +24,7 @@ from tilefit.hardware import Device
 from tilefit.models import Workload
 from tilefit.planner import space
 from tilefit.planner.affine import SweepModel
+from tilefit.planner.rank import modelled
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.search import Depth, row_from, safe_sweep, zero_sweeps
 from tilefit.recipe import Recipe
@@ -240,8 +241,10 @@ def candidate_world_sizes(global_batch: int, first: int, count: int) -> list[int
 
 
 def best_fitting(rows: Sequence[PlanRow]) -> PlanRow | None:
+    """The fastest row that fits, a traced one before any whose step time is a modelled
+    lower bound (tilefit.planner.rank.modelled)."""
     fits = [r for r in rows if r.fits]
-    return max(fits, key=lambda r: r.samples_per_s) if fits else None
+    return max(fits, key=lambda r: (not modelled(r), r.samples_per_s)) if fits else None
 
 
 __all__ = ["MULTI_LEVER_LAYERS", "OFFLOAD_STAGES", "MultiSpace", "best_fitting",

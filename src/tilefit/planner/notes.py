@@ -55,10 +55,31 @@ def nothing_fits(device: Device, world_size: int, budget: int, global_batch: int
 
 
 def smallest_on_one_gpu(optimizer: str, smallest: PlanRow, budget: int) -> str:
-    return (f"with {optimizer} on the GPU alone nothing fits: the smallest plan "
-            f"({smallest.recipe_label()}, micro-batch {smallest.micro_batch}) needs "
+    """``smallest``: the smallest peak of the plans keeping ``optimizer`` on the GPU, over
+    every micro-batch (policy.when_nothing_fits)."""
+    return (f"with {optimizer} on the GPU alone nothing fits: the smallest such plan "
+            f"({smallest.recipe_label()}, micro-batch {smallest.micro_batch} x "
+            f"{smallest.accumulation_steps} accumulation steps) needs "
             f"{smallest.memory_bytes / 2**30:.1f} GiB of "
             f"{budget / 2**30:.1f} GiB")
+
+
+def lora_would(best: PlanRow | None, budget: int, *, offload_or_change_fits: bool) -> str:
+    """Nothing fits with the full model's optimizer on the GPU and --allow-peft was not
+    given: what LoRA's traced plan (``best``: the fastest that fits, else the smallest;
+    None: not traced, peft missing) needs. ``offload_or_change_fits``: a plan of the full
+    model fits by CPU offload or another optimizer."""
+    where = ("with the optimizer on the GPU nothing fits without adapters"
+             if offload_or_change_fits else "nothing fits without adapters")
+    if best is None:
+        return (f"{where}; LoRA adapters (--allow-peft) were not traced: pip install peft "
+                "to see whether they fit")
+    what = (f"LoRA adapters ({best.recipe_label()}, micro-batch {best.micro_batch}) "
+            f"need {best.memory_bytes / 2**30:.1f} GiB of {budget / 2**30:.1f} GiB")
+    if best.fits:
+        return (f"{where}, but {what}: --allow-peft plans them (trains adapters on a "
+                "frozen base, not the model)")
+    return f"{where}, nor with LoRA adapters: {what} (--allow-peft)"
 
 
 def nothing_traced_fits(first: int, fallback_counts: int, global_batch: int) -> str:
@@ -82,7 +103,25 @@ def why(row: PlanRow, rows: list[PlanRow], objective: str, allow_change: bool) -
     gpus = f" x {row.world_size} GPUs ({row.strategy})" if row.strategy else ""
     return (f"{what} of the {len(fits)} plans that fit the budget; "
             f"{how}; micro-batch {row.micro_batch} x {row.accumulation_steps} "
-            f"accumulation steps{gpus} = global batch {row.global_batch}")
+            f"accumulation steps{gpus} = global batch {row.global_batch}"
+            + lower_bounds(row, fits, objective))
+
+
+def lower_bounds(row: PlanRow, fits: list[PlanRow], objective: str) -> str:
+    """What the choice says of modelled step times (rank.modelled: a lower bound) for the
+    throughput objective: a traced plan preferred to a faster bound, or a bound chosen
+    because no traced plan fits."""
+    if objective != "throughput":
+        return ""
+    if rank.modelled(row):
+        return (f"; its step time is modelled (DeepSpeed {row.strategy} does not run on fake "
+                "tensors), a lower bound: no traced plan of its kind fits")
+    faster = [r for r in fits if rank.modelled(r) and r.samples_per_s > row.samples_per_s]
+    if not faster:
+        return ""
+    best = max(faster, key=lambda r: r.samples_per_s)
+    return (f"; DeepSpeed {best.strategy}'s {best.samples_per_s:.3g} samples/s is a modelled "
+            "lower bound on its step time, not a traced time: a traced plan ranks first")
 
 
 def engine_model(strategy: str | None, gpus: int) -> str:
@@ -90,6 +129,8 @@ def engine_model(strategy: str | None, gpus: int) -> str:
     if is_zero(strategy):
         return (f"modelled: DeepSpeed {strategy} on {gpus} GPUs on top of one-GPU traces "
                 "(DeepSpeed's engine does not run on fake tensors), its peak per GPU and its "
-                "step with the communication the compute does not hide")
+                "step with the communication the compute does not hide; that step time is a "
+                "lower bound (DeepSpeed's bucket copies and hooks' host time are not costed): "
+                "a traced engine that fits ranks before it")
     return (f"traced: rank 0 of {gpus} under {strategy} (PyTorch's fake process group), its "
             "peak per GPU and its step with the communication the compute does not hide")

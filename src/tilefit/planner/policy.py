@@ -88,15 +88,40 @@ def choose(p: PlanState, rows: list[PlanRow], objective: str, allow_change: bool
 
 
 def when_nothing_fits(p: PlanState, rows: list[PlanRow], optimizer: str, hf_model: bool,
-                      budget: int) -> MultiGpuPlan | None:
-    """When no plan keeps the optimizer on one GPU: a note with the smallest one, and the
-    fewest GPUs that would fit."""
-    keeps = [r for r in rows if not r.offload and not r.changes_optimizer and not r.peft]
-    if not keeps or any(r.fits for r in keeps):
+                      budget: int, *, allow_peft: bool = True,
+                      lora: Lora | None = None) -> MultiGpuPlan | None:
+    """When no plan keeps the optimizer on one GPU: a note with the smallest one (over
+    every micro-batch, the unfriendly ones ``rows`` pruned included), what LoRA would need
+    when --allow-peft was not given (``allow_peft`` False), and the fewest GPUs that would
+    fit."""
+    def keeps(r: PlanRow) -> bool:
+        return not r.offload and not r.changes_optimizer and not r.peft
+
+    kept = [r for r in (*rows, *p.rows) if keeps(r)]
+    if not kept or any(r.fits for r in kept):
         return None
-    smallest = min(keeps, key=lambda r: r.memory_bytes)
+    smallest = min(kept, key=lambda r: (r.memory_bytes, -r.samples_per_s))
     p.notes.append(notes.smallest_on_one_gpu(optimizer, smallest, budget))
+    if not allow_peft and hf_model:
+        p.notes.append(_lora_note(p, rows, budget, lora))
     return _multi_gpu(p, optimizer, hf_model, budget)
+
+
+def _lora_note(p: PlanState, rows: list[PlanRow], budget: int, lora: Lora | None) -> str:
+    """What LoRA (checkpointed, its smallest recipe) would need, traced for the note only."""
+    from tilefit.errors import TilefitError
+    from tilefit.models.lora import require_peft
+
+    try:
+        require_peft()
+    except TilefitError:
+        return notes.lora_would(None, budget, offload_or_change_fits=False)
+    spec = space.peft_recipes(p.device, p.optimizer, lora or Lora())[-1]  # checkpointed
+    probed = p.probe(spec)
+    fitting = [r for r in probed if r.fits]
+    best = max(fitting, key=lambda r: r.samples_per_s) if fitting else \
+        min(probed, key=lambda r: r.memory_bytes, default=None)
+    return notes.lora_would(best, budget, offload_or_change_fits=any(r.fits for r in rows))
 
 
 def _multi_gpu(p: PlanState, optimizer: str, hf_model: bool, budget: int) -> MultiGpuPlan:

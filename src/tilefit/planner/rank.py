@@ -5,6 +5,12 @@ Tiers, best first: plans that keep the training algorithm on the GPU alone; CPU 
 the optimizer (proposed only when the user allows it, where they join the first tiers, or when
 nothing else fits). Within the chosen tier, the throughput objective takes the most samples/s,
 the memory objective the smallest peak (then the most samples/s).
+
+A DeepSpeed ZeRO row on several GPUs is modelled on one-GPU traces, and its step time is a
+lower bound (its engine's bucket copies and hooks' host time are not costed): for the
+throughput objective, traced rows of the same tier rank before it, so a lower bound never
+wins against a traced time; it is chosen when no traced row of the tier fits. Its memory
+is not a bound (it matched DeepSpeed's engine), so the memory objective ranks it as any row.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from collections.abc import Sequence
 from tilefit.batches import REAL_GAIN
 from tilefit.errors import TilefitError
 from tilefit.planner.rows import PlanRow
+from tilefit.vocab import ZERO_STRATEGIES
 
 OBJECTIVES = ("throughput", "memory")
 
@@ -29,6 +36,18 @@ def check_objective(objective: str) -> None:
 def tier(row: PlanRow, allow_optimizer_change: bool) -> int:
     changes = row.changes_optimizer and not allow_optimizer_change
     return 2 if changes else (1 if row.offload else 0)
+
+
+def modelled(row: PlanRow) -> bool:
+    """Whether the row's step time is a modelled lower bound (DeepSpeed ZeRO on several
+    GPUs: its engine does not run on fake tensors), not a traced time."""
+    return row.world_size > 1 and row.strategy in ZERO_STRATEGIES
+
+
+def bound_tier(row: PlanRow, objective: str) -> int:
+    """1 for a modelled lower bound under the throughput objective (after the traced rows
+    of its tier), else 0."""
+    return int(objective == "throughput" and modelled(row))
 
 
 # Peaks within this share of the budget are a tie for the memory objective (the faster wins):
@@ -48,7 +67,8 @@ def rank(rows: Sequence[PlanRow], objective: str, allow_optimizer_change: bool
     """Fitting rows by (tier, objective), then the rest by peak memory."""
     fit = [r for r in rows if r.fits]
     rest = [r for r in rows if not r.fits]
-    fit.sort(key=lambda r: (tier(r, allow_optimizer_change), *sort_key(r, objective)))
+    fit.sort(key=lambda r: (tier(r, allow_optimizer_change), bound_tier(r, objective),
+                            *sort_key(r, objective)))
     rest.sort(key=lambda r: (r.memory_bytes, -r.samples_per_s))
     return fit + rest
 

@@ -78,8 +78,9 @@ def search_plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
     rows = rank.rank(rank.prune_unfriendly(p.rows), search.objective, change)
     best, conf, reason, rows = policy.choose(p, rows, search.objective, change,
                                              confirm=search.confirm)
-    multi = None if world_size > 1 else policy.when_nothing_fits(p, rows, optimizer,
-                                                                 hf_model, p.budget)
+    multi = None if world_size > 1 else policy.when_nothing_fits(
+        p, rows, optimizer, hf_model, p.budget, allow_peft=search.allow_lora,
+        lora=search.lora)
     return Plan(
         model=work.name, device=device, global_batch=global_batch, seq_len=work.seq_len,
         objective=search.objective, memory_fraction=search.memory_fraction,
@@ -139,7 +140,7 @@ def _configs_of(best: PlanRow | None, work: Workload) -> dict[str, Any]:
         return {}
     if best.strategy is not None:
         return configs.multi_gpu_configs(best, work)
-    return configs.single_gpu_configs(best, work.task)
+    return configs.single_gpu_configs(best, work.task, hf_model=not work.is_factory)
 
 
 __all__ = ["DEFAULT_MEMORY_FRACTION", "SWEEP_ACCUMULATION", "Confirmation", "Plan",

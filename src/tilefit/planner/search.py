@@ -8,7 +8,12 @@ from typing import TYPE_CHECKING
 from tilefit.batches import is_friendly
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate, estimate_trace
-from tilefit.estimator.offload import OffloadLink, offload_peak_bytes, offload_step_time_s
+from tilefit.estimator.offload import (
+    OffloadLink,
+    offload_host_bytes,
+    offload_peak_bytes,
+    offload_step_time_s,
+)
 from tilefit.estimator.workloads import trace_workload
 from tilefit.hardware import Device
 from tilefit.models import Workload
@@ -236,8 +241,22 @@ def row_from(spec: Recipe, model: SweepModel, micro_batch: int, global_batch: in
                            parallel),
         friendly=is_friendly(micro_batch), world_size=world,
         strategy=None if parallel is None else parallel.strategy,
-        host_memory_bytes=round(p["host_bytes"]) if parallel is not None and
-        parallel.modelled else None)
+        host_memory_bytes=host_bytes_of(spec, p, offload is not None, parallel))
+
+
+def host_bytes_of(spec: Recipe, p: dict[str, float], offload: bool,
+                  parallel: Parallel | None) -> int | None:
+    """The CPU memory a row needs beyond the usual: a modelled DeepSpeed engine's (its
+    estimator's figure, in the sample), one GPU's ZeRO-Offload (the same estimator, from the
+    traced parameter count and optimizer state); None elsewhere."""
+    if parallel is not None and parallel.modelled:
+        return round(p["host_bytes"])
+    if not offload:
+        return None
+    from tilefit.dtypes import parse_dtype
+
+    w = parse_dtype(parse_precision(spec.precision).param_dtype).bytes
+    return offload_host_bytes(p["param_count"], p["optimizer_state_bytes"], w)
 
 
 def reserved_of(model: SweepModel, p: dict[str, float], peak: float) -> int | None:

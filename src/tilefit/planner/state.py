@@ -79,6 +79,21 @@ class PlanState:
                 self.work.tokens_per_sample, self.optimizer,
                 offload=self.link if offload else None))
 
+    def probe(self, spec: Recipe) -> list[PlanRow]:
+        """``spec``'s rows (with the user's loop settings), traced but kept out of the plan:
+        a note's evidence (what LoRA would need when --allow-peft was not given)."""
+        spec = self.with_user(spec)
+        if spec.fused_ce and spec.compile:
+            return []
+        model = safe_sweep(self.work, spec, self.micro_batches, self.depth, self.device, [])
+        self.traces += len(self.depth.traced) * len({min(self.micro_batches),
+                                                     max(self.micro_batches)})
+        if model is None:
+            return []
+        return [row_from(spec, model, b, self.global_batch, self.depth, self.device,
+                         self.budget, self.work.tokens_per_sample, self.optimizer)
+                for b in self.micro_batches]
+
     def add_rows(self, rows: list[PlanRow], traces: int) -> None:
         """Rows swept by another search (multiplan's), and the traces it took."""
         self.rows.extend(rows)
