@@ -129,7 +129,7 @@ def test_dora_cpu_peak_matches_a_real_peft_step() -> None:
     dora = True
     import torch
 
-    from tilefit.bench.step import memtracker_peak_bytes
+    from tilefit.bench.step import real_step_peak_bytes
     from tilefit.tracing import trace
 
     def build() -> Any:
@@ -143,14 +143,7 @@ def test_dora_cpu_peak_matches_a_real_peft_step() -> None:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
                             foreach=False)
 
-    def step() -> None:
-        loss = model(**batch).loss
-        loss.backward()
-        del loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    real = memtracker_peak_bytes(model, opt, batch, step)
+    real = real_step_peak_bytes(model, opt, batch, lambda m, b: m(**b).loss)
     predicted = trace(build(), batch, recipe=Recipe(batch_size=2, precision="fp32",
                                                     optimizer="adamw"), gpu="cpu")
     assert predicted.trainable_param_count == hand_count(8, tuple(SHAPES), dora)

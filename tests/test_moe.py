@@ -107,7 +107,7 @@ CASES = {  # name -> (config, experts implementation, routing)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_cpu_peak_matches_a_real_cpu_run_with_the_router_forced(tmp_path: Path,
                                                                 name: str) -> None:
-    from tilefit.bench.step import memtracker_peak_bytes
+    from tilefit.bench.step import real_step_peak_bytes
 
     config, impl, routing = CASES[name]
     work = load_workload(_config(tmp_path, config, **(
@@ -125,14 +125,7 @@ def test_cpu_peak_matches_a_real_cpu_run_with_the_router_forced(tmp_path: Path,
         gate.register_forward_hook(_force(routing))
     opt = make_opt(model.parameters())
 
-    def step() -> None:
-        loss = work.loss_fn(model, batch)
-        loss.backward()
-        del loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    real = memtracker_peak_bytes(model, opt, batch, step)
+    real = real_step_peak_bytes(model, opt, batch, work.loss_fn)
     traced = tilefit.trace(functools.partial(work.build), batch, loss_fn=work.loss_fn,
                            recipe=Recipe(batch_size=BATCH, optimizer=make_opt,
                                          routing=routing), gpu="cpu")

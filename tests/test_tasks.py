@@ -162,7 +162,7 @@ def test_cli_estimate_of_a_config_json(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["t5", "wav2vec2", "vit"])
 def test_cpu_peak_matches_a_real_cpu_run(tmp_path: Path, name: str) -> None:
-    from tilefit.bench.step import memtracker_peak_bytes
+    from tilefit.bench.step import real_step_peak_bytes
 
     work = load_workload(_config(tmp_path, name), **CASES[name][1])
     batch = work.make_batch(2)
@@ -174,14 +174,7 @@ def test_cpu_peak_matches_a_real_cpu_run(tmp_path: Path, name: str) -> None:
     model = work.build()  # real tensors: the model's own initialisation
     opt = make_opt(model.parameters())
 
-    def step() -> None:
-        loss = work.loss_fn(model, batch)
-        loss.backward()
-        del loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    real = memtracker_peak_bytes(model, opt, batch, step)
+    real = real_step_peak_bytes(model, opt, batch, work.loss_fn)
     predicted = tilefit.trace(functools.partial(work.build), batch, loss_fn=work.loss_fn,
                               recipe=Recipe(batch_size=2, optimizer=make_opt), gpu="cpu")
     peak = predicted.peak(rounded=False)[0]

@@ -29,7 +29,7 @@ def _tokens(b: int, s: int, vocab: int = 1000) -> dict[str, torch.Tensor]:
 
 def _memtracker_peak(build, batch, loss_fn, make_opt, checkpointing: bool = False) -> int:
     """Peak live tensor bytes of two real CPU steps, by PyTorch's MemTracker."""
-    from tilefit.bench.step import memtracker_peak_bytes
+    from tilefit.bench.step import real_step_peak_bytes
 
     torch.manual_seed(0)
     model = build()
@@ -38,14 +38,7 @@ def _memtracker_peak(build, batch, loss_fn, make_opt, checkpointing: bool = Fals
     model.train()
     opt = make_opt(model.parameters())
 
-    def step() -> None:
-        loss = loss_fn(model, batch)
-        loss.backward()
-        del loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return memtracker_peak_bytes(model, opt, batch, step)
+    return real_step_peak_bytes(model, opt, batch, loss_fn)
 
 
 def _ce(model, batch):

@@ -28,19 +28,12 @@ def loss_fn(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 def real_peak(set_to_none: bool) -> int:
     """Two real CPU steps measured by PyTorch's MemTracker (a second method)."""
-    from tilefit.bench.step import memtracker_peak_bytes
+    from tilefit.bench.step import real_step_peak_bytes
 
     model, batch = build(), torch.randn(BATCH, WIDTH)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
 
-    def step() -> None:
-        loss = loss_fn(model, batch)
-        loss.backward()
-        del loss
-        opt.step()
-        opt.zero_grad(set_to_none=set_to_none)
-
-    return memtracker_peak_bytes(model, opt, batch, step)
+    return real_step_peak_bytes(model, opt, batch, loss_fn, set_to_none=set_to_none)
 
 
 def predicted(zero_grad_to_none: bool) -> Any:

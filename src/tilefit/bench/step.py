@@ -189,3 +189,20 @@ def memtracker_peak_bytes(model: Any, opt: Any, batch: Any, step: Any, steps: in
             step()
             tracker.reset_mod_stats()
     return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+
+
+def real_step_peak_bytes(model: Any, opt: Any, batch: Any, loss_fn: Any, *,
+                         set_to_none: bool = True, steps: int = 2) -> int:
+    """Peak live tensor bytes of ``steps`` plain training steps of ``model`` on real CPU
+    tensors (``loss_fn(model, batch)``, backward, the optimizer step, zero_grad with
+    ``set_to_none``), by PyTorch's MemTracker: the second method tilefit's predicted CPU
+    peaks are checked against."""
+
+    def step() -> None:
+        loss = loss_fn(model, batch)
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+
+    return memtracker_peak_bytes(model, opt, batch, step, steps)
