@@ -131,3 +131,25 @@ def test_models_command_table() -> None:
     result = CliRunner().invoke(app, ["models"])
     assert result.exit_code == 0, result.output
     assert "llama-3-8b" in result.stdout and "8.03B" in result.stdout  # 8,030,261,248
+
+
+def test_the_catalog_rows_are_computed_once_and_read_back(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`tilefit models` builds every catalog model once; the next listing reads the same
+    computed rows from the cache without building anything, and a cache of other configs or
+    versions is not read."""
+    from tilefit.models import params
+
+    first = params.catalog_models()
+    assert params._rows_cache().is_file()
+
+    def no_build(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("a cached listing built a model")
+
+    monkeypatch.setattr(params, "describe", no_build)
+    assert params.catalog_models() == first
+    # another transformers version is another key: computed again (here: refused)
+    real_version = params.metadata.version
+    monkeypatch.setattr(params.metadata, "version",
+                        lambda pkg: "0.0" if pkg == "transformers" else real_version(pkg))
+    with pytest.raises(AssertionError, match="built a model"):
+        params.catalog_models()

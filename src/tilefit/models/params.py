@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass
-from typing import Any
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from tilefit.models.workload import Workload
+if TYPE_CHECKING:
+    from tilefit.models.workload import Workload
 
 
 def count_parameters(workload: Workload) -> int:
@@ -63,8 +68,39 @@ def describe(workload: Workload) -> CatalogModel:
 
 
 def catalog_models() -> list[CatalogModel]:
-    """Every catalog model, parameters computed from its config (about 2 s for all)."""
+    """Every catalog model, parameters computed from its config by building it on the meta
+    device (seconds, with torch and transformers imported), then kept in the user cache
+    (``TILEFIT_CACHE_DIR``) under a key of the configs' text and the installed tilefit,
+    torch and transformers: the next listing reads the same computed rows back without
+    importing either."""
+    path = _rows_cache()
+    try:
+        return [CatalogModel(**row) for row in json.loads(path.read_text(encoding="utf-8"))]
+    except (OSError, ValueError, TypeError):
+        pass  # not computed yet for these configs and versions (or unreadable): compute
     from tilefit.models.catalog import catalog_names
     from tilefit.models.workload import load_workload
 
-    return [describe(load_workload(name)) for name in catalog_names()]
+    rows = [describe(load_workload(name)) for name in catalog_names()]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps([r.to_dict() for r in rows]), encoding="utf-8")
+    except OSError:
+        pass  # a read-only cache only costs the next listing its seconds
+    return rows
+
+
+def _rows_cache() -> Path:
+    """Where the computed catalog rows of these configs and library versions are kept."""
+    from tilefit.hardware.profiles import cache_dir
+    from tilefit.models.catalog import catalog_entry, catalog_names
+
+    key = hashlib.sha256()
+    for name in catalog_names():
+        key.update(json.dumps(catalog_entry(name), sort_keys=True).encode())
+    for package in ("tilefit", "torch", "transformers"):
+        try:
+            key.update(f"{package}={metadata.version(package)}".encode())
+        except metadata.PackageNotFoundError:
+            key.update(package.encode())
+    return cache_dir() / "catalog" / f"models-{key.hexdigest()[:16]}.json"
