@@ -29,6 +29,7 @@ OTHER_PROGRAMS = {
     "--nproc-per-node",  # torchrun --nproc-per-node N (planner/configs.py, launch.py)
     "--record",  # the torchrun script's own flag (planner/launch.py)
     "--ds-config",  # the DeepSpeed script's own flag (planner/launch_deepspeed.py)
+    "--num_gpus",  # deepspeed --num_gpus 1 train.py, the offload snippet's launch (configs.py)
 }
 
 
