@@ -39,10 +39,12 @@ def workload(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyp
 
 def nf4_weight_bytes(n: int, k: int, double_quant: bool = True) -> int:
     """One 4-bit weight as bitsandbytes stores it: two weights a byte, one absmax per block
-    of 64 (uint8 with double quantization, plus one fp32 absmax per 256 of them and an fp32
-    offset; fp32 without), and the 16-value fp32 code of nf4."""
+    of 64 (uint8 with double quantization, plus one fp32 absmax per 256 of them, an fp32
+    offset and the layer's own copy of the 256-value fp32 dynamic map; fp32 without), and
+    the 16-value fp32 code of nf4."""
     blocks = math.ceil(n * k / 64)
-    absmax = blocks + 4 * math.ceil(blocks / 256) + 4 if double_quant else 4 * blocks
+    absmax = blocks + 4 * math.ceil(blocks / 256) + 4 + 256 * 4 if double_quant \
+        else 4 * blocks
     return n * k // 2 + absmax + 16 * 4
 
 
@@ -63,9 +65,7 @@ def test_fake_quantization_has_bitsandbytes_sizes() -> None:
             assert (w.dtype, tuple(w.shape)) == (torch.uint8, (n * k // 2, 1))
             holder = torch.nn.Linear(1, 1)
             holder.weight = w
-            state = [t for t in quant_state_tensors(holder)
-                     if t.numel() != 256]  # the dynamic map: one real tensor, shared
-            total = w.nbytes + sum(t.nbytes for t in state)
+            total = w.nbytes + sum(t.nbytes for t in quant_state_tensors(holder))
             assert total == nf4_weight_bytes(n, k, double)
 
 
@@ -76,10 +76,9 @@ def test_qlora_trace_holds_the_packed_base(workload) -> None:  # type: ignore[no
     params = sum(s.nbytes for s in tr.storages if s.category == "parameters")
     quantized = sum(nf4_weight_bytes(n, k) for n, k in LINEARS)
     # prepare_model_for_kbit_training: embeddings, norms and lm_head in fp32; the adapters
-    # fp32 (peft); the 8-bit dynamic map of double quantization, 256 fp32, held once; the
-    # rotary embedding's inv_freq and original_inv_freq buffers, 8 fp32 each
+    # fp32 (peft); the rotary embedding's inv_freq and original_inv_freq buffers, 8 fp32 each
     unquantized = 4 * (128 * 64 + 128 * 64 + 5 * 64)
-    assert params == quantized + unquantized + 4 * tr.trainable_param_count + 256 * 4 + 64
+    assert params == quantized + unquantized + 4 * tr.trainable_param_count + 64
     assert tr.param_count == sum(n * k for n, k in LINEARS) + unquantized // 4 \
         + tr.trainable_param_count
     kinds = {o.op.split(".")[1]: o.kind for o in tr.ops if o.op.startswith("bitsandbytes.")}
@@ -89,6 +88,77 @@ def test_qlora_trace_holds_the_packed_base(workload) -> None:  # type: ignore[no
     g = gemm.gemms[0]
     assert gemm.flops == 2 * g.m * g.n * g.k and g.m == 2 * 32 and g.dtype == "bf16"
     assert any("bnb_4bit_compute_dtype is fp32" in w for w in tr.warnings)
+
+
+def _quant_state_tensors(model) -> list:  # type: ignore[no-untyped-def]
+    """The tensors each Linear4bit's QuantState holds (absmax, code, offset, the nested
+    state's), collected by walking bitsandbytes' QuantState: MemTracker counts tensors only
+    as parameters, buffers, gradients, optimizer state or what it is handed."""
+    out = []
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        while state is not None:
+            out += [t for t in (state.absmax, state.code, state.offset) if t is not None]
+            state = state.state2
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_qlora_cpu_peak_matches_a_real_cpu_run(tmp_path: Path, precision: str) -> None:
+    """Issue 28: a Llama-like model loaded in nf4 by transformers' own from_pretrained
+    (bitsandbytes' CPU backend quantizes it), peft's LoRA on it, two real training steps on
+    this CPU measured by PyTorch's MemTracker, against tilefit's CPU prediction. On the CPU,
+    bitsandbytes' gemm_4bit runs its default kernel (dequantize_blockwise and
+    dequantize_4bit on the CPU, then F.linear); the backward dequantizes the weight again
+    (dequantize_4bit) and multiplies with aten's matmul."""
+    import peft
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        BitsAndBytesConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    from tilefit.bench.step import memtracker_peak_bytes
+    from tilefit.models import load_workload
+
+    torch.manual_seed(0)
+    config = {k: v for k, v in CONFIG.items() if k not in ("model_type", "architectures")}
+    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(tmp_path / "weights")
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "weights", device_map={"": "cpu"},
+                                                 quantization_config=quant)
+    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    model = peft.get_peft_model(model, peft.LoraConfig(
+        r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+        task_type="CAUSAL_LM"))
+    model.train()
+
+    def make_opt(params):  # type: ignore[no-untyped-def]
+        return torch.optim.AdamW(params, lr=1e-4, foreach=False)
+
+    opt = make_opt([p for p in model.parameters() if p.requires_grad])
+    ids = torch.arange(2 * 32).reshape(2, 32) % 128
+    batch = {"input_ids": ids, "labels": ids.clone()}
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    real = memtracker_peak_bytes(model, opt, (batch, _quant_state_tensors(model)), step)
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    work = load_workload(str(tmp_path / "config.json"), seq_len=32)
+    predicted = trace(work, recipe=Recipe(batch_size=2, precision=precision, lora=Lora(),
+                                          quantize="nf4", optimizer=make_opt), gpu="cpu")
+    peak = predicted.peak(rounded=False)[0]
+    assert abs(peak - real) <= 0.02 * real, (peak, real)
 
 
 def test_dequantize_before_the_gemm_costs_its_bytes() -> None:

@@ -141,7 +141,30 @@ def rebuild_ddp_buckets_on_fake_tensors(ddp: Any, around: Callable[[], Any]) -> 
 
 def new_mem_tracker() -> Any:
     """PyTorch's MemTracker (torch.distributed._tools.mem_tracker, private): live tensor
-    bytes by module and category, by its own accounting."""
+    bytes by module and category, by its own accounting.
+
+    MemTracker registers a gradient hook on every parameter of a module it enters, which a
+    frozen parameter refuses ("cannot register a hook on a tensor that doesn't require
+    gradient", torch 2.13): a LoRA or QLoRA base. Its hook table is given a no-op entry for
+    each frozen parameter first, so it counts the parameter and hooks only the trainable."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    return MemTracker()
+    class FrozenAwareMemTracker(MemTracker):  # type: ignore[misc]
+        def _track_module_params_and_buffers(self, module: torch.nn.Module,
+                                             install_grad_hooks: bool = True) -> Any:
+            for p in module.parameters():
+                if not p.requires_grad:
+                    self._param_to_grad_hook_handles.setdefault(p, (_NO_HOOK, _NO_HOOK))
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return FrozenAwareMemTracker()
+
+
+class _NoHook:
+    """A removable handle with nothing to remove (MemTracker removes its hooks on exit)."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
