@@ -173,10 +173,68 @@ def test_dequantize_before_the_gemm_costs_its_bytes() -> None:
                         gemms=(GemmShape(1, m, 4096, 4096, "bf16"),))
 
     gpu = get_device("a100-80gb")
-    assert dequantize_time_s(op(1536), gpu) == 0.0  # bitsandbytes' fused kernel
+    assert dequantize_time_s(op(4), gpu) == 0.0  # M <= 4: bitsandbytes' fused kernel
     weights = 4096 * 4096
-    assert dequantize_time_s(op(4096), gpu) == pytest.approx(
-        memory_time_s(weights // 2 + 4 * weights // 64 + 2 * weights, gpu))
+    for m in (1024, 4096):  # a weight of 4M values or more: dequantized past M = 512
+        assert dequantize_time_s(op(m), gpu) == pytest.approx(
+            memory_time_s(weights // 2 + 4 * weights // 64 + 2 * weights, gpu))
+
+
+def test_bitsandbytes_own_kernel_choice() -> None:
+    """bitsandbytes 0.50.2's gemm_4bit dispatch (backends/cuda/ops.py), read by hand: its
+    fused kernel up to M = 4 rows, dequantize-then-F.linear past 1536 rows, for fp32 from 8
+    rows, for weights of 4M values or more past 512, for any K off the block, and per GPU
+    for small weights; the CPU always dequantizes."""
+    import torch
+
+    from tilefit.compat.bnb_dispatch import gemm_4bit_dequantizes
+
+    h100, a100 = (132, 9, 0), (108, 8, 0)
+    bf16 = torch.bfloat16
+    for gpu in (h100, a100):
+        assert not gemm_4bit_dequantizes(4, 4096, 4096, bf16, 64, gpu)
+        assert gemm_4bit_dequantizes(1537, 64, 64, bf16, 64, gpu)
+        assert gemm_4bit_dequantizes(8, 4096, 4096, torch.float32, 64, gpu)
+        assert gemm_4bit_dequantizes(513, 4096, 4096, bf16, 64, gpu)
+        assert gemm_4bit_dequantizes(16, 64, 96, bf16, 64, gpu)  # K = 96, blocks of 64
+    # a small weight with a short K (N = 4096, K = 512, 64 column blocks, more than a third
+    # of the SMs): "Calibrated on A100: custom wins to M=1536 (low wave), M=512 (high wave).
+    # Calibrated on H100/H200: ... M=320 (high wave)"
+    for gpu, last in ((a100, 512), (h100, 320)):
+        assert not gemm_4bit_dequantizes(last, 4096, 512, bf16, 64, gpu)
+        assert gemm_4bit_dequantizes(last + 1, 4096, 512, bf16, 64, gpu)
+    assert gemm_4bit_dequantizes(1, 64, 64, bf16, 64, None)
+
+
+@pytest.mark.parametrize(("gpu", "batch", "dequantizes"),
+                         [("a100-80gb", 64, True), ("a100-80gb", 1, False), ("cpu", 1, True)])
+def test_the_dense_weight_is_booked_inside_the_gemm(tmp_path: Path, gpu: str, batch: int,
+                                                    dequantizes: bool) -> None:
+    """Where gemm_4bit dequantizes first (64 x 32 = 2048 rows > 1536 on CUDA; always on the
+    CPU), the op holds the dense weight and, with double quantization, the fp32 absmax while
+    its F.linear runs: booked as temporaries alive with its output only. At 4 rows of
+    ``seq_len=4`` on an A100 its fused kernel runs: nothing booked."""
+    from tilefit.models import load_workload
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    work = load_workload(str(tmp_path / "config.json"), seq_len=32 if batch > 1 else 4)
+    precision = "fp32" if gpu == "cpu" else "bf16-mixed"
+    tr = trace(work, recipe=Recipe(batch_size=batch, precision=precision, lora=Lora(),
+                                   quantize="nf4", optimizer="adamw"), gpu=gpu)
+    width = 4 if gpu == "cpu" else 2
+    forward = [(i, o) for i, o in enumerate(tr.ops)
+               if o.op.startswith("bitsandbytes.gemm_4bit") and o.step == 1]
+    assert len(forward) == len(LINEARS)
+    booked = {}
+    for s in tr.storages:
+        if s.category == "temporaries" and s.free_at == s.alloc_at + 1:
+            booked.setdefault(s.alloc_at, []).append(s.nbytes)
+    for i, op in forward:
+        g = op.gemms[0]
+        absmax = 4 * math.ceil(g.n * g.k / 64)
+        expected = [absmax, g.n * g.k * width] if gpu == "cpu" else \
+            [absmax, absmax, g.n * g.k * width]
+        assert sorted(booked.get(i, [])) == (sorted(expected) if dequantizes else []), op
 
 
 def test_adamw_8bit_is_bitsandbytes_own(workload) -> None:  # type: ignore[no-untyped-def]
