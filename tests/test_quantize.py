@@ -291,3 +291,80 @@ def test_cli_quantize(tmp_path: Path) -> None:
     assert "Failed to load" not in ok.stderr
     bad = run_cli("estimate", str(path), "--quantize", "nf4", timeout_s=300)
     assert bad.returncode == 2 and "--lora" in bad.stderr + bad.stdout
+
+
+def _qlora_row(checkpointing: bool = True):  # type: ignore[no-untyped-def]
+    from tilefit.planner.rows import PlanRow
+
+    recipe = Recipe(batch_size=4, accumulation_steps=8, precision="bf16-mixed",
+                    optimizer="adamw-fused", grad_checkpointing=checkpointing,
+                    attention="sdpa", lora=Lora(), quantize="nf4", max_grad_norm=1.0)
+    return PlanRow(recipe=recipe, predicted_peak_memory_bytes=1, predicted_step_time_s=1.0,
+                   samples_per_s=32.0, tokens_per_s=None, mfu=0.1, budget_bytes=2)
+
+
+def test_a_qlora_plan_pastes_its_bitsandbytes_config() -> None:
+    import torch
+    import transformers
+
+    from tilefit.planner.configs import single_gpu_configs
+
+    cfg = single_gpu_configs(_qlora_row(), "causal-lm")
+    assert cfg["bitsandbytes_config"] == {
+        "load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_compute_dtype": "bfloat16"}
+    config = transformers.BitsAndBytesConfig(**cfg["bitsandbytes_config"])  # it loads
+    assert config.bnb_4bit_compute_dtype == torch.bfloat16 and config.load_in_4bit
+    assert cfg["peft_lora_config"]["r"] == 16
+    code = cfg["hf_python"]
+    for line in ("quantization_config=bnb_config", "prepare_model_for_kbit_training(model, "
+                 "use_gradient_checkpointing=True", "get_peft_model(model, LoraConfig(",
+                 "bnb_4bit_quant_type='nf4'", "TrainingArguments("):
+        assert line in code, code
+    compile(code, "hf_python", "exec")  # valid Python to paste
+
+
+def test_qlora_rows_say_what_they_cost() -> None:
+    from tilefit.planner.search import changes_of
+
+    (qlora, *_rest) = changes_of(_qlora_row().recipe, "adamw-fused", offload=False)
+    assert "QLoRA" in qlora and "Dettmers et al. 2023" in qlora and "4-bit NF4" in qlora
+    assert "matched 16-bit LoRA and full fine-tuning" in qlora
+    assert _qlora_row().recipe_label() == "bf16-mixed adamw-fused ckpt lora nf4"
+    assert _qlora_row().to_dict()["quantize"] == "nf4"
+
+
+def test_plan_searches_qlora_when_allowed(workload) -> None:  # type: ignore[no-untyped-def]
+    from tilefit.hardware import get_device
+    from tilefit.planner import notes, space
+    from tilefit.planner.api import PlanSearch
+    from tilefit.planner.run import _state
+
+    gpu = get_device("rtx-4090")
+    specs = space.qlora_recipes(gpu, "adamw")
+    assert [(s.quantize, s.lora, s.grad_checkpointing, s.precision) for s in specs] == [
+        ("nf4", Lora(), False, "bf16-mixed"), ("nf4", Lora(), True, "bf16-mixed")]
+    p = _state(workload, gpu, 4, Recipe(), PlanSearch(allow_quantize=True))
+    p.add(specs[0])  # traced at micro-batches 1 and 4, batch 2 from their line
+    rows = [r for r in p.rows if r.recipe.quantize == "nf4"]
+    assert [r.micro_batch for r in rows] == [1, 2, 4] and all(r.fits for r in rows)
+    assert all("QLoRA" in r.changes[0] for r in rows)
+    assert "--allow-quantize" in notes.PEFT_FACTORY
+
+
+def test_cli_audit_of_a_qlora_step(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    from typer.testing import CliRunner
+
+    from tilefit.cli.app import app
+
+    ok = CliRunner().invoke(app, ["audit", str(path), "--seq", "32", "--batch", "2", "--lora",
+                                  "--quantize", "nf4", "--json"])
+    assert ok.exit_code == 0, ok.output
+    data = json.loads(ok.stdout)
+    assert data["recipe"]["quantize"] == "nf4" and data["recipe"]["lora"]["rank"] == 16
+    # the audited step is the quantized one, its adapters r * (in + out) on the 14 layers
+    assert any(w.startswith("nf4 base: bitsandbytes' Linear4bit")
+               for w in data["estimate"]["warnings"])
+    assert data["estimate"]["trainable_param_count"] == 16 * sum(n + k for n, k in LINEARS)

@@ -12,6 +12,16 @@ from tilefit.cli.common import GPU_HELP, JSON_OPTION, console, err_console, prin
 from tilefit.cli.noise import PLAN_NOISE_OPTION, read_noise_scale
 from tilefit.vocab import STRATEGIES, ZERO_STRATEGIES
 
+MEMORY_FRACTION_OPTION = typer.Option(
+    1.0, "--memory-fraction",
+    help="Share of GPU memory a plan may use, in (0, 1] (default all of it: plans are judged "
+    "by the caching allocator's predicted reserved memory); less keeps headroom, e.g. for "
+    "longer sequences later in training.")
+ALLOW_QUANTIZE_OPTION = typer.Option(
+    False, "--allow-quantize",
+    help="Also rank QLoRA: LoRA adapters on a base quantized to 4-bit NF4 by bitsandbytes "
+    "(needs peft and bitsandbytes); its configs include the BitsAndBytesConfig.")
+
 
 def register(app: typer.Typer) -> None:
     app.command("plan")(plan)
@@ -23,11 +33,7 @@ def plan(
     global_batch: int = typer.Option(..., "--global-batch",
                                      help="Samples per optimizer step (kept exactly)."),
     seq: int | None = mo.SEQ_OPTION,
-    memory_fraction: float = typer.Option(
-        1.0, "--memory-fraction",
-        help="Share of GPU memory a plan may use, in (0, 1] (default all of it: plans are "
-        "judged by the caching allocator's predicted reserved memory); less keeps headroom, "
-        "e.g. for longer sequences later in training."),
+    memory_fraction: float = MEMORY_FRACTION_OPTION,
     objective: str = typer.Option("throughput", "--objective", help="throughput or memory."),
     optimizer: str | None = mo.OPTIMIZER_OPTION,
     allow_optimizer_change: bool = typer.Option(
@@ -36,6 +42,7 @@ def plan(
     allow_peft: bool = typer.Option(
         False, "--allow-peft",
         help="Also rank LoRA fine-tuning (frozen weights, adapters; needs peft)."),
+    allow_quantize: bool = ALLOW_QUANTIZE_OPTION,
     input_shape: str | None = mo.INPUT_SHAPE_OPTION,
     task: str | None = mo.TASK_OPTION,
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
@@ -70,7 +77,8 @@ def plan(
         recipe = mo.recipe(work, optimizer=optimizer, max_grad_norm=max_grad_norm,
                            loss_sync=loss_sync, fused_ce=fused_ce, compile_=compile_,
                            gpus=gpus, strategy=strategy)
-        search = PlanSearch(memory_fraction, objective, allow_optimizer_change, allow_peft)
+        search = PlanSearch(memory_fraction, objective, allow_optimizer_change, allow_peft,
+                            allow_quantize=allow_quantize)
         result = run_plan(work, gpu=gpu, global_batch=global_batch, recipe=recipe,
                           search=search)
         written = None if write_configs is None else write_launch_files(

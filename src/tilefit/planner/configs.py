@@ -79,10 +79,40 @@ def compile_lines(row: PlanRow) -> list[str]:
                                   else [])]
 
 
-def hf_python(row: PlanRow) -> str:
+def bnb_kwargs(row: PlanRow) -> dict[str, Any]:
+    """transformers.BitsAndBytesConfig(**this) of a QLoRA row: the base as it was traced
+    (tilefit.models.quantize), computing in the row's 16-bit dtype."""
+    from tilefit.models.quantize import bnb_config_kwargs
+
+    half = row.recipe.spec.half_dtype
+    return bnb_config_kwargs(str(row.recipe.quantize),
+                             parse_dtype(half).torch_name if half else "float32")
+
+
+def qlora_lines(row: PlanRow, task: str) -> list[str]:
+    """A QLoRA row's model: loaded quantized by bitsandbytes, prepared by peft (fp32 norms
+    and embeddings, frozen), LoRA adapters (peft_lora_config's) on it."""
+    attention = f', attn_implementation="{row.attention}"' \
+        if row.attention in ("sdpa", "eager") else ""
+    ckpt = ("True, gradient_checkpointing_kwargs={'use_reentrant': False}"
+            if row.grad_checkpointing else "False")
+    return [
+        "from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training",
+        "from transformers import BitsAndBytesConfig  # pip install bitsandbytes",
+        "bnb_config = " + _python_call("BitsAndBytesConfig", bnb_kwargs(row)),
+        "model = AutoModelForCausalLM.from_pretrained(name, quantization_config=bnb_config"
+        f"{attention})",
+        f"model = prepare_model_for_kbit_training(model, use_gradient_checkpointing={ckpt})",
+        "model = get_peft_model(model, " + _python_call("LoraConfig", peft_config(task))
+        + ")"]
+
+
+def hf_python(row: PlanRow, task: str = "causal-lm") -> str:
     args = hf_training_arguments(row)
     lines = ["from transformers import AutoModelForCausalLM, TrainingArguments", ""]
-    if row.attention in ("sdpa", "eager"):
+    if row.recipe.quantize:
+        lines.extend(qlora_lines(row, task))
+    elif row.attention in ("sdpa", "eager"):
         lines.append(f'model = AutoModelForCausalLM.from_pretrained(name, '
                      f'attn_implementation="{row.attention}")')
     if row.recipe.spec.float8_linears:
@@ -176,7 +206,7 @@ def single_gpu_configs(row: PlanRow, task: str) -> dict[str, Any]:
     out: dict[str, Any] = {
         "hf_training_arguments": hf,
         "hf_training_arguments_json": json.dumps(hf, indent=2),
-        "hf_python": hf_python(row),
+        "hf_python": hf_python(row, task),
         "lightning": lightning(row),
         "pytorch_loop": torch_loop(row),
     }
@@ -184,6 +214,8 @@ def single_gpu_configs(row: PlanRow, task: str) -> dict[str, Any]:
         out["deepspeed"] = deepspeed_offload(row)
     if row.peft:
         out["peft_lora_config"] = peft_config(task)
+    if row.recipe.quantize:
+        out["bitsandbytes_config"] = bnb_kwargs(row)
     return out
 
 

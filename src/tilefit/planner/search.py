@@ -156,11 +156,25 @@ def zero_sweeps(workload: Workload, spec: Recipe, micro_batches: list[int], dept
     return {e: SweepModel(tuple(s)) for e, s in samples.items()}
 
 
+def qlora_change(quantize: str) -> str:
+    """What QLoRA changes about training, in quality terms:
+    docs/references.md, section 33."""
+    from tilefit.models.lora import LORA_ALPHA, LORA_RANK
+
+    return (f"QLoRA: LoRA r={LORA_RANK} alpha={LORA_ALPHA} adapters on all linear layers of "
+            f"a frozen base quantized to 4-bit {quantize.upper()} (bitsandbytes, double "
+            "quantization): in the QLoRA paper (Dettmers et al. 2023) it matched 16-bit LoRA "
+            "and full fine-tuning on its benchmarks, but the base weights are 4-bit and only "
+            "the adapters train (a different recipe from full fine-tuning)")
+
+
 def changes_of(spec: Recipe, user_optimizer: str, offload: bool,
                parallel: Parallel | None = None) -> tuple[str, ...]:
     out: list[str] = []
     zero = parallel is not None and parallel.modelled
-    if spec.peft:
+    if spec.quantize:
+        out.append(qlora_change(spec.quantize))
+    elif spec.peft:
         from tilefit.models.lora import LORA_ALPHA, LORA_RANK
 
         out.append(f"LoRA r={LORA_RANK} alpha={LORA_ALPHA} on all linear layers, base weights "

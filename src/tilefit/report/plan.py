@@ -156,6 +156,10 @@ def print_plan(console: Console, plan: Plan, *, top: int = 15) -> None:
             console.print("[bold]peft.LoraConfig[/]")
             console.print(json.dumps(cfg["peft_lora_config"], indent=2), highlight=False,
                           markup=False)
+        if "bitsandbytes_config" in cfg:
+            console.print("[bold]transformers.BitsAndBytesConfig[/] (QLoRA's 4-bit base)")
+            console.print(json.dumps(cfg["bitsandbytes_config"], indent=2), highlight=False,
+                          markup=False)
         if "deepspeed" in cfg:
             console.print("[bold]DeepSpeed (ds_config.json)[/]")
             console.print(json.dumps(cfg["deepspeed"], indent=2), highlight=False, markup=False)
