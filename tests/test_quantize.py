@@ -332,6 +332,9 @@ def test_qlora_rows_say_what_they_cost() -> None:
     assert "matched 16-bit LoRA and full fine-tuning" in qlora
     assert _qlora_row().recipe_label() == "bf16-mixed adamw-fused ckpt lora nf4"
     assert _qlora_row().to_dict()["quantize"] == "nf4"
+    from tilefit.report.plan import short_label
+
+    assert short_label(_qlora_row()) == "bf16 ckpt qlora"  # the table tells it from LoRA
 
 
 def test_plan_searches_qlora_when_allowed(workload) -> None:  # type: ignore[no-untyped-def]

@@ -44,7 +44,7 @@ def short_label(row: PlanRow) -> str:
     if row.attention == "eager":
         parts.append("eager")
     if row.peft:
-        parts.append("lora")
+        parts.append("qlora" if row.recipe.quantize else "lora")
     if row.offload:
         parts.append("offload")
     return " ".join(parts)
