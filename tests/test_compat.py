@@ -226,6 +226,19 @@ def test_mem_tracker_counts_a_live_tensor() -> None:
     assert peak >= 4096 and kept.numel() == 1024
 
 
+
+def test_mem_tracker_counts_a_frozen_parameter() -> None:
+    # torch's MemTracker hooks every parameter of a module it enters; a frozen one (a LoRA
+    # base) refuses a hook, so new_mem_tracker counts it without one
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    model[0].requires_grad_(False)
+    tracker = new_mem_tracker()
+    tracker.track_external(model)
+    with tracker:
+        model(torch.ones(1, 16, requires_grad=True)).sum().backward()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    assert peak["Total"] >= 2 * (16 * 16 + 16) * 4 + (16 * 16 + 16) * 4  # weights + grads
+
 # ---- transformers ----------------------------------------------------------------------------
 def test_transformers_switches() -> None:
     from tilefit.compat.transformers import (

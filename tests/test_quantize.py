@@ -39,10 +39,12 @@ def workload(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyp
 
 def nf4_weight_bytes(n: int, k: int, double_quant: bool = True) -> int:
     """One 4-bit weight as bitsandbytes stores it: two weights a byte, one absmax per block
-    of 64 (uint8 with double quantization, plus one fp32 absmax per 256 of them and an fp32
-    offset; fp32 without), and the 16-value fp32 code of nf4."""
+    of 64 (uint8 with double quantization, plus one fp32 absmax per 256 of them, an fp32
+    offset and the layer's own copy of the 256-value fp32 dynamic map; fp32 without), and
+    the 16-value fp32 code of nf4."""
     blocks = math.ceil(n * k / 64)
-    absmax = blocks + 4 * math.ceil(blocks / 256) + 4 if double_quant else 4 * blocks
+    absmax = blocks + 4 * math.ceil(blocks / 256) + 4 + 256 * 4 if double_quant \
+        else 4 * blocks
     return n * k // 2 + absmax + 16 * 4
 
 
@@ -63,9 +65,7 @@ def test_fake_quantization_has_bitsandbytes_sizes() -> None:
             assert (w.dtype, tuple(w.shape)) == (torch.uint8, (n * k // 2, 1))
             holder = torch.nn.Linear(1, 1)
             holder.weight = w
-            state = [t for t in quant_state_tensors(holder)
-                     if t.numel() != 256]  # the dynamic map: one real tensor, shared
-            total = w.nbytes + sum(t.nbytes for t in state)
+            total = w.nbytes + sum(t.nbytes for t in quant_state_tensors(holder))
             assert total == nf4_weight_bytes(n, k, double)
 
 
@@ -76,10 +76,9 @@ def test_qlora_trace_holds_the_packed_base(workload) -> None:  # type: ignore[no
     params = sum(s.nbytes for s in tr.storages if s.category == "parameters")
     quantized = sum(nf4_weight_bytes(n, k) for n, k in LINEARS)
     # prepare_model_for_kbit_training: embeddings, norms and lm_head in fp32; the adapters
-    # fp32 (peft); the 8-bit dynamic map of double quantization, 256 fp32, held once; the
-    # rotary embedding's inv_freq and original_inv_freq buffers, 8 fp32 each
+    # fp32 (peft); the rotary embedding's inv_freq and original_inv_freq buffers, 8 fp32 each
     unquantized = 4 * (128 * 64 + 128 * 64 + 5 * 64)
-    assert params == quantized + unquantized + 4 * tr.trainable_param_count + 256 * 4 + 64
+    assert params == quantized + unquantized + 4 * tr.trainable_param_count + 64
     assert tr.param_count == sum(n * k for n, k in LINEARS) + unquantized // 4 \
         + tr.trainable_param_count
     kinds = {o.op.split(".")[1]: o.kind for o in tr.ops if o.op.startswith("bitsandbytes.")}
@@ -89,6 +88,77 @@ def test_qlora_trace_holds_the_packed_base(workload) -> None:  # type: ignore[no
     g = gemm.gemms[0]
     assert gemm.flops == 2 * g.m * g.n * g.k and g.m == 2 * 32 and g.dtype == "bf16"
     assert any("bnb_4bit_compute_dtype is fp32" in w for w in tr.warnings)
+
+
+def _quant_state_tensors(model) -> list:  # type: ignore[no-untyped-def]
+    """The tensors each Linear4bit's QuantState holds (absmax, code, offset, the nested
+    state's), collected by walking bitsandbytes' QuantState: MemTracker counts tensors only
+    as parameters, buffers, gradients, optimizer state or what it is handed."""
+    out = []
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        while state is not None:
+            out += [t for t in (state.absmax, state.code, state.offset) if t is not None]
+            state = state.state2
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_qlora_cpu_peak_matches_a_real_cpu_run(tmp_path: Path, precision: str) -> None:
+    """Issue 28: a Llama-like model loaded in nf4 by transformers' own from_pretrained
+    (bitsandbytes' CPU backend quantizes it), peft's LoRA on it, two real training steps on
+    this CPU measured by PyTorch's MemTracker, against tilefit's CPU prediction. On the CPU,
+    bitsandbytes' gemm_4bit runs its default kernel (dequantize_blockwise and
+    dequantize_4bit on the CPU, then F.linear); the backward dequantizes the weight again
+    (dequantize_4bit) and multiplies with aten's matmul."""
+    import peft
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        BitsAndBytesConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    from tilefit.bench.step import memtracker_peak_bytes
+    from tilefit.models import load_workload
+
+    torch.manual_seed(0)
+    config = {k: v for k, v in CONFIG.items() if k not in ("model_type", "architectures")}
+    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(tmp_path / "weights")
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "weights", device_map={"": "cpu"},
+                                                 quantization_config=quant)
+    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    model = peft.get_peft_model(model, peft.LoraConfig(
+        r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+        task_type="CAUSAL_LM"))
+    model.train()
+
+    def make_opt(params):  # type: ignore[no-untyped-def]
+        return torch.optim.AdamW(params, lr=1e-4, foreach=False)
+
+    opt = make_opt([p for p in model.parameters() if p.requires_grad])
+    ids = torch.arange(2 * 32).reshape(2, 32) % 128
+    batch = {"input_ids": ids, "labels": ids.clone()}
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    real = memtracker_peak_bytes(model, opt, (batch, _quant_state_tensors(model)), step)
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    work = load_workload(str(tmp_path / "config.json"), seq_len=32)
+    predicted = trace(work, recipe=Recipe(batch_size=2, precision=precision, lora=Lora(),
+                                          quantize="nf4", optimizer=make_opt), gpu="cpu")
+    peak = predicted.peak(rounded=False)[0]
+    assert abs(peak - real) <= 0.02 * real, (peak, real)
 
 
 def test_dequantize_before_the_gemm_costs_its_bytes() -> None:
@@ -103,10 +173,68 @@ def test_dequantize_before_the_gemm_costs_its_bytes() -> None:
                         gemms=(GemmShape(1, m, 4096, 4096, "bf16"),))
 
     gpu = get_device("a100-80gb")
-    assert dequantize_time_s(op(1536), gpu) == 0.0  # bitsandbytes' fused kernel
+    assert dequantize_time_s(op(4), gpu) == 0.0  # M <= 4: bitsandbytes' fused kernel
     weights = 4096 * 4096
-    assert dequantize_time_s(op(4096), gpu) == pytest.approx(
-        memory_time_s(weights // 2 + 4 * weights // 64 + 2 * weights, gpu))
+    for m in (1024, 4096):  # a weight of 4M values or more: dequantized past M = 512
+        assert dequantize_time_s(op(m), gpu) == pytest.approx(
+            memory_time_s(weights // 2 + 4 * weights // 64 + 2 * weights, gpu))
+
+
+def test_bitsandbytes_own_kernel_choice() -> None:
+    """bitsandbytes 0.50.2's gemm_4bit dispatch (backends/cuda/ops.py), read by hand: its
+    fused kernel up to M = 4 rows, dequantize-then-F.linear past 1536 rows, for fp32 from 8
+    rows, for weights of 4M values or more past 512, for any K off the block, and per GPU
+    for small weights; the CPU always dequantizes."""
+    import torch
+
+    from tilefit.compat.bnb_dispatch import gemm_4bit_dequantizes
+
+    h100, a100 = (132, 9, 0), (108, 8, 0)
+    bf16 = torch.bfloat16
+    for gpu in (h100, a100):
+        assert not gemm_4bit_dequantizes(4, 4096, 4096, bf16, 64, gpu)
+        assert gemm_4bit_dequantizes(1537, 64, 64, bf16, 64, gpu)
+        assert gemm_4bit_dequantizes(8, 4096, 4096, torch.float32, 64, gpu)
+        assert gemm_4bit_dequantizes(513, 4096, 4096, bf16, 64, gpu)
+        assert gemm_4bit_dequantizes(16, 64, 96, bf16, 64, gpu)  # K = 96, blocks of 64
+    # a small weight with a short K (N = 4096, K = 512, 64 column blocks, more than a third
+    # of the SMs): "Calibrated on A100: custom wins to M=1536 (low wave), M=512 (high wave).
+    # Calibrated on H100/H200: ... M=320 (high wave)"
+    for gpu, last in ((a100, 512), (h100, 320)):
+        assert not gemm_4bit_dequantizes(last, 4096, 512, bf16, 64, gpu)
+        assert gemm_4bit_dequantizes(last + 1, 4096, 512, bf16, 64, gpu)
+    assert gemm_4bit_dequantizes(1, 64, 64, bf16, 64, None)
+
+
+@pytest.mark.parametrize(("gpu", "batch", "dequantizes"),
+                         [("a100-80gb", 64, True), ("a100-80gb", 1, False), ("cpu", 1, True)])
+def test_the_dense_weight_is_booked_inside_the_gemm(tmp_path: Path, gpu: str, batch: int,
+                                                    dequantizes: bool) -> None:
+    """Where gemm_4bit dequantizes first (64 x 32 = 2048 rows > 1536 on CUDA; always on the
+    CPU), the op holds the dense weight and, with double quantization, the fp32 absmax while
+    its F.linear runs: booked as temporaries alive with its output only. At 4 rows of
+    ``seq_len=4`` on an A100 its fused kernel runs: nothing booked."""
+    from tilefit.models import load_workload
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    work = load_workload(str(tmp_path / "config.json"), seq_len=32 if batch > 1 else 4)
+    precision = "fp32" if gpu == "cpu" else "bf16-mixed"
+    tr = trace(work, recipe=Recipe(batch_size=batch, precision=precision, lora=Lora(),
+                                   quantize="nf4", optimizer="adamw"), gpu=gpu)
+    width = 4 if gpu == "cpu" else 2
+    forward = [(i, o) for i, o in enumerate(tr.ops)
+               if o.op.startswith("bitsandbytes.gemm_4bit") and o.step == 1]
+    assert len(forward) == len(LINEARS)
+    booked = {}
+    for s in tr.storages:
+        if s.category == "temporaries" and s.free_at == s.alloc_at + 1:
+            booked.setdefault(s.alloc_at, []).append(s.nbytes)
+    for i, op in forward:
+        g = op.gemms[0]
+        absmax = 4 * math.ceil(g.n * g.k / 64)
+        expected = [absmax, g.n * g.k * width] if gpu == "cpu" else \
+            [absmax, absmax, g.n * g.k * width]
+        assert sorted(booked.get(i, [])) == (sorted(expected) if dequantizes else []), op
 
 
 def test_adamw_8bit_is_bitsandbytes_own(workload) -> None:  # type: ignore[no-untyped-def]
@@ -163,3 +291,83 @@ def test_cli_quantize(tmp_path: Path) -> None:
     assert "Failed to load" not in ok.stderr
     bad = run_cli("estimate", str(path), "--quantize", "nf4", timeout_s=300)
     assert bad.returncode == 2 and "--lora" in bad.stderr + bad.stdout
+
+
+def _qlora_row(checkpointing: bool = True):  # type: ignore[no-untyped-def]
+    from tilefit.planner.rows import PlanRow
+
+    recipe = Recipe(batch_size=4, accumulation_steps=8, precision="bf16-mixed",
+                    optimizer="adamw-fused", grad_checkpointing=checkpointing,
+                    attention="sdpa", lora=Lora(), quantize="nf4", max_grad_norm=1.0)
+    return PlanRow(recipe=recipe, predicted_peak_memory_bytes=1, predicted_step_time_s=1.0,
+                   samples_per_s=32.0, tokens_per_s=None, mfu=0.1, budget_bytes=2)
+
+
+def test_a_qlora_plan_pastes_its_bitsandbytes_config() -> None:
+    import torch
+    import transformers
+
+    from tilefit.planner.configs import single_gpu_configs
+
+    cfg = single_gpu_configs(_qlora_row(), "causal-lm")
+    assert cfg["bitsandbytes_config"] == {
+        "load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_compute_dtype": "bfloat16"}
+    config = transformers.BitsAndBytesConfig(**cfg["bitsandbytes_config"])  # it loads
+    assert config.bnb_4bit_compute_dtype == torch.bfloat16 and config.load_in_4bit
+    assert cfg["peft_lora_config"]["r"] == 16
+    code = cfg["hf_python"]
+    for line in ("quantization_config=bnb_config", "prepare_model_for_kbit_training(model, "
+                 "use_gradient_checkpointing=True", "get_peft_model(model, LoraConfig(",
+                 "bnb_4bit_quant_type='nf4'", "TrainingArguments("):
+        assert line in code, code
+    compile(code, "hf_python", "exec")  # valid Python to paste
+
+
+def test_qlora_rows_say_what_they_cost() -> None:
+    from tilefit.planner.search import changes_of
+
+    (qlora, *_rest) = changes_of(_qlora_row().recipe, "adamw-fused", offload=False)
+    assert "QLoRA" in qlora and "Dettmers et al. 2023" in qlora and "4-bit NF4" in qlora
+    assert "matched 16-bit LoRA and full fine-tuning" in qlora
+    assert _qlora_row().recipe_label() == "bf16-mixed adamw-fused ckpt lora nf4"
+    assert _qlora_row().to_dict()["quantize"] == "nf4"
+    from tilefit.report.plan import short_label
+
+    assert short_label(_qlora_row()) == "bf16 ckpt qlora"  # the table tells it from LoRA
+
+
+def test_plan_searches_qlora_when_allowed(workload) -> None:  # type: ignore[no-untyped-def]
+    from tilefit.hardware import get_device
+    from tilefit.planner import notes, space
+    from tilefit.planner.api import PlanSearch
+    from tilefit.planner.run import _state
+
+    gpu = get_device("rtx-4090")
+    specs = space.qlora_recipes(gpu, "adamw")
+    assert [(s.quantize, s.lora, s.grad_checkpointing, s.precision) for s in specs] == [
+        ("nf4", Lora(), False, "bf16-mixed"), ("nf4", Lora(), True, "bf16-mixed")]
+    p = _state(workload, gpu, 4, Recipe(), PlanSearch(allow_quantize=True))
+    p.add(specs[0])  # traced at micro-batches 1 and 4, batch 2 from their line
+    rows = [r for r in p.rows if r.recipe.quantize == "nf4"]
+    assert [r.micro_batch for r in rows] == [1, 2, 4] and all(r.fits for r in rows)
+    assert all("QLoRA" in r.changes[0] for r in rows)
+    assert "--allow-quantize" in notes.PEFT_FACTORY
+
+
+def test_cli_audit_of_a_qlora_step(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    from typer.testing import CliRunner
+
+    from tilefit.cli.app import app
+
+    ok = CliRunner().invoke(app, ["audit", str(path), "--seq", "32", "--batch", "2", "--lora",
+                                  "--quantize", "nf4", "--json"])
+    assert ok.exit_code == 0, ok.output
+    data = json.loads(ok.stdout)
+    assert data["recipe"]["quantize"] == "nf4" and data["recipe"]["lora"]["rank"] == 16
+    # the audited step is the quantized one, its adapters r * (in + out) on the 14 layers
+    assert any(w.startswith("nf4 base: bitsandbytes' Linear4bit")
+               for w in data["estimate"]["warnings"])
+    assert data["estimate"]["trainable_param_count"] == 16 * sum(n + k for n, k in LINEARS)

@@ -34,6 +34,10 @@ MEMORY_FRACTION_OPTION = typer.Option(
     help="Share of GPU memory a plan may use, in (0, 1] (default all of it: plans are "
     "judged by the caching allocator's predicted reserved memory); less keeps headroom, "
     "e.g. for longer sequences later in training.")
+ALLOW_QUANTIZE_OPTION = typer.Option(
+    False, "--allow-quantize",
+    help="Also rank QLoRA: LoRA adapters on a base quantized to 4-bit NF4 by bitsandbytes "
+    "(needs peft and bitsandbytes); its configs include the BitsAndBytesConfig.")
 
 
 def register(app: typer.Typer) -> None:
@@ -53,6 +57,7 @@ def plan(
         False, "--allow-optimizer-change",
         help="Also rank other optimizers (a different training algorithm)."),
     allow_peft: bool = ALLOW_PEFT_OPTION,
+    allow_quantize: bool = ALLOW_QUANTIZE_OPTION,
     lora_rank: int | None = mo.LORA_RANK_OPTION,
     lora_alpha: float | None = mo.LORA_ALPHA_OPTION,
     lora_targets: str | None = mo.LORA_TARGETS_OPTION,
@@ -90,7 +95,7 @@ def plan(
         lora = mo.lora_of(False, lora_rank, lora_alpha, lora_targets, lora_dropout, dora,
                           modules_to_save)
         search = PlanSearch(memory_fraction, objective, allow_optimizer_change, allow_peft,
-                            lora=lora)
+                            lora=lora, allow_quantize=allow_quantize)
         result = run_plan(work, gpu=gpu, global_batch=global_batch, recipe=recipe,
                           search=search)
         written = None if write_configs is None else write_launch_files(

@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib
 import math
 import sys
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,9 +39,6 @@ __all__ = [
 ]
 
 BNB_PIP = "pip install torch==2.13.0 'tilefit[quant]'"
-# double quantization's 8-bit map (256 fp32): bitsandbytes caches one copy per device
-# (functional.name2qmap); on fake tensors each use would copy it, so one is kept per fake mode
-_SHARED_CODE: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
 def require_bitsandbytes(what: str) -> Any:
@@ -80,7 +76,9 @@ def _warm_constant_maps(bnb: Any) -> None:
 
 def fake_quantized(p: torch.Tensor, mode: FakeTensorMode) -> nn.Parameter:
     """The fake weight bitsandbytes' quantizer makes of ``p`` (a Params4bit or Int8Params of
-    the meta model): frozen, with the attributes its layer reads."""
+    the meta model): frozen, with the attributes its layer reads. Its QuantState holds its
+    own copies of the 4-bit code and of double quantization's dynamic map, as a real load's
+    does (``quantize_blockwise`` copies the cached map: docs/references.md, section 33)."""
     bnb = require_bitsandbytes("a quantized base")
     if isinstance(p, bnb.nn.Params4bit):
         _warm_constant_maps(bnb)
@@ -89,8 +87,6 @@ def fake_quantized(p: torch.Tensor, mode: FakeTensorMode) -> nn.Parameter:
             packed, state = bnb.functional.quantize_4bit(
                 dense, blocksize=p.blocksize, compress_statistics=p.compress_statistics,
                 quant_type=p.quant_type, quant_storage=p.quant_storage)
-        if state.state2 is not None:  # one dynamic map on the device, shared by every layer
-            state.state2.code = _SHARED_CODE.setdefault(mode, state.state2.code)
         out = nn.Parameter(packed, requires_grad=False)
         out.quant_state = state
         for name in ("blocksize", "compress_statistics", "quant_type", "quant_storage"):

@@ -141,22 +141,39 @@ def rebuild_ddp_buckets_on_fake_tensors(ddp: Any, around: Callable[[], Any]) -> 
 
 def new_mem_tracker() -> Any:
     """PyTorch's MemTracker (torch.distributed._tools.mem_tracker, private): live tensor
-    bytes by module and category, by its own accounting."""
+    bytes by module and category, by its own accounting.
+
+    MemTracker registers a gradient hook on every parameter of a module it enters, which a
+    frozen parameter refuses ("cannot register a hook on a tensor that doesn't require
+    gradient", torch 2.13): a LoRA or QLoRA base. Its hook table is given a no-op entry for
+    each frozen parameter first, so it counts the parameter and hooks only the trainable."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from tilefit.compat.modules import acyclic_mod_tracker
 
     class FrozenAwareMemTracker(MemTracker):  # type: ignore[misc]
         # MemTracker hooks every parameter's gradient, which torch refuses for a frozen one
-        # (a LoRA base): a module with frozen parameters gets no gradient hooks, and its
-        # gradients count by MemTracker's tracking of every op's output, uncategorized
-        def _track_module_params_and_buffers(self, module: Any,
+        # (a LoRA base): a frozen parameter gets a placeholder handle instead of a hook, so
+        # it is still counted as a parameter
+        def _track_module_params_and_buffers(self, module: torch.nn.Module,
                                              install_grad_hooks: bool = True) -> Any:
-            hooks = install_grad_hooks and all(p.requires_grad for p in module.parameters())
-            return super()._track_module_params_and_buffers(module, hooks)
+            for p in module.parameters():
+                if not p.requires_grad:
+                    self._param_to_grad_hook_handles.setdefault(p, (_NO_HOOK, _NO_HOOK))
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     tracker = FrozenAwareMemTracker()
     # its ModTracker's input hooks form the reference cycle compat.modules describes: a
     # graph the backward never runs would live until the cycle collector ran
     tracker._mod_tracker = acyclic_mod_tracker()
     return tracker
+
+
+class _NoHook:
+    """A removable handle with nothing to remove (MemTracker removes its hooks on exit)."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()

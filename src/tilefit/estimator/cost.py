@@ -253,10 +253,10 @@ def _gemm(op: OpRecord, device: Device, ctx: CostContext) -> float:
 
 
 # bitsandbytes' gemm_4bit dequantizes the 4-bit weight into a buffer of A's dtype, then runs
-# F.linear: always on the CPU, and on CUDA past M = 1536 rows, below which its own kernel reads
-# the packed weight inside the GEMM (bitsandbytes 0.50.2, backends/cuda/ops.py
-# _gemm_4bit_custom_max_m and _dequant_linear_fallback; docs/references.md, section 33)
-BNB_DEQUANT_MIN_M = 1536
+# F.linear: always on the CPU, and on CUDA as bitsandbytes' own dispatch decides (past M = 1536
+# rows, and below that for most shapes its calibrated rule prefers it), else its own kernel
+# reads the packed weight inside the GEMM (tilefit.compat.bnb_dispatch;
+# docs/references.md, section 33)
 BNB_BLOCK = 64  # 4-bit quantization block: one absmax per 64 weights (fp32 once dequantized)
 
 
@@ -265,8 +265,12 @@ def dequantize_time_s(op: OpRecord, device: Device) -> float:
     byte each) and its fp32 absmax, and writes the dense weight."""
     if not op.op.startswith("bitsandbytes.gemm_4bit") or not op.gemms:
         return 0.0
+    from tilefit.compat.bnb_dispatch import gemm_4bit_dequantizes, gpu_props
+    from tilefit.dtypes import torch_dtype
+
     g = op.gemms[0]
-    if device.kind != "cpu" and g.m <= BNB_DEQUANT_MIN_M:
+    if not gemm_4bit_dequantizes(g.m, g.n, g.k, torch_dtype(g.dtype), BNB_BLOCK,
+                                 gpu_props(device)):
         return 0.0
     weights = g.n * g.k
     dense = weights * parse_dtype(g.dtype).bytes

@@ -37,15 +37,21 @@ def compute_dtype(recipe: Recipe) -> torch.dtype:
     return torch_dtype(recipe.spec.half_dtype or "fp32")  # type: ignore[no-any-return]
 
 
+def bnb_config_kwargs(quantize: str, dtype: str) -> dict[str, Any]:
+    """transformers' BitsAndBytesConfig(**this) for ``quantize`` (a vocab.Quantization)
+    computing in ``dtype`` (torch's name: "bfloat16"): what the tracer loads and what the
+    plan's configs paste. Torch-free."""
+    if quantize == "int8":
+        return {"load_in_8bit": True}
+    return {"load_in_4bit": True, "bnb_4bit_quant_type": quantize,
+            "bnb_4bit_use_double_quant": DOUBLE_QUANT, "bnb_4bit_compute_dtype": dtype}
+
+
 def bnb_config(quantize: str, dtype: torch.dtype) -> Any:
     """transformers' BitsAndBytesConfig for ``quantize`` (a vocab.Quantization)."""
     from transformers import BitsAndBytesConfig
 
-    if quantize == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantize,
-                              bnb_4bit_use_double_quant=DOUBLE_QUANT,
-                              bnb_4bit_compute_dtype=dtype)
+    return BitsAndBytesConfig(**bnb_config_kwargs(quantize, str(dtype).removeprefix("torch.")))
 
 
 def check_target(recipe: Recipe, cuda: bool) -> None:

@@ -38,6 +38,8 @@ class PlanSearch:
     layer_lever: bool | None = None  # trace deep models at two layer counts (None: auto)
     pcie_bytes_per_s: float | None = None  # the host link for CPU offload (None: PCIe 4 x16)
     host_bandwidth_bytes_per_s: float | None = None  # CPU memory bandwidth for offload
+    # also rank QLoRA: LoRA adapters on an nf4 base (bitsandbytes' 4-bit layers, Recipe.quantize)
+    allow_quantize: bool = False
     lora: Lora | None = None  # the LoRA rows' adapters (None: Lora()); implies allow_lora
 
     def __post_init__(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from tilefit.dtypes import parse_dtype
 from tilefit.estimator.offload import REDUCE_BUCKET_ELEMENTS
 from tilefit.models import Workload
 from tilefit.models.lora import peft_config
@@ -86,6 +87,38 @@ def compile_lines(row: PlanRow) -> list[str]:
                                   else [])]
 
 
+def bnb_kwargs(row: PlanRow) -> dict[str, Any]:
+    """transformers.BitsAndBytesConfig(**this) of a QLoRA row: the base as it was traced
+    (tilefit.models.quantize), computing in the row's 16-bit dtype."""
+    from tilefit.models.quantize import bnb_config_kwargs
+
+    half = row.recipe.spec.half_dtype
+    return bnb_config_kwargs(str(row.recipe.quantize),
+                             parse_dtype(half).torch_name if half else "float32")
+
+
+AUTO_CAUSAL_LM = "AutoModelForCausalLM"
+
+
+def qlora_lines(row: PlanRow, task: str) -> list[str]:
+    """A QLoRA row's model: loaded quantized by bitsandbytes, prepared by peft (fp32 norms
+    and embeddings, frozen), LoRA adapters (peft_lora_config's) on it."""
+    attention = f', attn_implementation="{row.attention}"' \
+        if row.attention in ("sdpa", "eager") else ""
+    ckpt = ("True, gradient_checkpointing_kwargs={'use_reentrant': False}"
+            if row.grad_checkpointing else "False")
+    return [
+        f"from transformers import {AUTO_CAUSAL_LM}",
+        "from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training",
+        "from transformers import BitsAndBytesConfig  # pip install bitsandbytes",
+        "bnb_config = " + _python_call("BitsAndBytesConfig", bnb_kwargs(row)),
+        "model = AutoModelForCausalLM.from_pretrained(name, quantization_config=bnb_config"
+        f"{attention})",
+        f"model = prepare_model_for_kbit_training(model, use_gradient_checkpointing={ckpt})",
+        "model = get_peft_model(model, "
+        + _python_call("LoraConfig", peft_config(task, row.recipe.lora)) + ")"]
+
+
 def _auto_class(task: str, hf_model: bool) -> str | None:
     if not hf_model:
         return None
@@ -97,7 +130,8 @@ def _auto_class(task: str, hf_model: bool) -> str | None:
 def hf_python(row: PlanRow, task: str = "causal-lm", *, hf_model: bool = True) -> str:
     """The model as the row trains it (model_code), then the Trainer's arguments."""
     args = hf_training_arguments(row)
-    lines = model_code.model_lines(row, task, _auto_class(task, hf_model))
+    lines = qlora_lines(row, task) if row.recipe.quantize else \
+        model_code.model_lines(row, task, _auto_class(task, hf_model))
     lines.extend(float8_lines(row))  # the Trainer compiles (torch_compile=True)
     if row.offload:
         lines.append("# ds_config.json: the plan's DeepSpeed JSON (ZeRO-Offload; pip install "
@@ -278,6 +312,8 @@ def single_gpu_configs(row: PlanRow, task: str, *, hf_model: bool = True) -> dic
         out["deepspeed"] = deepspeed_offload(row)
     if row.peft:
         out["peft_lora_config"] = peft_config(task, row.recipe.lora)
+    if row.recipe.quantize:
+        out["bitsandbytes_config"] = bnb_kwargs(row)
     return out
 
 

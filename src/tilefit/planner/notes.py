@@ -16,7 +16,8 @@ FUSED_CE_UNDER_COMPILE = (
     "(docs/references.md, section 17): recipes with both are left out")
 FULL_DEPTH = "the model did not trace at fewer layers; traced at full depth"
 PEFT_FACTORY = ("PEFT/LoRA is planned for Hugging Face models only (the adapters wrap "
-                "their linear layers): --allow-peft adds no plans for a factory")
+                "their linear layers): --allow-peft and --allow-quantize add no plans for a "
+                "factory")
 NO_SHARDED_SETUP = f"no sharded setup of up to {MAX_GPUS} GPUs fits (ZeRO-3 formula)"
 
 
@@ -28,11 +29,12 @@ def deep_model(depth: Depth, where: str | None = None) -> str:
             f"{depth.full} layers and extrapolated (affine in the layer count)")
 
 
-def not_on_gpus(*, allow_peft: bool, compile: bool, allow_optimizer_change: bool
-                ) -> list[str]:
+def not_on_gpus(*, allow_peft: bool, compile: bool, allow_optimizer_change: bool,
+                allow_quantize: bool = False) -> list[str]:
     """Notes for the options a multi-GPU plan does not search yet."""
     out = [f"{flag} is not planned on several GPUs yet: ignored" for flag, on in (
-        ("--allow-peft", allow_peft), ("--compile", compile),
+        ("--allow-peft", allow_peft), ("--allow-quantize", allow_quantize),
+        ("--compile", compile),
         ("--allow-optimizer-change", allow_optimizer_change)) if on]
     out.append("on several GPUs other optimizers are not searched, and CPU offload only with "
                "DeepSpeed ZeRO-Offload (one GPU plans them: drop --gpus)")
@@ -100,6 +102,9 @@ def why(row: PlanRow, rows: list[PlanRow], objective: str, allow_change: bool) -
         how = f"it changes the optimizer to {row.optimizer} (allowed)"
     if row.peft:
         how = "it trains LoRA adapters instead of the full model (allowed by --allow-peft)"
+    if row.recipe.quantize:
+        how = (f"it trains LoRA adapters on a frozen {row.recipe.quantize} base instead of "
+               "the full model (QLoRA, allowed by --allow-quantize)")
     gpus = f" x {row.world_size} GPUs ({row.strategy})" if row.strategy else ""
     return (f"{what} of the {len(fits)} plans that fit the budget; "
             f"{how}; micro-batch {row.micro_batch} x {row.accumulation_steps} "

@@ -35,12 +35,13 @@ def trace_on_gpus(p: PlanState, strategy: str | None, *, hf_model: bool,
 
 
 def trace_recipes(p: PlanState, optimizer: str, *, hf_model: bool, allow_peft: bool,
-                  allow_optimizer_change: bool, lora: Lora | None = None) -> None:
-    """The user's optimizer first; LoRA (``lora``'s adapters, default Lora()) when allowed;
-    CPU offload when nothing fits; other optimizers when allowed or when still nothing
-    fits."""
+                  allow_optimizer_change: bool, lora: Lora | None = None,
+                  allow_quantize: bool = False) -> None:
+    """The user's optimizer first; LoRA (``lora``'s adapters, default Lora()) and QLoRA when
+    allowed; CPU offload when nothing fits; other optimizers when allowed or when still
+    nothing fits."""
     device = p.device
-    if allow_peft and not hf_model:
+    if (allow_peft or allow_quantize) and not hf_model:
         p.notes.append(notes.PEFT_FACTORY)
     for spec in space.base_recipes(device, optimizer, hf_model=hf_model):
         p.add(spec)
@@ -51,6 +52,9 @@ def trace_recipes(p: PlanState, optimizer: str, *, hf_model: bool, allow_peft: b
         p.add(spec)
     if allow_peft and hf_model:
         for spec in space.peft_recipes(device, optimizer, lora or Lora()):
+            p.add(spec)
+    if allow_quantize and hf_model:
+        for spec in space.qlora_recipes(device, optimizer, lora):
             p.add(spec)
     if not p.any_fits(allow_optimizer_change=False, offload=False):
         off_prec = "bf16-true" if device.supports("bf16") else space.precisions(device)[0]

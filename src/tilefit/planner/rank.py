@@ -84,7 +84,7 @@ def prune_unfriendly(rows: Sequence[PlanRow]) -> list[PlanRow]:
     recipe (kept when no friendly micro-batch of the recipe fits)."""
     def recipe(r: PlanRow) -> tuple[object, ...]:
         return (r.precision, r.optimizer, r.grad_checkpointing, r.attention, r.offload, r.peft,
-                r.strategy)
+                r.strategy, r.recipe.quantize)
 
     best_friendly: dict[tuple[object, ...], float] = {}
     for r in rows:

@@ -93,6 +93,8 @@ class PlanRow:
             parts.append(self.attention)
         if self.peft:
             parts.append("lora")
+        if self.recipe.quantize:
+            parts.append(self.recipe.quantize)
         if self.offload:
             parts.append("offload")
         return " ".join(parts)
@@ -102,7 +104,8 @@ class PlanRow:
             "micro_batch": self.micro_batch, "accumulation_steps": self.accumulation_steps,
             "precision": self.precision, "optimizer": self.optimizer,
             "grad_checkpointing": self.grad_checkpointing, "attention": self.attention,
-            "peft": self.peft, "offload": self.offload, "world_size": self.world_size,
+            "peft": self.peft, "quantize": self.recipe.quantize, "offload": self.offload,
+            "world_size": self.world_size,
             "strategy": self.strategy, "host_memory_bytes": self.host_memory_bytes,
             "predicted_peak_memory_bytes": self.predicted_peak_memory_bytes,
             "predicted_reserved_bytes": self.predicted_reserved_bytes,

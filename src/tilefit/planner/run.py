@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from tilefit.compat.bitsandbytes import require_bitsandbytes
 from tilefit.errors import TilefitError
 from tilefit.estimator.offload import HOST_BANDWIDTH_BYTES_PER_S, PCIE_BYTES_PER_S, OffloadLink
 from tilefit.estimator.zero_step import is_zero
@@ -65,15 +66,12 @@ def search_plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
     optimizer, hf_model = p.optimizer, not work.is_factory
     if world_size > 1:
         p.notes.extend(notes.not_on_gpus(allow_peft=search.allow_lora,
+                                         allow_quantize=search.allow_quantize,
                                          compile=recipe.compile is not None,
                                          allow_optimizer_change=search.allow_optimizer_change))
         policy.trace_on_gpus(p, strategy, hf_model=hf_model)
     else:
-        if search.allow_lora and hf_model:
-            require_peft()  # before any tracing: LoRA is traced with the peft library itself
-        policy.trace_recipes(p, optimizer, hf_model=hf_model, allow_peft=search.allow_lora,
-                             allow_optimizer_change=search.allow_optimizer_change,
-                             lora=search.lora)
+        _trace_one_gpu(p, search, optimizer, hf_model)
     change = search.allow_optimizer_change
     rows = rank.rank(rank.prune_unfriendly(p.rows), search.objective, change)
     best, conf, reason, rows = policy.choose(p, rows, search.objective, change,
@@ -88,6 +86,18 @@ def search_plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
         rows=tuple(rows), best=best, reason=reason, confirmation=conf,
         configs=_configs_of(best, work), multi_gpu=multi, notes=tuple(p.notes),
         traces=p.traces, wall_time_s=time.perf_counter() - started, world_size=world_size)
+
+
+def _trace_one_gpu(p: PlanState, search: PlanSearch, optimizer: str, hf_model: bool) -> None:
+    """The one-GPU search's traces: what the user's recipe allows, and what ``search``
+    allows beyond it (LoRA and QLoRA need their libraries before anything is traced)."""
+    if (search.allow_lora or search.allow_quantize) and hf_model:
+        require_peft()  # before any tracing: LoRA is traced with the peft library itself
+    if search.allow_quantize and hf_model:
+        require_bitsandbytes("--allow-quantize")  # QLoRA's base: bitsandbytes' layers
+    policy.trace_recipes(p, optimizer, hf_model=hf_model, allow_peft=search.allow_lora,
+                         allow_optimizer_change=search.allow_optimizer_change,
+                         lora=search.lora, allow_quantize=search.allow_quantize)
 
 
 def _check(global_batch: int, recipe: Recipe, search: PlanSearch, gpu: str | Device

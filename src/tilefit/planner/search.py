@@ -22,7 +22,7 @@ from tilefit.planner.affine import SweepModel
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.sample import Sample, sample_of
 from tilefit.planner.space import OPTIMIZER_LABELS
-from tilefit.recipe import Parallelism, Recipe
+from tilefit.recipe import Lora, Parallelism, Recipe
 from tilefit.tracing import Trace
 from tilefit.tracing.distributed import Parallel
 from tilefit.vocab import parse_precision, same_update
@@ -161,11 +161,25 @@ def zero_sweeps(workload: Workload, spec: Recipe, micro_batches: list[int], dept
     return {e: SweepModel(tuple(s)) for e, s in samples.items()}
 
 
+def qlora_change(quantize: str, lora: Lora | None) -> str:
+    """What QLoRA changes about training, in quality terms:
+    docs/references.md, section 33."""
+    lora = lora or Lora()
+    on = "all linear layers" if isinstance(lora.targets, str) else ",".join(lora.targets)
+    return (f"QLoRA: LoRA r={lora.rank} alpha={lora.alpha} adapters on {on} of "
+            f"a frozen base quantized to 4-bit {quantize.upper()} (bitsandbytes, double "
+            "quantization): in the QLoRA paper (Dettmers et al. 2023) it matched 16-bit LoRA "
+            "and full fine-tuning on its benchmarks, but the base weights are 4-bit and only "
+            "the adapters train (a different recipe from full fine-tuning)")
+
+
 def changes_of(spec: Recipe, user_optimizer: str, offload: bool,
                parallel: Parallel | None = None) -> tuple[str, ...]:
     out: list[str] = []
     zero = parallel is not None and parallel.modelled
-    if spec.lora is not None:
+    if spec.quantize:
+        out.append(qlora_change(spec.quantize, spec.lora))
+    elif spec.lora is not None:
         lora = spec.lora
         on = "all linear layers" if isinstance(lora.targets, str) else ",".join(lora.targets)
         out.append(f"{'DoRA' if lora.dora else 'LoRA'} r={lora.rank} alpha={lora.alpha} on "

@@ -8,6 +8,8 @@ tilefit.recipe.Recipe whose batch is set per trace (Recipe.with_batch).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tilefit.batches import divisors, is_friendly
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device
@@ -130,6 +132,13 @@ def optimizer_recipes(device: Device, optimizer: str, *, hf_model: bool) -> list
     att = "sdpa" if hf_model else "auto"
     return [Recipe(precision=prec, optimizer=opt, grad_checkpointing=ckpt, attention=att)
             for opt in ALTERNATIVE_OPTIMIZERS if opt != optimizer for ckpt in (False, True)]
+
+
+def qlora_recipes(device: Device, optimizer: str, lora: Lora | None = None) -> list[Recipe]:
+    """QLoRA (Dettmers et al. 2023): peft_recipes' LoRA on a base quantized to nf4 by
+    bitsandbytes (double quantization, computing in the mixed precision's 16-bit dtype),
+    with and without checkpointing (Hugging Face models only)."""
+    return [replace(spec, quantize="nf4") for spec in peft_recipes(device, optimizer, lora)]
 
 
 def peft_recipes(device: Device, optimizer: str, lora: Lora | None = None) -> list[Recipe]:

@@ -44,7 +44,7 @@ def short_label(row: PlanRow) -> str:
     if row.attention == "eager":
         parts.append("eager")
     if row.peft:
-        parts.append("lora")
+        parts.append("qlora" if row.recipe.quantize else "lora")
     if row.offload:
         parts.append("offload")
     return " ".join(parts)
@@ -155,6 +155,10 @@ def print_plan(console: Console, plan: Plan, *, top: int = 15) -> None:
         if "peft_lora_config" in cfg:
             console.print("[bold]peft.LoraConfig[/]")
             console.print(json.dumps(cfg["peft_lora_config"], indent=2), highlight=False,
+                          markup=False)
+        if "bitsandbytes_config" in cfg:
+            console.print("[bold]transformers.BitsAndBytesConfig[/] (QLoRA's 4-bit base)")
+            console.print(json.dumps(cfg["bitsandbytes_config"], indent=2), highlight=False,
                           markup=False)
         if "deepspeed" in cfg:
             console.print("[bold]DeepSpeed (ds_config.json)[/]")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,12 @@ _SKIP = {"prim.device.default", "profiler._record_function_enter_new.default",
          "profiler._record_function_exit._RecordFunction"}
 
 
+# the bytes of the buffers an op allocates and frees inside itself, beside its outputs, which
+# a dispatch mode does not see (bitsandbytes' gemm_4bit: its dequantized weight), given the op,
+# its args and kwargs
+Transients = Callable[[Any, tuple[Any, ...], dict[str, Any]], tuple[int, ...]]
+
+
 @dataclass(frozen=True)
 class StepMarks:
     """Event indices that bound the phases of one traced step."""
@@ -46,8 +52,10 @@ class StepMarks:
 class Recorder(TorchDispatchMode):
     """Records ops (shapes, FLOPs, bytes, module, phase) and storage lifetimes."""
 
-    def __init__(self, tracker: ModulePath, root_name: str) -> None:
+    def __init__(self, tracker: ModulePath, root_name: str,
+                 transients: Transients | None = None) -> None:
         super().__init__()
+        self._transients = transients
         self.tracker = tracker
         self.set_root(root_name)
         self._phase: str = "setup"
@@ -157,6 +165,15 @@ class Recorder(TorchDispatchMode):
             self.category[uid] = category
         weakref.finalize(st, self._on_free, uid)
         return uid
+
+    def _book_transient(self, nbytes: int, at: int, module: str) -> None:
+        """A buffer that op ``at`` allocates before its outputs and frees before it returns:
+        live with them, gone before the next op."""
+        uid = self._next_uid
+        self._next_uid += 1
+        self._nbytes[uid], self._alloc_at[uid], self._free_at[uid] = nbytes, at, at + 1
+        self._alloc_phase[uid], self._alloc_module[uid] = self.phase, module
+        self.category[uid] = "temporaries"
 
     def _on_free(self, uid: int) -> None:
         self._free_at.setdefault(uid, self._events)  # a resize may have freed it earlier
@@ -349,6 +366,8 @@ class Recorder(TorchDispatchMode):
         inputs = list(op_tensors((args, kwargs)))
         outputs = list(op_tensors(out))
         before = self._next_uid
+        for nbytes in self._transients(func, args, kwargs) if self._transients else ():
+            self._book_transient(nbytes, at, module)
         kind = classify(func)
         float8 = holds_float8(args)
         if float8 and kind != "gemm":  # torchao's metadata ops on its float8 tensors

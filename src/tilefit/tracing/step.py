@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from tilefit.compat.bitsandbytes import logical_numel, quant_state_tensors
+from tilefit.compat.bnb_dispatch import dense_buffers, gpu_props
 from tilefit.compat.compile import mutating_ops_in_place
 from tilefit.compat.fake import FakeTensorMode, new_fake_mode, tree_leaves
 from tilefit.compat.modules import ModulePath
@@ -152,7 +154,9 @@ def _check_compile(options: TraceOptions) -> None:
 def _trace(model: ModelSpec, batch: Any, options: TraceOptions, target: Target) -> Trace:
     mode = new_fake_mode()
     tracker = ModulePath()
-    recorder = Recorder(tracker, "")
+    # bitsandbytes' 4-bit GEMM holds its dequantized weight inside the op: booked beside it
+    recorder = Recorder(tracker, "", transients=functools.partial(dense_buffers,
+                                                                  gpu=gpu_props(target)))
     # a compiled graph's mutating custom ops (the fused cross-entropy's) run in place under
     # the recorder; torch's global tables are restored on exit
     with process_group(options.parallel, gloo=target.kind == "cpu") as mesh, \

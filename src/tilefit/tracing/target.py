@@ -19,6 +19,7 @@ class Target:
     compute_capability: tuple[int, int] | None
     alloc_round_bytes: int  # allocator rounding; 1 = plain bytes
     foreach: bool  # torch.optim's default implementation on this device
+    sms: int = 0  # the GPU's SMs (bitsandbytes' choice of 4-bit GEMM kernel reads them)
 
     @classmethod
     def from_device(cls, device: Device) -> Target:
@@ -27,7 +28,8 @@ class Target:
             # (torch/optim/optimizer.py: _default_to_fused_or_foreach and
             # _get_foreach_kernels_supported_devices), the for-loop path on the CPU.
             return cls("cpu", None, 1, foreach=False)
-        return cls("cuda", device.compute_capability, CUDA_ROUND_BYTES, foreach=True)
+        return cls("cuda", device.compute_capability, CUDA_ROUND_BYTES, foreach=True,
+                   sms=device.sms)
 
     def round(self, nbytes: int) -> int:
         if nbytes <= 0:
