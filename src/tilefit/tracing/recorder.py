@@ -382,12 +382,8 @@ class Recorder(TorchDispatchMode):
         attention = None
         if kind == "attention":
             attention = self._attention_info(func, args, kwargs, out)
-        flops, flops_error = op_flops(func, args, kwargs, out, attention)
-        gemms: tuple[GemmShape, ...] = gemm_shapes(
-            func, unwrap_float8(args) if float8 else args, kwargs, out, kind,
-            self.expert_counts) if kind in ("gemm", "conv") else ()
-        if name == "aten._grouped_mm.default":  # one GEMM per expert: torch has no formula
-            flops = sum(2 * g.batch * g.m * g.n * g.k for g in gemms)
+        flops, flops_error, gemms = self._work(func, args, kwargs, out, kind, float8,
+                                               attention)
         nbytes = 0 if kind == "view" else traffic(
             inputs, outputs, written_in_place(name, func, args, kwargs),
             write_only_args(func, args, kwargs))
@@ -410,6 +406,18 @@ class Recorder(TorchDispatchMode):
         ))
         self._events += 1
         return out
+
+    def _work(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
+              kind: str, float8: bool, attention: dict[str, Any] | None
+              ) -> tuple[int, str | None, tuple[GemmShape, ...]]:
+        """The op's FLOPs (and why there is no formula, if so) and its GEMMs."""
+        flops, flops_error = op_flops(func, args, kwargs, out, attention)
+        gemms: tuple[GemmShape, ...] = gemm_shapes(
+            func, unwrap_float8(args) if float8 else args, kwargs, out, kind,
+            self.expert_counts) if kind in ("gemm", "conv") else ()
+        if str(func) == "aten._grouped_mm.default":  # one GEMM per expert: no torch formula
+            flops = sum(2 * g.batch * g.m * g.n * g.k for g in gemms)
+        return flops, flops_error, gemms
 
     def _attention_info(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                         out: Any) -> dict[str, Any]:
