@@ -22,7 +22,7 @@ from workloads import CASES, Case
 
 
 def measured_peak_bytes(case: Case) -> int:
-    from tilefit.bench.step import memtracker_peak_bytes
+    from tilefit.bench.step import real_step_peak_bytes
 
     torch.manual_seed(0)
     model = case.build()
@@ -31,15 +31,7 @@ def measured_peak_bytes(case: Case) -> int:
     model.train()
     batch = case.batch()
     opt = case.optimizer(model.parameters())
-
-    def step() -> None:
-        loss = case.loss_fn(model, batch)
-        loss.backward()
-        del loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return memtracker_peak_bytes(model, opt, batch, step)
+    return real_step_peak_bytes(model, opt, batch, case.loss_fn)
 
 
 def predicted_peak_bytes(case: Case) -> tuple[int, float]:

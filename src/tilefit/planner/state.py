@@ -58,26 +58,17 @@ class PlanState:
         if (spec, offload) in self.tried:  # the user's flags can make two recipes one
             return
         self.tried.add((spec, offload))
-        model = safe_sweep(self.work, spec, self.micro_batches, self.depth, self.device,
-                           self.notes)
-        self.traces += len(self.depth.traced) * len({min(self.micro_batches),
-                                                     max(self.micro_batches)})
+        model = self._sweep(spec, self.notes)
         if model is None and self.depth.lever and not self.sweeps:
             # the model may not build with fewer layers (per-layer config lists): trace it
             # at full depth instead
             self.notes.append(notes.FULL_DEPTH)
             self.depth = Depth(None, self.depth.full, (self.depth.full,))
-            model = safe_sweep(self.work, spec, self.micro_batches, self.depth, self.device,
-                               self.notes)
-            self.traces += len({min(self.micro_batches), max(self.micro_batches)})
+            model = self._sweep(spec, self.notes)
         if model is None:
             return
         self.sweeps[(spec, offload)] = model
-        for b in self.micro_batches:
-            self.rows.append(row_from(
-                spec, model, b, self.global_batch, self.depth, self.device, self.budget,
-                self.work.tokens_per_sample, self.optimizer,
-                offload=self.link if offload else None))
+        self.rows.extend(self._rows(spec, model, offload))
 
     def probe(self, spec: Recipe) -> list[PlanRow]:
         """``spec``'s rows (with the user's loop settings), traced but kept out of the plan:
@@ -85,13 +76,21 @@ class PlanState:
         spec = self.with_user(spec)
         if spec.fused_ce and spec.compile:
             return []
-        model = safe_sweep(self.work, spec, self.micro_batches, self.depth, self.device, [])
+        model = self._sweep(spec, [])
+        return [] if model is None else self._rows(spec, model, offload=False)
+
+    def _sweep(self, spec: Recipe, said: list[str]) -> SweepModel | None:
+        """``spec`` traced at the sweep's points (counted), or None with a note in ``said``."""
+        model = safe_sweep(self.work, spec, self.micro_batches, self.depth, self.device, said)
         self.traces += len(self.depth.traced) * len({min(self.micro_batches),
                                                      max(self.micro_batches)})
-        if model is None:
-            return []
+        return model
+
+    def _rows(self, spec: Recipe, model: SweepModel, offload: bool) -> list[PlanRow]:
+        """The sweep's rows, one per micro-batch."""
         return [row_from(spec, model, b, self.global_batch, self.depth, self.device,
-                         self.budget, self.work.tokens_per_sample, self.optimizer)
+                         self.budget, self.work.tokens_per_sample, self.optimizer,
+                         offload=self.link if offload else None)
                 for b in self.micro_batches]
 
     def add_rows(self, rows: list[PlanRow], traces: int) -> None:
