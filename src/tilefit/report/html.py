@@ -6,12 +6,28 @@ from __future__ import annotations
 import base64
 import html
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.text import Text
 
 from tilefit.advise import Audit
 from tilefit.advise.rules_dims import misaligned_dims
 from tilefit.errors import TilefitError
-from tilefit.report.audit_terminal import gain_text
-from tilefit.report.terminal import fmt_bytes, fmt_time, memory_by_category, phase_times
+from tilefit.estimator import Estimate
+from tilefit.recipe import training_loop_note
+from tilefit.report.audit_terminal import gain_text, not_recommended_because
+from tilefit.report.terminal import (
+    HOST_BOUND_SHOWN,
+    fmt_bytes,
+    fmt_time,
+    host_line,
+    memory_by_category,
+    phase_times,
+    reserved_line,
+)
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;
@@ -24,6 +40,12 @@ border-bottom:1px solid #eee} th{background:#f4f4f4}
 .info{border-color:#bbb;color:#555} .gain{font-size:1.15em;font-weight:600}
 code{background:#eef;padding:.1em .3em;border-radius:3px} .why{color:#555;font-size:.92em}
 img{max-width:100%;border:1px solid #eee;margin:.5em 0}
+.verdict{font-weight:700;padding:.05em .45em;border-radius:3px;color:#fff}
+.verdict.fits{background:#1b7f3b}.verdict.nofit{background:#c62828}
+.hostbound{color:#8a5a00;font-weight:600}
+.lane{display:flex;align-items:center;margin:.3em 0}.lane span{width:13em}
+.lane div{height:1.1em;border-radius:2px}.lane .host{background:#ff9f1c}
+.lane .gpu{background:#1f77b4}
 """
 
 
@@ -36,6 +58,22 @@ def _img(png: bytes, alt: str) -> str:
             f'{base64.b64encode(png).decode("ascii")}">')
 
 
+def verdict_html(estimate: Estimate) -> str:
+    """The fit verdict in words and colour (green fits, red does not): the total at the peak
+    against the GPU's memory, the numbers the terminal's summary gives."""
+    fits = estimate.fits
+    word, cls = ("fits", "fits") if fits else ("DOES NOT FIT", "nofit")
+    return (f"{_esc(fmt_bytes(estimate.total_memory_bytes))} of "
+            f"{_esc(fmt_bytes(estimate.device.memory_bytes))}: "
+            f'<span class="verdict {cls}">{word}</span>')
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    """A two-column table: each name escaped, each value HTML already."""
+    return "<table>" + "".join(f"<tr><th>{_esc(k)}</th><td>{v}</td></tr>"
+                               for k, v in rows) + "</table>"
+
+
 def _summary(audit: Audit) -> str:
     estimate, device = audit.estimate, audit.estimate.device
     shape = f"batch {audit.recipe.batch_size}" + (f" x seq {audit.seq_len}" if audit.seq_len
@@ -46,12 +84,12 @@ def _summary(audit: Audit) -> str:
             ("step time", f"{fmt_time(estimate.step_time_s)} ({phase_times(estimate)})"),
             ("throughput", f"{estimate.tokens_per_s:,.0f} tokens/s" if estimate.tokens_per_s
              else f"{estimate.samples_per_s:,.1f} samples/s"),
-            ("MFU", f"{estimate.mfu:.1%} of the {estimate.mfu_dtype} peak"),
-            ("peak memory", f"{fmt_bytes(estimate.total_memory_bytes)} of "
-             f"{fmt_bytes(device.memory_bytes)}: "
-             + ("fits" if estimate.fits else "DOES NOT FIT"))]
-    return "<table>" + "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>"
-                               for k, v in rows) + "</table>"
+            ("MFU", f"{estimate.mfu:.1%} of the {estimate.mfu_dtype} peak")]
+    memory = (f"{_esc(fmt_bytes(estimate.peak_memory_bytes))} tensors + "
+              f"{_esc(fmt_bytes(estimate.overhead_bytes))} CUDA context/workspace = "
+              + verdict_html(estimate))
+    tail = [("reserved", _esc(reserved_line(estimate)))] if device.kind == "cuda" else []
+    return _table([(k, _esc(v)) for k, v in rows] + [("peak memory", memory), *tail])
 
 
 def _findings(audit: Audit) -> str:
@@ -60,7 +98,7 @@ def _findings(audit: Audit) -> str:
     out = []
     for i, f in enumerate(audit.findings, 1):
         cls = f.severity if f.recommended else "info"
-        tag = f.severity if f.recommended else "not recommended"
+        tag = f.severity if f.recommended else not_recommended_because(f, audit)
         mods = f"<div>modules: <code>{_esc(', '.join(f.modules))}</code></div>" if f.modules \
             else ""
         change = (f"<div>change: <b>{_esc(f.dimension)}</b> {_esc(f.current)} &rarr; "
@@ -95,28 +133,82 @@ def _roofline(audit: Audit) -> bytes:
                         estimate.device.bandwidth_bytes_per_s, dtype)
 
 
+GIB = 1024**3
+
+
+def capacity_label(estimate: Estimate) -> str:
+    """The memory chart's capacity line: the GPU's memory, the figure the verdict compares
+    the total at the peak with."""
+    device = estimate.device
+    return f"{device.name} capacity: {fmt_bytes(device.memory_bytes)}"
+
+
+def memory_chart(estimate: Estimate) -> Figure:
+    """The memory at the peak by category, stacked, with the context and workspace, the
+    reserved peak where modelled, and the GPU's capacity as a labelled line."""
+    from tilefit.report.plots import memory_figure
+
+    parts = [(f"{k}: {fmt_bytes(v)}", v / GIB) for k, v in memory_by_category(estimate)]
+    parts.append((f"CUDA context + workspace: {fmt_bytes(estimate.overhead_bytes)}",
+                  estimate.overhead_bytes / GIB))
+    r = estimate.reserved
+    reserved = None if r is None else (r.peak_reserved_bytes + estimate.overhead_bytes) / GIB
+    title = (f"memory at the peak: {fmt_bytes(estimate.total_memory_bytes)} of "
+             f"{fmt_bytes(estimate.device.memory_bytes)}")
+    return memory_figure(parts, estimate.device.memory_bytes / GIB, capacity_label(estimate),
+                         title, reserved)
+
+
+def timeline_html(estimate: Estimate) -> str:
+    """The host and the GPU over one step, as the terminal's host line says it: the host's
+    issue time and the GPU's busy time as lanes scaled to the step, and the share of the
+    step the GPU waits for the host (launch-bound past HOST_BOUND_SHOWN)."""
+    step = max(estimate.step_time_s, 1e-30)
+    lanes = "".join(f'<div class="lane"><span>{name}</span><div class="{cls}" style="width:'
+                    f'{min(t / step, 1.0) * 70:.1f}%"></div></div>'
+                    for name, cls, t in (("host issues the ops", "host", estimate.host_time_s),
+                                         ("GPU busy", "gpu", estimate.device_time_s)))
+    rows = [(name, f'<span data-seconds="{t!r}">{_esc(fmt_time(t))}</span>')
+            for name, t in (("host issues the ops", estimate.host_time_s),
+                            ("GPU busy", estimate.device_time_s),
+                            ("step", estimate.step_time_s))]
+    bound = estimate.host_bound_fraction
+    verdict = (' <span class="hostbound">host-bound: kernel launches, not the GPU, set the '
+               "pace</span>" if bound >= HOST_BOUND_SHOWN else "")
+    rows.append(("GPU waits for the host", f"{bound:.0%} of the step{verdict}"))
+    line = Text.from_markup(host_line(estimate)).plain
+    return f"<p>{_esc(line)}</p>{lanes}{_table(rows)}"
+
+
+def _assumptions(audit: Audit) -> str:
+    """The training loop the traced step assumed, as the terminal's note gives it."""
+    loop = training_loop_note(audit.recipe).removeprefix("note: ")
+    return f"<p>{_esc(loop)}</p>"
+
+
 def render_html(audit: Audit) -> str:
-    from tilefit.report.plots import bars_png
+    from tilefit.report.plots import bars_png, png_bytes
 
     estimate = audit.estimate
     mods = estimate.modules_by_pattern()[:15]
     time_png = bars_png([m.module or "(root)" for m in mods], [m.time_s * 1e3 for m in mods],
                         "predicted time per step (ms)", "time by module (layers folded)")
-    mem = memory_by_category(estimate)
-    mem.append(("CUDA context + workspace", estimate.overhead_bytes))
-    mem_png = bars_png([k for k, _ in mem], [v / 2**30 for _, v in mem], "GiB at the peak",
-                       f"memory at the peak: {fmt_bytes(estimate.total_memory_bytes)} of "
-                       f"{fmt_bytes(estimate.device.memory_bytes)}")
+    mem_png = png_bytes(memory_chart(estimate))
     title = f"tilefit audit: {audit.model} on {estimate.device.name}"
     notes = "".join(f"<li>{_esc(note)}</li>" for note in (*audit.notes, *estimate.warnings))
+    timeline = (f"<h2>Host and GPU</h2>{timeline_html(estimate)}"
+                if estimate.device.kind == "cuda" else "")
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
             f"<title>{_esc(title)}</title><style>{CSS}</style></head><body>"
             f"<h1>{_esc(title)}</h1><p>Predicted without the GPU: the training step traced on "
             "fake tensors and costed op by op; each fix re-estimated with the fix applied.</p>"
             f"<h2>Summary</h2>{_summary(audit)}<h2>Findings</h2>{_findings(audit)}"
+            f"{timeline}<h2>Assumed training loop</h2>{_assumptions(audit)}"
             f"<h2>GEMM roofline</h2>{_img(_roofline(audit), 'roofline of every GEMM')}"
             f"<h2>Time by module</h2>{_img(time_png, 'time by module')}"
-            f"<h2>Memory</h2>{_img(mem_png, 'memory breakdown')}"
+            f"<h2>Memory</h2>{_img(mem_png, 'memory breakdown; ' + capacity_label(estimate))}"
+            f'<p class="capacity">dashed line: {_esc(capacity_label(estimate))}; '
+            f"{verdict_html(estimate)}</p>"
             + (f"<h2>Notes</h2><ul>{notes}</ul>" if notes else "")
             + "</body></html>")
 

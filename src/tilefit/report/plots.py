@@ -94,7 +94,8 @@ def plot_linear(analysis: LinearAnalysis, path: str | Path,
 
 # ---- audit figures: PNG bytes for the self-contained HTML report ----------------------------
 
-def _png_bytes(fig: Figure) -> bytes:
+def png_bytes(fig: Figure) -> bytes:
+    """The figure as PNG bytes (laid out tight), closed after."""
     import io
 
     import matplotlib.pyplot as plt
@@ -153,7 +154,7 @@ def roofline_png(points: list[tuple[float, float, bool, str]], device_name: str,
     ax.set_title(f"GEMMs of one training step on {device_name} (tilefit model)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
-    return _png_bytes(fig)
+    return png_bytes(fig)
 
 
 def bars_png(labels: list[str], values: list[float], xlabel: str, title: str) -> bytes:
@@ -165,7 +166,40 @@ def bars_png(labels: list[str], values: list[float], xlabel: str, title: str) ->
     ax.set_title(title)
     ax.tick_params(axis="y", labelsize=8)
     ax.grid(True, axis="x", alpha=0.3)
-    return _png_bytes(fig)
+    return png_bytes(fig)
+
+
+def memory_figure(parts: list[tuple[str, float]], capacity_gib: float, capacity_label: str,
+                  title: str, reserved_gib: float | None = None) -> Figure:
+    """The memory at the peak as one column stacked by category (GiB), beside the caching
+    allocator's reserved peak where it is modelled, under a labelled horizontal line at the
+    GPU's capacity: the verdict's numbers, drawn. ``parts``: (legend label, GiB)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    bottom = 0.0
+    for i, (label, gib) in enumerate(parts):
+        ax.bar(0, gib, bottom=bottom, width=0.5, color=f"C{i % 10}",
+               label=label)
+        bottom += gib
+    ax.text(0, bottom, f"{bottom:.2f} GiB", ha="center", va="bottom", fontsize=8)
+    names = ["at the peak\n(tensors + context)"]
+    if reserved_gib is not None:
+        ax.bar(1, reserved_gib, width=0.5, color="0.6",
+               label=f"reserved by the caching allocator: {reserved_gib:.2f} GiB")
+        ax.text(1, reserved_gib, f"{reserved_gib:.2f} GiB", ha="center", va="bottom",
+                fontsize=8)
+        names.append("reserved\n(allocator + context)")
+    ax.axhline(capacity_gib, color="black", linewidth=1.2, linestyle="--")
+    ax.text(len(names) - 0.55, capacity_gib, capacity_label, ha="right", va="bottom",
+            fontsize=8)
+    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set_xlim(-0.6, len(names) + 1.4)  # room for the legend on the right
+    ax.set_ylim(0, max(capacity_gib, bottom, reserved_gib or 0.0) * 1.12)
+    ax.set_ylabel("GiB")
+    ax.set_title(title)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="center right")
+    return fig
 
 
 # ---- measurements: bench sweeps and tune's trials -----------------------------------------
