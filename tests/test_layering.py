@@ -22,7 +22,7 @@ ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 # Lowest first. A layer imports its own modules and the layers of the tiers below it; layers
 # of one tier never import each other.
 TIERS: tuple[tuple[str, ...], ...] = (
-    ("leaves",),  # errors, dtypes, batches, quiet_imports
+    ("leaves",),  # errors, dtypes, batches, quiet_imports, html_repr
     # every private or version-dependent API of torch, transformers and torchao
     ("compat",),
     ("hardware",),
@@ -44,7 +44,8 @@ TIERS: tuple[tuple[str, ...], ...] = (
 )
 # the modules at the top of src/tilefit, by layer (a package is its own layer)
 TOP_LEVEL = {"errors": "leaves", "dtypes": "leaves", "batches": "leaves",
-             "quiet_imports": "leaves", "vocab": "vocab", "gemm": "gemm", "gemm_cpu": "gemm",
+             "quiet_imports": "leaves", "html_repr": "leaves", "vocab": "vocab", "gemm": "gemm",
+             "gemm_cpu": "gemm",
              "linear": "gemm", "recipe": "recipe", "recipe_parts": "recipe", "legacy": "recipe",
              "alloc_conf": "recipe",
              "__main__": "tilefit"}

@@ -1,8 +1,10 @@
-"""The audit's HTML page: the GPU's capacity drawn on the memory chart, the fit verdict in
-colour, the host/GPU timeline and the assumed training loop, and a non-recommended finding's
-reason. One tiny GPT-2 step (one layer, hidden 64, 32 tokens) is estimated once; the Audit
-around it is built by hand (the rules' own tests are tests/test_audit*.py), so the page is
-rendered from known findings."""
+"""The HTML renderings. The audit's page: the GPU's capacity drawn on the memory chart, the
+fit verdict in colour, the host/GPU timeline and the assumed training loop, and a
+non-recommended finding's reason. Each result's notebook view (``_repr_html_``): HTML that
+parses, with the result's key figures. One tiny GPT-2 step (one layer, hidden 64, 32 tokens)
+is traced and estimated once; the Audit, Plan, TuneResult and NoiseScale are built by hand
+around known figures (the code that makes them is tested in tests/test_audit*.py,
+test_plan*.py, test_tasks.py and test_noise_scale.py), so what is shown is known."""
 
 from __future__ import annotations
 
@@ -64,7 +66,9 @@ def step():  # type: ignore[no-untyped-def]
     work = load_workload("gpt2", seq_len=32).with_config(num_hidden_layers=1, n_embd=64,
                                                           n_head=2)
     recipe = tilefit.Recipe.for_model(work, batch_size=4)
-    return recipe, tilefit.estimate(work, recipe=recipe, gpu="a100-80gb")
+    device = tilefit.get_device("a100-80gb")
+    tr = tilefit.trace(work, recipe=recipe, gpu=device)
+    return recipe, tilefit.estimate_trace(tr, device), tr
 
 
 def _finding(**kw: Any) -> Finding:
@@ -78,7 +82,7 @@ def _finding(**kw: Any) -> Finding:
 
 @pytest.fixture(scope="module")
 def audited(step):  # type: ignore[no-untyped-def]
-    recipe, est = step
+    recipe, est, _ = step
     # slower after the fix: not recommended, 2 ms -> 4 ms is 0.500x
     slower = _finding(rule="compile", title="compile the step", step_time_after_s=4e-3,
                       recommended=False)
@@ -108,8 +112,9 @@ def test_the_memory_chart_draws_the_gpus_capacity_as_a_labelled_line(audited) ->
     assert "a100-80gb capacity: 80.00 GiB" in "".join(_parse(page).of("capacity"))
 
 
-def _verdict(page: str) -> list[str]:
-    return re.findall(r'<span class="verdict (\w+)">([^<]*)</span>', page)
+def _verdict(page: str) -> list[tuple[str, ...]]:
+    return re.findall(r'<span class="verdict (\w+)" style="color:#fff;background:(#\w+);'
+                      r'[^"]*">([^<]*)</span>', page)
 
 
 def test_the_verdict_is_green_when_it_fits_and_red_when_not(audited) -> None:  # type: ignore[no-untyped-def]
@@ -118,16 +123,14 @@ def test_the_verdict_is_green_when_it_fits_and_red_when_not(audited) -> None:  #
     est = audited.estimate
     assert est.fits
     page = render_html(audited)
-    assert set(_verdict(page)) == {("fits", "fits")}
-    css = page.split("<style>")[1].split("</style>")[0]
-    assert ".verdict.fits{background:#1b7f3b}" in css and "#c62828" in css
+    assert set(_verdict(page)) == {("fits", "#1b7f3b", "fits")}  # green
     # one byte past the device: the same step does not fit
     over = est.device.memory_bytes - est.overhead_bytes + 1
     big = dataclasses.replace(est, peak_memory_bytes=over)
     assert not big.fits
     page = render_html(dataclasses.replace(audited, estimate=big))
-    assert set(_verdict(page)) == {("nofit", "DOES NOT FIT")}
-    assert "80.00 GiB of 80.00 GiB: <span class=\"verdict nofit\">" in page
+    assert set(_verdict(page)) == {("nofit", "#c62828", "DOES NOT FIT")}  # red
+    assert '80.00 GiB of 80.00 GiB: <span class="verdict nofit"' in page
 
 
 def test_the_timeline_gives_the_estimates_host_and_gpu_times(audited) -> None:  # type: ignore[no-untyped-def]
@@ -165,3 +168,121 @@ def test_a_finding_not_recommended_shows_why(audited) -> None:  # type: ignore[n
     text = " ".join(blocks)
     assert "[slower: 0.500x]" in text  # 2 ms before, 4 ms after
     assert "[low]" in text  # the recommended one keeps its severity
+
+
+# ---- the notebook views: _repr_html_ ----------------------------------------------------
+
+class _Balanced(HTMLParser):
+    """Fails on a closing tag that closes no open one; ``open`` is what is left unclosed."""
+
+    VOID = frozenset({"br", "img", "meta", "hr", "input"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open: list[str] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag not in self.VOID:
+            self.open.append(tag)
+
+    def handle_endtag(self, tag: str) -> None:
+        assert self.open and self.open.pop() == tag, f"</{tag}> closes nothing open"
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+
+def _shown(result: Any) -> str:
+    """The text a notebook shows for ``result``, once its HTML is known to be balanced."""
+    fragment = result._repr_html_()
+    assert isinstance(fragment, str) and fragment.startswith('<div class="tilefit">')
+    assert "<script" not in fragment and "<style" not in fragment
+    p = _Balanced()
+    p.feed(fragment)
+    p.close()
+    assert p.open == []
+    return " ".join(" ".join(p.text).split())
+
+
+def test_the_estimate_and_trace_show_their_key_figures(step) -> None:  # type: ignore[no-untyped-def]
+    from tilefit.report.terminal import fmt_time
+
+    _, est, tr = step
+    text = _shown(est)
+    assert f"step time {fmt_time(est.step_time_s)}" in text
+    assert "fits" in text and "DOES NOT FIT" not in text
+    # one layer, hidden 64, GPT-2's vocabulary: 50257 x 64 (tied) + 1024 x 64 positions
+    # + one block's 12 x 64^2 + 13 x 64 + the final LayerNorm's 2 x 64 = 3,332,096
+    assert tr.param_count == 50257 * 64 + 1024 * 64 + 12 * 64**2 + 13 * 64 + 2 * 64
+    text = _shown(tr)
+    assert "3,332,096" in text and f"ops recorded {len(tr.ops):,}" in text
+    assert "4 samples, 128 tokens" in text  # batch 4 x 32 tokens
+
+
+def test_the_audit_shows_its_findings_and_why_one_is_not_recommended(audited) -> None:  # type: ignore[no-untyped-def]
+    text = _shown(audited)
+    assert "1 fix(es) recommended" in text
+    assert "[slower: 0.500x]" in text and "2.000x (2.00 ms -> 1.00 ms per step)" in text
+
+
+def test_the_plan_shows_the_chosen_recipe(step) -> None:  # type: ignore[no-untyped-def]
+    from tilefit.planner import Plan
+    from tilefit.planner.rows import PlanRow
+
+    _, est, _ = step
+    budget = 70 * 1024**3
+    row = PlanRow(recipe=tilefit.Recipe(batch_size=4, accumulation_steps=2),
+                  predicted_peak_memory_bytes=3 * 1024**3, predicted_step_time_s=0.0125,
+                  samples_per_s=640.0, tokens_per_s=None, mfu=0.4, budget_bytes=budget)
+    plan = Plan(model="gpt2-tiny", device=est.device, global_batch=8, seq_len=32,
+                objective="samples-per-s", memory_fraction=0.9, budget_bytes=budget,
+                overhead_bytes=est.overhead_bytes, rows=(row,), best=row,
+                reason="the fastest that fits", confirmation=None, configs={}, multi_gpu=None)
+    text = _shown(plan)
+    assert "micro-batch 4 x 2 accumulation" in text and "12.50 ms" in text
+    assert "640.0 samples/s" in text and "3.00 GiB of 70.00 GiB" in text
+    nothing = dataclasses.replace(plan, best=None, rows=())
+    assert "nothing fits one GPU" in _shown(nothing)
+
+
+def test_tune_and_the_noise_scale_show_their_figures() -> None:
+    from tilefit.tuning import NoiseScale, TuneResult
+
+    tuned = TuneResult(batch_size=24, max_fitting_batch_size=37, accumulation_steps=1,
+                       samples_per_s=1234.5, trials=(), budget_bytes=9 * 1024**3,
+                       capacity_bytes=10 * 1024**3)
+    text = _shown(tuned)
+    assert "chosen batch 24" in text and "largest that fits 37" in text
+    assert "1,234.5 samples/s" in text and "budget 9.00 GiB of 10.00 GiB" in text
+    noise = NoiseScale(b_simple=812.25, b_simple_low=700.0, b_simple_high=950.5,
+                       confidence=0.9, gradient_sq_norm=1.0, trace_sigma=812.25,
+                       batch_small=8, batch_big=64, measurements=10, samples=640, time_s=3.0)
+    assert "B_simple 812.2 samples (90% interval 700.0 to 950.5)" in _shown(noise)
+
+
+def test_the_gemm_linear_and_device_views_need_no_torch() -> None:
+    """A GEMM's, a Linear layer's and a GPU's views: their figures, and no torch loaded."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tilefit; d = tilefit.get_device('a100-80gb'); "
+            "print(d._repr_html_()); "
+            "print(tilefit.analyze_gemm(4096, 4096, 4096, 'bf16', d)._repr_html_()); "
+            "print(tilefit.analyze_linear(1024, 1024, [1, 64], dtype='bf16', device=d)"
+            "._repr_html_()); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120).stdout.splitlines()
+    assert out[-1] == "False"
+    device, gemm, linear = out[:3]
+    # the A100 SXM4 80GB's datasheet: 80 GiB, 2,039 GB/s, 312 dense bf16 TFLOP/s
+    for fragment in (device, gemm, linear):
+        p = _Balanced()
+        p.feed(fragment)
+        assert p.open == []
+    assert "80.00 GiB" in device and "2.04 TB/s" in device and "bf16 312" in device
+    g = tilefit.analyze_gemm(4096, 4096, 4096, "bf16", tilefit.get_device("a100-80gb"))
+    assert g.flops == 2 * 4096**3  # the GEMM's FLOPs by hand
+    assert "4096 x 4096 x 4096, bf16 on a100-80gb" in gemm
+    assert f"{g.predicted_tflops:.1f} of 312 TFLOP/s" in gemm and "math" in gemm
+    assert "batch 1" in linear and "batch 64" in linear and "Linear 1024 -&gt; 1024" in linear

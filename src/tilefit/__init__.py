@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tilefit.html_repr import install as _install_html
+
 __version__ = "0.1.0"
 
 # name -> (module, attribute); resolved lazily so `import tilefit` stays torch-free.
@@ -51,6 +53,16 @@ _LAZY = {
 }
 
 __all__ = ["__version__", *_LAZY]
+
+
+def _render_html(result: object) -> str:
+    """A result's notebook view (``_repr_html_``), rendered by report/ on first use."""
+    from tilefit.report.notebook import render
+
+    return render(result)
+
+
+_install_html(_render_html)
 
 
 def __getattr__(name: str) -> Any:

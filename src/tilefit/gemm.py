@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from tilefit.dtypes import DType, parse_dtype
 from tilefit.errors import check_positive_int
 from tilefit.hardware.device import Device
+from tilefit.html_repr import HtmlRepr
 
 if TYPE_CHECKING:
     from tilefit.hardware.profile import GemmFit
@@ -121,7 +122,7 @@ class DimAlignment:
 
 
 @dataclass(frozen=True)
-class GemmAnalysis:
+class GemmAnalysis(HtmlRepr):
     m: int
     n: int
     k: int

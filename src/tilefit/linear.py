@@ -29,6 +29,7 @@ from tilefit.dtypes import DType, parse_dtype
 from tilefit.errors import TilefitError, check_positive_int
 from tilefit.gemm import GemmAnalysis, analyze_gemm, round_up
 from tilefit.hardware.device import Device
+from tilefit.html_repr import HtmlRepr
 
 PHASES: tuple[str, ...] = ("forward", "activation_grad", "weight_grad")
 
@@ -97,7 +98,7 @@ class LinearRecommendations:
 
 
 @dataclass(frozen=True)
-class LinearAnalysis:
+class LinearAnalysis(HtmlRepr):
     gpu: str
     dtype: str
     in_features: int

@@ -22,6 +22,7 @@ from tilefit.advise.whatif import WhatIf
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate, estimate_trace
 from tilefit.hardware import Device, get_device
+from tilefit.html_repr import HtmlRepr
 from tilefit.legacy import read_legacy
 from tilefit.models.module import module_workload
 from tilefit.recipe import (
@@ -45,7 +46,7 @@ RULES: tuple[Callable[[WhatIf], list[Finding]], ...] = (
 
 
 @dataclass(frozen=True)
-class Audit:
+class Audit(HtmlRepr):
     model: str
     device: Device
     recipe: Recipe

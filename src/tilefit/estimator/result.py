@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from tilefit.estimator.collectives import ENGINE_COPY_PREFIX
 from tilefit.estimator.cost import CostContext, gemm_dtype
 from tilefit.hardware.device import Device
+from tilefit.html_repr import HtmlRepr
 from tilefit.tracing.records import GemmShape, OpRecord
 from tilefit.vocab import OPTIMIZER_PHASES
 
@@ -84,7 +85,7 @@ class ModuleSummary:
 
 
 @dataclass(frozen=True)
-class Estimate:
+class Estimate(HtmlRepr):
     device: Device
     precision: str
     optimizer: str

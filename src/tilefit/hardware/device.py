@@ -11,6 +11,7 @@ from tilefit.dtypes import DTYPE_NAMES, DType, parse_dtype
 from tilefit.errors import TilefitError
 from tilefit.hardware.host import DEFAULT_HOST, HostModel
 from tilefit.hardware.profile import Profile
+from tilefit.html_repr import HtmlRepr
 
 GIB = 1024**3
 TB = 1e12  # datasheets quote TFLOP/s and TB/s in powers of ten
@@ -29,7 +30,7 @@ GEMM_TILE_LATENCY_S = 0.0
 
 
 @dataclass(frozen=True)
-class Device:
+class Device(HtmlRepr):
     """One accelerator (or the CPU), with the source of its numbers.
 
     Peaks are dense (no 2:4 sparsity). A dtype absent from ``peak_flops_per_s`` is one the

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tilefit.hardware import Device
+from tilefit.html_repr import HtmlRepr
 from tilefit.planner.rows import PlanRow
 
 
@@ -69,7 +70,7 @@ class MultiGpuPlan:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(HtmlRepr):
     model: str
     device: Device
     global_batch: int

@@ -16,6 +16,7 @@ from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate
 from tilefit.recipe import training_loop_note
 from tilefit.report.audit_terminal import gain_text, not_recommended_because
+from tilefit.report.notebook import verdict_html
 from tilefit.report.terminal import (
     HOST_BOUND_SHOWN,
     fmt_bytes,
@@ -40,8 +41,6 @@ border-bottom:1px solid #eee} th{background:#f4f4f4}
 .info{border-color:#bbb;color:#555} .gain{font-size:1.15em;font-weight:600}
 code{background:#eef;padding:.1em .3em;border-radius:3px} .why{color:#555;font-size:.92em}
 img{max-width:100%;border:1px solid #eee;margin:.5em 0}
-.verdict{font-weight:700;padding:.05em .45em;border-radius:3px;color:#fff}
-.verdict.fits{background:#1b7f3b}.verdict.nofit{background:#c62828}
 .hostbound{color:#8a5a00;font-weight:600}
 .lane{display:flex;align-items:center;margin:.3em 0}.lane span{width:13em}
 .lane div{height:1.1em;border-radius:2px}.lane .host{background:#ff9f1c}
@@ -56,16 +55,6 @@ def _esc(x: object) -> str:
 def _img(png: bytes, alt: str) -> str:
     return (f'<img alt="{_esc(alt)}" src="data:image/png;base64,'
             f'{base64.b64encode(png).decode("ascii")}">')
-
-
-def verdict_html(estimate: Estimate) -> str:
-    """The fit verdict in words and colour (green fits, red does not): the total at the peak
-    against the GPU's memory, the numbers the terminal's summary gives."""
-    fits = estimate.fits
-    word, cls = ("fits", "fits") if fits else ("DOES NOT FIT", "nofit")
-    return (f"{_esc(fmt_bytes(estimate.total_memory_bytes))} of "
-            f"{_esc(fmt_bytes(estimate.device.memory_bytes))}: "
-            f'<span class="verdict {cls}">{word}</span>')
 
 
 def _table(rows: list[tuple[str, str]]) -> str:

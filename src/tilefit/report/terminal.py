@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from tilefit.estimator import Estimate
+if TYPE_CHECKING:  # annotations alone: a torch-free result's notebook view imports no torch
+    from tilefit.estimator import Estimate
 
 GIB = 1024**3
 

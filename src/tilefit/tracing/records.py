@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tilefit.html_repr import HtmlRepr
 from tilefit.tracing.target import Target
 from tilefit.vocab import CATEGORIES, MICRO_PHASES, PHASES, Category, OpKind, Phase
 
@@ -101,7 +102,7 @@ class StorageRecord:
 
 
 @dataclass(frozen=True)
-class Trace:
+class Trace(HtmlRepr):
     target: Target
     precision: str
     optimizer: str

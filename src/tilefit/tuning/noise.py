@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from tilefit.errors import TilefitError
+from tilefit.html_repr import HtmlRepr
 
 # Resamples of the percentile bootstrap (Efron & Tibshirani, docs/references.md, section 18):
 # the interval's end points move by well under 1% between seeds at 2000.
@@ -146,7 +147,7 @@ def expanded_tail(confidence: float, n: int) -> float:
 
 
 @dataclass(frozen=True)
-class NoiseScale:
+class NoiseScale(HtmlRepr):
     """The measured simple noise scale B_simple = tr(Sigma) / |G|^2
     (docs/references.md, section 18) and what it was measured from. Batch sizes are in
     samples (a sample is one row of what make_batch returns: a sequence for a language

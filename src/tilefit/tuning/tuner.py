@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tilefit.html_repr import HtmlRepr
 from tilefit.legacy import read_options
 from tilefit.tuning.diagnose import PLAN_COMMAND as PLAN_COMMAND  # re-exported
 from tilefit.tuning.diagnose import gib as gib  # re-exported
@@ -48,7 +49,7 @@ MIN_TIMED_STEPS = 3  # micro-batches per timed repeat at least
 
 
 @dataclass(frozen=True)
-class TuneResult:
+class TuneResult(HtmlRepr):
     batch_size: int  # the chosen micro-batch
     max_fitting_batch_size: int  # the exact largest batch that fits within the budget
     accumulation_steps: int  # global_batch / batch_size (1 without a global batch)
