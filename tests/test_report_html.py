@@ -286,3 +286,16 @@ def test_the_gemm_linear_and_device_views_need_no_torch() -> None:
     assert "4096 x 4096 x 4096, bf16 on a100-80gb" in gemm
     assert f"{g.predicted_tflops:.1f} of 312 TFLOP/s" in gemm and "math" in gemm
     assert "batch 1" in linear and "batch 64" in linear and "Linear 1024 -&gt; 1024" in linear
+
+
+def test_every_public_result_has_a_notebook_view() -> None:
+    """Each result class the public functions return inherits HtmlRepr and has a renderer."""
+    from tilefit.html_repr import HtmlRepr
+    from tilefit.report.notebook import RENDERERS
+
+    results = [tilefit.Estimate, tilefit.Audit, tilefit.Plan, tilefit.Trace,
+               tilefit.TuneResult, tilefit.NoiseScale, tilefit.Device]
+    results += [type(tilefit.analyze_gemm(64, 64, 64, "bf16", tilefit.get_device("h100"))),
+                type(tilefit.analyze_linear(64, 64, 8, device=tilefit.get_device("h100")))]
+    assert sorted(c.__name__ for c in results) == sorted(RENDERERS)
+    assert all(issubclass(c, HtmlRepr) for c in results)
