@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tilefit.advise.findings import Finding, RewriteConfirmation
+from tilefit.advise.rules_activation import activation_findings
 from tilefit.advise.rules_allocator import fragmentation_findings
 from tilefit.advise.rules_batch import memory_bound_findings, wave_findings
 from tilefit.advise.rules_compile import compile_findings
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 RULES: tuple[Callable[[WhatIf], list[Finding]], ...] = (
     dimension_findings, memory_bound_findings, wave_findings, precision_findings,
     attention_findings, host_findings, fused_optimizer_findings, compile_findings,
-    fp8_findings, memory_findings, fragmentation_findings)
+    fp8_findings, memory_findings, fragmentation_findings, activation_findings)
 
 
 @dataclass(frozen=True)
