@@ -1,5 +1,6 @@
-"""The fused-activation rule, checked against a second method: independent estimates of the
-model built with the fix applied, and transformers' own activations run on this CPU.
+"""The fused-activation rule and the audit's combined prediction, each checked against a
+second method: independent estimates of the model built with the fix applied, and
+transformers' own activations run on this CPU.
 
 A tiny GPT-2 (2 layers, hidden 64) keeps every trace about a second."""
 
@@ -12,7 +13,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tilefit import Recipe, estimate  # noqa: E402
+from tilefit.advise.audit import order  # noqa: E402
+from tilefit.advise.combined import combine  # noqa: E402
+from tilefit.advise.findings import Change  # noqa: E402
 from tilefit.advise.rules_activation import FUSED_SAME_MATH, activation_findings  # noqa: E402
+from tilefit.advise.rules_batch import wave_findings  # noqa: E402
+from tilefit.advise.rules_optimizer import fused_optimizer_findings  # noqa: E402
 from tilefit.advise.whatif import WhatIf  # noqa: E402
 from tilefit.estimator import estimate_trace  # noqa: E402
 from tilefit.estimator.workloads import trace_workload  # noqa: E402
@@ -81,3 +87,49 @@ def test_no_finding_where_the_activation_is_fused_or_compiled(gelu_new: WhatIf) 
     # compiled: Inductor fuses the chain already
     assert activation_findings(replace(gelu_new, recipe=replace(
         gelu_new.recipe, compile=Compile()))) == []
+
+
+def test_changes_conflict_on_a_field_set_two_ways() -> None:
+    batch12 = Change(recipe=(("batch_size", 12),))
+    assert batch12.merged(Change(recipe=(("batch_size", 16),))) is None
+    assert Change(recipe=(("compile", Compile()),)).merged(
+        Change(recipe=(("compile", Compile("reduce-overhead")),))) is None
+    assert Change(seq_len=128).merged(Change(seq_len=192)) is None
+    both = batch12.merged(Change(config=(("activation_function", FUSED),)))
+    assert both == Change(recipe=(("batch_size", 12),),
+                          config=(("activation_function", FUSED),))
+    assert batch12.merged(batch12) == batch12  # the same value twice agrees
+
+
+def test_combined_prediction_is_one_estimate_of_all_fixes(gelu_new: WhatIf) -> None:
+    findings = order([f for rule in (activation_findings, wave_findings,
+                                     fused_optimizer_findings) for f in rule(gelu_new)])
+    combined = combine(gelu_new, findings)
+    assert combined is not None
+    rules = {f.rule: f for f in findings}
+    assert set(rules) == {"fused-activation", "wave-quantization", "fused-optimizer"}
+    batch = rules["wave-quantization"].suggested
+    assert len(combined.fixes) == 3 and combined.left_out == ()
+    # a second method: the model and recipe with every fix written out by hand
+    direct = estimate(_tiny(FUSED), recipe=replace(RECIPE, batch_size=batch,
+                                                   optimizer="adamw-fused"), gpu=GPU)
+    assert combined.step_time_after_s == pytest.approx(direct.step_time_s, rel=1e-9)
+    assert combined.peak_memory_after_bytes == direct.peak_memory_bytes
+    assert (combined.samples_before, combined.samples_after) == (8, batch)
+    # independent fixes: together at least as fast (per sample) as the best alone
+    assert combined.predicted_speedup >= max(f.predicted_speedup for f in findings)
+    assert combined.to_dict()["predicted_speedup"] == combined.predicted_speedup
+
+
+def test_a_conflicting_fix_gives_way_to_the_larger_gain(gelu_new: WhatIf) -> None:
+    findings = order([f for rule in (activation_findings, wave_findings)
+                      for f in rule(gelu_new)])
+    wave = next(f for f in findings if f.rule == "wave-quantization")
+    # a second batch size with a smaller gain: left out, the larger one kept
+    smaller = replace(wave, suggested=16, change=Change(recipe=(("batch_size", 16),)),
+                      samples_after=16, step_time_after_s=wave.step_time_before_s * 2 / 1.2)
+    assert 1.005 < smaller.predicted_speedup < wave.predicted_speedup
+    combined = combine(gelu_new, order([*findings, smaller]))
+    assert combined is not None
+    assert combined.left_out == ("wave-quantization: batch size 8 -> 16",)
+    assert combined.change.recipe == (("batch_size", wave.suggested),)
