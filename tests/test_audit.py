@@ -130,9 +130,27 @@ def test_compile_finding_for_a_checkpointed_step(gpt2_tiny) -> None:  # type: ig
 
 def test_audit_reuses_traces(gpt2_audit) -> None:  # type: ignore[no-untyped-def]
     # the vocab what-if is a rewrite: re-traces are only the batch screen's pick, the
-    # confirmation, the fused-optimizer, fused-loss and compile what-ifs, never one per finding
-    assert gpt2_audit.retraces <= 5
+    # confirmation, the fused-optimizer, fused-loss, fused-activation and compile what-ifs
+    # and the fixes combined, never one per finding
+    assert gpt2_audit.retraces <= 7
     assert any(f.method == "rewrite" for f in gpt2_audit.findings)
+
+
+def test_combined_fixes_are_reported_first_and_in_json(gpt2_audit) -> None:  # type: ignore[no-untyped-def]
+    from rich.console import Console
+
+    from tilefit.report.audit_terminal import print_findings
+
+    c = gpt2_audit.combined
+    assert c is not None and len(c.fixes) >= 2
+    # compile and CUDA graphs set the compile mode two ways: only the larger gain is applied
+    assert not ({"compile", "host-bound"} <= {fix.split(":")[0] for fix in c.fixes})
+    assert json.loads(json.dumps(gpt2_audit.to_dict()))["combined"]["fixes"] == list(c.fixes)
+    console = Console(record=True, width=200)
+    print_findings(console, gpt2_audit)
+    first = console.export_text().splitlines()[1]
+    assert first.startswith(f"all {len(c.fixes)} fixes together:")
+    assert f"({c.predicted_speedup:.2f}x" in first
 
 
 @functools.cache

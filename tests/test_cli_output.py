@@ -181,7 +181,7 @@ def test_a_finding_not_recommended_says_why() -> None:
 
     device = get_device("h100")
     audit = SimpleNamespace(estimate=SimpleNamespace(overhead_bytes=2**29, device=device),
-                            findings=[_finding(1 / 0.98)])
+                            findings=[_finding(1 / 0.98)], combined=None)
     assert not_recommended_because(_finding(1 / 0.98), audit) == "slower: 0.980x"
     assert not_recommended_because(_finding(1 / 1.002), audit).startswith(
         "gain too small to count: 1.002x")

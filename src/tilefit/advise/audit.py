@@ -7,7 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tilefit.advise.combined import CombinedFix, combine
 from tilefit.advise.findings import Finding, RewriteConfirmation
+from tilefit.advise.rules_activation import activation_findings
 from tilefit.advise.rules_allocator import fragmentation_findings
 from tilefit.advise.rules_batch import memory_bound_findings, wave_findings
 from tilefit.advise.rules_compile import compile_findings
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
 RULES: tuple[Callable[[WhatIf], list[Finding]], ...] = (
     dimension_findings, memory_bound_findings, wave_findings, precision_findings,
     attention_findings, host_findings, fused_optimizer_findings, compile_findings,
-    fp8_findings, memory_findings, fragmentation_findings)
+    fp8_findings, memory_findings, fragmentation_findings, activation_findings)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ class Audit(HtmlRepr):
     notes: tuple[str, ...] = field(default=())
     # when the step does not fit: the plan behind the first finding (its configs to paste)
     plan: Plan | None = None
+    # when the step fits: the compatible recommended fixes re-estimated together as one step
+    combined: CombinedFix | None = None
 
     @property
     def recommended(self) -> tuple[Finding, ...]:
@@ -72,7 +76,8 @@ class Audit(HtmlRepr):
                 "retraces": self.retraces, "elapsed_s": self.elapsed_s,
                 "confirmation": None if self.confirmation is None
                 else self.confirmation.to_dict(), "notes": list(self.notes),
-                "way_forward": None if self.plan is None else self.plan.to_dict()}
+                "way_forward": None if self.plan is None else self.plan.to_dict(),
+                "combined": None if self.combined is None else self.combined.to_dict()}
 
 
 def order(findings: list[Finding]) -> tuple[Finding, ...]:
@@ -197,13 +202,14 @@ def _run_rules(subject: _Subject, device: Device, *, confirm: bool,
     forward = way_forward(whatif)
     ordered = order([f for rule in RULES for f in rule(whatif)])
     confirmation = _confirm(whatif, ordered) if confirm else None
+    combined = combine(whatif, ordered)
     if forward is not None:  # a step that does not fit: the way forward comes first
         ordered = (forward[0], *ordered)
     return Audit(model=subject.name, device=device, recipe=subject.recipe,
                  seq_len=subject.seq_len, estimate=est, findings=ordered,
                  retraces=whatif.retraces, elapsed_s=time.perf_counter() - started_s,
                  confirmation=confirmation, notes=(*subject.notes, *whatif.notes),
-                 plan=None if forward is None else forward[1])
+                 plan=None if forward is None else forward[1], combined=combined)
 
 
 def _confirm(whatif: WhatIf, findings: tuple[Finding, ...]) -> RewriteConfirmation | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -13,6 +13,55 @@ SEVERITIES = ("high", "medium", "low", "info")
 # cost model's own error (docs/references.md, section 10), so calling it a speedup would be
 # noise.
 MIN_RECOMMENDED_SPEEDUP = 1.005
+
+
+Pairs = tuple[tuple[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class Change:
+    """A fix as the what-ifs apply it (``WhatIf.apply``): fields of the Recipe and of the
+    model's config, the sequence length, and weight dimensions rewritten in the trace (a
+    factory's layers, which no config field holds). Recipe values are written as the Recipe
+    holds them (``Compile()``, not True), so two fixes that agree compare equal."""
+
+    recipe: Pairs = ()
+    config: Pairs = ()
+    seq_len: int | None = None
+    rewrite: tuple[tuple[int, int], ...] = ()  # (old, new) dimension values
+
+    @property
+    def retraces(self) -> bool:
+        """Whether applying it needs a re-trace (anything but a dimension rewrite)."""
+        return bool(self.recipe or self.config or self.seq_len is not None)
+
+    def merged(self, other: Change) -> Change | None:
+        """Both fixes at once; None where a field would take two values (two batch sizes,
+        two precisions, two compile modes): those fixes conflict."""
+        recipe, config = _union(self.recipe, other.recipe), _union(self.config, other.config)
+        rewrite = _union(self.rewrite, other.rewrite)
+        seq = {s for s in (self.seq_len, other.seq_len) if s is not None}
+        if recipe is None or config is None or rewrite is None or len(seq) > 1:
+            return None
+        return Change(recipe=recipe, config=config, seq_len=next(iter(seq), None),
+                      rewrite=rewrite)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"recipe": {k: asdict(v) if is_dataclass(v) and not isinstance(v, type)
+                           else v for k, v in self.recipe},
+                "config": dict(self.config), "seq_len": self.seq_len,
+                "rewrite": [list(pair) for pair in self.rewrite]}
+
+
+def _union(a: tuple[tuple[Any, Any], ...],
+           b: tuple[tuple[Any, Any], ...]) -> tuple[tuple[Any, Any], ...] | None:
+    """The pairs of both, keyed by their first item; None where a key has two values."""
+    out = dict(a)
+    for key, value in b:
+        if key in out and out[key] != value:
+            return None
+        out[key] = value
+    return tuple(out.items())
 
 
 @dataclass(frozen=True)
@@ -38,6 +87,9 @@ class Finding:
     recommended: bool = True
     samples_before: int = 1
     samples_after: int = 1
+    # the fix as the what-if applies it, for the audit's combined prediction; None where
+    # it is no change of the step (information, a memory setting, a plan)
+    change: Change | None = None
 
     @property
     def predicted_speedup(self) -> float:
@@ -53,6 +105,7 @@ class Finding:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["modules"] = list(self.modules)
+        d["change"] = None if self.change is None else self.change.to_dict()
         d["predicted_speedup"] = self.predicted_speedup
         d["memory_saved_bytes"] = self.memory_saved_bytes
         return d

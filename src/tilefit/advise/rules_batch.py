@@ -12,7 +12,13 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import partial
 
-from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, effect, severity_of
+from tilefit.advise.findings import (
+    MIN_RECOMMENDED_SPEEDUP,
+    Change,
+    Finding,
+    effect,
+    severity_of,
+)
 from tilefit.advise.whatif import WhatIf, gemm_time_with, swap_gemm_dim
 from tilefit.batches import REAL_GAIN, is_friendly
 from tilefit.gemm import analyze_gemm
@@ -51,7 +57,8 @@ def _batch_finding(whatif: WhatIf, rule: str, new_batch: int, title: str,
                          f"({after.total_memory_bytes / 2**30:.1f} GiB of "
                          f"{whatif.device.memory_bytes / 2**30:.0f} GiB)."),
         **effect(whatif.estimate, after), method="retrace", per_sample=True,
-        samples_before=batch, samples_after=new_batch)
+        samples_before=batch, samples_after=new_batch,
+        change=Change(recipe=(("batch_size", new_batch),)))
     # a batch off the hardware-friendly sizes must win by a real margin (tilefit.batches)
     needed = MIN_RECOMMENDED_SPEEDUP if is_friendly(new_batch) else 1 + REAL_GAIN
     ok = after.fits and f.predicted_speedup >= needed

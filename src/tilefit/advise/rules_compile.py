@@ -6,9 +6,16 @@ AOTAutograd's partitioner saves fewer activations for backward
 
 from __future__ import annotations
 
-from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, effect, severity_of
+from tilefit.advise.findings import (
+    MIN_RECOMMENDED_SPEEDUP,
+    Change,
+    Finding,
+    effect,
+    severity_of,
+)
 from tilefit.advise.whatif import WhatIf
 from tilefit.estimator import Estimate
+from tilefit.recipe import Compile
 from tilefit.vocab import EXTERN_KINDS
 
 GIB = 2**30
@@ -36,7 +43,8 @@ def compile_findings(whatif: WhatIf) -> list[Finding]:
         return []
     est = whatif.estimate
     # a torch without Inductor, a step it cannot capture: a note, no finding
-    after = whatif.try_retrace("compile", "the step under torch.compile", compile=True)
+    change = Change(recipe=(("compile", Compile()),))
+    after = whatif.try_apply("compile", "the step under torch.compile", change)
     if after is None:
         return []
     speedup = est.step_time_s / after.step_time_s
@@ -57,4 +65,4 @@ def compile_findings(whatif: WhatIf) -> list[Finding]:
         f"graph breaks), compile time excluded: step {est.step_time_s * 1e3:.1f} -> "
         f"{after.step_time_s * 1e3:.1f} ms, peak {est.peak_memory_bytes / GIB:.2f} -> "
         f"{after.peak_memory_bytes / GIB:.2f} GiB.",
-        **effect(est, after), method="retrace", recommended=ok)]
+        **effect(est, after), method="retrace", recommended=ok, change=change)]

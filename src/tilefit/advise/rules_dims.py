@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, severity_of
+from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Change, Finding, severity_of
 from tilefit.advise.origins import TOKEN, WEIGHT, Origin, config_fields, nearest_aligned
 from tilefit.advise.whatif import WhatIf
 from tilefit.errors import TilefitError
@@ -48,6 +48,7 @@ class _DimFix:
     fix: str
     after: Estimate
     method: str  # "retrace" or "rewrite"
+    change: Change  # the fix as the combined prediction applies it
 
 
 def misaligned_dims(estimate: Estimate) -> dict[int, _Hit]:
@@ -66,7 +67,7 @@ def misaligned_dims(estimate: Estimate) -> dict[int, _Hit]:
 
 def _factory_origin(whatif: WhatIf, value: int, ops: list[OpCost]) -> Origin:
     """For plain modules: the layer attribute (in_features, out_features, channels) holding it."""
-    modules = _module_map(whatif)
+    modules = module_map(whatif)
     for c in ops:
         mod = modules.get(c.record.module)
         for attr in ("out_features", "in_features", "out_channels", "in_channels",
@@ -76,7 +77,7 @@ def _factory_origin(whatif: WhatIf, value: int, ops: list[OpCost]) -> Origin:
     return Origin(WEIGHT, "dimension", value)
 
 
-def _module_map(whatif: WhatIf) -> dict[str, nn.Module]:
+def module_map(whatif: WhatIf) -> dict[str, nn.Module]:
     """WhatIf.named_modules, from the workload built on the meta device the first time."""
     if whatif.named_modules is None:
         whatif.named_modules = _meta_modules(whatif)
@@ -196,7 +197,7 @@ def _layer_lines(whatif: WhatIf, old: int, new: int) -> list[str]:
     import torch.nn as nn
 
     out = []
-    for path, mod in _module_map(whatif).items():
+    for path, mod in module_map(whatif).items():
         if isinstance(mod, nn.Linear) and old in (mod.in_features, mod.out_features):
             in_dim = new if mod.in_features == old else mod.in_features
             out_dim = new if mod.out_features == old else mod.out_features
@@ -230,8 +231,9 @@ def _token_what_if(whatif: WhatIf, origin: Origin, hit: _Hit) -> _DimFix | None:
     if new_seq == seq:
         return None
     # the padded length exceeds the model's positions: a note, no finding
-    after = whatif.try_retrace("sequence-length", f"the step at sequence length {new_seq}",
-                               work.with_seq_len(new_seq))
+    change = Change(seq_len=new_seq)
+    after = whatif.try_apply("sequence-length", f"the step at sequence length {new_seq}",
+                             change)
     if after is None:
         return None
     fix = (f"pad every batch to a multiple of {pad} tokens: DataCollatorWithPadding(tokenizer, "
@@ -239,7 +241,7 @@ def _token_what_if(whatif: WhatIf, origin: Origin, hit: _Hit) -> _DimFix | None:
            f"{new_seq})); the padding is masked out of the loss")
     dimension = ("seq" if origin.dimension == "seq" else
                  f"batch x seq ({whatif.recipe.batch_size} x {seq})")
-    return _DimFix("sequence-length", dimension, seq, new_seq, fix, after, "retrace")
+    return _DimFix("sequence-length", dimension, seq, new_seq, fix, after, "retrace", change)
 
 
 def _weight_what_if(whatif: WhatIf, origin: Origin, hit: _Hit) -> _DimFix | None:
@@ -256,15 +258,20 @@ def _weight_what_if(whatif: WhatIf, origin: Origin, hit: _Hit) -> _DimFix | None
             return None
         key, value = origin.config_field, origin.field_value(new)
         # (e.g. hidden not divisible by heads): a note, no finding
-        after = whatif.try_retrace("weight-dim-alignment", f"the step with {key}={value}",
-                                   whatif.workload.with_config(**{key: value}))
+        after = whatif.try_apply("weight-dim-alignment", f"the step with {key}={value}",
+                                 Change(config=((key, value),)))
         if after is None:
             return None
         method = "retrace"
     else:
         after, method = whatif.with_dim(hit.value, new), "rewrite"
+    # combined with other fixes, a config field is changed in the config (re-traced)
+    change = (Change(config=((origin.config_field, origin.field_value(new)),))
+              if origin.config_field is not None and whatif.workload is not None
+              and whatif.workload.config is not None
+              else Change(rewrite=((hit.value, new),)))
     return _DimFix("weight-dim-alignment", origin.dimension, hit.value, new,
-                   _weight_fix(whatif, origin, new, hit.multiple), after, method)
+                   _weight_fix(whatif, origin, new, hit.multiple), after, method, change)
 
 
 def _finding(whatif: WhatIf, hit: _Hit, dim_fix: _DimFix) -> Finding:
@@ -286,7 +293,7 @@ def _finding(whatif: WhatIf, hit: _Hit, dim_fix: _DimFix) -> Finding:
         # a rewrite keeps the trace's storages: only a re-trace says what the memory becomes
         peak_memory_after_bytes=(after.peak_memory_bytes if dim_fix.method == "retrace"
                                  else before.peak_memory_bytes),
-        method=dim_fix.method, recommended=recommended)
+        method=dim_fix.method, recommended=recommended, change=dim_fix.change)
 
 
 def dimension_findings(whatif: WhatIf) -> list[Finding]:

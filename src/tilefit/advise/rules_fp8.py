@@ -6,9 +6,16 @@ the finding appears only where that re-estimate gains."""
 
 from __future__ import annotations
 
-from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, effect, severity_of
+from tilefit.advise.findings import (
+    MIN_RECOMMENDED_SPEEDUP,
+    Change,
+    Finding,
+    effect,
+    severity_of,
+)
 from tilefit.advise.whatif import WhatIf
 from tilefit.estimator import Estimate
+from tilefit.recipe import Compile
 from tilefit.vocab import PRECISIONS, Precision
 
 GIB = 2**30
@@ -39,22 +46,22 @@ def fp8_findings(whatif: WhatIf) -> list[Finding]:
             or recipe.spec.autocast_dtype != fp8.autocast_dtype
             or recipe.spec.float8_linears):
         return []
-    compiled = True  # torch.compile fuses torchao's casts (checkpointed recipes too)
     # torchao not installed, a step Inductor cannot capture: a note, no finding
-    after = whatif.try_retrace("fp8", f"the step in {fp8.name} under torch.compile",
-                               precision=fp8.name, compile=compiled)
+    after = whatif.try_apply("fp8", f"the step in {fp8.name} under torch.compile",
+                             _change())
     if after is None:
         return []
     # fp8's own share of the gain: against bf16 compiled alike
-    same = whatif.estimate if recipe.compile == compiled else whatif.try_retrace(
-        "fp8", "the step under torch.compile (fp8's baseline)", compile=compiled)
+    same = whatif.estimate if recipe.compile == Compile() else whatif.try_apply(
+        "fp8", "the step under torch.compile (fp8's baseline)",
+        Change(recipe=(("compile", Compile()),)))
     if same is None:
         return []
     speedup = whatif.estimate.step_time_s / after.step_time_s
     own = same.step_time_s / after.step_time_s
     if own < MIN_RECOMMENDED_SPEEDUP or not after.fits:
         return []
-    return [_finding(whatif, after, speedup, own, compiled and not recipe.compile)]
+    return [_finding(whatif, after, speedup, own, not recipe.compile)]
 
 
 def _finding(whatif: WhatIf, after: Estimate, speedup: float, own: float,
@@ -78,4 +85,10 @@ def _finding(whatif: WhatIf, after: Estimate, speedup: float, own: float,
         f"Step {est.step_time_s * 1e3:.1f} -> {after.step_time_s * 1e3:.1f} ms, peak "
         f"{est.peak_memory_bytes / GIB:.2f} -> {after.peak_memory_bytes / GIB:.2f} GiB; "
         "loss curves should be checked against bf16 for the first steps.",
-        **effect(est, after), method="retrace", recommended=speedup >= MIN_RECOMMENDED_SPEEDUP)
+        **effect(est, after), method="retrace", recommended=speedup >= MIN_RECOMMENDED_SPEEDUP,
+        change=_change())
+
+
+def _change() -> Change:
+    """fp8 training compiled (torch.compile fuses torchao's casts)."""
+    return Change(recipe=(("precision", fp8_precision().name), ("compile", Compile())))

@@ -10,7 +10,13 @@ an eager one."""
 
 from __future__ import annotations
 
-from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, effect, severity_of
+from tilefit.advise.findings import (
+    MIN_RECOMMENDED_SPEEDUP,
+    Change,
+    Finding,
+    effect,
+    severity_of,
+)
 from tilefit.advise.whatif import WhatIf
 from tilefit.estimator import Estimate
 from tilefit.recipe import Compile
@@ -70,4 +76,4 @@ def host_findings(whatif: WhatIf) -> list[Finding]:
         f"{after.peak_memory_bytes / GIB:.2f} GiB (the graphs' private memory pool). A "
         "larger batch also helps (more work per kernel, same number of kernels)",
         **effect(est, after), method="retrace" if not whatif.trace.compiled else "host",
-        recommended=ok)]
+        recommended=ok, change=Change(recipe=(("compile", Compile(REDUCE_OVERHEAD)),)))]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tilefit.advise.findings import Finding, effect
+from tilefit.advise.findings import Change, Finding, effect
 from tilefit.advise.whatif import WhatIf
 from tilefit.estimator import Estimate
 
@@ -32,7 +32,8 @@ LIGER_FIX = ("TrainingArguments(use_liger_kernel=True, liger_kernel_config={"
 
 
 def _mem_finding(whatif: WhatIf, rule: str, title: str, dimension: str, current: object,
-                 suggested: object, fix: str, reason: str, after: Estimate) -> Finding:
+                 suggested: object, fix: str, reason: str, after: Estimate,
+                 change: Change) -> Finding:
     before = whatif.estimate
     saved = before.peak_memory_bytes - after.peak_memory_bytes
     share = saved / max(before.peak_memory_bytes, 1)
@@ -52,14 +53,15 @@ def _mem_finding(whatif: WhatIf, rule: str, title: str, dimension: str, current:
         reason=reason + f" Predicted peak {before.peak_memory_bytes / GIB:.2f} -> "
         f"{after.peak_memory_bytes / GIB:.2f} GiB ({'fits' if after.fits else 'does not fit'}),"
         f" step {before.step_time_s * 1e3:.1f} -> {after.step_time_s * 1e3:.1f} ms.",
-        **effect(before, after), method="retrace", recommended=ok)
+        **effect(before, after), method="retrace", recommended=ok, change=change)
 
 
 def _optimizer_candidate(whatif: WhatIf) -> Finding | None:
     opt = whatif.recipe.optimizer
     if opt not in ("adam", "adamw"):
         return None
-    after = whatif.retrace(optimizer="adamw-8bit")
+    change = Change(recipe=(("optimizer", "adamw-8bit"),))
+    after = whatif.apply(change)
     state = whatif.estimate.memory_breakdown.get("optimizer_state", 0)
     return _mem_finding(
         whatif, "optimizer-memory", f"{opt} state is {state / GIB:.2f} GiB of the peak",
@@ -67,7 +69,7 @@ def _optimizer_candidate(whatif: WhatIf) -> Finding | None:
         "optim='adamw_bnb_8bit' in TrainingArguments (bitsandbytes.optim.AdamW8bit), or "
         "optim='adafactor'",
         "Adam keeps two fp32 moments per parameter (8 bytes/param); 8-bit AdamW keeps 2 "
-        "bytes/param.", after)
+        "bytes/param.", after, change)
 
 
 def _checkpoint_candidate(whatif: WhatIf) -> Finding | None:
@@ -78,7 +80,8 @@ def _checkpoint_candidate(whatif: WhatIf) -> Finding | None:
         whatif.skipped("activation-memory", what, "tilefit checkpoints a Hugging Face model's "
                        "layers; a factory's model is traced as its code runs")
         return None
-    after = whatif.try_retrace("activation-memory", what, grad_checkpointing=True)
+    change = Change(recipe=(("grad_checkpointing", True),))
+    after = whatif.try_apply("activation-memory", what, change)
     if after is None:
         return None
     activations = whatif.estimate.memory_breakdown.get("activations", 0)
@@ -88,7 +91,7 @@ def _checkpoint_candidate(whatif: WhatIf) -> Finding | None:
         "TrainingArguments(gradient_checkpointing=True) or model.gradient_checkpointing_"
         "enable()",
         "each layer's saved activations are dropped and recomputed in backward (one extra "
-        "forward of each layer).", after)
+        "forward of each layer).", after, change)
 
 
 def logits_fp32_bytes(whatif: WhatIf) -> int:
@@ -103,14 +106,16 @@ def logits_fp32_bytes(whatif: WhatIf) -> int:
 def _fused_ce_candidate(whatif: WhatIf) -> Finding | None:
     if whatif.recipe.fused_ce or whatif.recipe.compile or logits_fp32_bytes(whatif) == 0:
         return None  # under torch.compile the fused loss is not predicted (tilefit.vocab)
-    after = whatif.retrace(fused_ce=True)
+    change = Change(recipe=(("fused_ce", True),))
+    after = whatif.apply(change)
     logits = logits_fp32_bytes(whatif)
     return _mem_finding(
         whatif, "loss-logits", f"the loss's logits are {logits / GIB:.2f} GiB per fp32 copy, "
         "held whole", "loss", "cross-entropy on full logits", "fused linear cross-entropy",
         LIGER_FIX, "fused linear cross-entropy (Liger Kernel) computes the logits and their "
         "gradient a chunk of tokens at a time inside the forward, so they are never whole; "
-        "with fp32 weights under autocast it re-casts the head's weight for each chunk.", after)
+        "with fp32 weights under autocast it re-casts the head's weight for each chunk.", after,
+        change)
 
 
 def _smaller_batch_candidate(whatif: WhatIf) -> Finding | None:
@@ -119,14 +124,15 @@ def _smaller_batch_candidate(whatif: WhatIf) -> Finding | None:
         return None
     half = batch // 2
     accumulation_steps = whatif.recipe.accumulation_steps * 2
-    after = whatif.retrace(batch_size=half, accumulation_steps=accumulation_steps)
+    change = Change(recipe=(("batch_size", half), ("accumulation_steps", accumulation_steps)))
+    after = whatif.apply(change)
     return _mem_finding(
         whatif, "does-not-fit",
         f"batch {half} x {accumulation_steps} accumulation steps keeps the global batch",
         "batch size", batch, half,
         f"per_device_train_batch_size={half}, gradient_accumulation_steps={accumulation_steps}",
         "halving the micro-batch halves the activations; accumulation keeps the samples per "
-        "optimizer step.", after)
+        "optimizer step.", after, change)
 
 
 def memory_findings(whatif: WhatIf) -> list[Finding]:

@@ -4,7 +4,13 @@ docs/references.md, section 16. The gain is re-traced with AdamW(fused=True)."""
 
 from __future__ import annotations
 
-from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, effect, severity_of
+from tilefit.advise.findings import (
+    MIN_RECOMMENDED_SPEEDUP,
+    Change,
+    Finding,
+    effect,
+    severity_of,
+)
 from tilefit.advise.whatif import WhatIf
 
 GIB = 1024**3
@@ -22,7 +28,8 @@ def fused_optimizer_findings(whatif: WhatIf) -> list[Finding]:
     if whatif.device.kind != "cuda" or opt not in FUSED_FIX or not whatif.can_retrace:
         return []
     est = whatif.estimate
-    after = whatif.retrace(optimizer="adamw-fused")  # Adam's fused kernel moves the same bytes
+    change = Change(recipe=(("optimizer", "adamw-fused"),))
+    after = whatif.apply(change)  # Adam's fused kernel moves the same bytes
     speedup = est.step_time_s / after.step_time_s
     ok = speedup >= MIN_RECOMMENDED_SPEEDUP
     before_s = est.time_by_phase_s.get("optimizer", 0.0)
@@ -36,5 +43,5 @@ def fused_optimizer_findings(whatif: WhatIf) -> list[Finding]:
         reason=f"fused=True does the whole update in one multi-tensor kernel, with the same "
         f"math: the optimizer step {before_s * 1e3:.2f} -> {after_s * 1e3:.2f} ms, peak "
         f"{est.peak_memory_bytes / GIB:.2f} -> {after.peak_memory_bytes / GIB:.2f} GiB",
-        **effect(est, after), method="retrace", recommended=ok)]
+        **effect(est, after), method="retrace", recommended=ok, change=change)]
 

@@ -3,7 +3,7 @@ autocast), and attention falling back to the math kernel."""
 
 from __future__ import annotations
 
-from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Finding, severity_of
+from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Change, Finding, severity_of
 from tilefit.advise.origins import config_fields
 from tilefit.advise.whatif import WhatIf
 from tilefit.estimator import Estimate, OpCost
@@ -11,7 +11,8 @@ from tilefit.vocab import default_precision, parse_precision
 
 
 def _finding(whatif: WhatIf, rule: str, title: str, dimension: str, current: str,
-             suggested: str, fix: str, reason: str, after: Estimate, method: str) -> Finding:
+             suggested: str, fix: str, reason: str, after: Estimate, method: str,
+             change: Change) -> Finding:
     step = whatif.estimate.step_time_s
     speedup = step / after.step_time_s
     ok = speedup >= MIN_RECOMMENDED_SPEEDUP and after.fits
@@ -21,7 +22,7 @@ def _finding(whatif: WhatIf, rule: str, title: str, dimension: str, current: str
                    step_time_after_s=after.step_time_s,
                    peak_memory_before_bytes=whatif.estimate.peak_memory_bytes,
                    peak_memory_after_bytes=after.peak_memory_bytes, method=method,
-                   recommended=ok)
+                   recommended=ok, change=change)
 
 
 def precision_findings(whatif: WhatIf) -> list[Finding]:
@@ -39,7 +40,8 @@ def precision_findings(whatif: WhatIf) -> list[Finding]:
             "torch.backends.cuda.matmul.allow_tf32 = True (or torch.set_float32_matmul_"
             "precision('high'); TrainingArguments(tf32=True))",
             f"fp32 GEMMs take {share:.1%} of the step; PyTorch runs fp32 matmuls without TF32 "
-            "by default since 1.12 (convolutions already use it).", after, "precision"))
+            "by default since 1.12 (convolutions already use it).", after, "precision",
+            Change(recipe=(("precision", "tf32"),))))
     mixed = default_precision(whatif.device)
     if parse_precision(mixed).autocast_dtype == "bf16" and whatif.can_retrace:
         after = whatif.try_retrace("fp32-gemms", f"the step in {mixed}", precision=mixed)
@@ -50,7 +52,8 @@ def precision_findings(whatif: WhatIf) -> list[Finding]:
                 "TrainingArguments(bf16=True), or torch.autocast('cuda', dtype=torch.bfloat16) "
                 "around the forward and loss",
                 f"fp32 GEMMs take {share:.1%} of the step; under autocast they run in bf16 and "
-                "attention can use the flash kernel.", after, "retrace"))
+                "attention can use the flash kernel.", after, "retrace",
+                Change(recipe=(("precision", mixed),))))
     return out
 
 
@@ -97,7 +100,7 @@ def attention_findings(whatif: WhatIf) -> list[Finding]:
                          "attention", "eager", "sdpa",
                          "AutoModel.from_pretrained(..., attn_implementation='sdpa')",
                          "the S x S score matrix is materialised: " + "; ".join(causes),
-                         after, "retrace")]
+                         after, "retrace", Change(recipe=(("attention", "sdpa"),)))]
     step = whatif.estimate.step_time_s
     math_s = sum(c.time_s * c.repeats for c in math_ops)
     return [Finding(rule="attention-kernel", severity="info",

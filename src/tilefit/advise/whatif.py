@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from tilefit.advise.findings import Change
 from tilefit.errors import TilefitError, error_line
 from tilefit.estimator import Estimate, estimate_trace
 from tilefit.hardware import Device
@@ -85,7 +86,7 @@ class WhatIf:
     retraces: int = 0
     # layer path -> module, for fixes written as layer constructors: the audited nn.Module's
     # own, else filled on first use with the workload built on the meta device
-    # (rules_dims._module_map)
+    # (rules_dims.module_map)
     named_modules: dict[str, nn.Module] | None = None
     _cache: dict[tuple[Workload, Recipe], Estimate] = field(default_factory=dict)
     # the compiled re-traces themselves: one trace serves every compile mode (the modes
@@ -110,6 +111,14 @@ class WhatIf:
             self.skipped(rule, what, err)
             return None
 
+    def try_apply(self, rule: str, what: str, change: Change) -> Estimate | None:
+        """apply(), or None with a note (skipped) where the variant cannot be traced."""
+        try:
+            return self.apply(change)
+        except TilefitError as err:
+            self.skipped(rule, what, err)
+            return None
+
     def with_dim(self, old: int, new: int) -> Estimate:
         return estimate_trace(rewrite_dim(self.trace, old, new), self.device)
 
@@ -130,17 +139,44 @@ class WhatIf:
         if not self.can_retrace:
             raise RuntimeError("no re-trace available for a model given as an nn.Module")
         work = workload if workload is not None else self.workload
-        assert work is not None and self.retrace_fn is not None
+        assert work is not None
         recipe = replace(self.recipe, **recipe_changes)
         key = (work, recipe)
         if key not in self._cache:
-            if recipe.compile:
-                tr = self._compiled_trace(work, recipe)
-            else:
-                self.retraces += 1
-                tr = self.retrace_fn(work, recipe)
-            self._cache[key] = estimate_trace(tr, self.device)
+            self._cache[key] = estimate_trace(self._trace_of(work, recipe), self.device)
         return self._cache[key]
+
+    def apply(self, change: Change) -> Estimate:
+        """The step re-estimated with ``change`` applied: re-traced with its recipe and
+        config fields and sequence length (the audited trace where it has none of them),
+        then its weight dimensions rewritten in that trace (TilefitError where the variant
+        cannot be built or traced)."""
+        tr = self.trace
+        if change.retraces:
+            if not self.can_retrace:
+                raise TilefitError("a model given as an nn.Module is not re-traced",
+                                   expected="a catalog name, config.json or factory",
+                                   given="an nn.Module", fix="pass its config.json")
+            assert self.workload is not None
+            work = self.workload
+            if change.config:
+                work = work.with_config(**dict(change.config))
+            if change.seq_len is not None:
+                work = work.with_seq_len(change.seq_len)
+            if not change.rewrite:
+                return self.retrace(work, **dict(change.recipe))
+            tr = self._trace_of(work, replace(self.recipe, **dict(change.recipe)))
+        for old, new in change.rewrite:
+            tr = rewrite_dim(tr, old, new)
+        return estimate_trace(tr, self.device)
+
+    def _trace_of(self, work: Workload, recipe: Recipe) -> Trace:
+        """One re-trace (a compiled one shared by the compile modes), counted."""
+        if recipe.compile:
+            return self._compiled_trace(work, recipe)
+        assert self.retrace_fn is not None
+        self.retraces += 1
+        return self.retrace_fn(work, recipe)
 
     def _compiled_trace(self, work: Workload, recipe: Recipe) -> Trace:
         """A compiled re-trace, shared by the compile modes (traced once, in "default")."""

@@ -44,6 +44,13 @@ def not_recommended_because(f: Finding, audit: Audit) -> str:
 def print_findings(console: Console, audit: Audit) -> None:
     """One block per finding: title and predicted gain, modules, change, fix, reason."""
     console.rule("findings, by predicted gain (each fix re-estimated)")
+    c = audit.combined
+    if c is not None:  # the compatible fixes at once, re-estimated as one step
+        per = " per sample" if c.per_sample else ""
+        console.print(f"[bold]all {len(c.fixes)} fixes together: {fmt_time(c.step_time_before_s)}"
+                      f" -> {fmt_time(c.step_time_after_s)} per step ({c.predicted_speedup:.2f}x"
+                      f"{per}){'' if c.fits else ', does NOT fit'}[/]: " + "; ".join(c.fixes),
+                      highlight=False)
     for i, f in enumerate(audit.findings, 1):
         style = SEVERITY_STYLE.get(f.severity, "")
         tag = f.severity if f.recommended else escape(not_recommended_because(f, audit))

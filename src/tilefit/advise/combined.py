@@ -1,0 +1,105 @@
+"""The audit's combined prediction: when the step fits, its recommended speed fixes applied
+together and re-estimated as one step (``WhatIf.apply`` of their merged ``Change``), never
+their speedups multiplied. Fixes that set one field two ways (two batch sizes, two
+precisions, two compile modes) or that the Recipe refuses together (the fused loss under
+torch.compile) conflict: the one with the larger predicted gain is kept, the findings coming
+ordered by gain."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Change, Finding
+from tilefit.advise.whatif import WhatIf
+from tilefit.errors import TilefitError
+
+RULE = "combined"
+
+
+@dataclass(frozen=True)
+class CombinedFix:
+    """The compatible recommended fixes applied at once (``Audit.combined``)."""
+
+    fixes: tuple[str, ...]  # each applied fix, "rule: dimension current -> suggested"
+    left_out: tuple[str, ...]  # recommended fixes that conflict with a larger one
+    change: Change  # what was applied, merged
+    step_time_before_s: float
+    step_time_after_s: float
+    samples_before: int  # samples per optimizer step (a batch fix changes them)
+    samples_after: int
+    peak_memory_before_bytes: int
+    peak_memory_after_bytes: int
+    fits: bool  # whether the combined step fits the GPU
+
+    @property
+    def per_sample(self) -> bool:
+        return self.samples_before != self.samples_after
+
+    @property
+    def predicted_speedup(self) -> float:
+        """Step time before over after, per sample where the fixes change the batch."""
+        before = self.step_time_before_s / self.samples_before
+        after = self.step_time_after_s / self.samples_after
+        return before / after if after > 0 else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(fixes=list(self.fixes), left_out=list(self.left_out),
+                 change=self.change.to_dict(), per_sample=self.per_sample,
+                 predicted_speedup=self.predicted_speedup)
+        return d
+
+
+def label(f: Finding) -> str:
+    """A finding's fix in a few words: "fused-optimizer: optimizer adamw -> adamw (fused)"."""
+    return f"{f.rule}: {f.dimension} {f.current} -> {f.suggested}"
+
+
+def _recipe_accepts(whatif: WhatIf, change: Change, f: Finding) -> bool:
+    """Whether the Recipe takes the merged fixes together (noted where it refuses)."""
+    try:
+        replace(whatif.recipe, **dict(change.recipe))
+    except TilefitError as err:
+        whatif.skipped(RULE, f"{label(f)} with the larger fixes", err)
+        return False
+    return True
+
+
+def combine(whatif: WhatIf, findings: tuple[Finding, ...]) -> CombinedFix | None:
+    """The recommended speed fixes of ``findings`` (ordered by gain) that go together,
+    re-estimated as one step; None where the step does not fit (the way forward is the
+    plan), fewer than two fixes combine, or the combined step cannot be traced (noted)."""
+    est = whatif.estimate
+    if not est.fits:
+        return None
+    chosen: list[Finding] = []
+    left_out: list[str] = []
+    merged = Change()
+    for f in findings:
+        if (not f.recommended or f.change is None
+                or f.predicted_speedup < MIN_RECOMMENDED_SPEEDUP):
+            continue
+        both = merged.merged(f.change)
+        if both is None or not _recipe_accepts(whatif, both, f):
+            left_out.append(label(f))
+            continue
+        merged = both
+        chosen.append(f)
+    if len(chosen) < 2:
+        return None
+    after = whatif.try_apply(RULE, f"the {len(chosen)} fixes together", merged)
+    if after is None:
+        return None
+    result = CombinedFix(
+        fixes=tuple(label(f) for f in chosen), left_out=tuple(left_out), change=merged,
+        step_time_before_s=est.step_time_s, step_time_after_s=after.step_time_s,
+        samples_before=est.samples_per_step, samples_after=after.samples_per_step,
+        peak_memory_before_bytes=est.peak_memory_bytes,
+        peak_memory_after_bytes=after.peak_memory_bytes, fits=after.fits)
+    best = max(chosen, key=lambda f: f.predicted_speedup)
+    if result.predicted_speedup < best.predicted_speedup:
+        whatif.notes.append(
+            f"{RULE}: the fixes interact: together {result.predicted_speedup:.2f}x, "
+            f"{best.rule} alone {best.predicted_speedup:.2f}x")
+    return result
