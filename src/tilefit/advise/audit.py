@@ -35,6 +35,7 @@ from tilefit.recipe import (
     is_named_model,
 )
 from tilefit.tracing.records import Trace
+from tilefit.tracing.workloads import shared_traces
 
 if TYPE_CHECKING:
     from tilefit.models import Workload
@@ -128,13 +129,15 @@ def audit(model: Any, batch: Any = None, *, recipe: Recipe | None = None,
         found = None if loss_fn is not None else module_workload(model, batch)
         if found is not None:  # a Hugging Face module: audited as its config
             model, batch = found
-    if is_named_model(model):
-        subject = _workload_subject(model, batch_recipe(recipe, batch).on(device), device,
-                                    seq_len=seq_len, input_shape=old.rest.get("input_shape"),
-                                    task=old.rest.get("task"))
-    else:
-        subject = _module_subject(model, batch, recipe.on(device), device, loss_fn=loss_fn)
-    return _run_rules(subject, device, confirm=confirm, started_s=t0)
+    with shared_traces():  # the what-ifs and the way forward's plan share their traces
+        if is_named_model(model):
+            subject = _workload_subject(model, batch_recipe(recipe, batch).on(device), device,
+                                        seq_len=seq_len, input_shape=old.rest.get(
+                                            "input_shape"), task=old.rest.get("task"))
+        else:
+            subject = _module_subject(model, batch, recipe.on(device), device,
+                                      loss_fn=loss_fn)
+        return _run_rules(subject, device, confirm=confirm, started_s=t0)
 
 
 def _workload_subject(model: str | Workload, recipe: Recipe, device: Device, *,

@@ -76,6 +76,7 @@ def plan(model: Any, batch: Any = None, *, global_batch: int,
     (PlanSearch). The old keywords still work, with a DeprecationWarning."""
     from tilefit.models.module import module_workload
     from tilefit.planner.run import search_plan
+    from tilefit.tracing.workloads import shared_traces
 
     old = read_legacy("plan", recipe, legacy, PLAIN_PYTORCH, own=LEGACY_SEARCH)
     recipe = old.recipe or Recipe.for_model(model)
@@ -97,9 +98,10 @@ def plan(model: Any, batch: Any = None, *, global_batch: int,
                            given="recipe=Recipe(lora=...)", fix="plan(..., search="
                            "PlanSearch(lora=Lora(...))) (tilefit plan --allow-peft, "
                            "--lora-rank ...)")
-    return search_plan(model, gpu=gpu, global_batch=global_batch, seq_len=seq_len,
-                       recipe=recipe, search=search, input_shape=old.rest.get("input_shape"),
-                       task=old.rest.get("task"))
+    with shared_traces():  # the one-GPU and multi-GPU sweeps and the confirmation share
+        return search_plan(model, gpu=gpu, global_batch=global_batch, seq_len=seq_len,
+                           recipe=recipe, search=search,
+                           input_shape=old.rest.get("input_shape"), task=old.rest.get("task"))
 
 
 def _search_of(search: PlanSearch | None, rest: dict[str, Any]) -> PlanSearch:

@@ -1,9 +1,17 @@
 """Tracing a named model: a catalog name, config.json or factory, built by tilefit at the
-recipe's batch size (tilefit.models.Workload), LoRA adapters and the fused loss included."""
+recipe's batch size (tilefit.models.Workload), LoRA adapters and the fused loss included.
+
+``shared_traces()`` scopes one call of audit or plan: inside it each distinct (workload,
+recipe, device) is traced once and its Trace (frozen) handed to every later asker (a plan's
+one-GPU and multi-GPU sweeps share their 16-bit points; an audit's way forward runs a plan).
+Nothing outlives the scope."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Hashable, Iterator
+from contextvars import ContextVar
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -17,13 +25,49 @@ if TYPE_CHECKING:
     from tilefit.models import Workload
 
 
+# the traces of the innermost shared_traces() scope, by (workload, recipe, device)
+_SHARED: ContextVar[dict[Hashable, Trace] | None] = ContextVar("tilefit_shared_traces",
+                                                               default=None)
+
+
+@contextlib.contextmanager
+def shared_traces() -> Iterator[None]:
+    """Within: trace_workload traces each (workload, recipe, device) once. A scope inside
+    another shares the outer one's traces; they are dropped when the outermost ends."""
+    if _SHARED.get() is not None:
+        yield
+        return
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
 def trace_workload(workload: str | Workload, recipe: Recipe, gpu: str | Device) -> Trace:
     """One training step of ``workload`` under ``recipe`` (its batch size, its adapters and
-    loss) on ``gpu``."""
+    loss) on ``gpu``; inside ``shared_traces()``, the scope's trace of the same step if it
+    has one."""
     from tilefit.models import load_workload
 
     work = load_workload(workload) if isinstance(workload, str) else workload
-    recipe = recipe.on(resolve_target(gpu)[1])
+    device = resolve_target(gpu)[1]
+    recipe = recipe.on(device)
+    shared = _SHARED.get()
+    try:
+        key: Hashable = (work, recipe, device)
+        hash(key)
+    except TypeError:  # an unhashable part (a user's optimizer factory object): not shared
+        shared = None
+    if shared is None:
+        return _trace_workload(work, recipe, gpu)
+    if key not in shared:
+        shared[key] = _trace_workload(work, recipe, gpu)
+    return shared[key]
+
+
+def _trace_workload(work: Workload, recipe: Recipe, gpu: str | Device) -> Trace:
+    """trace_workload's step, traced (``recipe`` already on the device)."""
     build_attention = recipe.attention  # auto: transformers' choice for the architecture
     if work.is_factory and recipe.attention != "auto":
         raise TilefitError(
