@@ -370,6 +370,11 @@ def test_cli_terminal_report(tmp_path: Path) -> None:
     out = " ".join(res.stdout.split())
     assert "vocab_size 50257 -> 50304" in out
     assert "time by module" in out and "step time" in out
+    # the loop the trace assumed, on stderr as `tilefit estimate` prints it: the Trainer's
+    # defaults for a Hugging Face model (Recipe.for_model)
+    err = " ".join(res.stderr.split())
+    assert "note: the training loop as assumed: gradients clipped at 1.0" in err
+    assert "the loss read each micro-batch" in err
 
 
 @pytest.mark.parametrize(("args", "messages"), [

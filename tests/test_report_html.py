@@ -170,6 +170,85 @@ def test_a_finding_not_recommended_shows_why(audited) -> None:  # type: ignore[n
     assert "[low]" in text  # the recommended one keeps its severity
 
 
+def _way_forward_plan(device: Any, overhead: int) -> Any:
+    """A plan whose best row is known: bf16 autocast, checkpointing, micro-batch 2 x 4
+    accumulation steps, 12.5 ms and 3 GiB of a 70 GiB budget; its configs the planner's own
+    for that row (tested in tests/test_plan*.py)."""
+    from tilefit.planner import Plan
+    from tilefit.planner.configs import single_gpu_configs
+    from tilefit.planner.rows import PlanRow
+
+    budget = 70 * 1024**3
+    row = PlanRow(recipe=tilefit.Recipe(batch_size=2, accumulation_steps=4,
+                                        precision="bf16-mixed", grad_checkpointing=True),
+                  predicted_peak_memory_bytes=3 * 1024**3, predicted_step_time_s=0.0125,
+                  samples_per_s=640.0, tokens_per_s=None, mfu=0.4, budget_bytes=budget)
+    return Plan(model="gpt2-tiny", device=device, global_batch=8, seq_len=32,
+                objective="samples-per-s", memory_fraction=0.9, budget_bytes=budget,
+                overhead_bytes=overhead, rows=(row,), best=row, reason="the fastest that fits",
+                confirmation=None, configs=single_gpu_configs(row, "causal-lm"),
+                multi_gpu=None)
+
+
+def test_the_way_forward_sits_under_the_verdict_with_its_configs(audited) -> None:  # type: ignore[no-untyped-def]
+    import html as html_lib
+
+    from tilefit.report.html import render_html
+
+    est = audited.estimate
+    assert "Way forward" not in render_html(audited)  # the step fits: no plan
+    big = dataclasses.replace(est, peak_memory_bytes=est.device.memory_bytes)
+    plan = _way_forward_plan(est.device, est.overhead_bytes)
+    page = render_html(dataclasses.replace(audited, estimate=big, plan=plan))
+    verdict, forward, findings = (page.index('class="verdict nofit"'),
+                                  page.index("<h2>Way forward"), page.index("<h2>Findings"))
+    assert verdict < forward < findings  # right under the summary's verdict
+    text = " ".join(_parse(page).of("wayforward"))
+    assert "bf16-mixed adamw ckpt" in text  # the row's label: precision, optimizer, ckpt
+    assert "micro-batch 2 x 4 accumulation steps = global batch 8" in text
+    assert "12.50 ms, 640.00 samples/s, MFU 40%" in text
+    assert "3.00 GiB of 70.00 GiB budget" in text
+    pres = re.findall(r"<pre>(.*?)</pre>", page, re.S)
+    cfg = plan.configs
+    assert html_lib.unescape(pres[0]) == cfg["hf_python"]  # escaped, and nothing lost
+    assert html_lib.unescape(pres[1]) == cfg["hf_training_arguments_json"]
+    assert '"' not in pres[1] and "&quot;gradient_accumulation_steps&quot;: 4" in pres[1]
+    assert cfg["hf_training_arguments"]["per_device_train_batch_size"] == 2
+    nothing = dataclasses.replace(plan, best=None, rows=(), reason="no recipe fits one GPU")
+    page = render_html(dataclasses.replace(audited, estimate=big, plan=nothing))
+    assert "no recipe fits one GPU" in " ".join(_parse(page).of("wayforward"))
+    assert "<pre>" not in page
+
+
+def _combined() -> Any:
+    """Two fixes together: 2 ms for 4 samples before, 2.5 ms for 8 after (a batch fix), so
+    0.5 ms against 0.3125 ms a sample: 1.60x per sample; one fix left out."""
+    from tilefit.advise.combined import CombinedFix
+    from tilefit.advise.findings import Change
+
+    return CombinedFix(fixes=("fused-optimizer: optimizer adamw -> adamw (fused)",
+                              "batch: batch_size 4 -> 8"),
+                       left_out=("batch: batch_size 4 -> 16",), change=Change(),
+                       step_time_before_s=2e-3, step_time_after_s=2.5e-3, samples_before=4,
+                       samples_after=8, peak_memory_before_bytes=2**30,
+                       peak_memory_after_bytes=2**31, fits=True)
+
+
+def test_the_page_shows_the_fixes_together(audited) -> None:  # type: ignore[no-untyped-def]
+    from tilefit.report.html import render_html
+
+    assert "fixes together" not in render_html(audited)
+    page = render_html(dataclasses.replace(audited, combined=_combined()))
+    text = " ".join(_parse(page).of("combined"))
+    assert "all 2 fixes together: 2.00 ms -> 2.50 ms per step (1.60x per sample)" in text
+    assert "optimizer adamw -&gt; adamw (fused)" in page  # escaped in the page's source
+    assert "fixes: fused-optimizer: optimizer adamw -> adamw (fused); batch: batch_size 4 -> 8" \
+        in text
+    assert "batch: batch_size 4 -> 16" in text and "left out" in text
+    # above the single findings, as the terminal prints it
+    assert page.index('class="combined"') < page.index('class="finding')
+
+
 # ---- the notebook views: _repr_html_ ----------------------------------------------------
 
 class _Balanced(HTMLParser):
@@ -224,6 +303,12 @@ def test_the_audit_shows_its_findings_and_why_one_is_not_recommended(audited) ->
     text = _shown(audited)
     assert "1 fix(es) recommended" in text
     assert "[slower: 0.500x]" in text and "2.000x (2.00 ms -> 1.00 ms per step)" in text
+    assert "combined" not in text
+    text = _shown(dataclasses.replace(audited, combined=_combined()))
+    assert "combined all 2 fixes together: 2.00 ms -> 2.50 ms per step (1.60x per sample): " \
+        "fused-optimizer: optimizer adamw -> adamw (fused); batch: batch_size 4 -> 8" in text
+    assert "left out (each conflicts with a fix of larger gain): batch: batch_size 4 -> 16" \
+        in text
 
 
 def test_the_plan_shows_the_chosen_recipe(step) -> None:  # type: ignore[no-untyped-def]

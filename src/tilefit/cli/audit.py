@@ -59,6 +59,7 @@ def audit(
 ) -> None:
     """Find what slows the training step or makes it not fit, with fixes and predicted gains."""
     from tilefit.advise import audit as run_audit
+    from tilefit.recipe import training_loop_note
 
     with user_errors():
         _check_html(html)
@@ -75,6 +76,8 @@ def audit(
             quantize=quantize, compile_=compile_, compile_mode=compile_mode,
             alloc_conf=alloc_conf)
         result = run_audit(work, recipe=recipe, gpu=device, confirm=confirm)
+        if not work.is_factory:  # the loop the trace assumed, as `tilefit estimate` says it
+            err_console.print(training_loop_note(result.recipe), highlight=False)
         if html is not None:
             from tilefit.report.html import write_html
 

@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from tilefit.advise import Audit, Finding
+from tilefit.advise.combined import CombinedFix
 from tilefit.report.terminal import fmt_bytes, fmt_time, modules_table, summary_table
 
 SEVERITY_STYLE = {"high": "bold red", "medium": "yellow", "low": "cyan", "info": "dim"}
@@ -41,16 +42,29 @@ def not_recommended_because(f: Finding, audit: Audit) -> str:
     return f"gain too small to count: {speedup:.3f}x, within the cost model's error"
 
 
+def combined_head(c: CombinedFix) -> str:
+    """The compatible fixes applied together, in words: "all 2 fixes together: 2.00 ms ->
+    1.00 ms per step (2.00x), does NOT fit" (per sample where they change the batch)."""
+    per = " per sample" if c.per_sample else ""
+    return (f"all {len(c.fixes)} fixes together: {fmt_time(c.step_time_before_s)} -> "
+            f"{fmt_time(c.step_time_after_s)} per step ({c.predicted_speedup:.2f}x{per})"
+            + ("" if c.fits else ", does NOT fit"))
+
+
+def combined_left_out(c: CombinedFix) -> str:
+    """The recommended fixes the combined step leaves out, and why."""
+    return "left out (each conflicts with a fix of larger gain): " + "; ".join(c.left_out)
+
+
 def print_findings(console: Console, audit: Audit) -> None:
     """One block per finding: title and predicted gain, modules, change, fix, reason."""
     console.rule("findings, by predicted gain (each fix re-estimated)")
     c = audit.combined
     if c is not None:  # the compatible fixes at once, re-estimated as one step
-        per = " per sample" if c.per_sample else ""
-        console.print(f"[bold]all {len(c.fixes)} fixes together: {fmt_time(c.step_time_before_s)}"
-                      f" -> {fmt_time(c.step_time_after_s)} per step ({c.predicted_speedup:.2f}x"
-                      f"{per}){'' if c.fits else ', does NOT fit'}[/]: " + "; ".join(c.fixes),
+        console.print(f"[bold]{escape(combined_head(c))}[/]: " + escape("; ".join(c.fixes)),
                       highlight=False)
+        if c.left_out:
+            console.print(f"   [dim]{escape(combined_left_out(c))}[/]", highlight=False)
     for i, f in enumerate(audit.findings, 1):
         style = SEVERITY_STYLE.get(f.severity, "")
         tag = f.severity if f.recommended else escape(not_recommended_because(f, audit))

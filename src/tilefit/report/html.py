@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import html
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 
@@ -15,8 +15,14 @@ from tilefit.advise.rules_dims import misaligned_dims
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate
 from tilefit.recipe import training_loop_note
-from tilefit.report.audit_terminal import gain_text, not_recommended_because
+from tilefit.report.audit_terminal import (
+    combined_head,
+    combined_left_out,
+    gain_text,
+    not_recommended_because,
+)
 from tilefit.report.notebook import verdict_html
+from tilefit.report.plan import best_rows, config_sections, multi_gpu_text
 from tilefit.report.terminal import (
     HOST_BOUND_SHOWN,
     fmt_bytes,
@@ -45,6 +51,9 @@ img{max-width:100%;border:1px solid #eee;margin:.5em 0}
 .lane{display:flex;align-items:center;margin:.3em 0}.lane span{width:13em}
 .lane div{height:1.1em;border-radius:2px}.lane .host{background:#ff9f1c}
 .lane .gpu{background:#1f77b4}
+pre{background:#f6f6f6;padding:.6em .8em;overflow-x:auto;font-size:.88em}
+.wayforward{border-left:6px solid #1b7f3b;padding:.5em 1em;background:#f5fbf6}
+.combined{border-left:6px solid #1b7f3b;padding:.5em 1em;margin:1em 0;background:#f5fbf6}
 """
 
 
@@ -81,6 +90,43 @@ def _summary(audit: Audit) -> str:
     return _table([(k, _esc(v)) for k, v in rows] + [("peak memory", memory), *tail])
 
 
+def _configs(cfg: dict[str, Any]) -> str:
+    """The configs to paste, each under its name, in <pre> (escaped)."""
+    return "".join(f"<h3>{_esc(name)}</h3>" + (f"<p>{_esc(aside)}</p>" if aside else "")
+                   + f"<pre>{_esc(text)}</pre>" for name, aside, text in config_sections(cfg))
+
+
+def _way_forward(audit: Audit) -> str:
+    """When the step does not fit: the planner's recipe that does, in the plan's words, and
+    its configs to paste; or why none fits one GPU and the fewest GPUs that do."""
+    plan = audit.plan
+    if plan is None:
+        return ""
+    best = plan.best
+    if best is not None:
+        rows = _table([(k, _esc(v)) for k, v in best_rows(plan, best)])
+        body = f'<div class="wayforward">{rows}</div>{_configs(plan.configs)}'
+    else:
+        multi = plan.multi_gpu
+        text = multi_gpu_text(plan)
+        body = f'<div class="wayforward"><p>{_esc(plan.reason)}</p>' + (
+            f"<p>multi-GPU: {_esc(text)}</p>" if text else "") + "</div>"
+        if multi is not None and multi.gpus is not None and multi.best is not None:
+            body += _configs(multi.configs)
+    return f"<h2>Way forward: a recipe that fits</h2>{body}"
+
+
+def _combined(audit: Audit) -> str:
+    """The compatible fixes applied together and re-estimated as one step, as the terminal
+    says it, with the fixes it leaves out."""
+    c = audit.combined
+    if c is None:
+        return ""
+    left = f'<div class="why">{_esc(combined_left_out(c))}</div>' if c.left_out else ""
+    return (f'<div class="combined"><div class="gain">{_esc(combined_head(c))}</div>'
+            f"<div>fixes: {_esc('; '.join(c.fixes))}</div>{left}</div>")
+
+
 def _findings(audit: Audit) -> str:
     if not audit.findings:
         return "<p>No findings: the GEMM dimensions are aligned and memory is not the limit.</p>"
@@ -96,7 +142,7 @@ def _findings(audit: Audit) -> str:
                    f'</div><div class="gain">predicted: {_esc(gain_text(f))}</div>{mods}{change}'
                    f"<div>fix: <code>{_esc(f.fix)}</code></div>"
                    f'<div class="why">why: {_esc(f.reason)}</div></div>')
-    return "".join(out)
+    return _combined(audit) + "".join(out)
 
 
 def _roofline(audit: Audit) -> bytes:
@@ -191,7 +237,7 @@ def render_html(audit: Audit) -> str:
             f"<title>{_esc(title)}</title><style>{CSS}</style></head><body>"
             f"<h1>{_esc(title)}</h1><p>Predicted without the GPU: the training step traced on "
             "fake tensors and costed op by op; each fix re-estimated with the fix applied.</p>"
-            f"<h2>Summary</h2>{_summary(audit)}<h2>Findings</h2>{_findings(audit)}"
+            f"<h2>Summary</h2>{_summary(audit)}{_way_forward(audit)}<h2>Findings</h2>{_findings(audit)}"
             f"{timeline}<h2>Assumed training loop</h2>{_assumptions(audit)}"
             f"<h2>GEMM roofline</h2>{_img(_roofline(audit), 'roofline of every GEMM')}"
             f"<h2>Time by module</h2>{_img(time_png, 'time by module')}"

@@ -71,11 +71,20 @@ def estimate_html(e: Estimate) -> str:
 
 
 def audit_html(a: Audit) -> str:
-    from tilefit.report.audit_terminal import gain_text, not_recommended_because
+    from tilefit.report.audit_terminal import (
+        combined_head,
+        combined_left_out,
+        gain_text,
+        not_recommended_because,
+    )
 
     e = a.estimate
     rows = [("model", a.model), ("GPU", e.device.name),
             ("step time", fmt_time(e.step_time_s)), ("peak memory", verdict_html(e))]
+    c = a.combined
+    if c is not None:  # the compatible fixes applied together, re-estimated as one step
+        rows.append(("combined", f"{combined_head(c)}: {'; '.join(c.fixes)}"
+                     + (f"; {combined_left_out(c)}" if c.left_out else "")))
     for i, f in enumerate(a.findings, 1):
         tag = f.severity if f.recommended else not_recommended_because(f, a)
         rows.append((f"{i}. [{tag}]", f"{f.title}: {gain_text(f)}"))

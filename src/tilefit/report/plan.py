@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tilefit.planner import Plan
@@ -80,45 +82,86 @@ def changes_legend(plan: Plan, top: int) -> list[str]:
     return [f"  {k}: {v}" for k, v in seen.items()]
 
 
+def best_rows(plan: Plan, best: PlanRow) -> list[tuple[str, str]]:
+    """The chosen plan in words, (quantity, value) rows: recipe, batch, memory, step, why,
+    changes and the confirming trace (the terminal's table and the audit's HTML page)."""
+    rows = [("recipe", best.recipe_label())]
+    gpus = "" if best.strategy is None else f" x {best.world_size} GPUs ({best.strategy})"
+    rows.append(("batch", f"micro-batch {best.micro_batch} x {best.accumulation_steps} "
+                 f"accumulation steps{gpus} = global batch {best.global_batch}"))
+    if best.strategy in ZERO_STRATEGIES:
+        rows.append(("memory", "per GPU (DeepSpeed modelled on one-GPU traces: its engine "
+                     "does not run on fake tensors)"))
+    elif best.strategy is not None:
+        rows.append(("memory", "per GPU (rank 0 traced under the fake process group)"))
+    held = fmt_bytes(best.predicted_peak_memory_bytes) if best.predicted_reserved_bytes \
+        is None else (f"{fmt_bytes(best.predicted_reserved_bytes)} reserved by the caching "
+                      f"allocator ({fmt_bytes(best.predicted_peak_memory_bytes)} of tensors)")
+    rows.append(("peak memory", f"{held} of "
+                 f"{fmt_bytes(plan.budget_bytes)} budget ({plan.memory_fraction:.0%} of "
+                 f"{fmt_bytes(plan.device.memory_bytes)} minus "
+                 f"{fmt_bytes(plan.overhead_bytes)} CUDA context/workspace)"))
+    if best.host_memory_bytes:
+        what = "the offloaded optimizer state and its buffers" if best.offload else \
+            "the model's fp32 copy per process while DeepSpeed initialises"
+        rows.append(("CPU memory", f"{fmt_bytes(best.host_memory_bytes)} per node "
+                     f"(DeepSpeed's own estimate: {what})"))
+    tput = f"{best.samples_per_s:,.2f} samples/s"
+    if best.tokens_per_s is not None:
+        tput += f", {best.tokens_per_s:,.0f} tokens/s"
+    rows.append(("step", f"{fmt_time(best.predicted_step_time_s)}, {tput}, MFU {best.mfu:.0%}"))
+    rows.append(("why", plan.reason))
+    if best.changes:
+        rows.append(("changes", "; ".join(best.changes)))
+    check = plan.confirmation
+    if check is not None:
+        rows.append(("confirmed", f"full trace: peak {fmt_bytes(check.traced_peak_bytes)} "
+                     f"(affine {fmt_bytes(check.affine_peak_bytes)}, {check.peak_error:+.1%}), "
+                     f"step {fmt_time(check.traced_step_time_s)} (affine "
+                     f"{fmt_time(check.affine_step_time_s)}, {check.time_error:+.1%})"))
+    return rows
+
+
 def best_table(plan: Plan, best: PlanRow) -> Table:
     table = Table(title="chosen plan", show_header=False, box=box.SIMPLE, pad_edge=False)
     table.add_column("quantity", style="bold")
     table.add_column("value")
-    table.add_row("recipe", best.recipe_label())
-    gpus = "" if best.strategy is None else f" x {best.world_size} GPUs ({best.strategy})"
-    table.add_row("batch", f"micro-batch {best.micro_batch} x {best.accumulation_steps} "
-                  f"accumulation steps{gpus} = global batch {best.global_batch}")
-    if best.strategy in ZERO_STRATEGIES:
-        table.add_row("memory", "per GPU (DeepSpeed modelled on one-GPU traces: its engine "
-                      "does not run on fake tensors)")
-    elif best.strategy is not None:
-        table.add_row("memory", "per GPU (rank 0 traced under the fake process group)")
-    held = fmt_bytes(best.predicted_peak_memory_bytes) if best.predicted_reserved_bytes \
-        is None else (f"{fmt_bytes(best.predicted_reserved_bytes)} reserved by the caching "
-                      f"allocator ({fmt_bytes(best.predicted_peak_memory_bytes)} of tensors)")
-    table.add_row("peak memory", f"{held} of "
-                  f"{fmt_bytes(plan.budget_bytes)} budget ({plan.memory_fraction:.0%} of "
-                  f"{fmt_bytes(plan.device.memory_bytes)} minus "
-                  f"{fmt_bytes(plan.overhead_bytes)} CUDA context/workspace)")
-    if best.host_memory_bytes:
-        what = "the offloaded optimizer state and its buffers" if best.offload else \
-            "the model's fp32 copy per process while DeepSpeed initialises"
-        table.add_row("CPU memory", f"{fmt_bytes(best.host_memory_bytes)} per node "
-                      f"(DeepSpeed's own estimate: {what})")
-    tput = f"{best.samples_per_s:,.2f} samples/s"
-    if best.tokens_per_s is not None:
-        tput += f", {best.tokens_per_s:,.0f} tokens/s"
-    table.add_row("step", f"{fmt_time(best.predicted_step_time_s)}, {tput}, MFU {best.mfu:.0%}")
-    table.add_row("why", plan.reason)
-    if best.changes:
-        table.add_row("changes", "; ".join(best.changes))
-    check = plan.confirmation
-    if check is not None:
-        table.add_row("confirmed", f"full trace: peak {fmt_bytes(check.traced_peak_bytes)} "
-                      f"(affine {fmt_bytes(check.affine_peak_bytes)}, {check.peak_error:+.1%}), "
-                      f"step {fmt_time(check.traced_step_time_s)} (affine "
-                      f"{fmt_time(check.affine_step_time_s)}, {check.time_error:+.1%})")
+    for name, value in best_rows(plan, best):
+        table.add_row(name, value)
     return table
+
+
+def config_sections(cfg: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The configs to paste, in order, as (name, aside, text): a one-GPU plan's Trainer,
+    Lightning and plain PyTorch (with LoRA, 4-bit and DeepSpeed where the plan has them),
+    or a multi-GPU plan's launch (the torchrun script itself: --write-configs DIR or
+    --json)."""
+    if "torchrun_script" in cfg:
+        out = [("launch", "(--write-configs DIR writes the script and configs)",
+                str(cfg["launch"]))]
+        if "accelerate_yaml" in cfg:
+            out.append(("accelerate.yaml", "", str(cfg["accelerate_yaml"])))
+        return [*out, ("DeepSpeed (ds_config.json)", f"({cfg['deepspeed_note']})",
+                       json.dumps(cfg["deepspeed"], indent=2))]
+    out = [("Hugging Face TrainingArguments", "", cfg["hf_python"]),
+           ("as JSON", "", cfg["hf_training_arguments_json"]),
+           ("Lightning", "", json.dumps(cfg["lightning"], indent=2)),
+           ("plain PyTorch", "", cfg["pytorch_loop"])]
+    if "peft_lora_config" in cfg:
+        out.append(("peft.LoraConfig", "", json.dumps(cfg["peft_lora_config"], indent=2)))
+    if "bitsandbytes_config" in cfg:
+        out.append(("transformers.BitsAndBytesConfig", "(QLoRA's 4-bit base)",
+                    json.dumps(cfg["bitsandbytes_config"], indent=2)))
+    if "deepspeed" in cfg:
+        out.append(("DeepSpeed (ds_config.json)", "", json.dumps(cfg["deepspeed"], indent=2)))
+    return out
+
+
+def _print_configs(console: Console, cfg: dict[str, Any]) -> None:
+    for name, aside, text in config_sections(cfg):
+        console.print(f"[bold]{escape(name)}[/]" + (f" {escape(aside)}" if aside else ""),
+                      highlight=False)
+        console.print(text, highlight=False, markup=False)
 
 
 def print_plan(console: Console, plan: Plan, *, top: int = 15) -> None:
@@ -140,58 +183,37 @@ def print_plan(console: Console, plan: Plan, *, top: int = 15) -> None:
         console.print(f"[bold red]{plan.reason}[/]", highlight=False)
     else:
         console.print(best_table(plan, plan.best))
-        cfg = plan.configs
-        if "torchrun_script" in cfg:
-            _print_launch(console, cfg)
+        _print_configs(console, plan.configs)
+        if "torchrun_script" in plan.configs:  # a multi-GPU plan: its launch is the answer
             return
-        console.print("[bold]Hugging Face TrainingArguments[/]")
-        console.print(cfg["hf_python"], highlight=False, markup=False)
-        console.print("[bold]as JSON[/]")
-        console.print(cfg["hf_training_arguments_json"], highlight=False, markup=False)
-        console.print("[bold]Lightning[/]")
-        console.print(json.dumps(cfg["lightning"], indent=2), highlight=False, markup=False)
-        console.print("[bold]plain PyTorch[/]")
-        console.print(cfg["pytorch_loop"], highlight=False, markup=False)
-        if "peft_lora_config" in cfg:
-            console.print("[bold]peft.LoraConfig[/]")
-            console.print(json.dumps(cfg["peft_lora_config"], indent=2), highlight=False,
-                          markup=False)
-        if "bitsandbytes_config" in cfg:
-            console.print("[bold]transformers.BitsAndBytesConfig[/] (QLoRA's 4-bit base)")
-            console.print(json.dumps(cfg["bitsandbytes_config"], indent=2), highlight=False,
-                          markup=False)
-        if "deepspeed" in cfg:
-            console.print("[bold]DeepSpeed (ds_config.json)[/]")
-            console.print(json.dumps(cfg["deepspeed"], indent=2), highlight=False, markup=False)
     _print_multi_gpu(console, plan)
 
 
-def _print_launch(console: Console, cfg: dict[str, object]) -> None:
-    """A multi-GPU plan's launch: the command, the accelerate config, DeepSpeed (the torchrun
-    script itself: --write-configs DIR or --json)."""
-    console.print("[bold]launch[/] (--write-configs DIR writes the script and configs)")
-    console.print(str(cfg["launch"]), highlight=False, markup=False)
-    if "accelerate_yaml" in cfg:
-        console.print("[bold]accelerate.yaml[/]")
-        console.print(str(cfg["accelerate_yaml"]), highlight=False, markup=False)
-    console.print(f"[bold]DeepSpeed (ds_config.json)[/] ({cfg['deepspeed_note']})")
-    console.print(json.dumps(cfg["deepspeed"], indent=2), highlight=False, markup=False)
+def multi_gpu_text(plan: Plan) -> str | None:
+    """The fewest GPUs that fit when nothing fits one, in words (after "multi-GPU: "); None
+    where the plan did not look."""
+    multi = plan.multi_gpu
+    if multi is None:
+        return None
+    best = multi.best
+    if multi.gpus is None or best is None:
+        return multi.note
+    return (f"nothing fits one GPU with the optimizer on it; traced from the "
+            f"ZeRO-3 formula's GPU count ({multi.formula_gpus}) up, the first that fits: "
+            f"{multi.gpus} x {plan.device.display_name} with {best.strategy}: "
+            f"micro-batch {best.micro_batch} x {best.accumulation_steps} accumulation x "
+            f"{multi.gpus} GPUs, {fmt_bytes(best.predicted_peak_memory_bytes)} per GPU, "
+            f"step {fmt_time(best.predicted_step_time_s)}, {best.samples_per_s:,.1f} "
+            f"samples/s on all GPUs ({multi.method})")
 
 
 def _print_multi_gpu(console: Console, plan: Plan) -> None:
+    text = multi_gpu_text(plan)
+    if text is None:
+        return
     multi = plan.multi_gpu
-    if multi is None:
+    if multi is None or multi.gpus is None or multi.best is None:
+        console.print(f"multi-GPU: {text}", highlight=False)
         return
-    best = multi.best
-    if multi.gpus is None or best is None:
-        console.print(f"multi-GPU: {multi.note}", highlight=False)
-        return
-    console.print(
-        f"[bold]multi-GPU[/]: nothing fits one GPU with the optimizer on it; traced from the "
-        f"ZeRO-3 formula's GPU count ({multi.formula_gpus}) up, the first that fits: "
-        f"{multi.gpus} x {plan.device.display_name} with {best.strategy}: "
-        f"micro-batch {best.micro_batch} x {best.accumulation_steps} accumulation x "
-        f"{multi.gpus} GPUs, {fmt_bytes(best.predicted_peak_memory_bytes)} per GPU, "
-        f"step {fmt_time(best.predicted_step_time_s)}, {best.samples_per_s:,.1f} "
-        f"samples/s on all GPUs ({multi.method})", highlight=False)
-    _print_launch(console, multi.configs)
+    console.print(f"[bold]multi-GPU[/]: {escape(text)}", highlight=False)
+    _print_configs(console, multi.configs)
