@@ -3,6 +3,7 @@ cache for every test."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,6 +12,18 @@ from pathlib import Path
 import pytest
 
 from tilefit.hardware.profiles import CACHE_ENV, NO_PROFILE_ENV, clear_profile_cache
+
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... under pytest-xdist
+if _WORKER:
+    # Workers share the cores: one thread each (and in the processes a test starts), not one
+    # per core each; and each its own rendezvous port, so that two tests launching torchrun
+    # at once on two workers do not both take its default 29500 (torchrun reads --master-port
+    # from PET_MASTER_PORT).
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    os.environ["PET_MASTER_PORT"] = str(29500 + 11 * (1 + int(_WORKER.removeprefix("gw"))))
 
 
 @pytest.fixture(autouse=True)

@@ -41,14 +41,18 @@ def squeezed(tiny_gpt2):  # type: ignore[no-untyped-def]
 
 def test_a_step_that_does_not_fit_gets_the_plans_recipe_first(tiny_gpt2, squeezed) -> None:  # type: ignore[no-untyped-def]
     from tilefit import audit, plan
+    from tilefit.tracing.workloads import shared_traces
 
     recipe = Recipe.for_model(tiny_gpt2, batch_size=32, precision="bf16-mixed")
-    result = audit(tiny_gpt2, recipe=recipe, gpu=squeezed)
+    # one scope: the second call below reuses the audit's traces of the same steps (a trace
+    # depends only on its model, recipe and GPU) and decides again from them
+    with shared_traces():
+        result = audit(tiny_gpt2, recipe=recipe, gpu=squeezed)
+        # the same recipe `tilefit plan` chooses for the same global batch (a second call)
+        chosen = plan(tiny_gpt2, global_batch=32, gpu=squeezed, recipe=recipe).best
     assert not result.estimate.fits
     first = result.findings[0]
     assert first.rule == "way-forward" and first.recommended and first.method == "plan"
-    # the same recipe `tilefit plan` chooses for the same global batch (a second call)
-    chosen = plan(tiny_gpt2, global_batch=32, gpu=squeezed, recipe=recipe).best
     assert chosen is not None and chosen.fits
     assert chosen.micro_batch * chosen.accumulation_steps == 32
     assert chosen.changes  # something had to change for it to fit
