@@ -43,7 +43,8 @@ def _row_fields(row: Any) -> dict[str, Any]:
     return {"label": row.recipe_label(), "micro_batch": row.micro_batch,
             "accumulation": row.accumulation_steps, "step_s": row.predicted_step_time_s,
             "peak_bytes": row.predicted_peak_memory_bytes, "memory_bytes": row.memory_bytes,
-            "budget_bytes": row.budget_bytes, "fits": row.fits}
+            "budget_bytes": row.budget_bytes, "fits": row.fits, "changes": list(row.changes),
+            "recipe": row.recipe.to_dict()}  # all of it: a label can hide a field
 
 
 def _plan_fields(found: Any) -> dict[str, Any]:
