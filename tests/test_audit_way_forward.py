@@ -78,10 +78,10 @@ def test_a_step_that_fits_has_no_way_forward(tiny_gpt2) -> None:  # type: ignore
 
 
 def test_the_label_names_what_sets_a_plan_row_apart() -> None:
-    # found by benchmarks/bench_way_forward.py: gpt2-medium on a T4 at micro-batch 8 needs
-    # 26.7 GiB as the Trainer runs it, and the planner's fp16-mixed adamw-fused row at the
-    # same micro-batch fits because its loss is Liger's fused cross-entropy; a label that
-    # omits it tells the user their own recipe fits
+    # found by benchmarks/bench_way_forward.py: gpt2-medium on an RTX 4090 or a T4 at
+    # micro-batch 8 needs 26.7 GiB as the Trainer runs it, and the planner's row at the same
+    # micro-batch, precision and optimizer fits (14.1 GiB) because it is torch.compile'd; a
+    # label that omits it tells the user their own recipe fits
     from tilefit.planner.rows import PlanRow
 
     def row(**kw: object) -> PlanRow:
