@@ -206,9 +206,18 @@ def main() -> None:
     ap.add_argument("--out", help=f"results file (default {DEFAULT_OUT.name} for a full run, "
                     "none for a subset)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
+    ap.add_argument("--summarize", metavar="FILE", help="append the summary of a stopped "
+                    "run's rows (its '# {...}' lines) to FILE")
     args = ap.parse_args()
     if args.case:
         print(json.dumps(run_case(*args.case)))
+        return
+    if args.summarize:
+        done = [json.loads(ln[2:]) for ln in Path(args.summarize).read_text().splitlines()
+                if ln.startswith("# {")]
+        with Path(args.summarize).open("a") as fh:
+            fh.write("# stopped before the end: the summary of the rows above\n"
+                     + "\n".join(summary(done)) + "\n")
         return
     from tilefit.models import catalog_names
 
