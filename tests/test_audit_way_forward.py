@@ -79,3 +79,24 @@ def test_a_step_that_fits_has_no_way_forward(tiny_gpt2) -> None:  # type: ignore
                    gpu="a100-80gb")
     assert result.estimate.fits and result.plan is None
     assert all(f.rule != "way-forward" for f in result.findings)
+
+
+def test_the_label_names_what_sets_a_plan_row_apart() -> None:
+    # found by benchmarks/bench_way_forward.py: gpt2-medium on an RTX 4090 or a T4 at
+    # micro-batch 8 needs 26.7 GiB as the Trainer runs it, and the planner's row at the same
+    # micro-batch, precision and optimizer fits (14.1 GiB) because it is torch.compile'd; a
+    # label that omits it tells the user their own recipe fits
+    from tilefit.planner.rows import PlanRow
+
+    def row(**kw: object) -> PlanRow:
+        recipe = Recipe(batch_size=8, precision="fp16-mixed", optimizer="adamw-fused",
+                        attention="sdpa", **kw)  # type: ignore[arg-type]
+        return PlanRow(recipe=recipe, predicted_peak_memory_bytes=1,
+                       predicted_step_time_s=1.0, samples_per_s=8.0, tokens_per_s=None,
+                       mfu=0.1, budget_bytes=2)
+
+    assert row().recipe_label() == "fp16-mixed adamw-fused"
+    assert row(fused_ce=True).recipe_label() == "fp16-mixed adamw-fused fused-ce"
+    assert row(compile=True).recipe_label() == "fp16-mixed adamw-fused compiled"
+    assert row(compile="reduce-overhead", grad_checkpointing=True).recipe_label() == \
+        "fp16-mixed adamw-fused compiled reduce-overhead ckpt"

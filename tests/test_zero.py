@@ -243,6 +243,31 @@ def test_zero3_and_offload_on_a_tiny_model() -> None:
     assert z3.time_by_phase_s["optimizer"] == 0.0  # the step runs on the CPU
 
 
+def test_zero_module_rows_add_up_to_the_modelled_step(
+        one_and_zero2: tuple[object, object]) -> None:
+    # the "time by module" shares are row / step time: under ZeRO the rows are one rank's,
+    # the optimizer's over 1/8 of the parameters, the exposed collectives a row of their own
+    from tilefit.estimator.result import EXPOSED_COMMUNICATION
+    from tilefit.estimator.zero_step import OFFLOAD_ROW
+
+    one, z = one_and_zero2
+    rows = {m.module: m for m in z.modules}
+    one_rows = {m.module: m for m in one.modules}
+    assert math.isclose(sum(m.time_s for m in z.modules), z.step_time_s, rel_tol=1e-9)
+    step = "(loop: optimizer step)"
+    assert math.isclose(rows[step].time_s, one_rows[step].time_s / 8, rel_tol=1e-9)
+    assert rows[step].flops == round(one_rows[step].flops / 8)
+    layer = next(k for k in one_rows if not k.startswith("("))
+    assert rows[layer] == one_rows[layer]  # the layers' forward and backward as traced
+    assert math.isclose(rows[EXPOSED_COMMUNICATION].time_s, z.parallel.exposed_communication_s)
+    off = zero_estimate("zero2", offload=True)
+    offload_s = off.parallel.details["offload_time_s"]
+    cpu = {m.module: m for m in off.modules}
+    assert offload_s > 0 and cpu[OFFLOAD_ROW].time_s == offload_s
+    assert cpu[step].time_s == 0.0  # the step runs on the CPU
+    assert math.isclose(sum(m.time_s for m in off.modules), off.step_time_s, rel_tol=1e-9)
+
+
 def test_bad_strategies_and_offload_without_zero_are_errors() -> None:
     with pytest.raises(TilefitError, match="zero2"):
         zero_estimate("zero4")

@@ -11,6 +11,8 @@
   plus the collectives that the compute does not hide (estimator/collectives.py's ring
   formulas and overlap rule); with ``offload`` the optimizer step runs on the CPU instead,
   its PCIe copies and CPU-Adam step added (the ZeRO-Offload model of estimator/offload.py).
+  The module rows (Estimate.modules) are rewritten the same way, so they add up to the
+  modelled step as a traced estimate's do.
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ from tilefit.estimator.collectives import (
     link_description,
 )
 from tilefit.estimator.offload import OffloadLink, offload_step_time_s
-from tilefit.estimator.result import Estimate
+from tilefit.estimator.result import (
+    EXPOSED_COMMUNICATION,
+    OUTSIDE_MODULES,
+    Estimate,
+    ModuleSummary,
+)
 from tilefit.estimator.zero import (
     DEEPSPEED_DEFAULTS,
     MASTER_BYTES,
@@ -52,6 +59,8 @@ from tilefit.vocab import (
 )
 
 STATE_CATEGORIES = ("parameters", "gradients", "optimizer_state")
+# the row of Estimate.modules for ZeRO-Offload's PCIe copies and CPU-Adam step
+OFFLOAD_ROW = "(ZeRO-Offload: optimizer step on the CPU, PCIe copies)"
 
 
 def is_zero(strategy: str | None) -> bool:
@@ -122,6 +131,8 @@ def estimate_zero(base: Estimate, tr: Trace, device: Device, strategy: str, worl
         samples_per_s=base.samples_per_step / step if step else 0.0,
         tokens_per_s=base.tokens_per_step / step if (base.tokens_per_step and step) else None,
         mfu=base.mfu * base.step_time_s / step if step else 0.0, time_by_phase_s=phases,
+        modules=_rank_modules(base.modules, phases, base.time_by_phase_s,
+                              sum(exposed.values()), offload_s),
         warnings=(*base.warnings, _note(strategy, world_size, offload)), parallel=summary)
 
 
@@ -229,6 +240,24 @@ def _partitioned_phases(one_gpu: dict[str, float], world_size: int, offload: boo
     with offload)."""
     share = 0.0 if offload else 1 / world_size
     return {p: t * share if p in OPTIMIZER_PHASES else t for p, t in one_gpu.items()}
+
+
+def _rank_modules(one_gpu: tuple[ModuleSummary, ...], phases: dict[str, float],
+                  one_gpu_phases: dict[str, float], exposed_s: float, offload_s: float
+                  ) -> tuple[ModuleSummary, ...]:
+    """The one-GPU trace's module rows as one rank's: the optimizer phases' rows scaled as
+    their phases are (one partition; none on the GPU with offload), the communication
+    not hidden and the offloaded step as rows of their own, so the rows add up to the
+    modelled step time as Estimate.modules' do."""
+    scale = {OUTSIDE_MODULES[p]: phases[p] / t for p, t in one_gpu_phases.items()
+             if p in OPTIMIZER_PHASES and t > 0}
+    rows = [replace(m, time_s=m.time_s * scale.get(m.module, 1.0),
+                    flops=round(m.flops * scale.get(m.module, 1.0)),
+                    bytes=round(m.bytes * scale.get(m.module, 1.0))) for m in one_gpu
+            if m.module != EXPOSED_COMMUNICATION]
+    rest = {EXPOSED_COMMUNICATION: exposed_s, OFFLOAD_ROW: offload_s}
+    rows += [ModuleSummary(k, v, 0, 0, 0) for k, v in rest.items() if v > 0]
+    return tuple(sorted(rows, key=lambda s: -s.time_s))
 
 
 def _offload_s(partition_params: float) -> float:

@@ -87,6 +87,11 @@ class PlanRow:
     def recipe_label(self) -> str:
         parts = [] if self.strategy is None else [f"{self.strategy} x{self.world_size}"]
         parts += [self.precision, self.optimizer]
+        if self.recipe.fused_ce:  # the loss's logits never whole: the label must say so
+            parts.append("fused-ce")
+        if self.recipe.compile is not None:
+            mode = self.recipe.compile.mode
+            parts.append("compiled" if mode == "default" else f"compiled {mode}")
         if self.grad_checkpointing:
             parts.append("ckpt")
         if self.attention not in ("auto", "sdpa"):
