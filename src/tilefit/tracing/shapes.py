@@ -54,7 +54,8 @@ _MEMORY_FAMILIES = re.compile(
     r"masked|where|sum|mean|amax|amin|max|min|argmax|argmin|var|std|norm|linalg_vector_norm|"
     r"_softmax|_log_softmax|softmax|log_softmax|nll_loss|cross_entropy|mse_loss|l1_loss|"
     r"smooth_l1|huber|binary_cross_entropy|native_layer_norm|native_group_norm|"
-    r"_native_batch_norm|native_batch_norm|batch_norm|_batch_norm|layer_norm|rms_norm|"
+    r"_native_batch_norm|native_batch_norm|batch_norm|_batch_norm|cudnn_batch_norm|"
+    r"miopen_batch_norm|layer_norm|rms_norm|"
     r"_fused_rms_norm|native_dropout|dropout|bernoulli|rand|normal|uniform|tril|triu|cumsum|"
     r"cumprod|sort|topk|constant_pad|pad|reflection_pad|replication_pad|upsample|max_pool|"
     r"avg_pool|adaptive_|col2im|im2col|repeat|roll|flip|_unsafe_index|new_zeros|new_ones|"
@@ -200,6 +201,21 @@ def _conv_backward_gemms(args: tuple[Any, ...]) -> tuple[GemmShape, ...]:
     return tuple(gemms)
 
 
+def _groups(args: tuple[Any, ...], index: int) -> int:
+    return int(args[index]) if len(args) > index else 1
+
+
+def grouped_conv_backward_flops(args: tuple[Any, ...]) -> int:
+    """A grouped convolution's backward FLOPs: each gradient it computes (the input's, the
+    weight's) does the forward's multiply-adds, N x output pixels x Cout x Cin/groups x
+    kernel. torch.utils.flop_counter's formula counts the weight's gradient as if
+    ungrouped (a depthwise conv's by a factor of its channels), so it is not used here."""
+    grad_out, w = args[0], args[2]
+    mask = args[10] if len(args) > 10 else (True, True, True)
+    macs = grad_out.shape[0] * math.prod(grad_out.shape[2:]) * math.prod(w.shape)
+    return 2 * macs * (int(bool(mask[0])) + int(bool(mask[1])))
+
+
 def attention_flops(info: dict[str, Any]) -> int:
     """FLOPs of scaled-dot-product attention: Q K^T and P V, 2 * b * hq * sq * sk * d each,
     counted in full even when causal (as torch.utils.flop_counter's sdpa formula does); the
@@ -220,6 +236,8 @@ def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
         return 2 * g.m * g.n * g.k, None
     if packet_name(func) == "aten._grouped_mm":  # the recorder sums its per-expert GEMMs
         return 0, None
+    if packet_name(func) == "aten.convolution_backward" and _groups(args, 9) > 1:
+        return grouped_conv_backward_flops(args), None
     formula = flop_formula(func)
     if formula is None:
         return 0, None
