@@ -5,6 +5,8 @@ device's datasheet terms."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -33,14 +35,21 @@ class _Net(nn.Module):
         return self.dense(self.bn(self.dw(x))).float().mean()
 
 
-@pytest.fixture(scope="module")
-def ops() -> dict[str, OpRecord]:
+def _steady_ops(channels_last: bool) -> list[OpRecord]:
     from tilefit import Recipe, trace
 
-    tr = trace(_Net(), torch.randn(N, C, H, W), recipe=Recipe(precision="fp16-mixed",
-                                                             optimizer="sgd"),
+    model, x = _Net(), torch.randn(N, C, H, W)
+    if channels_last:
+        model, x = model.to(memory_format=torch.channels_last), x.to(
+            memory_format=torch.channels_last)
+    tr = trace(model, x, recipe=Recipe(precision="fp16-mixed", optimizer="sgd"),
                gpu="a100-80gb", loss_fn=lambda m, b: m(b))
-    steady = [o for o in tr.ops if o.step == 1]
+    return [o for o in tr.ops if o.step == 1]
+
+
+@pytest.fixture(scope="module")
+def ops() -> dict[str, OpRecord]:
+    steady = _steady_ops(channels_last=False)
     by_module: dict[str, OpRecord] = {}
     for o in steady:
         name = o.op.rsplit(".", 1)[0].removeprefix("aten.")
@@ -133,3 +142,16 @@ def test_batch_norm_is_its_own_family_with_its_passes_counted(ops: dict[str, OpR
     # backward: dy and x read twice (the reductions, then the gradient), dx written
     assert op_time_s(bwd, dev, CostContext("fp16-mixed")) == pytest.approx(
         _copy_s(5 * FP16 * X) + 2 * dev.launch_overhead_s, rel=1e-3)
+
+
+def test_channels_last_is_costed_without_layout_transposes(ops: dict[str, OpRecord]) -> None:
+    """The trace has no memory format: a channels-last step records the same ops, bytes and
+    GEMMs as the NCHW one, and neither is charged a layout transpose around its convs."""
+    nhwc = _steady_ops(channels_last=True)
+    nchw = _steady_ops(channels_last=False)
+    assert [(o.op, o.bytes, o.gemms) for o in nhwc] == [(o.op, o.bytes, o.gemms) for o in nchw]
+    # the only activation-sized copies are the casts the model itself asks for (the input's
+    # autocast to fp16, `.float()` before the loss, and that cast's backward): three
+    big = [o for o in nhwc if o.kind != "view" and op_family(o.op) == "copy"
+           and math.prod(o.input_shapes[0]) == X]
+    assert [o.op for o in big] == ["aten._to_copy.default"] * 3
