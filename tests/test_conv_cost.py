@@ -155,3 +155,30 @@ def test_channels_last_is_costed_without_layout_transposes(ops: dict[str, OpReco
     big = [o for o in nhwc if o.kind != "view" and op_family(o.op) == "copy"
            and math.prod(o.input_shapes[0]) == X]
     assert [o.op for o in big] == ["aten._to_copy.default"] * 3
+
+
+@pytest.mark.parametrize(("kernel", "dgrad_taps"), [(3, ((4, 1), (2, 2), (1, 1))),
+                                                    (1, ((1, 1),))])
+def test_a_strided_convs_input_gradient_does_the_forwards_work(
+        kernel: int, dgrad_taps: tuple[tuple[int, int], ...]) -> None:
+    """Stride 2: the input's gradient is one GEMM per phase of the stride over the output's
+    pixels, each with the filter taps that reach it (3x3: 4, 2, 2 and 1 taps; 1x1: one phase
+    of one tap), so its multiply-adds are the forward's, not four times them."""
+    from tilefit.tracing.shapes import gemm_shapes
+
+    cin, cout, side = 16, 32, 8
+    out_side = side // 2
+
+    def meta(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.float16, device="meta")
+
+    args = (meta(N, cout, out_side, out_side), meta(N, cin, side, side),
+            meta(cout, cin, kernel, kernel), None, [2, 2], [kernel // 2] * 2, [1, 1], False,
+            [0, 0], 1, [True, True, False])
+    gemms = gemm_shapes(torch.ops.aten.convolution_backward.default, args, {}, None, "conv")
+    m = N * out_side * out_side
+    assert gemms[:-1] == tuple(GemmShape(batch, m, cin, cout * taps, "fp16")
+                               for taps, batch in dgrad_taps)
+    forward_macs = m * cout * cin * kernel * kernel
+    assert sum(g.batch * g.m * g.n * g.k for g in gemms[:-1]) == forward_macs
+    assert gemms[-1] == GemmShape(1, cout, cin * kernel * kernel, m, "fp16")  # the weight's

@@ -88,7 +88,9 @@ def direct_kernels(op: OpRecord) -> tuple[tuple[int, int], ...]:
     dy_shape = op.input_shapes[0]
     dy, x, w = (math.prod(s) for s in op.input_shapes[:3])
     flops = 2 * dy_shape[0] * math.prod(dy_shape[2:]) * w
-    kernels = [(elem * (dy + x + w), flops) for _ in op.gemms]
+    x_shape, w_shape = op.input_shapes[1], op.input_shapes[2]
+    grads = int(x_shape in op.output_shapes) + int(w_shape in op.output_shapes)
+    kernels = [(elem * (dy + x + w), flops)] * grads
     cout = op.input_shapes[2][0]
     if any(s == (cout,) for s in op.output_shapes):  # the bias gradient: dy summed
         kernels.append((elem * (dy + cout), dy))

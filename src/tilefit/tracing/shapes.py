@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Callable
@@ -193,12 +194,36 @@ def _conv_backward_gemms(args: tuple[Any, ...]) -> tuple[GemmShape, ...]:
     kernel = math.prod(w.shape[2:])
     cout, cin_g = w.shape[0], w.shape[1]
     dt = tilefit_dtype(x.dtype)
-    gemms = []
-    if mask[0]:  # grad_input: M = N * input pixels, N = Cin/g, K = Cout/g * kernel
+    gemms: list[GemmShape] = []
+    strided = len(args) > 7 and not args[7] and any(int(s) > 1 for s in args[4]) \
+        and all(int(d) == 1 for d in args[6])
+    if mask[0] and strided:
+        gemms.extend(_strided_dgrad_gemms(groups, n * out_pixels, cin_g, cout // groups,
+                                          tuple(w.shape[2:]), tuple(args[4]), dt))
+    elif mask[0]:  # grad_input: M = N * input pixels, N = Cin/g, K = Cout/g * kernel
         gemms.append(GemmShape(groups, n * in_pixels, cin_g, (cout // groups) * kernel, dt))
     if mask[1]:  # grad_weight: M = Cout/g, N = Cin/g * kernel, K = N * output pixels
         gemms.append(GemmShape(groups, cout // groups, cin_g * kernel, n * out_pixels, dt))
     return tuple(gemms)
+
+
+def _strided_dgrad_gemms(groups: int, m: int, cin_g: int, cout_g: int,
+                         kernel: tuple[int, ...], stride: tuple[int, ...],
+                         dt: str) -> tuple[GemmShape, ...]:
+    """The input's gradient of a strided convolution as cuDNN and CUTLASS run it (strided
+    dgrad): one implicit GEMM per phase of the stride (each input pixel's offset modulo the
+    stride), over the output's pixels (M), reading only the filter taps that reach that
+    phase (K = Cout/g x taps), so the work is the forward's, not stride^2 times it. Phases of
+    equal taps share one batched shape; a phase no tap reaches (a 1x1 filter's) is zeros."""
+    per_dim = [[len(range(a, k, s)) for a in range(s)] for k, s in zip(kernel, stride,
+                                                                       strict=True)]
+    phases: dict[int, int] = {}
+    for taps in itertools.product(*per_dim):
+        t = math.prod(taps)
+        if t:
+            phases[t] = phases.get(t, 0) + 1
+    return tuple(GemmShape(groups * count, m, cin_g, cout_g * t, dt)
+                 for t, count in sorted(phases.items(), reverse=True))
 
 
 def _groups(args: tuple[Any, ...], index: int) -> int:
