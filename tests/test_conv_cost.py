@@ -124,6 +124,11 @@ def test_grouped_convs_run_direct_only_below_eight_channels_per_group() -> None:
     assert is_direct_conv(conv(128, 128, 32))  # ResNeXt 32x4d: 4 channels a group
     assert not is_direct_conv(conv(128, 128, 16))  # RegNet's group width 8 and up
     assert not is_direct_conv(conv(3, 64, 1))  # a dense stem
+    # a transposed conv's weight is (Cin, Cout/groups, ...): 64 -> 3 channels is not grouped
+    transposed = OpRecord("aten.convolution.default", "forward", "c",
+                          ((N, 64, H, W), (64, 3, 3, 3)), ((N, 3, 2 * H, 2 * W),),
+                          "float16", 0, 0, "conv", 1, 0)
+    assert not is_direct_conv(transposed)
 
 
 def test_batch_norm_is_its_own_family_with_its_passes_counted(ops: dict[str, OpRecord]

@@ -72,6 +72,9 @@ def is_direct_conv(op: OpRecord) -> bool:
     if len(op.input_shapes) < (3 if backward else 2) or len(op.input_shapes[1]) < 3:
         return False
     groups, cin_g, cout_g = conv_groups(op)
+    x_channels = op.input_shapes[1 if backward else 0][1]
+    if x_channels != groups * cin_g or cout_g * groups != op.input_shapes[2 if backward else 1][0]:
+        return False  # not a grouped convolution's shapes (a transposed one's weight)
     return groups > 1 and min(cin_g, cout_g) < TENSOR_CORE_MIN_CHANNELS
 
 
