@@ -136,7 +136,8 @@ def test_estimate_cli_bad_input_exits_2_with_the_fix(cli, args, needle):
 # f of it, plus the launch.
 _A100_COPY_BYTES_PER_MS = 1_835_100_000
 # One distinct share per family, so that a wrong mapping shows as a wrong time.
-_SHARES = {"elementwise": 0.8, "reduction": 0.625, "normalization": 0.5, "softmax": 0.4,
+_SHARES = {"elementwise": 0.8, "reduction": 0.625, "normalization": 0.5, "batch_norm": 0.9,
+           "softmax": 0.4,
            "embedding_backward": 0.25, "indexing": 0.2, "copy": 1.0, "foreach": 0.32}
 
 

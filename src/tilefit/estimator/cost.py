@@ -1,7 +1,8 @@
 """The cost model per op kind: a registry from an op's kind to a function of (op, device,
 context) -> seconds.
 
-- GEMMs and convolutions go through tilefit.gemm (tiles, waves, alignment, roofline).
+- GEMMs and dense convolutions go through tilefit.gemm (tiles, waves, alignment, roofline);
+  depthwise and thin grouped convolutions, and BatchNorm's passes: tilefit.estimator.conv.
 - Fused attention kernels: their FLOPs at a fraction of the GEMM rate, or their bytes at the
   bandwidth, whichever is slower.
 - Everything else: bytes over the achieved bandwidth, with one kernel launch as the floor.
@@ -22,6 +23,7 @@ from typing import Literal, get_args
 
 from tilefit.dtypes import parse_dtype
 from tilefit.estimator.collectives import collective_time_s
+from tilefit.estimator.conv import batch_norm_bytes, direct_conv_time_s, is_direct_conv
 from tilefit.estimator.multitensor import kernel_launches
 from tilefit.gemm import analyze_gemm
 from tilefit.hardware.catalog import EFF_A100
@@ -31,7 +33,7 @@ from tilefit.tracing.records import GemmShape, OpRecord
 # ---- kernel families of the memory-bound ops -----------------------------------------------
 # A family is a cost-model concept: kernels of one family reach a similar share of the
 # device's copy bandwidth (docs/references.md, section 15).
-KernelFamily = Literal["elementwise", "reduction", "normalization", "softmax",
+KernelFamily = Literal["elementwise", "reduction", "normalization", "batch_norm", "softmax",
                        "embedding_backward", "indexing", "copy", "foreach"]
 KERNEL_FAMILIES: tuple[str, ...] = get_args(KernelFamily)
 
@@ -46,10 +48,15 @@ _FAMILY_BY_PACKET: Mapping[str, KernelFamily] = MappingProxyType({
     **dict.fromkeys((
         "aten.native_layer_norm", "aten.native_layer_norm_backward", "aten._fused_rms_norm",
         "aten._fused_rms_norm_backward", "aten.native_group_norm",
-        "aten.native_group_norm_backward", "aten.native_batch_norm",
-        "aten.native_batch_norm_backward", "aten._native_batch_norm_legit",
-        "aten._native_batch_norm_legit_functional", "aten._native_batch_norm_legit_no_training",
-        "aten.cudnn_batch_norm", "aten.cudnn_batch_norm_backward"), "normalization"),
+        "aten.native_group_norm_backward"), "normalization"),
+    # BatchNorm: streaming passes over its input, each pass's bytes counted
+    # (tilefit.estimator.conv.batch_norm_bytes)
+    **dict.fromkeys((
+        "aten.native_batch_norm", "aten.native_batch_norm_backward",
+        "aten._native_batch_norm_legit", "aten._native_batch_norm_legit_functional",
+        "aten._native_batch_norm_legit_no_training", "aten.cudnn_batch_norm",
+        "aten.cudnn_batch_norm_backward", "aten.miopen_batch_norm",
+        "aten.miopen_batch_norm_backward", "aten.batch_norm_backward"), "batch_norm"),
     **dict.fromkeys((
         "aten._softmax", "aten._log_softmax", "aten._softmax_backward_data",
         "aten._log_softmax_backward_data", "aten.nll_loss_forward", "aten.nll_loss_backward",
@@ -91,9 +98,11 @@ def op_family(op: str) -> KernelFamily:
 # is a measured copy: docs/references.md, section 6). 1.0 until a measurement says
 # otherwise; each value's source: docs/references.md, section 15 (normalization and softmax:
 # fitted on PyTorch's own LayerNorm, softmax and cross-entropy kernels, Liger-Kernel's
-# benchmarks of them on A100, H100 and RTX 3090).
+# benchmarks of them on A100, H100 and RTX 3090; batch_norm: 1.0, its passes counted instead,
+# section 37).
 FAMILY_EFFICIENCY: Mapping[str, float] = MappingProxyType({
-    "elementwise": 1.0, "reduction": 1.0, "normalization": 0.447, "softmax": 0.605,
+    "elementwise": 1.0, "reduction": 1.0, "normalization": 0.447, "batch_norm": 1.0,
+    "softmax": 0.605,
     "embedding_backward": 1.0, "indexing": 1.0, "copy": 1.0, "foreach": 1.0})
 
 # Fused attention efficiency relative to a large GEMM on the same part
@@ -234,6 +243,10 @@ def _view(op: OpRecord, device: Device, ctx: CostContext) -> float:
 
 @register_cost("memory")
 def _memory(op: OpRecord, device: Device, ctx: CostContext) -> float:
+    if op_family(op.op) == "batch_norm" and device.kind != "cpu":
+        nbytes, launches = batch_norm_bytes(op)
+        return memory_time_s(nbytes, device, launches=launches,
+                             family_efficiency=ctx.efficiency.family(op.op))
     return memory_time_s(op.bytes, device, launches=kernel_launches(op, device),
                          family_efficiency=ctx.efficiency.family(op.op))
 
@@ -279,6 +292,8 @@ def dequantize_time_s(op: OpRecord, device: Device) -> float:
 
 @register_cost("conv")
 def _conv(op: OpRecord, device: Device, ctx: CostContext) -> float:
+    if device.kind != "cpu" and is_direct_conv(op):  # depthwise: PyTorch's direct kernels
+        return direct_conv_time_s(op, device)
     gemm_s = sum(gemm_time_s(g, gemm_dtype(g.dtype, conv=True, device=device, ctx=ctx), device)
                  for g in op.gemms)
     # the implicit GEMM streams its operands; a conv is never faster than its own traffic

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Callable
@@ -54,7 +55,8 @@ _MEMORY_FAMILIES = re.compile(
     r"masked|where|sum|mean|amax|amin|max|min|argmax|argmin|var|std|norm|linalg_vector_norm|"
     r"_softmax|_log_softmax|softmax|log_softmax|nll_loss|cross_entropy|mse_loss|l1_loss|"
     r"smooth_l1|huber|binary_cross_entropy|native_layer_norm|native_group_norm|"
-    r"_native_batch_norm|native_batch_norm|batch_norm|_batch_norm|layer_norm|rms_norm|"
+    r"_native_batch_norm|native_batch_norm|batch_norm|_batch_norm|cudnn_batch_norm|"
+    r"miopen_batch_norm|layer_norm|rms_norm|"
     r"_fused_rms_norm|native_dropout|dropout|bernoulli|rand|normal|uniform|tril|triu|cumsum|"
     r"cumprod|sort|topk|constant_pad|pad|reflection_pad|replication_pad|upsample|max_pool|"
     r"avg_pool|adaptive_|col2im|im2col|repeat|roll|flip|_unsafe_index|new_zeros|new_ones|"
@@ -192,12 +194,51 @@ def _conv_backward_gemms(args: tuple[Any, ...]) -> tuple[GemmShape, ...]:
     kernel = math.prod(w.shape[2:])
     cout, cin_g = w.shape[0], w.shape[1]
     dt = tilefit_dtype(x.dtype)
-    gemms = []
-    if mask[0]:  # grad_input: M = N * input pixels, N = Cin/g, K = Cout/g * kernel
+    gemms: list[GemmShape] = []
+    strided = len(args) > 7 and not args[7] and any(int(s) > 1 for s in args[4]) \
+        and all(int(d) == 1 for d in args[6])
+    if mask[0] and strided:
+        gemms.extend(_strided_dgrad_gemms(groups, n * out_pixels, cin_g, cout // groups,
+                                          tuple(w.shape[2:]), tuple(args[4]), dt))
+    elif mask[0]:  # grad_input: M = N * input pixels, N = Cin/g, K = Cout/g * kernel
         gemms.append(GemmShape(groups, n * in_pixels, cin_g, (cout // groups) * kernel, dt))
     if mask[1]:  # grad_weight: M = Cout/g, N = Cin/g * kernel, K = N * output pixels
         gemms.append(GemmShape(groups, cout // groups, cin_g * kernel, n * out_pixels, dt))
     return tuple(gemms)
+
+
+def _strided_dgrad_gemms(groups: int, m: int, cin_g: int, cout_g: int,
+                         kernel: tuple[int, ...], stride: tuple[int, ...],
+                         dt: str) -> tuple[GemmShape, ...]:
+    """The input's gradient of a strided convolution as cuDNN and CUTLASS run it (strided
+    dgrad): one implicit GEMM per phase of the stride (each input pixel's offset modulo the
+    stride), over the output's pixels (M), reading only the filter taps that reach that
+    phase (K = Cout/g x taps), so the work is the forward's, not stride^2 times it. Phases of
+    equal taps share one batched shape; a phase no tap reaches (a 1x1 filter's) is zeros."""
+    per_dim = [[len(range(a, k, s)) for a in range(s)] for k, s in zip(kernel, stride,
+                                                                       strict=True)]
+    phases: dict[int, int] = {}
+    for taps in itertools.product(*per_dim):
+        t = math.prod(taps)
+        if t:
+            phases[t] = phases.get(t, 0) + 1
+    return tuple(GemmShape(groups * count, m, cin_g, cout_g * t, dt)
+                 for t, count in sorted(phases.items(), reverse=True))
+
+
+def _groups(args: tuple[Any, ...], index: int) -> int:
+    return int(args[index]) if len(args) > index else 1
+
+
+def grouped_conv_backward_flops(args: tuple[Any, ...]) -> int:
+    """A grouped convolution's backward FLOPs: each gradient it computes (the input's, the
+    weight's) does the forward's multiply-adds, N x output pixels x Cout x Cin/groups x
+    kernel. torch.utils.flop_counter's formula counts the weight's gradient as if
+    ungrouped (a depthwise conv's by a factor of its channels), so it is not used here."""
+    grad_out, w = args[0], args[2]
+    mask = args[10] if len(args) > 10 else (True, True, True)
+    macs = grad_out.shape[0] * math.prod(grad_out.shape[2:]) * math.prod(w.shape)
+    return 2 * macs * (int(bool(mask[0])) + int(bool(mask[1])))
 
 
 def attention_flops(info: dict[str, Any]) -> int:
@@ -220,6 +261,8 @@ def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
         return 2 * g.m * g.n * g.k, None
     if packet_name(func) == "aten._grouped_mm":  # the recorder sums its per-expert GEMMs
         return 0, None
+    if packet_name(func) == "aten.convolution_backward" and _groups(args, 9) > 1:
+        return grouped_conv_backward_flops(args), None
     formula = flop_formula(func)
     if formula is None:
         return 0, None
