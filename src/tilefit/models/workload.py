@@ -288,7 +288,9 @@ def _read_config(path: Path) -> dict[str, Any]:
             given=type(config).__name__,
             fix="pass the model's config.json",
         )
-    return config
+    from tilefit.compat.transformers import decode_special_floats
+
+    return decode_special_floats(config)
 
 
 def hf_workload(
