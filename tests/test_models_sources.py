@@ -64,6 +64,19 @@ def test_config_json_path_and_folder(tmp_path: Path) -> None:
         assert sum(p.numel() for p in model.parameters()) == 139_584
 
 
+def test_config_saved_by_transformers_with_an_infinite_float(tmp_path: Path) -> None:
+    # save_pretrained writes Mamba 2's time_step_limit (0.0, inf) as {"__float__": "Infinity"};
+    # plain json.loads left that dict, which transformers then rejected
+    from transformers import Mamba2Config
+
+    Mamba2Config(num_hidden_layers=1, hidden_size=64, num_heads=8, head_dim=16, n_groups=1,
+                 vocab_size=256).save_pretrained(tmp_path)
+    assert "__float__" in (tmp_path / "config.json").read_text()
+    workload = load_workload(str(tmp_path), seq_len=16)
+    assert workload.task == "causal-lm"
+    assert list(workload.config["time_step_limit"]) == [0.0, float("inf")]
+
+
 def test_config_without_model_type(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps({k: v for k, v in TINY_LLAMA.items() if k != "model_type"}))

@@ -200,3 +200,31 @@ def test_hugging_face_factories_build_on_fake_tensors() -> None:
                     lambda: ConvNextForImageClassification(convnext)):
         trace = tilefit.trace(factory, batch, recipe=Recipe(batch_size=2), gpu="cpu")
         assert trace.peak()[0] > 0
+
+
+def test_image_models_the_model_zoo_found(tmp_path: Path) -> None:
+    # DeiT maps to two image classifiers (with and without teacher): transformers' Auto class
+    # iterated a config's architectures, None in a config.json written without it, and crashed.
+    # CLIP's image size is its vision tower's (vision_config), not a top-level field.
+    from transformers import CLIPConfig, DeiTConfig
+
+    deit = DeiTConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                      intermediate_size=64, image_size=32, patch_size=8)
+    vision = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+              "num_attention_heads": 2, "image_size": 32, "patch_size": 8}
+    clip = CLIPConfig(text_config={"num_hidden_layers": 1, "hidden_size": 32,
+                                   "intermediate_size": 64, "num_attention_heads": 2,
+                                   "vocab_size": 64}, vision_config=vision)
+    for name, config in (("deit", deit), ("clip", clip)):
+        config.save_pretrained(tmp_path / name)
+    with new_fake_mode():
+        assert type(load_workload(str(tmp_path / "deit")).build()).__name__ == \
+            "DeiTForImageClassification"  # the first of the two, transformers' default
+    work = load_workload(str(tmp_path / "clip"))
+    assert work.task == "image-cls"
+    assert work.make_batch(2)["pixel_values"].shape == (2, 3, 32, 32)
+    bigger = load_workload(str(tmp_path / "clip"), image_size=48)
+    assert bigger.make_batch(1)["pixel_values"].shape == (1, 3, 48, 48)
+    with new_fake_mode():  # the position table is built for 48 pixels: (48 / 8)^2 + 1 = 37
+        model = bigger.build()
+        assert model.vision_model.embeddings.position_embedding.num_embeddings == 37

@@ -221,3 +221,13 @@ def skip_init_without_data() -> Iterator[None]:
     finally:
         for owner, attr, original in reversed(originals):
             setattr(owner, attr, original)
+
+
+def decode_special_floats(config: dict[str, Any]) -> dict[str, Any]:
+    """A config.json's dict with the floats JSON cannot hold read back: transformers'
+    save_pretrained writes inf and nan as ``{"__float__": "Infinity"}`` (Mamba 2's
+    ``time_step_limit`` is ``(0.0, inf)``), and its from_json_file decodes them
+    (PreTrainedConfig._decode_special_floats, private)."""
+    from transformers import PretrainedConfig
+
+    return dict(PretrainedConfig._decode_special_floats(config))

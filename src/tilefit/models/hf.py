@@ -195,6 +195,10 @@ def build_model(config: Mapping[str, Any], task: str, attention: str) -> torch.n
         # a pad id; the synthetic batch never contains it, so the last token is used.
         eos = getattr(cfg, "eos_token_id", None)
         cfg.pad_token_id = (eos[0] if isinstance(eos, list | tuple) else eos) or 0
+    if cfg.architectures is None:  # a config.json without it (JSON null, or left out)
+        # transformers' Auto class iterates it when the model_type maps to several heads of
+        # the task (DeiT's classifier with and without teacher); [] picks the first, its default
+        cfg.architectures = []
     if not tensors_have_data():
         _no_random_structure(cfg)
     # the Auto class imports transformers' modeling code, and with it torchao if installed

@@ -18,7 +18,10 @@ if TYPE_CHECKING:
 
 
 def image_shape(cfg: PretrainedConfig) -> tuple[int, int, int]:
-    """(channels, height, width) of an image model's input, from its config's image_size."""
+    """(channels, height, width) of an image model's input, from its config's image_size (a
+    vision-language config's vision tower's: CLIP's vision_config)."""
+    if getattr(cfg, "image_size", None) is None and hasattr(cfg, "vision_config"):
+        cfg = cfg.vision_config
     size = getattr(cfg, "image_size", None)
     if size is None:
         raise TilefitError(

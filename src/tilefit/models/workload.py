@@ -288,7 +288,9 @@ def _read_config(path: Path) -> dict[str, Any]:
             given=type(config).__name__,
             fix="pass the model's config.json",
         )
-    return config
+    from tilefit.compat.transformers import decode_special_floats
+
+    return decode_special_floats(config)
 
 
 def hf_workload(
@@ -310,7 +312,7 @@ def hf_workload(
                                expected="--image-size for image classification",
                                given=f"image_size={image_size}", fix="drop --image-size")
         inputs.check_image_size(image_size)
-        config = {**config, "image_size": image_size}  # the model is built for it (ViT's table)
+        config = _with_image_size(config, image_size)
     try:
         cfg = hf.make_config(config)
     except hf.config_rejections() as exc:
@@ -329,6 +331,15 @@ def hf_workload(
         input_shape=shape,
         target_seq_len=inputs.resolve_target(cfg, task, resolved, target_seq_len, shape),
     )
+
+
+def _with_image_size(config: dict[str, Any], image_size: int) -> dict[str, Any]:
+    """The config built for ``image_size`` (ViT's position table): its own field, or its
+    vision tower's in a vision-language config (CLIP's vision_config)."""
+    vision = config.get("vision_config")
+    if "image_size" not in config and isinstance(vision, dict):
+        return {**config, "vision_config": {**vision, "image_size": image_size}}
+    return {**config, "image_size": image_size}
 
 
 def _resolve_seq_len(name: str, cfg: Any, task: str, seq_len: int | None) -> int | None:
