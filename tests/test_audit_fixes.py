@@ -131,5 +131,5 @@ def test_a_conflicting_fix_gives_way_to_the_larger_gain(gelu_new: WhatIf) -> Non
     assert 1.005 < smaller.predicted_speedup < wave.predicted_speedup
     combined = combine(gelu_new, order([*findings, smaller]))
     assert combined is not None
-    assert combined.left_out == ("wave-quantization: batch size 8 -> 16",)
+    assert combined.left_out == ("batch size 8 -> 16",)
     assert combined.change.recipe == (("batch_size", wave.suggested),)

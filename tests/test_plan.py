@@ -225,6 +225,16 @@ def test_configs_follow_the_row() -> None:
 
 
 # ---- real plans of tiny models -----------------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def one_trace_per_step():  # type: ignore[no-untyped-def]
+    """The plans below search many of the same steps (model, recipe, GPU); a trace depends on
+    nothing else, so each is traced once for the file (tilefit.tracing.workloads)."""
+    from tilefit.tracing.workloads import shared_traces
+
+    with shared_traces():
+        yield
+
+
 @pytest.fixture(scope="module")
 def tiny_gpt2():  # type: ignore[no-untyped-def]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -442,10 +452,8 @@ def test_plan_searches_the_same_math_knobs(tiny_gpt2) -> None:  # type: ignore[n
     assert args["liger_kernel_config"]["rms_norm"] is False
 
 
-def test_a_compiled_recipe_is_planned_and_keeps_the_math(tiny_gpt2) -> None:  # type: ignore[no-untyped-def]
-    from tilefit.planner import plan
-
-    p = plan(tiny_gpt2, gpu="a100-80gb", global_batch=16, confirm=False)
+def test_a_compiled_recipe_is_planned_and_keeps_the_math(a100_plan) -> None:  # type: ignore[no-untyped-def]
+    p = a100_plan
     compiled = [r for r in p.rows if r.recipe.compile]
     assert compiled and not any(r.grad_checkpointing for r in compiled)
     assert all(not r.changes_optimizer for r in compiled)

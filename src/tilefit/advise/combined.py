@@ -52,8 +52,9 @@ class CombinedFix:
 
 
 def label(f: Finding) -> str:
-    """A finding's fix in a few words: "fused-optimizer: optimizer adamw -> adamw (fused)"."""
-    return f"{f.rule}: {f.dimension} {f.current} -> {f.suggested}"
+    """A finding's fix in a few words, as its "change:" line says it: "vocab_size 50257 ->
+    50304" ("compile eager -> torch.compile")."""
+    return f"{f.dimension} {f.current} -> {f.suggested}"
 
 
 def _recipe_accepts(whatif: WhatIf, change: Change, f: Finding) -> bool:
