@@ -39,7 +39,10 @@ def is_fake(x: Any) -> bool:
 
 
 @contextlib.contextmanager
-def gpu_mask_semantics() -> Iterator[None]:
+def gpu_mask_semantics(known_ones: Callable[[Any], bool] | None = None) -> Iterator[None]:
+    """transformers' mask rules as a real run decides them: no mask for a square causal step
+    without padding (SDPA's is_causal), ``known_ones(mask)`` telling which fake masks hold
+    only ones (a real run reads their values); no packed-sequence search on fake ids."""
     try:
         mu = importlib.import_module("transformers.masking_utils")
     except ImportError:
@@ -53,6 +56,8 @@ def gpu_mask_semantics() -> Iterator[None]:
     def ignore_causal_mask_sdpa(padding_mask: Any, q_length: int, kv_length: int,
                                 *args: Any, **kwargs: Any) -> bool:
         local = kwargs.get("local_attention_size", args[2] if len(args) > 2 else None)
+        if known_ones is not None and known_ones(padding_mask):
+            padding_mask = None  # a mask the model made of ones: a real run reads it so
         if (padding_mask is None and (q_length == 1 or kv_length == q_length)
                 and (local is None or kv_length < local)):
             return True

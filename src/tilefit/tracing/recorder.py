@@ -18,6 +18,7 @@ from tilefit.compat.modules import ModulePath
 from tilefit.compat.torchao import holds_float8, unwrap_float8
 from tilefit.tracing.collectives import ENGINE_COPY_NAMESPACE, collective_of
 from tilefit.tracing.fusion import NodePlan
+from tilefit.tracing.ones import KnownOnes
 from tilefit.tracing.records import Collective, GemmShape, OpRecord, StorageRecord
 from tilefit.tracing.shapes import (
     ExpertCounts,
@@ -65,6 +66,7 @@ class Recorder(TorchDispatchMode):
         self.ops: list[OpRecord] = []
         self._uid_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._next_uid = 0
+        self.ones = KnownOnes(self.uid)  # storages that hold only ones (masks)
         self._nbytes: dict[int, int] = {}
         self._alloc_at: dict[int, int] = {}
         self._free_at: dict[int, int] = {}
@@ -375,6 +377,7 @@ class Recorder(TorchDispatchMode):
         engine = kind == "collective" or name.startswith(ENGINE_COPY_NAMESPACE)
         for t in outputs:
             self._track(t, at, "communication" if engine else None, module=module)
+        self.ones.observe(name, args, kwargs, inputs, outputs)
         alloc = tuple(self._nbytes[u] for u in range(before, self._next_uid))
         collective: Collective | None = None
         if kind == "collective":

@@ -188,7 +188,7 @@ def _trace_prepared(prep: Prepared, options: TraceOptions, target: Target,
             stack.enter_context(recorder)
             if autocast is not None:
                 stack.enter_context(autocast)
-            stack.enter_context(gpu_mask_semantics())
+            stack.enter_context(gpu_mask_semantics(recorder.ones))
             stack.enter_context(explain_fake_errors(recorder))
             if options.parallel is not None:
                 stack.enter_context(recorder.watching_resizes())
