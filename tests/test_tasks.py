@@ -191,7 +191,9 @@ def test_known_ones_follow_copies_and_forget_writes() -> None:
     ones = KnownOnes(lambda t: t.untyped_storage().data_ptr())
 
     def run(name: str, out: torch.Tensor, *args: Any) -> torch.Tensor:
-        ones.observe(name, args, {}, [a for a in args if isinstance(a, torch.Tensor)], [out])
+        op, overload = name.removeprefix("aten.").split(".")
+        func = getattr(getattr(torch.ops.aten, op), overload)
+        ones.observe(func, args, {}, [a for a in args if isinstance(a, torch.Tensor)], [out])
         return out
 
     mask = run("aten.ones.default", torch.ones(2, 8), [2, 8])

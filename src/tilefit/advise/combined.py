@@ -21,7 +21,7 @@ RULE = "combined"
 class CombinedFix:
     """The compatible recommended fixes applied at once (``Audit.combined``)."""
 
-    fixes: tuple[str, ...]  # each applied fix, "rule: dimension current -> suggested"
+    fixes: tuple[str, ...]  # each applied fix, "dimension current -> suggested" (label)
     left_out: tuple[str, ...]  # recommended fixes that conflict with a larger one
     change: Change  # what was applied, merged
     step_time_before_s: float

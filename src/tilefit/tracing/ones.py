@@ -7,7 +7,8 @@ the mask). A fake tensor has no values, so without this the trace built a B x T 
 every decoder layer that the real run never makes. Only what is certain counts: a storage
 made by ``ones``/``full(1)`` and the copies of it that cannot change a value (dtype and
 device copies, clones, gathers by index: any element of a tensor of ones is one); views share
-their base's storage and so its answer; any in-place write forgets the storage.
+their base's storage and so its answer; any write in place (an argument its schema marks
+written, ``compat.fake.written_args``) forgets the storage.
 (docs/references.md, section 32)
 """
 
@@ -17,6 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from tilefit.compat.fake import written_args
+from tilefit.tracing.traffic import op_tensors
 
 MAKERS = ("aten.ones.", "aten.new_ones.", "aten.ones_like.")
 # (op prefix, position of the fill value among the op's arguments)
@@ -33,12 +37,6 @@ def _filled_with_one(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return False
 
 
-def _in_place(name: str) -> bool:
-    """aten's in-place variants end their base name in ``_`` (``aten.masked_fill_.Scalar``)."""
-    parts = name.split(".")
-    return len(parts) > 1 and parts[1].endswith("_") and not parts[1].startswith("_")
-
-
 class KnownOnes:
     """The storages (by the recorder's uid) that hold only ones; called with a tensor, says
     whether its storage is one of them."""
@@ -47,12 +45,14 @@ class KnownOnes:
         self._uid = uid
         self._ones: set[int] = set()
 
-    def observe(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+    def observe(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                 inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
         """Update the known storages after one op (its tensors already have uids)."""
-        if _in_place(name) and inputs:
-            self._ones.discard(self._uid(inputs[0]))  # type: ignore[arg-type]
+        written = list(op_tensors(written_args(func, args, kwargs)))
+        if written:
+            self._ones.difference_update(self._uid(t) for t in written)
             return
+        name = str(func)
         made = name.startswith(MAKERS) or _filled_with_one(name, args, kwargs)
         kept = name.startswith(KEEPERS) and bool(inputs) and self(inputs[0])
         if made or kept:

@@ -377,7 +377,7 @@ class Recorder(TorchDispatchMode):
         engine = kind == "collective" or name.startswith(ENGINE_COPY_NAMESPACE)
         for t in outputs:
             self._track(t, at, "communication" if engine else None, module=module)
-        self.ones.observe(name, args, kwargs, inputs, outputs)
+        self.ones.observe(func, args, kwargs, inputs, outputs)
         alloc = tuple(self._nbytes[u] for u in range(before, self._next_uid))
         collective: Collective | None = None
         if kind == "collective":
