@@ -18,9 +18,12 @@ if _WORKER:
     # Workers share the cores: one thread each (and in the processes a test starts), not one
     # per core each; and each its own rendezvous port, so that two tests launching torchrun
     # at once on two workers do not both take its default 29500 (torchrun reads --master-port
-    # from PET_MASTER_PORT).
+    # from PET_MASTER_PORT). The workers already take every core: an audit's or plan's
+    # background traces (tracing.background) would only oversubscribe them;
+    # tests/test_background.py turns them on where it checks them.
     import torch
 
+    os.environ["TILEFIT_JOBS"] = "1"
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     os.environ["PET_MASTER_PORT"] = str(29500 + 11 * (1 + int(_WORKER.removeprefix("gw"))))

@@ -133,3 +133,27 @@ def test_a_conflicting_fix_gives_way_to_the_larger_gain(gelu_new: WhatIf) -> Non
     assert combined is not None
     assert combined.left_out == ("batch size 8 -> 16",)
     assert combined.change.recipe == (("batch_size", wave.suggested),)
+
+
+def test_under_torch_compile_the_fused_activation_is_subsumed(gelu_new: WhatIf) -> None:
+    from tilefit.advise.rules_compile import compile_findings
+
+    findings = order([f for rule in (activation_findings, compile_findings,
+                                     fused_optimizer_findings) for f in rule(gelu_new)])
+    assert {f.rule for f in findings if f.recommended} == {
+        "fused-activation", "compile", "fused-optimizer"}
+    combined = combine(gelu_new, findings)
+    assert combined is not None
+    assert combined.subsumed == (f"activation_function gelu_new -> {FUSED}",)
+    assert combined.change == Change(recipe=(("compile", Compile()),
+                                             ("optimizer", "adamw-fused")))
+    assert combined.to_dict()["subsumed"] == list(combined.subsumed)
+    # the claim, by two independent estimates: compiled, both activations cost the same
+    compiled = replace(RECIPE, compile=Compile())
+    slow = estimate(_tiny(), recipe=compiled, gpu=GPU)
+    fused = estimate(_tiny(FUSED), recipe=compiled, gpu=GPU)
+    assert slow.step_time_s == pytest.approx(fused.step_time_s, rel=1e-9)
+    assert slow.peak_memory_bytes == fused.peak_memory_bytes
+    # and the combined step is the compiled step with the fused optimizer, written out
+    direct = estimate(_tiny(), recipe=replace(compiled, optimizer="adamw-fused"), gpu=GPU)
+    assert combined.step_time_after_s == pytest.approx(direct.step_time_s, rel=1e-9)

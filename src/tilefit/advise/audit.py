@@ -12,7 +12,7 @@ from tilefit.advise.findings import Finding, RewriteConfirmation
 from tilefit.advise.rules_activation import activation_findings
 from tilefit.advise.rules_allocator import fragmentation_findings
 from tilefit.advise.rules_batch import memory_bound_findings, wave_findings
-from tilefit.advise.rules_compile import compile_findings
+from tilefit.advise.rules_compile import compile_findings, compile_variant
 from tilefit.advise.rules_dims import dimension_findings
 from tilefit.advise.rules_fp8 import fp8_findings
 from tilefit.advise.rules_host import host_findings
@@ -35,7 +35,7 @@ from tilefit.recipe import (
     is_named_model,
 )
 from tilefit.tracing.records import Trace
-from tilefit.tracing.workloads import shared_traces
+from tilefit.tracing.workloads import prefetch, shared_traces
 
 if TYPE_CHECKING:
     from tilefit.models import Workload
@@ -151,6 +151,9 @@ def _workload_subject(model: str | Workload, recipe: Recipe, device: Device, *,
         model, seq_len=seq_len, input_shape=input_shape, task=task)
     notes = recipe.notes + (("the loss is a stand-in (mean of the model's output)",)
                             if work.is_factory else ())
+    early = compile_variant(recipe, device)  # the longest what-if, on a free core meanwhile
+    if early is not None:
+        prefetch(work, early, device)
     return _Subject(name=work.name, seq_len=work.seq_len, recipe=recipe,
                     trace=trace_workload(work, recipe, device), workload=work,
                     retrace_fn=lambda wk, rc: trace_workload(wk, rc, device), modules=None,

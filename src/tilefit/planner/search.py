@@ -25,6 +25,7 @@ from tilefit.planner.space import OPTIMIZER_LABELS
 from tilefit.recipe import Lora, Parallelism, Recipe
 from tilefit.tracing import Trace
 from tilefit.tracing.distributed import Parallel
+from tilefit.tracing.workloads import prefetch
 from tilefit.vocab import parse_precision, same_update
 
 if TYPE_CHECKING:
@@ -102,13 +103,31 @@ def trace_point(workload: Workload, spec: Recipe, micro_batch: int, layers: int,
                 depth: Depth, device: Device, accumulation_steps: int,
                 parallel: Parallel | None) -> Trace:
     """The step of ``spec`` at ``micro_batch`` and ``layers`` (of ``depth``), traced."""
+    work, recipe = point_step(workload, spec, micro_batch, layers, depth, accumulation_steps,
+                              parallel)
+    return trace_workload(work, recipe, device)
+
+
+def point_step(workload: Workload, spec: Recipe, micro_batch: int, layers: int, depth: Depth,
+               accumulation_steps: int, parallel: Parallel | None) -> tuple[Workload, Recipe]:
+    """The workload (at ``layers`` of ``depth``) and recipe of one sweep point."""
     work = workload
     if depth.field is not None and layers != depth.full:
         work = workload.with_config(**{depth.field: layers})
     recipe = spec.with_batch(micro_batch, accumulation_steps)
     if parallel is not None:
         recipe = replace(recipe, parallel=Parallelism(parallel.world_size, parallel.strategy))
-    return trace_workload(work, recipe, device)
+    return work, recipe
+
+
+def prefetch_points(workload: Workload, spec: Recipe, points: Sequence[tuple[int, int]],
+                    depth: Depth, device: Device, parallel: Parallel | None) -> None:
+    """Start the sweep's points ((layers, micro-batch)) on free cores, for trace_point to
+    collect (tracing.workloads.prefetch: as many as there are free cores, none outside an
+    audit's or plan's shared_traces scope)."""
+    for layers, b in points:
+        prefetch(*point_step(workload, spec, b, layers, depth, SWEEP_ACCUMULATION, parallel),
+                 device)
 
 
 def zero_sample(tr: Trace, base: Estimate, device: Device, parallel: Parallel,
@@ -141,9 +160,13 @@ def sweep_points(workload: Workload, spec: Recipe, micro_batches: list[int]) -> 
 def sweep(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Depth,
           device: Device, parallel: Parallel | None = None) -> SweepModel:
     """Trace the recipe at the sweep's points (``sweep_points``, at each traced depth)."""
-    points = sweep_points(workload, spec, micro_batches)
-    samples = [trace_sample(workload, spec, b, k, depth, device, SWEEP_ACCUMULATION, parallel)
-               for k in depth.traced for b in points]
+    points = [(k, b) for k in depth.traced for b in sweep_points(workload, spec, micro_batches)]
+    traced = None if parallel is not None and parallel.modelled else parallel
+    samples = []
+    for i, (k, b) in enumerate(points):
+        prefetch_points(workload, spec, points[i + 1:], depth, device, traced)
+        samples.append(trace_sample(workload, spec, b, k, depth, device, SWEEP_ACCUMULATION,
+                                    parallel))
     return SweepModel(tuple(samples))
 
 
@@ -152,12 +175,13 @@ def zero_sweeps(workload: Workload, spec: Recipe, micro_batches: list[int], dept
     """DeepSpeed ZeRO ``engines`` (stages, offload) share one set of one-GPU traces: each
     point is traced once and modelled as every engine's rank (tilefit.estimator.zero_step)."""
     samples: dict[Parallel, list[Sample]] = {e: [] for e in engines}
-    for k in depth.traced:
-        for b in sweep_points(workload, spec, micro_batches):
-            tr = trace_point(workload, spec, b, k, depth, device, SWEEP_ACCUMULATION, None)
-            base = estimate_trace(tr, device)
-            for engine in engines:
-                samples[engine].append(zero_sample(tr, base, device, engine, b, k))
+    points = [(k, b) for k in depth.traced for b in sweep_points(workload, spec, micro_batches)]
+    for i, (k, b) in enumerate(points):
+        prefetch_points(workload, spec, points[i + 1:], depth, device, None)
+        tr = trace_point(workload, spec, b, k, depth, device, SWEEP_ACCUMULATION, None)
+        base = estimate_trace(tr, device)
+        for engine in engines:
+            samples[engine].append(zero_sample(tr, base, device, engine, b, k))
     return {e: SweepModel(tuple(s)) for e, s in samples.items()}
 
 

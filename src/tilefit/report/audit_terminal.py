@@ -51,9 +51,17 @@ def combined_head(c: CombinedFix) -> str:
             + ("" if c.fits else ", does NOT fit"))
 
 
-def combined_left_out(c: CombinedFix) -> str:
-    """The recommended fixes the combined step leaves out, and why."""
-    return "left out (each conflicts with a fix of larger gain): " + "; ".join(c.left_out)
+def combined_aside(c: CombinedFix) -> str:
+    """The recommended fixes the combined step leaves out, and why ("" where none): those
+    that conflict with a fix of larger gain, and those torch.compile does itself."""
+    parts = []
+    if c.left_out:
+        parts.append("left out (each conflicts with a fix of larger gain): "
+                     + "; ".join(c.left_out))
+    if c.subsumed:
+        parts.append("not needed with torch.compile (it fuses them itself): "
+                     + "; ".join(c.subsumed))
+    return "; ".join(parts)
 
 
 def print_findings(console: Console, audit: Audit) -> None:
@@ -63,8 +71,8 @@ def print_findings(console: Console, audit: Audit) -> None:
     if c is not None:  # the compatible fixes at once, re-estimated as one step
         console.print(f"[bold]{escape(combined_head(c))}[/]: " + escape("; ".join(c.fixes)),
                       highlight=False)
-        if c.left_out:
-            console.print(f"   [dim]{escape(combined_left_out(c))}[/]", highlight=False)
+        if combined_aside(c):
+            console.print(f"   [dim]{escape(combined_aside(c))}[/]", highlight=False)
     for i, f in enumerate(audit.findings, 1):
         style = SEVERITY_STYLE.get(f.severity, "")
         tag = f.severity if f.recommended else escape(not_recommended_because(f, audit))

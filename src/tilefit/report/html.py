@@ -16,8 +16,8 @@ from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate
 from tilefit.recipe import training_loop_note
 from tilefit.report.audit_terminal import (
+    combined_aside,
     combined_head,
-    combined_left_out,
     gain_text,
     not_recommended_because,
 )
@@ -122,7 +122,8 @@ def _combined(audit: Audit) -> str:
     c = audit.combined
     if c is None:
         return ""
-    left = f'<div class="why">{_esc(combined_left_out(c))}</div>' if c.left_out else ""
+    aside = combined_aside(c)
+    left = f'<div class="why">{_esc(aside)}</div>' if aside else ""
     return (f'<div class="combined"><div class="gain">{_esc(combined_head(c))}</div>'
             f"<div>fixes: {_esc('; '.join(c.fixes))}</div>{left}</div>")
 

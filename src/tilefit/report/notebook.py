@@ -72,8 +72,8 @@ def estimate_html(e: Estimate) -> str:
 
 def audit_html(a: Audit) -> str:
     from tilefit.report.audit_terminal import (
+        combined_aside,
         combined_head,
-        combined_left_out,
         gain_text,
         not_recommended_because,
     )
@@ -84,7 +84,7 @@ def audit_html(a: Audit) -> str:
     c = a.combined
     if c is not None:  # the compatible fixes applied together, re-estimated as one step
         rows.append(("combined", f"{combined_head(c)}: {'; '.join(c.fixes)}"
-                     + (f"; {combined_left_out(c)}" if c.left_out else "")))
+                     + (f"; {combined_aside(c)}" if combined_aside(c) else "")))
     for i, f in enumerate(a.findings, 1):
         tag = f.severity if f.recommended else not_recommended_because(f, a)
         rows.append((f"{i}. [{tag}]", f"{f.title}: {gain_text(f)}"))

@@ -4,7 +4,8 @@ recipe's batch size (tilefit.models.Workload), LoRA adapters and the fused loss 
 ``shared_traces()`` scopes one call of audit or plan: inside it each distinct (workload,
 recipe, device) is traced once and its Trace (frozen) handed to every later asker (a plan's
 one-GPU and multi-GPU sweeps share their 16-bit points; an audit's way forward runs a plan).
-Nothing outlives the scope."""
+Nothing outlives the scope. ``prefetch`` starts a step the scope will ask for on another core
+(tracing.background), for trace_workload to collect."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from tilefit.errors import TilefitError
 from tilefit.recipe import Recipe
+from tilefit.tracing.background import Background, background_slots
 from tilefit.tracing.records import Trace
 from tilefit.tracing.step import resolve_target, trace_module
 
@@ -25,9 +27,10 @@ if TYPE_CHECKING:
     from tilefit.models import Workload
 
 
-# the traces of the innermost shared_traces() scope, by (workload, recipe, device)
-_SHARED: ContextVar[dict[Hashable, Trace] | None] = ContextVar("tilefit_shared_traces",
-                                                               default=None)
+# the traces of the innermost shared_traces() scope, by (workload, recipe, device); a
+# Background is a trace still running in a forked child (prefetch)
+_SHARED: ContextVar[dict[Hashable, Trace | Background] | None] = ContextVar(
+    "tilefit_shared_traces", default=None)
 
 
 @contextlib.contextmanager
@@ -37,33 +40,64 @@ def shared_traces() -> Iterator[None]:
     if _SHARED.get() is not None:
         yield
         return
-    token = _SHARED.set({})
+    shared: dict[Hashable, Trace | Background] = {}
+    token = _SHARED.set(shared)
     try:
         yield
     finally:
         _SHARED.reset(token)
+        for found in shared.values():
+            if isinstance(found, Background):
+                found.cancel()
 
 
 def trace_workload(workload: str | Workload, recipe: Recipe, gpu: str | Device) -> Trace:
     """One training step of ``workload`` under ``recipe`` (its batch size, its adapters and
     loss) on ``gpu``; inside ``shared_traces()``, the scope's trace of the same step if it
     has one."""
+    work, recipe, key = _step_key(workload, recipe, gpu)
+    shared = _SHARED.get()
+    if shared is None or key is None:
+        return _trace_workload(work, recipe, gpu)
+    found = shared.get(key)
+    if isinstance(found, Background):  # prefetched: its trace, or in-process if it failed
+        found = found.result()
+    if found is None:
+        found = _trace_workload(work, recipe, gpu)
+    shared[key] = found
+    return found
+
+
+def prefetch(workload: str | Workload, recipe: Recipe, gpu: str | Device) -> bool:
+    """Inside ``shared_traces()``: start tracing this step in a background process, where a
+    core is free, for a later trace_workload of the same step to collect. Whether it
+    started (never outside a scope, for a step already there, or with no free slot)."""
+    shared = _SHARED.get()
+    if shared is None:
+        return False
+    work, recipe, key = _step_key(workload, recipe, gpu)
+    running = sum(isinstance(v, Background) and v.running for v in shared.values())
+    if key is None or key in shared or running >= background_slots():
+        return False
+    shared[key] = Background(functools.partial(_trace_workload, work, recipe, gpu))
+    return True
+
+
+def _step_key(workload: str | Workload, recipe: Recipe, gpu: str | Device
+              ) -> tuple[Workload, Recipe, Hashable | None]:
+    """The workload, the recipe on the device, and the step's key in a shared_traces()
+    scope (None for an unhashable part: a user's optimizer factory object)."""
     from tilefit.models import load_workload
 
     work = load_workload(workload) if isinstance(workload, str) else workload
     device = resolve_target(gpu)[1]
     recipe = recipe.on(device)
-    shared = _SHARED.get()
     try:
-        key: Hashable = (work, recipe, device)
+        key: Hashable | None = (work, recipe, device)
         hash(key)
-    except TypeError:  # an unhashable part (a user's optimizer factory object): not shared
-        shared = None
-    if shared is None:
-        return _trace_workload(work, recipe, gpu)
-    if key not in shared:
-        shared[key] = _trace_workload(work, recipe, gpu)
-    return shared[key]
+    except TypeError:
+        key = None
+    return work, recipe, key
 
 
 def _trace_workload(work: Workload, recipe: Recipe, gpu: str | Device) -> Trace:
