@@ -51,14 +51,30 @@ def test_a_prefetched_step_equals_the_step_traced_here(tiny_gpt2, two_jobs) -> N
     recipe = Recipe.for_model(tiny_gpt2, batch_size=4, precision="bf16-mixed")
     here = trace_workload(tiny_gpt2, recipe, "a100-80gb")  # no scope: traced in-process
     with shared_traces():
-        assert prefetch(tiny_gpt2, recipe, "a100-80gb")
+        assert prefetch([(tiny_gpt2, recipe)], "a100-80gb")
         pending = list(_SHARED.get().values())  # type: ignore[union-attr]
-        assert [type(p) for p in pending] == [background.Background]
-        assert not prefetch(tiny_gpt2, recipe, "a100-80gb")  # already there
+        assert [type(p.child) for p in pending] == [background.Background]
+        assert not prefetch([(tiny_gpt2, recipe)], "a100-80gb")  # already there
         there = trace_workload(tiny_gpt2, recipe, "a100-80gb")
         assert trace_workload(tiny_gpt2, recipe, "a100-80gb") is there  # collected once
     assert there == here and there is not here
-    assert not prefetch(tiny_gpt2, recipe, "a100-80gb")  # outside a scope: nothing starts
+    assert not prefetch([(tiny_gpt2, recipe)], "a100-80gb")  # outside a scope: nothing starts
+
+
+def test_steps_prefetched_together_come_back_each_as_traced_here(tiny_gpt2, two_jobs) -> None:  # type: ignore[no-untyped-def]
+    from tilefit.tracing.workloads import _SHARED, prefetch, shared_traces, trace_workload
+
+    deeper = tiny_gpt2.with_config(num_hidden_layers=2)
+    recipe = Recipe.for_model(tiny_gpt2, batch_size=2)
+    with shared_traces():
+        assert prefetch([(tiny_gpt2, recipe), (deeper, recipe)], "a100-80gb")
+        (one, two) = _SHARED.get().values()  # type: ignore[union-attr]
+        assert one.child is two.child and (one.index, two.index) == (0, 1)
+        # the one child is busy: no second starts on a 2-job machine
+        assert not prefetch([(tiny_gpt2, Recipe.for_model(tiny_gpt2, batch_size=5))],
+                            "a100-80gb")
+        got = [trace_workload(w, recipe, "a100-80gb") for w in (deeper, tiny_gpt2)]
+    assert got == [trace_workload(w, recipe, "a100-80gb") for w in (deeper, tiny_gpt2)]
 
 
 def test_no_background_trace_with_one_job(tiny_gpt2, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -66,7 +82,7 @@ def test_no_background_trace_with_one_job(tiny_gpt2, monkeypatch) -> None:  # ty
 
     monkeypatch.setenv(background.JOBS_ENV, "1")
     with shared_traces():
-        assert not prefetch(tiny_gpt2, Recipe.for_model(tiny_gpt2), "a100-80gb")
+        assert not prefetch([(tiny_gpt2, Recipe.for_model(tiny_gpt2))], "a100-80gb")
 
 
 def test_a_failed_child_leaves_the_step_to_this_process(tiny_gpt2, two_jobs, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -83,7 +99,7 @@ def test_a_failed_child_leaves_the_step_to_this_process(tiny_gpt2, two_jobs, mon
     monkeypatch.setattr(tw, "_trace_workload", fails_in_the_child)
     recipe = Recipe.for_model(tiny_gpt2, batch_size=2)
     with tw.shared_traces():
-        assert tw.prefetch(tiny_gpt2, recipe, "a100-80gb")
+        assert tw.prefetch([(tiny_gpt2, recipe)], "a100-80gb")
         traced = tw.trace_workload(tiny_gpt2, recipe, "a100-80gb")
     from tilefit.hardware import get_device
 
@@ -98,7 +114,7 @@ def test_an_error_in_the_step_is_raised_here_as_in_a_serial_run(tiny_gpt2, two_j
     with pytest.raises(Exception) as serial:
         trace_workload(factory, recipe, "a100-80gb")
     with shared_traces():
-        assert prefetch(factory, recipe, "a100-80gb")
+        assert prefetch([(factory, recipe)], "a100-80gb")
         with pytest.raises(type(serial.value)) as parallel:
             trace_workload(factory, recipe, "a100-80gb")
     assert str(parallel.value) == str(serial.value)
@@ -108,8 +124,9 @@ def test_a_scope_that_ends_stops_its_children(tiny_gpt2, two_jobs) -> None:  # t
     from tilefit.tracing.workloads import _SHARED, prefetch, shared_traces
 
     with shared_traces():
-        assert prefetch(tiny_gpt2, Recipe.for_model(tiny_gpt2, batch_size=3), "a100-80gb")
-        (child,) = _SHARED.get().values()  # type: ignore[union-attr]
+        assert prefetch([(tiny_gpt2, Recipe.for_model(tiny_gpt2, batch_size=3))], "a100-80gb")
+        (found,) = _SHARED.get().values()  # type: ignore[union-attr]
+        child = found.child
     assert not child._process.is_alive() and not child.running
 
 

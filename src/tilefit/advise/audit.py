@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from tilefit.advise.combined import CombinedFix, combine
 from tilefit.advise.findings import Finding, RewriteConfirmation
+from tilefit.advise.lever import retrace_steps
 from tilefit.advise.rules_activation import activation_findings
 from tilefit.advise.rules_allocator import fragmentation_findings
 from tilefit.advise.rules_batch import memory_bound_findings, wave_findings
@@ -153,7 +154,7 @@ def _workload_subject(model: str | Workload, recipe: Recipe, device: Device, *,
                             if work.is_factory else ())
     early = compile_variant(recipe, device)  # the longest what-if, on a free core meanwhile
     if early is not None:
-        prefetch(work, early, device)
+        prefetch(retrace_steps(work, early), device)
     return _Subject(name=work.name, seq_len=work.seq_len, recipe=recipe,
                     trace=trace_workload(work, recipe, device), workload=work,
                     retrace_fn=lambda wk, rc: trace_workload(wk, rc, device), modules=None,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from tilefit.advise.findings import Change
+from tilefit.advise.lever import extrapolate, lever_depth, near_the_line
 from tilefit.errors import TilefitError, error_line
 from tilefit.estimator import Estimate, estimate_trace
 from tilefit.hardware import Device
@@ -88,7 +89,10 @@ class WhatIf:
     # own, else filled on first use with the workload built on the meta device
     # (rules_dims.module_map)
     named_modules: dict[str, nn.Module] | None = None
-    _cache: dict[tuple[Workload, Recipe], Estimate] = field(default_factory=dict)
+    # what-ifs of a deep model traced at two depths and extrapolated (advise.lever)
+    lever: bool = True
+    _cache: dict[tuple[Workload, Recipe, tuple[tuple[int, int], ...]], Estimate] = field(
+        default_factory=dict)
     # the compiled re-traces themselves: one trace serves every compile mode (the modes
     # differ in how the estimator costs the same graphs)
     _compiled: dict[tuple[Workload, Recipe], Trace] = field(default_factory=dict)
@@ -140,18 +144,13 @@ class WhatIf:
             raise RuntimeError("no re-trace available for a model given as an nn.Module")
         work = workload if workload is not None else self.workload
         assert work is not None
-        recipe = replace(self.recipe, **recipe_changes)
-        key = (work, recipe)
-        if key not in self._cache:
-            self._cache[key] = estimate_trace(self._trace_of(work, recipe), self.device)
-        return self._cache[key]
+        return self._estimate(work, replace(self.recipe, **recipe_changes))
 
     def apply(self, change: Change) -> Estimate:
         """The step re-estimated with ``change`` applied: re-traced with its recipe and
         config fields and sequence length (the audited trace where it has none of them),
         then its weight dimensions rewritten in that trace (TilefitError where the variant
         cannot be built or traced)."""
-        tr = self.trace
         if change.retraces:
             if not self.can_retrace:
                 raise TilefitError("a model given as an nn.Module is not re-traced",
@@ -163,12 +162,41 @@ class WhatIf:
                 work = work.with_config(**dict(change.config))
             if change.seq_len is not None:
                 work = work.with_seq_len(change.seq_len)
-            if not change.rewrite:
-                return self.retrace(work, **dict(change.recipe))
-            tr = self._trace_of(work, replace(self.recipe, **dict(change.recipe)))
+            return self._estimate(work, replace(self.recipe, **dict(change.recipe)),
+                                  change.rewrite)
+        tr = self.trace
         for old, new in change.rewrite:
             tr = rewrite_dim(tr, old, new)
         return estimate_trace(tr, self.device)
+
+    def _estimate(self, work: Workload, recipe: Recipe,
+                  rewrite: tuple[tuple[int, int], ...] = ()) -> Estimate:
+        """A what-if's estimate (cached): a deep model's traced at two shallow depths and
+        extrapolated (advise.lever), else, or near the out-of-memory line, traced in full."""
+        key = (work, recipe, rewrite)
+        if key not in self._cache:
+            depth = lever_depth(work) if self.lever else None
+            est = None
+            if depth is not None and depth.field is not None:
+                try:
+                    low, high = (self._costed(work.with_config(**{depth.field: n}), recipe,
+                                              rewrite) for n in depth.traced)
+                    est = extrapolate((low, high), depth)
+                except TilefitError:  # it does not build or trace shallower: in full
+                    est = None
+                if est is not None and near_the_line(est):
+                    est = None
+            self._cache[key] = est if est is not None else self._costed(work, recipe,
+                                                                        rewrite)[1]
+        return self._cache[key]
+
+    def _costed(self, work: Workload, recipe: Recipe,
+                rewrite: tuple[tuple[int, int], ...]) -> tuple[Trace, Estimate]:
+        """The step traced, its weight dimensions rewritten, and costed."""
+        tr = self._trace_of(work, recipe)
+        for old, new in rewrite:
+            tr = rewrite_dim(tr, old, new)
+        return tr, estimate_trace(tr, self.device)
 
     def _trace_of(self, work: Workload, recipe: Recipe) -> Trace:
         """One re-trace (a compiled one shared by the compile modes), counted."""

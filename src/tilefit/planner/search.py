@@ -126,7 +126,7 @@ def prefetch_points(workload: Workload, spec: Recipe, points: Sequence[tuple[int
     collect (tracing.workloads.prefetch: as many as there are free cores, none outside an
     audit's or plan's shared_traces scope)."""
     for layers, b in points:
-        prefetch(*point_step(workload, spec, b, layers, depth, SWEEP_ACCUMULATION, parallel),
+        prefetch([point_step(workload, spec, b, layers, depth, SWEEP_ACCUMULATION, parallel)],
                  device)
 
 

@@ -73,15 +73,18 @@ class Background:
         self._process.start()
         send.close()
         self._done = False
+        self._value: Any | None = None
 
     @property
     def running(self) -> bool:
+        """Whether its result is still to be collected (the child may have finished)."""
         return not self._done
 
     def result(self) -> Any | None:
-        """The child's Trace; None where it raised, crashed or was killed."""
+        """The child's result (the same on every call); None where it raised, crashed or
+        was killed."""
         if self._done:
-            return None
+            return self._value
         self._done = True
         try:
             kind, value = self._receive.recv()
@@ -90,10 +93,11 @@ class Background:
         finally:
             self._receive.close()
             self._process.join()
-        return value if kind == "ok" else None
+        self._value = value if kind == "ok" else None
+        return self._value
 
     def cancel(self) -> None:
-        """Stop the child if it still runs (its trace is not wanted)."""
+        """Stop the child if it still runs (its result is not wanted)."""
         if self._done:
             return
         self._done = True

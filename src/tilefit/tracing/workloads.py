@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from contextvars import ContextVar
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from tilefit.errors import TilefitError
@@ -27,9 +27,21 @@ if TYPE_CHECKING:
     from tilefit.models import Workload
 
 
-# the traces of the innermost shared_traces() scope, by (workload, recipe, device); a
-# Background is a trace still running in a forked child (prefetch)
-_SHARED: ContextVar[dict[Hashable, Trace | Background] | None] = ContextVar(
+@dataclass(frozen=True)
+class _Prefetched:
+    """A step traced in a forked child, with others (prefetch): its place in their list."""
+
+    child: Background
+    index: int
+
+    def trace(self) -> Trace | None:
+        traces = self.child.result()
+        return None if traces is None else traces[self.index]
+
+
+# the traces of the innermost shared_traces() scope, by (workload, recipe, device), and the
+# steps prefetched into forked children
+_SHARED: ContextVar[dict[Hashable, Trace | _Prefetched] | None] = ContextVar(
     "tilefit_shared_traces", default=None)
 
 
@@ -40,15 +52,15 @@ def shared_traces() -> Iterator[None]:
     if _SHARED.get() is not None:
         yield
         return
-    shared: dict[Hashable, Trace | Background] = {}
+    shared: dict[Hashable, Trace | _Prefetched] = {}
     token = _SHARED.set(shared)
     try:
         yield
     finally:
         _SHARED.reset(token)
         for found in shared.values():
-            if isinstance(found, Background):
-                found.cancel()
+            if isinstance(found, _Prefetched):
+                found.child.cancel()
 
 
 def trace_workload(workload: str | Workload, recipe: Recipe, gpu: str | Device) -> Trace:
@@ -60,27 +72,37 @@ def trace_workload(workload: str | Workload, recipe: Recipe, gpu: str | Device) 
     if shared is None or key is None:
         return _trace_workload(work, recipe, gpu)
     found = shared.get(key)
-    if isinstance(found, Background):  # prefetched: its trace, or in-process if it failed
-        found = found.result()
+    if isinstance(found, _Prefetched):  # its trace, or in-process if the child failed
+        found = found.trace()
     if found is None:
         found = _trace_workload(work, recipe, gpu)
     shared[key] = found
     return found
 
 
-def prefetch(workload: str | Workload, recipe: Recipe, gpu: str | Device) -> bool:
-    """Inside ``shared_traces()``: start tracing this step in a background process, where a
-    core is free, for a later trace_workload of the same step to collect. Whether it
-    started (never outside a scope, for a step already there, or with no free slot)."""
+def prefetch(steps: Sequence[tuple[str | Workload, Recipe]], gpu: str | Device) -> bool:
+    """Inside ``shared_traces()``: start tracing these (workload, recipe) steps, in order, in
+    one forked child where a core is free, for later trace_workload calls to collect.
+    Whether it started (never outside a scope, for steps already there, or with no free
+    core)."""
     shared = _SHARED.get()
     if shared is None:
         return False
-    work, recipe, key = _step_key(workload, recipe, gpu)
-    running = sum(isinstance(v, Background) and v.running for v in shared.values())
-    if key is None or key in shared or running >= background_slots():
+    keyed = [_step_key(w, r, gpu) for w, r in steps]
+    keyed = [s for s in keyed if s[2] is not None and s[2] not in shared]
+    children = {v.child for v in shared.values() if isinstance(v, _Prefetched)}
+    if not keyed or sum(c.running for c in children) >= background_slots():
         return False
-    shared[key] = Background(functools.partial(_trace_workload, work, recipe, gpu))
+    child = Background(functools.partial(_trace_steps, tuple((w, r) for w, r, _ in keyed),
+                                         gpu))
+    for i, (_, _, key) in enumerate(keyed):
+        shared[key] = _Prefetched(child, i)
     return True
+
+
+def _trace_steps(steps: tuple[tuple[Workload, Recipe], ...], gpu: str | Device
+                 ) -> tuple[Trace, ...]:
+    return tuple(_trace_workload(w, r, gpu) for w, r in steps)
 
 
 def _step_key(workload: str | Workload, recipe: Recipe, gpu: str | Device

@@ -1,0 +1,139 @@
+"""An audit's re-traces of a deep model: traced at two shallow depths, extrapolated to its own.
+
+A stack of identical blocks makes each figure of a training step affine in the layer count:
+every layer adds the same ops (time, FLOPs, parameters) and the same tensors. The peak is
+the larger of two affine pieces (forward/backward and the optimizer step, whose maximum moves
+from one to the other as the model deepens), so each piece is extrapolated and the larger
+taken, as the planner's layer lever does (tilefit.planner.affine;
+docs/references.md, section 38). The audited step itself is always traced in full; its
+what-ifs (torch.compile, another batch, the fused loss, checkpointing, ...) of a model deeper than
+``LAYER_LEVER_MIN_LAYERS`` are traced at ``LEVER_LAYERS`` and extrapolated. On full GPT-2
+(12 layers) the compiled what-if extrapolates to 5e-8 of the full trace's step time and to
+the byte of its peak (tests/test_audit_lever.py checks the rules' what-ifs on a 5-layer model
+against full traces).
+
+Not used where it would not hold: a config whose layers differ (``layer_types`` with more
+than one kind, dense layers before the experts, experts every few layers), and near the
+out-of-memory line (within ``LEVER_MARGIN`` of it), where the verdict decides whether a fix
+is recommended: those what-ifs are traced in full.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from tilefit.estimator import Estimate
+from tilefit.models import Workload
+from tilefit.planner.search import Depth, depth_of
+from tilefit.recipe import Recipe
+from tilefit.tracing.records import Trace
+
+# an extrapolated what-if this close to the out-of-memory line is traced in full instead
+LEVER_MARGIN = 0.10
+# config fields that make some layers unlike the others (transformers' names)
+_MIXED_LAYERS = ("first_k_dense_replace", "mlp_only_layers")
+
+
+def lever_depth(work: Workload) -> Depth | None:
+    """The depths a what-if of ``work`` is traced at, or None: trace it in full (a shallow
+    model, no layer-count field, or layers that differ)."""
+    depth = depth_of(work)
+    if not depth.lever or not uniform_layers(work):
+        return None
+    return depth
+
+
+@functools.lru_cache(maxsize=64)
+def uniform_layers(work: Workload) -> bool:
+    """Whether every layer is built alike, as the model's class builds its config."""
+    if work.config is None:
+        return False
+    from tilefit.models.hf import make_config
+
+    built = make_config(work.config).to_dict()
+    kinds = built.get("layer_types")
+    if isinstance(kinds, list) and len(set(map(str, kinds))) > 1:
+        return False
+    if any(built.get(key) for key in _MIXED_LAYERS):
+        return False
+    return int(built.get("decoder_sparse_step") or 1) <= 1
+
+
+def retrace_steps(work: Workload, recipe: Recipe) -> list[tuple[Workload, Recipe]]:
+    """The steps a what-if of ``work`` under ``recipe`` traces: at each lever depth, or the
+    step itself (what the audit may start on a free core before it needs them)."""
+    depth = lever_depth(work)
+    if depth is None or depth.field is None:
+        return [(work, recipe)]
+    return [(work.with_config(**{depth.field: n}), recipe) for n in depth.traced]
+
+
+def extrapolate(shallow: tuple[tuple[Trace, Estimate], tuple[Trace, Estimate]],
+                depth: Depth) -> Estimate:
+    """The full-depth estimate from the (trace, estimate) at each of ``depth.traced``: its
+    scalar figures (the per-op and per-module tables stay empty: they are not traced)."""
+    (tr0, e0), (tr1, e1) = shallow
+    l0, l1 = depth.traced
+    scale = (depth.full - l0) / (l1 - l0)
+
+    def lin(a: float, b: float) -> float:
+        return a + (b - a) * scale
+
+    rounded = e1.device.kind == "cuda"
+    fb0, _, opt0 = tr0.phase_peaks(rounded=rounded)
+    fb1, _, opt1 = tr1.phase_peaks(rounded=rounded)
+    peak = round(max(lin(fb0, fb1), lin(opt0, opt1)))
+    step = lin(e0.step_time_s, e1.step_time_s)
+    flops = round(lin(e0.flops, e1.flops))
+    waits = lin(e0.host_bound_fraction * e0.step_time_s, e1.host_bound_fraction * e1.step_time_s)
+    tokens = e1.tokens_per_step
+    return replace(
+        e1, peak_memory_bytes=peak,
+        memory_breakdown=_lin_dict(e0.memory_breakdown, e1.memory_breakdown, lin, whole=True),
+        step_time_s=step, flops=flops, hardware_flops=round(lin(e0.hardware_flops,
+                                                                e1.hardware_flops)),
+        samples_per_s=e1.samples_per_step / step, tokens_per_s=tokens / step if tokens else None,
+        mfu=e1.mfu * (flops / e1.flops) * (e1.step_time_s / step) if e1.flops else e1.mfu,
+        time_by_phase_s=_lin_dict(e0.time_by_phase_s, e1.time_by_phase_s, lin),
+        ops=(), modules=(), param_count=round(lin(e0.param_count, e1.param_count)),
+        trainable_param_count=round(lin(e0.trainable_param_count, e1.trainable_param_count)),
+        host_time_s=lin(e0.host_time_s, e1.host_time_s),
+        device_time_s=lin(e0.device_time_s, e1.device_time_s),
+        host_bound_fraction=max(0.0, waits / step), reserved=_reserved(e0, e1, peak),
+        warnings=(*e1.warnings, f"extrapolated to {depth.full} layers from traces at {l0} "
+                  f"and {l1}"))
+
+
+def near_the_line(est: Estimate) -> bool:
+    """Whether the extrapolated step's memory lies within LEVER_MARGIN of the line the
+    verdict draws (the allocator's limit, else the device's memory)."""
+    if est.reserved is not None:
+        used, line = est.reserved.peak_reserved_bytes, est.reserved.limit_bytes
+    else:
+        used, line = est.total_memory_bytes, est.device.memory_bytes
+    return abs(used - line) <= LEVER_MARGIN * line
+
+
+def _lin_dict(a: Mapping[str, Any], b: Mapping[str, Any], lin: Any, *,
+              whole: bool = False) -> dict[str, Any]:
+    out = {k: lin(a.get(k, 0), b.get(k, 0)) for k in {**a, **b}}
+    return {k: round(v) for k, v in out.items()} if whole else out
+
+
+def _reserved(e0: Estimate, e1: Estimate, peak: int) -> Any:
+    """The caching allocator at full depth: the traced peak plus the larger share beyond
+    it that the two shallow replays reserved (fragmentation is not affine: held inside what
+    was measured, as the planner does)."""
+    r0, r1 = e0.reserved, e1.reserved
+    if r0 is None or r1 is None:
+        return r1
+    ratio = max((max(0, r.peak_reserved_bytes - e.peak_memory_bytes) / e.peak_memory_bytes
+                 for r, e in ((r0, e0), (r1, e1)) if e.peak_memory_bytes > 0), default=0.0)
+    reserved = round(peak * (1 + ratio))
+    return replace(r1, peak_reserved_bytes=reserved, allocated_at_peak_bytes=peak,
+                   peak_allocated_bytes=peak, fits=reserved <= r1.limit_bytes, released_bytes=0,
+                   failed_request_bytes=None, failed_where=None,
+                   notes=(*r1.notes, "extrapolated from shallower traces"))
