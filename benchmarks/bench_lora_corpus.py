@@ -17,6 +17,12 @@ stated GPU. Nothing is fitted on these records.
 - ``oom`` verdicts against ``Estimate.fits``.
 - A record tilefit cannot express is printed with the reason (its ``unsupported`` field, or
   tilefit's own refusal).
+- A QLoRA record measured with bitsandbytes before 0.43.2 (its ``software.bitsandbytes``) is
+  traced with that version's ``MatMul4Bit``, which held each quantized layer's input for the
+  backward (``ctx.tensors = (A, B)``, bitsandbytes 0.41.1 ``autograd/_functions.py``) where
+  the installed one holds none (``(None, B)``, bitsandbytes PR #1270, commit 9e75374, first
+  in 0.43.2): the measured quantity is that older library's, so it is predicted as such.
+  tilefit itself needs bitsandbytes >= 0.45, whose layers do not hold it.
 
 Prints per record the measured and predicted figures and the signed error (predicted -
 measured) / measured, then the median and worst absolute error for throughput and for memory
@@ -33,8 +39,12 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
+
+from packaging.version import Version
 
 from tilefit.errors import TilefitError
 
@@ -67,6 +77,41 @@ def recipe_of(rec: dict[str, Any]) -> Any:
                   max_grad_norm=None, loss_sync=True)
 
 
+# bitsandbytes' first release whose MatMul4Bit no longer holds its input A for the backward
+# (PR #1270, "fix QLoRA mem bug: delete useless buffered activation", commit 9e75374)
+BNB_DROPS_INPUT = Version("0.43.2")
+
+
+def holds_matmul_input(rec: dict[str, Any]) -> bool:
+    """Whether the record's 4-bit layers ran a bitsandbytes that held each input A."""
+    stated = rec.get("software", {}).get("bitsandbytes")
+    return rec["quantize"] in ("nf4", "fp4") and stated is not None \
+        and Version(stated) < BNB_DROPS_INPUT
+
+
+@contextmanager
+def matmul_4bit_holding_input() -> Iterator[None]:
+    """bitsandbytes' MatMul4Bit as before 0.43.2: the installed forward, then its input A
+    kept on the context beside B (``ctx.tensors = (A, B)`` where 0.43.2 keeps
+    ``(None, B)``) until the autograd graph is freed; its backward never reads A."""
+    from bitsandbytes.autograd._functions import MatMul4Bit
+
+    installed = MatMul4Bit.forward
+
+    def forward(ctx: Any, A: Any, B: Any, *args: Any, **kwargs: Any) -> Any:
+        out = installed(ctx, A, B, *args, **kwargs)
+        held = getattr(ctx, "tensors", (None, None))
+        if held[1] is not None:  # any(ctx.needs_input_grad[:2]), as the forward decided
+            ctx.tensors = (A, held[1])
+        return out
+
+    MatMul4Bit.forward = staticmethod(forward)
+    try:
+        yield
+    finally:
+        MatMul4Bit.forward = staticmethod(installed)
+
+
 def predict(rec: dict[str, Any]) -> Any:
     from tilefit.estimator import estimate_recipe
     from tilefit.hardware import get_device
@@ -76,7 +121,8 @@ def predict(rec: dict[str, Any]) -> Any:
     if rec["model"]["changes"]:
         work = work.with_config(**rec["model"]["changes"])
     device = get_device(rec["gpu"])
-    return estimate_recipe(work, None, recipe_of(rec).on(device), device)
+    with matmul_4bit_holding_input() if holds_matmul_input(rec) else nullcontext():
+        return estimate_recipe(work, None, recipe_of(rec).on(device), device)
 
 
 def job_tokens_per_s(est: Any) -> float:
