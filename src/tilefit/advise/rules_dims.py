@@ -265,11 +265,11 @@ def _weight_what_if(whatif: WhatIf, origin: Origin, hit: _Hit) -> _DimFix | None
         method = "retrace"
     else:
         after, method = whatif.with_dim(hit.value, new), "rewrite"
-    # combined with other fixes, a config field is changed in the config (re-traced)
+    # combined with other fixes, the fix applies as it was predicted: a re-traced config
+    # field in the config, a rewritten dimension rewritten in the combined step's traces (its
+    # time as this finding's; its memory the step's before the change, as this finding's)
     change = (Change(config=((origin.config_field, origin.field_value(new)),))
-              if origin.config_field is not None and whatif.workload is not None
-              and whatif.workload.config is not None
-              else Change(rewrite=((hit.value, new),)))
+              if method == "retrace" else Change(rewrite=((hit.value, new),)))
     return _DimFix("weight-dim-alignment", origin.dimension, hit.value, new,
                    _weight_fix(whatif, origin, new, hit.multiple), after, method, change)
 
