@@ -181,3 +181,22 @@ def test_cli_estimate_of_a_mixtral_config_prints_no_third_party_lines(tmp_path: 
                              r"fake_tensor|\[transformers\]", re.MULTILINE)
     assert not third_party.search(out.stderr), out.stderr
     assert out.stderr.startswith("note:"), out.stderr
+
+
+def test_plan_keeps_the_routing_in_every_recipe_it_traces(tmp_path: Path) -> None:
+    """plan --routing: each swept recipe carries the user's routing (PlanState.with_user),
+    and a routing outside its forms is refused before anything is traced."""
+    from tilefit.estimator.offload import OffloadLink
+    from tilefit.hardware import get_device
+    from tilefit.planner.search import depth_of
+    from tilefit.planner.state import PlanState
+
+    work = load_workload(_config(tmp_path, MIXTRAL), seq_len=SEQ)
+    user = Recipe(routing="skewed:0.5")
+    state = PlanState(work, get_device("a100-80gb"), 4, 2**30, "adamw", depth_of(work),
+                      OffloadLink(), user=user)
+    assert state.with_user(Recipe(precision="bf16-mixed")).routing == "skewed:0.5"
+    bad = subprocess.run([sys.executable, "-m", "tilefit", "plan", _config(tmp_path, MIXTRAL),
+                          "--global-batch", "4", "--routing", "even"], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=300)
+    assert bad.returncode == 2 and "skewed:F" in bad.stderr + bad.stdout

@@ -72,6 +72,7 @@ def plan(
     max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
     loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     fused_ce: bool = mo.FUSED_CE_OPTION,
+    routing: str | None = mo.ROUTING_OPTION,
     compile_: bool = mo.COMPILE_OPTION,
     gpus: int = GPUS_OPTION,
     strategy: str | None = STRATEGY_OPTION,
@@ -91,7 +92,7 @@ def plan(
         work = mo.load(model, seq, input_shape, task, target_seq, image_size, revision)
         recipe = mo.recipe(work, optimizer=optimizer, max_grad_norm=max_grad_norm,
                            loss_sync=loss_sync, fused_ce=fused_ce, compile_=compile_,
-                           gpus=gpus, strategy=strategy)
+                           gpus=gpus, strategy=strategy, routing=routing)
         lora = mo.lora_of(False, lora_rank, lora_alpha, lora_targets, lora_dropout, dora,
                           modules_to_save)
         search = PlanSearch(memory_fraction, objective, allow_optimizer_change, allow_peft,

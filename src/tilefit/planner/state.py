@@ -41,10 +41,11 @@ class PlanState:
         self.traces = 0
 
     def with_user(self, spec: Recipe) -> Recipe:
-        """The recipe with the user's loop settings, as it is traced and keyed."""
+        """The recipe with the user's loop settings (and a mixture-of-experts model's
+        routing), as it is traced and keyed."""
         user = self.user
         return dataclasses.replace(spec, max_grad_norm=user.max_grad_norm,
-                                   loss_sync=user.loss_sync,
+                                   loss_sync=user.loss_sync, routing=user.routing,
                                    fused_ce=user.fused_ce or spec.fused_ce,
                                    compile=user.compile or spec.compile)
 
