@@ -30,14 +30,14 @@ CANNOT = "Inductor cannot capture [the step]"  # brackets: not rich markup in th
 def test_a_failing_compiled_retrace_is_a_note_naming_the_rule_and_why(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The tiny MLP on an A100 is host-bound (tests/test_audit.py), so both the compile and
     the host-bound rules re-trace it compiled; that re-trace fails here."""
-    real = WhatIf.retrace
+    real = WhatIf._estimate
 
-    def retrace(self: WhatIf, workload: Any = None, **changes: Any) -> Any:
-        if changes.get("compile"):
+    def estimate(self: WhatIf, work: Any, recipe: Any, rewrite: Any = ()) -> Any:
+        if recipe.compile:
             raise TilefitError(CANNOT, fix="none in this test")
-        return real(self, workload, **changes)
+        return real(self, work, recipe, rewrite)
 
-    monkeypatch.setattr(WhatIf, "retrace", retrace)
+    monkeypatch.setattr(WhatIf, "_estimate", estimate)
     result = audit("tests.fixtures.tiny_models:mlp", gpu="a100-80gb", batch_size=8,
                    input_shape=(32,))
     assert result.estimate.host_bound_fraction > 0.3  # the host-bound rule did need it

@@ -218,6 +218,16 @@ class Recipe:
         return out
 
 
+def variant(recipe: Recipe, **changes: Any) -> Recipe | None:
+    """``recipe`` with ``changes``, or None where the Recipe refuses them together (a
+    quantized base or the fused loss under torch.compile): for a caller that only looks
+    ahead (an audit starting a what-if early), the rule that applies the change notes why."""
+    try:
+        return replace(recipe, **changes)
+    except TilefitError:
+        return None
+
+
 def check_optimizer(optimizer: Any) -> None:
     """A name of vocab.OPTIMIZER_NAMES (close spellings suggested) or a factory."""
     if callable(optimizer):

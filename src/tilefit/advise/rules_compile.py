@@ -6,8 +6,6 @@ AOTAutograd's partitioner saves fewer activations for backward
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from tilefit.advise.findings import (
     MIN_RECOMMENDED_SPEEDUP,
     Change,
@@ -18,7 +16,7 @@ from tilefit.advise.findings import (
 from tilefit.advise.whatif import WhatIf
 from tilefit.estimator import Estimate
 from tilefit.hardware import Device
-from tilefit.recipe import Compile, Recipe
+from tilefit.recipe import Compile, Recipe, variant
 from tilefit.vocab import EXTERN_KINDS
 
 GIB = 2**30
@@ -41,16 +39,17 @@ def fusible_share(est: Estimate) -> float:
 
 
 def compile_variant(recipe: Recipe, device: Device) -> Recipe | None:
-    """The recipe compile_findings re-traces (None where the rule does not run): the audit
-    starts it on a free core before tracing the step itself, being its longest re-trace."""
+    """The recipe compile_findings re-traces (None where the rule does not run, or the
+    Recipe refuses compile with the rest: the rule notes why): the audit starts it on a free
+    core before tracing the step itself, being its longest re-trace."""
     if device.kind != "cuda" or recipe.compile:
         return None
-    return replace(recipe, compile=Compile())
+    return variant(recipe, compile=Compile())
 
 
 def compile_findings(whatif: WhatIf) -> list[Finding]:
     recipe = whatif.recipe
-    if compile_variant(recipe, whatif.device) is None or not whatif.can_retrace:
+    if whatif.device.kind != "cuda" or recipe.compile or not whatif.can_retrace:
         return []
     est = whatif.estimate
     # a torch without Inductor, a step it cannot capture: a note, no finding

@@ -182,8 +182,8 @@ class WhatIf:
                     low, high = (self._costed(work.with_config(**{depth.field: n}), recipe,
                                               rewrite) for n in depth.traced)
                     est = extrapolate((low, high), depth)
-                except TilefitError:  # it does not build or trace shallower: in full
-                    est = None
+                except TilefitError as err:  # it does not build or trace shallower: in full
+                    self.skipped("layer lever", f"the step at {depth.traced} layers", err)
                 if est is not None and near_the_line(est):
                     est = None
             self._cache[key] = est if est is not None else self._costed(work, recipe,
