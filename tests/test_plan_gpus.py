@@ -172,3 +172,55 @@ def test_zero_strategy_names_are_accepted_and_checked() -> None:
     r = CliRunner().invoke(app, ["plan", "gpt2", "--global-batch", "16", "--gpus", "2",
                                  "--strategy", "zero4"])
     assert r.exit_code == 2 and "--strategy" in r.output
+
+
+def test_the_fallback_skips_ddp_only_where_its_rows_could_not_fit_or_show() -> None:
+    """The multi-GPU fallback leaves DDP untraced where the model state every DDP rank holds
+    (one GPU's traced parameters, gradients and AdamW state) is over the budget and enough
+    other rows fit to fill what it shows: the shown rows are those of the full search. The
+    premise is checked on real traces: every traced DDP row needs at least that state."""
+    from tilefit.hardware import get_device
+    from tilefit.models import load_workload
+    from tilefit.planner.multiplan import MultiSpace, search_rows
+    from tilefit.planner.rank import rank
+    from tilefit.planner.search import sweep
+    from tilefit.recipe import Recipe
+    from tilefit.tracing.workloads import shared_traces
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # a GPT-2 whose weights outweigh its activations (FSDP2 fits where DDP does not)
+    work = load_workload("gpt2", seq_len=32).with_config(
+        num_hidden_layers=2, n_embd=512, n_head=8, vocab_size=1024, bos_token_id=0,
+        eos_token_id=0)
+    dev = get_device("h100")
+    recipe = Recipe(precision="bf16-mixed", optimizer="adamw", attention="sdpa")
+    depth = Depth(None, 2, (2,))
+    with shared_traces():
+        one = sweep(work, recipe.with_batch(1, 1), [1, 4], depth, dev).samples[0]
+        state = one.parameters_bytes + one.gradients_bytes + one.optimizer_state_bytes
+        # fp32 weights, gradients, AdamW's m and v: 16 bytes per parameter (and the
+        # allocator's rounding of each tensor)
+        assert 16 * one.param_count <= state <= 16 * one.param_count * 1.01
+
+        def search(budget: int, shown: int | None) -> tuple[list, int, list[str]]:  # type: ignore[type-arg]
+            said: list[str] = []
+            setup = MultiSpace(2, ("ddp", "fsdp2"), (recipe,), depth,
+                               replica_state_bytes=state, shown=shown)
+            rows, n = search_rows(work, dev, 8, budget, "adamw", setup, lambda r: r, [],
+                                  said)
+            return rows, n, said
+
+        full, n_full, _ = search(round(state) - 1, None)
+        ddp = [r for r in full if r.strategy == "ddp"]
+        assert ddp and all(r.predicted_peak_memory_bytes >= state and not r.fits for r in ddp)
+        fitting = sum(r.fits for r in full)
+        assert fitting >= 2
+        cut, n_cut, said = search(round(state) - 1, fitting)
+        assert [r for r in full if r.strategy != "ddp"] == cut and n_cut == n_full - 2
+        assert rank(cut, "throughput", False)[:fitting] == \
+            rank(full, "throughput", False)[:fitting]
+        assert said and "ddp on 2 GPUs was not traced" in said[0]
+        # too few rows fit to fill what is shown, or a budget the state is under: traced
+        assert search(round(state) - 1, fitting + 1)[0] == full
+        assert search(round(state), fitting)[0] == \
+            search(round(state), None)[0]

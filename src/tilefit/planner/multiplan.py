@@ -138,28 +138,66 @@ class MultiSpace:
     strategies: tuple[str, ...]
     recipes: tuple[Recipe, ...]
     depth: Depth
+    # the model state every DDP rank holds whole (parameters, gradients, optimizer state of
+    # the caller's one-GPU traces, at full depth) and how many ranked rows the caller shows:
+    # DDP goes untraced when that state is over the budget and enough rows fit to fill what
+    # is shown (replica_skipped). None: every engine traced, every row kept.
+    replica_state_bytes: float | None = None
+    shown: int | None = None
+
+
+def replicates(engine: Parallel) -> bool:
+    """Whether every rank holds the whole model state: DDP (FSDP2 and ZeRO shard it)."""
+    return engine.strategy == "ddp"
+
+
+def replica_skipped(space_: MultiSpace, budget_bytes: int, rows: Sequence[PlanRow]) -> bool:
+    """Whether a replicating engine may go untraced: the model state each of its ranks holds
+    (the one-GPU traces', a floor under its optimizer step's peak and so under every row's)
+    is over the budget, so none of its rows fits (none is chosen), and ``rows`` has at least
+    ``space_.shown`` rows that fit, which rank before any that does not (none is shown)."""
+    state = space_.replica_state_bytes
+    return state is not None and space_.shown is not None and state > budget_bytes and \
+        sum(r.fits for r in rows) >= space_.shown
+
+
+def replica_note(engine: Parallel, space_: MultiSpace, budget_bytes: int) -> str:
+    state = space_.replica_state_bytes or 0.0
+    return (f"{engine.strategy} on {engine.world_size} GPUs was not traced: each rank holds "
+            f"the whole model state, {state / 2**30:.1f} GiB (parameters, gradients and "
+            f"optimizer state, traced on one GPU), over the {budget_bytes / 2**30:.1f} GiB "
+            "budget")
 
 
 def search_rows(work: Workload, device: Device, global_batch: int, budget_bytes: int,
                 optimizer: str, space_: MultiSpace, user: Callable[[Recipe], Recipe],
-                notes: list[str]) -> tuple[list[PlanRow], int]:
+                notes: list[str], said: list[str] | None = None
+                ) -> tuple[list[PlanRow], int]:
     """Every (engine, recipe) swept over the micro-batches dividing global_batch / N:
-    rows per GPU, and the number of traces taken."""
+    rows per GPU, and the number of traces taken. A replicating engine that may be skipped
+    (``replica_skipped``) is searched last and, when skipped, named in ``said`` (default
+    ``notes``); the rows keep the engines' order."""
     engines = engines_of(space_.strategies, space_.world_size)
-    rows: list[PlanRow] = []
-    traces = 0
-    for engine in (e for e in engines if not e.modelled):
-        more, n = _traced_rows(work, device, global_batch, budget_bytes, optimizer, space_,
-                               user, notes, engine)
-        rows += more
-        traces += n
+    traced = [e for e in engines if not e.modelled]
     zero = [e for e in engines if e.modelled]
-    if zero:
-        more, n = _zero_rows(work, device, global_batch, budget_bytes, optimizer, space_,
-                             user, notes, zero)
-        rows += more
+    late = [e for e in traced if replicates(e)] if space_.shown is not None else []
+    found: dict[Parallel | None, list[PlanRow]] = {}  # None: the ZeRO engines' rows
+    traces = 0
+    for engine in [*(e for e in traced if e not in late), None, *late]:
+        if engine is None and not zero:
+            continue
+        if engine is not None and engine in late and replica_skipped(space_, budget_bytes,
+                                                                  [r for v in found.values()
+                                                                   for r in v]):
+            (notes if said is None else said).append(replica_note(engine, space_,
+                                                                  budget_bytes))
+            continue
+        found[engine], n = _traced_rows(work, device, global_batch, budget_bytes, optimizer,
+                                        space_, user, notes, engine) if engine is not None \
+            else _zero_rows(work, device, global_batch, budget_bytes, optimizer, space_,
+                            user, notes, zero)
         traces += n
-    return rows, traces
+    return [r for e in (*traced, None) for r in found.get(e, [])], traces
 
 
 def _traced_rows(work: Workload, device: Device, global_batch: int, budget_bytes: int,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from tilefit.planner import configs, multiplan, notes, rank, space
+from tilefit.planner.affine import SweepModel
 from tilefit.planner.multigpu import smallest_setup
 from tilefit.planner.result import Confirmation, MultiGpuPlan
 from tilefit.planner.rows import PlanRow
@@ -15,18 +16,23 @@ from tilefit.vocab import ZERO_STRATEGIES
 MAX_CONFIRMS = 3
 # When nothing fits one GPU: the GPU counts traced from the formula's fewest up
 FALLBACK_GPU_COUNTS = 3
+# ... and how many of that GPU count's plans the fallback shows (by throughput)
+FALLBACK_PLANS_SHOWN = 8
 
 
 def trace_on_gpus(p: PlanState, strategy: str | None, *, hf_model: bool,
-                  precisions: bool = True) -> None:
-    """The rows of ``p.world_size`` GPUs: every engine x recipe, swept from traces."""
+                  precisions: bool = True, replica_state_bytes: float | None = None,
+                  shown: int | None = None, said: list[str] | None = None) -> None:
+    """The rows of ``p.world_size`` GPUs: every engine x recipe, swept from traces (DDP
+    skipped where multiplan.replica_skipped says, named in ``said``)."""
     world_size, depth = p.world_size, p.depth
     setup = multiplan.MultiSpace(
         world_size, multiplan.strategies_for(strategy, world_size),
         tuple(multiplan.multi_recipes(p.device, p.optimizer, hf_model=hf_model,
-                                      precisions=precisions)), depth)
+                                      precisions=precisions)), depth,
+        replica_state_bytes=replica_state_bytes, shown=shown)
     rows, traces = multiplan.search_rows(p.work, p.device, p.global_batch, p.budget,
-                                         p.optimizer, setup, p.with_user, p.notes)
+                                         p.optimizer, setup, p.with_user, p.notes, said)
     p.add_rows(rows, traces)
     if depth.lever:
         where = f"on {world_size} ranks" if set(setup.strategies) - set(ZERO_STRATEGIES) \
@@ -139,7 +145,9 @@ def _multi_gpu(p: PlanState, optimizer: str, hf_model: bool, budget: int) -> Mul
     for gpus in multiplan.candidate_world_sizes(p.global_batch, first, FALLBACK_GPU_COUNTS):
         sub = PlanState(p.work, p.device, p.global_batch, budget, optimizer, p.depth, p.link,
                         p.user, world_size=gpus)
-        trace_on_gpus(sub, None, hf_model=hf_model, precisions=False)
+        trace_on_gpus(sub, None, hf_model=hf_model, precisions=False,
+                      replica_state_bytes=_model_state(p, optimizer, hf_model),
+                      shown=FALLBACK_PLANS_SHOWN, said=p.notes)
         p.count(sub.traces)
         best = multiplan.best_fitting(sub.rows)
         if best is None:
@@ -148,20 +156,41 @@ def _multi_gpu(p: PlanState, optimizer: str, hf_model: bool, budget: int) -> Mul
         p.count(1)
         return MultiGpuPlan(
             gpus=gpus, formula_gpus=first, best=confirmed, confirmation=conf,
-            plans=tuple(rank.rank(sub.rows, "throughput", False)[:8]),
+            plans=tuple(rank.rank(sub.rows, "throughput", False)[:FALLBACK_PLANS_SHOWN]),
             configs=configs.multi_gpu_configs(confirmed, p.work),
             method=notes.engine_model(confirmed.strategy, gpus))
     return MultiGpuPlan(gpus=None, note=notes.nothing_traced_fits(first, FALLBACK_GPU_COUNTS,
                                                                   p.global_batch))
 
 
+def _mixed_sweep(p: PlanState, optimizer: str, hf_model: bool) -> SweepModel | None:
+    """The one-GPU sweep of the user's optimizer in mixed precision (SDPA, no
+    checkpointing), where it was traced."""
+    att = "sdpa" if hf_model else "auto"
+    return p.sweeps.get((p.with_user(Recipe(precision=space.precisions(p.device)[0],
+                                            optimizer=optimizer, attention=att)), False))
+
+
+STATE_METRICS = ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes")
+
+
+def _model_state(p: PlanState, optimizer: str, hf_model: bool) -> float | None:
+    """Parameters, gradients and optimizer state of the mixed-precision sweep at full depth:
+    what every rank of a replicating engine (DDP) holds of the fallback's recipes (the same
+    precision and optimizer)."""
+    mixed = _mixed_sweep(p, optimizer, hf_model)
+    if mixed is None:
+        return None
+    layers = p.depth.full if p.depth.lever else None
+    states = [sum(mixed.predict(m, b, layers) for m in STATE_METRICS)
+              for b in (min(p.micro_batches), max(p.micro_batches))]
+    return min(states)  # affine in the micro-batch: the least over every one swept
+
+
 def _formula_gpus(p: PlanState, optimizer: str, hf_model: bool, budget: int) -> int | None:
     """The ZeRO-3 formula's fewest GPUs (a fast prefilter): model state of the mixed-precision
     sweep divided by N plus the 16-bit working set of the offload sweep."""
-    att = "sdpa" if hf_model else "auto"
-    mixed_recipe = p.with_user(Recipe(precision=space.precisions(p.device)[0],
-                                      optimizer=optimizer, attention=att))
-    mixed = p.sweeps.get((mixed_recipe, False))
+    mixed = _mixed_sweep(p, optimizer, hf_model)
     if mixed is None:
         return None
     layers = p.depth.full if p.depth.lever else None
