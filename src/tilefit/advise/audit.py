@@ -43,10 +43,13 @@ if TYPE_CHECKING:
     from tilefit.planner.result import Plan
 
 
+# the compiled what-ifs last: the audit starts the compile what-if on a free core while it
+# traces the step, and runs the other rules' re-traces meanwhile (findings are ordered by
+# gain afterwards, so the order here only decides when each what-if runs)
 RULES: tuple[Callable[[WhatIf], list[Finding]], ...] = (
     dimension_findings, memory_bound_findings, wave_findings, precision_findings,
-    attention_findings, host_findings, fused_optimizer_findings, compile_findings,
-    fp8_findings, memory_findings, fragmentation_findings, activation_findings)
+    attention_findings, host_findings, fused_optimizer_findings, memory_findings,
+    fragmentation_findings, activation_findings, compile_findings, fp8_findings)
 
 
 @dataclass(frozen=True)
