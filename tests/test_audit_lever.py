@@ -20,6 +20,7 @@ from tilefit.estimator import estimate_trace
 from tilefit.estimator.workloads import trace_workload
 from tilefit.hardware import get_device
 from tilefit.models import Workload, load_workload
+from tilefit.planner.search import depth_of
 from tilefit.recipe import Compile, Recipe
 
 GPU = "a100-80gb"
@@ -94,14 +95,19 @@ def _config(tmp_path: Path, model_type: str, **fields: object) -> Workload:
 
 
 def test_only_alike_layers_are_extrapolated(tmp_path: Path) -> None:
-    assert lever.uniform_layers(_deep()) and lever.lever_depth(_deep()) is not None
+    from tilefit.models.hf import uniform_layers
+
+    assert lever.lever_depth(_deep()) is not None
     # Gemma 2 alternates sliding-window and full attention layers
-    assert not lever.uniform_layers(_config(tmp_path, "gemma2"))
+    gemma2 = _config(tmp_path, "gemma2")
+    assert not uniform_layers(gemma2.config) and lever.lever_depth(gemma2) is None
+    assert depth_of(gemma2).traced == (8,)  # the planner traces it at full depth too
     # DeepSeek-V3's first layers are dense, the rest experts
-    assert not lever.uniform_layers(_config(tmp_path, "deepseek_v3", first_k_dense_replace=1))
+    assert not uniform_layers(_config(tmp_path, "deepseek_v3", first_k_dense_replace=1).config)
     # Qwen2-MoE with experts every second layer
-    assert not lever.uniform_layers(_config(tmp_path, "qwen2_moe", decoder_sparse_step=2))
-    assert lever.uniform_layers(_config(tmp_path, "qwen2_moe", decoder_sparse_step=1))
+    assert not uniform_layers(_config(tmp_path, "qwen2_moe", decoder_sparse_step=2).config)
+    qwen = _config(tmp_path, "qwen2_moe", decoder_sparse_step=1)
+    assert uniform_layers(qwen.config) and depth_of(qwen).traced == (1, 2)
     # two layers: traced in full
     assert lever.lever_depth(_deep().with_config(num_hidden_layers=2)) is None
     assert lever.retrace_steps(_deep(), Recipe()) == [

@@ -20,7 +20,6 @@ is recommended: those what-ifs are traced in full.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -33,33 +32,13 @@ from tilefit.tracing.records import Trace
 
 # an extrapolated what-if this close to the out-of-memory line is traced in full instead
 LEVER_MARGIN = 0.10
-# config fields that make some layers unlike the others (transformers' names)
-_MIXED_LAYERS = ("first_k_dense_replace", "mlp_only_layers")
 
 
 def lever_depth(work: Workload) -> Depth | None:
     """The depths a what-if of ``work`` is traced at, or None: trace it in full (a shallow
-    model, no layer-count field, or layers that differ)."""
+    model, no layer-count field, or layers that differ: planner.search.depth_of)."""
     depth = depth_of(work)
-    if not depth.lever or not uniform_layers(work):
-        return None
-    return depth
-
-
-@functools.lru_cache(maxsize=64)
-def uniform_layers(work: Workload) -> bool:
-    """Whether every layer is built alike, as the model's class builds its config."""
-    if work.config is None:
-        return False
-    from tilefit.models.hf import make_config
-
-    built = make_config(work.config).to_dict()
-    kinds = built.get("layer_types")
-    if isinstance(kinds, list) and len(set(map(str, kinds))) > 1:
-        return False
-    if any(built.get(key) for key in _MIXED_LAYERS):
-        return False
-    return int(built.get("decoder_sparse_step") or 1) <= 1
+    return depth if depth.lever else None
 
 
 def retrace_steps(work: Workload, recipe: Recipe) -> list[tuple[Workload, Recipe]]:

@@ -65,7 +65,9 @@ def depth_of(workload: Workload, *, use_lever: bool | None = None) -> Depth:
         return Depth(None, 1, (1,))
     full = int(workload.config[key])
     lever = full > LAYER_LEVER_MIN_LAYERS if use_lever is None else use_lever
-    if not lever or full <= max(LEVER_LAYERS):
+    # layers that differ (Gemma 2's alternating attention, DeepSeek's dense first layers)
+    # are not one layer repeated: traced at full depth
+    if not lever or full <= max(LEVER_LAYERS) or not hf.uniform_layers(workload.config):
         return Depth(None, full, (full,))
     return Depth("num_hidden_layers", full, LEVER_LAYERS)
 
