@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from tilefit.planner import configs, multiplan, notes, rank, space
 from tilefit.planner.affine import SweepModel
 from tilefit.planner.multigpu import smallest_setup
@@ -99,11 +101,13 @@ def choose(p: PlanState, rows: list[PlanRow], objective: str, allow_change: bool
 
 def when_nothing_fits(p: PlanState, rows: list[PlanRow], optimizer: str, hf_model: bool,
                       budget: int, *, allow_peft: bool = True,
-                      lora: Lora | None = None) -> MultiGpuPlan | None:
+                      lora: Lora | None = None) -> Fallback | None:
     """When no plan keeps the optimizer on one GPU: a note with the smallest one (over
     every micro-batch, the unfriendly ones ``rows`` pruned included), what LoRA would need
     when --allow-peft was not given (``allow_peft`` False), and the fewest GPUs that would
-    fit."""
+    fit, searched (``confirm_fallback`` confirms it). Nothing here depends on the one-GPU
+    plan's confirmation (``choose``): a confirmed row replaces a chosen one only where both
+    fit, and fitting decides everything here."""
     def keeps(r: PlanRow) -> bool:
         return not r.offload and not r.changes_optimizer and not r.peft
 
@@ -134,14 +138,25 @@ def _lora_note(p: PlanState, rows: list[PlanRow], budget: int, lora: Lora | None
     return notes.lora_would(best, budget, offload_or_change_fits=any(r.fits for r in rows))
 
 
-def _multi_gpu(p: PlanState, optimizer: str, hf_model: bool, budget: int) -> MultiGpuPlan:
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """The multi-GPU fallback searched: ``found`` (the GPU count, its plans; or why none),
+    and where one fits, the row to confirm (``best`` of ``sub``), its full trace started on
+    a free core (PlanState.prefetch_confirmation) for ``confirm_fallback`` to collect."""
+
+    found: MultiGpuPlan
+    sub: PlanState | None = None
+    best: PlanRow | None = None
+
+
+def _multi_gpu(p: PlanState, optimizer: str, hf_model: bool, budget: int) -> Fallback:
     """The fewest GPUs that fit, from traces: the ZeRO-3 formula (tilefit.planner.multigpu)
     only proposes where to start; each engine x recipe is then traced on that many ranks
     (tilefit.planner.multiplan), and on the next GPU counts dividing the global batch when
     nothing traced fits."""
     first = _formula_gpus(p, optimizer, hf_model, budget)
     if first is None:
-        return MultiGpuPlan(gpus=None, note=notes.NO_SHARDED_SETUP)
+        return Fallback(MultiGpuPlan(gpus=None, note=notes.NO_SHARDED_SETUP))
     for gpus in multiplan.candidate_world_sizes(p.global_batch, first, FALLBACK_GPU_COUNTS):
         sub = PlanState(p.work, p.device, p.global_batch, budget, optimizer, p.depth, p.link,
                         p.user, world_size=gpus)
@@ -152,15 +167,25 @@ def _multi_gpu(p: PlanState, optimizer: str, hf_model: bool, budget: int) -> Mul
         best = multiplan.best_fitting(sub.rows)
         if best is None:
             continue
-        confirmed, conf = sub.confirm(best)
-        p.count(1)
-        return MultiGpuPlan(
-            gpus=gpus, formula_gpus=first, best=confirmed, confirmation=conf,
-            plans=tuple(rank.rank(sub.rows, "throughput", False)[:FALLBACK_PLANS_SHOWN]),
-            configs=configs.multi_gpu_configs(confirmed, p.work),
-            method=notes.engine_model(confirmed.strategy, gpus))
-    return MultiGpuPlan(gpus=None, note=notes.nothing_traced_fits(first, FALLBACK_GPU_COUNTS,
-                                                                  p.global_batch))
+        sub.prefetch_confirmation(best)  # overlaps what the caller does before confirming
+        return Fallback(MultiGpuPlan(
+            gpus=gpus, formula_gpus=first,
+            plans=tuple(rank.rank(sub.rows, "throughput", False)[:FALLBACK_PLANS_SHOWN])),
+            sub, best)
+    return Fallback(MultiGpuPlan(gpus=None, note=notes.nothing_traced_fits(
+        first, FALLBACK_GPU_COUNTS, p.global_batch)))
+
+
+def confirm_fallback(p: PlanState, fallback: Fallback | None) -> MultiGpuPlan | None:
+    """The fallback's plan, its chosen row confirmed by a full trace (counted in ``p``)."""
+    if fallback is None or fallback.sub is None or fallback.best is None:
+        return None if fallback is None else fallback.found
+    confirmed, conf = fallback.sub.confirm(fallback.best)
+    p.count(1)
+    return dataclasses.replace(
+        fallback.found, best=confirmed, confirmation=conf,
+        configs=configs.multi_gpu_configs(confirmed, p.work),
+        method=notes.engine_model(confirmed.strategy, fallback.sub.world_size))
 
 
 def _mixed_sweep(p: PlanState, optimizer: str, hf_model: bool) -> SweepModel | None:

@@ -15,7 +15,7 @@ from tilefit.models.lora import require_peft
 from tilefit.planner import configs, multiplan, notes, policy, rank, space
 from tilefit.planner.api import DEFAULT_MEMORY_FRACTION, PlanSearch, searched_fields_note
 from tilefit.planner.checks import check_fraction, check_gpu
-from tilefit.planner.result import Confirmation, Plan
+from tilefit.planner.result import Confirmation, MultiGpuPlan, Plan
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.search import SWEEP_ACCUMULATION, Depth, depth_of
 from tilefit.planner.state import PlanState
@@ -72,13 +72,7 @@ def search_plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
         policy.trace_on_gpus(p, strategy, hf_model=hf_model)
     else:
         _trace_one_gpu(p, search, optimizer, hf_model)
-    change = search.allow_optimizer_change
-    rows = rank.rank(rank.prune_unfriendly(p.rows), search.objective, change)
-    best, conf, reason, rows = policy.choose(p, rows, search.objective, change,
-                                             confirm=search.confirm)
-    multi = None if world_size > 1 else policy.when_nothing_fits(
-        p, rows, optimizer, hf_model, p.budget, allow_peft=search.allow_lora,
-        lora=search.lora)
+    best, conf, reason, rows, multi = _choose(p, search, hf_model)
     return Plan(
         model=work.name, device=device, global_batch=global_batch, seq_len=work.seq_len,
         objective=search.objective, memory_fraction=search.memory_fraction,
@@ -98,6 +92,28 @@ def _trace_one_gpu(p: PlanState, search: PlanSearch, optimizer: str, hf_model: b
     policy.trace_recipes(p, optimizer, hf_model=hf_model, allow_peft=search.allow_lora,
                          allow_optimizer_change=search.allow_optimizer_change,
                          lora=search.lora, allow_quantize=search.allow_quantize)
+
+
+def _choose(p: PlanState, search: PlanSearch, hf_model: bool
+            ) -> tuple[PlanRow | None, Confirmation | None, str, list[PlanRow],
+                       MultiGpuPlan | None]:
+    """The chosen plan, confirmed (policy.choose), the ranked rows, and on one GPU the
+    multi-GPU fallback when nothing fits (policy.when_nothing_fits). The fallback is
+    searched first (it does not depend on the confirmation) so that its own confirming
+    trace runs on a free core while this one confirms the one-GPU plan; its notes keep
+    their place after the confirmation's."""
+    change = search.allow_optimizer_change
+    rows = rank.rank(rank.prune_unfriendly(p.rows), search.objective, change)
+    mark = len(p.notes)
+    fallback = None if p.world_size > 1 else policy.when_nothing_fits(
+        p, rows, p.optimizer, hf_model, p.budget, allow_peft=search.allow_lora,
+        lora=search.lora)
+    later = p.notes[mark:]
+    del p.notes[mark:]
+    best, conf, reason, rows = policy.choose(p, rows, search.objective, change,
+                                             confirm=search.confirm)
+    p.notes.extend(later)
+    return best, conf, reason, rows, policy.confirm_fallback(p, fallback)
 
 
 def _check(global_batch: int, recipe: Recipe, search: PlanSearch, gpu: str | Device

@@ -14,8 +14,16 @@ from tilefit.planner import multiplan, notes, space
 from tilefit.planner.affine import SweepModel
 from tilefit.planner.result import Confirmation
 from tilefit.planner.rows import PlanRow
-from tilefit.planner.search import Depth, half_parameter_bytes, row_from, safe_sweep, trace_sample
+from tilefit.planner.search import (
+    Depth,
+    half_parameter_bytes,
+    point_step,
+    row_from,
+    safe_sweep,
+    trace_sample,
+)
 from tilefit.recipe import Recipe
+from tilefit.tracing.workloads import prefetch
 
 
 class PlanState:
@@ -107,6 +115,21 @@ class PlanState:
         """Whether a full fine-tuning plan (PEFT aside) of the kind fits."""
         return any(r.fits and not r.peft and (allow_optimizer_change or not r.changes_optimizer)
                    and (offload or not r.offload) for r in self.rows)
+
+    def confirm_step(self, row: PlanRow) -> tuple[Workload, Recipe]:
+        """The (workload, recipe) that ``confirm`` traces for ``row``: its full depth, its
+        micro-batch and accumulation, rank 0 of its engine (DeepSpeed ZeRO: the one-GPU step
+        it is modelled on), as trace_sample asks for it."""
+        parallel = multiplan.parallel_of(row)
+        full = self.depth.full
+        return point_step(self.work, row.recipe, row.micro_batch, full,
+                          Depth(None, full, (full,)), row.accumulation_steps,
+                          None if parallel is None or parallel.modelled else parallel)
+
+    def prefetch_confirmation(self, row: PlanRow) -> bool:
+        """Start ``confirm``'s trace of ``row`` on a free core (tracing.workloads.prefetch),
+        for a later ``confirm(row)`` to collect; whether it started."""
+        return prefetch([self.confirm_step(row)], self.device)
 
     def confirm(self, row: PlanRow) -> tuple[PlanRow, Confirmation]:
         """``row`` traced in full: the row with the trace's figures, and the comparison."""
