@@ -26,6 +26,8 @@ from typing import Any
 
 from tilefit.estimator import Estimate
 from tilefit.models import Workload
+from tilefit.planner.affine import Line
+from tilefit.planner.sample import fragmentation_ratio
 from tilefit.planner.search import Depth, depth_of
 from tilefit.recipe import Recipe
 from tilefit.tracing.records import Trace
@@ -56,10 +58,9 @@ def extrapolate(shallow: tuple[tuple[Trace, Estimate], tuple[Trace, Estimate]],
     scalar figures (the per-op and per-module tables stay empty: they are not traced)."""
     (tr0, e0), (tr1, e1) = shallow
     l0, l1 = depth.traced
-    scale = (depth.full - l0) / (l1 - l0)
 
     def lin(a: float, b: float) -> float:
-        return a + (b - a) * scale
+        return Line.through(l0, a, l1, b)(depth.full)
 
     rounded = e1.device.kind == "cuda"
     fb0, _, opt0 = tr0.phase_peaks(rounded=rounded)
@@ -106,11 +107,10 @@ def _reserved(e0: Estimate, e1: Estimate, peak: int) -> Any:
     """The caching allocator at full depth: the traced peak plus the larger share beyond
     it that the two shallow replays reserved (fragmentation is not affine: held inside what
     was measured, as the planner does)."""
-    r0, r1 = e0.reserved, e1.reserved
-    if r0 is None or r1 is None:
+    r1 = e1.reserved
+    if e0.reserved is None or r1 is None:
         return r1
-    ratio = max((max(0, r.peak_reserved_bytes - e.peak_memory_bytes) / e.peak_memory_bytes
-                 for r, e in ((r0, e0), (r1, e1)) if e.peak_memory_bytes > 0), default=0.0)
+    ratio = max(fragmentation_ratio(e0), fragmentation_ratio(e1))
     reserved = round(peak * (1 + ratio))
     return replace(r1, peak_reserved_bytes=reserved, allocated_at_peak_bytes=peak,
                    peak_allocated_bytes=peak, fits=reserved <= r1.limit_bytes, released_bytes=0,
