@@ -56,14 +56,35 @@ def nothing_fits(device: Device, world_size: int, budget: int, global_batch: int
             f"(budget {budget / 2**30:.1f} GiB per GPU) at global batch {global_batch}")
 
 
-def smallest_on_one_gpu(optimizer: str, smallest: PlanRow, budget: int) -> str:
+def smallest_on_one_gpu(optimizer: str, smallest: PlanRow, budget: int,
+                        state_bytes: float | None = None) -> str:
     """``smallest``: the smallest peak of the plans keeping ``optimizer`` on the GPU, over
-    every micro-batch (policy.when_nothing_fits)."""
-    return (f"with {optimizer} on the GPU alone nothing fits: the smallest such plan "
+    every micro-batch traced (policy.when_nothing_fits); ``state_bytes``: its model state,
+    where that alone is over the budget."""
+    said = (f"with {optimizer} on the GPU alone nothing fits: the smallest such plan "
             f"({smallest.recipe_label()}, micro-batch {smallest.micro_batch} x "
             f"{smallest.accumulation_steps} accumulation steps) needs "
             f"{smallest.memory_bytes / 2**30:.1f} GiB of "
             f"{budget / 2**30:.1f} GiB")
+    if state_bytes is None:
+        return said
+    return (f"{said}; its parameters, gradients and optimizer state alone need "
+            f"{state_bytes / 2**30:.1f} GiB: no micro-batch, checkpointing or fused loss "
+            "brings it under")
+
+
+def state_over_budget(states: dict[str, float], untraced: list[str], budget: int) -> str:
+    """Recipes whose model state (parameters, gradients, optimizer state) alone is over the
+    budget: ``states`` (a description of each state: its bytes) were traced at their
+    smallest micro-batch only; ``untraced``: the recipes keeping one of those states, not
+    traced (PlanState.add)."""
+    which = "; ".join(f"{what}: {b / 2**30:.1f} GiB" for what, b in states.items())
+    said = (f"model state alone over the {budget / 2**30:.1f} GiB budget ({which}): such "
+            "recipes were traced at their smallest micro-batch only")
+    if not untraced:
+        return said
+    return (f"{said}, and {len(untraced)} more that keep the same state were not traced "
+            f"({', '.join(untraced)})")
 
 
 def lora_would(best: PlanRow | None, budget: int, *, offload_or_change_fits: bool) -> str:

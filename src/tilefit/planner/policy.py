@@ -10,8 +10,8 @@ from tilefit.planner.affine import SweepModel
 from tilefit.planner.multigpu import smallest_setup
 from tilefit.planner.result import Confirmation, MultiGpuPlan
 from tilefit.planner.rows import PlanRow
-from tilefit.planner.search import half_parameter_bytes
-from tilefit.planner.state import PlanState
+from tilefit.planner.search import STATE_METRICS, half_parameter_bytes
+from tilefit.planner.state import PlanState, state_kind
 from tilefit.recipe import Lora, Recipe
 from tilefit.vocab import ZERO_STRATEGIES
 
@@ -73,6 +73,9 @@ def trace_recipes(p: PlanState, optimizer: str, *, hf_model: bool, allow_peft: b
     if allow_optimizer_change or not p.any_fits(allow_optimizer_change=False, offload=True):
         for spec in space.optimizer_recipes(device, optimizer, hf_model=hf_model):
             p.add(spec)
+    said = p.state_note()
+    if said is not None:
+        p.notes.append(said)
     if p.depth.lever:
         p.notes.insert(0, notes.deep_model(p.depth))
 
@@ -115,7 +118,8 @@ def when_nothing_fits(p: PlanState, rows: list[PlanRow], optimizer: str, hf_mode
     if not kept or any(r.fits for r in kept):
         return None
     smallest = min(kept, key=lambda r: (r.memory_bytes, -r.samples_per_s))
-    p.notes.append(notes.smallest_on_one_gpu(optimizer, smallest, budget))
+    p.notes.append(notes.smallest_on_one_gpu(optimizer, smallest, budget,
+                                             p.state_over.get(state_kind(smallest.recipe))))
     if not allow_peft and hf_model:
         p.notes.append(_lora_note(p, rows, budget, lora))
     return _multi_gpu(p, optimizer, hf_model, budget)
@@ -194,9 +198,6 @@ def _mixed_sweep(p: PlanState, optimizer: str, hf_model: bool) -> SweepModel | N
     att = "sdpa" if hf_model else "auto"
     return p.sweeps.get((p.with_user(Recipe(precision=space.precisions(p.device)[0],
                                             optimizer=optimizer, attention=att)), False))
-
-
-STATE_METRICS = ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes")
 
 
 def _model_state(p: PlanState, optimizer: str, hf_model: bool) -> float | None:

@@ -85,24 +85,8 @@ class PlanRow:
         return self.budget_bytes - self.memory_bytes
 
     def recipe_label(self) -> str:
-        parts = [] if self.strategy is None else [f"{self.strategy} x{self.world_size}"]
-        parts += [self.precision, self.optimizer]
-        if self.recipe.fused_ce:  # the loss's logits never whole: the label must say so
-            parts.append("fused-ce")
-        if self.recipe.compile is not None:
-            mode = self.recipe.compile.mode
-            parts.append("compiled" if mode == "default" else f"compiled {mode}")
-        if self.grad_checkpointing:
-            parts.append("ckpt")
-        if self.attention not in ("auto", "sdpa"):
-            parts.append(self.attention)
-        if self.peft:
-            parts.append("lora")
-        if self.recipe.quantize:
-            parts.append(self.recipe.quantize)
-        if self.offload:
-            parts.append("offload")
-        return " ".join(parts)
+        return recipe_label(self.recipe, offload=self.offload, strategy=self.strategy,
+                            world_size=self.world_size)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -122,3 +106,26 @@ class PlanRow:
             "fuses_optimizer": self.fuses_optimizer,
             "changes": list(self.changes),
         }
+
+
+def recipe_label(recipe: Recipe, *, offload: bool = False, strategy: str | None = None,
+                 world_size: int = 1) -> str:
+    """A recipe in the plan table's words: its precision, optimizer and flags."""
+    parts = [] if strategy is None else [f"{strategy} x{world_size}"]
+    parts += [recipe.precision, str(recipe.optimizer)]
+    if recipe.fused_ce:  # the loss's logits never whole: the label must say so
+        parts.append("fused-ce")
+    if recipe.compile is not None:
+        mode = recipe.compile.mode
+        parts.append("compiled" if mode == "default" else f"compiled {mode}")
+    if recipe.grad_checkpointing:
+        parts.append("ckpt")
+    if recipe.attention not in ("auto", "sdpa"):
+        parts.append(recipe.attention)
+    if recipe.peft:
+        parts.append("lora")
+    if recipe.quantize:
+        parts.append(recipe.quantize)
+    if offload:
+        parts.append("offload")
+    return " ".join(parts)

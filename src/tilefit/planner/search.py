@@ -20,7 +20,7 @@ from tilefit.models import Workload
 from tilefit.models.fused_loss import fused_ce_affine_tokens
 from tilefit.planner.affine import SweepModel
 from tilefit.planner.rows import PlanRow
-from tilefit.planner.sample import Sample, sample_of
+from tilefit.planner.sample import STATE_CATEGORIES, Sample, sample_of
 from tilefit.planner.space import OPTIMIZER_LABELS
 from tilefit.recipe import Lora, Parallelism, Recipe
 from tilefit.tracing import Trace
@@ -160,16 +160,48 @@ def sweep_points(workload: Workload, spec: Recipe, micro_batches: list[int]) -> 
 
 
 def sweep(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Depth,
-          device: Device, parallel: Parallel | None = None) -> SweepModel:
-    """Trace the recipe at the sweep's points (``sweep_points``, at each traced depth)."""
-    points = [(k, b) for k in depth.traced for b in sweep_points(workload, spec, micro_batches)]
+          device: Device, parallel: Parallel | None = None,
+          state_budget: int | None = None) -> SweepModel:
+    """Trace the recipe at the sweep's points (``sweep_points``, at each traced depth): the
+    smallest micro-batch first. With ``state_budget``, a recipe whose model state there
+    (``state_over``) is over it is traced no further: no micro-batch can fit, and its
+    sweep is that micro-batch's alone."""
+    bs = sweep_points(workload, spec, micro_batches)
+    samples = _trace_points(workload, spec, [(k, bs[0]) for k in depth.traced], depth,
+                            device, parallel)
+    if state_budget is not None and len(bs) > 1 and state_over(
+            SweepModel(tuple(samples)), depth, state_budget) is not None:
+        return SweepModel(tuple(samples))
+    samples += _trace_points(workload, spec, [(k, b) for b in bs[1:] for k in depth.traced],
+                             depth, device, parallel)
+    return SweepModel(tuple(samples))
+
+
+def _trace_points(workload: Workload, spec: Recipe, points: list[tuple[int, int]],
+                  depth: Depth, device: Device, parallel: Parallel | None) -> list[Sample]:
+    """``points`` ((layers, micro-batch)) traced in order, each next one started on a free
+    core while this one traces."""
     traced = None if parallel is not None and parallel.modelled else parallel
     samples = []
     for i, (k, b) in enumerate(points):
         prefetch_points(workload, spec, points[i + 1:], depth, device, traced)
         samples.append(trace_sample(workload, spec, b, k, depth, device, SWEEP_ACCUMULATION,
                                     parallel))
-    return SweepModel(tuple(samples))
+    return samples
+
+
+STATE_METRICS = tuple(f"{c}_bytes" for c in STATE_CATEGORIES)
+
+
+def state_over(model: SweepModel, depth: Depth, budget: int) -> float | None:
+    """The model state (parameters, gradients and optimizer state) at full depth, where it
+    is over ``budget``; else None. All three are live in the optimizer step whatever the
+    micro-batch, so every row of the recipe needs at least that much: none can fit. The
+    state does not depend on the micro-batch: the sweep's smallest gives it."""
+    layers = depth.full if depth.lever else None
+    b = min(s.micro_batch for s in model.samples)
+    state = sum(model.predict(m, b, layers) for m in STATE_METRICS)
+    return state if state > budget else None
 
 
 def zero_sweeps(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Depth,
@@ -315,12 +347,12 @@ def reserved_of(model: SweepModel, p: dict[str, float], peak: float) -> int | No
 
 
 def safe_sweep(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Depth,
-               device: Device, notes: list[str], parallel: Parallel | None = None
-               ) -> SweepModel | None:
+               device: Device, notes: list[str], parallel: Parallel | None = None,
+               state_budget: int | None = None) -> SweepModel | None:
     """The sweep, or None with a note when the recipe cannot run (e.g. Adafactor without
     torch.optim.Adafactor)."""
     try:
-        return sweep(workload, spec, micro_batches, depth, device, parallel)
+        return sweep(workload, spec, micro_batches, depth, device, parallel, state_budget)
     except TilefitError as exc:
         engine = "" if parallel is None else f"{parallel.strategy} "
         notes.append(f"skipped {engine}{spec.precision} {spec.optimizer}: {exc.problem}")

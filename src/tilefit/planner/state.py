@@ -13,17 +13,28 @@ from tilefit.models import Workload
 from tilefit.planner import multiplan, notes, space
 from tilefit.planner.affine import SweepModel
 from tilefit.planner.result import Confirmation
-from tilefit.planner.rows import PlanRow
+from tilefit.planner.rows import PlanRow, recipe_label
 from tilefit.planner.search import (
     Depth,
     half_parameter_bytes,
     point_step,
     row_from,
     safe_sweep,
+    state_over,
     trace_sample,
 )
 from tilefit.recipe import Recipe
 from tilefit.tracing.workloads import prefetch
+from tilefit.vocab import FUSED_IMPLEMENTATION, parse_precision
+
+
+def state_kind(spec: Recipe) -> tuple[object, ...]:
+    """What decides a one-GPU recipe's model state (parameters, gradients, optimizer state):
+    the weights' dtype, the update (an optimizer and its fused kernel keep the same state),
+    the adapters and the quantized base. Attention, checkpointing, the fused loss, compile
+    and the autocast dtype change activations only."""
+    return (parse_precision(spec.precision).param_dtype,
+            FUSED_IMPLEMENTATION.get(spec.optimizer, spec.optimizer), spec.lora, spec.quantize)
 
 
 class PlanState:
@@ -44,6 +55,10 @@ class PlanState:
         self.micro_batches = sorted(friendly + others)
         self.sweeps: dict[tuple[Recipe, bool], SweepModel] = {}
         self.tried: set[tuple[Recipe, bool]] = set()  # recipes swept (or that failed)
+        # model states (state_kind) over the budget, with their bytes at full depth, and
+        # the recipes left untraced because they keep one of them
+        self.state_over: dict[tuple[object, ...], float] = {}
+        self.untraced: list[Recipe] = []
         self.rows: list[PlanRow] = []
         self.notes: list[str] = []
         self.traces = 0
@@ -67,17 +82,35 @@ class PlanState:
         if (spec, offload) in self.tried:  # the user's flags can make two recipes one
             return
         self.tried.add((spec, offload))
-        model = self._sweep(spec, self.notes)
+        kind = None if offload else state_kind(spec)
+        if kind in self.state_over:
+            self.untraced.append(spec)  # the same model state as a recipe over the budget
+            return
+        model = self._sweep(spec, self.notes, prune=kind is not None)
         if model is None and self.depth.lever and not self.sweeps:
             # the model may not build with fewer layers (per-layer config lists): trace it
             # at full depth instead
             self.notes.append(notes.FULL_DEPTH)
             self.depth = Depth(None, self.depth.full, (self.depth.full,))
-            model = self._sweep(spec, self.notes)
+            model = self._sweep(spec, self.notes, prune=kind is not None)
         if model is None:
             return
         self.sweeps[(spec, offload)] = model
+        over = None if kind is None else state_over(model, self.depth, self.budget)
+        if over is not None:
+            self.state_over[kind] = over
         self.rows.extend(self._rows(spec, model, offload))
+
+    def state_note(self) -> str | None:
+        """What was traced no further, or not at all, because its model state alone is over
+        the budget (notes.state_over_budget); None where nothing was."""
+        if not self.state_over:
+            return None
+        states = {f"{dtype} weights, {opt}" + (" with adapters" if lora else "")
+                  + (f" on a {q} base" if q else ""): b
+                  for (dtype, opt, lora, q), b in self.state_over.items()}
+        return notes.state_over_budget(states, [recipe_label(r) for r in self.untraced],
+                                       self.budget)
 
     def probe(self, spec: Recipe) -> list[PlanRow]:
         """``spec``'s rows (with the user's loop settings), traced but kept out of the plan:
@@ -88,19 +121,27 @@ class PlanState:
         model = self._sweep(spec, [])
         return [] if model is None else self._rows(spec, model, offload=False)
 
-    def _sweep(self, spec: Recipe, said: list[str]) -> SweepModel | None:
-        """``spec`` traced at the sweep's points (counted), or None with a note in ``said``."""
-        model = safe_sweep(self.work, spec, self.micro_batches, self.depth, self.device, said)
-        self.traces += len(self.depth.traced) * len({min(self.micro_batches),
-                                                     max(self.micro_batches)})
+    def _sweep(self, spec: Recipe, said: list[str], *, prune: bool = False
+               ) -> SweepModel | None:
+        """``spec`` traced at the sweep's points (counted), or None with a note in ``said``;
+        ``prune``: no further than its smallest micro-batch where its model state is over
+        the budget (search.sweep)."""
+        model = safe_sweep(self.work, spec, self.micro_batches, self.depth, self.device, said,
+                           state_budget=self.budget if prune else None)
+        self.traces += len(model.samples) if model is not None else len(self.depth.traced) \
+            * len({min(self.micro_batches), max(self.micro_batches)})
         return model
 
     def _rows(self, spec: Recipe, model: SweepModel, offload: bool) -> list[PlanRow]:
-        """The sweep's rows, one per micro-batch."""
+        """The sweep's rows, one per micro-batch (a sweep stopped at its smallest
+        micro-batch: that one's row alone)."""
+        swept = {s.micro_batch for s in model.samples}
+        stopped = len(swept) == 1 and not offload and \
+            state_over(model, self.depth, self.budget) is not None
         return [row_from(spec, model, b, self.global_batch, self.depth, self.device,
                          self.budget, self.work.tokens_per_sample, self.optimizer,
                          offload=self.link if offload else None)
-                for b in self.micro_batches]
+                for b in (sorted(swept) if stopped else self.micro_batches)]
 
     def add_rows(self, rows: list[PlanRow], traces: int) -> None:
         """Rows swept by another search (multiplan's), and the traces it took."""
