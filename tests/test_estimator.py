@@ -86,9 +86,11 @@ def test_memory_fits_against_the_device_with_overhead():
     assert e.peak_memory_bytes >= 16 * 4096 * 4096
 
 
-def test_estimate_cli_json(cli):
-    r = cli("estimate", "gpt2", "--batch", "2", "--seq", "64", "--gpu", "a100-80gb", "--json",
-            timeout_s=120)
+def test_estimate_cli_json():
+    # in this process: what the command writes (the fresh interpreter's own output is
+    # checked by the bad-input case below and tests/test_moe.py's third-party lines)
+    r = invoke_cli("estimate", "gpt2", "--batch", "2", "--seq", "64", "--gpu", "a100-80gb",
+                   "--json")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     for key in ("step_time_s", "peak_memory_bytes", "memory_breakdown", "overhead_bytes", "mfu",
