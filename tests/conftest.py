@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,6 +49,23 @@ def run_cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[st
         [sys.executable, "-m", "tilefit", *args],
         capture_output=True, text=True, timeout=timeout_s, check=False,
     )
+
+
+def invoke_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """`tilefit ARGS` in this process (typer's CliRunner), answered as run_cli answers: the
+    exit code, stdout, and stderr with the traceback Python would print for an exception
+    that escaped the command. For what a command says and its exit code; a fresh process
+    (run_cli, ~8 s of imports each) where the test is about one: imports, the libraries'
+    import-time log lines, the real entry point."""
+    from typer.testing import CliRunner
+
+    from tilefit.cli.app import app
+
+    r = CliRunner().invoke(app, list(args))
+    err = r.stderr
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        err += "".join(traceback.format_exception(r.exception))
+    return subprocess.CompletedProcess(["tilefit", *args], r.exit_code, r.stdout, err)
 
 
 @pytest.fixture

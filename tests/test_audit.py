@@ -17,6 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests.conftest import invoke_cli  # noqa: E402
+
 from tilefit.advise import audit  # noqa: E402
 from tilefit.advise.origins import nearest_aligned  # noqa: E402
 from tilefit.advise.whatif import rewrite_op  # noqa: E402
@@ -153,11 +155,50 @@ def test_combined_fixes_are_reported_first_and_in_json(gpt2_audit) -> None:  # t
     assert f"({c.predicted_speedup:.2f}x" in first
 
 
+def _llama(changes: tuple[tuple[str, int], ...]):  # type: ignore[no-untyped-def]
+    base = {"num_hidden_layers": 1, "intermediate_size": 1024}
+    return load_workload("llama-2-7b", seq_len=64).with_config(**{**base, **dict(changes)})
+
+
 @functools.cache
 def _llama_audit(changes: tuple[tuple[str, int], ...]):  # type: ignore[no-untyped-def]
-    base = {"num_hidden_layers": 1, "intermediate_size": 1024}
-    work = load_workload("llama-2-7b", seq_len=64).with_config(**{**base, **dict(changes)})
-    return audit(work, batch_size=2)
+    return audit(_llama(changes), batch_size=2)
+
+
+def _whatif(work, **recipe):  # type: ignore[no-untyped-def]
+    """The step audit(work, **recipe) traces (the old keywords' Recipe on the default GPU),
+    as the audit's rules see it."""
+    from tilefit.advise.whatif import WhatIf
+    from tilefit.estimator import estimate_trace
+    from tilefit.estimator.workloads import trace_workload
+    from tilefit.hardware import get_device
+    from tilefit.recipe import DEFAULT_GPU, Recipe
+
+    device = get_device(DEFAULT_GPU)
+    step = Recipe(**recipe).on(device)
+    tr = trace_workload(work, step, device)
+    return WhatIf(work, step, device, tr, estimate_trace(tr, device),
+                  lambda w, r: trace_workload(w, r, device))
+
+
+def _rule_findings(work, *rules, **recipe):  # type: ignore[no-untyped-def]
+    """Some of the audit's rules alone on that step: their own re-traces where their fixes
+    need them, not every other rule's what-ifs (the whole audit's own tests are the
+    gpt2_audit ones)."""
+    from tilefit.advise.audit import RULES
+
+    assert set(rules) <= set(RULES)
+    whatif = _whatif(work, **recipe)
+    return [f for rule in rules for f in rule(whatif)]
+
+
+@functools.cache
+def _llama_dims(changes: tuple[tuple[str, int], ...]):  # type: ignore[no-untyped-def]
+    from tilefit.advise.rules_dims import dimension_findings
+
+    return {f.dimension: f for f in _rule_findings(_llama(changes), dimension_findings,
+                                                   batch_size=2)
+            if f.rule == "weight-dim-alignment"}
 
 
 # ---- held-in configs: the suggestion is the nearest aligned value ---------------------------
@@ -180,7 +221,7 @@ def _llama_audit(changes: tuple[tuple[str, int], ...]):  # type: ignore[no-untyp
 )
 def test_held_in_configs_get_the_nearest_aligned_value(changes, dimension, current,  # type: ignore[no-untyped-def]
                                                        suggested) -> None:
-    found = _dims(_llama_audit(tuple(sorted(changes.items()))))
+    found = _llama_dims(tuple(sorted(changes.items())))
     assert dimension in found, sorted(found)
     assert found[dimension].current == current
     assert found[dimension].suggested == suggested
@@ -207,28 +248,34 @@ def test_nearest_aligned_by_hand() -> None:
 def test_aligned_published_config_raises_no_dimension_alarm() -> None:
     # Llama-2-7B: vocab 32000 = 500 x 64, intermediate 11008 = 172 x 64, hidden 4096 = 64 x 64,
     # head_dim 128; batch 2 x seq 64 = 128 tokens = 2 x 64
+    from tilefit.advise.rules_dims import dimension_findings  # the rule of both
+
     work = load_workload("llama-2-7b", seq_len=64).with_config(num_hidden_layers=1)
-    a = audit(work, batch_size=2)
-    assert not [f for f in a.findings if f.rule in ("weight-dim-alignment", "sequence-length")]
+    found = _rule_findings(work, dimension_findings, batch_size=2)
+    assert not [f for f in found if f.rule in ("weight-dim-alignment", "sequence-length")]
 
 
 def test_padding_a_tiny_classifier_is_not_recommended() -> None:
     """10 labels padded to 64 on a (batch x 768) @ (768 x 10) GEMM: the GEMM is launch-bound,
     the padding only adds bytes, so the re-estimate shows no gain."""
+    from tilefit.advise.rules_dims import dimension_findings
+
     work = load_workload("bert-base-uncased", seq_len=64, task="seq-cls").with_config(
         num_hidden_layers=1, num_labels=10)
-    a = audit(work, batch_size=8)
-    labels = [f for f in a.findings if f.dimension == "num_labels"]
+    found = _rule_findings(work, dimension_findings, batch_size=8)
+    labels = [f for f in found if f.dimension == "num_labels"]
     for f in labels:
         assert not f.recommended and f.predicted_speedup < 1.005
-    assert not [f for f in a.recommended if f.rule == "weight-dim-alignment"]
+    assert not [f for f in found if f.recommended and f.rule == "weight-dim-alignment"]
 
 
 def test_sequence_length_off_the_multiple_is_padded(gpt2_tiny) -> None:  # type: ignore[no-untyped-def]
     # batch 2 x seq 100 = 200 tokens, 200 % 64 = 8: pad the sequence to 64's multiple, 128
+    from tilefit.advise.rules_dims import dimension_findings
+
     work = gpt2_tiny.with_seq_len(100)
-    a = audit(work, batch_size=2)
-    f = next(f for f in a.findings if f.rule == "sequence-length")
+    f = next(f for f in _rule_findings(work, dimension_findings, batch_size=2)
+             if f.rule == "sequence-length")
     assert f.current == 100 and f.suggested == 128
     assert "pad_to_multiple_of=64" in f.fix and f.method == "retrace"
 
@@ -236,14 +283,17 @@ def test_sequence_length_off_the_multiple_is_padded(gpt2_tiny) -> None:  # type:
 # ---- the other rules ------------------------------------------------------------------------
 
 def test_fp32_step_gets_tf32_and_autocast_findings(gpt2_tiny) -> None:  # type: ignore[no-untyped-def]
-    a = audit(gpt2_tiny, batch_size=2, precision="fp32")
-    prec = {f.suggested: f for f in a.findings if f.rule == "fp32-gemms"}
+    from tilefit.advise.rules_precision import attention_findings, precision_findings
+
+    found = _rule_findings(gpt2_tiny, precision_findings, attention_findings, batch_size=2,
+                           precision="fp32")
+    prec = {f.suggested: f for f in found if f.rule == "fp32-gemms"}
     assert {"tf32", "bf16-mixed"} <= set(prec)
     # the GEMMs go from fp32 (19.5 TFLOP/s) to TF32 Tensor Cores (156): the step must gain
     assert prec["tf32"].recommended and prec["tf32"].predicted_speedup > 1.1
     assert "allow_tf32" in prec["tf32"].fix
     # fp32 attention runs the memory-efficient kernel (head_dim 64 % 4 == 0), not math
-    assert not [f for f in a.findings if f.rule == "attention-kernel"]
+    assert not [f for f in found if f.rule == "attention-kernel"]
 
 
 def test_small_batch_memory_bound_gemms(gpt2_tiny) -> None:  # type: ignore[no-untyped-def]
@@ -251,10 +301,14 @@ def test_small_batch_memory_bound_gemms(gpt2_tiny) -> None:  # type: ignore[no-u
     tilefit.gemm: intensity = 2MNK / (2 bytes x (MK + KN + MN)) against the A100's bf16
     FLOP/byte (312e12 / 2.039e12 = 153); the finding's batch is the first doubling at which
     every token GEMM of the trace reaches it."""
-    a = audit(gpt2_tiny, batch_size=1)
-    f = next(f for f in a.findings if f.rule == "small-batch")
+    from tilefit.advise.audit import RULES
+    from tilefit.advise.rules_batch import memory_bound_findings
+
+    assert memory_bound_findings in RULES
+    whatif = _whatif(gpt2_tiny, batch_size=1)
+    f = next(f for f in memory_bound_findings(whatif) if f.rule == "small-batch")
     ridge = 312e12 / 2.039e12
-    shapes = {(g.m, g.n, g.k) for c in a.estimate.ops if c.record.kind == "gemm"
+    shapes = {(g.m, g.n, g.k) for c in whatif.estimate.ops if c.record.kind == "gemm"
               for g in c.record.gemms if 128 in (g.m, g.n, g.k)}
 
     def intensity(m: int, n: int, k: int) -> float:
@@ -377,13 +431,15 @@ def test_cli_terminal_report(tmp_path: Path) -> None:
     assert "the loss read each micro-batch" in err
 
 
-@pytest.mark.parametrize(("args", "messages"), [
-    (["audit", "gtp2"], ["did you mean", "gpt2"]),
-    (["audit", "gpt2", "--gpu", "auto"], ["--gpu"]),
-    (["audit", "gpt2", "--html", "/no/such/dir/report.html"], ["does not exist"]),
+@pytest.mark.parametrize(("args", "messages", "fresh"), [
+    (["audit", "gtp2"], ["did you mean", "gpt2"], True),
+    (["audit", "gpt2", "--gpu", "auto"], ["--gpu"], False),
+    (["audit", "gpt2", "--html", "/no/such/dir/report.html"], ["does not exist"], False),
 ])
-def test_cli_bad_input_exits_2(cli, args, messages) -> None:  # type: ignore[no-untyped-def]
-    proc = cli(*args)
+def test_cli_bad_input_exits_2(cli, args, messages, fresh) -> None:  # type: ignore[no-untyped-def]
+    # one case through the real entry point in a fresh interpreter; the others in this
+    # process (the same app, ~8 s of imports less each)
+    proc = cli(*args) if fresh else invoke_cli(*args)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     err = " ".join(proc.stderr.split())
     for m in messages:

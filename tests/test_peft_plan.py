@@ -103,11 +103,12 @@ def test_lora_plan_emits_the_config_it_traced(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(peft, "get_peft_model", spy)
     # 33 M parameters, most of them in the (tied) embedding: LoRA's frozen 16-bit base saves
     # ~14 B each (0.4 GiB), more than the memory objective's tie (1% of the budget); a 24 GB
-    # Ampere card: no fp8 rows to trace (compiled, the slowest traces)
+    # Ampere card: no fp8 rows to trace (compiled, the slowest traces); global batch 1: one
+    # micro-batch, so each recipe is traced once, not at two micro-batches
     work = tiny("llama-3.2-1b").with_config(hidden_size=512, intermediate_size=1024,
                                             num_attention_heads=8, head_dim=64,
                                             vocab_size=64000)
-    p = plan(work, gpu="rtx-3090", global_batch=2, allow_peft=True, objective="memory",
+    p = plan(work, gpu="rtx-3090", global_batch=1, allow_peft=True, objective="memory",
              confirm=False)
     assert p.best is not None and p.best.peft
     emitted = p.configs["peft_lora_config"]

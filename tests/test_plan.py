@@ -236,11 +236,23 @@ def one_trace_per_step():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def tiny_gpt2():  # type: ignore[no-untyped-def]
+def tiny_gpt2_config(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """GPT-2 with one layer as a config.json: what the plans below and the CLI read."""
+    from tilefit.models import catalog
+
+    config = dict(catalog.catalog_entry("gpt2"))
+    config["n_layer"] = 1
+    path = tmp_path_factory.mktemp("gpt2-1-layer") / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tiny_gpt2_config):  # type: ignore[no-untyped-def]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from tilefit.models import load_workload
 
-    return load_workload("gpt2", seq_len=32).with_config(num_hidden_layers=1)
+    return load_workload(str(tiny_gpt2_config), seq_len=32)
 
 
 @pytest.fixture(scope="module")
@@ -414,24 +426,22 @@ def test_cli_bad_input_exits_2(args: list[str], needle: str) -> None:
     assert r.exception is None or isinstance(r.exception, SystemExit)  # no traceback
 
 
-def test_cli_json(tmp_path) -> None:
+def test_cli_json(tiny_gpt2_config, a100_plan) -> None:  # type: ignore[no-untyped-def]
+    # the step a100_plan planned, from the command line: its traces are the file's
+    # (one_trace_per_step), and the command chooses what the function chose
     from typer.testing import CliRunner
 
     from tilefit.cli.app import app
-    from tilefit.models import catalog
 
-    config = dict(catalog.catalog_entry("gpt2"))
-    config["n_layer"] = 1
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    r = CliRunner().invoke(app, ["plan", str(path), "--gpu", "rtx-4090", "--global-batch", "8",
-                                 "--seq", "32", "--json"])
+    r = CliRunner().invoke(app, ["plan", str(tiny_gpt2_config), "--gpu", "a100-80gb",
+                                 "--global-batch", "16", "--seq", "32", "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
-    assert d["gpu"] == "rtx-4090" and d["global_batch"] == 8
-    assert all(p["micro_batch"] * p["accumulation_steps"] == 8 for p in d["plans"])
+    assert d["gpu"] == "a100-80gb" and d["global_batch"] == 16
+    assert all(p["micro_batch"] * p["accumulation_steps"] == 16 for p in d["plans"])
     assert d["best"]["fits"] and "hf_training_arguments" in d["configs"]
     assert "lightning" in d["configs"]
+    assert d["best"] == a100_plan.to_dict()["best"]
 
 
 def test_plan_searches_the_same_math_knobs(tiny_gpt2) -> None:  # type: ignore[no-untyped-def]
@@ -440,7 +450,8 @@ def test_plan_searches_the_same_math_knobs(tiny_gpt2) -> None:  # type: ignore[n
     from tilefit.planner import plan
     from tilefit.planner.configs import hf_training_arguments
 
-    p = plan(tiny_gpt2, gpu="a100-80gb", global_batch=16, optimizer="adamw", confirm=False)
+    # global batch 1: each recipe traced at its one micro-batch (the knobs do not depend on it)
+    p = plan(tiny_gpt2, gpu="a100-80gb", global_batch=1, optimizer="adamw", confirm=False)
     fused_opt = [r for r in p.rows if r.optimizer == "adamw-fused"]
     assert fused_opt and all(r.fuses_optimizer and not r.changes_optimizer for r in fused_opt)
     assert any("same update in one kernel" in c for c in fused_opt[0].changes)
