@@ -22,7 +22,7 @@ from tilefit.advise.rules_optimizer import fused_optimizer_findings  # noqa: E40
 from tilefit.advise.whatif import WhatIf  # noqa: E402
 from tilefit.estimator import estimate_trace  # noqa: E402
 from tilefit.estimator.workloads import trace_workload  # noqa: E402
-from tilefit.hardware import get_device  # noqa: E402
+from tilefit.hardware import Device, get_device  # noqa: E402
 from tilefit.models import Workload, load_workload  # noqa: E402
 from tilefit.recipe import Compile  # noqa: E402
 
@@ -38,8 +38,8 @@ def _tiny(activation: str = "gelu_new") -> Workload:
 RECIPE = Recipe(batch_size=8)
 
 
-def _whatif(work: Workload) -> WhatIf:
-    device = get_device(GPU)
+def _whatif(work: Workload, device: Device | None = None) -> WhatIf:
+    device = device or get_device(GPU)
     recipe = RECIPE.on(device)
     tr = trace_workload(work, recipe, device)
     return WhatIf(workload=work, recipe=recipe, device=device, trace=tr,
@@ -157,3 +157,21 @@ def test_under_torch_compile_the_fused_activation_is_subsumed(gelu_new: WhatIf) 
     # and the combined step is the compiled step with the fused optimizer, written out
     direct = estimate(_tiny(), recipe=replace(compiled, optimizer="adamw-fused"), gpu=GPU)
     assert combined.step_time_after_s == pytest.approx(direct.step_time_s, rel=1e-9)
+
+
+def test_a_compiled_step_that_still_does_not_fit_is_not_recommended(gelu_new: WhatIf) -> None:
+    """torch.compile is recommended where it is faster and its step fits; on a GPU too small
+    for the compiled step too, it is information, as every other fix that does not fit
+    alone (the way forward says what does)."""
+    from tilefit.advise.rules_compile import compile_findings
+    from tilefit.estimator import overhead_bytes
+
+    roomy = compile_findings(gelu_new)[0]
+    assert roomy.recommended and roomy.predicted_speedup > 1
+    a100 = gelu_new.device
+    small = replace(a100, memory_bytes=overhead_bytes(a100) + roomy.peak_memory_after_bytes // 2)
+    tight = compile_findings(_whatif(_tiny(), small))[0]
+    # the same compiled step (the device's size changes no trace), over the smaller GPU
+    assert tight.peak_memory_after_bytes == roomy.peak_memory_after_bytes
+    assert tight.peak_memory_after_bytes + overhead_bytes(small) > small.memory_bytes
+    assert not tight.recommended and tight.severity == "info"

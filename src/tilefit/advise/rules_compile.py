@@ -58,7 +58,9 @@ def compile_findings(whatif: WhatIf) -> list[Finding]:
     if after is None:
         return []
     speedup = est.step_time_s / after.step_time_s
-    ok = speedup >= MIN_RECOMMENDED_SPEEDUP
+    # as every other fix: not recommended alone where the compiled step still does not fit
+    # (the way forward and the combined fix say what does)
+    ok = speedup >= MIN_RECOMMENDED_SPEEDUP and after.fits
     saved = est.peak_memory_bytes - after.peak_memory_bytes
     memory = (f"and use {saved / GIB:.2f} GiB less at the peak" if saved > 0 else
               f"and use {-saved / GIB:.2f} GiB more at the peak")
