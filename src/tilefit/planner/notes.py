@@ -61,16 +61,16 @@ def smallest_on_one_gpu(optimizer: str, smallest: PlanRow, budget: int,
     """``smallest``: the smallest peak of the plans keeping ``optimizer`` on the GPU, over
     every micro-batch traced (policy.when_nothing_fits); ``state_bytes``: its model state,
     where that alone is over the budget."""
-    said = (f"with {optimizer} on the GPU alone nothing fits: the smallest such plan "
-            f"({smallest.recipe_label()}, micro-batch {smallest.micro_batch} x "
-            f"{smallest.accumulation_steps} accumulation steps) needs "
-            f"{smallest.memory_bytes / 2**30:.1f} GiB of "
-            f"{budget / 2**30:.1f} GiB")
+    plan = (f"{smallest.recipe_label()}, micro-batch {smallest.micro_batch} x "
+            f"{smallest.accumulation_steps} accumulation steps")
     if state_bytes is None:
-        return said
-    return (f"{said}; its parameters, gradients and optimizer state alone need "
-            f"{state_bytes / 2**30:.1f} GiB: no micro-batch, checkpointing or fused loss "
-            "brings it under")
+        return (f"with {optimizer} on the GPU alone nothing fits: the smallest such plan "
+                f"({plan}) needs {smallest.memory_bytes / 2**30:.1f} GiB of "
+                f"{budget / 2**30:.1f} GiB")
+    return (f"with {optimizer} on the GPU alone nothing fits: the parameters, gradients and "
+            f"optimizer state alone need {state_bytes / 2**30:.1f} GiB of "
+            f"{budget / 2**30:.1f} GiB, so no micro-batch, checkpointing or fused loss "
+            f"brings it under (traced: {plan}, {smallest.memory_bytes / 2**30:.1f} GiB)")
 
 
 def state_over_budget(states: dict[str, float], untraced: list[str], budget: int) -> str:
