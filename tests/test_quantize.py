@@ -372,3 +372,40 @@ def test_cli_audit_of_a_qlora_step(tmp_path: Path) -> None:
     assert any(w.startswith("nf4 base: bitsandbytes' Linear4bit")
                for w in data["estimate"]["warnings"])
     assert data["estimate"]["trainable_param_count"] == 16 * sum(n + k for n, k in LINEARS)
+
+
+def test_where_lora_does_not_fit_the_plan_traces_qlora_for_its_note(tmp_path: Path) -> None:
+    """A GPU too small for LoRA's 16-bit base but not for a 4-bit one: the nothing-fits
+    note traces QLoRA and names the flags that plan it; the audit's way forward says the
+    same. Checked against direct estimates of both recipes and the base counted by hand."""
+    import dataclasses
+
+    from tilefit.advise.way_forward import _adapters_hint
+    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.hardware import get_device
+    from tilefit.models import load_workload
+    from tilefit.planner import plan
+    from tilefit.planner.run import budget_of
+
+    config = dict(CONFIG, hidden_size=1024, intermediate_size=4096, num_attention_heads=8,
+                  num_key_value_heads=8)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    work = load_workload(str(path), seq_len=32)
+    a100 = get_device("a100-80gb")
+    gpu = dataclasses.replace(a100, memory_bytes=budget_of(a100, 1.0)[1] + 48 * 2**20)
+    budget = budget_of(gpu, 1.0)[0]
+    # LoRA's frozen base in 16 bits: 2 layers of 4 x 1024^2 + 3 x 1024 x 4096 weights
+    base16 = 2 * 2 * (4 * 1024 * 1024 + 3 * 1024 * 4096)
+    assert base16 > budget
+    # global batch 1: one micro-batch, each recipe traced once
+    p = plan(work, gpu=gpu, global_batch=1, memory_fraction=1.0)
+    note = next(n for n in p.notes if "QLoRA" in n)
+    assert "nf4, micro-batch 1: adapters on a 4-bit base" in note
+    assert "--allow-peft --allow-quantize plans it" in note
+    assert _adapters_hint(p) == note  # what the audit's way forward says
+    lora = Recipe(precision="bf16-mixed", optimizer="adamw-fused", attention="sdpa",
+                  grad_checkpointing=True, lora=Lora(), batch_size=1)
+    assert estimate_workload(work, lora, gpu).peak_memory_bytes > base16
+    qlora = dataclasses.replace(lora, quantize="nf4")
+    assert estimate_workload(work, qlora, gpu).peak_memory_bytes <= budget

@@ -66,6 +66,13 @@ def _label(row: PlanRow) -> str:
             "accumulation steps")
 
 
+def _adapters_hint(found: Plan) -> str:
+    """What the plan's note says adapters would need (LoRA, else QLoRA, traced for it:
+    planner.policy), or the flag that plans them where it said nothing."""
+    said = next((n for n in found.notes if "--allow-peft" in n), None)
+    return said or "LoRA adapters train a fraction of the weights: --allow-peft"
+
+
 def _finding(whatif: WhatIf, found: Plan) -> Finding:
     est = whatif.estimate
     need = (f"the step needs {est.total_memory_bytes / GIB:.1f} GiB of "
@@ -82,7 +89,7 @@ def _finding(whatif: WhatIf, found: Plan) -> Finding:
         return Finding(
             rule=RULE, severity="high", title=f"{need}; no recipe fits one GPU{gpus}",
             modules=(), dimension="recipe", current=current, suggested=None,
-            fix=f"{command}; LoRA adapters train a fraction of the weights: --allow-peft",
+            fix=f"{command}; {_adapters_hint(found)}",
             reason=f"Biggest consumer: {biggest_consumer(est)}. {found.reason}.",
             step_time_before_s=est.step_time_s, step_time_after_s=est.step_time_s,
             peak_memory_before_bytes=est.peak_memory_bytes,

@@ -87,10 +87,12 @@ def state_over_budget(states: dict[str, float], untraced: list[str], budget: int
             f"({', '.join(untraced)})")
 
 
-def lora_would(best: PlanRow | None, budget: int, *, offload_or_change_fits: bool) -> str:
+def lora_would(best: PlanRow | None, budget: int, *, offload_or_change_fits: bool,
+               qlora: PlanRow | None = None) -> str:
     """Nothing fits with the full model's optimizer on the GPU and --allow-peft was not
     given: what LoRA's traced plan (``best``: the fastest that fits, else the smallest;
-    None: not traced, peft missing) needs. ``offload_or_change_fits``: a plan of the full
+    None: not traced, peft missing) needs, and where that does not fit, QLoRA's (``qlora``,
+    traced the same way; None: not traced). ``offload_or_change_fits``: a plan of the full
     model fits by CPU offload or another optimizer."""
     where = ("with the optimizer on the GPU nothing fits without adapters"
              if offload_or_change_fits else "nothing fits without adapters")
@@ -102,7 +104,15 @@ def lora_would(best: PlanRow | None, budget: int, *, offload_or_change_fits: boo
     if best.fits:
         return (f"{where}, but {what}: --allow-peft plans them (trains adapters on a "
                 "frozen base, not the model)")
-    return f"{where}, nor with LoRA adapters: {what} (--allow-peft)"
+    if qlora is None:
+        return f"{where}, nor with LoRA adapters: {what} (--allow-peft)"
+    on_4bit = (f"QLoRA ({qlora.recipe_label()}, micro-batch {qlora.micro_batch}: adapters on "
+               f"a 4-bit base) needs {qlora.memory_bytes / 2**30:.1f} GiB")
+    if qlora.fits:
+        return (f"{where}, nor with LoRA adapters: {what}; but {on_4bit}: --allow-peft "
+                "--allow-quantize plans it (trains adapters on a frozen 4-bit base, not the "
+                "model)")
+    return f"{where}, nor with LoRA adapters: {what}; nor with QLoRA: {on_4bit}"
 
 
 def nothing_traced_fits(first: int, fallback_counts: int, global_batch: int) -> str:

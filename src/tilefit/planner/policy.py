@@ -134,12 +134,33 @@ def _lora_note(p: PlanState, rows: list[PlanRow], budget: int, lora: Lora | None
         require_peft()
     except TilefitError:
         return notes.lora_would(None, budget, offload_or_change_fits=False)
-    spec = space.peft_recipes(p.device, p.optimizer, lora or Lora())[-1]  # checkpointed
+    best = _probe_best(p, space.peft_recipes(p.device, p.optimizer, lora or Lora())[-1])
+    qlora = None
+    if best is not None and not best.fits and _has_bitsandbytes():
+        # LoRA's 16-bit base does not fit either: what a 4-bit base (QLoRA) would need
+        qlora = _probe_best(p, space.qlora_recipes(p.device, p.optimizer, lora)[-1])
+    return notes.lora_would(best, budget, offload_or_change_fits=any(r.fits for r in rows),
+                            qlora=qlora)
+
+
+def _probe_best(p: PlanState, spec: Recipe) -> PlanRow | None:
+    """``spec`` (checkpointed adapters) traced for a note: its fastest row that fits, else
+    its smallest."""
     probed = p.probe(spec)
     fitting = [r for r in probed if r.fits]
-    best = max(fitting, key=lambda r: r.samples_per_s) if fitting else \
+    return max(fitting, key=lambda r: r.samples_per_s) if fitting else \
         min(probed, key=lambda r: r.memory_bytes, default=None)
-    return notes.lora_would(best, budget, offload_or_change_fits=any(r.fits for r in rows))
+
+
+def _has_bitsandbytes() -> bool:
+    from tilefit.compat.bitsandbytes import require_bitsandbytes
+    from tilefit.errors import TilefitError
+
+    try:
+        require_bitsandbytes("QLoRA")
+    except TilefitError:
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
