@@ -384,3 +384,20 @@ def test_every_public_result_has_a_notebook_view() -> None:
                 type(tilefit.analyze_linear(64, 64, 8, device=tilefit.get_device("h100")))]
     assert sorted(c.__name__ for c in results) == sorted(RENDERERS)
     assert all(issubclass(c, HtmlRepr) for c in results)
+
+
+def test_a_way_forward_that_found_no_recipe_says_so_not_a_fix_that_does_not_fit(audited) -> None:  # type: ignore[no-untyped-def]
+    """The way forward of a step nothing fits is no change: its tag says no recipe fits,
+    and no "change: ... -> None" line is printed, in the terminal or on the page."""
+    from tilefit.report.audit_terminal import not_recommended_because
+    from tilefit.report.html import render_html
+
+    est = audited.estimate
+    none = _finding(rule="way-forward", severity="high", title="no recipe fits one GPU",
+                    dimension="recipe", current="bf16-mixed adamw", suggested=None,
+                    method="plan", recommended=False, step_time_after_s=2e-3,
+                    peak_memory_before_bytes=est.device.memory_bytes,
+                    peak_memory_after_bytes=est.device.memory_bytes)
+    assert not_recommended_because(none, audited) == "no recipe fits one GPU"
+    page = render_html(dataclasses.replace(audited, findings=(none,)))
+    assert "[no recipe fits one GPU]" in page and "&rarr; <b>None</b>" not in page

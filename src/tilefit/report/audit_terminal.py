@@ -29,6 +29,8 @@ def not_recommended_because(f: Finding, audit: Audit) -> str:
     """Why a finding's fix is not recommended, in a few words: what its re-estimate says."""
     if f.method == "none":
         return "for information: no fix re-estimated"
+    if f.method == "plan" and f.suggested is None:  # the way forward found no recipe
+        return "no recipe fits one GPU"
     est = audit.estimate
     after = f.peak_memory_after_bytes + est.overhead_bytes
     if f.peak_memory_after_bytes and after > est.device.memory_bytes:
@@ -80,7 +82,7 @@ def print_findings(console: Console, audit: Audit) -> None:
         console.print(f"   predicted: {gain_text(f)}", highlight=False)
         if f.modules:
             console.print("   modules: " + ", ".join(f.modules), highlight=False)
-        if f.dimension:
+        if f.dimension and f.suggested is not None:
             console.print(f"   change: {f.dimension} {f.current} -> {f.suggested}",
                           highlight=False)
         console.print(f"   fix: [green]{f.fix}[/]", highlight=False)
