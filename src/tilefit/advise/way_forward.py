@@ -69,7 +69,9 @@ def _label(row: PlanRow) -> str:
 def _adapters_hint(found: Plan) -> str:
     """What the plan's note says adapters would need (LoRA, else QLoRA, traced for it:
     planner.policy), or the flag that plans them where it said nothing."""
-    said = next((n for n in found.notes if "--allow-peft" in n), None)
+    from tilefit.planner.notes import is_adapters_note
+
+    said = next((n for n in found.notes if is_adapters_note(n)), None)
     return said or "LoRA adapters train a fraction of the weights: --allow-peft"
 
 

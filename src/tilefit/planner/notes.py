@@ -87,6 +87,16 @@ def state_over_budget(states: dict[str, float], untraced: list[str], budget: int
             f"({', '.join(untraced)})")
 
 
+NOTHING_WITHOUT_ADAPTERS = "nothing fits without adapters"
+
+
+def is_adapters_note(note: str) -> bool:
+    """Whether ``note`` says what adapters would do (lora_would's, or PEFT_FACTORY's: none
+    for a factory): the audit's way forward quotes it."""
+    return note == PEFT_FACTORY or note.startswith(
+        (NOTHING_WITHOUT_ADAPTERS, f"with the optimizer on the GPU {NOTHING_WITHOUT_ADAPTERS}"))
+
+
 def lora_would(best: PlanRow | None, budget: int, *, offload_or_change_fits: bool,
                qlora: PlanRow | None = None) -> str:
     """Nothing fits with the full model's optimizer on the GPU and --allow-peft was not
@@ -94,8 +104,8 @@ def lora_would(best: PlanRow | None, budget: int, *, offload_or_change_fits: boo
     None: not traced, peft missing) needs, and where that does not fit, QLoRA's (``qlora``,
     traced the same way; None: not traced). ``offload_or_change_fits``: a plan of the full
     model fits by CPU offload or another optimizer."""
-    where = ("with the optimizer on the GPU nothing fits without adapters"
-             if offload_or_change_fits else "nothing fits without adapters")
+    where = (f"with the optimizer on the GPU {NOTHING_WITHOUT_ADAPTERS}"
+             if offload_or_change_fits else NOTHING_WITHOUT_ADAPTERS)
     if best is None:
         return (f"{where}; LoRA adapters (--allow-peft) were not traced: pip install peft "
                 "to see whether they fit")

@@ -99,7 +99,9 @@ class PlanState:
         over = None if kind is None else state_over(model, self.depth, self.budget)
         if over is not None:
             self.state_over[kind] = over
-        self.rows.extend(self._rows(spec, model, offload))
+        # a sweep stopped at its smallest micro-batch (search.sweep) has that row alone
+        stopped = over is not None and len({s.micro_batch for s in model.samples}) == 1
+        self.rows.extend(self._rows(spec, model, offload, stopped=stopped))
 
     def state_note(self) -> str | None:
         """What was traced no further, or not at all, because its model state alone is over
@@ -132,16 +134,14 @@ class PlanState:
             * len({min(self.micro_batches), max(self.micro_batches)})
         return model
 
-    def _rows(self, spec: Recipe, model: SweepModel, offload: bool) -> list[PlanRow]:
-        """The sweep's rows, one per micro-batch (a sweep stopped at its smallest
-        micro-batch: that one's row alone)."""
-        swept = {s.micro_batch for s in model.samples}
-        stopped = len(swept) == 1 and not offload and \
-            state_over(model, self.depth, self.budget) is not None
+    def _rows(self, spec: Recipe, model: SweepModel, offload: bool, *,
+              stopped: bool = False) -> list[PlanRow]:
+        """The sweep's rows, one per micro-batch (``stopped``: a sweep stopped at its
+        smallest micro-batch, that one's row alone)."""
+        bs = [min(s.micro_batch for s in model.samples)] if stopped else self.micro_batches
         return [row_from(spec, model, b, self.global_batch, self.depth, self.device,
                          self.budget, self.work.tokens_per_sample, self.optimizer,
-                         offload=self.link if offload else None)
-                for b in (sorted(swept) if stopped else self.micro_batches)]
+                         offload=self.link if offload else None) for b in bs]
 
     def add_rows(self, rows: list[PlanRow], traces: int) -> None:
         """Rows swept by another search (multiplan's), and the traces it took."""
