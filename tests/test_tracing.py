@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from tilefit.errors import TilefitError
+from tilefit.recipe import Compile, Recipe
 from tilefit.tracing import trace
+from tilefit.vocab import MICRO_PHASES
 
 
 def _gpt2(n_layer: int = 2, n_embd: int = 128, n_head: int = 4, vocab: int = 1000,
@@ -277,10 +279,75 @@ def test_replayed_steady_step_equals_running_it(kwargs):
     build, batch = _gpt2(), _tokens(2, 32)
     fast = trace(build, batch, **kwargs)
     full = trace(build, batch, replay_steady_step=False, **kwargs)
+    _assert_same_trace(fast, full)
+
+
+def _assert_same_trace(fast, full) -> None:
     assert fast.live_bytes_timeline() == full.live_bytes_timeline()
-    assert [(o.op, o.phase, o.module, o.step, o.bytes, o.flops) for o in fast.ops] == \
-        [(o.op, o.phase, o.module, o.step, o.bytes, o.flops) for o in full.ops]
+    fields = ("op", "phase", "module", "step", "micro", "bytes", "flops", "alloc_bytes")
+    assert [tuple(getattr(o, f) for f in fields) for o in fast.ops] == \
+        [tuple(getattr(o, f) for f in fields) for o in full.ops]
     assert fast.breakdown_at(fast.peak()[1]) == full.breakdown_at(full.peak()[1])
+
+
+@pytest.mark.parametrize(("gpu", "kwargs"), [
+    ("h100", {"precision": "bf16-mixed", "max_grad_norm": 1.0, "loss_sync": True}),
+    ("h100", {"precision": "bf16-mixed", "zero_grad_to_none": False}),
+    ("a100-80gb", {"precision": "bf16-true", "compile": Compile()}),
+])
+def test_replayed_second_micro_batch_equals_running_it(gpu, kwargs, monkeypatch):
+    """The second micro-batch is the first's ops again, except that autograd adds each new
+    gradient into the kept one (add_ where the first micro-batch detached it, the new
+    gradient freed after it): op for op and byte for byte what running it records."""
+    from tilefit.tracing.recorder import Recorder
+
+    replays: list[bool] = []
+    replay = Recorder.replay_micro
+
+    def spy(self, *args):
+        replays.append(replay(self, *args))
+        return replays[-1]
+
+    monkeypatch.setattr(Recorder, "replay_micro", spy)
+    build, batch = _gpt2(), _tokens(2, 32)
+    recipe = Recipe(batch_size=2, accumulation_steps=2, **kwargs)
+    fast = trace(build, batch, recipe=recipe, gpu=gpu)
+    assert replays and all(replays)
+    full = trace(build, batch, recipe=recipe, gpu=gpu, replay_steady_step=False)
+    _assert_same_trace(fast, full)
+    second = [o for o in fast.ops if o.step == 0 and o.micro == 1]
+    first = [o for o in fast.ops if o.step == 0 and o.micro == 0 and o.phase in MICRO_PHASES]
+
+    def count(ops: list, name: str) -> int:
+        return sum(1 for o in ops if o.op == name and o.phase == "backward")
+
+    params = sum(1 for _ in build().parameters())  # lm_head is tied to wte: one gradient
+    assert len(second) == len(first)
+    assert count(second, "aten.add_.Tensor") - count(first, "aten.add_.Tensor") == params
+    assert count(first, "aten.detach.default") - count(second, "aten.detach.default") == params
+
+
+class _CachesOnFirstCall(nn.Module):
+    """Keeps a tensor made by its first forward: a second micro-batch makes none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 8)
+        self.cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cache is None:
+            self.cache = torch.ones(1000, 32, device=x.device)
+        return self.fc(x + self.cache[: x.shape[0]])
+
+
+def test_a_step_that_leaves_a_tensor_behind_is_run_not_replayed() -> None:
+    kwargs = {"loss_fn": lambda m, b: m(b).sum(), "optimizer": "sgd", "accumulation_steps": 2}
+    fast = trace(_CachesOnFirstCall, torch.randn(4, 32), **kwargs)
+    full = trace(_CachesOnFirstCall, torch.randn(4, 32), replay_steady_step=False, **kwargs)
+    _assert_same_trace(fast, full)
+    cache = [s for s in fast.storages if s.nbytes == 1000 * 32 * 4 and s.phase == "forward"]
+    assert len(cache) == 1  # made once, by the first micro-batch, as running it does
 
 
 def test_dropout_on_a_cuda_target_is_the_fused_kernel_with_a_bool_mask() -> None:

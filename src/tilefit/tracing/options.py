@@ -60,6 +60,7 @@ class TraceOptions:
     accumulation_steps: int
     attention: str
     replay_steady_step: bool
+    replay_micro_step: bool = False  # a second micro-batch replayed from the first
     max_grad_norm: float | None = None  # clip_grad_norm_ before the optimizer step
     foreach: bool | None = None  # the target's foreach default (CUDA: True)
     cuda: bool = False  # the target is a CUDA GPU (host memory and device memory differ)

@@ -20,6 +20,7 @@ from tilefit.tracing.collectives import ENGINE_COPY_NAMESPACE, collective_of
 from tilefit.tracing.fusion import NodePlan
 from tilefit.tracing.ones import KnownOnes
 from tilefit.tracing.records import Collective, GemmShape, OpRecord, StorageRecord
+from tilefit.tracing.replay import Replays
 from tilefit.tracing.shapes import (
     ExpertCounts,
     classify,
@@ -30,6 +31,7 @@ from tilefit.tracing.shapes import (
 from tilefit.tracing.traffic import multi_tensor, op_tensors, traffic, written_in_place
 from tilefit.vocab import OPTIMIZER_PHASES, Phase
 
+_DETACH = "aten.detach.default"
 _SKIP = {"prim.device.default", "profiler._record_function_enter_new.default",
          "profiler._record_function_exit._RecordFunction"}
 
@@ -50,7 +52,7 @@ class StepMarks:
     end: int  # the event index after the step
 
 
-class Recorder(TorchDispatchMode):
+class Recorder(Replays, TorchDispatchMode):
     """Records ops (shapes, FLOPs, bytes, module, phase) and storage lifetimes."""
 
     def __init__(self, tracker: ModulePath, root_name: str,
@@ -80,6 +82,8 @@ class Recorder(TorchDispatchMode):
         self._node: NodePlan | None = None  # the compiled-graph node running now
         self._node_module = ""  # the module that node came from
         self._default_category: str | None = None  # for storages tracked now (allocations_as)
+        self._detached: dict[int, int | None] = {}  # backward detach events: their storage
+        self.micro_runs = 0  # micro-batches run, not replayed (tracing.step)
         self.stand_in_reads = 0  # .item() calls in the optimizer answered with a stand-in
         # a MoE layer's tokens per expert under the recipe's routing (tracing.moe)
         self.expert_counts: ExpertCounts | None = None
@@ -275,54 +279,6 @@ class Recorder(TorchDispatchMode):
             return True
         return 1.0 if t.is_floating_point() else 1
 
-    # ---- replaying the steady step ------------------------------------------------------
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Ops run but are not recorded and their tensors are not tracked."""
-        self._recording = False
-        try:
-            yield
-        finally:
-            self._recording = True
-
-    def replay(self, start: int, end: int, step: int) -> list[tuple[int, int | None]]:
-        """Record events [start, end) again, now: the same ops, and copies of the storages
-        they allocated with the same lifetimes. Returns (new uid, original free_at) of the
-        copies still alive at ``end``; ``settle`` gives them a free time."""
-        offset = self._events - start
-        self.ops.extend(dataclasses.replace(op, step=step) for op in self.ops[start:end])
-        pending: list[tuple[int, int | None]] = []
-        for uid in [u for u, a in self._alloc_at.items() if start <= a < end]:
-            new = self._next_uid
-            self._next_uid += 1
-            self._nbytes[new] = self._nbytes[uid]
-            self._alloc_at[new] = self._alloc_at[uid] + offset
-            self._alloc_phase[new] = self._alloc_phase[uid]
-            self._alloc_module[new] = self._alloc_module[uid]
-            if uid in self.category:
-                self.category[new] = self.category[uid]
-            freed = self._free_at.get(uid)
-            if freed is not None and freed <= end:
-                self._free_at[new] = freed + offset
-            else:
-                pending.append((new, freed))
-        self._events += end - start
-        return pending
-
-    def settle(self, pending: list[tuple[int, int | None]], *, first: StepMarks,
-               steady: StepMarks) -> None:
-        """Free the replayed storages that outlived the backward where their originals were
-        freed: during the optimizer step (same offset into it) or at zero_grad."""
-        for uid, freed in pending:
-            if freed is None:
-                continue
-            if freed < first.zero_grad:
-                self._free_at[uid] = min(steady.optimizer + (freed - first.optimizer),
-                                         steady.zero_grad)
-            else:
-                self._free_at[uid] = min(steady.zero_grad + (freed - first.zero_grad),
-                                         steady.end)
-
     # ---- context ----------------------------------------------------------------------
     @property
     def module(self) -> str:
@@ -358,13 +314,18 @@ class Recorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         except DataDependentOutputException:
             out = self._stand_in_scalar(func, args)
-        if not self._recording:
+        if not self._recording or str(func) in _SKIP:
             return out
+        self._record(func, args, kwargs, out, self._node_module or self.module,
+                     self.effective_phase)
+        return out
+
+    def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
+                module: str, phase: str) -> None:
+        """Record op ``func`` (already run: ``out``) as the next event, issued by
+        ``module`` in ``phase``: its cost, its new storages."""
         name = str(func)
-        if name in _SKIP:
-            return out
         at = self._events
-        module = self._node_module or self.module
         inputs = list(op_tensors((args, kwargs)))
         outputs = list(op_tensors(out))
         before = self._next_uid
@@ -398,7 +359,7 @@ class Recorder(TorchDispatchMode):
         if "alloc_bytes" in compiled:
             alloc = compiled.pop("alloc_bytes")
         self.ops.append(OpRecord(
-            op=name, phase=self.effective_phase, module=module,
+            op=name, phase=phase, module=module,
             input_shapes=tuple(tuple(t.shape) for t in inputs),
             output_shapes=tuple(tuple(t.shape) for t in outputs),
             dtype=str(ref.dtype).removeprefix("torch.") if ref is not None else "",
@@ -407,8 +368,9 @@ class Recorder(TorchDispatchMode):
             multi_tensor=multi_tensor(name, args, out), on_host=on_host, **compiled,
             collective=collective, flops_error=flops_error,
         ))
+        if name == _DETACH and phase == "backward" and outputs:
+            self._detached[at] = self.uid(outputs[0])  # AccumulateGrad's, maybe (replay)
         self._events += 1
-        return out
 
     def _work(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
               kind: str, float8: bool, attention: dict[str, Any] | None

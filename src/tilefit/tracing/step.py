@@ -76,7 +76,10 @@ def trace(model: Any, batch: Any = None, *, recipe: Recipe | None = None,
 
     The steady step's forward and backward are the first step's again (same ops, same
     tensors), so by default they are replayed from the first step's records rather than run
-    twice; its optimizer step always runs. ``replay_steady_step=False`` runs both steps in
+    twice; its optimizer step always runs. With accumulation the second micro-batch is
+    likewise the first's ops, its gradients added into the kept ones (tracing.replay).
+    Neither is replayed where the first left a tensor alive that is no gradient (a cache
+    made on the first call). ``replay_steady_step=False`` runs every step and micro-batch in
     full (a check of that assumption for models whose second forward differs). The old
     keywords (precision=, device=, compile=, ...) still work, with a DeprecationWarning
     (tilefit.legacy)."""
@@ -113,6 +116,8 @@ def trace_module(model: ModelSpec, batch: Any, recipe: Recipe, gpu: str | Device
         # replayed from step 0 (where they were created)
         replay_steady_step=replay_steady_step and recipe.zero_grad_to_none
         and (parallel is None or parallel.strategy != "ddp"),
+        # a data-parallel engine's micro-batches differ (no_sync, its buckets): all run
+        replay_micro_step=replay_steady_step and parallel is None,
         zero_grad_to_none=recipe.zero_grad_to_none,
         max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync,
         compile=compiled is not None, compile_mode=recipe.compile_mode,
@@ -228,24 +233,24 @@ def _with_compiled(prep: Prepared, options: TraceOptions, recorder: Recorder,
 def _run_two_steps(prep: Prepared, options: TraceOptions, recorder: Recorder,
                    autocast: Any) -> None:
     """Step 0 (lazy optimizer state), then the steady step 1, whose forward and backward
-    are replayed from step 0 unless ``options.replay_steady_step`` is off."""
+    are replayed from step 0 unless ``options.replay_steady_step`` is off or step 0 left a
+    tensor behind that is no gradient (tracing.replay)."""
     traced_micro = min(options.accumulation_steps, 2)
     first: StepMarks | None = None
     for step in (0, 1):
         recorder.begin_step(step)
         forward_at = recorder.events
         pending: list[tuple[int, int | None]] = []
-        if first is not None and options.replay_steady_step:
+        if first is not None and options.replay_steady_step and \
+                recorder.can_replay(first.forward, first.optimizer):
             pending = recorder.replay(first.forward, first.optimizer, step=1)
             with recorder.paused():  # the replayed backward made these gradients
                 for p in prep.params:
                     p.grad = torch.zeros_like(p)
         else:
+            first_micro = recorder.events
             for micro in range(traced_micro):
-                recorder.begin_micro(micro)
-                micro_step(prep, options, recorder, autocast)
-                recorder.label([p.grad for p in prep.params if p.grad is not None],
-                               "gradients")
+                _micro_batch(prep, options, recorder, autocast, micro, first_micro)
             recorder.begin_micro(0)
         optimizer_at = recorder.events
         optimizer_step(prep, options, recorder)
@@ -260,6 +265,21 @@ def _run_two_steps(prep: Prepared, options: TraceOptions, recorder: Recorder,
         first = first or marks
 
 
+def _micro_batch(prep: Prepared, options: TraceOptions, recorder: Recorder, autocast: Any,
+                 micro: int, first_at: int) -> None:
+    """Micro-batch ``micro`` of a step: run, or after the first (which began at event
+    ``first_at``) replayed from it (tracing.replay: the same ops, its gradients accumulated)
+    unless replays are off or it cannot be (the first made a lasting storage that is no
+    gradient)."""
+    recorder.begin_micro(micro)
+    grads = [p.grad for p in prep.params if p.grad is not None]
+    if not (micro > 0 and options.replay_micro_step
+            and recorder.replay_micro(first_at, micro, grads)):
+        micro_step(prep, options, recorder, autocast)
+        recorder.micro_runs += 1
+    recorder.label([p.grad for p in prep.params if p.grad is not None], "gradients")
+
+
 def _to_trace(prep: Prepared, options: TraceOptions, target: Target, recorder: Recorder,
               router: AttentionRouter | None, notes: list[str] | None = None) -> Trace:
     samples, tokens = _samples_and_tokens(prep.batch)
@@ -272,9 +292,10 @@ def _to_trace(prep: Prepared, options: TraceOptions, target: Target, recorder: R
         warnings.extend(compile_notes(prep.compiled, prep.compiled.breaks,
                                       options.compile_mode))
     if router is not None and router.choices.get("math"):
-        warnings.append(f"attention ran the math kernel {router.choices['math']} time(s) per "
-                        "step: it materialises the S x S scores (fp32 or unsupported head dim "
-                        "or mask)")
+        per_micro = router.choices["math"] // max(recorder.micro_runs, 1)
+        warnings.append(f"attention ran the math kernel {per_micro} time(s) per micro-batch: "
+                        "it materialises the S x S scores (fp32 or unsupported head dim or "
+                        "mask)")
     warnings.extend(prep.notes)
     warnings.extend(notes or ())
     paged = paged_note(options.optimizer, prep.optimizer)
