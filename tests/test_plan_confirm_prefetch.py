@@ -4,6 +4,7 @@ traces hand the child's trace to ``confirm`` and the confirmation is the serial 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Any
@@ -95,3 +96,75 @@ def test_a_prefetched_confirmation_is_collected_not_retraced(
 
         monkeypatch.setattr(workloads, "_trace_workload", no_trace)
         assert state.confirm(row) == serial
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="background traces fork: Linux only")
+def test_a_queued_prefetch_starts_on_the_core_the_next_collection_frees(
+        work: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One background slot (TILEFIT_JOBS=2): a step queued while it is busy is started in a
+    child as soon as the busy one is collected, and collected in turn, not traced here."""
+    from tilefit.tracing import background, workloads
+
+    monkeypatch.setenv(background.JOBS_ENV, "2")
+    first = (work, Recipe(batch_size=1, precision="bf16-true"))
+    second = (work, Recipe(batch_size=2, precision="bf16-true"))
+    serial = workloads.trace_workload(*second, "a100-80gb")
+    with workloads.shared_traces():
+        assert workloads.prefetch([first], "a100-80gb")
+        assert not workloads.prefetch([second], "a100-80gb", queue=True)  # no free core
+        workloads.trace_workload(*first, "a100-80gb")  # collected: the queued one starts
+
+        def no_trace(*a: Any) -> Any:
+            raise AssertionError("the queued step was traced in-process")
+
+        monkeypatch.setattr(workloads, "_trace_workload", no_trace)
+        assert workloads.trace_workload(*second, "a100-80gb") == serial
+
+
+def test_a_queued_step_asked_for_before_it_started_is_traced_here(
+        work: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tilefit.tracing import background, workloads
+
+    monkeypatch.setenv(background.JOBS_ENV, "1")  # no background slot: it stays queued
+    step = (work, Recipe(batch_size=1, precision="bf16-true"))
+    with workloads.shared_traces():
+        assert not workloads.prefetch([step], "a100-80gb", queue=True)
+        traced = workloads.trace_workload(*step, "a100-80gb")
+    assert traced == workloads.trace_workload(*step, "a100-80gb")
+
+
+def _rows_of(strategy: str, fits: list[bool], speed: float) -> list[PlanRow]:
+    return [dataclasses.replace(_row(strategy, 2), samples_per_s=speed + i,
+                                predicted_peak_memory_bytes=1 if fit else 10**12)
+            for i, fit in enumerate(fits)]
+
+
+@pytest.mark.parametrize("replica_state", [100 * 2**30, 10 * 2**30])
+def test_the_fallback_is_confirmed_early_only_when_no_traced_row_can_still_outrank_it(
+        replica_state: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """search_rows tells ``traced_done`` the traced engines' rows before ZeRO is modelled,
+    when DDP (searched last) cannot fit: its ranks hold the whole model state, over the
+    budget. The best of those rows is then the best of all (a modelled ZeRO row, even a
+    faster one, ranks after a traced row that fits); with DDP still able to fit, nobody is
+    told early."""
+    from tilefit.planner import multiplan
+    from tilefit.planner.search import Depth
+
+    fsdp2 = _rows_of("fsdp2", [False, True], 10.0)
+    zero = _rows_of("zero3", [True, True], 50.0)  # faster, but a modelled lower bound
+    ddp = _rows_of("ddp", [False], 1.0)
+    monkeypatch.setattr(multiplan, "_traced_rows", lambda *a: (
+        fsdp2 if a[-1].strategy == "fsdp2" else ddp, 1))
+    monkeypatch.setattr(multiplan, "_zero_rows", lambda *a: (zero, 1))
+    told: list[list[PlanRow]] = []
+    space_ = multiplan.MultiSpace(2, ("fsdp2", "zero3", "ddp"), (), Depth(None, 1, (1,)),
+                                  replica_state_bytes=replica_state, shown=3,
+                                  traced_done=told.append)
+    rows, _ = multiplan.search_rows(None, None, 8, 70 * 2**30, "adamw", space_,
+                                    lambda r: r, [], [])
+    if replica_state > 70 * 2**30:
+        assert told == [fsdp2]
+        assert multiplan.best_fitting(told[0]) is multiplan.best_fitting(rows) is fsdp2[1]
+    else:
+        assert told == []

@@ -144,6 +144,10 @@ class MultiSpace:
     # is shown (replica_skipped). None: every engine traced, every row kept.
     replica_state_bytes: float | None = None
     shown: int | None = None
+    # told the traced engines' rows once no traced row is to come (before ZeRO is modelled):
+    # the caller may start confirming the best of them, which no modelled row outranks
+    # (best_fitting)
+    traced_done: Callable[[list[PlanRow]], object] | None = None
 
 
 def replicates(engine: Parallel) -> bool:
@@ -156,9 +160,15 @@ def replica_skipped(space_: MultiSpace, budget_bytes: int, rows: Sequence[PlanRo
     (the one-GPU traces', a floor under its optimizer step's peak and so under every row's)
     is over the budget, so none of its rows fits (none is chosen), and ``rows`` has at least
     ``space_.shown`` rows that fit, which rank before any that does not (none is shown)."""
-    state = space_.replica_state_bytes
-    return state is not None and space_.shown is not None and state > budget_bytes and \
+    return _replica_over_budget(space_, budget_bytes) and space_.shown is not None and \
         sum(r.fits for r in rows) >= space_.shown
+
+
+def _replica_over_budget(space_: MultiSpace, budget_bytes: int) -> bool:
+    """Whether a replicating engine's every rank holds more model state than the budget:
+    none of its rows fits."""
+    state = space_.replica_state_bytes
+    return state is not None and state > budget_bytes
 
 
 def replica_note(engine: Parallel, space_: MultiSpace, budget_bytes: int) -> str:
@@ -184,6 +194,9 @@ def search_rows(work: Workload, device: Device, global_batch: int, budget_bytes:
     found: dict[Parallel | None, list[PlanRow]] = {}  # None: the ZeRO engines' rows
     traces = 0
     for engine in [*(e for e in traced if e not in late), None, *late]:
+        if engine is None and space_.traced_done is not None and \
+                (not late or _replica_over_budget(space_, budget_bytes)):
+            space_.traced_done([r for v in found.values() for r in v])
         if engine is None and not zero:
             continue
         if engine is not None and engine in late and replica_skipped(space_, budget_bytes,

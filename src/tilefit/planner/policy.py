@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 from tilefit.planner import configs, multiplan, notes, rank, space
 from tilefit.planner.affine import SweepModel
@@ -24,15 +26,17 @@ FALLBACK_PLANS_SHOWN = 8
 
 def trace_on_gpus(p: PlanState, strategy: str | None, *, hf_model: bool,
                   precisions: bool = True, replica_state_bytes: float | None = None,
-                  shown: int | None = None, said: list[str] | None = None) -> None:
+                  shown: int | None = None, said: list[str] | None = None,
+                  traced_done: Callable[[list[PlanRow]], object] | None = None) -> None:
     """The rows of ``p.world_size`` GPUs: every engine x recipe, swept from traces (DDP
-    skipped where multiplan.replica_skipped says, named in ``said``)."""
+    skipped where multiplan.replica_skipped says, named in ``said``; ``traced_done``:
+    multiplan.MultiSpace's)."""
     world_size, depth = p.world_size, p.depth
     setup = multiplan.MultiSpace(
         world_size, multiplan.strategies_for(strategy, world_size),
         tuple(multiplan.multi_recipes(p.device, p.optimizer, hf_model=hf_model,
                                       precisions=precisions)), depth,
-        replica_state_bytes=replica_state_bytes, shown=shown)
+        replica_state_bytes=replica_state_bytes, shown=shown, traced_done=traced_done)
     rows, traces = multiplan.search_rows(p.work, p.device, p.global_batch, p.budget,
                                          p.optimizer, setup, p.with_user, p.notes, said)
     p.add_rows(rows, traces)
@@ -187,7 +191,8 @@ def _multi_gpu(p: PlanState, optimizer: str, hf_model: bool, budget: int) -> Fal
                         p.user, world_size=gpus)
         trace_on_gpus(sub, None, hf_model=hf_model, precisions=False,
                       replica_state_bytes=_model_state(p, optimizer, hf_model),
-                      shown=FALLBACK_PLANS_SHOWN, said=p.notes)
+                      shown=FALLBACK_PLANS_SHOWN, said=p.notes,
+                      traced_done=functools.partial(_confirm_early, sub))
         p.count(sub.traces)
         best = multiplan.best_fitting(sub.rows)
         if best is None:
@@ -199,6 +204,14 @@ def _multi_gpu(p: PlanState, optimizer: str, hf_model: bool, budget: int) -> Fal
             sub, best)
     return Fallback(MultiGpuPlan(gpus=None, note=notes.nothing_traced_fits(
         first, FALLBACK_GPU_COUNTS, p.global_batch)))
+
+
+def _confirm_early(sub: PlanState, traced: list[PlanRow]) -> None:
+    """The best traced row's confirmation, started on the next free core while ZeRO is
+    modelled: no modelled row outranks a traced one that fits (multiplan.best_fitting)."""
+    best = multiplan.best_fitting(traced)
+    if best is not None:
+        sub.prefetch_confirmation(best)
 
 
 def confirm_fallback(p: PlanState, fallback: Fallback | None) -> MultiGpuPlan | None:

@@ -170,7 +170,7 @@ class PlanState:
     def prefetch_confirmation(self, row: PlanRow) -> bool:
         """Start ``confirm``'s trace of ``row`` on a free core (tracing.workloads.prefetch),
         for a later ``confirm(row)`` to collect; whether it started."""
-        return prefetch([self.confirm_step(row)], self.device)
+        return prefetch([self.confirm_step(row)], self.device, queue=True)
 
     def confirm(self, row: PlanRow) -> tuple[PlanRow, Confirmation]:
         """``row`` traced in full: the row with the trace's figures, and the comparison."""

@@ -39,10 +39,18 @@ class _Prefetched:
         return None if traces is None else traces[self.index]
 
 
-# the traces of the innermost shared_traces() scope, by (workload, recipe, device), and the
-# steps prefetched into forked children
-_SHARED: ContextVar[dict[Hashable, Trace | _Prefetched] | None] = ContextVar(
-    "tilefit_shared_traces", default=None)
+@dataclass(frozen=True)
+class _Queued:
+    """A step to prefetch as soon as a core is free, before any later prefetch."""
+
+    work: Workload
+    recipe: Recipe
+
+
+_Shared = dict[Hashable, "Trace | _Prefetched | _Queued"]
+# the traces of the innermost shared_traces() scope, by (workload, recipe, device), the
+# steps prefetched into forked children and those queued for the next free core
+_SHARED: ContextVar[_Shared | None] = ContextVar("tilefit_shared_traces", default=None)
 
 
 @contextlib.contextmanager
@@ -52,7 +60,7 @@ def shared_traces() -> Iterator[None]:
     if _SHARED.get() is not None:
         yield
         return
-    shared: dict[Hashable, Trace | _Prefetched] = {}
+    shared: _Shared = {}
     token = _SHARED.set(shared)
     try:
         yield
@@ -72,32 +80,59 @@ def trace_workload(workload: str | Workload, recipe: Recipe, gpu: str | Device) 
     if shared is None or key is None:
         return _trace_workload(work, recipe, gpu)
     found = shared.get(key)
+    if isinstance(found, _Queued):  # asked for before a core was free: traced here
+        found = shared.pop(key) and None
     if isinstance(found, _Prefetched):  # its trace, or in-process if the child failed
         found = found.trace()
+    _start_queued(shared, gpu)  # on the core just freed, or beside the trace below
     if found is None:
         found = _trace_workload(work, recipe, gpu)
     shared[key] = found
     return found
 
 
-def prefetch(steps: Sequence[tuple[str | Workload, Recipe]], gpu: str | Device) -> bool:
+def prefetch(steps: Sequence[tuple[str | Workload, Recipe]], gpu: str | Device, *,
+             queue: bool = False) -> bool:
     """Inside ``shared_traces()``: start tracing these (workload, recipe) steps, in order, in
     one forked child where a core is free, for later trace_workload calls to collect.
     Whether it started (never outside a scope, for steps already there, or with no free
-    core)."""
+    core). ``queue``: with no free core now, start them on the next one that frees (before
+    any later prefetch; a long trace the caller collects last)."""
     shared = _SHARED.get()
     if shared is None:
         return False
+    _start_queued(shared, gpu)
     keyed = [_step_key(w, r, gpu) for w, r in steps]
     keyed = [s for s in keyed if s[2] is not None and s[2] not in shared]
-    children = {v.child for v in shared.values() if isinstance(v, _Prefetched)}
-    if not keyed or sum(c.running for c in children) >= background_slots():
+    if not keyed:
         return False
+    if _free_slot(shared):
+        _start(shared, keyed, gpu)
+        return True
+    if queue:
+        for w, r, key in keyed:
+            shared[key] = _Queued(w, r)
+    return False
+
+
+def _free_slot(shared: _Shared) -> bool:
+    children = {v.child for v in shared.values() if isinstance(v, _Prefetched)}
+    return sum(c.running for c in children) < background_slots()
+
+
+def _start(shared: _Shared, keyed: Sequence[tuple[Workload, Recipe, Hashable | None]],
+           gpu: str | Device) -> None:
     child = Background(functools.partial(_trace_steps, tuple((w, r) for w, r, _ in keyed),
                                          gpu))
     for i, (_, _, key) in enumerate(keyed):
         shared[key] = _Prefetched(child, i)
-    return True
+
+
+def _start_queued(shared: _Shared, gpu: str | Device) -> None:
+    """The queued steps, started in one child where a core is free now."""
+    queued = [(v.work, v.recipe, k) for k, v in shared.items() if isinstance(v, _Queued)]
+    if queued and _free_slot(shared):
+        _start(shared, queued, gpu)
 
 
 def _trace_steps(steps: tuple[tuple[Workload, Recipe], ...], gpu: str | Device
