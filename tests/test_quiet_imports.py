@@ -40,3 +40,18 @@ def test_building_a_hugging_face_model_prints_nothing_of_torchao() -> None:
     assert out.returncode == 0, out.stderr
     assert "built" in out.stdout
     assert "Failed to load" not in out.stderr and "Enum subclass" not in out.stderr, out.stderr
+
+
+def test_an_estimate_from_python_prints_nothing_of_torchao() -> None:
+    # tilefit.estimate in a fresh process: the trace builds the fake model, which imports
+    # transformers' modeling code (and torchao through its quantizers) for the first time
+    pytest.importorskip("torchao")
+    code = ("import tilefit\nfrom tilefit.models import load_workload\n"
+            "w = load_workload('gpt2', seq_len=16).with_config(n_layer=1, n_embd=32, "
+            "n_head=2)\ne = tilefit.estimate(w)\n"
+            "import torchao\nprint('estimated', e.peak_memory_bytes > 0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(SRC), "PATH": ""}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "estimated True" in out.stdout
+    assert out.stderr == "", out.stderr
