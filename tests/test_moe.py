@@ -163,6 +163,20 @@ def test_mixtral_catalog_entry_is_the_published_model() -> None:
     assert count_parameters(load_workload("mixtral-8x7b")) == 46_702_792_704
 
 
+def test_olmoe_catalog_entry_is_the_published_model() -> None:
+    from tilefit.models.catalog import catalog_entry
+    from tilefit.models.params import count_parameters
+
+    entry = catalog_entry("allenai/OLMoE-1B-7B-0924")
+    assert (entry["num_experts"], entry["num_experts_per_tok"]) == (64, 8)
+    # by hand: embed and head 2 x 50304 x 2048; 16 layers of attention 4 x 2048^2, QK norms
+    # 2 x 2048 and two layer norms 2 x 2048, the router 64 x 2048, 64 experts of
+    # 3 x 2048 x 1024; the final norm 2048. AI2's "6.9B total parameters" (OLMoE paper).
+    layer = 4 * 2048**2 + 4 * 2048 + 64 * 2048 + 64 * 3 * 2048 * 1024
+    assert count_parameters(load_workload("olmoe-1b-7b")) == \
+        2 * 50304 * 2048 + 16 * layer + 2048 == 6_919_161_856
+
+
 def test_cli_estimate_of_a_mixtral_config_prints_no_third_party_lines(tmp_path: Path) -> None:
     path = _config(tmp_path, MIXTRAL)
     # the refusal in this process (test_plan_keeps_the_routing_in_every_recipe_it_traces
