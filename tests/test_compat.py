@@ -302,3 +302,66 @@ def test_torchao_wrappers() -> None:
     tree = (t, [t])
     assert ao.float8_payload(t) is t and not ao.is_float8_tensor(t)
     assert not ao.holds_float8(tree) and ao.unwrap_float8(tree)[1][0] is t
+
+
+def test_layer_norm_backward_gives_the_kernels_contiguous_input_gradient() -> None:
+    """The CPU kernel (second method: run for real) allocates the input gradient contiguous
+    whatever the output gradient's strides; the fake op, corrected, gives the same strides."""
+    from tilefit.compat.fake import as_kernels_return, new_fake_mode
+
+    op = torch.ops.aten.native_layer_norm_backward.default
+    x = torch.randn(8, 64, 32)
+    w, b = torch.randn(32), torch.randn(32)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [32], w, b, 1e-5)
+    grad = torch.randn(8, 32, 64).transpose(1, 2)  # strides (2048, 1, 64)
+    real = op(grad, x, [32], mean, rstd, w, b, [True, True, True])
+    with new_fake_mode() as mode:
+        args = [mode.from_tensor(t) for t in (grad, x)]
+        stats = [mode.from_tensor(t) for t in (mean, rstd, w, b)]
+        fake = op(args[0], args[1], [32], *stats, [True, True, True])
+        fixed = as_kernels_return(op, fake)
+    assert real[0].stride() == (2048, 32, 1)
+    assert fixed[0].stride() == real[0].stride() and fixed[0].shape == real[0].shape
+    assert [t.shape for t in fixed[1:]] == [t.shape for t in real[1:]]
+
+
+class _NormThenTranspose(torch.nn.Module):
+    """A layer norm whose output is used transposed (its gradient arrives non-contiguous),
+    after a Linear whose backward reshapes the norm's input gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.mix = torch.nn.Parameter(torch.randn(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.fc(x))  # (4, 8, 16)
+        return (y.transpose(1, 2) @ self.mix).sum()
+
+
+def test_the_traced_backward_runs_the_ops_the_cpu_kernels_run() -> None:
+    """Second method: the real CPU backward's ops, logged. Before the fix the trace copied the
+    norm's input gradient (clone + _unsafe_view) where the CPU kernels view it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tilefit.tracing import trace
+
+    class Log(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    loss = _NormThenTranspose()(torch.randn(4, 8, 16))
+    with Log() as log:
+        loss.backward()
+    tr = trace(_NormThenTranspose, torch.randn(4, 8, 16), loss_fn=lambda m, b: m(b),
+               optimizer="sgd", device="cpu")
+    traced = [o.op for o in tr.ops if o.phase == "backward" and o.step == 1]
+    assert "aten.clone.default" not in log.ops
+    assert traced == log.ops

@@ -28,6 +28,7 @@ __all__ = [
     "FakeTensor",
     "FakeTensorMode",
     "TorchDispatchMode",
+    "as_kernels_return",
     "fake_mode_active",
     "flop_formula",
     "holds_fake",
@@ -160,3 +161,17 @@ def register_ctc_fakes() -> None:
     torch.library.register_fake("aten::_ctc_loss", forward)
     torch.library.register_fake("aten::_ctc_loss_backward", backward)
     _CTC_FAKES.append(True)
+
+
+def as_kernels_return(func: Any, out: Any) -> Any:
+    """``out`` with the strides PyTorch's CPU and CUDA kernels give it where its fake (meta)
+    implementation differs. ``native_layer_norm_backward``: both kernels allocate the input
+    gradient contiguous (``empty_like(X, LEGACY_CONTIGUOUS_MEMORY_FORMAT)``,
+    aten/src/ATen/native/layer_norm.cpp and cuda/layer_norm_kernel.cu; docs/references.md,
+    section 38), where the fake one follows a non-contiguous output gradient's strides, so a
+    later reshape copied on fake tensors what it views on a device (Swin's windows)."""
+    if func is torch.ops.aten.native_layer_norm_backward.default and out[0] is not None \
+            and not out[0].is_contiguous():
+        return (torch.empty_like(out[0], memory_format=torch.contiguous_format), *out[1:])
+    return out
+

@@ -13,7 +13,12 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tilefit.compat.distributed import storage_resizes
-from tilefit.compat.fake import DataDependentOutputException, TorchDispatchMode, write_only_args
+from tilefit.compat.fake import (
+    DataDependentOutputException,
+    TorchDispatchMode,
+    as_kernels_return,
+    write_only_args,
+)
 from tilefit.compat.modules import ModulePath
 from tilefit.compat.torchao import holds_float8, unwrap_float8
 from tilefit.tracing.collectives import ENGINE_COPY_NAMESPACE, collective_of
@@ -314,6 +319,7 @@ class Recorder(Replays, TorchDispatchMode):
             out = func(*args, **kwargs)
         except DataDependentOutputException:
             out = self._stand_in_scalar(func, args)
+        out = as_kernels_return(func, out)
         if not self._recording or str(func) in _SKIP:
             return out
         self._record(func, args, kwargs, out, self._node_module or self.module,
