@@ -215,3 +215,33 @@ def test_plan_keeps_the_routing_in_every_recipe_it_traces(tmp_path: Path) -> Non
                           "--global-batch", "4", "--routing", "even"], capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=300)
     assert bad.returncode == 2 and "skewed:F" in bad.stderr + bad.stdout
+
+
+def test_tunes_first_probe_is_predicted_under_the_users_routing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tune's trials run the real router; its first probe, predicted from traces, takes
+    --routing as estimate does: every trace of the prediction is under it."""
+    import tilefit.tracing as tracing
+    from tilefit.tuning.predict import predict_max_batch
+
+    work = load_workload(_config(tmp_path, MIXTRAL), seq_len=SEQ)
+    model = work.build("sdpa")
+    seen: list[str] = []
+    real = tracing.trace
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs["recipe"].routing)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tracing, "trace", spy)
+    got = predict_max_batch(model, lambda b: work.make_batch(b, device="cpu"),
+                            loss_fn=work.loss_for(False), optimizer=torch.optim.AdamW,
+                            precision="fp32", device=torch.device("cpu"),
+                            budget_bytes=2**30, cap=64, routing="skewed:0.5")
+    assert got.max_batch is not None and seen and set(seen) == {"skewed:0.5"}
+
+
+def test_tune_refuses_a_malformed_routing_before_building_the_model() -> None:
+    bad = invoke_cli("tune", "gpt2", "--gpu", "cpu", "--routing", "skewed:2")
+    assert bad.returncode == 2 and "skewed:F" in bad.stderr + bad.stdout
+    assert "building" not in bad.stderr

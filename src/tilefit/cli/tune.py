@@ -68,6 +68,7 @@ def tune_command(
     target_seq: int | None = mo.TARGET_SEQ_OPTION,
     image_size: int | None = mo.IMAGE_SIZE_OPTION,
     revision: str | None = mo.REVISION_OPTION,
+    routing: str | None = mo.ROUTING_OPTION,
     optimizer: str | None = mo.OPTIMIZER_OPTION,
     precision: str | None = mo.PRECISION_OPTION,
     margin: float = typer.Option(None, "--margin",
@@ -102,7 +103,7 @@ def tune_command(
         options = TuneOptions(model, gpu, global_batch, memory_limit, max_batch, seq,
                               input_shape, task, optimizer, precision, margin, objective,
                               noise_scale, data, loss, target_seq=target_seq,
-                              image_size=image_size, revision=revision)
+                              image_size=image_size, revision=revision, routing=routing)
         result = _run(options, show_progress=job.is_main, job=job)
         if plot and job.is_main:
             _plot(result, plot)
@@ -142,6 +143,13 @@ class TuneOptions:
     target_seq: int | None = None
     image_size: int | None = None
     revision: str | None = None
+    routing: str | None = None  # the first probe's MoE routing (the trials run the router)
+
+    def __post_init__(self) -> None:
+        if self.routing is not None:  # a malformed form exits 2 before the model is built
+            from tilefit.vocab import parse_routing
+
+            parse_routing(self.routing)
 
     @property
     def source(self) -> dict[str, Any]:
@@ -224,7 +232,8 @@ def _run(options: TuneOptions, *, show_progress: bool, job: Job | None = None) -
                 memory_limit_bytes=limit_bytes,
                 margin=DEFAULT_MARGIN if options.margin is None else options.margin,
                 objective=options.objective, noise_scale=options.noise_scale,
-                on_trial=report.trial, on_outlook=report.outlook),
+                on_trial=report.trial, on_outlook=report.outlook,
+                routing=options.routing or "balanced"),
         )
     finally:
         report.stop()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from tilefit.errors import TilefitError, check_positive_int
 from tilefit.tuning.noise import DEFAULT_CONFIDENCE, NoiseScale, check_batch_sizes
 from tilefit.tuning.objective import check_objective
+from tilefit.vocab import parse_routing
 
 if TYPE_CHECKING:
     from tilefit.tuning.executor import Trial
@@ -69,9 +70,13 @@ class TuneSearch:
     noise_scale: float | NoiseScale | None = None  # B_noise for time-to-loss (else measured)
     on_trial: Callable[[Trial], None] | None = None  # each Trial as it completes
     on_outlook: Callable[[Outlook], None] | None = None  # what tune expects, before trial 1
+    # a mixture-of-experts model's tokens per expert in the first probe's prediction
+    # (vocab.parse_routing: "balanced" or "skewed:F"); the trials run the real router
+    routing: str = "balanced"
 
     def __post_init__(self) -> None:
         check_objective(self.objective, self.noise_scale)
+        object.__setattr__(self, "routing", parse_routing(self.routing).name)
         for name in ("global_batch", "max_batch", "memory_limit_bytes", "steps_per_trial",
                      "predicted_max_batch"):
             _positive(name, getattr(self, name))

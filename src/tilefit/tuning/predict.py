@@ -61,7 +61,8 @@ def skipped_note(why: str, cap: int | None) -> str:
 
 def predict_max_batch(model: nn.Module, make_batch: Callable[[int], Any], *,
                       loss_fn: Any, optimizer: Any, precision: str, device: torch.device,
-                      budget_bytes: int | None, cap: int | None) -> Prediction:
+                      budget_bytes: int | None, cap: int | None,
+                      routing: str = "balanced") -> Prediction:
     """The largest batch whose predicted peak fits ``budget_bytes``; none, with the reason,
     when there is no budget or the step cannot be traced (tune then searches from its
     default start)."""
@@ -72,7 +73,7 @@ def predict_max_batch(model: nn.Module, make_batch: Callable[[int], Any], *,
     from tilefit.hardware import get_device
     from tilefit.tracing import trace
 
-    recipe = _traced_recipe(optimizer, precision)
+    recipe = _traced_recipe(optimizer, precision, routing)
     target: Any = "cpu"
     extra = 0
     if device.type == "cuda":
@@ -175,13 +176,14 @@ def _unique_bytes(tensors: Iterable[Any]) -> int:
     return sum(sizes.values())
 
 
-def _traced_recipe(optimizer: Any, precision: str) -> Recipe:
+def _traced_recipe(optimizer: Any, precision: str, routing: str = "balanced") -> Recipe:
     """The step as tune runs it, for the tracer: the user's optimizer in a plain PyTorch
-    loop (no clipping, no read of the loss) at tune's precision."""
+    loop (no clipping, no read of the loss) at tune's precision, a mixture of experts under
+    ``routing``."""
     from tilefit.recipe import PLAIN_PYTORCH, Recipe
 
     return Recipe(**{**PLAIN_PYTORCH, "optimizer": _optimizer_factory(optimizer),
-                     "precision": precision})
+                     "precision": precision, "routing": routing})
 
 
 def _measured_optimizer_state(optimizer: Any, trainable: list[nn.Parameter]) -> int | None:

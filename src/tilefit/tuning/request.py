@@ -79,6 +79,7 @@ class TuneRequest:
     noise_scale: float | NoiseScale | None = None
     ranks: Ranks = dataclasses.field(default_factory=Ranks)  # under torchrun; global_batch
     # above is then this rank's share
+    routing: str = "balanced"  # TuneSearch.routing
 
     @property
     def cap(self) -> int | None:
@@ -122,7 +123,7 @@ def make_request(search: TuneSearch, *, precision: str, device: str | torch.devi
         search.max_batch, search.memory_limit_bytes, search.margin, search.steps_per_trial,
         search.predicted_max_batch, search.predict,
         search.measure_throughput or search.objective != OBJECTIVE_RATE, search.objective,
-        search.noise_scale, ranks)
+        search.noise_scale, ranks, search.routing)
 
 
 def check_model_and_optimizer(model: nn.Module, optimizer: OptimizerArg,

@@ -199,7 +199,7 @@ def _first_probe(ex: Executor, request: TuneRequest) -> Prediction:
     return predict_max_batch(
         ex.local, ex.make_batch, loss_fn=ex.loss_fn, optimizer=ex.optimizer,
         precision=request.precision.name, device=request.device,
-        budget_bytes=ex.budget_bytes, cap=request.cap)
+        budget_bytes=ex.budget_bytes, cap=request.cap, routing=request.routing)
 
 
 def _outlook(ex: Executor, request: TuneRequest, first_probe: int | None) -> Outlook | None:
