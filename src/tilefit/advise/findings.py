@@ -102,6 +102,12 @@ class Finding:
     def memory_saved_bytes(self) -> int:
         return self.peak_memory_before_bytes - self.peak_memory_after_bytes
 
+    @property
+    def changes_a_dimension(self) -> bool:
+        """Whether the fix changes a dimension the user names, to a value (the reports'
+        "change: dimension current -> suggested" line); a recipe has no such line."""
+        return bool(self.dimension) and self.suggested is not None
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["modules"] = list(self.modules)

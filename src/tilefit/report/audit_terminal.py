@@ -82,7 +82,7 @@ def print_findings(console: Console, audit: Audit) -> None:
         console.print(f"   predicted: {gain_text(f)}", highlight=False)
         if f.modules:
             console.print("   modules: " + ", ".join(f.modules), highlight=False)
-        if f.dimension and f.suggested is not None:
+        if f.changes_a_dimension:
             console.print(f"   change: {f.dimension} {f.current} -> {f.suggested}",
                           highlight=False)
         console.print(f"   fix: [green]{f.fix}[/]", highlight=False)

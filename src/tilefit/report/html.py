@@ -138,8 +138,7 @@ def _findings(audit: Audit) -> str:
         mods = f"<div>modules: <code>{_esc(', '.join(f.modules))}</code></div>" if f.modules \
             else ""
         change = (f"<div>change: <b>{_esc(f.dimension)}</b> {_esc(f.current)} &rarr; "
-                  f"<b>{_esc(f.suggested)}</b></div>") if f.dimension and f.suggested is not None \
-            else ""
+                  f"<b>{_esc(f.suggested)}</b></div>") if f.changes_a_dimension else ""
         out.append(f'<div class="finding {cls}"><div><b>{i}. [{_esc(tag)}]</b> {_esc(f.title)}'
                    f'</div><div class="gain">predicted: {_esc(gain_text(f))}</div>{mods}{change}'
                    f"<div>fix: <code>{_esc(f.fix)}</code></div>"
