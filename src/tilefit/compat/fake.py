@@ -165,11 +165,11 @@ def register_ctc_fakes() -> None:
 
 def as_kernels_return(func: Any, out: Any) -> Any:
     """``out`` with the strides PyTorch's CPU and CUDA kernels give it where its fake (meta)
-    implementation differs. ``native_layer_norm_backward``: both kernels allocate the input
-    gradient contiguous (``empty_like(X, LEGACY_CONTIGUOUS_MEMORY_FORMAT)``,
-    aten/src/ATen/native/layer_norm.cpp and cuda/layer_norm_kernel.cu; docs/references.md,
-    section 38), where the fake one follows a non-contiguous output gradient's strides, so a
-    later reshape copied on fake tensors what it views on a device (Swin's windows)."""
+    implementation differs (docs/references.md, section 39). ``native_layer_norm_backward``:
+    both kernels allocate the input gradient contiguous (``empty_like(X,
+    LEGACY_CONTIGUOUS_MEMORY_FORMAT)`` in aten/src/ATen/native/layer_norm.cpp and
+    cuda/layer_norm_kernel.cu), where the fake one follows a non-contiguous output gradient's
+    strides, so a later reshape copied on fake tensors what it views on a device (Swin)."""
     if func is torch.ops.aten.native_layer_norm_backward.default and out[0] is not None \
             and not out[0].is_contiguous():
         return (torch.empty_like(out[0], memory_format=torch.contiguous_format), *out[1:])
