@@ -4,7 +4,7 @@ fresh interpreter, a few repetitions each (min and spread), beside the baseline
 run, printed as ratios against the targets. bench_cli_startup.py covers the torch-free
 commands; this script prints the figures and asserts nothing.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_cli_speed.py [--repeat 3] [--skip-plan]
+    OMP_NUM_THREADS=1 python benchmarks/bench_cli_speed.py [--repeat 3] [--skip-plan] [--only plan]
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3, help="runs per command (default 3)")
     parser.add_argument("--skip-plan", action="store_true", help="leave the 7B plan out")
+    parser.add_argument("--only", help="time only the commands whose name contains this "
+                        "(the baseline is always timed)")
     opts = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -56,7 +58,7 @@ def main() -> None:
     print(f"{'baseline (import torch, transformers)':<36} {floor:7.2f} "
           f"{max(w for w, _ in base):7.2f} {floor_cpu:7.2f} {1:6.2f} {1:9.2f}")
     for name, (args, target) in COMMANDS.items():
-        if opts.skip_plan and args[0] == "plan":
+        if (opts.skip_plan and args[0] == "plan") or (opts.only and opts.only not in name):
             continue
         runs = [time_once([sys.executable, "-m", "tilefit", *args])
                 for _ in range(opts.repeat)]
