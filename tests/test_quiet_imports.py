@@ -35,9 +35,7 @@ def test_building_a_hugging_face_model_prints_nothing_of_torchao() -> None:
             "'vocab_size': 64, 'n_positions': 16}\n"
             "with torch.device('meta'):\n    build_model(cfg, 'causal-lm', 'sdpa')\n"
             "import torchao\nprint('built')\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={"PYTHONPATH": str(SRC), "PATH": ""}, timeout=300)
-    assert out.returncode == 0, out.stderr
+    out = _fresh_python(code)
     assert "built" in out.stdout
     assert "Failed to load" not in out.stderr and "Enum subclass" not in out.stderr, out.stderr
 
@@ -50,8 +48,14 @@ def test_an_estimate_from_python_prints_nothing_of_torchao() -> None:
             "w = load_workload('gpt2', seq_len=16).with_config(n_layer=1, n_embd=32, "
             "n_head=2)\ne = tilefit.estimate(w)\n"
             "import torchao\nprint('estimated', e.peak_memory_bytes > 0)\n")
+    out = _fresh_python(code)
+    assert "estimated True" in out.stdout
+    assert out.stderr == "", out.stderr
+
+
+def _fresh_python(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter (its first imports are the ones under test)."""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={"PYTHONPATH": str(SRC), "PATH": ""}, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "estimated True" in out.stdout
-    assert out.stderr == "", out.stderr
+    return out
