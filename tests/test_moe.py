@@ -245,3 +245,33 @@ def test_tune_refuses_a_malformed_routing_before_building_the_model() -> None:
     bad = invoke_cli("tune", "gpt2", "--gpu", "cpu", "--routing", "skewed:2")
     assert bad.returncode == 2 and "skewed:F" in bad.stderr + bad.stdout
     assert "building" not in bad.stderr
+
+
+def test_the_audit_proposes_the_faster_experts_implementation_re_traced(tmp_path: Path) -> None:
+    """A model whose experts run eager (a loop, a GEMM pair per expert): the audit re-traces
+    the step with transformers' other two implementations and proposes the fastest that
+    fits; its predicted step is the estimate of the config with that implementation (second
+    method: estimated directly)."""
+    from tilefit.advise.rules_moe import RULE
+
+    work = load_workload(_config(tmp_path, MIXTRAL, experts_implementation="eager"),
+                         seq_len=SEQ)
+    recipe = Recipe(batch_size=BATCH)
+    audit = tilefit.audit(work, gpu="a100-80gb", recipe=recipe)
+    (found,) = [f for f in audit.findings if f.rule == RULE]
+    direct = {impl: tilefit.estimate(work.with_config(experts_implementation=impl),
+                                     gpu="a100-80gb", recipe=recipe).step_time_s
+              for impl in ("eager", "grouped_mm", "batched_mm")}
+    fastest = min(("grouped_mm", "batched_mm"), key=direct.__getitem__)
+    assert (found.current, found.suggested) == ("eager", fastest)
+    assert found.step_time_before_s == pytest.approx(direct["eager"], rel=1e-9)
+    assert found.step_time_after_s == pytest.approx(direct[fastest], rel=1e-9)
+    assert found.recommended and "experts_implementation" in found.fix
+
+
+def test_no_experts_finding_where_transformers_default_is_fastest(tmp_path: Path) -> None:
+    from tilefit.advise.rules_moe import RULE
+
+    work = load_workload(_config(tmp_path, MIXTRAL), seq_len=SEQ)
+    audit = tilefit.audit(work, gpu="a100-80gb", recipe=Recipe(batch_size=BATCH))
+    assert not [f for f in audit.findings if f.rule == RULE]

@@ -35,6 +35,24 @@ def quiet_imports() -> Iterator[None]:
             log.setLevel(level)
 
 
+# torch logs each fake-tensor op whose meta kernel raises, with its traceback, at ERROR
+# (torch/_subclasses/fake_tensor.py: "failed while attempting to run meta for ..."); the
+# error itself reaches tilefit, which reports it in its own words or skips the what-if
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
+
+@contextlib.contextmanager
+def quiet_fake_errors() -> Iterator[None]:
+    """Silence the fake-tensor logger for the duration, then restore its level."""
+    log = logging.getLogger(FAKE_TENSOR_LOGGER)
+    level = log.level
+    log.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 @contextlib.contextmanager
 def quiet_transformers() -> Iterator[None]:
     """transformers' own notices while tilefit builds and traces a model (deprecation

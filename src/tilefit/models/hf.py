@@ -150,7 +150,9 @@ def known_fields(config: Mapping[str, Any]) -> set[str]:
     fields = set(transformers_config_dict(config)) | set(defaults.to_dict())
     fields |= set(getattr(defaults, "attribute_map", {}) or {})
     fields |= set(getattr(defaults, "rope_parameters", None) or {})  # rope_theta, partial_rotary..
-    fields |= {"num_labels"}
+    # PretrainedConfig's own keywords: the label count, and how a mixture of experts runs its
+    # experts (transformers/configuration_utils.py pops it into _experts_implementation)
+    fields |= {"num_labels", "experts_implementation"}
     return fields
 
 

@@ -23,7 +23,7 @@ from tilefit.compat.transformers import gpu_mask_semantics
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device
 from tilefit.legacy import legacy_gpu, read_legacy
-from tilefit.quiet_imports import quiet_imports, quiet_transformers
+from tilefit.quiet_imports import quiet_fake_errors, quiet_imports, quiet_transformers
 from tilefit.recipe import DEFAULT_GPU, PLAIN_PYTORCH, Recipe, batch_recipe, is_named_model
 from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.autocast import autocast_for
@@ -125,8 +125,9 @@ def trace_module(model: ModelSpec, batch: Any, recipe: Recipe, gpu: str | Device
         foreach=target.foreach, cuda=target.kind == "cuda",
         routing=parse_routing(recipe.routing))
     _check_compile(options)
-    # quiet_imports: the first trace may import transformers' quantizers, and torchao with them
-    with quiet_imports(), quiet_transformers(), gc_paused():  # gc_pause: a quarter faster
+    # quiet_imports: the first trace may import transformers' quantizers, and torchao with them;
+    # gc_paused: a quarter faster (tilefit.tracing.gc_pause)
+    with quiet_imports(), quiet_fake_errors(), quiet_transformers(), gc_paused():
         tr = _trace(model, batch, options, target)
     return tr if recipe.alloc_conf is None else dataclasses.replace(
         tr, alloc_conf=recipe.alloc_conf)

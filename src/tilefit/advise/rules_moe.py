@@ -1,0 +1,79 @@
+"""The experts implementation a mixture-of-experts model runs, chosen by re-tracing the step.
+
+transformers 5 runs a MoE layer's experts one of three ways, set by the config's
+``experts_implementation`` (``from_pretrained(..., experts_implementation=...)``;
+transformers/integrations/moe.py, docs/references.md, section 34): ``grouped_mm`` (its
+default: one ``torch._grouped_mm`` per projection, a bf16 kernel on CUDA that falls back to
+one matmul per expert in fp32 or fp16), ``batched_mm`` (each routed token's expert weights
+gathered, one batched GEMM: memory grows with tokens x top_k) and ``eager`` (a loop over the
+experts that received tokens, a GEMM pair each, autocast to the 16-bit dtype). Which is
+fastest depends on the dtype, the GPU and the tokens per expert, so the audit re-traces the
+step with each of the others and proposes the fastest that fits; the math is the same.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Change, Finding, effect, severity_of
+from tilefit.advise.rules_dims import module_map
+
+if TYPE_CHECKING:
+    from tilefit.advise.whatif import WhatIf
+    from tilefit.estimator import Estimate
+
+RULE = "experts-implementation"
+FIELD = "experts_implementation"
+IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")  # transformers' names
+GIB = 2**30
+
+
+def current_implementation(whatif: WhatIf) -> str | None:
+    """What the audited model's experts run (compat.moe), None for a model without experts."""
+    from tilefit.compat.moe import experts_implementation, experts_modules
+
+    root = module_map(whatif).get("")
+    found = experts_modules(root) if root is not None else []
+    return experts_implementation(found[0]) if found else None
+
+
+def experts_findings(whatif: WhatIf) -> list[Finding]:
+    work = whatif.workload
+    if work is None or work.config is None or not whatif.can_retrace or whatif.recipe.compile:
+        return []
+    current = current_implementation(whatif)
+    if current is None:
+        return []
+    tried: list[tuple[str, Estimate, Change]] = []
+    for impl in IMPLEMENTATIONS:
+        if impl == current:
+            continue
+        change = Change(config=((FIELD, impl),))
+        after = whatif.try_apply(RULE, f"the step with {FIELD}={impl!r}", change)
+        if after is not None:
+            tried.append((impl, after, change))
+    fitting = [t for t in tried if t[1].fits] or tried  # none fits: said, not recommended
+    if not fitting:
+        return []
+    impl, after, change = min(fitting, key=lambda t: t[1].step_time_s)
+    if after.step_time_s >= whatif.estimate.step_time_s:
+        return []
+    return [_finding(whatif, current, impl, after, change)]
+
+
+def _finding(whatif: WhatIf, current: str, impl: str, after: Estimate,
+             change: Change) -> Finding:
+    est = whatif.estimate
+    speedup = est.step_time_s / after.step_time_s
+    ok = speedup >= MIN_RECOMMENDED_SPEEDUP and after.fits
+    return Finding(
+        rule=RULE, severity=severity_of(speedup) if ok else "info",
+        title=f"the experts run as {current}; {impl} is {speedup:.2f}x faster here",
+        modules=(), dimension=FIELD, current=current, suggested=impl,
+        fix=f'AutoModelForCausalLM.from_pretrained(..., {FIELD}="{impl}") (or '
+        f'config.{FIELD} = "{impl}" before the model is built): the same math',
+        reason=f"transformers runs a mixture-of-experts layer's experts as grouped_mm, "
+        f"batched_mm or eager; each was traced. Step {est.step_time_s * 1e3:.2f} -> "
+        f"{after.step_time_s * 1e3:.2f} ms, peak {est.peak_memory_bytes / GIB:.2f} -> "
+        f"{after.peak_memory_bytes / GIB:.2f} GiB (re-traced with {FIELD}={impl!r}).",
+        **effect(est, after), method="retrace", recommended=ok, change=change)
