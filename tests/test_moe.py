@@ -275,3 +275,15 @@ def test_no_experts_finding_where_transformers_default_is_fastest(tmp_path: Path
     work = load_workload(_config(tmp_path, MIXTRAL), seq_len=SEQ)
     audit = tilefit.audit(work, gpu="a100-80gb", recipe=Recipe(batch_size=BATCH))
     assert not [f for f in audit.findings if f.rule == RULE]
+
+
+def test_an_experts_size_off_alignment_is_named_once_by_its_config_field(tmp_path: Path) -> None:
+    """intermediate_size 1000 is off fp32's multiple of 32 (and so is the fused gate_up's 2 x
+    1000 = 2000): one finding, on the field, not a second on an unnamed 2000 that no user can
+    change apart from it."""
+    work = load_workload(_config(tmp_path, MIXTRAL, intermediate_size=1000, hidden_size=1024,
+                                 num_attention_heads=8, num_key_value_heads=8), seq_len=128)
+    audit = tilefit.audit(work, gpu="a100-80gb", recipe=Recipe(batch_size=4))
+    dims = [(f.dimension, f.current, f.suggested) for f in audit.findings
+            if f.rule == "weight-dim-alignment"]
+    assert dims == [("intermediate_size", 1000, 1024)]

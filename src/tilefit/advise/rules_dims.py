@@ -296,15 +296,26 @@ def _finding(whatif: WhatIf, hit: _Hit, dim_fix: _DimFix) -> Finding:
         method=dim_fix.method, recommended=recommended, change=dim_fix.change)
 
 
+# fused projections whose GEMM dimension is a multiple of a config field: gate_up (2 x
+# intermediate_size: Mixtral's and OLMoE's experts, Phi-3), qkv (3 x hidden_size)
+FUSED_MULTIPLES = (2, 3)
+
+
 def dimension_findings(whatif: WhatIf) -> list[Finding]:
     step = whatif.estimate.step_time_s
     found: list[Finding] = []
-    for value, hit in sorted(misaligned_dims(whatif.estimate).items()):
+    hits = misaligned_dims(whatif.estimate)
+    origins = {value: origin_of(whatif, value, hit.ops) for value, hit in hits.items()}
+    named = {v for v, o in origins.items() if o.config_field is not None}
+    for value, hit in sorted(hits.items()):
         if sum(c.time_s * c.repeats for c in hit.ops) / step < MIN_TIME_SHARE:
             continue
         if value == whatif.recipe.batch_size:
             continue  # one row per sample (pooler, classifier): the batch rules cover it
-        origin = origin_of(whatif, value, hit.ops)
+        origin = origins[value]
+        if origin.dimension == "dimension" and any(
+                value == k * v for k in FUSED_MULTIPLES for v in named):
+            continue  # a fused projection of a named field: that field's finding changes it
         what_if = _token_what_if if origin.kind == TOKEN else _weight_what_if
         dim_fix = what_if(whatif, origin, hit)
         if dim_fix is not None:
