@@ -304,14 +304,13 @@ FUSED_MULTIPLES = (2, 3)
 def dimension_findings(whatif: WhatIf) -> list[Finding]:
     step = whatif.estimate.step_time_s
     found: list[Finding] = []
-    hits = misaligned_dims(whatif.estimate)
+    # one row per sample (pooler, classifier) is the batch rules': not here
+    hits = {value: hit for value, hit in misaligned_dims(whatif.estimate).items()
+            if sum(c.time_s * c.repeats for c in hit.ops) / step >= MIN_TIME_SHARE
+            and value != whatif.recipe.batch_size}
     origins = {value: origin_of(whatif, value, hit.ops) for value, hit in hits.items()}
     named = {v for v, o in origins.items() if o.config_field is not None}
     for value, hit in sorted(hits.items()):
-        if sum(c.time_s * c.repeats for c in hit.ops) / step < MIN_TIME_SHARE:
-            continue
-        if value == whatif.recipe.batch_size:
-            continue  # one row per sample (pooler, classifier): the batch rules cover it
         origin = origins[value]
         if origin.dimension == "dimension" and any(
                 value == k * v for k in FUSED_MULTIPLES for v in named):

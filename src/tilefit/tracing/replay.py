@@ -117,10 +117,11 @@ class Replays:
                 self._free_at[uid] = min(steady.zero_grad + (freed - first.zero_grad),
                                          steady.end)
 
-    def _accumulations(self, start: int, end: int,
-                       grads: Sequence[torch.Tensor]) -> dict[int, torch.Tensor] | None:
+    def _accumulations(self, start: int, end: int, grads: Sequence[torch.Tensor]
+                       ) -> dict[int, tuple[int, torch.Tensor]] | None:
         """AccumulateGrad's detach events in [start, end) (the first micro-batch took each
-        new gradient as ``.grad``, case 1.1), each with the gradient it kept; None when the
+        new gradient as ``.grad``, case 1.1), each with the storage and the gradient it
+        kept; None when the
         micro-batch cannot be replayed: a storage it made outlives it and is no gradient
         (a cache made on the first call), or a gradient was copied (case 1.5) rather than
         kept, which a later micro-batch does not do."""
@@ -128,12 +129,10 @@ class Replays:
         if any(uid not in kept for uid in self._outliving(start, end)):
             return None
         made = {u for u in kept if start <= self._alloc_at[u] < end}
-        events: dict[int, torch.Tensor] = {}
-        for at, uid in self._detached.items():
-            if start <= at < end and uid in made:
-                events[at] = kept[uid]
-        if len(events) != len(made) or len({self.uid(g) for g in events.values()}) != len(made):
-            return None
+        events = {at: (uid, kept[uid]) for at, uid in self._detached.items()
+                  if start <= at < end and uid in made}
+        if len(events) != len(made) or len({uid for uid, _ in events.values()}) != len(made):
+            return None  # each new gradient detached once, where AccumulateGrad took it
         return events
 
     def replay_micro(self, start: int, micro: int, grads: Sequence[torch.Tensor]) -> bool:
@@ -147,7 +146,7 @@ class Replays:
         if accumulated is None:
             return False
         offset = end - start
-        added = {self.uid(g): at for at, g in accumulated.items()}
+        added = {uid: at for at, (uid, _) in accumulated.items()}
         for uid in self._allocated_in(start, end):
             new = self._copy_storage(uid, offset)
             if uid in added:  # the new gradient: added into .grad, then dropped
@@ -156,12 +155,11 @@ class Replays:
             else:
                 self._free_at[new] = self._free_at[uid] + offset
         for at in range(start, end):
-            grad = accumulated.get(at)
-            if grad is None:
+            if at not in accumulated:
                 self.ops.append(dataclasses.replace(self.ops[at], micro=micro))
                 self._events += 1
                 continue
-            op = self.ops[at]
+            grad, op = accumulated[at][1], self.ops[at]
             with self.paused():
                 new_grad = torch.empty_like(grad)
             self._record(_ACCUMULATE, (grad, new_grad), {}, grad, op.module, op.phase)

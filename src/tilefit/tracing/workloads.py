@@ -81,7 +81,8 @@ def trace_workload(workload: str | Workload, recipe: Recipe, gpu: str | Device) 
         return _trace_workload(work, recipe, gpu)
     found = shared.get(key)
     if isinstance(found, _Queued):  # asked for before a core was free: traced here
-        found = shared.pop(key) and None
+        del shared[key]
+        found = None
     if isinstance(found, _Prefetched):  # its trace, or in-process if the child failed
         found = found.trace()
     _start_queued(shared, gpu)  # on the core just freed, or beside the trace below
