@@ -365,3 +365,16 @@ def test_the_traced_backward_runs_the_ops_the_cpu_kernels_run() -> None:
     traced = [o.op for o in tr.ops if o.phase == "backward" and o.step == 1]
     assert "aten.clone.default" not in log.ops
     assert traced == log.ops
+
+
+def test_compiling_sets_torchs_flag_for_the_capture_and_puts_it_back() -> None:
+    """What model code sees under torch.compile (Dynamo folds is_compiling() to True): True
+    inside, False after, also when the capture raises."""
+    from tilefit.compat.compile import compiling
+
+    assert not torch.compiler.is_compiling()
+    with compiling():
+        assert torch.compiler.is_compiling()
+    with pytest.raises(ValueError), compiling():
+        raise ValueError("a failed capture")
+    assert not torch.compiler.is_compiling()

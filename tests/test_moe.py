@@ -287,3 +287,47 @@ def test_an_experts_size_off_alignment_is_named_once_by_its_config_field(tmp_pat
     dims = [(f.dimension, f.current, f.suggested) for f in audit.findings
             if f.rule == "weight-dim-alignment"]
     assert dims == [("intermediate_size", 1000, 1024)]
+
+
+def _compiled(tmp_path: Path, precision: str) -> Any:
+    from tilefit.recipe_parts import Compile
+
+    work = load_workload(_config(tmp_path, MIXTRAL), seq_len=SEQ)
+    return tilefit.trace(work.build, work.make_batch(BATCH), loss_fn=work.loss_fn,
+                         recipe=Recipe(batch_size=BATCH, precision=precision,
+                                       compile=Compile()), gpu="a100-80gb")
+
+
+def test_compiled_fp32_experts_run_transformers_per_expert_loop(tmp_path: Path) -> None:
+    """Under torch.compile transformers sends experts whose weights are not bf16 to its own
+    custom op (transformers/integrations/moe.py, _can_use_grouped_mm): with bf16-mixed's fp32
+    weights the step traces through it, one GEMM per expert, each its own kernel."""
+    from tilefit.estimator.multitensor import kernel_launches
+    from tilefit.hardware import get_device
+
+    traced = _compiled(tmp_path, "bf16-mixed")
+    loops = [op for op in traced.ops if op.op.startswith("transformers.grouped_mm_fallback")
+             and op.step == 0]
+    assert not any(op.op.startswith("aten._grouped_mm") for op in traced.ops)
+    forward = [op for op in loops if op.phase == "forward"]
+    backward = [op for op in loops if op.phase == "backward"]
+    assert len(forward) == len(backward) == 4  # gate_up and down, 2 layers
+    routed, h, i = BATCH * SEQ * 2, MIXTRAL["hidden_size"], MIXTRAL["intermediate_size"]
+    layer = 2 * routed * h * 2 * i + 2 * routed * i * h  # as _check_grouped_flops
+    assert sum(op.flops for op in forward) == 2 * layer
+    assert sum(op.flops for op in backward) == 4 * layer
+    experts = MIXTRAL["num_local_experts"]  # balanced: every expert gets 128 / 4 = 32 rows
+    gate_up = next(op for op in forward if op.output_shapes[0][-1] == 2 * i)
+    assert gate_up.gemms == (GemmShape(1, routed // experts, 2 * i, h, "fp32"),) * experts
+    a100 = get_device("a100-80gb")
+    # a zero fill per output and a matmul per expert: 1 + 4 forward, 2 + 2 x 4 backward
+    assert kernel_launches(gate_up, a100) == 1 + experts
+    assert {kernel_launches(op, a100) for op in backward} == {2 + 2 * experts}
+    assert any("per-expert loop" in w for w in traced.warnings), traced.warnings
+
+
+def test_compiled_bf16_experts_keep_torchs_grouped_gemm(tmp_path: Path) -> None:
+    traced = _compiled(tmp_path, "bf16-true")
+    assert any(op.op.startswith("aten._grouped_mm") for op in traced.ops)
+    assert not any(op.op.startswith("transformers.") for op in traced.ops)
+    assert torch.compiler.is_compiling() is False  # the capture's flag was put back

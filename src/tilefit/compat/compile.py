@@ -163,10 +163,32 @@ def aot_capture(module: torch.nn.Module, args: list[Any], *,
     from torch.fx import traceback as fx_traceback
 
     meta = fx_traceback.preserve_node_meta() if node_meta else contextlib.nullcontext()
-    with config.patch(**eager_bw), lazy, no_text, meta:
+    with config.patch(**eager_bw), lazy, no_text, meta, compiling():
         return aot_module_simplified(module, args,  # type: ignore[arg-type]
                                      fw_compiler=fw_compiler, bw_compiler=bw_compiler,
                                      partition_fn=partition_fn, decompositions=decompositions)
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` True, as model code sees it under torch.compile:
+    Dynamo folds the call to True in the code it traces and holds the flag for the whole
+    compile session, AOTAutograd's capture included (torch/_dynamo/convert_frame.py,
+    ``_compile_session_context``). Code that branches on it (transformers' experts take a
+    custom per-expert op there for non-bf16 weights) then takes the compiled branch. The
+    flag itself (``torch.compiler._is_compiling_flag``, private) where the context manager
+    is missing."""
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    if session is not None:
+        with session():
+            yield
+        return
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
 
 
 def without_first_call_checks() -> contextlib.AbstractContextManager[Any]:

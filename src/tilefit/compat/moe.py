@@ -28,6 +28,14 @@ from torch._meta_registrations import _create_grouped_mm_output_tensor
 
 from tilefit.compat.fake import TorchDispatchMode
 
+# transformers' per-expert fallback ops (transformers/integrations/moe.py): the experts'
+# GEMMs where it does not call torch's grouped kernel (under torch.compile with weights that
+# are not bf16): the offsets read on the host (``offs.tolist()``, a sync), the outputs
+# zero-filled, then one ``torch.mm`` per expert hit (two in the backward), each issued from
+# Python (docs/references.md, section 40)
+EXPERT_LOOP_OPS = frozenset({"transformers.grouped_mm_fallback.default",
+                             "transformers.grouped_mm_fallback_backward.default"})
+
 # tokens per expert (expert 0 first) of ``routed`` token-slots over ``experts``, at most
 # ``cap`` each (the tokens: top-k picks an expert once per token)
 CountsFn = Callable[[int, int, int], tuple[int, ...]]
@@ -73,6 +81,7 @@ class RoutedExperts(TorchDispatchMode):
         self._hit: list[tuple[int, int]] | None = None  # (expert, tokens) of the experts hit
         self._at = -1  # the loop's iteration: an index into _hit
         self.fallback_grouped = 0  # non-bf16 grouped GEMMs answered
+        self.expert_loops = 0  # transformers' per-expert loop ops seen (records.EXPERT_LOOP_OPS)
 
     def begin(self, tokens: int, top_k: int, experts: int) -> None:
         """An eager experts forward starts: ``tokens`` x ``top_k`` slots over ``experts``."""
@@ -86,6 +95,8 @@ class RoutedExperts(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if str(func) in EXPERT_LOOP_OPS:
+            self.expert_loops += 1
         if func is _GROUPED and not grouped_mm_needs_bf16(args):
             self.fallback_grouped += 1
             offs = args[2] if len(args) > 2 else kwargs.get("offs")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal, get_args
 
+from tilefit.compat.moe import EXPERT_LOOP_OPS
 from tilefit.dtypes import parse_dtype
 from tilefit.estimator.collectives import collective_time_s
 from tilefit.estimator.conv import batch_norm_bytes, direct_conv_time_s, is_direct_conv
@@ -262,7 +263,15 @@ def _unknown(op: OpRecord, device: Device, ctx: CostContext) -> float:
 def _gemm(op: OpRecord, device: Device, ctx: CostContext) -> float:
     return (sum(gemm_time_s(g, gemm_dtype(g.dtype, conv=False, device=device, ctx=ctx), device)
                 for g in op.gemms) or memory_time_s(op.bytes, device)) \
-        + dequantize_time_s(op, device)
+        + dequantize_time_s(op, device) + zero_fill_time_s(op, device)
+
+
+def zero_fill_time_s(op: OpRecord, device: Device) -> float:
+    """transformers' per-expert loop zero-fills its outputs before its GEMMs write them
+    (records.EXPERT_LOOP_OPS): one write of each output."""
+    if op.op not in EXPERT_LOOP_OPS:
+        return 0.0
+    return memory_time_s(sum(op.alloc_bytes), device, launches=len(op.output_shapes))
 
 
 # bitsandbytes' gemm_4bit dequantizes the 4-bit weight into a buffer of A's dtype, then runs

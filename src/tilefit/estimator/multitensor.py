@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tilefit.compat.moe import EXPERT_LOOP_OPS
 from tilefit.hardware.device import Device
-from tilefit.tracing.records import OpRecord
+from tilefit.tracing.records import OpRecord, expert_loop_launches
 
 CHUNK_ELEMENTS = 65536  # kChunkSize
 # depth_to_max_tensors / _scalarlist / depth_to_max_blocks, for depth 1..5
@@ -58,6 +59,8 @@ def kernel_launches(op: OpRecord, device: Device) -> int:
     op, none for one that runs on the host, the chunked launches of a multi-tensor op."""
     if op.on_host:
         return 0
+    if op.op in EXPERT_LOOP_OPS:
+        return expert_loop_launches(op)
     if op.multi_tensor is None:
         return 1
     depth, numels = op.multi_tensor

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tilefit.compat.moe import EXPERT_LOOP_OPS
 from tilefit.estimator.cudagraphs import replay_starts
 from tilefit.estimator.fusion import compiled_launches
 from tilefit.estimator.multitensor import kernel_launches
@@ -17,8 +18,9 @@ from tilefit.vocab import MICRO_PHASES
 
 # Ops after which the host waits for the device: a value read on the host (.item(),
 # bool(tensor)), as GradScaler's step does with found_inf and Adafactor with its norms.
+# transformers' per-expert loop reads its offsets first (records.EXPERT_LOOP_OPS).
 SYNC_OPS = frozenset({"aten._local_scalar_dense.default", "aten.is_nonzero.default",
-                      "aten.item.default", "aten.equal.default"})
+                      "aten.item.default", "aten.equal.default"}) | EXPERT_LOOP_OPS
 
 
 def host_time_s(op: OpRecord, host: HostModel, device: Device) -> float:
@@ -27,6 +29,8 @@ def host_time_s(op: OpRecord, host: HostModel, device: Device) -> float:
     one kernel per chunk list: tilefit.estimator.multitensor). An op of a compiled graph
     costs its launches alone (tilefit.estimator.fusion)."""
     launches = 0 if op.kind == "view" else kernel_launches(op, device)
+    if op.op in EXPERT_LOOP_OPS:  # Python issues each of its kernels, compiled or not
+        return launches * (host.issue_s(op.phase) + host.launch_s)
     if op.compiled:  # a compiled graph issues its kernels with no per-op Python work
         return compiled_launches(op, launches) * host.launch_s
     return host.issue_s(op.phase) + launches * host.launch_s

@@ -81,6 +81,12 @@ class ExpertsTrace:
         lines = [f"{len(self.experts)} mixture-of-experts layer(s) of {n} experts "
                  f"({experts_implementation(first)}) traced under routing {how} "
                  "(--routing balanced|skewed:F)"]
+        if self.mode.expert_loops:
+            lines.append("under torch.compile transformers runs experts whose weights are not "
+                         "bf16 through its own per-expert loop (transformers::"
+                         "grouped_mm_fallback: the offsets read on the host, then one matmul "
+                         "per expert issued from Python); bf16 weights (--precision "
+                         "bf16-true) take torch's grouped GEMM inside the graph")
         if self.mode.fallback_grouped:
             lines.append("the experts' grouped GEMMs run in fp32 (or fp16): torch's "
                          "_grouped_mm takes its fallback there, one matmul per expert (the "

@@ -27,6 +27,7 @@ from tilefit.tracing.ones import KnownOnes
 from tilefit.tracing.records import Collective, GemmShape, OpRecord, StorageRecord
 from tilefit.tracing.replay import Replays
 from tilefit.tracing.shapes import (
+    GROUPED_NAMES,
     ExpertCounts,
     classify,
     gemm_shapes,
@@ -386,7 +387,7 @@ class Recorder(Replays, TorchDispatchMode):
         gemms: tuple[GemmShape, ...] = gemm_shapes(
             func, unwrap_float8(args) if float8 else args, kwargs, out, kind,
             self.expert_counts) if kind in ("gemm", "conv") else ()
-        if str(func) == "aten._grouped_mm.default":  # one GEMM per expert: no torch formula
+        if packet_name(func) in GROUPED_NAMES:  # one GEMM per expert: no torch formula
             flops = sum(2 * g.batch * g.m * g.n * g.k for g in gemms)
         return flops, flops_error, gemms
 

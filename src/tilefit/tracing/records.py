@@ -51,6 +51,12 @@ class Collective:
     group_size: int
 
 
+
+def expert_loop_launches(op: OpRecord) -> int:
+    """Kernels an expert-loop op launches: its zero fills (one per output) and its GEMMs."""
+    return len(op.output_shapes) + len(op.gemms)
+
+
 @dataclass(frozen=True)
 class OpRecord:
     op: str  # aten overload, e.g. "aten.mm.default"

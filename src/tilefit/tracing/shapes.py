@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from tilefit.compat.fake import flop_formula
+from tilefit.compat.moe import EXPERT_LOOP_OPS
 from tilefit.errors import error_line
 from tilefit.tracing.collectives import ENGINE_COPY_NAMESPACE, WAIT_OPS, is_collective
 from tilefit.tracing.records import GemmShape
@@ -18,6 +19,10 @@ from tilefit.vocab import BALANCED
 
 GEMM_OPS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm",
             "aten._grouped_mm"}
+# grouped GEMMs: torch's kernel, and transformers' per-expert loop in its place
+# (records.EXPERT_LOOP_OPS); their FLOPs are the sum of their per-expert GEMMs
+EXPERT_LOOP_NAMES = frozenset(op.rsplit(".", 1)[0] for op in EXPERT_LOOP_OPS)
+GROUPED_NAMES = EXPERT_LOOP_NAMES | {"aten._grouped_mm"}
 # tokens per expert of ``routed`` token-slots over ``experts`` (vocab.ExpertRouting.counts,
 # with the model's top-k; tilefit.tracing.moe): what a grouped GEMM's offsets hold on a GPU
 ExpertCounts = Callable[[int, int], tuple[int, ...]]
@@ -106,7 +111,7 @@ def _classify(func: Any) -> str:
         return "memory"
     if name.startswith("tilefit."):  # tilefit's own kernels (models.fused_loss): streaming
         return "memory"
-    if name in BNB_GEMM_OPS:
+    if name in BNB_GEMM_OPS or name in EXPERT_LOOP_NAMES:
         return "gemm"
     if name.startswith(BNB_MEMORY_OPS):  # bitsandbytes' (de)quantize and optimizer kernels
         return "memory"
@@ -122,6 +127,8 @@ def gemm_shapes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: A
     name = packet_name(func)
     if name == "aten._grouped_mm":
         return grouped_gemms(args, kwargs, expert_counts)
+    if name in EXPERT_LOOP_NAMES:
+        return expert_loop_gemms(args, expert_counts)
     if name == "aten.mm" or name == "aten._scaled_mm":
         a, b = args[0], args[1]
         return (GemmShape(1, a.shape[0], b.shape[1], a.shape[1], tilefit_dtype(a.dtype)),)
@@ -168,6 +175,22 @@ def grouped_gemms(args: tuple[Any, ...], kwargs: dict[str, Any],
     if a.dim() == 2:  # (K, S) x (S, N) -> (E, K, N)
         return tuple(GemmShape(n, a.shape[0], b.shape[1], c, dt) for c, n in loads.items())
     return tuple(GemmShape(n, a.shape[1], c, a.shape[2], dt) for c, n in loads.items())
+
+
+def expert_loop_gemms(args: tuple[Any, ...],
+                      expert_counts: ExpertCounts | None) -> tuple[GemmShape, ...]:
+    """transformers' per-expert fallback (records.EXPERT_LOOP_OPS): one ``torch.mm`` per
+    expert hit, each its own kernel. Forward ``(input (S, K), weight (E, K, N), offs)``: the
+    expert's rows times its (K, N); backward ``(input, weight, offs, grad_output (S, N))``:
+    the input's gradient (rows x N) x (N x K) and the weight's (K x rows) x (rows x N)."""
+    x, w = args[0], args[1]
+    experts, k, n = (int(d) for d in w.shape)
+    counts = (expert_counts or BALANCED.counts)(int(x.shape[0]), experts)
+    dt = tilefit_dtype(x.dtype)
+    if len(args) < 4:
+        return tuple(GemmShape(1, c, n, k, dt) for c in counts if c)
+    return tuple(g for c in counts if c
+                 for g in (GemmShape(1, c, k, n, dt), GemmShape(1, k, n, c, dt)))
 
 
 def _conv_forward_gemms(args: tuple[Any, ...], out: Any) -> tuple[GemmShape, ...]:
@@ -259,7 +282,7 @@ def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
     if packet_name(func) in BNB_GEMM_OPS:
         g = gemm_shapes(func, args, kwargs, out, "gemm")[0]
         return 2 * g.m * g.n * g.k, None
-    if packet_name(func) == "aten._grouped_mm":  # the recorder sums its per-expert GEMMs
+    if packet_name(func) in GROUPED_NAMES:  # the recorder sums its per-expert GEMMs
         return 0, None
     if packet_name(func) == "aten.convolution_backward" and _groups(args, 9) > 1:
         return grouped_conv_backward_flops(args), None
