@@ -52,6 +52,37 @@ def _exact(key: str) -> Device | None:
     return _BY_KEY.get(key) or _BY_COMPACT.get(compact(key))
 
 
+# GPUs people name that the catalog leaves out, why, and the catalog part to start a spec
+# file from (docs/references.md, section 5, "Left out")
+_LEFT_OUT: dict[str, tuple[str, str]] = {
+    "a10g": ("AWS's A10G (G5 instances) has no NVIDIA datasheet and public tables disagree "
+             "on its Tensor Core rate", "a10"),
+    "h20": ("the H20's unofficial datasheet gives an fp32 rate its 78 SMs cannot reach at "
+            "any published clock", "h100-sxm"),
+    "h800": ("the H800 has no NVIDIA datasheet", "h100-sxm"),
+    "a800": ("the A800 has no NVIDIA datasheet", "a100-80gb"),
+    "b100": ("NVIDIA has not published the B100's SM count", "b200"),
+    "gb200": ("NVIDIA has not published the GB200's SM count", "b200"),
+    "b300": ("NVIDIA has not published the B300's SM count", "b200"),
+    "gb300": ("NVIDIA has not published the GB300's SM count", "b200"),
+}
+
+
+def _left_out_error(text: str, key: str) -> TilefitError | None:
+    """The error for a GPU the catalog leaves out on purpose: why, and where to start."""
+    entry = _LEFT_OUT.get(compact(key))
+    if entry is None:
+        return None
+    why, base = entry
+    return TilefitError(
+        f"GPU {text!r} is not in tilefit's catalog: {why}, so tilefit has no figures to cite",
+        expected="a catalog name or alias (see `tilefit gpus`), a .toml spec file, or auto",
+        given=repr(text),
+        fix=f'describe it in a TOML file that starts from the nearest catalog part, '
+        f'base = "{base}", with the figures you trust (README, "TOML spec format"), and pass '
+        "its path")
+
+
 def list_devices() -> tuple[Device, ...]:
     return CATALOG
 
@@ -89,6 +120,9 @@ def get_device(spec: str | Device) -> Device:
             given=f"{text!r}, which matches: {', '.join(prefixed)}",
             fix=f"say which one, e.g. --gpu {prefixed[0]}",
         )
+    left_out = _left_out_error(text, key)
+    if left_out is not None:
+        raise left_out
     near = _near_devices(key)
     hint = f"did you mean {', '.join(near)}? " if near else ""
     raise TilefitError(
