@@ -9,6 +9,7 @@ expert 1 + t mod (E - 1))."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -25,6 +26,7 @@ from tests.conftest import invoke_cli
 import tilefit
 from tilefit.compat.fake import new_fake_mode
 from tilefit.errors import TilefitError
+from tilefit.estimator import estimate_trace
 from tilefit.models import load_workload
 from tilefit.recipe import Recipe
 from tilefit.tracing.records import GemmShape
@@ -324,10 +326,18 @@ def test_compiled_fp32_experts_run_transformers_per_expert_loop(tmp_path: Path) 
     assert kernel_launches(gate_up, a100) == 1 + experts
     assert {kernel_launches(op, a100) for op in backward} == {2 + 2 * experts}
     assert any("per-expert loop" in w for w in traced.warnings), traced.warnings
+    # its offsets read on the host: no CUDA graph can capture it (reduce-overhead)
+    with pytest.raises(TilefitError, match=r"transformers\.grouped_mm_fallback "):
+        estimate_trace(dataclasses.replace(traced, compile_mode="reduce-overhead"), a100)
 
 
 def test_compiled_bf16_experts_keep_torchs_grouped_gemm(tmp_path: Path) -> None:
+    from tilefit.hardware import get_device
+
     traced = _compiled(tmp_path, "bf16-true")
     assert any(op.op.startswith("aten._grouped_mm") for op in traced.ops)
     assert not any(op.op.startswith("transformers.") for op in traced.ops)
     assert torch.compiler.is_compiling() is False  # the capture's flag was put back
+    graphed = estimate_trace(dataclasses.replace(traced, compile_mode="reduce-overhead"),
+                             get_device("a100-80gb"))
+    assert "cudagraph_pool" in graphed.memory_breakdown  # replayed: the graphs' own pool

@@ -18,6 +18,7 @@ from tilefit.advise.findings import (
     severity_of,
 )
 from tilefit.advise.whatif import WhatIf
+from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate
 from tilefit.recipe import Compile
 from tilefit.vocab import REDUCE_OVERHEAD
@@ -38,8 +39,13 @@ def graphed_estimate(whatif: WhatIf) -> Estimate | None:
     where the step needed it."""
     recipe, tr = whatif.recipe, whatif.trace
     if tr.compiled:
-        return None if tr.compile_mode == REDUCE_OVERHEAD else \
-            whatif.with_compile_mode(REDUCE_OVERHEAD)
+        if tr.compile_mode == REDUCE_OVERHEAD:
+            return None
+        try:
+            return whatif.with_compile_mode(REDUCE_OVERHEAD)
+        except TilefitError as err:  # a graph CUDA cannot capture
+            whatif.skipped("host-bound", "the step replayed as CUDA graphs", err)
+            return None
     if not whatif.can_retrace:
         return None  # an nn.Module: the audit's own note says re-traces were skipped
     what = "the step replayed as CUDA graphs"

@@ -17,7 +17,7 @@ from tilefit.estimator.collectives import (
     without_communication,
 )
 from tilefit.estimator.cost import DEFAULT_EFFICIENCY, CostContext, KernelEfficiency, op_time_s
-from tilefit.estimator.cudagraphs import graphed, graphed_memory
+from tilefit.estimator.cudagraphs import check_capturable, graphed, graphed_memory
 from tilefit.estimator.fusion import compiled_op_time_s
 from tilefit.estimator.reserved import ReservedMemory, allocator_config_of, reserved_memory
 from tilefit.estimator.result import (
@@ -136,6 +136,7 @@ def estimate_trace(tr: Trace, device: Device,
     """Cost a trace on a device: the steady-state step's ops for time, the whole run's
     memory timeline for the peak. ``efficiency``: the kernel efficiencies beyond the
     device's own terms (tilefit.estimator.cost; the corpus benchmark varies them)."""
+    check_capturable(tr)
     a = tr.accumulation_steps
     costs = _op_costs(tr, device, CostContext(precision=tr.precision, efficiency=efficiency))
     timeline, comm, step_time = _step_time(tr, costs, device)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from tilefit.compat.moe import EXPERT_LOOP_OPS
+from tilefit.errors import TilefitError
 from tilefit.tracing.records import OpRecord, StorageRecord, Trace
 from tilefit.vocab import REDUCE_OVERHEAD
 
@@ -24,6 +26,26 @@ from tilefit.vocab import REDUCE_OVERHEAD
 def graphed(tr: Trace) -> bool:
     """The trace's compiled graphs are replayed as CUDA graphs."""
     return tr.compiled and tr.compile_mode == REDUCE_OVERHEAD
+
+
+def check_capturable(tr: Trace) -> None:
+    """A TilefitError where a graph to replay holds an op that reads device values on the
+    host: CUDA forbids the copy while a stream is captured, so cudagraph trees fail at the
+    recording (transformers' per-expert loop reads its offsets; compat.moe.EXPERT_LOOP_OPS)."""
+    if not graphed(tr):
+        return
+    blocker = next((op for op in tr.ops if op.compiled and op.op in EXPERT_LOOP_OPS), None)
+    if blocker is None:
+        return
+    raise TilefitError(
+        "torch.compile(mode=\"reduce-overhead\") cannot replay this step as CUDA graphs: "
+        f"{blocker.op.rsplit('.', 1)[0]} (in {blocker.module or 'the step'}) reads device "
+        "values on the host, which CUDA forbids while a graph is captured",
+        expected="compiled graphs without a host sync",
+        given="transformers' per-expert loop in the graph (experts whose weights are not "
+        "bf16, under torch.compile)",
+        fix="keep torch.compile's default mode (--compile-mode default), or bf16 weights "
+        "(--precision bf16-true), with which transformers calls torch's grouped GEMM")
 
 
 def replay_starts(ops: Sequence[OpRecord]) -> list[bool]:
