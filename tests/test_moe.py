@@ -341,3 +341,18 @@ def test_compiled_bf16_experts_keep_torchs_grouped_gemm(tmp_path: Path) -> None:
     graphed = estimate_trace(dataclasses.replace(traced, compile_mode="reduce-overhead"),
                              get_device("a100-80gb"))
     assert "cudagraph_pool" in graphed.memory_breakdown  # replayed: the graphs' own pool
+
+
+def test_before_ampere_transformers_runs_its_loop_in_eager_too(tmp_path: Path) -> None:
+    """On CUDA transformers calls torch's grouped GEMM from compute capability 8.0 only
+    (_can_use_grouped_mm): a T4 (7.5) step runs its per-expert loop, eager as well."""
+    work = load_workload(_config(tmp_path, MIXTRAL), seq_len=SEQ)
+    traced = tilefit.trace(work.build, work.make_batch(BATCH), loss_fn=work.loss_fn,
+                           recipe=Recipe(batch_size=BATCH, precision="fp16-mixed"), gpu="t4")
+    names = {op.op for op in traced.ops}
+    assert "transformers.grouped_mm_fallback.default" in names
+    assert not any(n.startswith("aten._grouped_mm") for n in names)
+    assert any("this GPU has 7.5" in w for w in traced.warnings), traced.warnings
+    from transformers.integrations import moe as hf_moe
+
+    assert hf_moe._can_use_grouped_mm.__name__ == "_can_use_grouped_mm"  # put back

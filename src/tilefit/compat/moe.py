@@ -19,7 +19,9 @@ on fake tensors, both answered here:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import unittest.mock
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -36,6 +38,10 @@ from tilefit.compat.fake import TorchDispatchMode
 EXPERT_LOOP_OPS = frozenset({"transformers.grouped_mm_fallback.default",
                              "transformers.grouped_mm_fallback_backward.default"})
 
+# transformers' rule on CUDA for torch's grouped GEMM (torch >= 2.9: compute capability 8.0
+# or later; transformers/integrations/moe.py, _can_use_grouped_mm); below it, its loop
+GROUPED_MM_MIN_CAPABILITY = (8, 0)
+
 # tokens per expert (expert 0 first) of ``routed`` token-slots over ``experts``, at most
 # ``cap`` each (the tokens: top-k picks an expert once per token)
 CountsFn = Callable[[int, int, int], tuple[int, ...]]
@@ -43,6 +49,26 @@ CountsFn = Callable[[int, int, int], tuple[int, ...]]
 _GROUPED = torch.ops.aten._grouped_mm.default
 _NONZERO = torch.ops.aten.nonzero.default
 _ITEM = torch.ops.aten._local_scalar_dense.default
+
+
+@contextlib.contextmanager
+def experts_dispatch_for(capability: tuple[int, int] | None) -> Iterator[None]:
+    """transformers' choice between torch's grouped GEMM and its per-expert loop
+    (EXPERT_LOOP_OPS) as it makes it on the target GPU: the trace runs on CPU fake tensors,
+    where its CUDA rule is not asked. Below compute capability 8.0 (V100, T4 and the Turing
+    cards) it takes the loop; ``None`` (a CPU target) or 8.0 and later: its own answer. Its
+    private ``_can_use_grouped_mm`` is replaced while the step runs."""
+    try:
+        from transformers.integrations import moe as hf_moe
+    except ImportError:  # pragma: no cover - transformers without MoE integrations
+        hf_moe = None
+    if capability is None or capability >= GROUPED_MM_MIN_CAPABILITY or \
+            not hasattr(hf_moe, "_can_use_grouped_mm"):
+        yield
+        return
+    with unittest.mock.patch.object(hf_moe, "_can_use_grouped_mm",
+                                    lambda *args, **kwargs: False):
+        yield
 
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:

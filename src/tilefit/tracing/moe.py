@@ -17,7 +17,9 @@ from typing import Any
 from torch import nn
 
 from tilefit.compat.moe import (
+    GROUPED_MM_MIN_CAPABILITY,
     RoutedExperts,
+    experts_dispatch_for,
     experts_implementation,
     experts_modules,
     routing_of,
@@ -29,8 +31,10 @@ from tilefit.vocab import ExpertRouting
 class ExpertsTrace:
     """The MoE layers of one traced model and what their trace assumed."""
 
-    def __init__(self, model: nn.Module, routing: ExpertRouting) -> None:
+    def __init__(self, model: nn.Module, routing: ExpertRouting,
+                 capability: tuple[int, int] | None = None) -> None:
         self.routing = routing
+        self.capability = capability  # the target GPU's (None: a CPU target)
         self.experts = experts_modules(model)
         config = getattr(model, "config", None)
         self.top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
@@ -55,7 +59,7 @@ class ExpertsTrace:
                 handles.append(module.register_forward_pre_hook(self._begin, with_kwargs=True))
                 handles.append(module.register_forward_hook(self._end))
         try:
-            with self.mode:
+            with self.mode, experts_dispatch_for(self.capability):
                 yield
         finally:
             for h in handles:
@@ -67,6 +71,17 @@ class ExpertsTrace:
 
     def _end(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         self.mode.end()
+
+    def _loop_note(self) -> str:
+        what = ("transformers' own per-expert loop (transformers::grouped_mm_fallback: the "
+                "offsets read on the host, then one matmul per expert issued from Python)")
+        if self.capability is not None and self.capability < GROUPED_MM_MIN_CAPABILITY:
+            cc = ".".join(map(str, self.capability))
+            return (f"the experts run through {what}: transformers calls torch's grouped "
+                    f"GEMM on compute capability 8.0 or later only, this GPU has {cc}")
+        return (f"under torch.compile the experts whose weights are not bf16 run through "
+                f"{what}; bf16 weights (--precision bf16-true) take torch's grouped GEMM "
+                "inside the graph")
 
     def notes(self) -> list[str]:
         """What the trace assumed, for Trace.warnings."""
@@ -82,11 +97,7 @@ class ExpertsTrace:
                  f"({experts_implementation(first)}) traced under routing {how} "
                  "(--routing balanced|skewed:F)"]
         if self.mode.expert_loops:
-            lines.append("under torch.compile transformers runs experts whose weights are not "
-                         "bf16 through its own per-expert loop (transformers::"
-                         "grouped_mm_fallback: the offsets read on the host, then one matmul "
-                         "per expert issued from Python); bf16 weights (--precision "
-                         "bf16-true) take torch's grouped GEMM inside the graph")
+            lines.append(self._loop_note())
         if self.mode.fallback_grouped:
             lines.append("the experts' grouped GEMMs run in fp32 (or fp16): torch's "
                          "_grouped_mm takes its fallback there, one matmul per expert (the "

@@ -179,7 +179,8 @@ def _trace_prepared(prep: Prepared, options: TraceOptions, target: Target,
     recorder.set_root(root_name(prep.model))
     router = AttentionRouter(target, recorder) if target.kind == "cuda" else None
     autocast = autocast_for(target, options.low_dtype, router)
-    experts = ExpertsTrace(prep.model, options.routing)
+    experts = ExpertsTrace(prep.model, options.routing,
+                           target.compute_capability if target.kind == "cuda" else None)
     with mode:
         recorder.register_existing(list(prep.model.parameters()) +
                                    list(prep.model.buffers()) +
