@@ -356,3 +356,24 @@ def test_before_ampere_transformers_runs_its_loop_in_eager_too(tmp_path: Path) -
     from transformers.integrations import moe as hf_moe
 
     assert hf_moe._can_use_grouped_mm.__name__ == "_can_use_grouped_mm"  # put back
+
+
+def test_under_compile_the_audit_weighs_batched_mm_against_the_loop_and_skips_eager(
+        tmp_path: Path) -> None:
+    """Compiled, grouped_mm with fp32 weights is transformers' per-expert loop; batched_mm is
+    re-traced against it (its step equals a direct estimate); eager is not tried: its
+    data-dependent loop breaks the graph."""
+    from tilefit.advise.rules_moe import RULE
+    from tilefit.recipe_parts import Compile
+
+    work = load_workload(_config(tmp_path, MIXTRAL), seq_len=SEQ)
+    recipe = Recipe(batch_size=BATCH, compile=Compile())
+    audit = tilefit.audit(work, gpu="a100-80gb", recipe=recipe)
+    assert any("experts_implementation='eager'" in n and "graph" in n for n in audit.notes)
+    direct = {impl: tilefit.estimate(work.with_config(experts_implementation=impl),
+                                     gpu="a100-80gb", recipe=recipe).step_time_s
+              for impl in ("grouped_mm", "batched_mm")}
+    assert audit.estimate.step_time_s == pytest.approx(direct["grouped_mm"], rel=1e-9)
+    (found,) = [f for f in audit.findings if f.rule == RULE]
+    assert (found.current, found.suggested) == ("grouped_mm", "batched_mm")
+    assert found.step_time_after_s == pytest.approx(direct["batched_mm"], rel=1e-9)

@@ -8,7 +8,10 @@ one matmul per expert in fp32 or fp16), ``batched_mm`` (each routed token's expe
 gathered, one batched GEMM: memory grows with tokens x top_k) and ``eager`` (a loop over the
 experts that received tokens, a GEMM pair each, autocast to the 16-bit dtype). Which is
 fastest depends on the dtype, the GPU and the tokens per expert, so the audit re-traces the
-step with each of the others and proposes the fastest that fits; the math is the same.
+step with each of the others and proposes the fastest that fits; the math is the same. Under
+torch.compile (where grouped_mm with weights that are not bf16 is transformers' per-expert
+loop: docs/references.md, section 40) eager is not tried: its data-dependent loop breaks the
+graph, which tilefit does not predict.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def current_implementation(whatif: WhatIf) -> str | None:
 
 def experts_findings(whatif: WhatIf) -> list[Finding]:
     work = whatif.workload
-    if work is None or work.config is None or not whatif.can_retrace or whatif.recipe.compile:
+    if work is None or work.config is None or not whatif.can_retrace:
         return []
     current = current_implementation(whatif)
     if current is None:
@@ -48,8 +51,14 @@ def experts_findings(whatif: WhatIf) -> list[Finding]:
     for impl in IMPLEMENTATIONS:
         if impl == current:
             continue
+        what = f"the step with {FIELD}={impl!r}"
+        if impl == "eager" and whatif.recipe.compile:
+            whatif.skipped(RULE, what, "under torch.compile the eager loop's questions to the "
+                           "data (which experts are hit: nonzero) break the graph, and graph "
+                           "breaks are not predicted")
+            continue
         change = Change(config=((FIELD, impl),))
-        after = whatif.try_apply(RULE, f"the step with {FIELD}={impl!r}", change)
+        after = whatif.try_apply(RULE, what, change)
         if after is not None:
             tried.append((impl, after, change))
     fitting = [t for t in tried if t[1].fits] or tried  # none fits: said, not recommended
