@@ -210,14 +210,33 @@ def _checkpointed() -> list[Case]:
             row("bert-like", bert_like, "ForMaskedLM", 4, 128)]
 
 
+def _mixtral_like() -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(
+        num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=8,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=5000,
+        max_position_embeddings=512, loss_type="ForCausalLM"))
+
+
+def _moe() -> list[Case]:
+    """A mixture of experts in fp32: compiled, transformers runs its experts through its own
+    per-expert loop op (docs/references.md, section 40). Its buffers do not depend on where
+    the router sends the tokens, so the real router runs unforced (the time does)."""
+    from workloads import _adamw_foreach, _hf_loss, _tokens
+
+    return [Case("mixtral-like 4 experts top-2 / adamw foreach", _mixtral_like,
+                 lambda: _tokens(2, 128), _hf_loss, _adamw_foreach, "adamw-foreach")]
+
+
 def cases() -> list[Case]:
     """The workloads, gpt2-like once more without its graph break (the prediction is of one
-    graph), and the checkpointed rows captured as one graph."""
+    graph), the checkpointed rows captured as one graph, and a mixture of experts."""
     out = list(CASES)
     gpt2 = next(c for c in out if c.name.startswith("gpt2"))
     out.append(dataclasses.replace(gpt2, name="gpt2-like, loss type named (one graph)",
                                    build=_gpt2_one_graph))
-    return out + _checkpointed()
+    return out + _checkpointed() + _moe()
 
 
 def main() -> int:
