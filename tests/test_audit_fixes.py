@@ -175,3 +175,11 @@ def test_a_compiled_step_that_still_does_not_fit_is_not_recommended(gelu_new: Wh
     assert tight.peak_memory_after_bytes == roomy.peak_memory_after_bytes
     assert tight.peak_memory_after_bytes + overhead_bytes(small) > small.memory_bytes
     assert not tight.recommended and tight.severity == "info"
+
+
+def test_a_predicted_slowdown_reads_as_one() -> None:
+    """1 / 0.5 = 2: a what-if at half the speed is "2.00x slower", never "0.50x faster"."""
+    from tilefit.advise.findings import pace
+
+    assert (pace(1.29), pace(1.0), pace(0.5), pace(0.8)) == (
+        "1.29x faster", "1.00x faster", "2.00x slower", "1.25x slower")

@@ -277,6 +277,9 @@ def test_no_experts_finding_where_transformers_default_is_fastest(tmp_path: Path
     work = load_workload(_config(tmp_path, MIXTRAL), seq_len=SEQ)
     audit = tilefit.audit(work, gpu="a100-80gb", recipe=Recipe(batch_size=BATCH))
     assert not [f for f in audit.findings if f.rule == RULE]
+    # the compile what-if says that compiled, the fp32 experts run transformers' loop
+    (compiled,) = [f for f in audit.findings if f.rule == "compile"]
+    assert "with experts' weights in fp32" in compiled.reason, compiled.reason
 
 
 def test_an_experts_size_off_alignment_is_named_once_by_its_config_field(tmp_path: Path) -> None:

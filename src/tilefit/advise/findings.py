@@ -117,6 +117,11 @@ class Finding:
         return d
 
 
+def pace(speedup: float) -> str:
+    """A predicted speed-up in words: "1.29x faster", or "1.45x slower" below 1."""
+    return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+
+
 def severity_of(speedup: float, memory_share_saved: float = 0.0) -> str:
     """high: >= 5% faster or >= 25% of the peak memory saved; medium: >= 1% / 10%; else low."""
     if speedup >= 1.05 or memory_share_saved >= 0.25:

@@ -11,8 +11,10 @@ from tilefit.advise.findings import (
     Change,
     Finding,
     effect,
+    pace,
     severity_of,
 )
+from tilefit.advise.rules_moe import expert_loop_reason
 from tilefit.advise.whatif import WhatIf
 from tilefit.estimator import Estimate
 from tilefit.hardware import Device
@@ -67,8 +69,8 @@ def compile_findings(whatif: WhatIf) -> list[Finding]:
     return [Finding(
         rule="compile", severity=severity_of(speedup) if ok else "info",
         title=f"elementwise, normalization and softmax kernels are {fusible_share(est):.0%} "
-        f"of the GPU's time: torch.compile is predicted to make the step {speedup:.2f}x "
-        f"faster {memory}",
+        f"of the GPU's time: torch.compile is predicted to make the step {pace(speedup)} "
+        f"{memory}",
         modules=(), dimension="compile", current="eager", suggested="torch.compile",
         fix=COMPILE_FIX + (CHECKPOINT_FIX if recipe.grad_checkpointing else ""),
         reason="Inductor fuses the ops between the GEMM and attention kernels, so each "
@@ -76,5 +78,5 @@ def compile_findings(whatif: WhatIf) -> list[Finding]:
         "partitioner saves fewer activations for backward. Predicted for one graph (no "
         f"graph breaks), compile time excluded: step {est.step_time_s * 1e3:.1f} -> "
         f"{after.step_time_s * 1e3:.1f} ms, peak {est.peak_memory_bytes / GIB:.2f} -> "
-        f"{after.peak_memory_bytes / GIB:.2f} GiB.",
+        f"{after.peak_memory_bytes / GIB:.2f} GiB.{expert_loop_reason(whatif)}",
         **effect(est, after), method="retrace", recommended=ok, change=change)]

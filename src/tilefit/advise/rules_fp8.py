@@ -11,8 +11,10 @@ from tilefit.advise.findings import (
     Change,
     Finding,
     effect,
+    pace,
     severity_of,
 )
+from tilefit.advise.rules_moe import expert_loop_reason
 from tilefit.advise.whatif import WhatIf
 from tilefit.estimator import Estimate
 from tilefit.recipe import Compile
@@ -74,7 +76,7 @@ def _finding(whatif: WhatIf, after: Estimate, speedup: float, own: float,
         rule="fp8", severity=severity_of(speedup),
         title=f"GEMMs are {fp8_gemm_share(est):.0%} of the GPU's time and "
         f"{whatif.device.name} has fp8 Tensor Cores: torchao's float8 training {how}is "
-        f"predicted to make the step {speedup:.2f}x faster{compile_part}",
+        f"predicted to make the step {pace(speedup)}{compile_part}",
         modules=(), dimension="precision", current=whatif.recipe.precision,
         suggested=fp8_precision().name + (" + torch.compile" if adds_compile else ""),
         fix=FP8_FIX,
@@ -84,7 +86,8 @@ def _finding(whatif: WhatIf, after: Estimate, speedup: float, own: float,
         "fuses; fp32 master weights, the bf16 input saved for backward as before. "
         f"Step {est.step_time_s * 1e3:.1f} -> {after.step_time_s * 1e3:.1f} ms, peak "
         f"{est.peak_memory_bytes / GIB:.2f} -> {after.peak_memory_bytes / GIB:.2f} GiB; "
-        "loss curves should be checked against bf16 for the first steps.",
+        "loss curves should be checked against bf16 for the first steps."
+        + expert_loop_reason(whatif, fp8_precision().name),
         **effect(est, after), method="retrace", recommended=speedup >= MIN_RECOMMENDED_SPEEDUP,
         change=_change())
 

@@ -86,3 +86,18 @@ def _finding(whatif: WhatIf, current: str, impl: str, after: Estimate,
         f"{after.step_time_s * 1e3:.2f} ms, peak {est.peak_memory_bytes / GIB:.2f} -> "
         f"{after.peak_memory_bytes / GIB:.2f} GiB (re-traced with {FIELD}={impl!r}).",
         **effect(est, after), method="retrace", recommended=ok, change=change)
+
+
+def expert_loop_reason(whatif: WhatIf, precision: str | None = None) -> str:
+    """Why a compiled what-if of a mixture of experts is slow, where it is: with weights that
+    are not bf16 transformers runs its experts through its own per-expert loop under
+    torch.compile (compat.moe.EXPERT_LOOP_OPS; "" where it does not)."""
+    from tilefit.vocab import parse_precision
+
+    weights = parse_precision(precision or whatif.recipe.precision).param_dtype
+    if weights == "bf16" or current_implementation(whatif) != "grouped_mm":
+        return ""
+    return (" Compiled, with experts' weights in " + weights + ", transformers runs them "
+            "through its own per-expert loop (one matmul per expert issued from Python after "
+            "a read on the host) where eager mode calls torch's grouped GEMM; bf16 weights "
+            "(--precision bf16-true) keep the grouped GEMM compiled.")
