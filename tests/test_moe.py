@@ -70,20 +70,25 @@ def test_routing_counts_by_hand() -> None:
 
 def test_grouped_gemm_rows_per_expert_from_the_routing() -> None:
     mm = torch.ops.aten._grouped_mm.default
+    bf16 = torch.bfloat16
     with new_fake_mode():
-        x = torch.empty(128, 64)  # 64 tokens x top-2, hidden 64
-        w = torch.empty(4, 64, 256)  # 4 experts' gate_up, 2 x 128
+        x = torch.empty(128, 64, dtype=bf16)  # 64 tokens x top-2, hidden 64
+        w = torch.empty(4, 64, 256, dtype=bf16)  # 4 experts' gate_up, 2 x 128
         offs = torch.empty(4, dtype=torch.int32)
-        grad = torch.empty(128, 256)
+        grad = torch.empty(128, 256, dtype=bf16)
         half = functools.partial(parse_routing("skewed:0.5").counts, cap=64)
         assert gemm_shapes(mm, (x, w, offs), {}, None, "gemm") == (
-            GemmShape(4, 32, 256, 64, "fp32"),)
+            GemmShape(4, 32, 256, 64, "bf16"),)
         assert gemm_shapes(mm, (x, w, offs), {}, None, "gemm", half) == (
-            GemmShape(1, 64, 256, 64, "fp32"), GemmShape(1, 22, 256, 64, "fp32"),
-            GemmShape(2, 21, 256, 64, "fp32"))
+            GemmShape(1, 64, 256, 64, "bf16"), GemmShape(1, 22, 256, 64, "bf16"),
+            GemmShape(2, 21, 256, 64, "bf16"))
         # the weights' gradient: x^T (64, 128) times grad (128, 256), each expert its tokens
         assert gemm_shapes(mm, (x.t(), grad, offs), {}, None, "gemm") == (
-            GemmShape(4, 64, 256, 32, "fp32"),)
+            GemmShape(4, 64, 256, 32, "bf16"),)
+        # fp32: ATen's fallback, one mm per group, each its own kernel
+        assert gemm_shapes(mm, (x.float(), w.float(), offs), {}, None, "gemm", half) == (
+            GemmShape(1, 64, 256, 64, "fp32"), GemmShape(1, 22, 256, 64, "fp32"),
+            GemmShape(1, 21, 256, 64, "fp32"), GemmShape(1, 21, 256, 64, "fp32"))
 
 
 def _force(routing: str) -> Any:
@@ -272,12 +277,39 @@ def test_the_audit_proposes_the_faster_experts_implementation_re_traced(tmp_path
 
 
 def test_no_experts_finding_where_transformers_default_is_fastest(tmp_path: Path) -> None:
+    """In bf16 transformers' default runs torch's grouped kernel: on a step big enough to
+    keep the GPU busy (on the 64-token toy step the host decides) nothing beats it."""
     from tilefit.advise.rules_moe import RULE
 
-    work = load_workload(_config(tmp_path, MIXTRAL), seq_len=SEQ)
-    audit = tilefit.audit(work, gpu="a100-80gb", recipe=Recipe(batch_size=BATCH))
+    work = load_workload(_config(tmp_path, MIXTRAL, hidden_size=256, intermediate_size=512,
+                                 num_local_experts=8, max_position_embeddings=256),
+                         seq_len=256)
+    audit = tilefit.audit(work, gpu="a100-80gb",
+                          recipe=Recipe(batch_size=4, precision="bf16-true"))
     assert not [f for f in audit.findings if f.rule == RULE]
-    # the compile what-if says that compiled, the fp32 experts run transformers' loop
+
+
+def test_fp32_experts_run_atens_per_group_fallback_and_the_audit_says_so(
+        tmp_path: Path) -> None:
+    """bf16-mixed keeps fp32 weights: transformers' grouped_mm is ATen's fallback there (the
+    offsets read on the host, one mm per expert), which batched_mm beats on this small
+    config; the compile what-if says that compiled, the experts run transformers' loop."""
+    from tilefit.advise.rules_moe import RULE
+    from tilefit.estimator.multitensor import kernel_launches
+    from tilefit.hardware import get_device
+
+    work = load_workload(_config(tmp_path, MIXTRAL), seq_len=SEQ)
+    recipe = Recipe(batch_size=BATCH)
+    audit = tilefit.audit(work, gpu="a100-80gb", recipe=recipe)
+    grouped = [c.record for c in audit.estimate.ops if c.record.op == "aten._grouped_mm.default"]
+    experts = MIXTRAL["num_local_experts"]
+    assert grouped and all(len(op.gemms) == experts for op in grouped)
+    assert {kernel_launches(op, get_device("a100-80gb")) for op in grouped} == {experts}
+    (found,) = [f for f in audit.findings if f.rule == RULE]
+    batched = tilefit.estimate(work.with_config(experts_implementation="batched_mm"),
+                               gpu="a100-80gb", recipe=recipe).step_time_s
+    assert found.suggested == "batched_mm"
+    assert found.step_time_after_s == pytest.approx(batched, rel=1e-9)
     (compiled,) = [f for f in audit.findings if f.rule == "compile"]
     assert "with experts' weights in fp32" in compiled.reason, compiled.reason
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from tilefit.compat.moe import EXPERT_LOOP_OPS
 from tilefit.hardware.device import Device
-from tilefit.tracing.records import OpRecord, expert_loop_launches
+from tilefit.tracing.records import OpRecord, expert_loop_launches, grouped_fallback
 
 CHUNK_ELEMENTS = 65536  # kChunkSize
 # depth_to_max_tensors / _scalarlist / depth_to_max_blocks, for depth 1..5
@@ -61,6 +61,8 @@ def kernel_launches(op: OpRecord, device: Device) -> int:
         return 0
     if op.op in EXPERT_LOOP_OPS:
         return expert_loop_launches(op)
+    if grouped_fallback(op):
+        return max(1, len(op.gemms))
     if op.multi_tensor is None:
         return 1
     depth, numels = op.multi_tensor

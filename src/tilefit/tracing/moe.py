@@ -100,6 +100,8 @@ class ExpertsTrace:
             lines.append(self._loop_note())
         if self.mode.fallback_grouped:
             lines.append("the experts' grouped GEMMs run in fp32 (or fp16): torch's "
-                         "_grouped_mm takes its fallback there, one matmul per expert (the "
-                         "fused grouped kernel is bf16 only)")
+                         "_grouped_mm takes its fallback there, the offsets copied to the "
+                         "host (the host waits for the GPU) then one matmul per expert (the "
+                         "fused grouped kernel is bf16 only; bf16 weights, --precision "
+                         "bf16-true, use it)")
         return lines

@@ -52,6 +52,13 @@ class Collective:
 
 
 
+def grouped_fallback(op: OpRecord) -> bool:
+    """``aten._grouped_mm`` outside bf16: ATen's fallback (``_grouped_mm_fallback``, in
+    aten/src/ATen/native/GroupedMMUtils.h) copies the offsets to the host (a sync) and runs
+    one ``mm`` per group, each its own kernel (docs/references.md, section 40)."""
+    return op.op == "aten._grouped_mm.default" and op.dtype != "bfloat16"
+
+
 def expert_loop_launches(op: OpRecord) -> int:
     """Kernels an expert-loop op launches: its zero fills (one per output) and its GEMMs."""
     return len(op.output_shapes) + len(op.gemms)

@@ -157,7 +157,9 @@ def grouped_gemms(args: tuple[Any, ...], kwargs: dict[str, Any],
     the routing (the offsets' values, which a fake tensor lacks). 2D x 3D: the experts'
     forward, rows (S, K) times (E, K, N), M the expert's tokens; 2D x 2D: the weights'
     gradient (K, S) times (S, N) -> (E, K, N), the tokens the contraction; 3D x 2D: N the
-    tokens; 3D x 3D: a plain batched GEMM. Experts of equal load are one batched shape."""
+    tokens; 3D x 3D: a plain batched GEMM. In bf16 (the grouped kernel) experts of equal
+    load are one batched shape; in other dtypes ATen's fallback runs one ``mm`` per group
+    (records.grouped_fallback), each its own shape."""
     a, b = args[0], args[1]
     offs = args[2] if len(args) > 2 else kwargs.get("offs")
     dt = tilefit_dtype(a.dtype)
@@ -170,11 +172,18 @@ def grouped_gemms(args: tuple[Any, ...], kwargs: dict[str, Any],
     for c in counts:
         if c:
             loads[c] = loads.get(c, 0) + 1
+    per_group = a.dtype != torch.bfloat16  # ATen's fallback: one kernel per group
+    return tuple(_grouped_shape(a, b, c, 1 if per_group else n, dt)
+                 for c, n in loads.items() for _ in range(n if per_group else 1))
+
+
+def _grouped_shape(a: Any, b: Any, rows: int, batch: int, dt: str) -> GemmShape:
+    """The GEMM of ``batch`` groups of ``rows`` rows each (grouped_gemms' layouts)."""
     if b.dim() == 3:  # (S, K) x (E, K, N)
-        return tuple(GemmShape(n, c, b.shape[2], a.shape[1], dt) for c, n in loads.items())
+        return GemmShape(batch, rows, b.shape[2], a.shape[1], dt)
     if a.dim() == 2:  # (K, S) x (S, N) -> (E, K, N)
-        return tuple(GemmShape(n, a.shape[0], b.shape[1], c, dt) for c, n in loads.items())
-    return tuple(GemmShape(n, a.shape[1], c, a.shape[2], dt) for c, n in loads.items())
+        return GemmShape(batch, a.shape[0], b.shape[1], rows, dt)
+    return GemmShape(batch, a.shape[1], rows, a.shape[2], dt)
 
 
 def expert_loop_gemms(args: tuple[Any, ...],
