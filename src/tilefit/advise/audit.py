@@ -18,7 +18,7 @@ from tilefit.advise.rules_dims import dimension_findings
 from tilefit.advise.rules_fp8 import fp8_findings
 from tilefit.advise.rules_host import host_findings
 from tilefit.advise.rules_memory import memory_findings
-from tilefit.advise.rules_moe import experts_findings
+from tilefit.advise.rules_moe import bf16_experts_findings, experts_findings
 from tilefit.advise.rules_optimizer import fused_optimizer_findings
 from tilefit.advise.rules_precision import attention_findings, precision_findings
 from tilefit.advise.way_forward import way_forward
@@ -50,7 +50,8 @@ if TYPE_CHECKING:
 RULES: tuple[Callable[[WhatIf], list[Finding]], ...] = (
     dimension_findings, memory_bound_findings, wave_findings, precision_findings,
     attention_findings, host_findings, fused_optimizer_findings, memory_findings,
-    fragmentation_findings, activation_findings, experts_findings, compile_findings,
+    fragmentation_findings, activation_findings, experts_findings, bf16_experts_findings,
+    compile_findings,
     fp8_findings)
 
 

@@ -13,7 +13,8 @@ the byte of its peak (tests/test_audit_lever.py checks the rules' what-ifs on a 
 against full traces).
 
 Not used where it would not hold: a config whose layers differ (``layer_types`` with more
-than one kind, dense layers before the experts, experts every few layers), and near the
+than one kind, dense layers before the experts, experts every few layers), a step whose added
+layer is bound neither by the host nor by the GPU alone (``one_side_binds``), and near the
 out-of-memory line (within ``LEVER_MARGIN`` of it), where the verdict decides whether a fix
 is recommended: those what-ifs are traced in full.
 """
@@ -41,6 +42,30 @@ def lever_depth(work: Workload) -> Depth | None:
     model, no layer-count field, or layers that differ: planner.search.depth_of)."""
     depth = depth_of(work)
     return depth if depth.lever else None
+
+
+# an added layer adds to the step what it adds to the host's or the GPU's busy time, to this
+# share of the step's own increment, or the step is not affine in the layers
+LEVER_SLOPE_TOLERANCE = 0.01
+
+
+def one_side_binds(e0: Estimate, e1: Estimate) -> bool:
+    """Whether the step at two depths grows by what one side's busy time grows (the host's
+    issue time, or the GPU's work plus the communication it does not hide): each added layer
+    is then bound by that side and the step is affine in the layers. Where neither (the host
+    and the GPU overlap differently at each depth: a mixture of experts whose shallow steps
+    are partly host-bound), an extrapolated step would be off (OLMoE-1B-7B in bf16-true on
+    an H200: 111.2 ms from 1 and 2 layers, 128.2 ms traced in full), so it is traced in full."""
+    step = e1.step_time_s - e0.step_time_s
+    if step <= 0:
+        return False
+
+    def exposed(e: Estimate) -> float:
+        return e.parallel.exposed_communication_s if e.parallel is not None else 0.0
+
+    host = e1.host_time_s - e0.host_time_s
+    device = e1.device_time_s - e0.device_time_s + exposed(e1) - exposed(e0)
+    return any(abs(step - side) <= LEVER_SLOPE_TOLERANCE * step for side in (host, device))
 
 
 def retrace_steps(work: Workload, recipe: Recipe) -> list[tuple[Workload, Recipe]]:

@@ -18,7 +18,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tilefit.advise.findings import MIN_RECOMMENDED_SPEEDUP, Change, Finding, effect, severity_of
+from tilefit.advise.findings import (
+    MIN_RECOMMENDED_SPEEDUP,
+    Change,
+    Finding,
+    effect,
+    pace,
+    severity_of,
+)
 from tilefit.advise.rules_dims import module_map
 
 if TYPE_CHECKING:
@@ -101,3 +108,51 @@ def expert_loop_reason(whatif: WhatIf, precision: str | None = None) -> str:
             "through its own per-expert loop (one matmul per expert issued from Python after "
             "a read on the host) where eager mode calls torch's grouped GEMM; bf16 weights "
             "(--precision bf16-true) keep the grouped GEMM compiled.")
+
+
+DTYPE_RULE = "experts-dtype"
+BF16_FIX = ('AutoModelForCausalLM.from_pretrained(..., dtype=torch.bfloat16) (or '
+            'model.to(torch.bfloat16)) and no autocast; Lightning: Trainer(precision='
+            '"bf16-true")')
+
+
+def bf16_experts_findings(whatif: WhatIf) -> list[Finding]:
+    """Experts whose weights are not bf16 miss torch's grouped GEMM (bf16 only): ATen's
+    fallback or transformers' loop runs one matmul per expert after a read on the host. The
+    step re-traced with bf16 weights (bf16-true) says what that costs."""
+    from tilefit.compat.moe import EXPERT_LOOP_OPS
+    from tilefit.tracing.records import grouped_fallback
+    from tilefit.vocab import parse_precision
+
+    precision = parse_precision(whatif.recipe.precision)
+    if whatif.device.kind != "cuda" or not whatif.device.supports("bf16") or \
+            not whatif.can_retrace or precision.autocast_dtype != "bf16":
+        return []
+    est = whatif.estimate
+    slow_s = sum(c.time_s * c.repeats for c in est.ops
+                 if grouped_fallback(c.record) or c.record.op in EXPERT_LOOP_OPS)
+    if not slow_s:
+        return []
+    after = whatif.try_retrace(DTYPE_RULE, "the step with bf16 weights", precision="bf16-true")
+    if after is None or after.step_time_s >= est.step_time_s:
+        return []
+    speedup = est.step_time_s / after.step_time_s
+    ok = speedup >= MIN_RECOMMENDED_SPEEDUP and after.fits
+    return [Finding(
+        rule=DTYPE_RULE, severity=severity_of(speedup) if ok else "info",
+        title=f"the experts' GEMMs run one matmul per expert in {precision.param_dtype} "
+        f"({slow_s / est.step_time_s:.0%} of the GPU's time): with bf16 weights torch's "
+        f"grouped GEMM runs them, {pace(speedup)}",
+        modules=(), dimension="precision", current=precision.name, suggested="bf16-true",
+        fix=BF16_FIX,
+        reason="torch's grouped GEMM takes bf16 only; with fp32 weights the experts run "
+        "ATen's fallback (eager) or transformers' own loop (compiled), each reading the "
+        "experts' offsets on the host and launching a matmul per expert. Pure bf16 training "
+        "keeps weights, gradients and optimizer state in bf16, with no fp32 master copy: "
+        "updates below bf16's resolution round away, so check the loss curve against "
+        f"{precision.name} for the first steps. Step {est.step_time_s * 1e3:.2f} -> "
+        f"{after.step_time_s * 1e3:.2f} ms, peak {est.peak_memory_bytes / GIB:.2f} -> "
+        f"{after.peak_memory_bytes / GIB:.2f} GiB (re-traced in bf16-true).",
+        **effect(est, after), method="retrace", recommended=ok,
+        change=Change(recipe=(("precision", "bf16-true"),)))]
+

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from tilefit.advise.findings import Change
-from tilefit.advise.lever import extrapolate, lever_depth, near_the_line
+from tilefit.advise.lever import extrapolate, lever_depth, near_the_line, one_side_binds
 from tilefit.errors import TilefitError, error_line
 from tilefit.estimator import Estimate, estimate_trace
 from tilefit.hardware import Device
@@ -181,7 +181,8 @@ class WhatIf:
                 try:
                     low, high = (self._costed(work.with_config(**{depth.field: n}), recipe,
                                               rewrite) for n in depth.traced)
-                    est = extrapolate((low, high), depth)
+                    if one_side_binds(low[1], high[1]):
+                        est = extrapolate((low, high), depth)
                 except TilefitError as err:  # it does not build or trace shallower: in full
                     self.skipped("layer lever", f"the step at {depth.traced} layers", err)
                 if est is not None and near_the_line(est):
