@@ -312,6 +312,12 @@ def test_fp32_experts_run_atens_per_group_fallback_and_the_audit_says_so(
     assert found.step_time_after_s == pytest.approx(batched, rel=1e-9)
     (compiled,) = [f for f in audit.findings if f.rule == "compile"]
     assert "with experts' weights in fp32" in compiled.reason, compiled.reason
+    # the same step in bf16-true, where the grouped kernel runs (second method: estimated)
+    (dtype,) = [f for f in audit.findings if f.rule == "experts-dtype"]
+    pure = tilefit.estimate(work, gpu="a100-80gb", recipe=Recipe(batch_size=BATCH,
+                                                                precision="bf16-true"))
+    assert (dtype.current, dtype.suggested) == ("bf16-mixed", "bf16-true")
+    assert dtype.step_time_after_s == pytest.approx(pure.step_time_s, rel=1e-9)
 
 
 def test_an_experts_size_off_alignment_is_named_once_by_its_config_field(tmp_path: Path) -> None:
