@@ -418,3 +418,24 @@ def test_under_compile_the_audit_weighs_batched_mm_against_the_loop_and_skips_ea
     (found,) = [f for f in audit.findings if f.rule == RULE]
     assert (found.current, found.suggested) == ("grouped_mm", "batched_mm")
     assert found.step_time_after_s == pytest.approx(direct["batched_mm"], rel=1e-9)
+
+
+def test_plan_weighs_pure_bf16_for_a_mixture_of_experts(tmp_path: Path) -> None:
+    """In mixed precision (fp32 weights) the experts miss torch's bf16-only grouped GEMM, so
+    the plan also sweeps bf16-true for a mixture of experts, and says what it changes; a
+    dense model, or a GPU without bf16, gets no such recipe."""
+    from tilefit.hardware import get_device
+    from tilefit.planner.search import changes_of
+    from tilefit.planner.space import moe_recipes
+
+    a100, t4 = get_device("a100-80gb"), get_device("t4")
+    assert [r.precision for r in moe_recipes(a100, "adamw", experts=True)] == ["bf16-true"]
+    assert moe_recipes(a100, "adamw", experts=False) == moe_recipes(t4, "adamw",
+                                                                    experts=True) == []
+    (pure,) = moe_recipes(a100, "adamw", experts=True)
+    assert any("pure bf16" in c for c in changes_of(pure, "adamw", offload=False))
+    assert any("master copy on the CPU" in c for c in changes_of(pure, "adamw", offload=True))
+    work = load_workload(_config(tmp_path, MIXTRAL), seq_len=SEQ)
+    plan = tilefit.plan(work, gpu="a100-80gb", global_batch=4)
+    rows = [r for r in plan.rows if r.precision == "bf16-true" and not r.offload]
+    assert rows and all(r.fits for r in rows)

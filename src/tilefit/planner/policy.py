@@ -62,6 +62,9 @@ def trace_recipes(p: PlanState, optimizer: str, *, hf_model: bool, allow_peft: b
         p.add(spec)
     for spec in space.fp8_recipes(device, optimizer, hf_model=hf_model):
         p.add(spec)
+    experts = hf_model and bool((p.work.config or {}).get("num_experts_per_tok"))
+    for spec in space.moe_recipes(device, optimizer, experts=experts):
+        p.add(spec)
     if allow_peft and hf_model:
         for spec in space.peft_recipes(device, optimizer, lora or Lora()):
             p.add(spec)

@@ -269,8 +269,12 @@ def changes_of(spec: Recipe, user_optimizer: str, offload: bool,
         out.append(f"DeepSpeed's {prec.param_dtype} mode: {prec.param_dtype} weights and "
                    "gradients, the fp32 master weights and optimizer state partitioned "
                    "over the GPUs")
-    elif prec.param_dtype != "fp32":
+    elif prec.param_dtype != "fp32" and offload:
         out.append(f"{prec.param_dtype} weights on the GPU, fp32 master copy on the CPU")
+    elif prec.param_dtype != "fp32":
+        out.append(f"pure {prec.param_dtype}: weights, gradients and optimizer state in "
+                   f"{prec.param_dtype}, no fp32 master copy (updates below its resolution "
+                   "round away: check the loss against mixed precision)")
     elif prec.allow_tf32:
         out.append("TF32 matmuls (10-bit mantissa inputs)")
     if spec.grad_checkpointing:

@@ -113,6 +113,18 @@ def same_math_recipes(device: Device, optimizer: str, *, causal_lm: bool) -> lis
     return out
 
 
+def moe_recipes(device: Device, optimizer: str, *, experts: bool) -> list[Recipe]:
+    """For a mixture of experts, pure bf16 (weights, gradients and optimizer state in bf16):
+    torch's grouped GEMM, which runs the experts, takes bf16 only, so in mixed precision
+    (fp32 weights) they run one fp32 matmul per expert (docs/references.md, section 40).
+    Not the same math: no fp32 master weights."""
+    if not experts or device.kind != "cuda" or not device.supports("bf16"):
+        return []
+    return [Recipe(precision="bf16-true", optimizer=FUSED_IMPLEMENTATION.get(optimizer,
+                                                                            optimizer),
+                   attention="sdpa")]
+
+
 def fp8_recipes(device: Device, optimizer: str, *, hf_model: bool) -> list[Recipe]:
     """fp8 training (torchao's float8 on the nn.Linear GEMMs, the rest bf16 autocast) with
     torch.compile, which fuses its scaling and casting kernels, where the GPU has fp8
