@@ -121,8 +121,7 @@ def bf16_experts_findings(whatif: WhatIf) -> list[Finding]:
     """Experts whose weights are not bf16 miss torch's grouped GEMM (bf16 only): ATen's
     fallback or transformers' loop runs one matmul per expert after a read on the host. The
     step re-traced with bf16 weights (bf16-true) says what that costs."""
-    from tilefit.compat.moe import EXPERT_LOOP_OPS
-    from tilefit.tracing.records import grouped_fallback
+    from tilefit.tracing.records import reads_expert_offsets
     from tilefit.vocab import parse_precision
 
     precision = parse_precision(whatif.recipe.precision)
@@ -131,7 +130,7 @@ def bf16_experts_findings(whatif: WhatIf) -> list[Finding]:
         return []
     est = whatif.estimate
     slow_s = sum(c.time_s * c.repeats for c in est.ops
-                 if grouped_fallback(c.record) or c.record.op in EXPERT_LOOP_OPS)
+                 if reads_expert_offsets(c.record))
     if not slow_s:
         return []
     after = whatif.try_retrace(DTYPE_RULE, "the step with bf16 weights", precision="bf16-true")

@@ -51,6 +51,12 @@ _NONZERO = torch.ops.aten.nonzero.default
 _ITEM = torch.ops.aten._local_scalar_dense.default
 
 
+def loops_on(capability: tuple[int, int] | None) -> bool:
+    """Whether transformers runs its per-expert loop on a CUDA GPU of this compute
+    capability in eager mode (None: a CPU target, no)."""
+    return capability is not None and capability < GROUPED_MM_MIN_CAPABILITY
+
+
 @contextlib.contextmanager
 def experts_dispatch_for(capability: tuple[int, int] | None) -> Iterator[None]:
     """transformers' choice between torch's grouped GEMM and its per-expert loop
@@ -62,8 +68,7 @@ def experts_dispatch_for(capability: tuple[int, int] | None) -> Iterator[None]:
         from transformers.integrations import moe as hf_moe
     except ImportError:  # pragma: no cover - transformers without MoE integrations
         hf_moe = None
-    if capability is None or capability >= GROUPED_MM_MIN_CAPABILITY or \
-            not hasattr(hf_moe, "_can_use_grouped_mm"):
+    if not loops_on(capability) or not hasattr(hf_moe, "_can_use_grouped_mm"):
         yield
         return
     with unittest.mock.patch.object(hf_moe, "_can_use_grouped_mm",
@@ -107,7 +112,7 @@ class RoutedExperts(TorchDispatchMode):
         self._hit: list[tuple[int, int]] | None = None  # (expert, tokens) of the experts hit
         self._at = -1  # the loop's iteration: an index into _hit
         self.fallback_grouped = 0  # non-bf16 grouped GEMMs answered
-        self.expert_loops = 0  # transformers' per-expert loop ops seen (records.EXPERT_LOOP_OPS)
+        self.expert_loops = 0  # transformers' per-expert loop ops seen (EXPERT_LOOP_OPS)
 
     def begin(self, tokens: int, top_k: int, experts: int) -> None:
         """An eager experts forward starts: ``tokens`` x ``top_k`` slots over ``experts``."""

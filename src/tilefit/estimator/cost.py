@@ -268,7 +268,7 @@ def _gemm(op: OpRecord, device: Device, ctx: CostContext) -> float:
 
 def zero_fill_time_s(op: OpRecord, device: Device) -> float:
     """transformers' per-expert loop zero-fills its outputs before its GEMMs write them
-    (records.EXPERT_LOOP_OPS): one write of each output."""
+    (compat.moe.EXPERT_LOOP_OPS): one write of each output."""
     if op.op not in EXPERT_LOOP_OPS:
         return 0.0
     return memory_time_s(sum(op.alloc_bytes), device, launches=len(op.output_shapes))

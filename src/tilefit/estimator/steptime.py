@@ -13,15 +13,15 @@ from tilefit.estimator.result import OpCost
 from tilefit.estimator.timeline import Block, Item, Timeline, simulate
 from tilefit.hardware.device import Device
 from tilefit.hardware.host import HostModel
-from tilefit.tracing.records import OpRecord, grouped_fallback
+from tilefit.tracing.records import OpRecord, reads_expert_offsets
 from tilefit.vocab import MICRO_PHASES
 
 # Ops after which the host waits for the device: a value read on the host (.item(),
-# bool(tensor)), as GradScaler's step does with found_inf and Adafactor with its norms.
-# transformers' per-expert loop reads its offsets first (compat.moe.EXPERT_LOOP_OPS), and
-# so does ATen's grouped-GEMM fallback (records.grouped_fallback).
+# bool(tensor)), as GradScaler's step does with found_inf and Adafactor with its norms; and
+# a mixture of experts' per-expert matmuls after their offsets are read
+# (records.reads_expert_offsets).
 SYNC_OPS = frozenset({"aten._local_scalar_dense.default", "aten.is_nonzero.default",
-                      "aten.item.default", "aten.equal.default"}) | EXPERT_LOOP_OPS
+                      "aten.item.default", "aten.equal.default"})
 
 
 def host_time_s(op: OpRecord, host: HostModel, device: Device) -> float:
@@ -67,7 +67,7 @@ def _blocks(costs: Sequence[OpCost], device: Device, param_tensors: int,
         if c.record.phase not in MICRO_PHASES and not opened_optimizer:
             opened_optimizer = True
             items.append(Item(param_tensors * host.optimizer_tensor_s, 0.0))
-        sync = (c.record.op in SYNC_OPS or grouped_fallback(c.record)) and \
+        sync = (c.record.op in SYNC_OPS or reads_expert_offsets(c.record)) and \
             not c.record.on_host
         items.append(Item(host_s, c.time_s, sync))
     if items:

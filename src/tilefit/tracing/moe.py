@@ -17,11 +17,11 @@ from typing import Any
 from torch import nn
 
 from tilefit.compat.moe import (
-    GROUPED_MM_MIN_CAPABILITY,
     RoutedExperts,
     experts_dispatch_for,
     experts_implementation,
     experts_modules,
+    loops_on,
     routing_of,
 )
 from tilefit.tracing.recorder import Recorder
@@ -75,7 +75,7 @@ class ExpertsTrace:
     def _loop_note(self) -> str:
         what = ("transformers' own per-expert loop (transformers::grouped_mm_fallback: the "
                 "offsets read on the host, then one matmul per expert issued from Python)")
-        if self.capability is not None and self.capability < GROUPED_MM_MIN_CAPABILITY:
+        if loops_on(self.capability):
             cc = ".".join(map(str, self.capability))
             return (f"the experts run through {what}: transformers calls torch's grouped "
                     f"GEMM on compute capability 8.0 or later only, this GPU has {cc}")

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tilefit.compat.moe import EXPERT_LOOP_OPS
 from tilefit.html_repr import HtmlRepr
 from tilefit.tracing.target import Target
 from tilefit.vocab import CATEGORIES, MICRO_PHASES, PHASES, Category, OpKind, Phase
@@ -57,6 +58,13 @@ def grouped_fallback(op: OpRecord) -> bool:
     aten/src/ATen/native/GroupedMMUtils.h) copies the offsets to the host (a sync) and runs
     one ``mm`` per group, each its own kernel (docs/references.md, section 40)."""
     return op.op == "aten._grouped_mm.default" and op.dtype != "bfloat16"
+
+
+def reads_expert_offsets(op: OpRecord) -> bool:
+    """One matmul per expert after the experts' offsets are read on the host (the host waits
+    for the device): transformers' per-expert loop (compat.moe.EXPERT_LOOP_OPS) or ATen's
+    grouped-GEMM fallback (``grouped_fallback``)."""
+    return op.op in EXPERT_LOOP_OPS or grouped_fallback(op)
 
 
 def expert_loop_launches(op: OpRecord) -> int:

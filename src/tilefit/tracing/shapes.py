@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from tilefit.compat.fake import flop_formula
-from tilefit.compat.moe import EXPERT_LOOP_OPS
+from tilefit.compat.moe import EXPERT_LOOP_OPS, grouped_mm_needs_bf16
 from tilefit.errors import error_line
 from tilefit.tracing.collectives import ENGINE_COPY_NAMESPACE, WAIT_OPS, is_collective
 from tilefit.tracing.records import GemmShape
@@ -20,7 +20,7 @@ from tilefit.vocab import BALANCED
 GEMM_OPS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm",
             "aten._grouped_mm"}
 # grouped GEMMs: torch's kernel, and transformers' per-expert loop in its place
-# (records.EXPERT_LOOP_OPS); their FLOPs are the sum of their per-expert GEMMs
+# (compat.moe.EXPERT_LOOP_OPS); their FLOPs are the sum of their per-expert GEMMs
 EXPERT_LOOP_NAMES = frozenset(op.rsplit(".", 1)[0] for op in EXPERT_LOOP_OPS)
 GROUPED_NAMES = EXPERT_LOOP_NAMES | {"aten._grouped_mm"}
 # tokens per expert of ``routed`` token-slots over ``experts`` (vocab.ExpertRouting.counts,
@@ -172,7 +172,7 @@ def grouped_gemms(args: tuple[Any, ...], kwargs: dict[str, Any],
     for c in counts:
         if c:
             loads[c] = loads.get(c, 0) + 1
-    per_group = a.dtype != torch.bfloat16  # ATen's fallback: one kernel per group
+    per_group = not grouped_mm_needs_bf16(args)  # ATen's fallback: one kernel per group
     return tuple(_grouped_shape(a, b, c, 1 if per_group else n, dt)
                  for c, n in loads.items() for _ in range(n if per_group else 1))
 
@@ -188,7 +188,7 @@ def _grouped_shape(a: Any, b: Any, rows: int, batch: int, dt: str) -> GemmShape:
 
 def expert_loop_gemms(args: tuple[Any, ...],
                       expert_counts: ExpertCounts | None) -> tuple[GemmShape, ...]:
-    """transformers' per-expert fallback (records.EXPERT_LOOP_OPS): one ``torch.mm`` per
+    """transformers' per-expert fallback (compat.moe.EXPERT_LOOP_OPS): one ``torch.mm`` per
     expert hit, each its own kernel. Forward ``(input (S, K), weight (E, K, N), offs)``: the
     expert's rows times its (K, N); backward ``(input, weight, offs, grad_output (S, N))``:
     the input's gradient (rows x N) x (N x K) and the weight's (K x rows) x (rows x N)."""
