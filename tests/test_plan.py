@@ -129,6 +129,24 @@ def test_peak_pieces_are_extrapolated_separately() -> None:
     assert row.predicted_peak_memory_bytes == 260
 
 
+def test_micro_time_takes_the_longer_side_at_each_depth() -> None:
+    """A shallow step host-bound, the deep one GPU-bound: the host adds 0.5 ms a layer over a
+    3 ms floor, the GPU 1 ms a layer over 1 ms. Extrapolating their maximum (3.5 ms at one
+    layer, 4 at two) would give 3.5 + 0.5 x 31 = 19 ms at 32 layers; each side extrapolated,
+    the GPU's 1 + 32 = 33 ms is the longer."""
+    def sample(layers: int) -> Sample:
+        device, host = 1.0 + layers, 3.0 + 0.5 * layers
+        return dataclasses.replace(_sample(1, layers, 0.0), micro_time_s=max(device, host),
+                                   micro_device_s=device, micro_host_s=host)
+
+    model = SweepModel((sample(1), sample(2)))
+    assert model.predict("micro_time_s", 1, 1) == pytest.approx(3.5)
+    assert model.predict("micro_time_s", 1, 32) == pytest.approx(33.0)
+    # samples without the split (a caller's own) keep extrapolating micro_time_s itself
+    plain = SweepModel((_sample(1, 1, 3.5), _sample(1, 2, 4.0)))
+    assert plain.predict("micro_time_s", 1, 32) == pytest.approx(19.0)
+
+
 def _with_micro(row: PlanRow, micro: int) -> PlanRow:
     """The row at another (unfriendly) micro-batch, its figures unchanged."""
     return dataclasses.replace(row, recipe=row.recipe.with_batch(micro), friendly=False)

@@ -69,6 +69,11 @@ class SweepModel:
                            fix="this is a bug in tilefit's planner; please report it")
 
     def predict(self, metric: str, micro_batch: float, layers: float | None = None) -> float:
+        if metric == "micro_time_s" and all(s.micro_device_s is not None
+                                            for s in self.samples):
+            # the longer side of the micro-batch, each side extrapolated (Sample)
+            return max(self.predict("micro_device_s", micro_batch, layers),
+                       self.predict("micro_host_s", micro_batch, layers))
         bs, ls = self._bs(), self._ls()
         b0, b1 = bs[0], bs[-1]
 

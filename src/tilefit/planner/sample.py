@@ -27,7 +27,12 @@ class Sample:
     affine in the micro-batch and the layer count, while their maximum is not (the peak
     moves from backward to the optimizer step as the model deepens): the sweep extrapolates
     each piece and takes the maximum.
-    micro_time_s: forward + backward (+ recompute) of one micro-batch.
+    micro_time_s: forward + backward (+ recompute) of one micro-batch: the longer of
+      micro_device_s (the GPU's work, with the communication it does not hide) and
+      micro_host_s (the host's time to issue it; 0 on a CPU target). Each of the two is
+      affine in the micro-batch and the layers, their maximum is not (a shallow step can be
+      host-bound where the full one is GPU-bound): the sweep extrapolates each and takes the
+      larger (tilefit.planner.affine.SweepModel.predict).
     fixed_time_s: once per optimizer step: optimizer, zero_grad, loss scaler.
     *_bytes: the largest live bytes of each model-state category.
     work_peak_bytes: the largest live bytes of what forward/backward allocate apart from the
@@ -55,10 +60,12 @@ class Sample:
     param_count: float
     host_bytes: float = 0.0
     fragmentation_ratio: float = 0.0
+    micro_device_s: float | None = None  # None: micro_time_s is the device's alone
+    micro_host_s: float = 0.0
 
     def metrics(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("micro_batch", "layers")}
+                if f.name not in ("micro_batch", "layers") and getattr(self, f.name) is not None}
 
 
 def category_peaks(tr: Trace, *, rounded: bool) -> dict[str, int]:
@@ -76,9 +83,10 @@ def work_peak(tr: Trace, *, rounded: bool) -> int:
         keep=lambda s: s.category not in STATE_CATEGORIES and s.phase in WORK_PHASES))
 
 
-def micro_step_s(est: Estimate) -> float:
-    """One micro-batch's time: its GPU time, or on a GPU the host's time to issue it when
-    that is longer (a host-bound micro-batch takes what the host takes). On several GPUs the
+def micro_step_s(est: Estimate) -> tuple[float, float]:
+    """One micro-batch's GPU time and the host's time to issue it (0 on a CPU target: the
+    sum of the ops' times is the step there); the micro-batch takes the longer of the two
+    (a host-bound micro-batch takes what the host takes). On several GPUs the
     communication the compute does not hide is shared among the micro-batches: FSDP2
     gathers and reduce-scatters, DDP all-reduces, at every micro-batch (no no_sync); under
     DeepSpeed ZeRO only the forward/backward phases' share (the parameters' all-gather after
@@ -90,13 +98,13 @@ def micro_step_s(est: Estimate) -> float:
         device_s += (sum(by_phase.get(p, 0.0) for p in MICRO_PHASES) if by_phase
                      else est.parallel.exposed_communication_s) / a
     if est.device.kind != "cuda":
-        return device_s
+        return device_s, 0.0
     from tilefit.estimator.steptime import host_time_s
 
     host, dev = est.device.host, est.device
     host_s = sum(host_time_s(c.record, host, dev) * c.repeats for c in est.ops
                  if c.record.phase in MICRO_PHASES) / a
-    return max(device_s, host_s)
+    return device_s, host_s
 
 
 def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int, *,
@@ -107,7 +115,8 @@ def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int, *,
     (DeepSpeed ZeRO, tilefit.estimator.zero_step.zero_peaks), in place of the trace's;
     ``host_bytes``: the CPU memory per node such an engine needs."""
     a = est.accumulation_steps
-    micro_time = micro_step_s(est)
+    device_s, host_s = micro_step_s(est)
+    micro_time = max(device_s, host_s)
     fixed_time = est.step_time_s - micro_time * a
     rounded = tr.target.kind == "cuda"
     if peaks is None:
@@ -127,7 +136,8 @@ def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int, *,
         optimizer_state_bytes=cats.get("optimizer_state", 0),
         work_peak_bytes=work_peak(tr, rounded=rounded), micro_flops=est.flops / a,
         param_count=tr.param_count, host_bytes=host_bytes,
-        fragmentation_ratio=0.0 if peaks is not None else fragmentation_ratio(est))
+        fragmentation_ratio=0.0 if peaks is not None else fragmentation_ratio(est),
+        micro_device_s=device_s, micro_host_s=host_s)
 
 
 def fragmentation_ratio(est: Estimate) -> float:
