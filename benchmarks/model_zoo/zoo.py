@@ -40,6 +40,12 @@ _W2V = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
         "mask_time_prob": 0.0, "mask_feature_prob": 0.0}
 _VIT = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
         "intermediate_size": 128, "image_size": 64, "patch_size": 8, "num_labels": 10}
+# Mamba-2 mixers (Bamba, Falcon-H1, Granite-4 hybrids) and gated-delta-rule layers (Qwen3-Next,
+# Qwen3.5, OLMo hybrid), at the zoo's width
+_MAMBA2 = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 16,
+           "mamba_n_groups": 1}
+_LINEAR = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+           "linear_num_key_heads": 2, "linear_num_value_heads": 4}
 _STAGES = {"depths": [1, 1], "hidden_sizes": [16, 32], "num_labels": 10, "image_size": 64}
 
 
@@ -114,6 +120,44 @@ ZOO: tuple[Arch, ...] = (
     Arch("mamba2", "state-space", {"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 256,
                                    "state_size": 16, "num_heads": 8, "head_dim": 16,
                                    "n_groups": 1, "expand": 2, "chunk_size": 16}, SEQ),
+    # hybrids: state-space or linear-attention layers beside attention (their kernels from
+    # mamba-ssm, causal-conv1d or flash-linear-attention traced as transformers' reference
+    # PyTorch code: tilefit.tracing.kernels)
+    Arch("falcon_mamba", "state-space", {"num_hidden_layers": 2, "hidden_size": 64,
+                                         "state_size": 8, "vocab_size": 256,
+                                         "intermediate_size": 128, "time_step_rank": 4}, SEQ),
+    Arch("jamba", "hybrid-moe", {**_GQA, "num_experts": 4, "num_experts_per_tok": 2,
+                                 "expert_layer_period": 2, "expert_layer_offset": 1,
+                                 "attn_layer_period": 2, "attn_layer_offset": 1,
+                                 "mamba_d_state": 8, "mamba_dt_rank": 4,
+                                 "use_mamba_kernels": False}, SEQ, exempt=_MOE),
+    Arch("bamba", "hybrid", {**_GQA, **_MAMBA2, "attn_layer_indices": [1]}, SEQ),
+    Arch("falcon_h1", "hybrid", {**_GQA, **_MAMBA2, "mamba_d_ssm": 128, "head_dim": 16}, SEQ),
+    Arch("granitemoehybrid", "hybrid-moe", {**_GQA, **_MAMBA2, "num_local_experts": 4,
+                                            "num_experts_per_tok": 2,
+                                            "shared_intermediate_size": 64,
+                                            "layer_types": ["mamba", "attention"]},
+         SEQ, exempt=_MOE),
+    Arch("nemotron_h", "hybrid", {"num_hidden_layers": 3, "hidden_size": 64,
+                                  "intermediate_size": 128, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
+                                  "layers_block_type": ["mamba", "attention", "mlp"],
+                                  "mamba_num_heads": 8, "mamba_head_dim": 16,
+                                  "ssm_state_size": 16, "n_groups": 1, "chunk_size": 16}, SEQ),
+    Arch("lfm2", "hybrid", {**_GQA, "layer_types": ["conv", "full_attention"]}, SEQ),
+    Arch("qwen3_5_text", "hybrid", {**_GQA, **_LINEAR, "head_dim": 16,
+                                    "layer_types": ["linear_attention", "full_attention"]}, SEQ),
+    Arch("qwen3_next", "hybrid-moe", {**_GQA, **_LINEAR, "head_dim": 16, "num_experts": 4,
+                                      "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                      "shared_expert_intermediate_size": 64,
+                                      "layer_types": ["linear_attention", "full_attention"]},
+         SEQ, exempt=_MOE),
+    Arch("olmo_hybrid", "hybrid", {**_DECODER, "num_key_value_heads": 4,
+                                   "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16,
+                                   "linear_value_head_dim": 16, "linear_num_key_heads": 4,
+                                   "linear_num_value_heads": 4, "pad_token_id": 1,
+                                   "eos_token_id": 2,
+                                   "layer_types": ["linear_attention", "full_attention"]}, SEQ),
     # encoders (masked-lm)
     Arch("bert", "encoder", _ENCODER, SEQ),
     Arch("roberta", "encoder", {**_ENCODER, "max_position_embeddings": 130}, SEQ),

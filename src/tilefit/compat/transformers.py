@@ -20,7 +20,9 @@ setter; ``_gradient_checkpointing_func`` for a compiled step).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -236,3 +238,72 @@ def decode_special_floats(config: dict[str, Any]) -> dict[str, Any]:
     from transformers import PretrainedConfig
 
     return dict(PretrainedConfig._decode_special_floats(config))
+
+
+# transformers' kernels with a PyTorch fallback (integrations/hub_kernels.py
+# use_kernel_func_from_hub_with_fallback): the wrapper a modeling module calls keeps, in its
+# closure, the package it looked for, whether it found it and the reference PyTorch function
+# (docs/references.md, section 41)
+_FALLBACK_CELLS = ("func_name", "package", "is_new_implementation", "torch_function")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """One of transformers' optional kernels as a traced step called it."""
+
+    name: str  # transformers' name for it (mamba_inner_fn, chunk_gated_delta_rule, ...)
+    package: str  # the package it comes from (mamba_ssm, causal_conv1d, fla)
+    installed: bool  # the package is importable here (its kernel was traced as the fallback)
+
+
+def _kernel_wrapper(fn: Any) -> tuple[KernelCall, Callable[..., Any]] | None:
+    """Where ``fn`` is transformers' kernel wrapper: what it calls and its reference PyTorch
+    function; else None."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or cells is None or not set(_FALLBACK_CELLS) <= set(code.co_freevars):
+        return None
+    found = {n: c.cell_contents for n, c in zip(code.co_freevars, cells, strict=True)
+             if n in _FALLBACK_CELLS}
+    call = KernelCall(str(found["func_name"]), str(found["package"]),
+                      bool(found["is_new_implementation"]))
+    return call, found["torch_function"]
+
+
+def kernel_distribution(package: str) -> str:
+    """The pip distribution of a kernel package (transformers' own name for it where it has
+    one, else the import name with hyphens: mamba_ssm -> mamba-ssm)."""
+    from transformers.integrations import hub_kernels
+
+    named = getattr(hub_kernels, "_PACKAGE_TO_DISTRIBUTION", {})
+    return named.get(package, package.replace("_", "-"))
+
+
+@contextlib.contextmanager
+def reference_kernels(model: nn.Module, ran: set[KernelCall]) -> Iterator[None]:
+    """While the step runs, each of transformers' optional kernels in the model's modeling
+    modules (mamba-ssm's, causal-conv1d's, flash-linear-attention's) runs transformers'
+    reference PyTorch code, the only code that runs on fake tensors (the packages' CUDA and
+    Triton kernels have no fake implementation), and is noted in ``ran`` when called; the
+    modules' own functions are put back after."""
+    modules = {sys.modules.get(type(m).__module__) for m in model.modules()}
+    patched: list[tuple[Any, str, Any]] = []
+
+    def recording(call: KernelCall, reference: Callable[..., Any]) -> Callable[..., Any]:
+        named = set(inspect.signature(reference).parameters)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            ran.add(call)  # the keywords the reference takes, as transformers' wrapper passes
+            return reference(*args, **{k: v for k, v in kwargs.items() if k in named})
+        return run
+
+    for mod in modules - {None}:
+        for attr, fn in list(vars(mod).items()):
+            wrapper = _kernel_wrapper(fn)
+            if wrapper is not None:
+                patched.append((mod, attr, fn))
+                setattr(mod, attr, recording(*wrapper))
+    try:
+        yield
+    finally:
+        for mod, attr, fn in patched:
+            setattr(mod, attr, fn)

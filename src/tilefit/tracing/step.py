@@ -37,6 +37,7 @@ from tilefit.tracing.distributed import parallel_spec, process_group, root_name
 from tilefit.tracing.errors import explain_build_errors, explain_fake_errors
 from tilefit.tracing.fakes import Prepared, prepare
 from tilefit.tracing.gc_pause import gc_paused
+from tilefit.tracing.kernels import KernelFallbacks
 from tilefit.tracing.loop import default_loss, micro_step, optimizer_step
 from tilefit.tracing.moe import ExpertsTrace
 from tilefit.tracing.optimizers import host_step_counters, paged_note
@@ -181,7 +182,8 @@ def _trace_prepared(prep: Prepared, options: TraceOptions, target: Target,
     autocast = autocast_for(target, options.low_dtype, router)
     experts = ExpertsTrace(prep.model, options.routing,
                            target.compute_capability if target.kind == "cuda" else None)
-    with mode:
+    kernels = KernelFallbacks()
+    with mode, kernels.watching(prep.model):
         recorder.register_existing(list(prep.model.parameters()) +
                                    list(prep.model.buffers()) +
                                    list(quant_state_tensors(prep.model)), "parameters")
@@ -201,7 +203,8 @@ def _trace_prepared(prep: Prepared, options: TraceOptions, target: Target,
             if options.parallel is not None:
                 stack.enter_context(recorder.watching_resizes())
             _run_two_steps(prep, options, recorder, autocast)
-    return _to_trace(prep, options, target, recorder, router, experts.notes())
+    return _to_trace(prep, options, target, recorder, router,
+                     experts.notes() + kernels.notes(cuda=target.kind == "cuda"))
 
 
 def _with_compiled(prep: Prepared, options: TraceOptions, recorder: Recorder,

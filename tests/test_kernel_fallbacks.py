@@ -1,0 +1,85 @@
+"""transformers' optional kernels (mamba-ssm, causal-conv1d, flash-linear-attention) are traced
+as transformers' reference PyTorch code, and the trace says so (tracing/kernels.py)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+
+from tilefit.compat.transformers import KernelCall, kernel_distribution, reference_kernels
+
+
+def _modeling_module(package: str, func_name: str) -> types.ModuleType:
+    """A modeling module as transformers writes one: a kernel wrapper and a layer calling it."""
+    mod = types.ModuleType(f"tilefit_test_modeling_{package}")
+
+    def reference(x: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+        return x * scale
+
+    mod.kernel = use_kernel_func_from_hub_with_fallback(func_name, package)(reference)
+
+    class Layer(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return mod.kernel(x, scale=3.0, unused_by_reference=1)
+
+    Layer.__module__ = mod.__name__
+    mod.Layer = Layer
+    sys.modules[mod.__name__] = mod
+    return mod
+
+
+def test_a_missing_package_runs_the_reference_and_is_noted() -> None:
+    mod = _modeling_module("tilefit_no_such_kernels", "fused_thing")
+    wrapper, ran = mod.kernel, set()
+    with reference_kernels(mod.Layer(), ran):
+        out = mod.Layer()(torch.ones(2))
+    assert out.tolist() == [3.0, 3.0]  # the reference, the keyword it does not take dropped
+    assert ran == {KernelCall("fused_thing", "tilefit_no_such_kernels", installed=False)}
+    assert mod.kernel is wrapper  # put back
+
+
+def test_an_installed_package_is_traced_as_the_reference() -> None:
+    # 'math' imports and has 'sqrt': transformers' wrapper would call math.sqrt (a kernel
+    # that cannot take a tensor, as mamba-ssm's cannot take a fake one)
+    mod = _modeling_module("math", "sqrt")
+    ran: set[KernelCall] = set()
+    with reference_kernels(mod.Layer(), ran):
+        out = mod.Layer()(torch.full((2,), 4.0))
+    assert out.tolist() == [12.0, 12.0]
+    assert ran == {KernelCall("sqrt", "math", installed=True)}
+
+
+def test_pip_names() -> None:
+    assert kernel_distribution("mamba_ssm") == "mamba-ssm"
+    assert kernel_distribution("causal_conv1d") == "causal-conv1d"
+    assert kernel_distribution("fla") == "flash-linear-attention"  # transformers' own mapping
+
+
+_MAMBA = {"architectures": ["MambaForCausalLM"], "model_type": "mamba", "hidden_size": 64,
+          "num_hidden_layers": 2, "state_size": 8, "vocab_size": 256, "expand": 2,
+          "conv_kernel": 4, "time_step_rank": 4}
+
+
+@pytest.mark.parametrize("gpu", ["a100-80gb", "cpu"])
+def test_mamba_trace_says_which_kernels_were_reference_code(gpu: str, tmp_path) -> None:
+    import json
+
+    from tilefit import Recipe, estimate
+    from tilefit.models import load_workload
+
+    (tmp_path / "config.json").write_text(json.dumps(_MAMBA))
+    work = load_workload(str(tmp_path / "config.json"), seq_len=16)
+    est = estimate(work, recipe=Recipe(batch_size=2), gpu=gpu)
+    notes = [w for w in est.warnings if "reference PyTorch code" in w]
+    if gpu == "cpu":  # the reference code is what a CPU runs: nothing to say
+        assert notes == []
+        return
+    assert len(notes) == 1
+    for name in ("mamba_inner_fn", "selective_scan_fn", "causal_conv1d_fn", "mamba-ssm",
+                 "causal-conv1d"):
+        assert name in notes[0]
