@@ -3,6 +3,7 @@ as transformers' reference PyTorch code, and the trace says so (tracing/kernels.
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 
@@ -36,7 +37,7 @@ def _modeling_module(package: str, func_name: str) -> types.ModuleType:
 def test_a_missing_package_runs_the_reference_and_is_noted() -> None:
     mod = _modeling_module("tilefit_no_such_kernels", "fused_thing")
     wrapper, ran = mod.kernel, set()
-    with reference_kernels(mod.Layer(), ran):
+    with reference_kernels(mod.Layer(), ran.add):
         out = mod.Layer()(torch.ones(2))
     assert out.tolist() == [3.0, 3.0]  # the reference, the keyword it does not take dropped
     assert ran == {KernelCall("fused_thing", "tilefit_no_such_kernels", installed=False)}
@@ -48,7 +49,7 @@ def test_an_installed_package_is_traced_as_the_reference() -> None:
     # that cannot take a tensor, as mamba-ssm's cannot take a fake one)
     mod = _modeling_module("math", "sqrt")
     ran: set[KernelCall] = set()
-    with reference_kernels(mod.Layer(), ran):
+    with reference_kernels(mod.Layer(), ran.add):
         out = mod.Layer()(torch.full((2,), 4.0))
     assert out.tolist() == [12.0, 12.0]
     assert ran == {KernelCall("sqrt", "math", installed=True)}
@@ -83,3 +84,45 @@ def test_mamba_trace_says_which_kernels_were_reference_code(gpu: str, tmp_path) 
     for name in ("mamba_inner_fn", "selective_scan_fn", "causal_conv1d_fn", "mamba-ssm",
                  "causal-conv1d"):
         assert name in notes[0]
+
+
+def _mamba_workload(tmp_path):  # type: ignore[no-untyped-def]
+    import json
+
+    from tilefit.models import load_workload
+
+    (tmp_path / "config.json").write_text(json.dumps(_MAMBA))
+    return load_workload(str(tmp_path / "config.json"), seq_len=16)
+
+
+def test_the_trace_names_each_kernel_and_its_calling_module(tmp_path) -> None:
+    from tilefit import Recipe
+    from tilefit.hardware import get_device
+    from tilefit.tracing.workloads import trace_workload
+
+    tr = trace_workload(_mamba_workload(tmp_path), Recipe(batch_size=2), get_device("a100-80gb"))
+    # transformers' MambaMixer.forward calls mamba_inner_fn (whose fallback returns None),
+    # then causal_conv1d_fn and selective_scan_fn, in each of the 2 layers
+    assert {(k.name, k.module) for k in tr.reference_kernels} == {
+        (name, f"backbone.layers.{i}.mixer") for i in (0, 1)
+        for name in ("mamba_inner_fn", "causal_conv1d_fn", "selective_scan_fn")}
+    assert not any(k.installed for k in tr.reference_kernels)
+
+
+def test_the_audit_says_what_the_reference_code_costs(tmp_path) -> None:
+    from tilefit import Recipe, audit
+    from tilefit.advise.rules_kernels import RULE
+
+    result = audit(_mamba_workload(tmp_path), recipe=Recipe(batch_size=2), gpu="a100-80gb")
+    found = [f for f in result.findings if f.rule == RULE]
+    assert len(found) == 1 and not found[0].recommended
+    f = found[0]
+    assert f.modules == ("backbone.layers.*.mixer",)
+    assert "pip install causal-conv1d mamba-ssm" in f.fix
+    # its GPU time, second method: the module table's rows of the two mixers (each row is the
+    # ops whose innermost module it is, as the rule counts them)
+    est = result.estimate
+    mixers = sum(m.time_s for m in est.modules if re.fullmatch(r"backbone\.layers\.\d\.mixer",
+                                                                m.module))
+    assert f"{mixers * 1e3:.2f} ms of GPU time" in f.reason
+    assert f.step_time_after_s == f.step_time_before_s == est.step_time_s  # not re-estimated

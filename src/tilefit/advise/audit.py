@@ -17,6 +17,7 @@ from tilefit.advise.rules_compile import compile_findings, compile_variant
 from tilefit.advise.rules_dims import dimension_findings
 from tilefit.advise.rules_fp8 import fp8_findings
 from tilefit.advise.rules_host import host_findings
+from tilefit.advise.rules_kernels import reference_kernel_findings
 from tilefit.advise.rules_memory import memory_findings
 from tilefit.advise.rules_moe import bf16_experts_findings, experts_findings
 from tilefit.advise.rules_optimizer import fused_optimizer_findings
@@ -52,7 +53,7 @@ RULES: tuple[Callable[[WhatIf], list[Finding]], ...] = (
     attention_findings, host_findings, fused_optimizer_findings, memory_findings,
     fragmentation_findings, activation_findings, experts_findings, bf16_experts_findings,
     compile_findings,
-    fp8_findings)
+    fp8_findings, reference_kernel_findings)
 
 
 @dataclass(frozen=True)

@@ -279,11 +279,12 @@ def kernel_distribution(package: str) -> str:
 
 
 @contextlib.contextmanager
-def reference_kernels(model: nn.Module, ran: set[KernelCall]) -> Iterator[None]:
+def reference_kernels(model: nn.Module, on_call: Callable[[KernelCall], None]
+                      ) -> Iterator[None]:
     """While the step runs, each of transformers' optional kernels in the model's modeling
     modules (mamba-ssm's, causal-conv1d's, flash-linear-attention's) runs transformers'
     reference PyTorch code, the only code that runs on fake tensors (the packages' CUDA and
-    Triton kernels have no fake implementation), and is noted in ``ran`` when called; the
+    Triton kernels have no fake implementation), ``on_call`` told of each call first; the
     modules' own functions are put back after."""
     modules = {sys.modules.get(type(m).__module__) for m in model.modules()}
     patched: list[tuple[Any, str, Any]] = []
@@ -292,7 +293,7 @@ def reference_kernels(model: nn.Module, ran: set[KernelCall]) -> Iterator[None]:
         named = set(inspect.signature(reference).parameters)
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            ran.add(call)  # the keywords the reference takes, as transformers' wrapper passes
+            on_call(call)  # the keywords the reference takes, as transformers' wrapper passes
             return reference(*args, **{k: v for k, v in kwargs.items() if k in named})
         return run
 

@@ -14,7 +14,10 @@ SEVERITY_STYLE = {"high": "bold red", "medium": "yellow", "low": "cyan", "info":
 
 
 def gain_text(f: Finding) -> str:
-    """The predicted gain in words: speedup, or memory saved for memory fixes."""
+    """The predicted gain in words: speedup, or memory saved for memory fixes; none where
+    the fix was not re-estimated (a finding for information)."""
+    if f.method == "none":
+        return f"not re-estimated (the step now: {fmt_time(f.step_time_before_s)})"
     parts = []
     per = " per sample" if f.per_sample else ""
     parts.append(f"{f.predicted_speedup:.3f}x{per} ({fmt_time(f.step_time_before_s)} -> "

@@ -123,6 +123,18 @@ class StorageRecord:
 
 
 @dataclass(frozen=True)
+class ReferenceKernel:
+    """One of transformers' optional kernels (mamba-ssm, causal-conv1d,
+    flash-linear-attention) that the step ran as transformers' reference PyTorch code
+    (tilefit.tracing.kernels), and the module that called it."""
+
+    name: str  # transformers' name for the kernel: mamba_inner_fn, chunk_gated_delta_rule
+    package: str  # the import name of its package: mamba_ssm, causal_conv1d, fla
+    installed: bool  # the package imports where the step was traced
+    module: str  # the calling module's path, as OpRecord.module
+
+
+@dataclass(frozen=True)
 class Trace(HtmlRepr):
     target: Target
     precision: str
@@ -148,6 +160,9 @@ class Trace(HtmlRepr):
     strategy: str | None = None  # a vocab.STRATEGIES name, None on one GPU
     # the recipe's PYTORCH_CUDA_ALLOC_CONF (None: the environment's, read when estimated)
     alloc_conf: str | None = None
+    # transformers' optional kernels traced as its reference PyTorch code, one per calling
+    # module (tilefit.tracing.kernels)
+    reference_kernels: tuple[ReferenceKernel, ...] = ()
 
     # ---- memory -------------------------------------------------------------------------
     def live_bytes_timeline(self, *, rounded: bool = True,

@@ -37,7 +37,7 @@ from tilefit.tracing.distributed import parallel_spec, process_group, root_name
 from tilefit.tracing.errors import explain_build_errors, explain_fake_errors
 from tilefit.tracing.fakes import Prepared, prepare
 from tilefit.tracing.gc_pause import gc_paused
-from tilefit.tracing.kernels import KernelFallbacks
+from tilefit.tracing.kernels import KernelFallbacks, reference_note
 from tilefit.tracing.loop import default_loss, micro_step, optimizer_step
 from tilefit.tracing.moe import ExpertsTrace
 from tilefit.tracing.optimizers import host_step_counters, paged_note
@@ -49,7 +49,7 @@ from tilefit.tracing.options import (
     resolve_target,
 )
 from tilefit.tracing.recorder import Recorder, StepMarks
-from tilefit.tracing.records import Trace
+from tilefit.tracing.records import ReferenceKernel, Trace
 from tilefit.tracing.target import Target
 from tilefit.vocab import check_compile_mode, parse_routing
 
@@ -183,7 +183,7 @@ def _trace_prepared(prep: Prepared, options: TraceOptions, target: Target,
     experts = ExpertsTrace(prep.model, options.routing,
                            target.compute_capability if target.kind == "cuda" else None)
     kernels = KernelFallbacks()
-    with mode, kernels.watching(prep.model):
+    with mode, kernels.watching(prep.model, lambda: recorder.module):
         recorder.register_existing(list(prep.model.parameters()) +
                                    list(prep.model.buffers()) +
                                    list(quant_state_tensors(prep.model)), "parameters")
@@ -203,8 +203,8 @@ def _trace_prepared(prep: Prepared, options: TraceOptions, target: Target,
             if options.parallel is not None:
                 stack.enter_context(recorder.watching_resizes())
             _run_two_steps(prep, options, recorder, autocast)
-    return _to_trace(prep, options, target, recorder, router,
-                     experts.notes() + kernels.notes(cuda=target.kind == "cuda"))
+    return _to_trace(prep, options, target, recorder, router, experts.notes(),
+                     kernels.kernels)
 
 
 def _with_compiled(prep: Prepared, options: TraceOptions, recorder: Recorder,
@@ -287,7 +287,8 @@ def _micro_batch(prep: Prepared, options: TraceOptions, recorder: Recorder, auto
 
 
 def _to_trace(prep: Prepared, options: TraceOptions, target: Target, recorder: Recorder,
-              router: AttentionRouter | None, notes: list[str] | None = None) -> Trace:
+              router: AttentionRouter | None, notes: list[str] | None = None,
+              kernels: tuple[ReferenceKernel, ...] = ()) -> Trace:
     samples, tokens = _samples_and_tokens(prep.batch)
     warnings = []
     if recorder.stand_in_reads:
@@ -304,6 +305,7 @@ def _to_trace(prep: Prepared, options: TraceOptions, target: Target, recorder: R
                         "mask)")
     warnings.extend(prep.notes)
     warnings.extend(notes or ())
+    warnings.extend(reference_note(kernels, cuda=target.kind == "cuda"))
     paged = paged_note(options.optimizer, prep.optimizer)
     if paged is not None:
         warnings.append(paged)
@@ -325,6 +327,7 @@ def _to_trace(prep: Prepared, options: TraceOptions, target: Target, recorder: R
         compile_mode=options.compile_mode if prep.compiled is not None else "default",
         world_size=1 if parallel is None else parallel.world_size,
         strategy=None if parallel is None else parallel.strategy,
+        reference_kernels=kernels,
     )
 
 
