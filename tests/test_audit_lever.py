@@ -20,7 +20,7 @@ from tilefit.estimator import estimate_trace
 from tilefit.estimator.workloads import trace_workload
 from tilefit.hardware import get_device
 from tilefit.models import Workload, load_workload
-from tilefit.planner.search import depth_of
+from tilefit.planner.search import Depth, depth_of
 from tilefit.recipe import Compile, Recipe
 
 GPU = "a100-80gb"
@@ -99,10 +99,12 @@ def test_only_alike_layers_are_extrapolated(tmp_path: Path) -> None:
     from tilefit.models.hf import uniform_layers
 
     assert lever.lever_depth(_deep()) is not None
-    # Gemma 2 alternates sliding-window and full attention layers
+    # Gemma 2 alternates sliding-window and full attention layers: a 2-layer pattern
+    # repeated 4 times, traced at 1 and 2 repeats (tests/test_layer_pattern.py)
     gemma2 = _config(tmp_path, "gemma2")
-    assert not uniform_layers(gemma2.config) and lever.lever_depth(gemma2) is None
-    assert depth_of(gemma2).traced == (8,)  # the planner traces it at full depth too
+    assert not uniform_layers(gemma2.config)
+    assert depth_of(gemma2) == lever.lever_depth(gemma2) == Depth("num_hidden_layers", 4,
+                                                                  (1, 2), period=2)
     # DeepSeek-V3's first layers are dense, the rest experts
     assert not uniform_layers(_config(tmp_path, "deepseek_v3", first_k_dense_replace=1).config)
     # Qwen2-MoE with experts every second layer

@@ -74,7 +74,7 @@ def retrace_steps(work: Workload, recipe: Recipe) -> list[tuple[Workload, Recipe
     depth = lever_depth(work)
     if depth is None or depth.field is None:
         return [(work, recipe)]
-    return [(work.with_config(**{depth.field: n}), recipe) for n in depth.traced]
+    return [(depth.workload_at(work, n), recipe) for n in depth.traced]
 
 
 def extrapolate(shallow: tuple[tuple[Trace, Estimate], tuple[Trace, Estimate]],
@@ -108,8 +108,8 @@ def extrapolate(shallow: tuple[tuple[Trace, Estimate], tuple[Trace, Estimate]],
         host_time_s=lin(e0.host_time_s, e1.host_time_s),
         device_time_s=lin(e0.device_time_s, e1.device_time_s),
         host_bound_fraction=max(0.0, waits / step), reserved=_reserved(e0, e1, peak),
-        warnings=(*e1.warnings, f"extrapolated to {depth.full} layers from traces at {l0} "
-                  f"and {l1}"))
+        warnings=(*e1.warnings, f"extrapolated to {depth.layers} layers from traces at "
+                  f"{depth.layers_text((l0, l1)).replace(', ', ' and ')}"))
 
 
 def near_the_line(est: Estimate) -> bool:

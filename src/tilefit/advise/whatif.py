@@ -179,12 +179,13 @@ class WhatIf:
             est = None
             if depth is not None and depth.field is not None:
                 try:
-                    low, high = (self._costed(work.with_config(**{depth.field: n}), recipe,
-                                              rewrite) for n in depth.traced)
+                    low, high = (self._costed(depth.workload_at(work, n), recipe, rewrite)
+                                 for n in depth.traced)
                     if one_side_binds(low[1], high[1]):
                         est = extrapolate((low, high), depth)
                 except TilefitError as err:  # it does not build or trace shallower: in full
-                    self.skipped("layer lever", f"the step at {depth.traced} layers", err)
+                    self.skipped("layer lever", f"the step at {depth.layers_text(depth.traced)} "
+                                 "layers", err)
                 if est is not None and near_the_line(est):
                     est = None
             self._cache[key] = est if est is not None else self._costed(work, recipe,

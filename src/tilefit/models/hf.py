@@ -156,22 +156,15 @@ def known_fields(config: Mapping[str, Any]) -> set[str]:
     return fields
 
 
-# config fields that make some layers unlike the others (transformers' names;
-# docs/references.md, section 38)
-MIXED_LAYER_FIELDS = ("first_k_dense_replace", "mlp_only_layers")
-
-
 def uniform_layers(config: Mapping[str, Any]) -> bool:
     """Whether every layer is built alike, as the model's class builds ``config``: not where
-    ``layer_types`` names more than one kind (Gemma 2's sliding and full attention), dense
-    layers come before the experts (DeepSeek) or experts every few layers (Qwen2-MoE)."""
-    built = make_config(config).to_dict()
-    kinds = built.get("layer_types")
-    if isinstance(kinds, list) and len(set(map(str, kinds))) > 1:
-        return False
-    if any(built.get(key) for key in MIXED_LAYER_FIELDS):
-        return False
-    return int(built.get("decoder_sparse_step") or 1) <= 1
+    its per-layer fields name more than one kind (Gemma 2's sliding and full attention,
+    Jamba's Mamba and attention layers), dense layers come before the experts (DeepSeek) or
+    experts every few layers (Qwen2-MoE) (tilefit.models.layer_pattern)."""
+    from tilefit.models.layer_pattern import layer_kinds
+
+    kinds = layer_kinds(config)
+    return kinds is not None and len(set(kinds)) <= 1
 
 
 def canonical_field(config: Mapping[str, Any], field: str) -> str:

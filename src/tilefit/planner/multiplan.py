@@ -112,8 +112,8 @@ def multi_depth(depth: Depth) -> Depth:
     if not depth.lever:
         return depth
     if depth.full <= max(MULTI_LEVER_LAYERS):
-        return Depth(None, depth.full, (depth.full,))
-    return Depth(depth.field, depth.full, MULTI_LEVER_LAYERS)
+        return depth.in_full()
+    return Depth(depth.field, depth.full, MULTI_LEVER_LAYERS, depth.period)
 
 
 def multi_recipes(device: Device, optimizer: str, *, hf_model: bool,

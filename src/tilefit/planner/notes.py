@@ -25,8 +25,11 @@ def deep_model(depth: Depth, where: str | None = None) -> str:
     """Each recipe traced at a few layer counts and extrapolated; ``where``: on how many
     ranks, for a multi-GPU search."""
     traced = f"traced {where} at" if where else "traced at"
-    return (f"deep model: each recipe {traced} {', '.join(map(str, depth.traced))} of "
-            f"{depth.full} layers and extrapolated (affine in the layer count)")
+    pattern = "" if depth.period == 1 else (f" ({' and '.join(map(str, depth.traced))} "
+                                            f"repeats of its {depth.period}-layer pattern)")
+    return (f"deep model: each recipe {traced} {depth.layers_text(depth.traced)} of "
+            f"{depth.layers} layers{pattern} and extrapolated (affine in the "
+            f"{'layer' if depth.period == 1 else 'repeat'} count)")
 
 
 def not_on_gpus(*, allow_peft: bool, compile: bool, allow_optimizer_change: bool,

@@ -268,7 +268,7 @@ def _formula_gpus(p: PlanState, optimizer: str, hf_model: bool, budget: int) -> 
             state = x["parameters_bytes"] + x["gradients_bytes"] + x["optimizer_state_bytes"]
             params16 = half_parameter_bytes(y["parameters_bytes"], spec.precision)
             cands.append((b, state, params16, y["work_peak_bytes"], y["micro_time_s"]))
-        setup = smallest_setup(p.global_batch, cands, p.depth.full, budget)
+        setup = smallest_setup(p.global_batch, cands, p.depth.layers, budget)
         if setup is not None and (fewest is None or setup.gpus < fewest):
             fewest = setup.gpus
     return fewest

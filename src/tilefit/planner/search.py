@@ -44,32 +44,61 @@ SWEEP_ACCUMULATION = 2
 
 @dataclass(frozen=True)
 class Depth:
-    """How the model's depth is swept: the config field, the full count and the traced ones."""
+    """How the model's depth is swept: the config field, the full count and the traced ones,
+    counted in repeats of ``period`` layers (1: alike layers; a repeating pattern of layer
+    kinds, Gemma 2's sliding and full attention or Qwen3.5's three linear-attention layers to
+    one full, is traced at 1 and 2 repeats: tilefit.models.layer_pattern)."""
 
     field: str | None
     full: int
     traced: tuple[int, ...]
+    period: int = 1
 
     @property
     def lever(self) -> bool:
         return self.field is not None and len(self.traced) > 1
+
+    @property
+    def layers(self) -> int:
+        """The model's layer count (``full`` repeats of ``period`` layers)."""
+        return self.full * self.period
+
+    def in_full(self) -> Depth:
+        """The same model traced at its full depth only."""
+        return Depth(None, self.full, (self.full,), self.period)
+
+    def workload_at(self, workload: Workload, repeats: int) -> Workload:
+        """``workload`` cut to ``repeats`` of its ``period`` layers."""
+        if self.field is None or repeats == self.full:
+            return workload
+        from tilefit.models.layer_pattern import depth_changes
+
+        assert workload.config is not None
+        return workload.with_config(**depth_changes(workload.config, self.field, self.period,
+                                                    repeats))
+
+    def layers_text(self, units: tuple[int, ...]) -> str:
+        """Repeat counts as layer counts, "4, 8"."""
+        return ", ".join(str(u * self.period) for u in units)
 
 
 def depth_of(workload: Workload, *, use_lever: bool | None = None) -> Depth:
     if workload.config is None:
         return Depth(None, 1, (1,))
     from tilefit.models import hf
+    from tilefit.models.layer_pattern import repeated_period
 
     key = hf.canonical_field(workload.config, "num_hidden_layers")
     if key not in workload.config:
         return Depth(None, 1, (1,))
     full = int(workload.config[key])
     lever = full > LAYER_LEVER_MIN_LAYERS if use_lever is None else use_lever
-    # layers that differ (Gemma 2's alternating attention, DeepSeek's dense first layers)
-    # are not one layer repeated: traced at full depth
-    if not lever or full <= max(LEVER_LAYERS) or not hf.uniform_layers(workload.config):
+    period = repeated_period(workload.config, key) if lever else None
+    # layers that differ without repeating a pattern (DeepSeek's dense first layers) are
+    # traced at full depth, as is a pattern repeated too few times to extrapolate
+    if period is None or full // period <= max(LEVER_LAYERS):
         return Depth(None, full, (full,))
-    return Depth("num_hidden_layers", full, LEVER_LAYERS)
+    return Depth("num_hidden_layers", full // period, LEVER_LAYERS, period)
 
 
 def mfu_dtype_for(precision: str, device: Device) -> str:
@@ -113,9 +142,7 @@ def trace_point(workload: Workload, spec: Recipe, micro_batch: int, layers: int,
 def point_step(workload: Workload, spec: Recipe, micro_batch: int, layers: int, depth: Depth,
                accumulation_steps: int, parallel: Parallel | None) -> tuple[Workload, Recipe]:
     """The workload (at ``layers`` of ``depth``) and recipe of one sweep point."""
-    work = workload
-    if depth.field is not None and layers != depth.full:
-        work = workload.with_config(**{depth.field: layers})
+    work = depth.workload_at(workload, layers)
     recipe = spec.with_batch(micro_batch, accumulation_steps)
     if parallel is not None:
         recipe = replace(recipe, parallel=Parallelism(parallel.world_size, parallel.strategy))

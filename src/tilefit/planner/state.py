@@ -91,7 +91,7 @@ class PlanState:
             # the model may not build with fewer layers (per-layer config lists): trace it
             # at full depth instead
             self.notes.append(notes.FULL_DEPTH)
-            self.depth = Depth(None, self.depth.full, (self.depth.full,))
+            self.depth = self.depth.in_full()
             model = self._sweep(spec, self.notes, prune=kind is not None)
         if model is None:
             return
@@ -164,7 +164,7 @@ class PlanState:
         parallel = multiplan.parallel_of(row)
         full = self.depth.full
         return point_step(self.work, row.recipe, row.micro_batch, full,
-                          Depth(None, full, (full,)), row.accumulation_steps,
+                          self.depth.in_full(), row.accumulation_steps,
                           None if parallel is None or parallel.modelled else parallel)
 
     def prefetch_confirmation(self, row: PlanRow) -> bool:
@@ -176,7 +176,7 @@ class PlanState:
         """``row`` traced in full: the row with the trace's figures, and the comparison."""
         spec = row.recipe
         s = trace_sample(self.work, spec, row.micro_batch, self.depth.full,
-                         Depth(None, self.depth.full, (self.depth.full,)), self.device,
+                         self.depth.in_full(), self.device,
                          row.accumulation_steps, multiplan.parallel_of(row))
         self.traces += 1
         reserved = None
