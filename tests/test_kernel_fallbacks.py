@@ -126,3 +126,12 @@ def test_the_audit_says_what_the_reference_code_costs(tmp_path) -> None:
                                                                 m.module))
     assert f"{mixers * 1e3:.2f} ms of GPU time" in f.reason
     assert f.step_time_after_s == f.step_time_before_s == est.step_time_s  # not re-estimated
+
+
+def test_the_plan_says_it_too(tmp_path) -> None:
+    from tilefit import plan
+
+    p = plan(_mamba_workload(tmp_path), global_batch=4, gpu="a100-80gb")
+    assert p.best is not None
+    said = [n for n in p.notes if "reference PyTorch code" in n]
+    assert len(said) == 1 and "mamba_inner_fn" in said[0] and "mamba-ssm" in said[0]
