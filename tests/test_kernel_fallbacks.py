@@ -135,3 +135,36 @@ def test_the_plan_says_it_too(tmp_path) -> None:
     assert p.best is not None
     said = [n for n in p.notes if "reference PyTorch code" in n]
     assert len(said) == 1 and "mamba_inner_fn" in said[0] and "mamba-ssm" in said[0]
+
+
+def test_lora_on_a_mamba_model_names_the_targets_peft_accepts(tmp_path) -> None:
+    """peft refuses LoRA on a Mamba model's out_proj (mamba-ssm's kernels read its weight):
+    the default "all-linear" fails there, and the error names the linear layers peft takes,
+    which then trace."""
+    from tilefit import Lora, Recipe, estimate
+    from tilefit.errors import TilefitError
+
+    work = _mamba_workload(tmp_path)
+    with pytest.raises(TilefitError) as err:
+        estimate(work, recipe=Recipe(batch_size=2, lora=Lora()), gpu="a100-80gb")
+    # MambaMixer's linear layers: in_proj, x_proj, dt_proj, out_proj (peft refuses the last)
+    assert "incompatible with Mamba-based models" in err.value.problem
+    assert err.value.fix.startswith("pass --lora-targets in_proj,x_proj,dt_proj")
+    est = estimate(work, recipe=Recipe(batch_size=2, lora=Lora(targets=("in_proj", "x_proj",
+                                                                         "dt_proj"))),
+                   gpu="a100-80gb")
+    # rank 16 on each of the 3 layers x 2 layers: r x (in + out) per adapted layer
+    # in_proj 64 -> 256, x_proj 128 -> 4 + 2 x 8 = 20, dt_proj 4 -> 128
+    assert est.trainable_param_count == 2 * 16 * ((64 + 256) + (128 + 20) + (4 + 128))
+
+
+def test_peft_refusal_rule_is_read_from_peft(tmp_path) -> None:
+    import peft
+
+    from tilefit.compat.peft import refused_targets
+
+    work = _mamba_workload(tmp_path)
+    model = work.build()
+    cfg = peft.LoraConfig(target_modules=["in_proj"])
+    assert refused_targets(cfg, model, ["in_proj", "x_proj", "dt_proj", "out_proj",
+                                        "conv1d"]) == ["out_proj", "conv1d"]

@@ -86,6 +86,8 @@ def get_peft_model(model: nn.Module, task: str, lora: Lora | None = None) -> nn.
     peft = require_peft()
     config = peft.LoraConfig(**peft_config(task, lora))
     check_targets(model, config)
+    asked = repr(config.target_modules)  # peft expands "all-linear" in place
+    linear = linear_names(model)  # before peft wraps any of them
     with warnings.catch_warnings():
         # GPT-2's Conv1D: peft sets fan_in_fan_out itself and says so; the deprecation of
         # is_gradient_checkpointing is transformers' notice to peft, not to the user.
@@ -95,8 +97,7 @@ def get_peft_model(model: nn.Module, task: str, lora: Lora | None = None) -> nn.
         try:
             return peft.get_peft_model(model, config)  # type: ignore[no-any-return]
         except ValueError as err:  # a target peft cannot wrap (a module of no LoRA layer)
-            raise _bad_target(model, "--lora-targets", repr(config.target_modules),
-                              str(err).splitlines()[0]) from None
+            raise _refused(model, config, linear, asked, str(err).splitlines()[0]) from None
 
 
 def linear_names(model: nn.Module) -> list[str]:
@@ -127,8 +128,25 @@ def check_targets(model: nn.Module, config: Any) -> None:
                                   "module of this model")
 
 
-def _bad_target(model: nn.Module, flag: str, given: str, problem: str) -> TilefitError:
-    linear = linear_names(model)
+def _refused(model: nn.Module, config: Any, linear: list[str], asked: str, problem: str
+             ) -> TilefitError:
+    """peft refused the targets: name the linear layers it accepts on this model (a
+    Mamba-based model's out_proj and conv1d it refuses: compat.peft)."""
+    from tilefit.compat.peft import refused_targets
+
+    refused = refused_targets(config, model, linear)
+    if not refused:
+        return _bad_target(model, "--lora-targets", asked, problem, linear)
+    accepted = [n for n in linear if n not in refused and n != "lm_head"]
+    return TilefitError(problem, expected="LoRA targets peft accepts on this model: "
+                        + ", ".join(accepted), given=asked,
+                        fix="pass --lora-targets " + ",".join(accepted) + " (Python: "
+                        "Lora(targets=(...)))")
+
+
+def _bad_target(model: nn.Module, flag: str, given: str, problem: str,
+                linear: list[str] | None = None) -> TilefitError:
+    linear = linear_names(model) if linear is None else linear
     close = difflib.get_close_matches(given, linear, n=1)
     fix = f"pass {flag} " + ",".join(close or linear[:2])
     return TilefitError(problem, expected="module names of this model; its linear layers: "
