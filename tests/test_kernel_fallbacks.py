@@ -135,6 +135,10 @@ def test_the_plan_says_it_too(tmp_path) -> None:
     assert p.best is not None
     said = [n for n in p.notes if "reference PyTorch code" in n]
     assert len(said) == 1 and "mamba_inner_fn" in said[0] and "mamba-ssm" in said[0]
+    # MambaForCausalLM refuses SDPA: its recipes run its own attention-free code ("auto"),
+    # not a skipped "sdpa" recipe each, nor an "eager" one that is the same step
+    assert {r.attention for r in p.rows} == {"auto"}
+    assert not any("does not support attention" in n for n in p.notes)
 
 
 def test_lora_on_a_mamba_model_names_the_targets_peft_accepts(tmp_path) -> None:

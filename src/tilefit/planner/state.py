@@ -11,6 +11,7 @@ from tilefit.estimator.offload import OffloadLink, offload_peak_bytes, offload_s
 from tilefit.estimator.workloads import trace_workload
 from tilefit.hardware import Device
 from tilefit.models import Workload
+from tilefit.models.hf import refuses_sdpa
 from tilefit.planner import multiplan, notes, space
 from tilefit.planner.affine import SweepModel
 from tilefit.planner.result import Confirmation
@@ -64,15 +65,23 @@ class PlanState:
         self.rows: list[PlanRow] = []
         self.notes: list[str] = []
         self.traces = 0
+        # a Hugging Face class that refuses SDPA (Mamba, BLOOM, Gemma 2) runs its own
+        # attention ("auto": eager where it has any): its recipes say so, and the eager
+        # recipe is that one
+        self.sdpa_refused = work.config is not None and not work.is_factory and \
+            refuses_sdpa(work.config, work.task)
 
     def with_user(self, spec: Recipe) -> Recipe:
         """The recipe with the user's loop settings (and a mixture-of-experts model's
-        routing), as it is traced and keyed."""
+        routing), as it is traced and keyed; "auto" attention for a class that refuses
+        SDPA."""
         user = self.user
+        attention = "auto" if self.sdpa_refused and spec.attention in ("sdpa", "eager") \
+            else spec.attention
         return dataclasses.replace(spec, max_grad_norm=user.max_grad_norm,
                                    loss_sync=user.loss_sync, routing=user.routing,
                                    fused_ce=user.fused_ce or spec.fused_ce,
-                                   compile=user.compile or spec.compile)
+                                   compile=user.compile or spec.compile, attention=attention)
 
     def add(self, spec: Recipe, *, offload: bool = False) -> None:
         """Sweep ``spec`` (with the user's loop settings) over the micro-batches: its rows."""
