@@ -92,7 +92,7 @@ def _mamba_workload(tmp_path):  # type: ignore[no-untyped-def]
     from tilefit.models import load_workload
 
     (tmp_path / "config.json").write_text(json.dumps(_MAMBA))
-    return load_workload(str(tmp_path / "config.json"), seq_len=16)
+    return load_workload(str(tmp_path / "config.json"), seq_len=8)
 
 
 def test_the_trace_names_each_kernel_and_its_calling_module(tmp_path) -> None:
