@@ -172,3 +172,15 @@ def test_peft_refusal_rule_is_read_from_peft(tmp_path) -> None:
     cfg = peft.LoraConfig(target_modules=["in_proj"])
     assert refused_targets(cfg, model, ["in_proj", "x_proj", "dt_proj", "out_proj",
                                         "conv1d"]) == ["out_proj", "conv1d"]
+
+
+def test_an_inner_step_notes_its_own_calls() -> None:
+    """A step traced while another one's wrappers are in place (a child forked inside it)
+    still hears of its own calls; each context puts back what it found."""
+    mod = _modeling_module("tilefit_no_such_kernels_2", "fused_other")
+    original, outer, inner = mod.kernel, set(), set()
+    with reference_kernels(mod.Layer(), outer.add):
+        with reference_kernels(mod.Layer(), inner.add):
+            mod.Layer()(torch.ones(1))
+        assert len(inner) == 1 and not outer
+    assert mod.kernel is original

@@ -295,11 +295,13 @@ def reference_kernels(model: nn.Module, on_call: Callable[[KernelCall], None]
         def run(*args: Any, **kwargs: Any) -> Any:
             on_call(call)  # the keywords the reference takes, as transformers' wrapper passes
             return reference(*args, **{k: v for k, v in kwargs.items() if k in named})
+        run._tilefit_kernel = (call, reference)  # type: ignore[attr-defined]
         return run
 
     for mod in modules - {None}:
         for attr, fn in list(vars(mod).items()):
-            wrapper = _kernel_wrapper(fn)
+            # an enclosing step's own wrapper (a process forked inside one) is wrapped anew
+            wrapper = getattr(fn, "_tilefit_kernel", None) or _kernel_wrapper(fn)
             if wrapper is not None:
                 patched.append((mod, attr, fn))
                 setattr(mod, attr, recording(*wrapper))
