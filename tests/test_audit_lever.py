@@ -96,7 +96,7 @@ def _config(tmp_path: Path, model_type: str, **fields: object) -> Workload:
 
 
 def test_only_alike_layers_are_extrapolated(tmp_path: Path) -> None:
-    from tilefit.models.hf import uniform_layers
+    from tilefit.models.layer_pattern import uniform_layers
 
     assert lever.lever_depth(_deep()) is not None
     # Gemma 2 alternates sliding-window and full attention layers: a 2-layer pattern

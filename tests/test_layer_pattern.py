@@ -44,8 +44,9 @@ def test_period_by_hand() -> None:
 
 
 def test_cutting_a_config_keeps_its_pattern() -> None:
-    cfg = {"model_type": "gemma2", "num_hidden_layers": 8, "layer_types": ["s", "f"] * 4, "attn_layer_indices": [1, 3,
-           5, 7], "hybrid_override_pattern": "M*" * 4, "eos_token_id": [1, 2]}
+    cfg = {"model_type": "gemma2", "num_hidden_layers": 8, "layer_types": ["s", "f"] * 4,
+           "attn_layer_indices": [1, 3, 5, 7], "hybrid_override_pattern": "M*" * 4,
+           "eos_token_id": [1, 2]}
     got = depth_changes(cfg, "num_hidden_layers", period=2, repeats=2)
     assert got == {"num_hidden_layers": 4, "layer_types": ["s", "f", "s", "f"],
                    "attn_layer_indices": [1, 3], "hybrid_override_pattern": "M*M*"}

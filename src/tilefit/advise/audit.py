@@ -52,8 +52,7 @@ RULES: tuple[Callable[[WhatIf], list[Finding]], ...] = (
     dimension_findings, memory_bound_findings, wave_findings, precision_findings,
     attention_findings, host_findings, fused_optimizer_findings, memory_findings,
     fragmentation_findings, activation_findings, experts_findings, bf16_experts_findings,
-    compile_findings,
-    fp8_findings, reference_kernel_findings)
+    compile_findings, fp8_findings, reference_kernel_findings)
 
 
 @dataclass(frozen=True)

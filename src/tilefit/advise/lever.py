@@ -109,7 +109,7 @@ def extrapolate(shallow: tuple[tuple[Trace, Estimate], tuple[Trace, Estimate]],
         device_time_s=lin(e0.device_time_s, e1.device_time_s),
         host_bound_fraction=max(0.0, waits / step), reserved=_reserved(e0, e1, peak),
         warnings=(*e1.warnings, f"extrapolated to {depth.layers} layers from traces at "
-                  f"{depth.layers_text((l0, l1)).replace(', ', ' and ')}"))
+                  f"{depth.layers_text((l0, l1), ' and ')}"))
 
 
 def near_the_line(est: Estimate) -> bool:

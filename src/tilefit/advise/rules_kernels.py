@@ -10,7 +10,6 @@ The kernels themselves are not modelled, so no step after the fix is predicted.
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING
 
 from tilefit.advise.findings import Finding
@@ -22,7 +21,8 @@ RULE = "reference-kernels"
 
 
 def reference_kernel_findings(whatif: WhatIf) -> list[Finding]:
-    from tilefit.estimator.steptime import host_time_s
+    from tilefit.estimator.result import fold_layer_indices
+    from tilefit.estimator.steptime import issue_time_s
     from tilefit.tracing.kernels import distributions
 
     kernels = whatif.trace.reference_kernels
@@ -32,11 +32,10 @@ def reference_kernel_findings(whatif: WhatIf) -> list[Finding]:
     callers = {k.module for k in kernels}
     ops = [c for c in est.ops if c.record.module in callers]
     gpu_s = sum(c.time_s * c.repeats for c in ops)
-    host = est.device.host
-    host_s = sum(host_time_s(c.record, host, est.device) * c.repeats for c in ops)
+    host_s = issue_time_s(ops, est.device)
     step = est.step_time_s
     names = ", ".join(sorted({k.name for k in kernels}))
-    folded = tuple(sorted({re.sub(r"\.\d+(?=\.|$)", ".*", m) for m in callers}))
+    folded = tuple(sorted({fold_layer_indices(m) for m in callers}))
     n_ops = sum(c.repeats for c in ops)
     return [Finding(
         rule=RULE, severity="info",

@@ -155,4 +155,3 @@ def bf16_experts_findings(whatif: WhatIf) -> list[Finding]:
         f"{after.peak_memory_bytes / GIB:.2f} GiB (re-traced in bf16-true).",
         **effect(est, after), method="retrace", recommended=ok,
         change=Change(recipe=(("precision", "bf16-true"),)))]
-

@@ -67,6 +67,11 @@ def module_key(record: OpRecord) -> str:
     return OUTSIDE_MODULES.get(record.phase, f"({record.phase})")
 
 
+def fold_layer_indices(module: str) -> str:
+    """A module path with its layer indices folded: h.0.mlp -> h.*.mlp."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", module)
+
+
 @dataclass(frozen=True)
 class ModuleSummary:
     """One row of the step's time: a module path (its forward and backward, the layers'
@@ -152,7 +157,7 @@ class Estimate(HtmlRepr):
         """Module times with layer indices folded (h.0.mlp, h.1.mlp -> h.*.mlp)."""
         acc: dict[str, list[float]] = {}
         for m in self.modules:
-            key = re.sub(r"\.\d+(?=\.|$)", ".*", m.module)
+            key = fold_layer_indices(m.module)
             a = acc.setdefault(key, [0.0, 0, 0, 0])
             a[0] += m.time_s
             a[1] += m.flops

@@ -3,7 +3,7 @@ every op itself; host and device timelines on a GPU (tilefit.estimator.timeline)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from tilefit.compat.moe import EXPERT_LOOP_OPS
 from tilefit.estimator.cudagraphs import replay_starts
@@ -35,6 +35,11 @@ def host_time_s(op: OpRecord, host: HostModel, device: Device) -> float:
     if op.compiled:  # a compiled graph issues its kernels with no per-op Python work
         return compiled_launches(op, launches) * host.launch_s
     return host.issue_s(op.phase) + launches * host.launch_s
+
+
+def issue_time_s(costs: Iterable[OpCost], device: Device) -> float:
+    """The host's time to issue these ops, repeats included (eager, no CUDA graphs)."""
+    return sum(host_time_s(c.record, device.host, device) * c.repeats for c in costs)
 
 
 def _host_times(costs: Sequence[OpCost], device: Device, graphs: bool) -> list[float]:

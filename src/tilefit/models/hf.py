@@ -156,17 +156,6 @@ def known_fields(config: Mapping[str, Any]) -> set[str]:
     return fields
 
 
-def uniform_layers(config: Mapping[str, Any]) -> bool:
-    """Whether every layer is built alike, as the model's class builds ``config``: not where
-    its per-layer fields name more than one kind (Gemma 2's sliding and full attention,
-    Jamba's Mamba and attention layers), dense layers come before the experts (DeepSeek) or
-    experts every few layers (Qwen2-MoE) (tilefit.models.layer_pattern)."""
-    from tilefit.models.layer_pattern import layer_kinds
-
-    kinds = layer_kinds(config)
-    return kinds is not None and len(set(kinds)) <= 1
-
-
 def canonical_field(config: Mapping[str, Any], field: str) -> str:
     """The key the config dict stores ``field`` under (GPT-2's hidden_size is n_embd)."""
     from transformers import CONFIG_MAPPING

@@ -45,6 +45,15 @@ def layer_kinds(config: Mapping[str, Any]) -> tuple[str, ...] | None:
     return tuple("/".join(col[i] for col in columns) for i in range(n))
 
 
+def uniform_layers(config: Mapping[str, Any]) -> bool:
+    """Whether every layer is built alike, as the model's class builds ``config``: not where
+    its per-layer fields name more than one kind (Gemma 2's sliding and full attention,
+    Jamba's Mamba and attention layers), dense layers come before the experts (DeepSeek) or
+    experts every few layers (Qwen2-MoE)."""
+    kinds = layer_kinds(config)
+    return kinds is not None and len(set(kinds)) <= 1
+
+
 def period_of(kinds: tuple[str, ...]) -> int:
     """The shortest p dividing the layer count with kinds == kinds[:p] repeated."""
     n = len(kinds)

@@ -124,8 +124,8 @@ def check_targets(model: nn.Module, config: Any) -> None:
             continue
         for name in sorted(names):
             if not any(p == name or p.endswith("." + name) for p in paths):
-                raise _bad_target(model, flag, name, f"{flag} names {name!r}, which is no "
-                                  "module of this model")
+                raise _bad_target(linear_names(model), flag, name, f"{flag} names {name!r}, "
+                                  "which is no module of this model")
 
 
 def _refused(model: nn.Module, config: Any, linear: list[str], asked: str, problem: str
@@ -136,17 +136,19 @@ def _refused(model: nn.Module, config: Any, linear: list[str], asked: str, probl
 
     refused = refused_targets(config, model, linear)
     if not refused:
-        return _bad_target(model, "--lora-targets", asked, problem, linear)
-    accepted = [n for n in linear if n not in refused and n != "lm_head"]
+        return _bad_target(linear, "--lora-targets", asked, problem)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    heads = {p.rsplit(".", 1)[-1] for p, m in model.named_modules() if p and m is head}
+    accepted = [n for n in linear if n not in refused and n not in heads]
     return TilefitError(problem, expected="LoRA targets peft accepts on this model: "
                         + ", ".join(accepted), given=asked,
                         fix="pass --lora-targets " + ",".join(accepted) + " (Python: "
                         "Lora(targets=(...)))")
 
 
-def _bad_target(model: nn.Module, flag: str, given: str, problem: str,
-                linear: list[str] | None = None) -> TilefitError:
-    linear = linear_names(model) if linear is None else linear
+def _bad_target(linear: list[str], flag: str, given: str, problem: str) -> TilefitError:
+    """A target that matches no module, or that peft cannot wrap: the model's linear layers
+    (``linear``, linear_names) and the closest of them."""
     close = difflib.get_close_matches(given, linear, n=1)
     fix = f"pass {flag} " + ",".join(close or linear[:2])
     return TilefitError(problem, expected="module names of this model; its linear layers: "

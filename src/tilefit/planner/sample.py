@@ -99,12 +99,10 @@ def micro_step_s(est: Estimate) -> tuple[float, float]:
                      else est.parallel.exposed_communication_s) / a
     if est.device.kind != "cuda":
         return device_s, 0.0
-    from tilefit.estimator.steptime import host_time_s
+    from tilefit.estimator.steptime import issue_time_s
 
-    host, dev = est.device.host, est.device
-    host_s = sum(host_time_s(c.record, host, dev) * c.repeats for c in est.ops
-                 if c.record.phase in MICRO_PHASES) / a
-    return device_s, host_s
+    return device_s, issue_time_s((c for c in est.ops if c.record.phase in MICRO_PHASES),
+                                  est.device) / a
 
 
 def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int, *,

@@ -77,9 +77,9 @@ class Depth:
         return workload.with_config(**depth_changes(workload.config, self.field, self.period,
                                                     repeats))
 
-    def layers_text(self, units: tuple[int, ...]) -> str:
+    def layers_text(self, units: tuple[int, ...], sep: str = ", ") -> str:
         """Repeat counts as layer counts, "4, 8"."""
-        return ", ".join(str(u * self.period) for u in units)
+        return sep.join(str(u * self.period) for u in units)
 
 
 def depth_of(workload: Workload, *, use_lever: bool | None = None) -> Depth:
@@ -120,13 +120,19 @@ def trace_sample(workload: Workload, spec: Recipe, micro_batch: int, layers: int
                  parallel: Parallel | None = None) -> Sample:
     """One traced and costed step; ``parallel``: rank 0 of a data-parallel job, the micro-batch
     being one rank's (DeepSpeed ZeRO: modelled on the one-GPU trace)."""
+    traced = None if parallel is not None and parallel.modelled else parallel
+    tr = trace_point(workload, spec, micro_batch, layers, depth, device, accumulation_steps,
+                     traced)
+    return sample_from(tr, device, micro_batch, layers, parallel)
+
+
+def sample_from(tr: Trace, device: Device, micro_batch: int, layers: int,
+                parallel: Parallel | None) -> Sample:
+    """The Sample of a traced step (``parallel`` modelled: DeepSpeed ZeRO's rank, modelled
+    on this one-GPU trace)."""
     if parallel is not None and parallel.modelled:
-        tr = trace_point(workload, spec, micro_batch, layers, depth, device,
-                         accumulation_steps, None)
         return zero_sample(tr, estimate_trace(tr, device), device, parallel, micro_batch,
                            layers)
-    tr = trace_point(workload, spec, micro_batch, layers, depth, device, accumulation_steps,
-                     parallel)
     return sample_of(tr, estimate_trace(tr, device), micro_batch, layers)
 
 
@@ -134,9 +140,14 @@ def trace_point(workload: Workload, spec: Recipe, micro_batch: int, layers: int,
                 depth: Depth, device: Device, accumulation_steps: int,
                 parallel: Parallel | None) -> Trace:
     """The step of ``spec`` at ``micro_batch`` and ``layers`` (of ``depth``), traced."""
-    work, recipe = point_step(workload, spec, micro_batch, layers, depth, accumulation_steps,
-                              parallel)
-    return trace_workload(work, recipe, device)
+    return trace_step(point_step(workload, spec, micro_batch, layers, depth,
+                                 accumulation_steps, parallel), device)
+
+
+def trace_step(step: tuple[Workload, Recipe], device: Device) -> Trace:
+    """A (workload, recipe) step of the planner traced: every trace of a plan is taken here
+    (tracing.workloads.trace_workload, shared within the plan's scope)."""
+    return trace_workload(*step, device)
 
 
 def point_step(workload: Workload, spec: Recipe, micro_batch: int, layers: int, depth: Depth,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 
 from tilefit.estimator.offload import OffloadLink, offload_peak_bytes, offload_step_time_s
-from tilefit.estimator.workloads import trace_workload
 from tilefit.hardware import Device
 from tilefit.models import Workload
 from tilefit.models.hf import refuses_sdpa
@@ -22,8 +21,9 @@ from tilefit.planner.search import (
     point_step,
     row_from,
     safe_sweep,
+    sample_from,
     state_over,
-    trace_sample,
+    trace_step,
 )
 from tilefit.recipe import Recipe
 from tilefit.tracing.kernels import reference_note
@@ -183,24 +183,17 @@ class PlanState:
         for a later ``confirm(row)`` to collect; whether it started."""
         return prefetch([self.confirm_step(row)], self.device, queue=True)
 
-    def _note_reference_kernels(self, row: PlanRow) -> None:
-        """Where the confirmed step ran transformers' reference code for a kernel of
-        mamba-ssm, causal-conv1d or flash-linear-attention, say so as the estimate does (the
-        trace is the plan's shared one: tracing.workloads.shared_traces)."""
-        work, recipe = self.confirm_step(row)
-        tr = trace_workload(work, recipe, self.device)
+    def confirm(self, row: PlanRow) -> tuple[PlanRow, Confirmation]:
+        """``row`` traced in full: the row with the trace's figures, and the comparison;
+        where the step ran transformers' reference code for a kernel of mamba-ssm,
+        causal-conv1d or flash-linear-attention, a note says so as the estimate does."""
+        tr = trace_step(self.confirm_step(row), self.device)
+        s = sample_from(tr, self.device, row.micro_batch, self.depth.full,
+                        multiplan.parallel_of(row))
+        self.traces += 1
         for line in reference_note(tr.reference_kernels, cuda=self.device.kind == "cuda"):
             if line not in self.notes:
                 self.notes.append(line)
-
-    def confirm(self, row: PlanRow) -> tuple[PlanRow, Confirmation]:
-        """``row`` traced in full: the row with the trace's figures, and the comparison."""
-        spec = row.recipe
-        s = trace_sample(self.work, spec, row.micro_batch, self.depth.full,
-                         self.depth.in_full(), self.device,
-                         row.accumulation_steps, multiplan.parallel_of(row))
-        self.traces += 1
-        self._note_reference_kernels(row)
         reserved = None
         if row.offload and row.strategy is None:  # ZeRO-Offload: modelled in the sample
             params16 = half_parameter_bytes(s.parameters_bytes, row.precision)
