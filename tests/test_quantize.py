@@ -268,6 +268,27 @@ def test_recipe_rules() -> None:
     assert Recipe(quantize="fp4", lora=Lora()).to_dict()["quantize"] == "fp4"
 
 
+def test_qlora_under_ddp_all_reduces_the_adapters_gradients_only(workload) -> None:  # type: ignore[no-untyped-def]
+    """Answer.AI's QLoRA "DDP mode": every GPU holds the whole 4-bit base; DDP buckets only
+    parameters that take a gradient, so its one bucket is the fp32 adapters' gradients
+    (bf16-mixed: peft keeps adapters in fp32), all-reduced once a step."""
+    from tilefit.recipe import Parallelism
+
+    recipe = Recipe(batch_size=2, precision="bf16-mixed", lora=Lora(), quantize="nf4",
+                    optimizer="adamw", parallel=Parallelism(2, "ddp"))
+    tr = trace(workload, recipe=recipe, gpu="a100-80gb")
+    # Lora(): rank 16 on the 7 linear layers of each block: r x (in + out) each
+    assert tr.trainable_param_count == 16 * sum(n + k for n, k in LINEARS)
+    grads = 4 * tr.trainable_param_count
+    reduced = [o.collective for o in tr.ops_of_step(1)
+               if o.collective is not None and o.collective.name == "all_reduce"]
+    assert [(c.nbytes, c.group_size) for c in reduced] == [(grads, 2)]
+    with pytest.raises(TilefitError, match="--strategy ddp"):
+        Recipe(lora=Lora(), quantize="nf4", parallel=Parallelism(2, "fsdp2"))
+    with pytest.raises(TilefitError, match="--strategy ddp"):
+        Recipe(lora=Lora(), quantize="nf4", parallel=Parallelism(2))  # fsdp2 by default
+
+
 def test_int8_on_a_gpu_says_why(workload) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(TilefitError, match="MatMul8bitLt on CUDA"):
         trace(workload, recipe=Recipe(batch_size=1, lora=Lora(), quantize="int8"),
@@ -292,6 +313,13 @@ def test_cli_quantize(tmp_path: Path) -> None:
     # the refusal in this process: the fresh interpreter's import lines are checked above
     bad = invoke_cli("estimate", str(path), "--quantize", "nf4")
     assert bad.returncode == 2 and "--lora" in bad.stderr + bad.stdout
+    # the table's title says which adapters on which base it read from the flags
+    said = invoke_cli("estimate", str(path), "--seq", "32", "--batch", "1", "--lora",
+                      "--lora-rank", "8", "--lora-targets", "q_proj,v_proj", "--quantize", "nf4",
+                      "--gpus", "2", "--strategy", "ddp", "--no-ops")
+    assert said.returncode == 0, said.stderr
+    assert "LoRA r=8 alpha=32 on q_proj,v_proj of a frozen nf4 base" in " ".join(
+        said.stdout.split())
 
 
 def _qlora_row(checkpointing: bool = True):  # type: ignore[no-untyped-def]

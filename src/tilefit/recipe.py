@@ -311,7 +311,8 @@ def training_loop_note(recipe: Recipe) -> str:
 
 def check_quantize(recipe: Recipe) -> None:
     """A quantized base: a name of vocab.QUANTIZATIONS, under LoRA adapters (its 4- and
-    8-bit weights take no gradient), on one GPU, in eager mode, outside fp8-mixed."""
+    8-bit weights take no gradient), on one GPU or replicated by DDP on several, in eager
+    mode, outside fp8-mixed."""
     q = recipe.quantize
     if q is None:
         return
@@ -322,7 +323,7 @@ def check_quantize(recipe: Recipe) -> None:
                            expected="one of " + ", ".join(QUANTIZATIONS), given=repr(q),
                            fix="pass --quantize nf4 (QLoRA's 4-bit NormalFloat)")
     clash = ("lora" if recipe.lora is None else "compile" if recipe.compile is not None
-             else "gpus" if recipe.parallel.world_size > 1
+             else "gpus" if recipe.parallel.engine not in (None, "ddp")
              else "fp8" if recipe.precision == "fp8-mixed" else None)
     if clash is None:
         return
@@ -331,16 +332,20 @@ def check_quantize(recipe: Recipe) -> None:
                  "gradient, so something else must train", "add --lora (QLoRA)"),
         "compile": ("a quantized base is not predicted under torch.compile yet",
                     "drop --compile"),
-        "gpus": ("a quantized base is predicted on one GPU (FSDP needs bitsandbytes' "
-                 "quant_storage set to the compute dtype)", "drop --gpus"),
+        "gpus": (f"a quantized base is predicted on one GPU or replicated on several by DDP, "
+                 f"not sharded by {recipe.parallel.engine} (sharding bitsandbytes' packed "
+                 "weights needs quant_storage set to the compute dtype: not modelled)",
+                 "pass --strategy ddp (every GPU holds the whole 4-bit base; only the "
+                 "adapters' gradients are all-reduced), or drop --gpus"),
         "fp8": ("bitsandbytes' layers compute in bf16, fp16 or fp32, not fp8 (torchao's "
                 "float8 training would swap the same linear layers)",
                 "pass another --precision (QLoRA trains under bf16 autocast)"),
     }[clash]
-    raise TilefitError(problem, expected=f"--quantize {q} with --lora, on one GPU, eager, "
-                       "in a 16-bit or fp32 precision",
+    raise TilefitError(problem, expected=f"--quantize {q} with --lora, on one GPU (or "
+                       "--strategy ddp), eager, in a 16-bit or fp32 precision",
                        given=f"--quantize {q} with " + {
                            "lora": "no --lora", "compile": "--compile",
-                           "gpus": f"--gpus {recipe.parallel.world_size}",
+                           "gpus": f"--gpus {recipe.parallel.world_size} (strategy "
+                                   f"{recipe.parallel.engine})",
                            "fp8": "--precision fp8-mixed"}[clash],
                        fix=fix)

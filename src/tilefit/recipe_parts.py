@@ -137,6 +137,18 @@ class Lora:
             raise TilefitError("dora says whether peft's DoRA is on", expected="True or False",
                                given=repr(self.dora), fix="pass --dora, or leave it out")
 
+    @property
+    def where(self) -> str:
+        """Where the adapters are, in words: every linear layer, or the module names."""
+        return "all linear layers" if isinstance(self.targets, str) else ",".join(self.targets)
+
+    def label(self, quantize: str | None = None) -> str:
+        """The adapters in a line: "LoRA r=16 alpha=32 on all linear layers", with the base's
+        quantization when there is one ("... of an nf4 base")."""
+        kind = "DoRA" if self.dora else "LoRA"
+        base = f" of a frozen {quantize} base" if quantize else ""
+        return f"{kind} r={self.rank} alpha={self.alpha:g} on {self.where}{base}"
+
 
 def _lora_targets(value: object) -> str | tuple[str, ...]:
     """peft's target_modules: "all-linear", or module names (a tuple, a list, or one string

@@ -257,16 +257,11 @@ def zero_sweeps(workload: Workload, spec: Recipe, micro_batches: list[int], dept
     return {e: SweepModel(tuple(s)) for e, s in samples.items()}
 
 
-def adapted_layers(lora: Lora) -> str:
-    """Where the adapters are, in words: peft's "all-linear", or the module names."""
-    return "all linear layers" if isinstance(lora.targets, str) else ",".join(lora.targets)
-
-
 def qlora_change(quantize: str, lora: Lora | None) -> str:
     """What QLoRA changes about training, in quality terms:
     docs/references.md, section 33."""
     lora = lora or Lora()
-    return (f"QLoRA: LoRA r={lora.rank} alpha={lora.alpha} adapters on {adapted_layers(lora)} of "
+    return (f"QLoRA: LoRA r={lora.rank} alpha={lora.alpha} adapters on {lora.where} of "
             f"a frozen base quantized to 4-bit {quantize.upper()} (bitsandbytes, double "
             "quantization): in the QLoRA paper (Dettmers et al. 2023) it matched 16-bit LoRA "
             "and full fine-tuning on its benchmarks, but the base weights are 4-bit and only "
@@ -282,7 +277,7 @@ def changes_of(spec: Recipe, user_optimizer: str, offload: bool,
     elif spec.lora is not None:
         lora = spec.lora
         out.append(f"{'DoRA' if lora.dora else 'LoRA'} r={lora.rank} alpha={lora.alpha} on "
-                   f"{adapted_layers(lora)}, base weights frozen in 16 bits: trains adapters, "
+                   f"{lora.where}, base weights frozen in 16 bits: trains adapters, "
                    "not the model (a different recipe)")
     if spec.optimizer != user_optimizer:
         same = same_update(spec.optimizer, user_optimizer)
