@@ -289,6 +289,62 @@ def test_qlora_under_ddp_all_reduces_the_adapters_gradients_only(workload) -> No
         Recipe(lora=Lora(), quantize="nf4", parallel=Parallelism(2))  # fsdp2 by default
 
 
+def test_a_compiled_qlora_step_lifts_the_quant_state_and_copies_no_weight(workload) -> None:  # type: ignore[no-untyped-def]
+    """torch.compile over bitsandbytes' Linear4bit (one graph with bitsandbytes >= 0.46 and
+    PyTorch >= 2.8): the capture takes each layer's QuantState tensors as inputs, so the
+    compiled step holds the same packed base as the eager one, to the byte; its
+    dequantize kernels run as extern kernels of the graphs, forward and backward; the model
+    is left as it was. (A real compiled QLoRA step on this CPU against the prediction:
+    benchmarks/bench_qlora_compile_cpu.py.)"""
+
+    def base_bytes(tr) -> int:  # type: ignore[no-untyped-def]
+        return sum(s.nbytes for s in tr.storages if s.category == "parameters")
+
+    def recipe(compile_: bool) -> Recipe:
+        return Recipe(batch_size=2, precision="bf16-mixed", lora=Lora(), quantize="nf4",
+                      optimizer="adamw", compile=compile_)
+
+    eager = trace(workload, recipe=recipe(False), gpu="a100-80gb")
+    compiled = trace(workload, recipe=recipe(True), gpu="a100-80gb")
+    assert compiled.compiled and base_bytes(compiled) == base_bytes(eager)
+    assert base_bytes(compiled) == sum(nf4_weight_bytes(n, k) for n, k in LINEARS) + 4 * (
+        128 * 64 + 128 * 64 + 5 * 64) + 4 * compiled.trainable_param_count + 64
+    dequant = {(o.phase, o.op) for o in compiled.ops_of_step(1)
+               if o.op.startswith("bitsandbytes.") and o.compiled and not o.fused}
+    assert ("backward", "bitsandbytes.dequantize_4bit.default") in dequant
+    assert any(phase == "forward" for phase, _ in dequant)
+    with pytest.raises(TilefitError, match="int8 base is not predicted under torch"):
+        Recipe(lora=Lora(), quantize="int8", compile=True)
+
+
+def test_lifting_the_quant_state_leaves_the_model_as_it_was() -> None:
+    import bitsandbytes as bnb
+    import torch
+
+    from tilefit.compat.bitsandbytes import LIFTED_PREFIX, quant_states_lifted
+
+    plain = torch.nn.Linear(4, 4)
+    with quant_states_lifted(plain):
+        assert dict(plain.named_buffers()) == {}
+    recover = bnb.nn.modules.fix_4bit_weight_quant_state_from_module
+    model = torch.nn.Sequential(plain)
+    holder = torch.nn.Linear(64, 32, bias=False)
+    _, state = bnb.functional.quantize_4bit(torch.randn(32, 64), compress_statistics=True,
+                                            quant_type="nf4")
+    holder.weight.quant_state = state
+    model.append(holder)
+    with quant_states_lifted(model):
+        lifted = dict(holder.named_buffers())
+        # absmax, code, offset and the nested state's absmax and code: the same tensors
+        assert [id(t) for t in lifted.values()] == [id(state.absmax), id(state.code),
+                                                    id(state.offset), id(state.state2.absmax),
+                                                    id(state.state2.code)]
+        assert bnb.nn.modules.fix_4bit_weight_quant_state_from_module is not recover
+    assert not [n for n, _ in model.named_buffers() if LIFTED_PREFIX in n]
+    assert bnb.nn.modules.fix_4bit_weight_quant_state_from_module is recover
+    assert holder.weight.quant_state is state
+
+
 def test_int8_on_a_gpu_says_why(workload) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(TilefitError, match="MatMul8bitLt on CUDA"):
         trace(workload, recipe=Recipe(batch_size=1, lora=Lora(), quantize="int8"),

@@ -311,8 +311,8 @@ def training_loop_note(recipe: Recipe) -> str:
 
 def check_quantize(recipe: Recipe) -> None:
     """A quantized base: a name of vocab.QUANTIZATIONS, under LoRA adapters (its 4- and
-    8-bit weights take no gradient), on one GPU or replicated by DDP on several, in eager
-    mode, outside fp8-mixed."""
+    8-bit weights take no gradient), on one GPU or replicated by DDP on several, eager or
+    (4-bit) compiled, outside fp8-mixed."""
     q = recipe.quantize
     if q is None:
         return
@@ -322,7 +322,8 @@ def check_quantize(recipe: Recipe) -> None:
                            + (f" (did you mean {close[0]}?)" if close else ""),
                            expected="one of " + ", ".join(QUANTIZATIONS), given=repr(q),
                            fix="pass --quantize nf4 (QLoRA's 4-bit NormalFloat)")
-    clash = ("lora" if recipe.lora is None else "compile" if recipe.compile is not None
+    clash = ("lora" if recipe.lora is None
+             else "compile" if recipe.compile is not None and q == "int8"
              else "gpus" if recipe.parallel.engine not in (None, "ddp")
              else "fp8" if recipe.precision == "fp8-mixed" else None)
     if clash is None:
@@ -330,8 +331,9 @@ def check_quantize(recipe: Recipe) -> None:
     problem, fix = {
         "lora": ("a quantized base is frozen: bitsandbytes' 4- and 8-bit weights take no "
                  "gradient, so something else must train", "add --lora (QLoRA)"),
-        "compile": ("a quantized base is not predicted under torch.compile yet",
-                    "drop --compile"),
+        "compile": ("an int8 base is not predicted under torch.compile (bitsandbytes' "
+                    "Linear8bitLt keeps per-layer state the capture does not lift; its 4-bit "
+                    "layers compile in one graph)", "drop --compile, or pass --quantize nf4"),
         "gpus": (f"a quantized base is predicted on one GPU or replicated on several by DDP, "
                  f"not sharded by {recipe.parallel.engine} (sharding bitsandbytes' packed "
                  "weights needs quant_storage set to the compute dtype: not modelled)",
@@ -342,7 +344,7 @@ def check_quantize(recipe: Recipe) -> None:
                 "pass another --precision (QLoRA trains under bf16 autocast)"),
     }[clash]
     raise TilefitError(problem, expected=f"--quantize {q} with --lora, on one GPU (or "
-                       "--strategy ddp), eager, in a 16-bit or fp32 precision",
+                       "--strategy ddp), in a 16-bit or fp32 precision (int8: eager)",
                        given=f"--quantize {q} with " + {
                            "lora": "no --lora", "compile": "--compile",
                            "gpus": f"--gpus {recipe.parallel.world_size} (strategy "

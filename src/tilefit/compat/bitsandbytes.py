@@ -15,6 +15,8 @@ implementations (``bitsandbytes/_ops.py``, ``register_fake``).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib
 import math
 import sys
@@ -34,6 +36,7 @@ __all__ = [
     "is_quantized_param",
     "logical_numel",
     "quant_state_tensors",
+    "quant_states_lifted",
     "quiet_paged_fallback",
     "require_bitsandbytes",
 ]
@@ -139,3 +142,79 @@ def quiet_paged_fallback(opt: Any) -> None:
     and warns once per optimizer (its private ``_cpu_paged_warned``): tilefit states what
     paging means in the trace's notes instead."""
     opt._cpu_paged_warned = True
+
+
+# the buffers a 4-bit layer's QuantState tensors are lifted into while a step is captured
+LIFTED_PREFIX = "_tilefit_quant_state_"
+_STATE_FIELDS = ("absmax", "code", "offset")
+
+
+def _state_paths(state: Any, prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """Where a QuantState holds tensors: ("absmax",), ..., ("state2", "absmax"), ..."""
+    for name in _STATE_FIELDS:
+        if isinstance(getattr(state, name, None), torch.Tensor):
+            yield (*prefix, name)
+    nested = getattr(state, "state2", None)
+    if nested is not None:
+        yield from _state_paths(nested, (*prefix, "state2"))
+
+
+def _state_over(state: Any, tensors: list[torch.Tensor]) -> Any:
+    """A copy of ``state`` (and of its nested state) holding ``tensors`` at its paths."""
+    out = copy.copy(state)
+    if getattr(state, "state2", None) is not None:
+        out.state2 = copy.copy(state.state2)
+    for path, t in zip(_state_paths(state), tensors, strict=True):
+        holder = out
+        for name in path[:-1]:
+            holder = getattr(holder, name)
+        setattr(holder, path[-1], t)
+    return out
+
+
+@contextlib.contextmanager
+def quant_states_lifted(model: nn.Module) -> Iterator[None]:
+    """Each 4-bit layer's QuantState tensors as inputs of a step AOTAutograd captures, as
+    Dynamo lifts them under torch.compile (bitsandbytes >= 0.46 compiles Linear4bit in one
+    graph with PyTorch >= 2.8: docs/references.md, section 33).
+
+    AOTAutograd swaps a module's parameters and buffers for traced stand-ins, so the weight
+    Linear4bit.forward sees has lost the ``quant_state`` attribute; bitsandbytes' own
+    recovery (``fix_4bit_weight_quant_state_from_module``) would re-wrap it as a Params4bit,
+    which a traced tensor cannot back, and the QuantState's tensors would be constants of the
+    graph. Here they are the layer's buffers for the capture (the same storages: nothing is
+    copied) and that recovery gives the stand-in a QuantState over their stand-ins. The
+    model is as it was afterwards."""
+    layers = [(m, m.weight.quant_state) for m in model.modules()
+              if isinstance(getattr(m, "weight", None), torch.Tensor)
+              and getattr(m.weight, "quant_state", None) is not None]
+    if not layers:
+        yield
+        return
+    modules = importlib.import_module("bitsandbytes.nn.modules")
+    recover = modules.fix_4bit_weight_quant_state_from_module
+    states = {id(m): state for m, state in layers}
+
+    def lifted(module: nn.Module) -> None:
+        state = states.get(id(module))
+        if state is None or getattr(module.weight, "quant_state", None) is not None:
+            recover(module)
+            return
+        n = sum(1 for _ in _state_paths(state))
+        tensors = [getattr(module, f"{LIFTED_PREFIX}{i}") for i in range(n)]
+        module.weight.quant_state = _state_over(state, tensors)
+
+    for m, state in layers:
+        for i, path in enumerate(_state_paths(state)):
+            holder = state
+            for name in path:
+                holder = getattr(holder, name)
+            m.register_buffer(f"{LIFTED_PREFIX}{i}", holder, persistent=False)
+    modules.fix_4bit_weight_quant_state_from_module = lifted
+    try:
+        yield
+    finally:
+        modules.fix_4bit_weight_quant_state_from_module = recover
+        for m, _ in layers:
+            for name in [n for n in m._buffers if n.startswith(LIFTED_PREFIX)]:
+                del m._buffers[name]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tilefit.compat.bitsandbytes import logical_numel, quant_state_tensors
+from tilefit.compat.bitsandbytes import logical_numel, quant_state_tensors, quant_states_lifted
 from tilefit.compat.bnb_dispatch import dense_buffers, gpu_props
 from tilefit.compat.compile import mutating_ops_in_place
 from tilefit.compat.fake import FakeTensorMode, new_fake_mode, tree_leaves
@@ -227,7 +227,8 @@ def _with_compiled(prep: Prepared, options: TraceOptions, recorder: Recorder,
                 autocast.end_forward()
                 autocast.end_backward()
 
-    with gpu_mask_semantics(), explain_fake_errors(recorder):
+    with gpu_mask_semantics(), explain_fake_errors(recorder), \
+            quant_states_lifted(prep.model):
         compiled = capture_step(prep.model, prep.batch, options.loss_fn, recorder,
                                 cpu=not options.cuda, forward_context=forward_autocast,
                                 checkpointed=options.grad_checkpointing)
