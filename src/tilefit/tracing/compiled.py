@@ -437,6 +437,7 @@ def compile_notes(step: CompiledStep, breaks: list[str] | None = None,
             "transformers' use_cache warning unless config.use_cache=False (--graph-breaks "
             "lists it)")
     if step.fallbacks:
-        notes.append("torch.compile: ops Inductor cannot fuse, costed as extern ATen kernels: "
+        notes.append("torch.compile: ops Inductor cannot fuse, costed as extern kernels "
+                     "(ATen's or their library's own, as in eager): "
                      + ", ".join(step.fallbacks))
     return notes
