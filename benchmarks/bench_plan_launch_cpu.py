@@ -82,29 +82,37 @@ def launch_script(row: Any, work: Any, tmp: Path) -> tuple[bool, float, str]:
     ok = (r.returncode == 0 and len(steps) == 2 * row.world_size
           and all(s["micro_batch"] == row.micro_batch
                   and s["accumulation_steps"] == row.accumulation_steps for s in steps))
-    return ok, secs, "" if ok else r.stderr[-1500:]
+    trained = sorted({s["trainable_params"] for s in steps})
+    return ok, secs, f", trainable parameters {trained}" if ok else r.stderr[-1500:]
 
 
-def fastest(rows: Any, strategy: str, ckpt: bool = False, accumulation: int | None = None
-            ) -> Any:
-    """The fastest mixed-precision row of an engine (at ``accumulation`` steps if given)."""
+def fastest(rows: Any, strategy: str, ckpt: bool = False, accumulation: int | None = None,
+            peft: bool = False) -> Any:
+    """The fastest mixed-precision row of an engine (at ``accumulation`` steps if given;
+    LoRA rows when ``peft``)."""
     return max((r for r in rows if (r.strategy, r.grad_checkpointing) == (strategy, ckpt)
-                and r.recipe.spec.autocast_dtype
+                and r.recipe.spec.autocast_dtype and r.peft == peft
                 and accumulation in (None, r.accumulation_steps)),
                key=lambda r: r.samples_per_s)
 
 
-def launch_rows(name: str, work: Any, tmp: Path) -> tuple[list[str], bool, Any]:
-    from tilefit.planner import plan
+def launch_rows(name: str, work: Any, tmp: Path, peft: bool = False
+                ) -> tuple[list[str], bool, Any]:
+    """Plan ``work`` on NPROC GPUs (with --allow-peft when ``peft``: its LoRA rows are the
+    ones launched) and launch each engine's fastest rows."""
+    from tilefit.planner import PlanSearch, plan
+    from tilefit.recipe import Parallelism, Recipe
 
     t0 = time.perf_counter()
-    p = plan(work, gpu="h100", global_batch=GLOBAL_BATCH, world_size=NPROC, confirm=False)
+    p = plan(work, gpu="h100", global_batch=GLOBAL_BATCH,
+             recipe=Recipe.for_model(work, parallel=Parallelism(world_size=NPROC)),
+             search=PlanSearch(confirm=False, allow_lora=peft))
     lines = [f"{name}: planned {len(p.rows)} rows from {p.traces} traces in "
              f"{time.perf_counter() - t0:.1f} s"]
     ok = True
-    traced = [r for r in p.rows if r.strategy not in ZERO_STRATEGIES]  # ZeRO: --deepspeed
+    traced = [r for r in p.rows if r.strategy not in ZERO_STRATEGIES and r.peft == peft]
     for strategy, ckpt in sorted({(r.strategy, r.grad_checkpointing) for r in traced}):
-        row = fastest(p.rows, strategy, ckpt)
+        row = fastest(p.rows, strategy, ckpt, peft=peft)
         good, secs, err = launch_script(row, work, tmp)
         ok &= good
         lines.append(f"  torchrun {row.recipe_label():36} micro-batch {row.micro_batch} x "
@@ -265,6 +273,11 @@ def main() -> int:
             ok &= good
             lines.extend(out)
             print("\n".join(out), flush=True)
+        out, good, _ = launch_rows("llama --allow-peft (LoRA rows)", works["llama"], tmp,
+                                   peft=True)
+        ok &= good
+        lines.extend(out)
+        print("\n".join(out), flush=True)
         checks = [("gpt2", accelerate_checks, ())]
         if args.deepspeed:
             checks += [(name, deepspeed_checks, (args.deepspeed,)) for name in works]

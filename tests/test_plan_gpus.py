@@ -224,3 +224,50 @@ def test_the_fallback_skips_ddp_only_where_its_rows_could_not_fit_or_show() -> N
         assert search(round(state) - 1, fitting + 1)[0] == full
         assert search(round(state), fitting)[0] == \
             search(round(state), None)[0]
+
+
+def test_lora_is_searched_on_ddp_and_fsdp2_not_on_zero() -> None:
+    """--allow-peft on several GPUs: LoRA (the one-GPU plan's adapters, with and without
+    checkpointing) beside full fine-tuning for a Hugging Face model, never for a factory;
+    DeepSpeed ZeRO is given no LoRA recipe (its model does not partition a frozen base)."""
+    from tilefit.hardware import get_device
+    from tilefit.planner.multiplan import PEFT_NOT_ON_ZERO, multi_recipes, zero_recipe
+    from tilefit.planner.space import peft_recipes
+    from tilefit.recipe import Lora, Recipe
+
+    h100 = get_device("h100")
+    lora = Lora(rank=8, targets=("q_proj", "v_proj"))
+    hf = multi_recipes(h100, "adamw", hf_model=True, lora=lora)
+    assert [r for r in hf if r.peft] == peft_recipes(h100, "adamw", lora)
+    assert {(r.lora, r.grad_checkpointing) for r in hf if r.peft} == {(lora, False),
+                                                                     (lora, True)}
+    assert not [r for r in multi_recipes(h100, "adamw", hf_model=False, lora=lora) if r.peft]
+    assert zero_recipe(Recipe(precision="bf16-mixed", lora=lora)) is None
+    assert zero_recipe(Recipe(precision="bf16-mixed")) is not None
+    assert "ddp and fsdp2" in PEFT_NOT_ON_ZERO
+
+
+def test_a_lora_plan_on_two_gpus_ranks_lora_rows(tmp_path: Path) -> None:
+    """A tiny Llama planned on 2 GPUs under DDP with --allow-peft: its LoRA rows are traced,
+    their peak below the full fine-tuning rows' at the same micro-batch (no gradients or
+    optimizer state for the frozen base). Their scripts: tests/test_plan_launch.py, and
+    benchmarks/bench_plan_launch_cpu.py launches them on 2 CPU ranks."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 64,
+                                  "intermediate_size": 128, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "vocab_size": 128, "max_position_embeddings": 64}))
+    r = CliRunner().invoke(app, ["plan", str(config), "--seq", "16", "--global-batch", "2",
+                                 "--gpus", "2", "--strategy", "ddp", "--gpu", "h100",
+                                 "--allow-peft", "--lora-rank", "8", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output[r.output.index("{"):])
+    lora = [p for p in d["plans"] if p["peft"]]
+    full = [p for p in d["plans"] if not p["peft"] and p["precision"] == lora[0]["precision"]]
+    assert lora and all(p["strategy"] == "ddp" for p in lora)
+    for p in lora:
+        same = [f for f in full if (f["micro_batch"], f["grad_checkpointing"]) ==
+                (p["micro_batch"], p["grad_checkpointing"])]
+        peak = "predicted_peak_memory_bytes"
+        assert same and p[peak] < same[0][peak]
+    assert not any("--allow-peft is not planned" in n for n in d["notes"])

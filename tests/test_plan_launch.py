@@ -218,3 +218,37 @@ def test_script_keeps_auto_attention_where_the_class_refuses_sdpa(
     assert f'ATTENTION = "{attention}"' in script.read_text()
     built = runpy.run_path(str(script))["build_model"](torch.device("meta"), False)
     assert built.config._attn_implementation == ("eager" if attention == "auto" else "sdpa")
+
+
+def test_a_lora_row_script_applies_peft_with_b_at_zero(tmp_path: Path) -> None:
+    """A LoRA row's script: peft's LoraConfig as planned on the model it builds, the frozen
+    base in the autocast dtype and the adapters in fp32 (as traced: models.lora), AdamW over
+    the adapters only; FSDP2's initialise (the model materialised from the meta device)
+    starts every adapter as peft does, B at zero, so the first step is the base model's."""
+    import runpy
+
+    import torch
+
+    from tilefit.recipe import Lora
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", **TINY}))
+    work = load_workload(str(config), seq_len=16)
+    base = _row("fsdp2")
+    row = dataclasses.replace(base, recipe=dataclasses.replace(
+        base.recipe, lora=Lora(rank=4, targets=("q_proj", "v_proj"))))
+    script = tmp_path / TORCHRUN_SCRIPT_NAME
+    script.write_text(launch_files(row, work)[TORCHRUN_SCRIPT_NAME])
+    space = runpy.run_path(str(script))
+    assert space["LORA"]["r"] == 4 and space["LORA"]["target_modules"] == ["q_proj", "v_proj"]
+    model = space["build_model"](torch.device("meta"), False)
+    # rank 4 on q (64 -> 2 heads x 32) and v (64 -> 1 KV head x 32) of 2 layers
+    assert sum(p.numel() for p in space["trainable"](model)) == 2 * 4 * (64 + 64 + 64 + 32)
+    assert {p.dtype for p in space["trainable"](model)} == {torch.float32}
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    space["initialise"](model, torch.device("cpu"))
+    named = dict(model.named_parameters())
+    b = [t for n, t in named.items() if "lora_B" in n]
+    a = [t for n, t in named.items() if "lora_A" in n]
+    assert len(b) == 4 and all(bool((t == 0).all()) for t in b)
+    assert all(bool(t.abs().sum() > 0) for t in a)

@@ -336,6 +336,8 @@ def multi_gpu_configs(row: PlanRow, work: Workload) -> dict[str, Any]:
         "hf_training_arguments": hf,
         "files": files,
     }
+    if row.peft:
+        out["peft_lora_config"] = peft_config(work.task, row.recipe.lora)
     if row.strategy in ZERO_STRATEGIES:
         out["launch"] = run + "   # DeepSpeed's engine; on CPUs with DS_ACCELERATOR=cpu"
         out["deepspeed_note"] = "the torchrun script trains with it (deepspeed.initialize)"

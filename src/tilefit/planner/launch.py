@@ -11,6 +11,8 @@ runs AdamW at the plan's micro-batch and accumulation on synthetic batches (a ma
 to plug the user's data), and prints one ``tilefit-step`` JSON line per rank and step.
 The accelerate script imports the model, batches and the plan's numbers from it, so the two
 train the same thing; accelerate runs FSDP on GPUs only (docs/references.md, section 26).
+A LoRA row's script applies the planned peft LoraConfig and trains the adapters only
+(docs/references.md, section 35, item 8).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 from tilefit.dtypes import parse_dtype
 from tilefit.models import Workload
+from tilefit.models.lora import lora_base_dtype, peft_config
 from tilefit.planner.rows import PlanRow
 from tilefit.vocab import ZERO_STRATEGIES
 
@@ -60,6 +63,8 @@ GRAD_CHECKPOINTING = $ckpt
 RESHARD_AFTER_FORWARD = True
 MAX_GRAD_NORM = $max_grad_norm
 LR = $lr
+LORA = $lora  # peft.LoraConfig's arguments (None: every weight trains)
+LORA_BASE_DTYPE = $lora_base  # the frozen base's dtype under LoRA (the adapters stay fp32)
 ''')
 
 # the model and its batches, shared by every variant (train_accelerate.py imports them)
@@ -82,7 +87,17 @@ def build_model(where, checkpointing=GRAD_CHECKPOINTING):
     if checkpointing:
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False})
+    if LORA is not None:  # load your weights before this (from_pretrained)
+        import peft
+        model = peft.get_peft_model(model, peft.LoraConfig(**LORA))
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(LORA_BASE_DTYPE)
     return model
+
+
+def trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def make_batch(step, micro, device):
@@ -146,6 +161,10 @@ def initialise(model, device):
             for m in model.modules():
                 if hasattr(m, "reset_parameters"):
                     m.reset_parameters()
+        for m in model.modules():  # peft's LoRA init: B at zero, the adapter a no-op at first
+            if hasattr(m, "reset_lora_parameters"):
+                for name in m.active_adapters:
+                    m.reset_lora_parameters(name, True)
 
 
 def wrap(model, device):
@@ -182,7 +201,7 @@ def main():
     model = wrap(build_model(where), device)
     model.train()
     torch.manual_seed(1 + rank)  # each rank its own synthetic samples
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(trainable(model), lr=LR)
     scaler = torch.amp.GradScaler(device.type, enabled=GRAD_SCALER)
     for step in range(args.steps):
         total = 0.0
@@ -201,7 +220,8 @@ def main():
         opt.zero_grad(set_to_none=True)
         report(args.record, {"rank": rank, "world_size": world, "step": step, "loss": total,
                              "micro_batch": MICRO_BATCH,
-                             "accumulation_steps": ACCUMULATION_STEPS})
+                             "accumulation_steps": ACCUMULATION_STEPS,
+                             "trainable_params": sum(p.numel() for p in trainable(model))})
     # every rank done before the group goes: a rank that tears down while another still
     # finishes its last collective aborts it (gloo: "terminate called without an active
     # exception")
@@ -229,7 +249,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from $module import (ACCUMULATION_STEPS, GRAD_CHECKPOINTING, LR, MAX_GRAD_NORM, MICRO_BATCH,
-                     build_model, check_world, loss_of, make_batch, report)
+                     build_model, check_world, loss_of, make_batch, report, trainable)
 
 
 def sharded(model):
@@ -256,7 +276,7 @@ def main():
     # under FSDP accelerate checkpoints the blocks itself (fsdp_activation_checkpointing)
     model = build_model(torch.device("cpu"), checkpointing=GRAD_CHECKPOINTING and not fsdp)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(trainable(model), lr=LR)
     model, opt = acc.prepare(model, opt)
     torch.manual_seed(1 + acc.process_index)  # each rank its own synthetic samples
     for step in range(args.steps):
@@ -329,7 +349,9 @@ def script_header(row: PlanRow, work: Workload, launch: str) -> str:
         micro_batch=row.micro_batch, accumulation=row.accumulation_steps,
         global_batch=row.global_batch, autocast=_torch_dtype(prec.autocast_dtype),
         scaler=repr(prec.grad_scaler), ckpt=repr(row.grad_checkpointing),
-        max_grad_norm=repr(row.recipe.max_grad_norm), lr=repr(LEARNING_RATE))
+        max_grad_norm=repr(row.recipe.max_grad_norm), lr=repr(LEARNING_RATE),
+        lora=repr(None if not row.peft else peft_config(work.task, row.recipe.lora)),
+        lora_base=_torch_dtype(str(lora_base_dtype(row.recipe)) if row.peft else None))
 
 
 def torchrun_script(row: PlanRow, work: Workload) -> str:

@@ -27,7 +27,7 @@ from tilefit.planner.affine import SweepModel
 from tilefit.planner.rank import modelled
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.search import Depth, row_from, safe_sweep, zero_sweeps
-from tilefit.recipe import Recipe
+from tilefit.recipe import Lora, Recipe
 from tilefit.tracing.distributed import Parallel, parallel_spec
 from tilefit.vocab import PRECISIONS, STRATEGIES, ZERO_STRATEGIES
 
@@ -38,6 +38,8 @@ MULTI_LEVER_LAYERS = (2, 3)
 # the ZeRO stages also searched with the optimizer on the CPU: ZeRO-Offload was built on
 # stage 2 and ZeRO-Infinity on stage 3 (docs/references.md, section 24, item 5)
 OFFLOAD_STAGES = ("zero2", "zero3")
+PEFT_NOT_ON_ZERO = ("LoRA rows on ddp and fsdp2 only: DeepSpeed ZeRO with adapters on a "
+                    "frozen base is not modelled")
 
 
 def nearest_multiples(global_batch: int, world_size: int) -> tuple[int, int]:
@@ -96,9 +98,11 @@ def zero_recipe(spec: Recipe) -> Recipe | None:
     """The recipe as DeepSpeed runs it: a 16-bit autocast becomes its bf16 or fp16 mode
     (16-bit weights and gradients, tilefit's precision "bf16-true" or "fp16-true", the fp32
     master in the partitioned optimizer, the fp16 mode's loss scaling DeepSpeed's own);
-    fp32 and TF32 as they are; None for fp8, which DeepSpeed does not run this way."""
+    fp32 and TF32 as they are; None for fp8, which DeepSpeed does not run this way, and for
+    LoRA adapters, whose frozen base ZeRO's model (tilefit.estimator.zero) does not
+    partition apart from what trains (PEFT_NOT_ON_ZERO)."""
     prec = spec.spec
-    if prec.float8_linears:
+    if prec.float8_linears or spec.peft:
         return None
     for pure in PRECISIONS:
         if prec.autocast_dtype and pure.autocast_dtype is None and \
@@ -117,16 +121,20 @@ def multi_depth(depth: Depth) -> Depth:
 
 
 def multi_recipes(device: Device, optimizer: str, *, hf_model: bool,
-                  precisions: bool = True) -> list[Recipe]:
+                  precisions: bool = True, lora: Lora | None = None) -> list[Recipe]:
     """Mixed precision with and without checkpointing; the other precisions the device
-    supports without it (``precisions``). The user's optimizer; no LoRA or torch.compile on
-    several GPUs (not traced there yet); offload with ZeRO only (``engines_of``)."""
+    supports without it (``precisions``); ``lora``'s adapters (a Hugging Face model's, with
+    --allow-peft: space.peft_recipes), which DDP and FSDP2 run and ZeRO does not
+    (``zero_recipe``). The user's optimizer; no QLoRA or torch.compile on several GPUs (not
+    planned there yet); offload with ZeRO only (``engines_of``)."""
     precs = space.precisions(device)
     att = "sdpa" if hf_model else "auto"
     out = [Recipe(precision=precs[0], optimizer=optimizer, grad_checkpointing=ckpt,
                   attention=att) for ckpt in (False, True)]
     if precisions:
         out.extend(Recipe(precision=p, optimizer=optimizer, attention=att) for p in precs[1:])
+    if lora is not None and hf_model:
+        out.extend(space.peft_recipes(device, optimizer, lora))
     return out
 
 
@@ -221,7 +229,11 @@ def _traced_rows(work: Workload, device: Device, global_batch: int, budget_bytes
     micro = divisors(global_batch // n)
     rows: list[PlanRow] = []
     traces = 0
+    over: set[Lora | None] = set()  # the adapters (None: full) whose state is over budget
     for i, spec in enumerate(space_.recipes):
+        key = spec.lora
+        if key in over:
+            continue
         spec = dataclasses.replace(user(spec), compile=False)
         model = safe_sweep(work, spec, micro, space_.depth, device, notes, parallel)
         traces += len(space_.depth.traced) * len({min(micro), max(micro)})
@@ -231,12 +243,13 @@ def _traced_rows(work: Workload, device: Device, global_batch: int, budget_bytes
                              budget_bytes, work.tokens_per_sample, optimizer,
                              parallel=parallel) for b in micro)
         floor = optimizer_step_floor(model, min(micro), space_.depth)
-        if i + 1 < len(space_.recipes) and floor > budget_bytes:
+        rest = [r for r in space_.recipes[i + 1:] if r.lora == key]
+        if rest and floor > budget_bytes:
+            over.add(key)
             notes.append(f"{parallel.strategy} on {n} GPUs: its optimizer step alone needs "
                          f"{floor / 2**30:.1f} GiB per GPU (traced), over the "
-                         f"{budget_bytes / 2**30:.1f} GiB budget: its other recipes "
-                         "were not traced")
-            break
+                         f"{budget_bytes / 2**30:.1f} GiB budget: its other "
+                         + ("LoRA " if spec.peft else "") + "recipes were not traced")
     return rows, traces
 
 

@@ -32,11 +32,12 @@ def deep_model(depth: Depth, where: str | None = None) -> str:
             f"{'layer' if depth.period == 1 else 'repeat'} count)")
 
 
-def not_on_gpus(*, allow_peft: bool, compile: bool, allow_optimizer_change: bool,
+def not_on_gpus(*, compile: bool, allow_optimizer_change: bool,
                 allow_quantize: bool = False) -> list[str]:
-    """Notes for the options a multi-GPU plan does not search yet."""
+    """Notes for the options a multi-GPU plan does not search yet (--allow-peft it does:
+    LoRA on DDP and FSDP2)."""
     out = [f"{flag} is not planned on several GPUs yet: ignored" for flag, on in (
-        ("--allow-peft", allow_peft), ("--allow-quantize", allow_quantize),
+        ("--allow-quantize", allow_quantize),
         ("--compile", compile),
         ("--allow-optimizer-change", allow_optimizer_change)) if on]
     out.append("on several GPUs other optimizers are not searched, and CPU offload only with "

@@ -27,15 +27,19 @@ FALLBACK_PLANS_SHOWN = 8
 def trace_on_gpus(p: PlanState, strategy: str | None, *, hf_model: bool,
                   precisions: bool = True, replica_state_bytes: float | None = None,
                   shown: int | None = None, said: list[str] | None = None,
-                  traced_done: Callable[[list[PlanRow]], object] | None = None) -> None:
+                  traced_done: Callable[[list[PlanRow]], object] | None = None,
+                  lora: Lora | None = None) -> None:
     """The rows of ``p.world_size`` GPUs: every engine x recipe, swept from traces (DDP
     skipped where multiplan.replica_skipped says, named in ``said``; ``traced_done``:
-    multiplan.MultiSpace's)."""
+    multiplan.MultiSpace's; ``lora``: also LoRA with these adapters, --allow-peft)."""
     world_size, depth = p.world_size, p.depth
+    strategies = multiplan.strategies_for(strategy, world_size)
+    recipes = multiplan.multi_recipes(p.device, p.optimizer, hf_model=hf_model,
+                                      precisions=precisions, lora=lora)
+    if any(r.peft for r in recipes) and set(strategies) & set(ZERO_STRATEGIES):
+        p.notes.append(multiplan.PEFT_NOT_ON_ZERO)
     setup = multiplan.MultiSpace(
-        world_size, multiplan.strategies_for(strategy, world_size),
-        tuple(multiplan.multi_recipes(p.device, p.optimizer, hf_model=hf_model,
-                                      precisions=precisions)), depth,
+        world_size, strategies, tuple(recipes), depth,
         replica_state_bytes=replica_state_bytes, shown=shown, traced_done=traced_done)
     rows, traces = multiplan.search_rows(p.work, p.device, p.global_batch, p.budget,
                                          p.optimizer, setup, p.with_user, p.notes, said)

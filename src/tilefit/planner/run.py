@@ -19,7 +19,7 @@ from tilefit.planner.result import Confirmation, MultiGpuPlan, Plan
 from tilefit.planner.rows import PlanRow
 from tilefit.planner.search import SWEEP_ACCUMULATION, Depth, depth_of
 from tilefit.planner.state import PlanState
-from tilefit.recipe import Recipe
+from tilefit.recipe import Lora, Recipe
 from tilefit.tracing.distributed import parallel_spec
 
 
@@ -65,11 +65,15 @@ def search_plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
     world_size, strategy = recipe.parallel.world_size, recipe.parallel.strategy
     optimizer, hf_model = p.optimizer, not work.is_factory
     if world_size > 1:
-        p.notes.extend(notes.not_on_gpus(allow_peft=search.allow_lora,
-                                         allow_quantize=search.allow_quantize,
+        if search.allow_lora and not hf_model:
+            p.notes.append(notes.PEFT_FACTORY)
+        p.notes.extend(notes.not_on_gpus(allow_quantize=search.allow_quantize,
                                          compile=recipe.compile is not None,
                                          allow_optimizer_change=search.allow_optimizer_change))
-        policy.trace_on_gpus(p, strategy, hf_model=hf_model)
+        lora = (search.lora or Lora()) if search.allow_lora and hf_model else None
+        if lora is not None:
+            require_peft()  # before any tracing: LoRA is traced with the peft library itself
+        policy.trace_on_gpus(p, strategy, hf_model=hf_model, lora=lora)
     else:
         _trace_one_gpu(p, search, optimizer, hf_model)
     best, conf, reason, rows, multi = _choose(p, search, hf_model)
