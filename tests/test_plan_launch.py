@@ -222,8 +222,8 @@ def test_script_keeps_auto_attention_where_the_class_refuses_sdpa(
 
 def test_a_lora_row_script_applies_peft_with_b_at_zero(tmp_path: Path) -> None:
     """A LoRA row's script: peft's LoraConfig as planned on the model it builds, the frozen
-    base in the autocast dtype and the adapters in fp32 (as traced: models.lora), AdamW over
-    the adapters only; FSDP2's initialise (the model materialised from the meta device)
+    base in the autocast dtype and the adapters in fp32 (as traced: models.lora), the
+    planned optimizer (fused AdamW) over the adapters only; FSDP2's initialise (the model materialised from the meta device)
     starts every adapter as peft does, B at zero, so the first step is the base model's."""
     import runpy
 
@@ -234,7 +234,7 @@ def test_a_lora_row_script_applies_peft_with_b_at_zero(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "llama", **TINY}))
     work = load_workload(str(config), seq_len=16)
-    base = _row("fsdp2")
+    base = _row("fsdp2", optimizer="adamw-fused")
     row = dataclasses.replace(base, recipe=dataclasses.replace(
         base.recipe, lora=Lora(rank=4, targets=("q_proj", "v_proj"))))
     script = tmp_path / TORCHRUN_SCRIPT_NAME
@@ -252,3 +252,7 @@ def test_a_lora_row_script_applies_peft_with_b_at_zero(tmp_path: Path) -> None:
     a = [t for n, t in named.items() if "lora_A" in n]
     assert len(b) == 4 and all(bool((t == 0).all()) for t in b)
     assert all(bool(t.abs().sum() > 0) for t in a)
+    # the planned optimizer, as the one-GPU snippets build it, over the adapters
+    opt = space["make_optimizer"](space["trainable"](model))
+    assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] is True
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == 2 * 4 * 224

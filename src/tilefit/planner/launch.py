@@ -24,6 +24,7 @@ from typing import Any
 from tilefit.dtypes import parse_dtype
 from tilefit.models import Workload
 from tilefit.models.lora import lora_base_dtype, peft_config
+from tilefit.planner.model_code import optimizer_function
 from tilefit.planner.rows import PlanRow
 from tilefit.vocab import ZERO_STRATEGIES
 
@@ -201,7 +202,7 @@ def main():
     model = wrap(build_model(where), device)
     model.train()
     torch.manual_seed(1 + rank)  # each rank its own synthetic samples
-    opt = torch.optim.AdamW(trainable(model), lr=LR)
+    opt = make_optimizer(trainable(model))
     scaler = torch.amp.GradScaler(device.type, enabled=GRAD_SCALER)
     for step in range(args.steps):
         total = 0.0
@@ -249,7 +250,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from $module import (ACCUMULATION_STEPS, GRAD_CHECKPOINTING, LR, MAX_GRAD_NORM, MICRO_BATCH,
-                     build_model, check_world, loss_of, make_batch, report, trainable)
+                     build_model, check_world, loss_of, make_batch, make_optimizer, report,
+                     trainable)
 
 
 def sharded(model):
@@ -276,7 +278,7 @@ def main():
     # under FSDP accelerate checkpoints the blocks itself (fsdp_activation_checkpointing)
     model = build_model(torch.device("cpu"), checkpointing=GRAD_CHECKPOINTING and not fsdp)
     model.train()
-    opt = torch.optim.AdamW(trainable(model), lr=LR)
+    opt = make_optimizer(trainable(model))
     model, opt = acc.prepare(model, opt)
     torch.manual_seed(1 + acc.process_index)  # each rank its own synthetic samples
     for step in range(args.steps):
@@ -365,7 +367,9 @@ def torchrun_script(row: PlanRow, work: Workload) -> str:
               f"{TORCHRUN_SCRIPT_NAME} [--steps N]\n(on CPUs it runs with gloo; on GPUs with "
               "NCCL, one GPU per rank). Synthetic batches by\ndefault: replace make_batch() "
               "with your data (a DistributedSampler per rank).")
-    return script_header(row, work, launch) + MODEL + _FSDP + _TORCH_MAIN
+    return (script_header(row, work, launch) + MODEL + optimizer_function(row) + _FSDP
+            + _TORCH_MAIN)
+
 
 
 def accelerate_script(row: PlanRow, work: Workload) -> str:

@@ -98,3 +98,17 @@ def optimizer_imports(row: PlanRow) -> list[str]:
     if text.startswith("deepspeed."):
         return ["import deepspeed  # pip install deepspeed"]
     return []
+
+
+def optimizer_function(row: PlanRow) -> str:
+    """A launch script's ``make_optimizer(params)``: the row's optimizer as the one-GPU
+    snippets build it (TORCH_OPTIMIZERS, at the script's ``LR``), AdamW where the row's is
+    your own factory."""
+    known = row.optimizer in TORCH_OPTIMIZERS
+    expr = TORCH_OPTIMIZERS[row.optimizer] if known else \
+        "torch.optim.AdamW(PARAMS, lr=lr)  # your optimizer here"
+    imports = "".join(f"    {line}\n" for line in optimizer_imports(row)) if known else ""
+    body = expr.replace("PARAMS", "params").replace("lr=lr", "lr=LR")
+    return (f"\n\ndef make_optimizer(params):\n"
+            f'    """The planned optimizer, {row.optimizer}, over the parameters that '
+            f'train."""\n{imports}    return {body}\n')
