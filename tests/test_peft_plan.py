@@ -111,6 +111,14 @@ def test_lora_plan_emits_the_config_it_traced(monkeypatch: pytest.MonkeyPatch) -
     p = plan(work, gpu="rtx-3090", global_batch=1, allow_peft=True, objective="memory",
              confirm=False)
     assert p.best is not None and p.best.peft
+    # LoRA eager and, on a GPU, compiled (torchtune's default), each with and without
+    # checkpointing; on the CPU no compiled variant is searched
+    lora_rows = {(r.grad_checkpointing, r.recipe.compile is not None) for r in p.rows if r.peft}
+    assert lora_rows == {(False, False), (True, False), (False, True), (True, True)}
+    from tilefit.hardware import get_device
+    from tilefit.planner import space
+
+    assert space.compiled(get_device("cpu"), [p.best.recipe]) == []
     emitted = p.configs["peft_lora_config"]
     assert seen and all(s == emitted for s in seen)
     assert emitted == {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,

@@ -70,10 +70,12 @@ def trace_recipes(p: PlanState, optimizer: str, *, hf_model: bool, allow_peft: b
     for spec in space.moe_recipes(device, optimizer, experts=experts):
         p.add(spec)
     if allow_peft and hf_model:
-        for spec in space.peft_recipes(device, optimizer, lora or Lora()):
+        peft = space.peft_recipes(device, optimizer, lora or Lora())
+        for spec in peft + space.compiled(device, peft):
             p.add(spec)
     if allow_quantize and hf_model:
-        for spec in space.qlora_recipes(device, optimizer, lora):
+        qlora = space.qlora_recipes(device, optimizer, lora)
+        for spec in qlora + space.compiled(device, qlora):
             p.add(spec)
     if not p.any_fits(allow_optimizer_change=False, offload=False):
         off_prec = "bf16-true" if device.supports("bf16") else space.precisions(device)[0]

@@ -153,6 +153,15 @@ def qlora_recipes(device: Device, optimizer: str, lora: Lora | None = None) -> l
     return [replace(spec, quantize="nf4") for spec in peft_recipes(device, optimizer, lora)]
 
 
+def compiled(device: Device, specs: list[Recipe]) -> list[Recipe]:
+    """Each of ``specs`` under torch.compile (Inductor), on a GPU: what torchtune's LoRA and
+    QLoRA recipes run by default; the same math, fused kernels and fewer saved activations
+    (for a large vocabulary, chiefly the loss's logits)."""
+    if device.kind != "cuda":
+        return []
+    return [replace(spec, compile=True) for spec in specs]
+
+
 def peft_recipes(device: Device, optimizer: str, lora: Lora | None = None) -> list[Recipe]:
     """LoRA (``lora``'s adapters, default Lora()) with the user's optimizer, mixed
     precision, SDPA, with and without checkpointing (Hugging Face models only: the adapters
