@@ -407,6 +407,14 @@ def test_a_qlora_plan_pastes_its_bitsandbytes_config() -> None:
                  "bnb_4bit_quant_type='nf4'", "TrainingArguments("):
         assert line in code, code
     compile(code, "hf_python", "exec")  # valid Python to paste
+    # the plain loop and the LightningModule load the same quantized base (the loop places
+    # it as it loads: bitsandbytes quantizes while placing), never a 16-bit one
+    for name in ("pytorch_loop", "lightning_python"):
+        code = cfg[name]
+        assert "quantization_config=bnb_config" in code and "(name, dtype=" not in code
+        compile(code, name, "exec")
+    assert 'device_map={"": device}' in cfg["pytorch_loop"]
+    assert "model.to(device)" not in cfg["pytorch_loop"]
 
 
 def test_qlora_rows_say_what_they_cost() -> None:

@@ -100,11 +100,15 @@ def bnb_kwargs(row: PlanRow) -> dict[str, Any]:
 AUTO_CAUSAL_LM = "AutoModelForCausalLM"
 
 
-def qlora_lines(row: PlanRow, task: str) -> list[str]:
+def qlora_lines(row: PlanRow, task: str, *, placed: bool = False) -> list[str]:
     """A QLoRA row's model: loaded quantized by bitsandbytes, prepared by peft (fp32 norms
-    and embeddings, frozen), LoRA adapters (peft_lora_config's) on it."""
+    and embeddings, frozen), LoRA adapters (peft_lora_config's) on it. ``placed``: loaded
+    straight onto ``device`` (``device_map``), as a loop without a Trainer needs it: the
+    weights are quantized as they are placed."""
     attention = f', attn_implementation="{row.attention}"' \
         if row.attention in ("sdpa", "eager") else ""
+    if placed:
+        attention += ', device_map={"": device}'
     ckpt = ("True, gradient_checkpointing_kwargs={'use_reentrant': False}"
             if row.grad_checkpointing else "False")
     return [
@@ -127,11 +131,19 @@ def _auto_class(task: str, hf_model: bool) -> str | None:
     return auto_class_name(task)
 
 
+def model_setup(row: PlanRow, task: str, hf_model: bool, *, placed: bool = False
+                ) -> list[str]:
+    """The model as the row trains it: a QLoRA row's quantized load (qlora_lines), else
+    model_code's lines."""
+    if row.recipe.quantize:
+        return qlora_lines(row, task, placed=placed)
+    return model_code.model_lines(row, task, _auto_class(task, hf_model))
+
+
 def hf_python(row: PlanRow, task: str = "causal-lm", *, hf_model: bool = True) -> str:
     """The model as the row trains it (model_code), then the Trainer's arguments."""
     args = hf_training_arguments(row)
-    lines = qlora_lines(row, task) if row.recipe.quantize else \
-        model_code.model_lines(row, task, _auto_class(task, hf_model))
+    lines = model_setup(row, task, hf_model)
     lines.extend(float8_lines(row))  # the Trainer compiles (torch_compile=True)
     if row.offload:
         lines.append("# ds_config.json: the plan's DeepSpeed JSON (ZeRO-Offload; pip install "
@@ -190,8 +202,7 @@ def lightning_python(row: PlanRow, task: str = "causal-lm", *, hf_model: bool = 
     """A LightningModule that trains the model as the row says (model_code) with the row's
     optimizer (DeepSpeed's CPU Adam under ZeRO-Offload, as Lightning's DeepSpeed strategy
     asks), and its Trainer."""
-    setup = [*model_code.model_lines(row, task, _auto_class(task, hf_model)),
-             *compile_lines(row), "self.model = model"]
+    setup = [*model_setup(row, task, hf_model), *compile_lines(row), "self.model = model"]
     kwargs = lightning(row)["trainer"]
     lines = ["import lightning as L", "import torch", *model_code.optimizer_imports(row), "",
              "",
@@ -226,9 +237,11 @@ def torch_loop(row: PlanRow, task: str = "causal-lm", *, hf_model: bool = True) 
         return offload_loop(row, task, hf_model=hf_model)
     prec = row.recipe.spec
     amp = model_code.torch_dtype(prec.autocast_dtype) if prec.autocast_dtype else None
-    lines = [*model_code.model_lines(row, task, _auto_class(task, hf_model)),
-             'device = torch.device("cuda" if torch.cuda.is_available() else "cpu")',
-             "model.to(device)", *compile_lines(row), *model_code.optimizer_imports(row),
+    device = 'device = torch.device("cuda" if torch.cuda.is_available() else "cpu")'
+    placed = ["import torch", device, *model_setup(row, task, hf_model, placed=True)] \
+        if row.recipe.quantize else [*model_setup(row, task, hf_model), device,
+                                     "model.to(device)"]
+    lines = [*placed, *compile_lines(row), *model_code.optimizer_imports(row),
              f"# micro-batch {row.micro_batch} x {row.accumulation_steps} accumulation steps "
              f"= global batch {row.global_batch}",
              f"loader = torch.utils.data.DataLoader(dataset, batch_size={row.micro_batch}, "
