@@ -464,6 +464,12 @@ def test_cli_audit_of_a_qlora_step(tmp_path: Path) -> None:
     assert any(w.startswith("nf4 base: bitsandbytes' Linear4bit")
                for w in data["estimate"]["warnings"])
     assert data["estimate"]["trainable_param_count"] == 16 * sum(n + k for n, k in LINEARS)
+    # the terminal report's title says what it audited
+    text = CliRunner().invoke(app, ["audit", str(path), "--seq", "32", "--batch", "2",
+                                    "--lora", "--quantize", "nf4"])
+    assert text.exit_code == 0, text.output
+    assert "LoRA r=16 alpha=32 on all linear layers of a frozen nf4 base" in " ".join(
+        text.output.split())
 
 
 def test_where_lora_does_not_fit_the_plan_traces_qlora_for_its_note(tmp_path: Path) -> None:

@@ -197,6 +197,12 @@ class Recipe:
         return self.lora is not None
 
     @property
+    def adapters_text(self) -> str:
+        """The adapters and their base in words for a report's title (", LoRA r=16 alpha=32
+        on all linear layers of a frozen nf4 base"), "" for full fine-tuning."""
+        return "" if self.lora is None else f", {self.lora.label(self.quantize)}"
+
+    @property
     def compile_mode(self) -> str:
         return "default" if self.compile is None else self.compile.mode
 

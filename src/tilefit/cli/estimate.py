@@ -98,9 +98,8 @@ def _print(result: Any, work: Any, recipe: Recipe, command: str, *, json_out: bo
         print_json({"model": work.name, "task": work.task, "recipe": recipe.to_dict(),
                     **_lengths(work), **result.to_dict(include_ops=ops)})
         return
-    adapters = "" if recipe.lora is None else f", {recipe.lora.label(recipe.quantize)}"
     print_estimate(console, result, f"tilefit estimate: {work.name}, "
-                   f"{_shape(recipe.batch_size, work)}{adapters}")
+                   f"{_shape(recipe.batch_size, work)}{recipe.adapters_text}")
     if not result.fits:
         console.print(f"[bold red]does not fit:[/] `tilefit audit {command}` says "
                       "what would make it fit, `tilefit plan` chooses a recipe that does",

@@ -96,7 +96,8 @@ def print_findings(console: Console, audit: Audit) -> None:
 def print_audit(console: Console, audit: Audit) -> None:
     shape = f"batch {audit.recipe.batch_size}" + (f" x seq {audit.seq_len}" if audit.seq_len
                                                   else "")
-    console.print(summary_table(audit.estimate, f"tilefit audit: {audit.model}, {shape}"))
+    console.print(summary_table(audit.estimate, f"tilefit audit: {audit.model}, {shape}"
+                                                f"{audit.recipe.adapters_text}"))
     if audit.findings:
         print_findings(console, audit)
     else:
