@@ -223,8 +223,9 @@ def test_script_keeps_auto_attention_where_the_class_refuses_sdpa(
 def test_a_lora_row_script_applies_peft_with_b_at_zero(tmp_path: Path) -> None:
     """A LoRA row's script: peft's LoraConfig as planned on the model it builds, the frozen
     base in the autocast dtype and the adapters in fp32 (as traced: models.lora), the
-    planned optimizer (fused AdamW) over the adapters only; FSDP2's initialise (the model materialised from the meta device)
-    starts every adapter as peft does, B at zero, so the first step is the base model's."""
+    planned optimizer (fused AdamW) over the adapters only; FSDP2's initialise (the model
+    materialised from the meta device) starts every adapter as peft does, B at zero, so the
+    first step is the base model's. The plan's JSON carries the same LoraConfig."""
     import runpy
 
     import torch
@@ -241,6 +242,9 @@ def test_a_lora_row_script_applies_peft_with_b_at_zero(tmp_path: Path) -> None:
     script.write_text(launch_files(row, work)[TORCHRUN_SCRIPT_NAME])
     space = runpy.run_path(str(script))
     assert space["LORA"]["r"] == 4 and space["LORA"]["target_modules"] == ["q_proj", "v_proj"]
+    from tilefit.planner.configs import multi_gpu_configs
+
+    assert multi_gpu_configs(row, work)["peft_lora_config"] == space["LORA"]  # --json's
     model = space["build_model"](torch.device("meta"), False)
     # rank 4 on q (64 -> 2 heads x 32) and v (64 -> 1 KV head x 32) of 2 layers
     assert sum(p.numel() for p in space["trainable"](model)) == 2 * 4 * (64 + 64 + 64 + 32)
