@@ -106,6 +106,30 @@ def test_chord_bounds_a_convex_peak_from_above() -> None:
         assert model.predict("peak_bytes", b) >= peak(b) - 1e-9
 
 
+def test_the_reserved_excess_is_carried_to_full_depth_in_bytes() -> None:
+    """Adapters on a frozen base traced at 1 and 2 layers: the allocator's bytes beyond the
+    tensors' peak are those of the deepest traced depth, linear in the micro-batch (they come
+    from the blocks' sizes); a share of the peak would grow with every extrapolated layer.
+    Otherwise the share is kept (along the sweep, held inside the measured ones)."""
+    from dataclasses import replace
+
+    from tilefit.planner.search import deepest_excess, reserved_of
+
+    def sample(b: int, layers: int, ratio: float) -> Sample:
+        return replace(_sample(b, layers, 100.0 * b * layers), fragmentation_ratio=ratio)
+
+    # excess at 2 layers: micro-batch 1: 0.25 x 200 = 50 B; micro-batch 5: 0.1 x 1000 = 100 B
+    model = SweepModel((sample(1, 1, 0.5), sample(5, 1, 0.5), sample(1, 2, 0.25),
+                        sample(5, 2, 0.1)))
+    assert deepest_excess(model, 3) == pytest.approx(75)  # halfway: (50 + 100) / 2
+    assert reserved_of(model, {}, 10_000, 3, in_bytes=True) == 10_075
+    assert deepest_excess(model, 9) == pytest.approx(100)  # held inside what was measured
+    # one depth: the share, clamped to the traced shares (0.1 to 0.25)
+    flat = SweepModel((sample(1, 2, 0.25), sample(5, 2, 0.1)))
+    assert reserved_of(flat, {"fragmentation_ratio": 0.9}, 1000, 3) == 1250
+    assert reserved_of(flat, {"fragmentation_ratio": 0.2}, 1000, 3) == 1200
+
+
 def test_peak_pieces_are_extrapolated_separately() -> None:
     """At 1-2 layers backward holds the peak; at 32 layers the optimizer step (16 B/param of
     model state) does. Extrapolating the max itself would miss it."""

@@ -129,14 +129,18 @@ def _lin_dict(a: Mapping[str, Any], b: Mapping[str, Any], lin: Any, *,
 
 
 def _reserved(e0: Estimate, e1: Estimate, peak: int) -> Any:
-    """The caching allocator at full depth: the traced peak plus the larger share beyond
-    it that the two shallow replays reserved (fragmentation is not affine: held inside what
-    was measured, as the planner does)."""
+    """The caching allocator at full depth, as the planner extrapolates it
+    (planner.search.reserved_of): under adapters on a frozen base, the extrapolated peak plus
+    the bytes the deeper shallow replay reserved beyond its own; else the larger share
+    beyond the peak of the two shallow replays (fragmentation is not affine: held inside
+    what was measured)."""
     r1 = e1.reserved
     if e0.reserved is None or r1 is None:
         return r1
-    ratio = max(fragmentation_ratio(e0), fragmentation_ratio(e1))
-    reserved = round(peak * (1 + ratio))
+    if e1.trainable_param_count < e1.param_count:  # a frozen base: LoRA, QLoRA
+        reserved = round(peak + fragmentation_ratio(e1) * e1.peak_memory_bytes)
+    else:
+        reserved = round(peak * (1 + max(fragmentation_ratio(e0), fragmentation_ratio(e1))))
     return replace(r1, peak_reserved_bytes=reserved, allocated_at_peak_bytes=peak,
                    peak_allocated_bytes=peak, fits=reserved <= r1.limit_bytes, released_bytes=0,
                    failed_request_bytes=None, failed_where=None,

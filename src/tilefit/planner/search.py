@@ -341,7 +341,8 @@ def row_from(spec: Recipe, model: SweepModel, micro_batch: int, global_batch: in
     mfu = flops / step / device.peak(mfu_dtype_for(spec.precision, device)) if step > 0 else 0.0
     return PlanRow(
         recipe=spec.with_batch(micro_batch, accum), predicted_peak_memory_bytes=round(peak),
-        predicted_reserved_bytes=None if offload is not None else reserved_of(model, p, peak),
+        predicted_reserved_bytes=None if offload is not None else reserved_of(
+            model, p, peak, micro_batch, in_bytes=depth.lever and spec.peft),
         predicted_step_time_s=step, samples_per_s=global_batch / step if step else 0.0,
         tokens_per_s=(global_batch * tokens_per_sample / step
                       if (tokens_per_sample and step) else None),
@@ -371,16 +372,37 @@ def host_bytes_of(spec: Recipe, p: dict[str, float], offload: bool,
     return offload_host_bytes(p["param_count"], p["optimizer_state_bytes"], w)
 
 
-def reserved_of(model: SweepModel, p: dict[str, float], peak: float) -> int | None:
-    """The caching allocator's predicted reserved peak at a swept point: the allocated peak
-    and the traced points' fragmentation ratio along the sweep, held inside the ratios the
-    traces measured (fragmentation is not affine; this keeps it to what was replayed).
-    None where no trace of the sweep had a reserved model."""
+def reserved_of(model: SweepModel, p: dict[str, float], peak: float, micro_batch: float,
+                *, in_bytes: bool = False) -> int | None:
+    """The caching allocator's predicted reserved peak at a swept point, None where no trace
+    of the sweep had a reserved model: the allocated peak and the traced points' share of it
+    reserved beyond it, along the sweep, held inside the shares the traces measured
+    (fragmentation is not affine; this keeps it to what was replayed). ``in_bytes``
+    (adapters on a frozen base, traced at a few layers and extrapolated in depth): the
+    allocated peak plus the bytes reserved beyond it at the deepest traced depth
+    (``deepest_excess``). Without per-parameter optimizer state to fragment with every
+    layer, those come from the activations' and the logits' block sizes, which a layer
+    more does not change, where their share of the peak falls with depth
+    (docs/references.md, section 31)."""
     ratios = [s.fragmentation_ratio for s in model.samples]
     if not any(ratios):
         return None
+    if in_bytes:
+        return round(peak + deepest_excess(model, micro_batch))
     ratio = min(max(p["fragmentation_ratio"], min(ratios)), max(ratios))
     return round(peak * (1 + ratio))
+
+
+def deepest_excess(model: SweepModel, micro_batch: float) -> float:
+    """The bytes the allocator reserved beyond the traced peak at the sweep's deepest layer
+    count, linear between its traced micro-batches and held inside what they measured."""
+    deepest = max(s.layers for s in model.samples)
+    points = sorted((s.micro_batch, s.fragmentation_ratio * max(s.peak_bytes,
+                                                                s.peak_optimizer_bytes))
+                    for s in model.samples if s.layers == deepest)
+    (b0, y0), (b1, y1) = points[0], points[-1]
+    y = y0 if b1 == b0 else y0 + (y1 - y0) * (micro_batch - b0) / (b1 - b0)
+    return min(max(y, min(y0, y1)), max(y0, y1))
 
 
 def safe_sweep(workload: Workload, spec: Recipe, micro_batches: list[int], depth: Depth,
