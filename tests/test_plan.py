@@ -339,6 +339,11 @@ def test_plan_judges_the_chosen_row_by_the_allocators_reserved_memory(a100_plan,
     assert direct.reserved is not None
     assert best.predicted_peak_memory_bytes == direct.peak_memory_bytes
     assert best.predicted_reserved_bytes == pytest.approx(direct.peak_reserved_bytes, abs=2)
+    # the confirmation says how far the sweep's reserved peak was from the replay's
+    check = a100_plan.confirmation
+    assert check.traced_reserved_bytes == best.predicted_reserved_bytes
+    assert check.reserved_error == pytest.approx(
+        check.affine_reserved_bytes / check.traced_reserved_bytes - 1)
     assert best.predicted_reserved_bytes >= best.predicted_peak_memory_bytes
     assert best.memory_bytes == best.predicted_reserved_bytes
     assert a100_plan.budget_bytes == budget_of(a100_plan.device, 1.0)[0]

@@ -19,10 +19,19 @@ class Confirmation:
     traced_peak_bytes: int
     affine_step_time_s: float
     traced_step_time_s: float
+    # the caching allocator's reserved peak, where modelled (None: CPU offload, the CPU)
+    affine_reserved_bytes: int | None = None
+    traced_reserved_bytes: int | None = None
 
     @property
     def peak_error(self) -> float:
         return self.affine_peak_bytes / self.traced_peak_bytes - 1
+
+    @property
+    def reserved_error(self) -> float | None:
+        if not self.affine_reserved_bytes or not self.traced_reserved_bytes:
+            return None
+        return self.affine_reserved_bytes / self.traced_reserved_bytes - 1
 
     @property
     def time_error(self) -> float:
@@ -33,7 +42,10 @@ class Confirmation:
                 "traced_peak_bytes": self.traced_peak_bytes,
                 "affine_step_time_s": self.affine_step_time_s,
                 "traced_step_time_s": self.traced_step_time_s,
-                "peak_error": self.peak_error, "time_error": self.time_error}
+                "peak_error": self.peak_error, "time_error": self.time_error,
+                "affine_reserved_bytes": self.affine_reserved_bytes,
+                "traced_reserved_bytes": self.traced_reserved_bytes,
+                "reserved_error": self.reserved_error}
 
 
 @dataclass(frozen=True)

@@ -206,7 +206,9 @@ class PlanState:
             if s.fragmentation_ratio:
                 reserved = round(peak * (1 + s.fragmentation_ratio))
         conf = Confirmation(row.predicted_peak_memory_bytes, round(peak),
-                            row.predicted_step_time_s, step)
+                            row.predicted_step_time_s, step,
+                            affine_reserved_bytes=row.predicted_reserved_bytes,
+                            traced_reserved_bytes=reserved)
         scale = row.predicted_step_time_s / step if step else 1.0
         tokens = row.tokens_per_s * scale if row.tokens_per_s is not None else None
         confirmed = dataclasses.replace(

@@ -115,9 +115,12 @@ def best_rows(plan: Plan, best: PlanRow) -> list[tuple[str, str]]:
         rows.append(("changes", "; ".join(best.changes)))
     check = plan.confirmation
     if check is not None:
+        reserved = "" if check.reserved_error is None else (
+            f", reserved {fmt_bytes(check.traced_reserved_bytes or 0)} (affine "
+            f"{fmt_bytes(check.affine_reserved_bytes or 0)}, {check.reserved_error:+.1%})")
         rows.append(("confirmed", f"full trace: peak {fmt_bytes(check.traced_peak_bytes)} "
-                     f"(affine {fmt_bytes(check.affine_peak_bytes)}, {check.peak_error:+.1%}), "
-                     f"step {fmt_time(check.traced_step_time_s)} (affine "
+                     f"(affine {fmt_bytes(check.affine_peak_bytes)}, {check.peak_error:+.1%})"
+                     f"{reserved}, step {fmt_time(check.traced_step_time_s)} (affine "
                      f"{fmt_time(check.affine_step_time_s)}, {check.time_error:+.1%})"))
     return rows
 
