@@ -317,6 +317,28 @@ def test_a_compiled_qlora_step_lifts_the_quant_state_and_copies_no_weight(worklo
         Recipe(lora=Lora(), quantize="int8", compile=True)
 
 
+def test_a_4bit_layer_with_a_bias_compiles(tmp_path: Path) -> None:
+    """Qwen2's q/k/v projections have biases, which peft's kbit preparation casts to fp32 and
+    Linear4bit.forward casts back to the compute dtype in place on its first call (a swap of
+    .data the capture cannot trace): the model is built as after that call, so the compiled
+    step captures; the biases are bf16, as from the second step of a real run on."""
+    from tilefit.models import load_workload
+    from tilefit.models.quantize import build_quantized_model
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**CONFIG, "model_type": "qwen2",
+                                  "architectures": ["Qwen2ForCausalLM"]}))
+    work = load_workload(str(config), seq_len=32)
+    recipe = Recipe(batch_size=2, precision="bf16-mixed", lora=Lora(), quantize="nf4",
+                    optimizer="adamw", compile=True)
+    import torch
+
+    model = build_quantized_model(work, "sdpa", recipe)
+    biases = {n: p.dtype for n, p in model.named_parameters() if n.endswith("base_layer.bias")}
+    assert len(biases) == 2 * 3 and set(biases.values()) == {torch.bfloat16}  # q, k, v
+    assert trace(work, recipe=recipe, gpu="a100-80gb").compiled
+
+
 def test_lifting_the_quant_state_leaves_the_model_as_it_was() -> None:
     import bitsandbytes as bnb
     import torch

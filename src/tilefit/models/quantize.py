@@ -104,4 +104,10 @@ def build_quantized_model(work: Workload, attention: str, recipe: Recipe) -> tor
         quantizer.postprocess_model(model)  # is_loaded_in_4bit / 8bit, as from_pretrained
         # checkpointing is the tracer's (non-reentrant, which needs no input hook)
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        for module in model.modules():
+            # Linear4bit.forward casts its bias to the compute dtype in place on its first
+            # call (bias.data = ...); every later step holds it so. Done here, as after that
+            # call: torch.compile's capture cannot trace the in-place swap
+            if isinstance(module, bnb.nn.Linear4bit) and module.bias is not None:
+                module.bias.data = module.bias.data.to(dtype)
         return get_peft_model(model, work.task, recipe.lora)
