@@ -339,6 +339,26 @@ def test_a_4bit_layer_with_a_bias_compiles(tmp_path: Path) -> None:
     assert trace(work, recipe=recipe, gpu="a100-80gb").compiled
 
 
+def test_qlora_on_a_mixture_of_experts_traces_on_a_gpu_target(tmp_path: Path) -> None:
+    """Mixtral's experts are 3D parameters: bitsandbytes leaves them unquantized, peft's kbit
+    preparation makes them fp32, and peft's LoRA on them folds its delta inside
+    torch.autocast(W.device.type, enabled=False), which on the GPU keeps the fold in fp32
+    (a parametrization may not change the dtype). On fake tensors that device is the CPU:
+    the emulated CUDA autocast follows the context (tests/test_autocast_off.py), so the
+    step traces as it runs on a GPU."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**CONFIG, "model_type": "mixtral",
+                                  "architectures": ["MixtralForCausalLM"],
+                                  "num_local_experts": 4, "num_experts_per_tok": 2}))
+    from tilefit.models import load_workload
+
+    work = load_workload(str(config), seq_len=32)
+    tr = trace(work, recipe=Recipe(batch_size=2, precision="bf16-mixed", lora=Lora(),
+                                   quantize="nf4", optimizer="adamw"), gpu="a100-80gb")
+    assert tr.trainable_param_count > 0
+    assert any(o.op.startswith("bitsandbytes.") for o in tr.ops)
+
+
 def test_lifting_the_quant_state_leaves_the_model_as_it_was() -> None:
     import bitsandbytes as bnb
     import torch

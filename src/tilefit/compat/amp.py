@@ -1,10 +1,41 @@
-"""GradScaler's private ops (torch/amp/grad_scaler.py calls them as below)."""
+"""GradScaler's private ops (torch/amp/grad_scaler.py calls them as below), and a watch on
+the torch.autocast contexts a traced step enters."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import torch
 
-__all__ = ["unscale_grads_", "update_scale_"]
+__all__ = ["unscale_grads_", "update_scale_", "watching_autocast"]
+
+
+@contextlib.contextmanager
+def watching_autocast(entered: Callable[[Any, bool], object],
+                      left: Callable[[Any], object]) -> Iterator[None]:
+    """While active, ``entered(ctx, enabled)`` runs when code enters a ``torch.autocast``
+    context ``ctx`` (``enabled``: its private ``_enabled`` flag, what it sets) and
+    ``left(ctx)`` when it leaves it. torch.autocast has no hook of its own: its class's
+    ``__enter__`` / ``__exit__`` are wrapped, and restored on exit."""
+    cls = torch.amp.autocast_mode.autocast
+    enter, leave = cls.__enter__, cls.__exit__
+
+    def watched_enter(ctx: Any) -> Any:
+        out = enter(ctx)
+        entered(ctx, bool(getattr(ctx, "_enabled", True)))
+        return out
+
+    def watched_exit(ctx: Any, *exc: Any) -> Any:
+        left(ctx)
+        return leave(ctx, *exc)
+
+    cls.__enter__, cls.__exit__ = watched_enter, watched_exit  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.__enter__, cls.__exit__ = enter, leave  # type: ignore[method-assign]
 
 
 def unscale_grads_(grads: list[torch.Tensor], found_inf: torch.Tensor,

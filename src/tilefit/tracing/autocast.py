@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from tilefit.compat.amp import watching_autocast
 from tilefit.compat.fake import is_view, tree_map
 from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.target import Target
@@ -98,9 +99,51 @@ def cuda_dropout(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return torch.native_dropout(x, p, True)[0]
 
 
+# the CudaAutocast modes entered, innermost last: the one a torch.autocast(enabled=False)
+# in the traced code turns off
+_ACTIVE: list[CudaAutocast] = []
+_WATCH: list[Any] = []  # the watch on torch.autocast while any mode is entered
+
+
+def _autocast_entered(ctx: Any, enabled: bool) -> None:
+    """Code that turns autocast off for its own computation (transformers' rotary
+    embeddings, peft's LoRA on expert parameters) names its tensors' device, which a fake
+    tensor gives as the CPU: on the target's GPU that context turns CUDA autocast off, so it
+    turns the emulated policy off until it is left."""
+    if _ACTIVE and not enabled:
+        mode = _ACTIVE[-1]
+        ctx._tilefit_restore = (mode, mode.enabled)
+        mode.enabled = False
+
+
+def _autocast_left(ctx: Any) -> None:
+    restore = getattr(ctx, "_tilefit_restore", None)
+    if restore is not None:
+        restore[0].enabled = restore[1]
+        del ctx._tilefit_restore
+
+
 class CudaAutocast(TorchFunctionMode):
     """Apply CUDA autocast's policy with ``dtype`` (fp16 or bf16; None: no casting) while
-    ``enabled``, and send SDPA calls to ``router`` (the target's attention kernel choice)."""
+    ``enabled``, and send SDPA calls to ``router`` (the target's attention kernel choice).
+    A torch.autocast(enabled=False) context the traced code enters turns it off until left
+    (``_autocast_entered``)."""
+
+    def __enter__(self) -> CudaAutocast:
+        if not _ACTIVE:  # the first mode entered watches torch.autocast for all of them
+            _WATCH.append(watching_autocast(_autocast_entered, _autocast_left))
+            _WATCH[-1].__enter__()
+        _ACTIVE.append(self)
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        _ACTIVE.reverse()
+        _ACTIVE.remove(self)  # the innermost entry of this mode
+        _ACTIVE.reverse()
+        if not _ACTIVE and _WATCH:
+            _WATCH.pop().__exit__(None, None, None)
 
     def __init__(self, dtype: torch.dtype | None,
                  router: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
