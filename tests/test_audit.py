@@ -362,6 +362,8 @@ def test_a_model_that_cannot_be_traced_is_a_clear_error() -> None:
     with pytest.raises(TilefitError, match="one training step of the model failed") as err:
         audit(Broken(), torch.zeros(8, 10))
     assert "input" in err.value.fix
+    # where the error was raised: the model's own line (this file), not torch's or tilefit's
+    assert "raised at tests/test_audit.py:" in err.value.given
 
 
 # ---- the trace rewrite by hand ---------------------------------------------------------------

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
+
+import torch
 
 from tilefit.compat.fake import FAKE_ERRORS
 from tilefit.errors import TilefitError
@@ -12,7 +15,7 @@ from tilefit.tracing.recorder import Recorder
 from tilefit.vocab import MICRO_PHASES
 
 __all__ = ["USER_CODE_ERRORS", "explain_build_errors", "explain_fake_errors", "first_line",
-           "where_in_step"]
+           "raised_at", "where_in_step"]
 
 USER_CODE_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError,
                     AssertionError, NotImplementedError)
@@ -21,6 +24,27 @@ USER_CODE_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, A
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else ""
+
+
+def raised_at(exc: BaseException) -> str | None:
+    """The last line outside torch that the error passed through: the model's, or the
+    library's code that raised it ("peft/tuners/lora/layer.py:2594"), short of the
+    site-packages or checkout it is in; None where every frame is torch's."""
+    torch_dir = Path(torch.__file__).parent
+    found: tuple[str, int] | None = None
+    tb = exc.__traceback__
+    while tb is not None:
+        path = Path(tb.tb_frame.f_code.co_filename)
+        if torch_dir not in path.parents and "tilefit" not in path.parts:
+            found = (str(path), tb.tb_lineno)
+        tb = tb.tb_next
+    if found is None:
+        return None
+    path, line = found
+    parts = Path(path).parts
+    cut = max((i for i, p in enumerate(parts) if p in ("site-packages", "dist-packages")),
+              default=len(parts) - 3)
+    return "/".join(parts[cut + 1:]) + f":{line}"
 
 
 def where_in_step(recorder: Recorder) -> str:
@@ -55,11 +79,13 @@ def explain_fake_errors(recorder: Recorder) -> Iterator[None]:
         ) from None
     except USER_CODE_ERRORS as exc:
         where = where_in_step(recorder)
+        at = raised_at(exc)
         raise TilefitError(
             f"one training step of the model failed in {where}: {type(exc).__name__}: "
             f"{first_line(exc)}",
             expected="a model whose forward, loss and backward run on the given batch",
-            given=f"{type(exc).__name__} in {where} ({recorder.phase})",
+            given=f"{type(exc).__name__} in {where} ({recorder.phase})"
+            + (f", raised at {at}" if at else ""),
             fix="check the batch shape (--batch, --seq, --input-shape) against the model, and "
             "run the model once on a real batch of that shape to see the full error",
         ) from None
