@@ -121,8 +121,12 @@ def quant_state_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
             yield scb
 
 
+# the tensors a QuantState holds, in the order _state_tensors yields them
+_STATE_FIELDS = ("absmax", "code", "offset")
+
+
 def _state_tensors(state: Any) -> Iterator[torch.Tensor]:
-    for name in ("absmax", "code", "offset"):
+    for name in _STATE_FIELDS:
         t = getattr(state, name, None)
         if isinstance(t, torch.Tensor):
             yield t
@@ -146,29 +150,15 @@ def quiet_paged_fallback(opt: Any) -> None:
 
 # the buffers a 4-bit layer's QuantState tensors are lifted into while a step is captured
 LIFTED_PREFIX = "_tilefit_quant_state_"
-_STATE_FIELDS = ("absmax", "code", "offset")
-
-
-def _state_paths(state: Any, prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
-    """Where a QuantState holds tensors: ("absmax",), ..., ("state2", "absmax"), ..."""
+def _state_over(state: Any, tensors: Iterator[torch.Tensor]) -> Any:
+    """A copy of ``state`` (and of its nested state) holding the next of ``tensors`` where
+    it holds one, in _state_tensors' order."""
+    out = copy.copy(state)
     for name in _STATE_FIELDS:
         if isinstance(getattr(state, name, None), torch.Tensor):
-            yield (*prefix, name)
-    nested = getattr(state, "state2", None)
-    if nested is not None:
-        yield from _state_paths(nested, (*prefix, "state2"))
-
-
-def _state_over(state: Any, tensors: list[torch.Tensor]) -> Any:
-    """A copy of ``state`` (and of its nested state) holding ``tensors`` at its paths."""
-    out = copy.copy(state)
+            setattr(out, name, next(tensors))
     if getattr(state, "state2", None) is not None:
-        out.state2 = copy.copy(state.state2)
-    for path, t in zip(_state_paths(state), tensors, strict=True):
-        holder = out
-        for name in path[:-1]:
-            holder = getattr(holder, name)
-        setattr(holder, path[-1], t)
+        out.state2 = _state_over(state.state2, tensors)
     return out
 
 
@@ -200,16 +190,13 @@ def quant_states_lifted(model: nn.Module) -> Iterator[None]:
         if state is None or getattr(module.weight, "quant_state", None) is not None:
             recover(module)
             return
-        n = sum(1 for _ in _state_paths(state))
-        tensors = [getattr(module, f"{LIFTED_PREFIX}{i}") for i in range(n)]
-        module.weight.quant_state = _state_over(state, tensors)
+        n = sum(1 for _ in _state_tensors(state))
+        lifted_tensors = (getattr(module, f"{LIFTED_PREFIX}{i}") for i in range(n))
+        module.weight.quant_state = _state_over(state, lifted_tensors)
 
     for m, state in layers:
-        for i, path in enumerate(_state_paths(state)):
-            holder = state
-            for name in path:
-                holder = getattr(holder, name)
-            m.register_buffer(f"{LIFTED_PREFIX}{i}", holder, persistent=False)
+        for i, t in enumerate(_state_tensors(state)):
+            m.register_buffer(f"{LIFTED_PREFIX}{i}", t, persistent=False)
     modules.fix_4bit_weight_quant_state_from_module = lifted
     try:
         yield

@@ -23,8 +23,8 @@ from typing import Any
 
 from tilefit.dtypes import parse_dtype
 from tilefit.models import Workload
-from tilefit.models.lora import lora_base_dtype, peft_config
-from tilefit.planner.model_code import optimizer_function
+from tilefit.models.lora import peft_config
+from tilefit.planner.model_code import load_dtype, optimizer_function
 from tilefit.planner.rows import PlanRow
 from tilefit.vocab import ZERO_STRATEGIES
 
@@ -353,7 +353,7 @@ def script_header(row: PlanRow, work: Workload, launch: str) -> str:
         scaler=repr(prec.grad_scaler), ckpt=repr(row.grad_checkpointing),
         max_grad_norm=repr(row.recipe.max_grad_norm), lr=repr(LEARNING_RATE),
         lora=repr(None if not row.peft else peft_config(work.task, row.recipe.lora)),
-        lora_base=_torch_dtype(str(lora_base_dtype(row.recipe)) if row.peft else None))
+        lora_base=_torch_dtype(load_dtype(row) if row.peft else None))
 
 
 def torchrun_script(row: PlanRow, work: Workload) -> str:
@@ -369,7 +369,6 @@ def torchrun_script(row: PlanRow, work: Workload) -> str:
               "with your data (a DistributedSampler per rank).")
     return (script_header(row, work, launch) + MODEL + optimizer_function(row) + _FSDP
             + _TORCH_MAIN)
-
 
 
 def accelerate_script(row: PlanRow, work: Workload) -> str:

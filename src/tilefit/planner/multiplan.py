@@ -243,8 +243,7 @@ def _traced_rows(work: Workload, device: Device, global_batch: int, budget_bytes
                              budget_bytes, work.tokens_per_sample, optimizer,
                              parallel=parallel) for b in micro)
         floor = optimizer_step_floor(model, min(micro), space_.depth)
-        rest = [r for r in space_.recipes[i + 1:] if r.lora == key]
-        if rest and floor > budget_bytes:
+        if floor > budget_bytes and any(r.lora == key for r in space_.recipes[i + 1:]):
             over.add(key)
             notes.append(f"{parallel.strategy} on {n} GPUs: its optimizer step alone needs "
                          f"{floor / 2**30:.1f} GiB per GPU (traced), over the "

@@ -275,9 +275,7 @@ def changes_of(spec: Recipe, user_optimizer: str, offload: bool,
     if spec.quantize:
         out.append(qlora_change(spec.quantize, spec.lora))
     elif spec.lora is not None:
-        lora = spec.lora
-        out.append(f"{'DoRA' if lora.dora else 'LoRA'} r={lora.rank} alpha={lora.alpha} on "
-                   f"{lora.where}, base weights frozen in 16 bits: trains adapters, "
+        out.append(f"{spec.lora.label()}, base weights frozen in 16 bits: trains adapters, "
                    "not the model (a different recipe)")
     if spec.optimizer != user_optimizer:
         same = same_update(spec.optimizer, user_optimizer)

@@ -139,9 +139,7 @@ class CudaAutocast(TorchFunctionMode):
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        _ACTIVE.reverse()
-        _ACTIVE.remove(self)  # the innermost entry of this mode
-        _ACTIVE.reverse()
+        del _ACTIVE[len(_ACTIVE) - 1 - _ACTIVE[::-1].index(self)]  # its innermost entry
         if not _ACTIVE and _WATCH:
             _WATCH.pop().__exit__(None, None, None)
 
