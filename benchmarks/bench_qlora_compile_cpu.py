@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_compile_cpu import _storage_bytes, allocator_peak_bytes
+from tilefit.bench.qlora import quant_state_tensors, real_qlora_model
 
 # (hidden, tokens per sample) at batch 2, 2 layers, vocab 128
 SIZES = ((64, 128), (256, 128))
@@ -45,43 +46,8 @@ def config(hidden: int, seq: int) -> dict[str, Any]:
             "max_position_embeddings": max(64, seq), "tie_word_embeddings": False}
 
 
-def qlora_model(cfg: dict[str, Any], where: Path) -> torch.nn.Module:
-    import peft
-    from transformers import (
-        AutoModelForCausalLM,
-        BitsAndBytesConfig,
-        LlamaConfig,
-        LlamaForCausalLM,
-    )
-
-    torch.manual_seed(0)
-    fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures")}
-    LlamaForCausalLM(LlamaConfig(**fields)).save_pretrained(where / "weights")
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                               bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(where / "weights", device_map={"": "cpu"},
-                                                 quantization_config=quant)
-    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    model = peft.get_peft_model(model, peft.LoraConfig(
-        r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
-        task_type="CAUSAL_LM"))
-    model.train()
-    return model
-
-
 def make_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4, foreach=False)
-
-
-def quant_state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    out = []
-    for m in model.modules():
-        state = getattr(getattr(m, "weight", None), "quant_state", None)
-        while state is not None:
-            out += [t for t in (state.absmax, state.code, state.offset) if t is not None]
-            state = state.state2
-    return out
 
 
 def measure(model: torch.nn.Module, seq: int, compiled: bool) -> tuple[int, float, int]:
@@ -150,7 +116,7 @@ def main() -> int:
         name = f"llama-like h{hidden} x2 layers, {BATCH}x{seq}"
         for compiled in (False, True):
             with tempfile.TemporaryDirectory() as tmp:
-                model = qlora_model(cfg, Path(tmp))
+                model = real_qlora_model(cfg, Path(tmp), torch.bfloat16)
                 real, first_s, breaks = measure(model, seq, compiled)
                 pred = predict(cfg, seq, compiled, Path(tmp))
             mode = "compiled" if compiled else "eager"

@@ -90,19 +90,6 @@ def test_qlora_trace_holds_the_packed_base(workload) -> None:  # type: ignore[no
     assert any("bnb_4bit_compute_dtype is fp32" in w for w in tr.warnings)
 
 
-def _quant_state_tensors(model) -> list:  # type: ignore[no-untyped-def]
-    """The tensors each Linear4bit's QuantState holds (absmax, code, offset, the nested
-    state's), collected by walking bitsandbytes' QuantState: MemTracker counts tensors only
-    as parameters, buffers, gradients, optimizer state or what it is handed."""
-    out = []
-    for module in model.modules():
-        state = getattr(getattr(module, "weight", None), "quant_state", None)
-        while state is not None:
-            out += [t for t in (state.absmax, state.code, state.offset) if t is not None]
-            state = state.state2
-    return out
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_qlora_cpu_peak_matches_a_real_cpu_run(tmp_path: Path, precision: str) -> None:
     """Issue 28: a Llama-like model loaded in nf4 by transformers' own from_pretrained
@@ -111,31 +98,14 @@ def test_qlora_cpu_peak_matches_a_real_cpu_run(tmp_path: Path, precision: str) -
     bitsandbytes' gemm_4bit runs its default kernel (dequantize_blockwise and
     dequantize_4bit on the CPU, then F.linear); the backward dequantizes the weight again
     (dequantize_4bit) and multiplies with aten's matmul."""
-    import peft
     import torch
-    from transformers import (
-        AutoModelForCausalLM,
-        BitsAndBytesConfig,
-        LlamaConfig,
-        LlamaForCausalLM,
-    )
 
+    from tilefit.bench.qlora import quant_state_tensors, real_qlora_model
     from tilefit.bench.step import memtracker_peak_bytes
     from tilefit.models import load_workload
 
-    torch.manual_seed(0)
-    config = {k: v for k, v in CONFIG.items() if k not in ("model_type", "architectures")}
-    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(tmp_path / "weights")
     dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "weights", device_map={"": "cpu"},
-                                                 quantization_config=quant)
-    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    model = peft.get_peft_model(model, peft.LoraConfig(
-        r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
-        task_type="CAUSAL_LM"))
-    model.train()
+    model = real_qlora_model(CONFIG, tmp_path, dtype)
 
     def make_opt(params):  # type: ignore[no-untyped-def]
         return torch.optim.AdamW(params, lr=1e-4, foreach=False)
@@ -152,7 +122,7 @@ def test_qlora_cpu_peak_matches_a_real_cpu_run(tmp_path: Path, precision: str) -
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    real = memtracker_peak_bytes(model, opt, (batch, _quant_state_tensors(model)), step)
+    real = memtracker_peak_bytes(model, opt, (batch, quant_state_tensors(model)), step)
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     work = load_workload(str(tmp_path / "config.json"), seq_len=32)
     predicted = trace(work, recipe=Recipe(batch_size=2, precision=precision, lora=Lora(),
