@@ -23,7 +23,7 @@ def fragmentation_findings(whatif: WhatIf) -> list[Finding]:
     if r is None or EXPANDABLE in r.alloc_conf:
         return []
     frag_share = r.fragmentation_bytes / max(r.peak_reserved_bytes, 1)
-    if r.fits and frag_share < FRAGMENTATION_SHARE:
+    if r.fits and frag_share < FRAGMENTATION_SHARE and not r.fits_by_releasing:
         return []
     conf = f"{r.alloc_conf},{EXPANDABLE}" if r.alloc_conf else EXPANDABLE
     after = estimate_trace(replace(whatif.trace, alloc_conf=conf), whatif.device)
@@ -31,17 +31,25 @@ def fragmentation_findings(whatif: WhatIf) -> list[Finding]:
     if a is None:
         return []
     saved = r.peak_reserved_bytes - a.peak_reserved_bytes if r.fits else 0
-    ok = (not before.fits and after.fits) or saved > 0
+    calms = r.fits_by_releasing and a.fits and not a.steady_alloc_retries
+    ok = (not before.fits and after.fits) or saved > 0 or calms
     verdict = ("makes the step fit" if not before.fits and after.fits else
+               "ends the releases" + (f" and saves {saved / GIB:.2f} GiB" if saved > 0
+                                      else "") if calms else
                f"saves {saved / GIB:.2f} GiB of reserved memory" if saved > 0 else
                "does not help here")
+    held = f"the caching allocator holds {r.fragmentation_bytes / GIB:.2f} GiB beyond the " \
+        f"tensors' peak ({frag_share:.0%} of what it reserves)"
+    if r.fits_by_releasing:
+        n = r.steady_alloc_retries
+        held = ("the step fits only by the caching allocator releasing its cache "
+                f"({n} retr{'ies' if n > 1 else 'y'} in every step; each release "
+                "synchronizes the GPU)")
     return [Finding(
         rule="allocator-fragmentation",
-        severity=("high" if not before.fits and after.fits else
+        severity=("high" if not before.fits and after.fits else "medium" if calms else
                   severity_of(1.0, saved / max(r.peak_reserved_bytes, 1))) if ok else "info",
-        title=f"the caching allocator holds {r.fragmentation_bytes / GIB:.2f} GiB beyond the "
-        f"tensors' peak ({frag_share:.0%} of what it reserves); expandable segments "
-        f"{verdict}",
+        title=f"{held}; expandable segments {verdict}",
         modules=(), dimension="PYTORCH_CUDA_ALLOC_CONF",
         current=r.alloc_conf or "(PyTorch's defaults)", suggested=conf,
         fix=f"export PYTORCH_CUDA_ALLOC_CONF={conf} before the training process starts (or "

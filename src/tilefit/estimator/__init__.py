@@ -42,7 +42,7 @@ from tilefit.recipe import (
     is_named_model,
 )
 from tilefit.tracing.records import Trace
-from tilefit.vocab import MICRO_PHASES, parse_precision
+from tilefit.vocab import parse_precision
 
 __all__ = ["Estimate", "ModuleSummary", "OpCost", "ParallelSummary", "ZeroConfig",
            "cublas_workspace_bytes",
@@ -180,19 +180,11 @@ def _reserved(tr: Trace, device: Device) -> ReservedMemory | None:
 
 def _op_costs(tr: Trace, device: Device, ctx: CostContext) -> list[OpCost]:
     """The steady step's ops, each costed once, with how often it runs per optimizer step."""
-    a = tr.accumulation_steps
     costs: list[OpCost] = []
     for op in tr.ops_of_step(1):
-        if op.phase in MICRO_PHASES:
-            # micro-batch 0 runs once; micro-batch 1 (traced when accumulating) stands for
-            # the other a - 1, which accumulate into existing gradients
-            repeats = 1 if op.micro == 0 and (a == 1 or tr.traced_micro_steps == 2) else (
-                a if tr.traced_micro_steps == 1 else a - 1)
-        else:
-            repeats = 1
         time_s = compiled_op_time_s(op, device, ctx) if op.compiled else \
             op_time_s(op, device, ctx)
-        costs.append(OpCost(op, time_s, repeats))
+        costs.append(OpCost(op, time_s, tr.repeats_per_step(op)))
     return costs
 
 

@@ -136,6 +136,9 @@ class Allocator:
         self.reserved = self.allocated = 0
         self.released = 0  # bytes the cache releases on failed allocations gave back
         self.retried = 0  # allocations that succeeded only after releasing the cache
+        # memory_stats()['num_alloc_retries']: alloc_block calls after release_cached_blocks
+        # (isRetry), whether or not they then succeed
+        self.retries = 0
         self.segments_created = 0
         self._next_addr = 0
         self._rounded: dict[int, int] = {}  # request -> round_size (a step repeats its sizes)
@@ -266,6 +269,7 @@ class Allocator:
             block = self._alloc_block(pool, size, tag, nbytes)
         if block is None:
             self.released += self.empty_cache()
+            self.retries += 1
             block = self._alloc_block(pool, size, tag, nbytes)
         if block is not None:
             self.retried += 1

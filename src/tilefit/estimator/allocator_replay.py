@@ -5,6 +5,7 @@ its cache and retried (docs/references.md, section 31)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -14,7 +15,8 @@ from tilefit.alloc_conf import AllocatorConfig
 from tilefit.estimator.allocator import Allocator, Block, SegmentInfo
 from tilefit.tracing.records import Trace
 
-__all__ = ["AllocEvent", "AllocatorReplay", "events_of", "replay"]
+__all__ = ["AllocEvent", "AllocatorReplay", "events_of", "next_step_retries", "repeated_step",
+           "replay"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,9 @@ class AllocatorReplay:
     ``limit_bytes`` even after the allocator released its cache and retried (None: the step
     fits); the figures then cover the events before it. ``released_bytes``: what those
     releases gave back over the replay; ``retried_allocations``: the allocations that
-    succeeded only after one."""
+    succeeded only after one; ``retry_at``: the trace index (``AllocEvent.at``) of each
+    cudaMalloc tried again after release_cached_blocks, which PyTorch counts in
+    ``memory_stats()['num_alloc_retries']``."""
 
     config: AllocatorConfig
     limit_bytes: int | None
@@ -84,6 +88,7 @@ class AllocatorReplay:
     failed: AllocEvent | None = None
     released_bytes: int = 0
     retried_allocations: int = 0
+    retry_at: tuple[int, ...] = ()
     # what ``segments`` is computed from, when asked: the final segments where the cache was
     # never released (reserved never shrank), else the events replayed again to the peak
     final_segments: tuple[SegmentInfo, ...] | None = field(default=None, repr=False,
@@ -124,6 +129,8 @@ class _Marks:
     peak_allocated: int = 0
     segments_at_peak: int = 0
     failed: AllocEvent | None = None
+    retry_at: list[int] = field(default_factory=list)  # AllocEvent.at of each retry
+    retry_index: list[int] = field(default_factory=list)  # its position in the events
 
 
 def _run(events: list[AllocEvent], alloc: Allocator) -> _Marks:
@@ -137,7 +144,11 @@ def _run(events: list[AllocEvent], alloc: Allocator) -> _Marks:
             continue
         if ev.nbytes <= 0:  # PyTorch does not call the allocator for 0 bytes
             continue
+        retries = alloc.retries
         new = alloc.malloc(ev.nbytes, ev.stream, ev.uid)
+        if alloc.retries != retries:
+            marks.retry_at.append(ev.at)
+            marks.retry_index.append(i)
         if new is None:
             marks.failed = ev
             break
@@ -167,5 +178,50 @@ def replay(events: Iterable[AllocEvent], config: AllocatorConfig | None = None,
         peak_allocated_bytes=marks.peak_allocated, n_segments=marks.segments_at_peak,
         segments_created=alloc.segments_created, final_reserved_bytes=alloc.reserved,
         failed=marks.failed, released_bytes=alloc.released,
-        retried_allocations=alloc.retried, final_segments=final,
+        retried_allocations=alloc.retried, retry_at=tuple(marks.retry_at),
+        final_segments=final,
         events=tuple(events) if final is None else (), peak_at=marks.peak_at)
+
+
+def repeated_step(events: list[AllocEvent], steady_at: int) -> list[AllocEvent] | None:
+    """The steady-state step's events (from the first allocation at trace index
+    ``steady_at``) once more, as a third step after ``events``: its allocations under new
+    uids, its frees of its own storages likewise, and each free of a storage the previous
+    step handed over (allocated before, freed in the steady step: the last step's
+    gradients, its loss) turned into the free of the storage of the same size the steady
+    step hands over (allocated in it, alive at the end), k-th to k-th in allocation order.
+    None where the two steps hand over different sizes: the trace is not periodic."""
+    # the frees at steady_at itself come before its op allocates: the previous step's end
+    start = next((i for i, e in enumerate(events) if e.at > steady_at or
+                  (e.at == steady_at and e.kind == "alloc")), len(events))
+    steady = events[start:]
+    freed = {e.uid for e in events if e.kind == "free"}
+    born = {e.uid for e in steady if e.kind == "alloc"}
+    order = {e.uid: i for i, e in enumerate(events) if e.kind == "alloc"}
+    handed_in = sorted((e for e in steady if e.kind == "free" and e.uid not in born),
+                       key=lambda e: order.get(e.uid, -1))
+    handed_out = [e for e in steady if e.kind == "alloc" and e.uid not in freed]
+    if sorted(e.nbytes for e in handed_in) != sorted(e.nbytes for e in handed_out):
+        return None
+    mates: dict[int, list[int]] = {}
+    for o in reversed(handed_out):
+        mates.setdefault(o.nbytes, []).append(o.uid)
+    pairs = {e.uid: mates[e.nbytes].pop() for e in handed_in}
+    offset = 1 + max((e.uid for e in events), default=0)
+    return [dataclasses.replace(e, uid=e.uid + offset) if e.uid in born else
+            dataclasses.replace(e, uid=pairs.get(e.uid, e.uid)) for e in steady]
+
+
+def next_step_retries(events: list[AllocEvent], steady_at: int,
+                      config: AllocatorConfig | None = None,
+                      limit_bytes: int | None = None) -> int | None:
+    """The retries (num_alloc_retries) of a third step replayed after ``events``
+    (``repeated_step``): whether the steady-state step's releases of the cache recur
+    once the allocator starts from the state a release left. None where the trace is not
+    periodic."""
+    again = repeated_step(events, steady_at)
+    if again is None:
+        return None
+    alloc = Allocator(config or AllocatorConfig(), limit_bytes)
+    marks = _run([*events, *again], alloc)
+    return sum(1 for i in marks.retry_index if i >= len(events))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tilefit.alloc_conf import AllocatorConfig, alloc_conf_from_env, parse_alloc_conf
-from tilefit.estimator.allocator_replay import events_of, replay
+from tilefit.estimator.allocator_replay import events_of, next_step_retries, replay
 from tilefit.tracing.records import Trace
 
 __all__ = ["ReservedMemory", "allocator_config_of", "reserved_memory"]
@@ -39,6 +39,19 @@ class ReservedMemory:
     failed_request_bytes: int | None = None  # the request that raised OutOfMemoryError
     failed_where: str | None = None  # its phase and module
     notes: tuple[str, ...] = ()
+    # memory_stats()['num_alloc_retries']: cudaMallocs tried again after the allocator
+    # released its whole cache (each release synchronizes the device). Over the two traced
+    # steps; and in the steady state: a third step replayed after them (the second step's
+    # allocations repeated from the state the trace left; allocator_replay.repeated_step),
+    # or the traced second step's where the trace is not periodic
+    alloc_retries: int = 0
+    steady_alloc_retries: int = 0
+
+    @property
+    def fits_by_releasing(self) -> bool:
+        """The step fits, but only because the allocator releases its cache in every
+        step of the steady state."""
+        return self.fits and self.steady_alloc_retries > 0
 
     @property
     def fragmentation_bytes(self) -> int:
@@ -58,7 +71,10 @@ class ReservedMemory:
                 "segments_created": self.segments_created, "fits": self.fits,
                 "released_bytes": self.released_bytes,
                 "failed_request_bytes": self.failed_request_bytes,
-                "failed_where": self.failed_where, "notes": list(self.notes)}
+                "failed_where": self.failed_where,
+                "alloc_retries": self.alloc_retries,
+                "steady_alloc_retries": self.steady_alloc_retries,
+                "notes": list(self.notes)}
 
 
 def allocator_config_of(tr: Trace, environ: Mapping[str, str] | None = None
@@ -75,8 +91,17 @@ def reserved_memory(tr: Trace, limit_bytes: int, config: AllocatorConfig
                     ) -> ReservedMemory:
     """The step's storages replayed through the caching allocator under ``config``, against
     ``limit_bytes``."""
-    rep = replay(events_of(tr), config, limit_bytes)
+    events = events_of(tr)
+    rep = replay(events, config, limit_bytes)
+    retries = steady_retries(tr, rep.retry_at)
+    steady_at = next((i for i, op in enumerate(tr.ops) if op.step >= 1), None)
+    if retries and rep.fits and steady_at is not None:
+        # do the releases recur once the allocator starts from what a release left?
+        again = next_step_retries(events, steady_at, config, limit_bytes)
+        retries = retries if again is None else again
     notes = list(config.notes)
+    if rep.fits and retries:
+        notes.append(retry_note(retries))
     if tr.world_size > 1:
         notes.append("one rank's tensors and the engine's buffers replayed on one stream; "
                      "NCCL's own buffers and the collectives' streams are not modelled")
@@ -96,4 +121,24 @@ def reserved_memory(tr: Trace, limit_bytes: int, config: AllocatorConfig
         peak_allocated_bytes=rep.peak_allocated_bytes, segments=rep.n_segments,
         segments_created=rep.segments_created, fits=rep.fits,
         released_bytes=rep.released_bytes, failed_request_bytes=failed_bytes,
-        failed_where=failed_where, notes=tuple(notes))
+        failed_where=failed_where, notes=tuple(notes), alloc_retries=len(rep.retry_at),
+        steady_alloc_retries=retries)
+
+
+def steady_retries(tr: Trace, retry_at: tuple[int, ...]) -> int:
+    """The retries made at the traced steady-state step's ops (the second step: with
+    accumulation its micro-batches 0 and 1); a one-step trace's all."""
+    if not any(op.step >= 1 for op in tr.ops):
+        return len(retry_at)
+    return sum(1 for at in retry_at if 0 <= at < len(tr.ops) and tr.ops[at].step >= 1)
+
+
+def retry_note(retries: int) -> str:
+    """What a step that fits only by releasing the allocator's cache costs, in words."""
+    times = "once" if retries == 1 else f"{retries} times"
+    return (f"fits only because the caching allocator releases its whole cache and retries "
+            f"(torch.cuda.memory_stats()['num_alloc_retries']), {times} in every step of the "
+            "steady state: each release synchronizes the GPU and returns its cached segments, "
+            "which are cudaMalloc'ed again, a cost the step time leaves out and that "
+            "torchtitan warns of (docs/references.md, section 42); a smaller micro-batch, "
+            "activation checkpointing or expandable_segments:True avoid it")

@@ -52,6 +52,16 @@ def over_budget(chosen: PlanRow, confirmed: PlanRow) -> str:
             "over the budget; next plan tried")
 
 
+def releasing(confirmed: PlanRow) -> str:
+    """The chosen plan's full trace fits only by releasing the allocator's cache."""
+    n = confirmed.steady_alloc_retries
+    return (f"{confirmed.recipe_label()} at micro-batch {confirmed.micro_batch}: the full "
+            "trace fits only by the caching allocator releasing its cache "
+            f"({n} retr{'ies' if n > 1 else 'y'} in every step, num_alloc_retries; "
+            "each release synchronizes the GPU, a cost its step time leaves out); the next "
+            "plan tried, this one kept if none fits without")
+
+
 def nothing_fits(device: Device, world_size: int, budget: int, global_batch: int) -> str:
     """The reason of a plan without a choice."""
     where = f"one {device.display_name}" if world_size == 1 else \

@@ -99,6 +99,9 @@ def choose(p: PlanState, rows: list[PlanRow], objective: str, allow_change: bool
     does not fit). The confirmed figures replace the chosen row's in the table: one plan,
     one set of figures."""
     candidates = [r for r in rows if r.fits]
+    # a plan that fits only by the allocator releasing its cache every step: chosen only
+    # when no other confirmed plan fits (its step time leaves the releases out)
+    releasing: tuple[PlanRow, Confirmation, str] | None = None
     for _ in range(MAX_CONFIRMS):
         chosen = rank.choose(candidates, objective, allow_change)
         if chosen is None:
@@ -107,12 +110,29 @@ def choose(p: PlanState, rows: list[PlanRow], objective: str, allow_change: bool
         if not confirm:
             return chosen, None, reason, rows
         confirmed, conf = p.confirm(chosen)
-        if confirmed.fits:
-            return confirmed, conf, reason, [confirmed if r is chosen else r for r in rows]
-        p.notes.append(notes.over_budget(chosen, confirmed))
         candidates = [r for r in candidates if r is not chosen]
+        if confirmed.fits:
+            rows = [confirmed if r is chosen else r for r in rows]
+        if confirmed.fits and not confirmed.steady_alloc_retries:
+            return confirmed, conf, reason, releasing_last(rows)
+        if confirmed.fits:
+            p.notes.append(notes.releasing(confirmed))
+            releasing = releasing or (confirmed, conf, reason)
+        else:
+            p.notes.append(notes.over_budget(chosen, confirmed))
+    if releasing is not None:  # kept first: the plan chosen, for want of one without
+        chosen = releasing[0]
+        return (*releasing, [chosen, *(r for r in releasing_last(rows) if r is not chosen)])
     reason = notes.nothing_fits(p.device, p.world_size, p.budget, p.global_batch)
     return None, None, reason, rows
+
+
+def releasing_last(rows: list[PlanRow]) -> list[PlanRow]:
+    """The ranked rows with those that fit only by releasing the allocator's cache moved
+    after the other fitting rows (rank.rank's order for them)."""
+    fit = [r for r in rows if r.fits]
+    return ([r for r in fit if not r.steady_alloc_retries]
+            + [r for r in fit if r.steady_alloc_retries] + [r for r in rows if not r.fits])
 
 
 def when_nothing_fits(p: PlanState, rows: list[PlanRow], optimizer: str, hf_model: bool,

@@ -31,6 +31,10 @@ class PlanRow:
     # tilefit.estimator.reserved); None where no reserved model applies (CPU offload, a
     # modelled DeepSpeed engine): the allocated peak decides there
     predicted_reserved_bytes: int | None = None
+    # cudaMalloc retries per step after the allocator released its cache
+    # (ReservedMemory.steady_alloc_retries): known from a full trace only (the chosen
+    # plan's confirmation), 0 on the affine rows
+    steady_alloc_retries: int = 0
 
     @property
     def micro_batch(self) -> int:
@@ -99,6 +103,7 @@ class PlanRow:
             "predicted_peak_memory_bytes": self.predicted_peak_memory_bytes,
             "predicted_reserved_bytes": self.predicted_reserved_bytes,
             "headroom_bytes": self.headroom_bytes,
+            "steady_alloc_retries": self.steady_alloc_retries,
             "predicted_step_time_s": self.predicted_step_time_s,
             "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,

@@ -62,10 +62,14 @@ class Sample:
     fragmentation_ratio: float = 0.0
     micro_device_s: float | None = None  # None: micro_time_s is the device's alone
     micro_host_s: float = 0.0
+    # ReservedMemory.steady_alloc_retries: a count at this very step, not a quantity the
+    # sweep extrapolates (left out of metrics)
+    steady_alloc_retries: int = 0
 
     def metrics(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("micro_batch", "layers") and getattr(self, f.name) is not None}
+                if f.name not in ("micro_batch", "layers", "steady_alloc_retries")
+                and getattr(self, f.name) is not None}
 
 
 def category_peaks(tr: Trace, *, rounded: bool) -> dict[str, int]:
@@ -135,7 +139,9 @@ def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int, *,
         work_peak_bytes=work_peak(tr, rounded=rounded), micro_flops=est.flops / a,
         param_count=tr.param_count, host_bytes=host_bytes,
         fragmentation_ratio=0.0 if peaks is not None else fragmentation_ratio(est),
-        micro_device_s=device_s, micro_host_s=host_s)
+        micro_device_s=device_s, micro_host_s=host_s,
+        steady_alloc_retries=0 if est.reserved is None or peaks is not None
+        else est.reserved.steady_alloc_retries)
 
 
 def fragmentation_ratio(est: Estimate) -> float:

@@ -215,5 +215,5 @@ class PlanState:
             row, predicted_peak_memory_bytes=round(peak), predicted_reserved_bytes=reserved,
             predicted_step_time_s=step,
             samples_per_s=self.global_batch / step if step else 0.0, tokens_per_s=tokens,
-            mfu=row.mfu * scale)
+            mfu=row.mfu * scale, steady_alloc_retries=s.steady_alloc_retries)
         return confirmed, conf

@@ -65,7 +65,11 @@ def plans_table(plan: Plan, top: int) -> Table:
         style = None if row.fits else "dim"
         head = f"[green]{_gib(row.headroom_bytes)}[/]" if row.fits else \
             f"[red]{_gib(row.headroom_bytes)}[/]"
-        table.add_row(short_label(row), str(row.micro_batch),
+        label = short_label(row)
+        if row.fits and row.steady_alloc_retries:  # see notes.releasing
+            head = f"[yellow]{_gib(row.headroom_bytes)}[/]"
+            label += " (releases cache)"
+        table.add_row(label, str(row.micro_batch),
                       str(row.accumulation_steps), _gib(row.memory_bytes), head,
                       _ms(row.predicted_step_time_s), f"{row.samples_per_s:,.1f}",
                       f"{row.tokens_per_s:,.0f}" if row.tokens_per_s is not None else "-",

@@ -102,9 +102,19 @@ def reserved_line(estimate: Estimate) -> str:
         return (f"the caching allocator runs out of memory at {fmt_bytes(r.limit_bytes)} (the "
                 f"device less context and workspace) on a {fmt_bytes(r.failed_request_bytes or 0)}"
                 f" request ({r.failed_where}), after releasing its cache; {conf}")
-    return (f"{fmt_bytes(r.peak_reserved_bytes)} held by the caching allocator at its peak "
+    line = (f"{fmt_bytes(r.peak_reserved_bytes)} held by the caching allocator at its peak "
             f"({fmt_bytes(r.fragmentation_bytes)} beyond the tensors' peak, cached or split; "
             f"{r.segments} segments), of {fmt_bytes(r.limit_bytes)} it may hold; {conf}")
+    if r.fits_by_releasing:
+        n = r.steady_alloc_retries
+        line += (f"; fits only by releasing its cache ({n} retr{'ies' if n > 1 else 'y'} "
+                 "in every step, num_alloc_retries: each release synchronizes the GPU, a "
+                 "cost the step time leaves out)")
+    elif r.alloc_retries:
+        n = r.alloc_retries
+        line += (f"; it releases its cache {n} time{'s' * (n > 1)} over the first two steps "
+                 "(num_alloc_retries), not in the steady state after")
+    return line
 
 
 def parallel_rows(estimate: Estimate) -> list[tuple[str, str]]:

@@ -238,3 +238,15 @@ class Trace(HtmlRepr):
 
     def ops_of_step(self, step: int) -> tuple[OpRecord, ...]:
         return tuple(o for o in self.ops if o.step == step)
+
+    def repeats_per_step(self, op: OpRecord) -> int:
+        """How often a steady-state op runs per optimizer step: micro-batch 0 once,
+        micro-batch 1 (traced when accumulating) for the other a - 1 micro-batches, which
+        accumulate into existing gradients; one traced micro-batch for all a; the
+        optimizer step and what follows it once."""
+        a = self.accumulation_steps
+        if op.phase not in MICRO_PHASES:
+            return 1
+        if op.micro == 0 and (a == 1 or self.traced_micro_steps == 2):
+            return 1
+        return a if self.traced_micro_steps == 1 else a - 1
