@@ -214,3 +214,34 @@ def test_a_plan_whose_releases_recur_is_chosen_only_when_none_fits_without() -> 
     best, _, _, rows = policy.choose(state, [fast, slow], "throughput", False,  # type: ignore[arg-type]
                                      confirm=True)
     assert best is not None and best.micro_batch == 8 and rows[0] is best
+
+
+def test_a_plan_at_the_line_keeps_a_choice_whose_release_is_one_time() -> None:
+    # the roomy A100's choice for a one-layer GPT-2, replanned on an A100 2 MiB short of
+    # what that step reserves with no line: its full trace releases the cache in the second
+    # step and not after, so it stays the choice, and the confirmation says so
+    import tilefit
+    from tilefit.estimator import overhead_bytes
+    from tilefit.hardware import get_device
+    from tilefit.models import load_workload
+    from tilefit.report.plan import best_rows
+    from tilefit.tracing.workloads import shared_traces, trace_workload
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    work = load_workload("gpt2", seq_len=128).with_config(num_hidden_layers=1)
+    a100 = get_device("a100-80gb")
+    with shared_traces():
+        roomy = tilefit.plan(work, gpu=a100, global_batch=8)
+        assert roomy.best is not None and roomy.confirmation is not None
+        assert roomy.confirmation.alloc_retries == 0
+        tr = trace_workload(work, roomy.best.recipe, a100)
+        need = replay(events_of(tr)).peak_reserved_bytes
+        squeezed = dataclasses.replace(a100, memory_bytes=overhead_bytes(a100) + need - 2 * MIB)
+        tight = tilefit.plan(work, gpu=squeezed, global_batch=8)
+    assert tight.best is not None and tight.best.recipe == roomy.best.recipe
+    check = tight.confirmation
+    assert check is not None and check.alloc_retries >= 1 and check.steady_alloc_retries == 0
+    assert tight.best.steady_alloc_retries == 0
+    assert check.to_dict()["alloc_retries"] == check.alloc_retries
+    text = dict(best_rows(tight, tight.best))["confirmed"]
+    assert "none in the steady state after" in text

@@ -22,6 +22,10 @@ class Confirmation:
     # the caching allocator's reserved peak, where modelled (None: CPU offload, the CPU)
     affine_reserved_bytes: int | None = None
     traced_reserved_bytes: int | None = None
+    # the full trace's cudaMalloc retries after a release of the allocator's cache: over its
+    # two steps, and in the steady state after (ReservedMemory)
+    alloc_retries: int = 0
+    steady_alloc_retries: int = 0
 
     @property
     def peak_error(self) -> float:
@@ -45,7 +49,9 @@ class Confirmation:
                 "peak_error": self.peak_error, "time_error": self.time_error,
                 "affine_reserved_bytes": self.affine_reserved_bytes,
                 "traced_reserved_bytes": self.traced_reserved_bytes,
-                "reserved_error": self.reserved_error}
+                "reserved_error": self.reserved_error,
+                "alloc_retries": self.alloc_retries,
+                "steady_alloc_retries": self.steady_alloc_retries}
 
 
 @dataclass(frozen=True)

@@ -62,13 +62,15 @@ class Sample:
     fragmentation_ratio: float = 0.0
     micro_device_s: float | None = None  # None: micro_time_s is the device's alone
     micro_host_s: float = 0.0
-    # ReservedMemory.steady_alloc_retries: a count at this very step, not a quantity the
-    # sweep extrapolates (left out of metrics)
+    # ReservedMemory.alloc_retries and steady_alloc_retries: counts at this very step, not
+    # quantities the sweep extrapolates (left out of metrics)
+    alloc_retries: int = 0
     steady_alloc_retries: int = 0
 
     def metrics(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("micro_batch", "layers", "steady_alloc_retries")
+                if f.name not in ("micro_batch", "layers", "alloc_retries",
+                                  "steady_alloc_retries")
                 and getattr(self, f.name) is not None}
 
 
@@ -140,8 +142,15 @@ def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int, *,
         param_count=tr.param_count, host_bytes=host_bytes,
         fragmentation_ratio=0.0 if peaks is not None else fragmentation_ratio(est),
         micro_device_s=device_s, micro_host_s=host_s,
-        steady_alloc_retries=0 if est.reserved is None or peaks is not None
-        else est.reserved.steady_alloc_retries)
+        **retry_counts(est if peaks is None else None))
+
+
+def retry_counts(est: Estimate | None) -> dict[str, int]:
+    """The estimate's cudaMalloc retries after a release of the cache (none without a
+    reserved model)."""
+    r = None if est is None else est.reserved
+    return {"alloc_retries": 0 if r is None else r.alloc_retries,
+            "steady_alloc_retries": 0 if r is None else r.steady_alloc_retries}
 
 
 def fragmentation_ratio(est: Estimate) -> float:

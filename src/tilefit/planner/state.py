@@ -208,7 +208,8 @@ class PlanState:
         conf = Confirmation(row.predicted_peak_memory_bytes, round(peak),
                             row.predicted_step_time_s, step,
                             affine_reserved_bytes=row.predicted_reserved_bytes,
-                            traced_reserved_bytes=reserved)
+                            traced_reserved_bytes=reserved, alloc_retries=s.alloc_retries,
+                            steady_alloc_retries=s.steady_alloc_retries)
         scale = row.predicted_step_time_s / step if step else 1.0
         tokens = row.tokens_per_s * scale if row.tokens_per_s is not None else None
         confirmed = dataclasses.replace(

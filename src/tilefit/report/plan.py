@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from tilefit.planner import Plan
+from tilefit.planner.result import Confirmation
 from tilefit.planner.rows import PlanRow
 from tilefit.report.terminal import fmt_bytes, fmt_time
 from tilefit.vocab import ZERO_STRATEGIES
@@ -125,8 +126,22 @@ def best_rows(plan: Plan, best: PlanRow) -> list[tuple[str, str]]:
         rows.append(("confirmed", f"full trace: peak {fmt_bytes(check.traced_peak_bytes)} "
                      f"(affine {fmt_bytes(check.affine_peak_bytes)}, {check.peak_error:+.1%})"
                      f"{reserved}, step {fmt_time(check.traced_step_time_s)} (affine "
-                     f"{fmt_time(check.affine_step_time_s)}, {check.time_error:+.1%})"))
+                     f"{fmt_time(check.affine_step_time_s)}, {check.time_error:+.1%})"
+                     f"{releases_text(check)}"))
     return rows
+
+
+def releases_text(check: Confirmation) -> str:
+    """The full trace's releases of the allocator's cache, where it made any."""
+    n, steady = check.alloc_retries, check.steady_alloc_retries
+    if not n:
+        return ""
+    if steady:
+        return (f"; the caching allocator releases its cache and retries in every step "
+                f"({steady} num_alloc_retries a step)")
+    return (f"; the caching allocator reaches the line and releases its cache {n} "
+            f"time{'s' * (n > 1)} (num_alloc_retries) over the first two steps, none in the "
+            "steady state after (a one-time synchronization)")
 
 
 def best_table(plan: Plan, best: PlanRow) -> Table:
