@@ -13,7 +13,7 @@ from rich.table import Table
 from tilefit.planner import Plan
 from tilefit.planner.result import Confirmation
 from tilefit.planner.rows import PlanRow
-from tilefit.report.terminal import fmt_bytes, fmt_time
+from tilefit.report.terminal import fmt_bytes, fmt_time, times_text
 from tilefit.vocab import ZERO_STRATEGIES
 
 
@@ -139,9 +139,9 @@ def releases_text(check: Confirmation) -> str:
     if steady:
         return (f"; the caching allocator releases its cache and retries in every step "
                 f"({steady} num_alloc_retries a step)")
-    return (f"; the caching allocator reaches the line and releases its cache {n} "
-            f"time{'s' * (n > 1)} (num_alloc_retries) over the first two steps, none in the "
-            "steady state after (a one-time synchronization)")
+    return (f"; the caching allocator reaches the line and releases its cache {times_text(n)} "
+            "(num_alloc_retries) over the first two steps, none in the steady state after "
+            "(a synchronization at the start only)")
 
 
 def best_table(plan: Plan, best: PlanRow) -> Table:

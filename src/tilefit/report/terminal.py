@@ -92,6 +92,11 @@ def summary_table(estimate: Estimate, title: str) -> Table:
     return table
 
 
+def times_text(n: int) -> str:
+    """'once', 'twice', 'N times'."""
+    return {1: "once", 2: "twice"}.get(n, f"{n} times")
+
+
 def reserved_line(estimate: Estimate) -> str:
     """What the caching allocator holds: the reserved peak, its fragmentation, the line."""
     r = estimate.reserved
@@ -112,7 +117,7 @@ def reserved_line(estimate: Estimate) -> str:
                  "cost the step time leaves out)")
     elif r.alloc_retries:
         n = r.alloc_retries
-        line += (f"; it releases its cache {n} time{'s' * (n > 1)} over the first two steps "
+        line += (f"; it releases its cache {times_text(n)} over the first two steps "
                  "(num_alloc_retries), not in the steady state after")
     return line
 
