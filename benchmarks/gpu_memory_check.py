@@ -86,6 +86,82 @@ def predict(case: Case, precision: str) -> dict[str, float]:
             "segments": None if e.reserved is None else e.reserved.segments}
 
 
+def measure_squeezed(case: Case, precision: str, limit_bytes: int) -> dict[str, Any]:
+    """Three real steps with the caching allocator capped at ``limit_bytes`` (a per-process
+    memory fraction: cudaMalloc fails past it as at the device's end): the retries after a
+    release of the cache (memory_stats' num_alloc_retries) over the first two steps and in
+    the third, the reserved peak; ``oom`` where a step ran out of memory."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()
+    torch.cuda.reset_accumulated_memory_stats()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.set_per_process_memory_fraction(limit_bytes / total)
+    counts: list[int] = []
+    try:
+        torch.manual_seed(0)
+        model = case.build().cuda().train()
+        if case.grad_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        batch = _to(case.batch(), "cuda")
+        opt = case.optimizer(model.parameters())
+        ctx = (torch.autocast("cuda", dtype=torch.bfloat16) if precision == "bf16-mixed"
+               else torch.autocast("cuda", enabled=False))
+        for _ in range(3):
+            with ctx:
+                loss = case.loss_fn(model, batch)
+            loss.backward()
+            del loss
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            counts.append(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+        reserved = torch.cuda.max_memory_reserved()
+        del model, opt, batch
+    except torch.cuda.OutOfMemoryError:
+        return {"oom": True, "alloc_retries": None, "steady_alloc_retries": None}
+    finally:
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    return {"oom": False, "alloc_retries": counts[1], "steady_alloc_retries":
+            counts[2] - counts[1], "reserved_bytes": reserved}
+
+
+def predict_squeezed(case: Case, precision: str, limit_bytes: int, gpu: str = "auto"
+                     ) -> dict[str, Any]:
+    """tilefit's replay of the same step on ``gpu`` (the live one) against the same cap,
+    less cuBLAS's workspace (a segment of the allocator the trace does not hold)."""
+    from tilefit import Recipe, trace
+    from tilefit.estimator import cublas_workspace_bytes
+    from tilefit.estimator.reserved import allocator_config_of, reserved_memory
+    from tilefit.hardware import get_device
+
+    recipe = Recipe(optimizer=case.optimizer, precision=precision,
+                    grad_checkpointing=case.grad_checkpointing)
+    tr = trace(case.build, case.batch(), loss_fn=case.loss_fn, recipe=recipe, gpu=gpu)
+    r = reserved_memory(tr, limit_bytes - cublas_workspace_bytes(get_device(gpu)),
+                        allocator_config_of(tr))
+    return {"oom": not r.fits, "alloc_retries": r.alloc_retries,
+            "steady_alloc_retries": r.steady_alloc_retries}
+
+
+def run_squeezed(rows: list[dict[str, Any]], cap_below: int = 2**21) -> list[dict[str, Any]]:
+    """Each measured row again with the allocator capped ``cap_below`` bytes under the
+    reserved peak it reached uncapped, so that it must release its cache: whether tilefit's
+    replay releases as often, and whether the releases recur in the third step
+    (docs/references.md, section 42)."""
+    cases = {c.name: c for c in CASES}
+    out = []
+    for row in rows:
+        limit = int(row["measured_reserved_bytes"]) - cap_below
+        case = cases[row["workload"]]
+        real = measure_squeezed(case, row["precision"], limit)
+        pred = predict_squeezed(case, row["precision"], limit)
+        out.append({"workload": row["workload"], "precision": row["precision"],
+                    "limit_bytes": limit, "measured": real, "predicted": pred})
+    return out
+
+
 def run() -> list[dict[str, Any]]:
     rows = []
     for case in CASES:

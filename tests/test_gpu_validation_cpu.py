@@ -82,3 +82,27 @@ def test_category_totals_drop_views_and_non_aten_rows(families) -> None:
     rows = [("aten::addmm", 2e-3), ("aten::mm", 1e-3), ("aten::_softmax", 5e-4),
             ("aten::view", 1.0), ("cudaMemcpyAsync", 1.0), ("aten::add_", 0.0)]
     assert families.by_category(rows) == pytest.approx({"gemm": 3e-3, "softmax": 5e-4})
+
+
+def test_the_capped_allocator_check_predicts_on_the_cpu() -> None:
+    # gpu_memory_check.predict_squeezed, the replay half of the retries check: a cap at the
+    # uncapped reserved peak (plus cuBLAS's workspace) needs no release; 2 MiB under it the
+    # allocator must release its cache at least once, or run out
+    import sys
+
+    sys.path.insert(0, str(PATH.parent))
+    from gpu_memory_check import CASES, predict_squeezed
+    from tilefit import Recipe, trace
+    from tilefit.estimator import cublas_workspace_bytes
+    from tilefit.estimator.allocator_replay import events_of, replay
+    from tilefit.hardware import get_device
+
+    case = next(c for c in CASES if c.name.startswith("gpt2-like"))
+    tr = trace(case.build, case.batch(), loss_fn=case.loss_fn, gpu="a100-80gb",
+               recipe=Recipe(optimizer=case.optimizer, precision="fp32"))
+    need = replay(events_of(tr)).peak_reserved_bytes + \
+        cublas_workspace_bytes(get_device("a100-80gb"))
+    roomy = predict_squeezed(case, "fp32", need, gpu="a100-80gb")
+    assert roomy == {"oom": False, "alloc_retries": 0, "steady_alloc_retries": 0}
+    tight = predict_squeezed(case, "fp32", need - 2**21, gpu="a100-80gb")
+    assert tight["oom"] or tight["alloc_retries"] >= 1

@@ -95,8 +95,9 @@ def reserved_memory(tr: Trace, limit_bytes: int, config: AllocatorConfig
     rep = replay(events, config, limit_bytes)
     retries = steady_retries(tr, rep.retry_at)
     steady_at = next((i for i, op in enumerate(tr.ops) if op.step >= 1), None)
-    if retries and rep.fits and steady_at is not None:
-        # do the releases recur once the allocator starts from what a release left?
+    if rep.retry_at and rep.fits and steady_at is not None:
+        # any release, even the first step's only: do releases recur in a step that starts
+        # from what the traced steps left?
         again = next_step_retries(events, steady_at, config, limit_bytes)
         retries = retries if again is None else again
     notes = list(config.notes)
