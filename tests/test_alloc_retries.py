@@ -13,7 +13,6 @@ from tilefit.alloc_conf import parse_alloc_conf
 from tilefit.estimator.allocator_replay import (
     AllocEvent,
     events_of,
-    next_step_retries,
     repeated_step,
     replay,
 )
@@ -67,8 +66,10 @@ def test_releases_that_recur_in_every_step() -> None:
     # the free of op 1's block at index 2 ends step 0: the third step starts at op 2's alloc
     again = repeated_step(events, 2)
     assert again is not None and [e.kind for e in again] == ["alloc", "free"] * 2
-    assert next_step_retries(events, 2, None, 31 * MIB) == 2
-    assert next_step_retries(events, 2, None, 32 * MIB) == 0  # room for both: no release
+    assert replay(events, limit_bytes=31 * MIB, steady_at=2).next_step_retries == 2
+    # room for both: no release, no third step asked
+    assert replay(events, limit_bytes=32 * MIB, steady_at=2).next_step_retries is None
+    assert traced.next_step_retries is None  # not asked
 
 
 # ---- a traced step on a GPU whose memory falls between the two ------------------------------

@@ -15,8 +15,7 @@ from tilefit.alloc_conf import AllocatorConfig
 from tilefit.estimator.allocator import Allocator, Block, SegmentInfo
 from tilefit.tracing.records import Trace
 
-__all__ = ["AllocEvent", "AllocatorReplay", "events_of", "next_step_retries", "repeated_step",
-           "replay"]
+__all__ = ["AllocEvent", "AllocatorReplay", "events_of", "repeated_step", "replay"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +88,9 @@ class AllocatorReplay:
     released_bytes: int = 0
     retried_allocations: int = 0
     retry_at: tuple[int, ...] = ()
+    # the retries of a third step fed after the trace (replay's steady_at); None where not
+    # asked, not needed (no retry, or out of memory) or the trace is not periodic
+    next_step_retries: int | None = None
     # what ``segments`` is computed from, when asked: the final segments where the cache was
     # never released (reserved never shrank), else the events replayed again to the peak
     final_segments: tuple[SegmentInfo, ...] | None = field(default=None, repr=False,
@@ -130,30 +132,33 @@ class _Marks:
     segments_at_peak: int = 0
     failed: AllocEvent | None = None
     retry_at: list[int] = field(default_factory=list)  # AllocEvent.at of each retry
-    retry_index: list[int] = field(default_factory=list)  # its position in the events
 
 
-def _run(events: list[AllocEvent], alloc: Allocator) -> _Marks:
-    """Feed ``events`` to ``alloc`` until one fails; the peaks on the way."""
-    marks, live = _Marks(), dict[int, Block]()
+def _run(events: list[AllocEvent], alloc: Allocator,
+         live: dict[int, Block] | None = None) -> _Marks:
+    """Feed ``events`` to ``alloc`` until one fails; the peaks on the way. ``live``: the
+    blocks of the storages alive before (filled as it goes)."""
+    marks = _Marks()
+    live = {} if live is None else live
+    malloc, free, pop = alloc.malloc, alloc.free, live.pop  # the loop's hot calls, bound once
     for i, ev in enumerate(events):
         if ev.kind == "free":
-            block = live.pop(ev.uid, None)
+            block = pop(ev.uid, None)
             if block is not None:
-                alloc.free(block)
+                free(block)
             continue
         if ev.nbytes <= 0:  # PyTorch does not call the allocator for 0 bytes
             continue
         retries = alloc.retries
-        new = alloc.malloc(ev.nbytes, ev.stream, ev.uid)
+        new = malloc(ev.nbytes, ev.stream, ev.uid)
         if alloc.retries != retries:
             marks.retry_at.append(ev.at)
-            marks.retry_index.append(i)
         if new is None:
             marks.failed = ev
             break
         live[ev.uid] = new
-        marks.peak_allocated = max(marks.peak_allocated, alloc.allocated)
+        if alloc.allocated > marks.peak_allocated:
+            marks.peak_allocated = alloc.allocated
         if alloc.reserved > marks.peak_reserved:
             marks.peak_reserved, marks.allocated_at_peak = alloc.reserved, alloc.allocated
             marks.peak_at, marks.segments_at_peak = i, alloc.live_segments
@@ -161,18 +166,22 @@ def _run(events: list[AllocEvent], alloc: Allocator) -> _Marks:
 
 
 def replay(events: Iterable[AllocEvent], config: AllocatorConfig | None = None,
-           limit_bytes: int | None = None) -> AllocatorReplay:
+           limit_bytes: int | None = None, steady_at: int | None = None) -> AllocatorReplay:
     """Replay ``events`` (events_of(trace)) through a fresh caching allocator under
     ``config`` (PyTorch's defaults if None). ``limit_bytes``: the most the allocator can
     reserve (the device's memory less what is not PyTorch's: the CUDA context, other
-    processes), None for no line."""
+    processes), None for no line. ``steady_at`` (the trace index where the steady-state
+    step begins): where the replay fits after releasing the cache, the steady step is fed
+    once more to the allocator as the trace left it (``repeated_step``) and its retries
+    counted (``next_step_retries``); the other figures stay those of ``events``."""
     config = config or AllocatorConfig()
     events = list(events)
     alloc = Allocator(config, limit_bytes)
-    marks = _run(events, alloc)
+    live: dict[int, Block] = {}
+    marks = _run(events, alloc, live)
     # without a release reserved never shrinks: the segments at the end are those at the peak
     final = None if alloc.released else alloc.segment_infos()
-    return AllocatorReplay(
+    out = AllocatorReplay(
         config=config, limit_bytes=limit_bytes, peak_reserved_bytes=marks.peak_reserved,
         allocated_at_peak_bytes=marks.allocated_at_peak,
         peak_allocated_bytes=marks.peak_allocated, n_segments=marks.segments_at_peak,
@@ -181,6 +190,14 @@ def replay(events: Iterable[AllocEvent], config: AllocatorConfig | None = None,
         retried_allocations=alloc.retried, retry_at=tuple(marks.retry_at),
         final_segments=final,
         events=tuple(events) if final is None else (), peak_at=marks.peak_at)
+    if steady_at is None or not marks.retry_at or marks.failed is not None:
+        return out
+    third = repeated_step(events, steady_at)
+    if third is None:
+        return out
+    before = alloc.retries  # the figures above are read: the allocator may go on
+    _run(third, alloc, live)
+    return dataclasses.replace(out, next_step_retries=alloc.retries - before)
 
 
 def repeated_step(events: list[AllocEvent], steady_at: int) -> list[AllocEvent] | None:
@@ -208,20 +225,5 @@ def repeated_step(events: list[AllocEvent], steady_at: int) -> list[AllocEvent] 
         mates.setdefault(o.nbytes, []).append(o.uid)
     pairs = {e.uid: mates[e.nbytes].pop() for e in handed_in}
     offset = 1 + max((e.uid for e in events), default=0)
-    return [dataclasses.replace(e, uid=e.uid + offset) if e.uid in born else
-            dataclasses.replace(e, uid=pairs.get(e.uid, e.uid)) for e in steady]
-
-
-def next_step_retries(events: list[AllocEvent], steady_at: int,
-                      config: AllocatorConfig | None = None,
-                      limit_bytes: int | None = None) -> int | None:
-    """The retries (num_alloc_retries) of a third step replayed after ``events``
-    (``repeated_step``): whether the steady-state step's releases of the cache recur
-    once the allocator starts from the state a release left. None where the trace is not
-    periodic."""
-    again = repeated_step(events, steady_at)
-    if again is None:
-        return None
-    alloc = Allocator(config or AllocatorConfig(), limit_bytes)
-    marks = _run([*events, *again], alloc)
-    return sum(1 for i in marks.retry_index if i >= len(events))
+    return [AllocEvent(e.kind, e.uid + offset if e.uid in born else pairs.get(e.uid, e.uid),
+                       e.nbytes, e.at, e.stream) for e in steady]

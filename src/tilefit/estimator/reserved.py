@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tilefit.alloc_conf import AllocatorConfig, alloc_conf_from_env, parse_alloc_conf
-from tilefit.estimator.allocator_replay import events_of, next_step_retries, replay
+from tilefit.estimator.allocator_replay import events_of, replay
 from tilefit.tracing.records import Trace
 
 __all__ = ["ReservedMemory", "allocator_config_of", "reserved_memory"]
@@ -91,15 +91,12 @@ def reserved_memory(tr: Trace, limit_bytes: int, config: AllocatorConfig
                     ) -> ReservedMemory:
     """The step's storages replayed through the caching allocator under ``config``, against
     ``limit_bytes``."""
-    events = events_of(tr)
-    rep = replay(events, config, limit_bytes)
-    retries = steady_retries(tr, rep.retry_at)
+    # after any release, even the first step's only: do releases recur in a step that
+    # starts from what the traced steps left? (a third step, fed after them)
     steady_at = next((i for i, op in enumerate(tr.ops) if op.step >= 1), None)
-    if rep.retry_at and rep.fits and steady_at is not None:
-        # any release, even the first step's only: do releases recur in a step that starts
-        # from what the traced steps left?
-        again = next_step_retries(events, steady_at, config, limit_bytes)
-        retries = retries if again is None else again
+    rep = replay(events_of(tr), config, limit_bytes, steady_at=steady_at)
+    retries = steady_retries(tr, rep.retry_at) if rep.next_step_retries is None \
+        else rep.next_step_retries
     notes = list(config.notes)
     if rep.fits and retries:
         notes.append(retry_note(retries))
