@@ -107,9 +107,16 @@ class Background:
 
 
 def _child(send: Any, trace: Callable[[], Any]) -> None:
-    """In the forked child: trace, send the result, and leave without running this
-    process's exit handlers (they belong to the parent)."""
+    """In the forked child: trace on one thread, send the result, and leave without running
+    this process's exit handlers (they belong to the parent). One thread: the child is one
+    core's work, and GNU OpenMP's thread team does not survive a fork, so a library that
+    opens a parallel region itself (bitsandbytes' CPU quantize, called while a QLoRA model
+    is built) would wait forever at its barrier after a parent ran one with more threads;
+    torch.set_num_threads(1) sets the child's OpenMP thread count, so no team is formed."""
     try:
+        import torch
+
+        torch.set_num_threads(1)
         message: tuple[str, Any] = ("ok", trace())
     except BaseException:  # the parent re-traces in-process and reports the error itself
         message = ("failed", None)
