@@ -31,7 +31,8 @@ def _to(batch: Any, device: str) -> Any:
     return tuple(t.to(device) for t in batch)
 
 
-def measure(case: Case, precision: str, steps: int = 10) -> dict[str, float]:
+def _on_gpu(case: Case, precision: str) -> tuple[Any, Any, Any, Any]:
+    """The case's model, batch and optimizer on the GPU, and the precision's autocast."""
     torch.manual_seed(0)
     model = case.build().cuda().train()
     if case.grad_checkpointing:
@@ -40,6 +41,22 @@ def measure(case: Case, precision: str, steps: int = 10) -> dict[str, float]:
     opt = case.optimizer(model.parameters())
     ctx = (torch.autocast("cuda", dtype=torch.bfloat16) if precision == "bf16-mixed"
            else torch.autocast("cuda", enabled=False))
+    return model, batch, opt, ctx
+
+
+def _step(case: Case, model: Any, batch: Any, opt: Any, ctx: Any) -> None:
+    """One training step as the trace runs it: forward under ``ctx``, backward, optimizer
+    step, gradients set to None."""
+    with ctx:
+        loss = case.loss_fn(model, batch)
+    loss.backward()
+    del loss
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def measure(case: Case, precision: str, steps: int = 10) -> dict[str, float]:
+    model, batch, opt, ctx = _on_gpu(case, precision)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()  # parameters, buffers and the batch
@@ -47,12 +64,7 @@ def measure(case: Case, precision: str, steps: int = 10) -> dict[str, float]:
     for i in range(2 + steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        with ctx:
-            loss = case.loss_fn(model, batch)
-        loss.backward()
-        del loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _step(case, model, batch, opt, ctx)
         end.record()
         torch.cuda.synchronize()
         if i == 1:  # the two traced steps: the first makes the optimizer state
@@ -98,22 +110,9 @@ def measure_squeezed(case: Case, precision: str, limit_bytes: int) -> dict[str, 
     torch.cuda.set_per_process_memory_fraction(limit_bytes / total)
     counts: list[int] = []
     try:
-        torch.manual_seed(0)
-        model = case.build().cuda().train()
-        if case.grad_checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
-        batch = _to(case.batch(), "cuda")
-        opt = case.optimizer(model.parameters())
-        ctx = (torch.autocast("cuda", dtype=torch.bfloat16) if precision == "bf16-mixed"
-               else torch.autocast("cuda", enabled=False))
+        model, batch, opt, ctx = _on_gpu(case, precision)
         for _ in range(3):
-            with ctx:
-                loss = case.loss_fn(model, batch)
-            loss.backward()
-            del loss
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            _step(case, model, batch, opt, ctx)
             torch.cuda.synchronize()
             counts.append(torch.cuda.memory_stats().get("num_alloc_retries", 0))
         reserved = torch.cuda.max_memory_reserved()
