@@ -95,7 +95,7 @@ def reserved_memory(tr: Trace, limit_bytes: int, config: AllocatorConfig
     # starts from what the traced steps left? (a third step, fed after them)
     steady_at = next((i for i, op in enumerate(tr.ops) if op.step >= 1), None)
     rep = replay(events_of(tr), config, limit_bytes, steady_at=steady_at)
-    retries = steady_retries(tr, rep.retry_at) if rep.next_step_retries is None \
+    retries = steady_retries(steady_at, rep.retry_at) if rep.next_step_retries is None \
         else rep.next_step_retries
     notes = list(config.notes)
     if rep.fits and retries:
@@ -123,12 +123,13 @@ def reserved_memory(tr: Trace, limit_bytes: int, config: AllocatorConfig
         steady_alloc_retries=retries)
 
 
-def steady_retries(tr: Trace, retry_at: tuple[int, ...]) -> int:
-    """The retries made at the traced steady-state step's ops (the second step: with
-    accumulation its micro-batches 0 and 1); a one-step trace's all."""
-    if not any(op.step >= 1 for op in tr.ops):
+def steady_retries(steady_at: int | None, retry_at: tuple[int, ...]) -> int:
+    """The retries made at the traced steady-state step's ops (those from trace index
+    ``steady_at`` on: the second step, with accumulation its micro-batches 0 and 1); a
+    one-step trace's (``steady_at`` None) all."""
+    if steady_at is None:
         return len(retry_at)
-    return sum(1 for at in retry_at if 0 <= at < len(tr.ops) and tr.ops[at].step >= 1)
+    return sum(1 for at in retry_at if at >= steady_at)
 
 
 def retry_note(retries: int) -> str:

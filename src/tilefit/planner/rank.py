@@ -11,10 +11,6 @@ lower bound (its engine's bucket copies and hooks' host time are not costed): fo
 throughput objective, traced rows of the same tier rank before it, so a lower bound never
 wins against a traced time; it is chosen when no traced row of the tier fits. Its memory
 is not a bound (it matched DeepSpeed's engine), so the memory objective ranks it as any row.
-
-A row whose full trace fits only by the caching allocator releasing its cache every step
-(``steady_alloc_retries``, known for confirmed rows) ranks after the other fitting rows of
-its tier: its step time leaves out the device synchronizations the releases cost.
 """
 
 from __future__ import annotations
@@ -72,7 +68,7 @@ def rank(rows: Sequence[PlanRow], objective: str, allow_optimizer_change: bool
     fit = [r for r in rows if r.fits]
     rest = [r for r in rows if not r.fits]
     fit.sort(key=lambda r: (tier(r, allow_optimizer_change), bound_tier(r, objective),
-                            r.steady_alloc_retries > 0, *sort_key(r, objective)))
+                            *sort_key(r, objective)))
     rest.sort(key=lambda r: (r.memory_bytes, -r.samples_per_s))
     return fit + rest
 
