@@ -15,11 +15,10 @@ defaults where none is stated). Nothing is fitted on these records.
   probe tensor made) and cuBLAS's workspace (tilefit.estimator.cublas_workspace_bytes).
 - ``fit`` / ``oom`` verdicts are compared with ``Estimate.fits`` (the replay against the
   device's memory less context and workspace, the allocator's release-and-retry included).
-- A record whose stated PyTorch predates July 2023 ran torch.optim's foreach Adam with two
-  parameter-sized intermediates alive at once (``denom = torch._foreach_add(exp_avg_sq_sqrt,
-  eps)``), where the installed one keeps one (pytorch/pytorch issue #97712, fixed for the Adam
-  family in July 2023; docs/references.md, section 43): its step is traced with the second
-  list held as that version held it (``adam_foreach_before_july_2023``).
+- A record whose PyTorch (stated, else the release current at its date) held a tensor the
+  installed one frees is traced with that tensor held (``old_torch``, benchmarks/old_torch.py):
+  foreach Adam's second parameter-sized list before July 2023 (pytorch/pytorch issue #97712;
+  docs/references.md, section 43), softmax's input before 1.11 (PR #65242; section 44).
 - A record tilefit cannot express is printed with the reason: DeepSpeed without ZeRO
   (``zero0``), a model whose config tilefit does not ship, a metric that is not one of these.
 
@@ -34,17 +33,16 @@ and the verdicts.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from packaging.version import Version
+sys.path.insert(0, str(Path(__file__).parent))
 
+from old_torch import old_torch
 from tilefit.errors import TilefitError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,53 +123,6 @@ def device_of(rec: dict[str, Any]) -> Any:
     return get_device(str(ROOT / gpu) if gpu.endswith(".toml") else gpu)
 
 
-# the first nightly after the Adam family's intermediates were minimized began (AdamW:
-# pytorch/pytorch PR #104898, merged 2023-07-10; the last of the stack by 2023-07-31, issue
-# #97712): a stated torch below it ran foreach Adam with two intermediates
-FOREACH_ADAM_ONE_INTERMEDIATE = Version("2.1.0.dev20230710")
-
-
-def two_adam_intermediates(rec: dict[str, Any]) -> bool:
-    """Whether the record's torch.optim.Adam (foreach) held two intermediates at once."""
-    stated = rec.get("software", {}).get("torch")
-    return rec["optimizer"] == "adam" and not rec.get("optimizer_kwargs") \
-        and stated is not None and Version(stated) < FOREACH_ADAM_ONE_INTERMEDIATE
-
-
-@contextlib.contextmanager
-def adam_foreach_before_july_2023() -> Iterator[None]:
-    """torch.optim's foreach Adam as before July 2023: where the installed
-    ``_multi_tensor_adam`` adds eps in place (``torch._foreach_add_(exp_avg_sq_sqrt, eps)``),
-    that version made a new list (``denom = torch._foreach_add(exp_avg_sq_sqrt, eps)``) and
-    both lived until the function returned. The installed function runs; at that call a list
-    of the same tensors is made as the old one made it and held until it returns."""
-    import torch
-    import torch.optim.adam as adam
-
-    installed, add_ = adam._multi_tensor_adam, torch._foreach_add_
-
-    def multi_tensor_adam(*args: Any, **kwargs: Any) -> Any:
-        held: list[Any] = []
-
-        def add_eps(tensors: Any, other: Any, *more: Any, **named: Any) -> Any:
-            if isinstance(other, float) and not more and not named:  # the eps, not steps + 1
-                held.append(torch._foreach_add(tensors, other))
-            return add_(tensors, other, *more, **named)
-
-        torch._foreach_add_ = add_eps
-        try:
-            return installed(*args, **kwargs)
-        finally:
-            torch._foreach_add_ = add_
-            held.clear()
-
-    adam._multi_tensor_adam = multi_tensor_adam
-    try:
-        yield
-    finally:
-        adam._multi_tensor_adam = installed
-
-
 def predict(rec: dict[str, Any]) -> Any:
     from tilefit.estimator import estimate_recipe
     from tilefit.models import load_workload
@@ -182,9 +133,7 @@ def predict(rec: dict[str, Any]) -> Any:
     if model["changes"]:
         work = work.with_config(**model["changes"])
     device = device_of(rec)
-    old_adam = adam_foreach_before_july_2023() if two_adam_intermediates(rec) \
-        else contextlib.nullcontext()
-    with old_adam:
+    with old_torch(rec):
         return estimate_recipe(work, None, recipe_of(rec).on(device), device)
 
 

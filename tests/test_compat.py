@@ -116,6 +116,25 @@ def test_fake_mode_and_tensor_helpers() -> None:
     assert tree_map(lambda v: v * 2 if isinstance(v, int) else v, tree)["y"][0] == 2
 
 
+def test_saved_tensors_hooks_are_seen_inside_a_checkpointed_forward_only() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    from tilefit.compat.fake import saved_tensors_hooks_active
+
+    seen: list[bool] = []
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        seen.append(saved_tensors_hooks_active())
+        return x.sin()
+
+    assert not saved_tensors_hooks_active()
+    x = torch.ones(3, requires_grad=True)
+    checkpoint(block, x, use_reentrant=False).sum().backward()
+    block(x)
+    # the checkpointed forward, its recompute (hooks of the recompute), then a plain call
+    assert seen == [True, True, False]
+
+
 def test_module_slots_replace_what_the_module_holds() -> None:
     bn = nn.BatchNorm1d(3)
     new_w = nn.Parameter(torch.zeros(3))

@@ -81,6 +81,13 @@ def is_view(t: torch.Tensor) -> bool:
     return bool(t._is_view())
 
 
+def saved_tensors_hooks_active() -> bool:
+    """Whether autograd's saved tensors go through pack hooks here (inside a
+    ``torch.autograd.graph.saved_tensors_hooks`` context, such as a non-reentrant
+    ``torch.utils.checkpoint`` forward, which drops what is saved until the recompute)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 def storage_key(storage: Any) -> int:
     """An UntypedStorage's identity: its StorageImpl pointer (the private ``_cdata``), the
     same for every view and Python wrapper of one storage."""
