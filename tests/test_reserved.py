@@ -93,6 +93,12 @@ def test_the_cpu_has_no_reserved_model() -> None:
                        recipe=Recipe(precision="fp32"))
     est = estimate_trace(tr, tilefit.get_device("cpu"))
     assert est.reserved is None and est.to_dict(include_ops=False)["peak_reserved_bytes"] is None
+    # and the notes say so, where a GPU's estimate does not
+    assert any("no reserved-memory figure on a CPU target" in w for w in est.warnings)
+    on_gpu = estimate_trace(tilefit.trace(_mlp, torch.zeros(4, 1024), loss_fn=_loss,
+                                          gpu="a100-80gb", recipe=Recipe(precision="fp32")),
+                            tilefit.get_device("a100-80gb"))
+    assert not any("reserved-memory figure" in w for w in on_gpu.warnings)
 
 
 def test_a_bad_alloc_conf_is_a_clear_error() -> None:

@@ -1,46 +1,75 @@
 """A real QLoRA model on this machine, as transformers, bitsandbytes and peft build it, for
 checking tilefit's QLoRA predictions against real steps (tests/test_quantize.py,
-benchmarks/bench_qlora_compile_cpu.py): a Llama-like config saved with random weights,
-loaded in nf4 by ``from_pretrained`` (bitsandbytes' CPU backend quantizes it), prepared by
-``peft.prepare_model_for_kbit_training`` and given LoRA r=16, alpha=32 on every linear layer
-(tilefit's ``Lora()``)."""
+benchmarks/bench_qlora_compile_cpu.py, ``tilefit bench step --quantize``): a model saved with
+random weights, loaded quantized by ``from_pretrained`` (bitsandbytes quantizes it as it
+loads: its CPU backend on a CPU), prepared by ``peft.prepare_model_for_kbit_training`` and
+given LoRA as the recipe says (``real_qlora_model``: a Llama-like config in nf4 with
+tilefit's ``Lora()``, r=16, alpha=32 on every linear layer)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-__all__ = ["quant_state_tensors", "real_qlora_model"]
+from tilefit.recipe import Lora
+
+if TYPE_CHECKING:
+    from tilefit.models import Workload
+    from tilefit.recipe import Recipe
+
+__all__ = ["load_qlora", "qlora_of_workload", "quant_state_tensors", "real_qlora_model"]
 
 
 def real_qlora_model(config: dict[str, Any], where: Path,
                      compute_dtype: torch.dtype) -> nn.Module:
     """The QLoRA model of ``config`` (a Llama config.json's fields, ``model_type`` and
     ``architectures`` included), its random weights saved under ``where`` first (seed 0),
-    double-quantized nf4 computing in ``compute_dtype``, in training mode."""
-    import peft
-    from transformers import (
-        AutoModelForCausalLM,
-        BitsAndBytesConfig,
-        LlamaConfig,
-        LlamaForCausalLM,
-    )
+    double-quantized nf4 computing in ``compute_dtype``, in training mode, on the CPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures")}
     LlamaForCausalLM(LlamaConfig(**fields)).save_pretrained(where / "weights")
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                               bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=compute_dtype)
-    model = AutoModelForCausalLM.from_pretrained(where / "weights", device_map={"": "cpu"},
-                                                 quantization_config=quant)
+    return load_qlora(LlamaForCausalLM, where / "weights", compute_dtype, "cpu", "nf4",
+                      "causal-lm", Lora())
+
+
+def qlora_of_workload(work: Workload, recipe: Recipe, where: Path, device: str) -> nn.Module:
+    """The workload's model as QLoRA trains it, for real on ``device``: its random weights
+    (seed 0) saved under ``where``, loaded back by ``from_pretrained`` with the recipe's
+    BitsAndBytesConfig (bitsandbytes quantizes them as it loads), peft's preparation and
+    the recipe's LoRA: what the tracer's model (tilefit.models.quantize) stands for."""
+    from tilefit.models.quantize import compute_dtype
+
+    torch.manual_seed(0)
+    model = work.build(recipe.attention)
+    attention = getattr(model.config, "_attn_implementation", None)
+    model.save_pretrained(where)
+    cls = type(model)
+    del model
+    return load_qlora(cls, where, compute_dtype(recipe), device, str(recipe.quantize),
+                      work.task, recipe.lora, attention)
+
+
+def load_qlora(cls: Any, path: Path, compute_dtype: torch.dtype, device: str, quantize: str,
+               task: str, lora: Lora | None, attention: str | None = None) -> nn.Module:
+    """``cls.from_pretrained(path)`` quantized by bitsandbytes (``quantize``: tilefit's
+    BitsAndBytesConfig for it), ``peft.prepare_model_for_kbit_training`` (no checkpointing:
+    bench step and the tracer enable it themselves) and peft's LoRA as ``lora`` says
+    (tilefit.models.lora.peft_config), in training mode."""
+    import peft
+
+    from tilefit.models.lora import get_peft_model
+    from tilefit.models.quantize import bnb_config
+
+    extra = {} if attention is None else {"attn_implementation": attention}
+    model = cls.from_pretrained(path, device_map={"": device},
+                                quantization_config=bnb_config(quantize, compute_dtype), **extra)
     model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    model = peft.get_peft_model(model, peft.LoraConfig(
-        r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
-        task_type="CAUSAL_LM"))
+    model = get_peft_model(model, task, lora)
     model.train()
     return model
 

@@ -101,7 +101,7 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
             _sync(kind)
             peak = int(torch.cuda.max_memory_allocated())
         else:
-            peak = memtracker_peak_bytes(model, opt, batch, step)
+            peak = memtracker_peak_bytes(model, opt, (batch, _quant_states(model)), step)
         times = _timed_steps(step, kind, steps=steps, warmup=warmup)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old_tf32
@@ -132,17 +132,11 @@ def _check_recipe(recipe: Recipe, kind: str) -> None:
 
 
 def _build(workload: Workload, recipe: Recipe, kind: str) -> tuple[Any, Any, Any]:
-    """The model (seeded, in the recipe's weights, attention and checkpointing, in train
-    mode), its batch and its optimizer, for real on ``kind``."""
-    import torch
-
+    """The model (seeded, in the recipe's weights, attention, adapters, quantization and
+    checkpointing, in train mode), its batch and its optimizer, for real on ``kind``."""
     from tilefit.tracing.optimizers import make_optimizer
 
-    torch.manual_seed(0)
-    with torch.device(kind):
-        model = workload.build(recipe.attention)
-    if recipe.spec.param_dtype != "fp32":
-        model = model.to(torch_dtype(recipe.spec.param_dtype))
+    model = _real_model(workload, recipe, kind)
     if recipe.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -150,6 +144,51 @@ def _build(workload: Workload, recipe: Recipe, kind: str) -> tuple[Any, Any, Any
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(recipe.optimizer, params, foreach=kind == "cuda")
     return model, batch, opt
+
+
+def _real_model(workload: Workload, recipe: Recipe, kind: str) -> Any:
+    """The model as the tracer builds it (tracing.workloads), for real: plain; with peft's
+    LoRA on a base in the recipe's 16-bit dtype (tilefit.models.lora); or QLoRA, loaded
+    quantized by from_pretrained (tilefit.bench.qlora). A pure 16-bit recipe casts every
+    floating parameter, as the tracer does."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from tilefit.models.cast import cast_floating
+    from tilefit.tracing.workloads import check_lora
+
+    if recipe.lora is not None:
+        check_lora(workload)
+    torch.manual_seed(0)
+    if recipe.quantize is not None:
+        from tilefit.bench.qlora import qlora_of_workload
+        from tilefit.compat.bitsandbytes import require_bitsandbytes
+
+        require_bitsandbytes(f"--quantize {recipe.quantize}")
+
+        with tempfile.TemporaryDirectory(prefix="tilefit-bench-") as where:
+            model = qlora_of_workload(workload, recipe, Path(where), kind)
+    else:
+        with torch.device(kind):
+            model = workload.build(recipe.attention)
+        if recipe.lora is not None:
+            from tilefit.models.lora import get_peft_model, lora_base_dtype
+
+            model = get_peft_model(model, workload.task, recipe.lora)
+            cast_floating(model, lora_base_dtype(recipe), frozen_only=True)
+    if recipe.spec.param_dtype != "fp32":
+        cast_floating(model, torch_dtype(recipe.spec.param_dtype))
+    return model
+
+
+def _quant_states(model: Any) -> list[Any]:
+    """bitsandbytes' quantization state of a quantized model (handed to MemTracker, which
+    sees tensors only as parameters, buffers, gradients, optimizer state or inputs)."""
+    from tilefit.bench.qlora import quant_state_tensors
+
+    return quant_state_tensors(model)
 
 
 def _sync(kind: str) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 import typer
 
+from tilefit.cli import model_options as mo
 from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
 from tilefit.cli.model_options import PRECISION_OPTION
 from tilefit.vocab import OPTIMIZER_NAMES
@@ -35,10 +36,19 @@ def step(
                                "(num_hidden_layers), to fit a small device."),
     input_shape: str = typer.Option(None, "--input-shape", help="For module:function models."),
     steps: int = typer.Option(5, "--steps", help="Timed steps after warm-up."),
+    lora: bool = mo.LORA_OPTION,
+    quantize: str | None = mo.QUANTIZE_OPTION,
+    lora_rank: int | None = mo.LORA_RANK_OPTION,
+    lora_alpha: float | None = mo.LORA_ALPHA_OPTION,
+    lora_targets: str | None = mo.LORA_TARGETS_OPTION,
+    lora_dropout: float | None = mo.LORA_DROPOUT_OPTION,
+    dora: bool = mo.DORA_OPTION,
+    modules_to_save: str | None = mo.MODULES_TO_SAVE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """A real training step on the live device: its time and peak memory beside the
-    estimate's prediction for the same device."""
+    estimate's prediction for the same device. With --lora (and --quantize) the model is
+    built for real as peft (and bitsandbytes, through from_pretrained) build it."""
     from tilefit.bench.step import measure_step
     from tilefit.calibrate.run import live_kind_device
     from tilefit.cli.model_options import load
@@ -50,8 +60,11 @@ def step(
         work = load(model, seq, input_shape, None)
         if layers is not None:
             work = work.with_config(num_hidden_layers=layers)
+        adapters = mo.lora_of(lora, lora_rank, lora_alpha, lora_targets, lora_dropout, dora,
+                              modules_to_save)
         recipe = Recipe(batch_size=batch, precision=precision or "auto", optimizer=optimizer,
-                        grad_checkpointing=grad_checkpointing).on(dev)
+                        grad_checkpointing=grad_checkpointing, lora=adapters or None,
+                        quantize=quantize).on(dev)
         predicted = estimate_workload(work, recipe, dev)
         measured = measure_step(work, recipe, dev.kind, steps=steps)
     row = _step_row(work, dev, recipe, predicted, measured)
@@ -79,8 +92,9 @@ def _step_row(work: Any, dev: Any, recipe: Any, predicted: Any, measured: Any
 
 
 def _print_step(row: dict[str, Any], work: Any, dev: Any, recipe: Any, measured: Any) -> None:
+    adapters = "" if recipe.lora is None else f", {recipe.lora.label(recipe.quantize)}"
     console.print(f"{work.name} on {dev.display_name}, batch {recipe.batch_size}, "
-                  f"{recipe.precision}:")
+                  f"{recipe.precision}{adapters}:")
     console.print(f"  step time   measured {row['measured_step_time_s'] * 1e3:9.2f} ms   "
                   f"predicted {row['predicted_step_time_s'] * 1e3:9.2f} ms   "
                   f"error {row['step_time_error']:+.1%}")

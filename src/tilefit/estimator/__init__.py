@@ -151,6 +151,10 @@ def estimate_trace(tr: Trace, device: Device,
         mfu_dtype = "fp32"
     mfu = model_flops / step_time / device.peak(mfu_dtype) if step_time > 0 else 0.0
     warnings = [*tr.warnings, *_cost_warnings(costs)]
+    if device.kind != "cuda":
+        warnings.append(f"no reserved-memory figure on a {device.kind.upper()} target: its "
+                        "allocator is not PyTorch's CUDA caching allocator, so the memory "
+                        "shown, and whether it fits, is the tensors' peak")
     return Estimate(
         device=device, precision=tr.precision, optimizer=tr.optimizer,
         peak_memory_bytes=peak, memory_breakdown=breakdown,
