@@ -106,3 +106,24 @@ def test_the_capped_allocator_check_predicts_on_the_cpu() -> None:
     assert roomy == {"oom": False, "alloc_retries": 0, "steady_alloc_retries": 0}
     tight = predict_squeezed(case, "fp32", need - 2**21, gpu="a100-80gb")
     assert tight["oom"] or tight["alloc_retries"] >= 1
+
+
+def test_the_lora_check_runs_its_cases_on_the_cpu(tmp_path) -> None:
+    # gpu_lora_check's rows, on this CPU: each case built for real (peft, bitsandbytes'
+    # nf4 through from_pretrained) and measured by MemTracker, beside the estimate
+    import sys
+
+    sys.path.insert(0, str(PATH.parent))
+    from gpu_lora_check import cases, run, summary
+    from tilefit.models import load_workload
+
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+              "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+              "max_position_embeddings": 128, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rows = run(load_workload(str(tmp_path / "config.json"), seq_len=64), kind="cpu")
+    assert [r["case"] for r in rows] == [name for name, _ in cases()]
+    assert all(r["measured_reserved_bytes"] is None for r in rows)  # no caching allocator
+    result = summary(rows)
+    assert result["status"] == "pass", [(r["case"], r["peak_error"]) for r in rows]

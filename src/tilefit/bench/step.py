@@ -1,8 +1,9 @@
 """A real training step on the live device, measured, beside the estimate's prediction.
 
 Time: the median of several steady steps after warm-up (CUDA: events and a synchronize).
-Peak memory: CUDA: torch.cuda.max_memory_allocated over the first two steps; CPU: PyTorch's
-MemTracker over the first two steps (live tensor bytes, what the estimate predicts).
+Peak memory: CUDA: torch.cuda.max_memory_allocated over the first two steps (and
+max_memory_reserved, the cache emptied after building); CPU: PyTorch's MemTracker over the
+first two steps (live tensor bytes, what the estimate predicts).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class StepMeasurement:
     step_time_s: float  # median of the timed steps
     step_times_s: tuple[float, ...]
     peak_memory_bytes: int
+    # CUDA: torch.cuda.max_memory_reserved over the same two steps (the caching allocator's
+    # segments); None on the CPU, whose allocator is not the caching one
+    peak_reserved_bytes: int | None = None
     threads: int = 0  # torch.get_num_threads() while measuring
     load_average: float = 0.0  # the machine's 1-minute load average after measuring
     cores: int = 0
@@ -95,18 +99,24 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
 
     try:
         if kind == "cuda":
+            # what building the model left cached (from_pretrained's and the casts'
+            # temporaries) is released first, so the reserved peak is the step's
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             step()
             step()
             _sync(kind)
             peak = int(torch.cuda.max_memory_allocated())
+            reserved: int | None = int(torch.cuda.max_memory_reserved())
         else:
+            reserved = None
             peak = memtracker_peak_bytes(model, opt, (batch, _quant_states(model)), step)
         times = _timed_steps(step, kind, steps=steps, warmup=warmup)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old_tf32
     return StepMeasurement(device=kind, step_time_s=statistics.median(times),
                            step_times_s=tuple(times), peak_memory_bytes=peak,
+                           peak_reserved_bytes=reserved,
                            threads=torch.get_num_threads(), load_average=os.getloadavg()[0],
                            cores=os.cpu_count() or 0)
 

@@ -76,15 +76,28 @@ def step(
 
 def _step_row(work: Any, dev: Any, recipe: Any, predicted: Any, measured: Any
               ) -> dict[str, Any]:
-    """The measured step beside its prediction: what --json prints."""
+    """The measured step beside its prediction: what --json prints. On a GPU the predicted
+    peak includes cuBLAS's workspace, which max_memory_allocated counts (the caching
+    allocator holds it)."""
+    from tilefit.estimator import cublas_workspace_bytes
+
+    workspace = cublas_workspace_bytes(dev)
+    peak = predicted.peak_memory_bytes + workspace
+    reserved = (None if predicted.reserved is None
+                else predicted.reserved.peak_reserved_bytes + workspace)
+    measured_reserved = measured.peak_reserved_bytes
     return {
         "model": work.name, "device": dev.name, "recipe": recipe.to_dict(),
         "measured_step_time_s": measured.step_time_s,
         "predicted_step_time_s": predicted.step_time_s,
         "step_time_error": predicted.step_time_s / measured.step_time_s - 1,
         "measured_peak_memory_bytes": measured.peak_memory_bytes,
-        "predicted_peak_memory_bytes": predicted.peak_memory_bytes,
-        "peak_memory_error": predicted.peak_memory_bytes / measured.peak_memory_bytes - 1,
+        "predicted_peak_memory_bytes": peak,
+        "peak_memory_error": peak / measured.peak_memory_bytes - 1,
+        "measured_peak_reserved_bytes": measured_reserved,
+        "predicted_peak_reserved_bytes": reserved,
+        "peak_reserved_error": None if reserved is None or not measured_reserved
+        else reserved / measured_reserved - 1,
         "step_times_s": list(measured.step_times_s), "device_source": dev.source,
         "step_time_spread": measured.spread, "noisy": measured.noisy,
         "threads": measured.threads, "load_average": measured.load_average,
@@ -101,6 +114,11 @@ def _print_step(row: dict[str, Any], work: Any, dev: Any, recipe: Any, measured:
     console.print(f"  peak memory measured {row['measured_peak_memory_bytes'] / 2**20:9.1f} MiB  "
                   f"predicted {row['predicted_peak_memory_bytes'] / 2**20:9.1f} MiB  "
                   f"error {row['peak_memory_error']:+.1%}")
+    if row["peak_reserved_error"] is not None:
+        console.print(f"  reserved    measured "
+                      f"{row['measured_peak_reserved_bytes'] / 2**20:9.1f} MiB  predicted "
+                      f"{row['predicted_peak_reserved_bytes'] / 2**20:9.1f} MiB  "
+                      f"error {row['peak_reserved_error']:+.1%}")
     err_console.print(f"device numbers: {dev.source}", highlight=False)
     if measured.noisy:
         err_console.print(
