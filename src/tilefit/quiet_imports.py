@@ -65,13 +65,17 @@ def quiet_transformers() -> Iterator[None]:
     except ImportError:
         hf_logging = None
     level = hf_logging.get_verbosity() if hf_logging is not None else None
+    bars = hf_logging is not None and hf_logging.is_progress_bar_enabled()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
         warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
         if hf_logging is not None:
             hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()  # from_pretrained's "Loading weights" bar
         try:
             yield
         finally:
             if hf_logging is not None and level is not None:
                 hf_logging.set_verbosity(level)
+            if bars and hf_logging is not None:
+                hf_logging.enable_progress_bar()

@@ -43,11 +43,13 @@ def qlora_of_workload(work: Workload, recipe: Recipe, where: Path, device: str) 
     BitsAndBytesConfig (bitsandbytes quantizes them as it loads), peft's preparation and
     the recipe's LoRA: what the tracer's model (tilefit.models.quantize) stands for."""
     from tilefit.models.quantize import compute_dtype
+    from tilefit.quiet_imports import quiet_transformers
 
     torch.manual_seed(0)
     model = work.build(recipe.attention)
     attention = getattr(model.config, "_attn_implementation", None)
-    model.save_pretrained(where)
+    with quiet_transformers():  # its "Writing model shards" bar
+        model.save_pretrained(where)
     cls = type(model)
     del model
     return load_qlora(cls, where, compute_dtype(recipe), device, str(recipe.quantize),
@@ -64,10 +66,13 @@ def load_qlora(cls: Any, path: Path, compute_dtype: torch.dtype, device: str, qu
 
     from tilefit.models.lora import get_peft_model
     from tilefit.models.quantize import bnb_config
+    from tilefit.quiet_imports import quiet_transformers
 
     extra = {} if attention is None else {"attn_implementation": attention}
-    model = cls.from_pretrained(path, device_map={"": device},
-                                quantization_config=bnb_config(quantize, compute_dtype), **extra)
+    with quiet_transformers():
+        model = cls.from_pretrained(path, device_map={"": device},
+                                    quantization_config=bnb_config(quantize, compute_dtype),
+                                    **extra)
     model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     model = get_peft_model(model, task, lora)
     model.train()
