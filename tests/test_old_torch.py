@@ -101,19 +101,26 @@ def test_a_records_torch_is_the_stated_one_else_the_release_of_its_day() -> None
                                    "source": {"date": "2023-07-20"}})
 
 
+def _softmax_of_a_temporary(x: torch.Tensor) -> tuple[torch.Tensor, Any, bool]:
+    """softmax(x * 2): the result, a weak reference to the temporary x * 2, and whether the
+    temporary was still alive once the forward dropped it."""
+    scores = x * 2.0
+    alive = weakref.ref(scores)
+    probs = F.softmax(scores, dim=-1)
+    del scores
+    gc.collect()
+    return probs, alive, alive() is not None
+
+
 def _softmax_step(old: bool, out: list[Any]) -> torch.Tensor:
-    """A softmax over an intermediate; ``out`` gets a weak reference to the intermediate
-    and whether it was alive after the forward and after the backward."""
+    """A softmax over an intermediate; ``out`` gets whether the intermediate was alive after
+    the forward and after the backward."""
     torch.manual_seed(0)
     x = torch.randn(3, 5, requires_grad=True)
     ctx = softmax_saving_input() if old else torch.enable_grad()
     with ctx:
-        scores = x * 2.0
-        alive = weakref.ref(scores)
-        probs = F.softmax(scores, dim=-1)
-        del scores
-        gc.collect()
-        out.append(alive() is not None)
+        probs, alive, held = _softmax_of_a_temporary(x)
+        out.append(held)
         (probs * torch.arange(5.0)).sum().backward()
         del probs
         gc.collect()
@@ -155,12 +162,8 @@ def test_old_softmax_holds_nothing_inside_a_checkpointed_forward() -> None:
     life: list[bool] = []
 
     def block(x: torch.Tensor) -> torch.Tensor:
-        scores = x * 2.0
-        alive = weakref.ref(scores)
-        probs = F.softmax(scores, dim=-1)
-        del scores
-        gc.collect()
-        life.append(alive() is not None)
+        probs, _, held = _softmax_of_a_temporary(x)
+        life.append(held)
         return probs
 
     x = torch.randn(3, 5, requires_grad=True)
