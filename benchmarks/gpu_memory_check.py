@@ -3,9 +3,13 @@
 For each workload of benchmarks/workloads.py (fp32 and bf16-mixed): two real training steps
 on the live GPU, measured with torch.cuda.max_memory_allocated (peak) and CUDA events (the
 median of further steady steps), against tilefit's prediction for the live device
-(`--gpu auto`). Targets (issue 3): peak within 3%; (issue 7) step time within 15%.
+(`--gpu auto`). Targets (issue 3): peak within 3%; (issue 7) step time within 15%. Issue 26:
+the reserved peak (torch.cuda.max_memory_reserved) against the replay of the traced step, and
+the allocator's own recorded requests replayed through tilefit's allocator model
+(``allocator_model_error``: the model alone, the tracer left out), with each case's allocator
+snapshot written for PyTorch's memory visualizer (``--snapshots DIR``).
 
-    python benchmarks/gpu_memory_check.py [--json out.json]
+    python benchmarks/gpu_memory_check.py [--json out.json] [--snapshots DIR]
 
 Without CUDA it says so and exits 0.
 """
@@ -55,30 +59,72 @@ def _step(case: Case, model: Any, batch: Any, opt: Any, ctx: Any) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def measure(case: Case, precision: str, steps: int = 10) -> dict[str, float]:
-    model, batch, opt, ctx = _on_gpu(case, precision)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()  # parameters, buffers and the batch
+def measure(case: Case, precision: str, steps: int = 10,
+            snapshot: Path | None = None) -> dict[str, Any]:
+    """Two real steps measured, then ``steps`` timed. The allocator's history is recorded
+    from the model's build to the end of the second step (every request, no stacks;
+    tilefit.compat.cuda_memory): replayed through tilefit's allocator model it gives the
+    reserved peak the model computes for the real stream of requests, apart from the tracer
+    (``history_replay_reserved_bytes``: plus what was reserved before, the cuBLAS workspace's
+    segment of an earlier case). ``snapshot``: also write the allocator's snapshot there (a
+    pickle for https://pytorch.org/memory_viz)."""
+    from tilefit.compat.cuda_memory import (
+        allocator_history,
+        dump_allocator_snapshot,
+        record_allocator_history,
+    )
+
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()  # blocks still live: an earlier case's workspace
+    record_allocator_history(True)
+    try:
+        model, batch, opt, ctx = _on_gpu(case, precision)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()  # parameters, buffers and the batch
+        for _ in range(2):  # the two traced steps: the first makes the optimizer state
+            _step(case, model, batch, opt, ctx)
+        torch.cuda.synchronize()
+        history = allocator_history()
+        if snapshot is not None:
+            snapshot.parent.mkdir(parents=True, exist_ok=True)
+            dump_allocator_snapshot(str(snapshot))
+    finally:
+        record_allocator_history(False)
+    peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    # the allocator's own layout, for checking the replay segment by segment
+    segments = sorted(s["total_size"] for s in torch.cuda.memory_snapshot())
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    times = _timed(case, model, batch, opt, ctx, steps)
+    del model, opt, batch
+    torch.cuda.empty_cache()
+    return {"peak_bytes": peak, "base_bytes": base, "step_time_s": statistics.median(times),
+            "reserved_bytes": reserved, "segments": segments, "alloc_retries": retries,
+            **_history_replay(history, before)}
+
+
+def _timed(case: Case, model: Any, batch: Any, opt: Any, ctx: Any, steps: int
+           ) -> list[float]:
     times = []
-    for i in range(2 + steps):
+    for _ in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         _step(case, model, batch, opt, ctx)
         end.record()
         torch.cuda.synchronize()
-        if i == 1:  # the two traced steps: the first makes the optimizer state
-            peak = torch.cuda.max_memory_allocated()
-            reserved = torch.cuda.max_memory_reserved()
-            # the allocator's own layout, for checking the replay segment by segment
-            segments = sorted(s["total_size"] for s in torch.cuda.memory_snapshot())
-            retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-        if i >= 2:
-            times.append(start.elapsed_time(end) / 1e3)
-    del model, opt, batch
-    torch.cuda.empty_cache()
-    return {"peak_bytes": peak, "base_bytes": base, "step_time_s": statistics.median(times),
-            "reserved_bytes": reserved, "segments": segments, "alloc_retries": retries}
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def _history_replay(history: list[dict[str, Any]], before: int) -> dict[str, Any]:
+    """The recorded requests through tilefit's allocator model (PyTorch's defaults, no
+    line): its reserved peak, plus what was reserved before the recording."""
+    from tilefit.estimator.allocator_history import events_of_history
+    from tilefit.estimator.allocator_replay import replay
+
+    events = events_of_history(history)
+    return {"history_events": len(events), "reserved_before_bytes": before,
+            "history_replay_reserved_bytes": replay(events).peak_reserved_bytes + before}
 
 
 def predict(case: Case, precision: str) -> dict[str, float]:
@@ -161,11 +207,14 @@ def run_squeezed(rows: list[dict[str, Any]], cap_below: int = 2**21) -> list[dic
     return out
 
 
-def run() -> list[dict[str, Any]]:
+def run(snapshots: Path | None = None) -> list[dict[str, Any]]:
+    """Every workload in fp32 and bf16 autocast, measured and predicted; ``snapshots``: a
+    directory for the allocator's snapshot of each."""
     rows = []
     for case in CASES:
         for precision in ("fp32", "bf16-mixed"):
-            real = measure(case, precision)
+            where = None if snapshots is None else snapshots / f"{case.name}-{precision}.pickle"
+            real = measure(case, precision, snapshot=where)
             pred = predict(case, precision)
             rows.append({
                 "workload": case.name, "precision": precision, "gpu": pred["gpu"],
@@ -180,6 +229,12 @@ def run() -> list[dict[str, Any]]:
                 "reserved_error": (pred["reserved_bytes"] or 0) / real["reserved_bytes"] - 1,
                 "measured_segments": real["segments"], "predicted_segments": pred["segments"],
                 "alloc_retries": real["alloc_retries"],
+                "history_events": real["history_events"],
+                "history_replay_reserved_bytes": real["history_replay_reserved_bytes"],
+                # the allocator model alone: its replay of the real requests against the
+                # real reserved peak
+                "allocator_model_error":
+                    real["history_replay_reserved_bytes"] / real["reserved_bytes"] - 1,
             })
     return rows
 
@@ -187,11 +242,12 @@ def run() -> list[dict[str, Any]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--snapshots", help="write each case's allocator snapshot here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: this check needs a GPU (nothing measured)")
         return 0
-    rows = run()
+    rows = run(None if args.snapshots is None else Path(args.snapshots))
     print(f"{'workload':50} {'prec':10} {'peak err':>9} {'time err':>9}")
     for r in rows:
         print(f"{r['workload']:50} {r['precision']:10} {r['peak_error']:+9.2%} "

@@ -9,7 +9,10 @@ Checks, each a section of the one JSON written to OUT.json:
    `calibrate --quick` (profile written to a temporary cache dir, never the user's).
    Target: median |error| <= 10%.
 2. estimate_memory: peak memory within 3% of torch.cuda.max_memory_allocated over real
-   training steps (the workloads and measurement of benchmarks/gpu_memory_check.py).
+   training steps (the workloads and measurement of benchmarks/gpu_memory_check.py);
+   estimate_reserved: the replay's reserved peak against max_memory_reserved (issue 26), and
+   the allocator model alone on the real allocator's recorded requests; each case's allocator
+   snapshot is written beside OUT.json (allocator-snapshots/, for pytorch.org/memory_viz).
 3. estimate_step_time: step time within 15% of the measured median step (same runs).
 4. tune: on three models the chosen batch's samples/s within 3% of an exhaustive sweep
    (benchmarks/bench_tune_search.py's CUDA check).
@@ -102,10 +105,11 @@ def check_gemm(dtype: str, count: int) -> dict[str, Any]:
     }
 
 
-def estimate_rows() -> list[dict[str, Any]]:
+def estimate_rows(snapshots: Path | None = None) -> list[dict[str, Any]]:
     """Real CUDA training steps against the estimator: the rows of the lead's
     benchmarks/gpu_memory_check.py (peak_error, step_time_error per workload and precision),
-    loaded by path so that this script stays import-safe without CUDA."""
+    loaded by path so that this script stays import-safe without CUDA; ``snapshots``: where
+    each case's allocator snapshot goes."""
     import importlib.util
     from pathlib import Path
 
@@ -117,7 +121,7 @@ def estimate_rows() -> list[dict[str, Any]]:
         raise ImportError("benchmarks/gpu_memory_check.py not found")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.run()
+    return mod.run(snapshots)
 
 
 def check_estimate(rows: list[dict[str, Any]], key: str, target: float) -> dict[str, Any]:
@@ -143,8 +147,13 @@ RESERVED_TARGET = 0.12
 
 
 def check_estimate_reserved(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Estimate.reserved's peak (+ cuBLAS workspace) vs torch.cuda.max_memory_reserved."""
-    return check_estimate(rows, "reserved_error", RESERVED_TARGET)
+    """Estimate.reserved's peak (+ cuBLAS workspace) vs torch.cuda.max_memory_reserved; and
+    the allocator model alone: the real allocator's recorded requests replayed through it,
+    against the same reading (``allocator_model``)."""
+    out = check_estimate(rows, "reserved_error", RESERVED_TARGET)
+    model = [r["allocator_model_error"] for r in rows if "allocator_model_error" in r]
+    out["allocator_model"] = {"errors": model, "worst": max(map(abs, model), default=None)}
+    return out
 
 
 def check_alloc_retries(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -290,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result["gemm"] = check_gemm(args.dtype, args.count)
         try:
-            rows = estimate_rows()
+            rows = estimate_rows(Path(args.out).resolve().parent / "allocator-snapshots")
         except Exception as exc:  # report, don't lose the GEMM section
             rows = []
             result["estimate_error"] = f"{type(exc).__name__}: {exc}"

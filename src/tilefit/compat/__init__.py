@@ -13,6 +13,7 @@ outside this package).
 - ``transformers``: where transformers takes a different path on fake tensors, and its
   attention and checkpointing switches.
 - ``torchao``: torchao's float8 training tensor and linear.
+- ``cuda_memory``: the CUDA caching allocator's history (recorded requests, snapshots).
 
 Importing this package imports nothing; each module imports torch.
 """
