@@ -88,3 +88,56 @@ def test_the_recorded_history_of_a_real_allocator_replays_to_its_reserved() -> N
     reserved = torch.cuda.memory_reserved() - before
     del c
     assert replay(events_of_history(entries)).peak_reserved_bytes == reserved == 20 * MIB
+
+
+def _snapshot_file(tmp_path, complete_b: bool):  # type: ignore[no-untyped-def]
+    import pickle
+
+    data = {"segments": [{"device": 0, "total_size": 36 * MIB if not complete_b else 20 * MIB}],
+            "device_traces": [_trace(complete_b)]}
+    path = tmp_path / "snapshot.pickle"
+    path.write_bytes(pickle.dumps(data))
+    return path
+
+
+def test_cli_replays_a_snapshot_and_says_what_expandable_segments_would_hold(tmp_path) -> None:
+    """b still owed to another stream: PyTorch's defaults reserve 36 MiB (above); with
+    expandable segments the large pool is one segment mapped in 20 MiB pages (kLargeBuffer):
+    a and b take the first page, c (15 MiB) fits in no free range (3 MiB before b, 13 MiB
+    after it) and the segment grows at its end by one page: 40 MiB, more than the defaults'
+    here, which the replay says."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tilefit.cli.app import app
+
+    r = CliRunner().invoke(app, ["snapshot", str(_snapshot_file(tmp_path, False)), "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert (d["requests"], d["frees_before_trace"], d["complete"]) == (3, 1, False)
+    assert d["recorded_reserved_bytes"] == d["replayed_reserved_bytes"] == 36 * MIB
+    assert d["alloc_conf"] == "expandable_segments:True"
+    assert d["whatif_reserved_bytes"] == 40 * MIB
+    text = CliRunner().invoke(app, ["snapshot", str(_snapshot_file(tmp_path, False))]).output
+    assert "40.0 MiB" in text and "+11.1%" in text and "begins mid-run" in text
+
+
+def test_a_snapshot_without_history_or_a_bad_file_is_a_clear_error(tmp_path) -> None:
+    import pickle
+
+    from typer.testing import CliRunner
+
+    from tilefit.cli.app import app
+
+    bare = tmp_path / "bare.pickle"
+    bare.write_bytes(pickle.dumps({"segments": [], "device_traces": [[]]}))
+    r = CliRunner().invoke(app, ["snapshot", str(bare)])
+    assert r.exit_code == 2 and "_record_memory_history" in r.output
+    junk = tmp_path / "junk.pickle"
+    junk.write_bytes(b"not a pickle")
+    r = CliRunner().invoke(app, ["snapshot", str(junk)])
+    assert r.exit_code == 2 and "cannot read the snapshot" in r.output
+    r = CliRunner().invoke(app, ["snapshot", str(_snapshot_file(tmp_path, True)),
+                                 "--alloc-conf", "expandable:True"])
+    assert r.exit_code == 2 and "expandable_segments" in r.output

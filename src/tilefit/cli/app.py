@@ -26,6 +26,7 @@ COMMAND_MODULES: tuple[str, ...] = (  # in the order `tilefit --help` lists them
     "tilefit.cli.noise",
     "tilefit.cli.bench",
     "tilefit.cli.calibrate",
+    "tilefit.cli.snapshot",
     "tilefit.cli.gpus",
     "tilefit.cli.models",
     "tilefit.cli.gemm",

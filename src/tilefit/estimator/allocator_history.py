@@ -14,11 +14,14 @@ model's own error (benchmarks/gpu_memory_check.py; docs/references.md, section 4
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from tilefit.estimator.allocator_replay import AllocEvent
+from tilefit.alloc_conf import parse_alloc_conf
+from tilefit.errors import TilefitError
+from tilefit.estimator.allocator_replay import AllocEvent, replay
 
-__all__ = ["events_of_history"]
+__all__ = ["SnapshotReplay", "events_of_history", "replay_snapshot"]
 
 
 def events_of_history(entries: Iterable[Mapping[str, Any]]) -> list[AllocEvent]:
@@ -31,9 +34,15 @@ def events_of_history(entries: Iterable[Mapping[str, Any]]) -> list[AllocEvent]:
     recording began is left out (its segment was reserved before: the caller counts it
     apart). Streams are numbered by first appearance (0: the first seen). The segment events
     are the allocator's answer, which the replay computes itself, and are not fed back."""
+    return _converted(entries)[0]
+
+
+def _converted(entries: Iterable[Mapping[str, Any]]) -> tuple[list[AllocEvent], int]:
+    """events_of_history's events, and how many frees it left out."""
     out: list[AllocEvent] = []
     live: dict[int, AllocEvent] = {}
     streams: dict[int, int] = {}
+    early = 0
     for at, e in enumerate(entries):
         action = e.get("action")
         if action not in ("alloc", "free_completed"):
@@ -46,6 +55,65 @@ def events_of_history(entries: Iterable[Mapping[str, Any]]) -> list[AllocEvent]:
             out.append(event)
             continue
         born = live.pop(addr, None)
-        if born is not None:
+        if born is None:
+            early += 1
+        else:
             out.append(AllocEvent("free", born.uid, born.nbytes, at, born.stream))
-    return out
+    return out, early
+
+
+@dataclass(frozen=True)
+class SnapshotReplay:
+    """A PyTorch memory snapshot's recorded requests replayed through tilefit's allocator
+    model: as recorded (PyTorch's default settings) and under ``alloc_conf``."""
+
+    device: int
+    requests: int  # allocations recorded
+    frees_before_trace: int  # frees of blocks allocated before the trace begins
+    recorded_reserved_bytes: int  # the snapshot's segments on the device when it was taken
+    replayed_reserved_bytes: int  # the model's reserved peak under recorded_conf
+    recorded_conf: str  # the settings the run used ("": PyTorch's defaults)
+    alloc_conf: str
+    whatif_reserved_bytes: int  # the model's reserved peak under alloc_conf
+    whatif_segments: int  # segments at that peak
+
+    @property
+    def complete(self) -> bool:
+        """The trace starts from an allocator holding nothing it later frees."""
+        return self.frees_before_trace == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return {**asdict(self), "complete": self.complete}
+
+
+def replay_snapshot(snapshot: Mapping[str, Any], alloc_conf: str = "", device: int = 0, *,
+                    recorded_conf: str = "") -> SnapshotReplay:
+    """``snapshot`` (torch.cuda.memory._snapshot()'s dict, or a pickle of it written by
+    _dump_snapshot, loaded) replayed: its device trace's requests through the allocator
+    model under the settings the run used (``recorded_conf``, default PyTorch's) and under
+    ``alloc_conf`` (both PYTORCH_CUDA_ALLOC_CONF's text).
+    A snapshot taken without history recording has no trace: a TilefitError says how."""
+    traces = snapshot.get("device_traces") or []
+    entries = list(traces[device]) if device < len(traces) else []
+    if not any(e.get("action") == "alloc" for e in entries):
+        raise TilefitError(
+            f"the snapshot has no recorded allocations on device {device}",
+            expected="a snapshot taken after torch.cuda.memory._record_memory_history() "
+            "(the allocator records its requests only while that is on)",
+            given=f"{len(entries)} trace entries on device {device}",
+            fix="call torch.cuda.memory._record_memory_history(max_entries=1_000_000) before "
+            "the steps, then torch.cuda.memory._dump_snapshot('snapshot.pickle')")
+    config = parse_alloc_conf(alloc_conf)
+    events, early = _converted(entries)
+    whatif = replay(events, config)
+    return SnapshotReplay(
+        device=device, requests=sum(e.kind == "alloc" for e in events),
+        frees_before_trace=early,
+        recorded_reserved_bytes=sum(int(s.get("total_size", 0))
+                                    for s in snapshot.get("segments", [])
+                                    if int(s.get("device", 0)) == device),
+        replayed_reserved_bytes=replay(events, parse_alloc_conf(recorded_conf)).peak_reserved_bytes,
+        recorded_conf=recorded_conf, alloc_conf=alloc_conf,
+        whatif_reserved_bytes=whatif.peak_reserved_bytes, whatif_segments=whatif.n_segments)
