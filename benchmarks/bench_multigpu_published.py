@@ -24,9 +24,10 @@ Rules (as the corpus README says):
   the measurement should fall between them. Both ends are printed and neither is chosen;
   their errors have medians of their own.
 - tilefit predicts the tensors' peak (``Estimate.peak_memory_bytes``, like
-  ``torch.cuda.max_memory_allocated``). A record that measured the allocator's reserved peak
-  (torchtitan) is compared with it as well; reserved sits above allocated by the caching
-  allocator's fragmentation, so a negative memory error is expected there. An ``nvidia-smi``
+  ``torch.cuda.max_memory_allocated``) and the caching allocator's reserved peak
+  (``Estimate.reserved``, its replay). A record that measured the reserved peak (torchtitan)
+  is compared with the replay's where the step fits under the device's line (printed
+  "reserved"), else with the tensors' peak (printed "memory"). An ``nvidia-smi``
   reading counts the CUDA context and the caching allocator's whole pool (DeepSpeed's
   tutorials show the GPU nearly full): it bounds the peak from above and is no measure of it,
   so it is checked as a bound (tilefit's peak plus its CUDA context and workspace, at or
@@ -151,6 +152,11 @@ def memory_text(est: Any, mem: float | None, kind: str | None) -> tuple[str, flo
     (tensors' peak + CUDA context and workspace, at or below the reading) and no error."""
     p_mem = est.peak_memory_bytes / GIB
     if kind != "nvidia-smi" or mem is None:
+        held = est.reserved if kind == "reserved-peak" else None
+        if held is not None and held.fits:  # the allocator's reserved peak, replayed
+            p_mem = held.peak_reserved_bytes / GIB
+            e_mem = err(p_mem, mem)
+            return f"reserved {p_mem:6.1f} GiB ({fmt_err(e_mem)})", e_mem
         e_mem = err(p_mem, mem)
         return f"memory {p_mem:6.1f} GiB ({fmt_err(e_mem)})", e_mem
     total = est.total_memory_bytes / GIB
