@@ -259,27 +259,63 @@ def _pending(module: str, target: str) -> dict[str, Any]:
     return {"status": "pending", "target": target, "reason": why}
 
 
-def _guarded_sections(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The sections after the estimate's, each run on its own: an error is reported in its
-    section and the others still run."""
+def _guarded_sections(rows: list[dict[str, Any]], result: dict[str, Any],
+                      save: Any) -> None:
+    """The sections after the estimate's, each run on its own (an error is reported in its
+    section and the others still run) and saved as it ends (a run stopped at its time limit
+    keeps what it measured); the open issues' first."""
     sections: dict[str, Any] = {
         "alloc_retries": lambda: check_alloc_retries(rows),  # issue 26: a real cap
-        "tune": check_tune, "host": check_host, "families": check_families,
         "lora": check_lora,  # issue 28: LoRA and QLoRA as peft and bitsandbytes build them
+        "tune": check_tune, "host": check_host, "families": check_families,
         "optimizer": check_optimizer,
     }
-    out: dict[str, Any] = {}
     for key, check in sections.items():
         try:
-            out[key] = check()
+            result[key] = check()
         except Exception as exc:  # report, don't lose the other sections
-            out[key] = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"}
-    return out
+            result[key] = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"}
+        save(key)
+
+
+def _saver(result: dict[str, Any], out: str, start: float) -> Any:
+    """save(section): the result so far written to ``out`` (whole, replaced at once)."""
+    def save(section: str) -> None:
+        result["duration_s"] = time.perf_counter() - start
+        tmp = f"{out}.partial"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=2)
+        os.replace(tmp, out)
+        print(f"[{result['duration_s']:6.0f} s] {section} done, saved to {out}", flush=True)
+
+    return save
+
+
+def _on_cuda(args: Any, result: dict[str, Any], save: Any) -> None:
+    result["gemm"] = check_gemm(args.dtype, args.count)
+    save("gemm")
+    try:
+        rows = estimate_rows(Path(args.out).resolve().parent / "allocator-snapshots")
+    except Exception as exc:  # report, don't lose the GEMM section
+        rows = []
+        result["estimate_error"] = f"{type(exc).__name__}: {exc}"
+    result["estimate_rows"] = rows
+    result["estimate_memory"] = check_estimate_memory(rows)
+    result["estimate_reserved"] = check_estimate_reserved(rows)
+    result["estimate_step_time"] = check_estimate_step_time(rows)
+    save("estimate")
+    _guarded_sections(rows, result, save)
+    statuses = [v["status"] for v in result.values() if isinstance(v, dict) and "status" in v]
+    result["status"] = "fail" if "fail" in statuses else "pass"
+    g = result["gemm"]
+    print(f"gemm {g['dtype']} on {g['device']}: median |err| uncalibrated "
+          f"{g['uncalibrated']['all']['median_error']:.1%}, calibrated "
+          f"{g['calibrated']['all']['median_error']:.1%} (target {GEMM_TARGET:.0%})")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="tilefit validation on a CUDA GPU")
-    ap.add_argument("out", help="where to write the JSON result")
+    ap.add_argument("out", help="where to write the JSON result (rewritten after each section)")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--count", type=int, default=300)
     args = ap.parse_args(argv)
@@ -292,31 +328,14 @@ def main(argv: list[str] | None = None) -> int:
         result["torch"] = torch.__version__
     except ImportError:
         has_cuda = False
+    save = _saver(result, args.out, start)
     if not has_cuda:
         msg = "no CUDA GPU here: gpu_validation skipped (run it on a machine with one)"
         print(msg)
         result.update(status="skipped", reason=msg)
     else:
-        result["gemm"] = check_gemm(args.dtype, args.count)
-        try:
-            rows = estimate_rows(Path(args.out).resolve().parent / "allocator-snapshots")
-        except Exception as exc:  # report, don't lose the GEMM section
-            rows = []
-            result["estimate_error"] = f"{type(exc).__name__}: {exc}"
-        result["estimate_rows"] = rows
-        result["estimate_memory"] = check_estimate_memory(rows)
-        result["estimate_reserved"] = check_estimate_reserved(rows)
-        result["estimate_step_time"] = check_estimate_step_time(rows)
-        result.update(_guarded_sections(rows))
-        statuses = [v["status"] for v in result.values() if isinstance(v, dict)]
-        result["status"] = "fail" if "fail" in statuses else "pass"
-        g = result["gemm"]
-        print(f"gemm {g['dtype']} on {g['device']}: median |err| uncalibrated "
-              f"{g['uncalibrated']['all']['median_error']:.1%}, calibrated "
-              f"{g['calibrated']['all']['median_error']:.1%} (target {GEMM_TARGET:.0%})")
-    result["duration_s"] = time.perf_counter() - start
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+        _on_cuda(args, result, save)
+    save("all")
     print(f"wrote {args.out}")
     return 0
 

@@ -127,3 +127,36 @@ def test_the_lora_check_runs_its_cases_on_the_cpu(tmp_path) -> None:
     assert all(r["measured_reserved_bytes"] is None for r in rows)  # no caching allocator
     result = summary(rows)
     assert result["status"] == "pass", [(r["case"], r["peak_error"]) for r in rows]
+
+
+def test_each_section_is_saved_as_it_ends_and_an_error_stays_in_its_section(
+        gv, tmp_path, monkeypatch) -> None:
+    # the CUDA path with every check stubbed: the JSON on disk after the second guarded
+    # section already holds the first two, and a section that raises is reported in place
+    import argparse
+    import time
+
+    out = tmp_path / "val.json"
+    seen: list[set[str]] = []
+    gemm = {"status": "pass", "dtype": "bf16", "device": "x",
+            "uncalibrated": {"all": {"median_error": 0.1}},
+            "calibrated": {"all": {"median_error": 0.05}}}
+    monkeypatch.setattr(gv, "check_gemm", lambda dtype, count: gemm)
+    monkeypatch.setattr(gv, "estimate_rows", lambda snapshots: [])
+
+    def lora() -> dict:
+        seen.append(set(json.loads(out.read_text())))
+        raise RuntimeError("no bitsandbytes kernel")
+
+    monkeypatch.setattr(gv, "check_alloc_retries", lambda rows: {"status": "pending"})
+    monkeypatch.setattr(gv, "check_lora", lora)
+    for name in ("check_tune", "check_host", "check_families", "check_optimizer"):
+        monkeypatch.setattr(gv, name, lambda: {"status": "pass"})
+    result: dict = {}
+    args = argparse.Namespace(dtype="bf16", count=1, out=str(out))
+    gv._on_cuda(args, result, gv._saver(result, str(out), time.perf_counter()))
+    # when the lora section ran, the GEMM, estimate and retries sections were on disk
+    assert {"gemm", "estimate_rows", "alloc_retries"} <= seen[0]
+    data = json.loads(out.read_text())
+    assert data["lora"] == {"status": "error", "reason": "RuntimeError: no bitsandbytes kernel"}
+    assert data["optimizer"] == {"status": "pass"} and result["status"] == "pass"
