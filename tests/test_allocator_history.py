@@ -141,3 +141,34 @@ def test_a_snapshot_without_history_or_a_bad_file_is_a_clear_error(tmp_path) -> 
     r = CliRunner().invoke(app, ["snapshot", str(_snapshot_file(tmp_path, True)),
                                  "--alloc-conf", "expandable:True"])
     assert r.exit_code == 2 and "expandable_segments" in r.output
+
+
+def test_a_snapshot_replayed_against_a_smaller_line_runs_out_where_the_rules_say(
+        tmp_path) -> None:
+    """The trace above without b's completed free needs 36 MiB under PyTorch's defaults:
+    against 36 MiB it fits; against 30 MiB, c's new 16 MiB segment cannot be created and no
+    segment is wholly free to release (a's 3 MiB sits in b's segment): out of memory at the
+    third allocation, its 15 MiB."""
+    import pickle
+
+    from tilefit.estimator.allocator_history import replay_snapshot
+
+    data = pickle.loads(_snapshot_file(tmp_path, False).read_bytes())
+    roomy = replay_snapshot(data, "", limit_bytes=36 * MIB)
+    assert roomy.fits and roomy.alloc_retries == 0
+    tight = replay_snapshot(data, "", limit_bytes=30 * MIB)
+    assert not tight.fits and (tight.failed_request, tight.failed_bytes) == (3, 15 * MIB)
+    assert replay_snapshot(data, "").fits is None  # no line asked for
+
+
+def test_cli_snapshot_on_a_named_gpu(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from tilefit.cli.app import app
+
+    r = CliRunner().invoke(app, ["snapshot", str(_snapshot_file(tmp_path, False)),
+                                 "--gpu", "a100-80gb"])
+    assert r.exit_code == 0 and "NVIDIA A100" in r.output and ": fits" in r.output
+    r = CliRunner().invoke(app, ["snapshot", str(_snapshot_file(tmp_path, False)),
+                                 "--gpu", "cpu"])
+    assert r.exit_code == 2 and "--gpu rtx-4090" in r.output

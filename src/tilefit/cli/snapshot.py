@@ -3,6 +3,8 @@ model of the caching allocator, and what it would hold under other allocator set
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
 from tilefit.cli.common import JSON_OPTION, console, print_json, user_errors
@@ -23,6 +25,9 @@ def snapshot(
         "", "--recorded-conf", help="The PYTORCH_CUDA_ALLOC_CONF the run itself used "
         "(default: PyTorch's defaults)."),
     device: int = typer.Option(0, "--device", help="The CUDA device index in the snapshot."),
+    gpu: str | None = typer.Option(
+        None, "--gpu", help="Also replay against this GPU's memory less the CUDA context: "
+        "would the run fit there under --alloc-conf (see `tilefit gpus`)."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Replay a real run's memory snapshot under other allocator settings.
@@ -34,7 +39,10 @@ def snapshot(
 
     with user_errors():
         data = _load(path)
-        result = replay_snapshot(data, alloc_conf, device, recorded_conf=recorded_conf)
+        target = None if gpu is None else _gpu(gpu)
+        limit = None if target is None else target.memory_bytes - _context_bytes()
+        result = replay_snapshot(data, alloc_conf, device, recorded_conf=recorded_conf,
+                                 limit_bytes=limit)
     if json_out:
         print_json(result.to_dict())
         return
@@ -48,10 +56,45 @@ def snapshot(
     console.print(f"  with {result.alloc_conf or 'PyTorch defaults'}: "
                   f"{result.whatif_reserved_bytes / mib:.1f} MiB in {result.whatif_segments} "
                   f"segments ({change:+.1%})", highlight=False)
+    if target is not None:
+        console.print(_line_text(result, target.display_name), highlight=False)
     if not result.complete:
         console.print(f"[yellow]note:[/] the trace begins mid-run ({result.frees_before_trace} "
                       "frees of blocks allocated before it: a late start or the recording's "
                       "max_entries): the replay misses what those blocks held", highlight=False)
+
+
+def _gpu(name: str) -> Any:
+    from tilefit.hardware import get_device
+
+    device = get_device(name)
+    if device.kind != "cuda":
+        from tilefit.errors import TilefitError
+
+        raise TilefitError("--gpu names the GPU to replay the run against",
+                           expected="a CUDA GPU of the catalog (tilefit gpus)", given=name,
+                           fix="pass e.g. --gpu rtx-4090")
+    return device
+
+
+def _context_bytes() -> int:
+    """The CUDA context (the recorded requests already include cuBLAS's workspace)."""
+    from tilefit.estimator import CUDA_CONTEXT_BYTES
+
+    return CUDA_CONTEXT_BYTES
+
+
+def _line_text(result: Any, gpu_name: str) -> str:
+    gib = 2**30
+    where = (f"  on {gpu_name} ({result.limit_bytes / gib:.2f} GiB for the allocator), with "
+             f"{result.alloc_conf or 'PyTorch defaults'}: ")
+    if not result.fits:
+        return (where + f"OUT OF MEMORY at allocation {result.failed_request:,} of "
+                f"{result.requests:,} ({result.failed_bytes / 2**20:.1f} MiB requested)")
+    if result.alloc_retries:
+        return where + (f"fits only by releasing its cache ({result.alloc_retries} "
+                        "allocations retried after a release, each a synchronization)")
+    return where + "fits"
 
 
 def _load(path: str) -> dict:  # type: ignore[type-arg]

@@ -76,6 +76,14 @@ class SnapshotReplay:
     alloc_conf: str
     whatif_reserved_bytes: int  # the model's reserved peak under alloc_conf
     whatif_segments: int  # segments at that peak
+    # with a line (limit_bytes: what the allocator may hold on another GPU), under alloc_conf:
+    # whether the requests fit, the allocations retried after releasing the cache, and the
+    # allocation (its position among the requests, its bytes) that ran out of memory
+    limit_bytes: int | None = None
+    fits: bool | None = None
+    alloc_retries: int = 0
+    failed_request: int | None = None
+    failed_bytes: int | None = None
 
     @property
     def complete(self) -> bool:
@@ -89,11 +97,14 @@ class SnapshotReplay:
 
 
 def replay_snapshot(snapshot: Mapping[str, Any], alloc_conf: str = "", device: int = 0, *,
-                    recorded_conf: str = "") -> SnapshotReplay:
+                    recorded_conf: str = "", limit_bytes: int | None = None
+                    ) -> SnapshotReplay:
     """``snapshot`` (torch.cuda.memory._snapshot()'s dict, or a pickle of it written by
     _dump_snapshot, loaded) replayed: its device trace's requests through the allocator
     model under the settings the run used (``recorded_conf``, default PyTorch's) and under
-    ``alloc_conf`` (both PYTORCH_CUDA_ALLOC_CONF's text).
+    ``alloc_conf`` (both PYTORCH_CUDA_ALLOC_CONF's text); with ``limit_bytes`` (what the
+    allocator may hold on another GPU: its memory less the CUDA context) the second replay
+    runs against that line, releasing its cache and retrying as PyTorch does.
     A snapshot taken without history recording has no trace: a TilefitError says how."""
     traces = snapshot.get("device_traces") or []
     entries = list(traces[device]) if device < len(traces) else []
@@ -108,6 +119,9 @@ def replay_snapshot(snapshot: Mapping[str, Any], alloc_conf: str = "", device: i
     config = parse_alloc_conf(alloc_conf)
     events, early = _converted(entries)
     whatif = replay(events, config)
+    line = None if limit_bytes is None else replay(events, config, limit_bytes)
+    failed = None if line is None else line.failed
+    allocs = [e.uid for e in events if e.kind == "alloc"]
     return SnapshotReplay(
         device=device, requests=sum(e.kind == "alloc" for e in events),
         frees_before_trace=early,
@@ -116,4 +130,8 @@ def replay_snapshot(snapshot: Mapping[str, Any], alloc_conf: str = "", device: i
                                     if int(s.get("device", 0)) == device),
         replayed_reserved_bytes=replay(events, parse_alloc_conf(recorded_conf)).peak_reserved_bytes,
         recorded_conf=recorded_conf, alloc_conf=alloc_conf,
-        whatif_reserved_bytes=whatif.peak_reserved_bytes, whatif_segments=whatif.n_segments)
+        whatif_reserved_bytes=whatif.peak_reserved_bytes, whatif_segments=whatif.n_segments,
+        limit_bytes=limit_bytes, fits=None if line is None else line.fits,
+        alloc_retries=0 if line is None else line.retried_allocations,
+        failed_request=None if failed is None else allocs.index(failed.uid) + 1,
+        failed_bytes=None if failed is None else failed.nbytes)
