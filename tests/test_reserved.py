@@ -147,3 +147,30 @@ def test_fragmentation_is_a_finding_with_the_replayed_saving() -> None:
     assert f.memory_saved_bytes > 0 and f.recommended
     assert f.suggested == "expandable_segments:True" and "PYTORCH_CUDA_ALLOC_CONF" in f.fix
     assert f.step_time_after_s == f.step_time_before_s  # the allocator costs no kernel time
+
+
+def test_a_spec_file_s_measured_context_moves_the_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The CUDA context is a machine's own (254-1341 MiB published, lazy or eager module
+    loading): a spec file's cuda_context_bytes replaces tilefit's 512 MiB, and the line the
+    replay runs against moves with it, byte for byte."""
+    from tilefit.estimator import cublas_workspace_bytes
+
+    a100 = tilefit.get_device("a100-80gb")
+    assert a100.cuda_context_bytes == 512 * 2**20
+    spec = tmp_path / "mine.toml"
+    spec.write_text('base = "a100-80gb"\ncuda_context_bytes = 1406140416\n')  # 1341 MiB
+    mine = tilefit.get_device(str(spec))
+    assert overhead_bytes(mine) == 1406140416 + cublas_workspace_bytes(a100) == \
+        overhead_bytes(a100) + (1341 - 512) * 2**20
+    tr = _trace()
+    need = estimate_trace(tr, a100).reserved.peak_reserved_bytes  # type: ignore[union-attr]
+    # a device with exactly the bytes the step needs above its own context fits; the same
+    # memory with the larger context does not
+    exact = dataclasses.replace(mine, memory_bytes=need + overhead_bytes(mine))
+    assert estimate_trace(tr, exact).fits
+    short = dataclasses.replace(exact, cuda_context_bytes=exact.cuda_context_bytes + 2**21)
+    assert not estimate_trace(tr, short).fits
+    bad = tmp_path / "bad.toml"
+    bad.write_text('base = "a100-80gb"\ncuda_context_bytes = -1\n')
+    with pytest.raises(TilefitError, match="cuda_context_bytes must be >= 0"):
+        tilefit.get_device(str(bad))

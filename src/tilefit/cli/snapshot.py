@@ -40,7 +40,8 @@ def snapshot(
     with user_errors():
         data = _load(path)
         target = None if gpu is None else _gpu(gpu)
-        limit = None if target is None else target.memory_bytes - _context_bytes()
+        # the recorded requests already include cuBLAS's workspace: the context alone
+        limit = None if target is None else target.memory_bytes - target.cuda_context_bytes
         result = replay_snapshot(data, alloc_conf, device, recorded_conf=recorded_conf,
                                  limit_bytes=limit)
     if json_out:
@@ -75,13 +76,6 @@ def _gpu(name: str) -> Any:
                            expected="a CUDA GPU of the catalog (tilefit gpus)", given=name,
                            fix="pass e.g. --gpu rtx-4090")
     return device
-
-
-def _context_bytes() -> int:
-    """The CUDA context (the recorded requests already include cuBLAS's workspace)."""
-    from tilefit.estimator import CUDA_CONTEXT_BYTES
-
-    return CUDA_CONTEXT_BYTES
 
 
 def _line_text(result: Any, gpu_name: str) -> str:

@@ -50,11 +50,10 @@ __all__ = ["Estimate", "ModuleSummary", "OpCost", "ParallelSummary", "ZeroConfig
 
 MIB = 1024**2
 # Memory a GPU process holds beyond its tensors: the CUDA context of a PyTorch process
-# (300 MiB - 2 GiB depending on the part and libraries, docs/references.md, section 7;
-# 512 MiB with lazy module loading, the default since CUDA 11.7) and cuBLAS's workspace
-# (PyTorch's default CUBLAS_WORKSPACE_CONFIG: :4096:8 = 32 MiB on sm90+,
+# (Device.cuda_context_bytes, by default tilefit.hardware.device.CUDA_CONTEXT_BYTES: 512 MiB
+# with lazy module loading, the default since CUDA 11.7; docs/references.md, section 7) and
+# cuBLAS's workspace (PyTorch's default CUBLAS_WORKSPACE_CONFIG: :4096:8 = 32 MiB on sm90+,
 # :4096:2:16:8 = 8 MiB + 128 KiB before).
-CUDA_CONTEXT_BYTES = 512 * MIB
 CUBLAS_WORKSPACE_BYTES_SM90 = 32 * MIB
 CUBLAS_WORKSPACE_BYTES = 8 * MIB + 128 * 1024
 
@@ -72,7 +71,7 @@ def overhead_bytes(device: Device) -> int:
     """Memory beyond the step's tensors: the CUDA context and cuBLAS's workspace."""
     if device.kind != "cuda":
         return 0
-    return CUDA_CONTEXT_BYTES + cublas_workspace_bytes(device)
+    return device.cuda_context_bytes + cublas_workspace_bytes(device)
 
 
 def estimate(model: Any, batch: Any = None, *, recipe: Recipe | None = None,

@@ -22,6 +22,13 @@ GB = 1e9
 # Requirements", Table 1).
 ALIGN_GENERAL_BYTES = 16
 ALIGN_DATACENTER_BYTES = 128
+# The CUDA context of a PyTorch process after a training step's kernels have loaded: 512 MiB
+# with lazy module loading (CUDA >= 11.7, PyTorch >= 1.13's default). Published readings:
+# 254 MiB (lazy, before a step) to 426 MiB (RTX 6000 Ada, CUDA 13.0, context alone); 616 MiB
+# to 1341 MiB with every kernel loaded eagerly (older CUDA, a V100) (docs/references.md,
+# section 7; benchmarks/reserved_corpus/context.jsonl). A spec file's cuda_context_bytes
+# gives a machine's own measured figure.
+CUDA_CONTEXT_BYTES = 512 * 1024**2
 
 # The fixed time one wave of GEMM tiles pays besides its multiply-adds (pipeline prologue and
 # epilogue), the same number of seconds on every GPU; fitted on the public GPU corpus
@@ -85,6 +92,8 @@ class Device(HtmlRepr):
     link_efficiency: float = 0.80
     gpus_per_node: int = 8
     network_bytes_per_s: float = 0.0
+    # what a PyTorch process holds on the GPU outside the caching allocator (CUDA_CONTEXT_BYTES)
+    cuda_context_bytes: int = CUDA_CONTEXT_BYTES
     # The measured profile from `tilefit calibrate`, when one was found for this device; the
     # GEMM model then uses its fitted terms (tilefit.hardware.profile).
     profile: Profile | None = field(default=None, hash=False, compare=False, repr=False)
@@ -107,7 +116,7 @@ class Device(HtmlRepr):
                 raise ValueError(f"{self.name}: {name} must be in (0, 1], got {value}")
         if self.simt_gemm_factor <= 0:
             raise ValueError(f"{self.name}: simt_gemm_factor must be > 0")
-        for name in ("launch_overhead_s", "gemm_tile_latency_s"):
+        for name in ("launch_overhead_s", "gemm_tile_latency_s", "cuda_context_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{self.name}: {name} must be >= 0")
         object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
