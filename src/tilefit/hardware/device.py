@@ -25,9 +25,9 @@ ALIGN_DATACENTER_BYTES = 128
 # The CUDA context of a PyTorch process after a training step's kernels have loaded: 512 MiB
 # with lazy module loading (CUDA >= 11.7, PyTorch >= 1.13's default). Published readings:
 # 254 MiB (lazy, before a step) to 426 MiB (RTX 6000 Ada, CUDA 13.0, context alone); 616 MiB
-# to 1341 MiB with every kernel loaded eagerly (older CUDA, a V100) (docs/references.md,
-# section 7; benchmarks/reserved_corpus/context.jsonl). A spec file's cuda_context_bytes
-# gives a machine's own measured figure.
+# to 1341 MiB with every kernel loaded eagerly (older CUDA, a V100); docs/references.md, section 7
+# (benchmarks/reserved_corpus/context.jsonl). A spec file's cuda_context_bytes gives a
+# machine's own measured figure.
 CUDA_CONTEXT_BYTES = 512 * 1024**2
 
 # The fixed time one wave of GEMM tiles pays besides its multiply-adds (pipeline prologue and
