@@ -152,13 +152,11 @@ def memory_text(est: Any, mem: float | None, kind: str | None) -> tuple[str, flo
     (tensors' peak + CUDA context and workspace, at or below the reading) and no error."""
     p_mem = est.peak_memory_bytes / GIB
     if kind != "nvidia-smi" or mem is None:
-        held = est.reserved if kind == "reserved-peak" else None
+        label, held = "memory", est.reserved if kind == "reserved-peak" else None
         if held is not None and held.fits:  # the allocator's reserved peak, replayed
-            p_mem = held.peak_reserved_bytes / GIB
-            e_mem = err(p_mem, mem)
-            return f"reserved {p_mem:6.1f} GiB ({fmt_err(e_mem)})", e_mem
+            label, p_mem = "reserved", held.peak_reserved_bytes / GIB
         e_mem = err(p_mem, mem)
-        return f"memory {p_mem:6.1f} GiB ({fmt_err(e_mem)})", e_mem
+        return f"{label} {p_mem:6.1f} GiB ({fmt_err(e_mem)})", e_mem
     total = est.total_memory_bytes / GIB
     verdict = "at or below the reading" if total <= mem else "ABOVE the reading"
     return f"memory {p_mem:6.1f} GiB + context = {total:.1f} GiB: {verdict}", None

@@ -129,16 +129,15 @@ def _history_replay(history: list[dict[str, Any]], before: int) -> dict[str, Any
 
 def predict(case: Case, precision: str) -> dict[str, float]:
     from tilefit import Recipe
-    from tilefit.estimator import cublas_workspace_bytes, estimate
+    from tilefit.bench.step import as_cuda_counts
+    from tilefit.estimator import estimate
 
     recipe = Recipe(optimizer=case.optimizer, precision=precision,
                     grad_checkpointing=case.grad_checkpointing)
     e = estimate(case.build, case.batch(), loss_fn=case.loss_fn, recipe=recipe, gpu="auto")
-    # max_memory_allocated also counts cuBLAS's workspace, which the caching allocator holds
-    # (one more segment of its own in max_memory_reserved)
-    workspace = cublas_workspace_bytes(e.device)
-    visible = e.peak_memory_bytes + workspace
-    reserved = None if e.reserved is None else e.reserved.peak_reserved_bytes + workspace
+    # max_memory_allocated also counts cuBLAS's workspace (one more segment of its own in
+    # max_memory_reserved)
+    visible, reserved = as_cuda_counts(e)
     return {"peak_bytes": visible, "step_time_s": e.step_time_s, "gpu": e.device.name,
             "reserved_bytes": reserved,
             "segments": None if e.reserved is None else e.reserved.segments}

@@ -124,9 +124,9 @@ def test_the_lora_check_runs_its_cases_on_the_cpu(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
     rows = run(load_workload(str(tmp_path / "config.json"), seq_len=64), kind="cpu")
     assert [r["case"] for r in rows] == [name for name, _ in cases()]
-    assert all(r["measured_reserved_bytes"] is None for r in rows)  # no caching allocator
+    assert all(r["measured_peak_reserved_bytes"] is None for r in rows)  # no caching allocator
     result = summary(rows)
-    assert result["status"] == "pass", [(r["case"], r["peak_error"]) for r in rows]
+    assert result["status"] == "pass", [(r["case"], r["peak_memory_error"]) for r in rows]
 
 
 def test_each_section_is_saved_as_it_ends_and_an_error_stays_in_its_section(

@@ -82,6 +82,8 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
     steps on a synthetic batch, and measure."""
     import torch
 
+    from tilefit.bench.qlora import quant_state_tensors
+
     _check_recipe(recipe, kind)
     model, batch, opt = _build(workload, recipe, kind)
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
@@ -110,7 +112,9 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
             reserved: int | None = int(torch.cuda.max_memory_reserved())
         else:
             reserved = None
-            peak = memtracker_peak_bytes(model, opt, (batch, _quant_states(model)), step)
+            # bitsandbytes' quantization state: MemTracker sees tensors only as parameters,
+            # buffers, gradients, optimizer state or what it is handed
+            peak = memtracker_peak_bytes(model, opt, (batch, quant_state_tensors(model)), step)
         times = _timed_steps(step, kind, steps=steps, warmup=warmup)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old_tf32
@@ -119,6 +123,39 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
                            peak_reserved_bytes=reserved,
                            threads=torch.get_num_threads(), load_average=os.getloadavg()[0],
                            cores=os.cpu_count() or 0)
+
+
+def as_cuda_counts(estimate: Any) -> tuple[int, int | None]:
+    """The estimate's peak and reserved peak as torch.cuda's counters see them: on a GPU
+    both include cuBLAS's workspace, which the caching allocator holds (max_memory_allocated
+    counts it; it is one more segment of max_memory_reserved); reserved None without a
+    reserved model (the CPU)."""
+    from tilefit.estimator import cublas_workspace_bytes
+
+    workspace = cublas_workspace_bytes(estimate.device)
+    reserved = estimate.reserved
+    return (estimate.peak_memory_bytes + workspace,
+            None if reserved is None else reserved.peak_reserved_bytes + workspace)
+
+
+def comparison(estimate: Any, measured: StepMeasurement) -> dict[str, Any]:
+    """A measured step beside its estimate: time, peak and reserved peak, measured,
+    predicted (as_cuda_counts) and the signed error (predicted / measured - 1; None where
+    either side has no reserved figure)."""
+    peak, reserved = as_cuda_counts(estimate)
+    real_reserved = measured.peak_reserved_bytes
+    return {
+        "measured_step_time_s": measured.step_time_s,
+        "predicted_step_time_s": estimate.step_time_s,
+        "step_time_error": estimate.step_time_s / measured.step_time_s - 1,
+        "measured_peak_memory_bytes": measured.peak_memory_bytes,
+        "predicted_peak_memory_bytes": peak,
+        "peak_memory_error": peak / measured.peak_memory_bytes - 1,
+        "measured_peak_reserved_bytes": real_reserved,
+        "predicted_peak_reserved_bytes": reserved,
+        "peak_reserved_error": None if reserved is None or not real_reserved
+        else reserved / real_reserved - 1,
+    }
 
 
 def _check_recipe(recipe: Recipe, kind: str) -> None:
@@ -191,14 +228,6 @@ def _real_model(workload: Workload, recipe: Recipe, kind: str) -> Any:
     if recipe.spec.param_dtype != "fp32":
         cast_floating(model, torch_dtype(recipe.spec.param_dtype))
     return model
-
-
-def _quant_states(model: Any) -> list[Any]:
-    """bitsandbytes' quantization state of a quantized model (handed to MemTracker, which
-    sees tensors only as parameters, buffers, gradients, optimizer state or inputs)."""
-    from tilefit.bench.qlora import quant_state_tensors
-
-    return quant_state_tensors(model)
 
 
 def _sync(kind: str) -> None:

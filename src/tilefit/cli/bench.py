@@ -76,28 +76,13 @@ def step(
 
 def _step_row(work: Any, dev: Any, recipe: Any, predicted: Any, measured: Any
               ) -> dict[str, Any]:
-    """The measured step beside its prediction: what --json prints. On a GPU the predicted
-    peak includes cuBLAS's workspace, which max_memory_allocated counts (the caching
-    allocator holds it)."""
-    from tilefit.estimator import cublas_workspace_bytes
+    """The measured step beside its prediction (tilefit.bench.step.comparison): what --json
+    prints."""
+    from tilefit.bench.step import comparison
 
-    workspace = cublas_workspace_bytes(dev)
-    peak = predicted.peak_memory_bytes + workspace
-    reserved = (None if predicted.reserved is None
-                else predicted.reserved.peak_reserved_bytes + workspace)
-    measured_reserved = measured.peak_reserved_bytes
     return {
         "model": work.name, "device": dev.name, "recipe": recipe.to_dict(),
-        "measured_step_time_s": measured.step_time_s,
-        "predicted_step_time_s": predicted.step_time_s,
-        "step_time_error": predicted.step_time_s / measured.step_time_s - 1,
-        "measured_peak_memory_bytes": measured.peak_memory_bytes,
-        "predicted_peak_memory_bytes": peak,
-        "peak_memory_error": peak / measured.peak_memory_bytes - 1,
-        "measured_peak_reserved_bytes": measured_reserved,
-        "predicted_peak_reserved_bytes": reserved,
-        "peak_reserved_error": None if reserved is None or not measured_reserved
-        else reserved / measured_reserved - 1,
+        **comparison(predicted, measured),
         "step_times_s": list(measured.step_times_s), "device_source": dev.source,
         "step_time_spread": measured.spread, "noisy": measured.noisy,
         "threads": measured.threads, "load_average": measured.load_average,

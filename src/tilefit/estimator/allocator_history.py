@@ -108,7 +108,9 @@ def replay_snapshot(snapshot: Mapping[str, Any], alloc_conf: str = "", device: i
     A snapshot taken without history recording has no trace: a TilefitError says how."""
     traces = snapshot.get("device_traces") or []
     entries = list(traces[device]) if device < len(traces) else []
-    if not any(e.get("action") == "alloc" for e in entries):
+    events, early = _converted(entries)
+    allocs = [e.uid for e in events if e.kind == "alloc"]
+    if not allocs:
         raise TilefitError(
             f"the snapshot has no recorded allocations on device {device}",
             expected="a snapshot taken after torch.cuda.memory._record_memory_history() "
@@ -117,21 +119,19 @@ def replay_snapshot(snapshot: Mapping[str, Any], alloc_conf: str = "", device: i
             fix="call torch.cuda.memory._record_memory_history(max_entries=1_000_000) before "
             "the steps, then torch.cuda.memory._dump_snapshot('snapshot.pickle')")
     config = parse_alloc_conf(alloc_conf)
-    events, early = _converted(entries)
+    recorded = replay(events, parse_alloc_conf(recorded_conf))
     whatif = replay(events, config)
     line = None if limit_bytes is None else replay(events, config, limit_bytes)
     failed = None if line is None else line.failed
-    allocs = [e.uid for e in events if e.kind == "alloc"]
     return SnapshotReplay(
-        device=device, requests=sum(e.kind == "alloc" for e in events),
-        frees_before_trace=early,
+        device=device, requests=len(allocs), frees_before_trace=early,
         recorded_reserved_bytes=sum(int(s.get("total_size", 0))
                                     for s in snapshot.get("segments", [])
                                     if int(s.get("device", 0)) == device),
-        replayed_reserved_bytes=replay(events, parse_alloc_conf(recorded_conf)).peak_reserved_bytes,
-        recorded_conf=recorded_conf, alloc_conf=alloc_conf,
-        whatif_reserved_bytes=whatif.peak_reserved_bytes, whatif_segments=whatif.n_segments,
-        limit_bytes=limit_bytes, fits=None if line is None else line.fits,
+        replayed_reserved_bytes=recorded.peak_reserved_bytes, recorded_conf=recorded_conf,
+        alloc_conf=alloc_conf, whatif_reserved_bytes=whatif.peak_reserved_bytes,
+        whatif_segments=whatif.n_segments, limit_bytes=limit_bytes,
+        fits=None if line is None else line.fits,
         alloc_retries=0 if line is None else line.retried_allocations,
         failed_request=None if failed is None else allocs.index(failed.uid) + 1,
         failed_bytes=None if failed is None else failed.nbytes)
