@@ -65,6 +65,7 @@ class ModulePath:
         self._marked: list[str] = []  # the module running from that number on ("" none)
         self._thread: int | None = None  # the thread whose counter the marks read
         self._param_module: WeakIdKeyDictionary = WeakIdKeyDictionary()  # leaf -> owner
+        self._strays: weakref.WeakSet[Any] = weakref.WeakSet()  # see _stray
         try:
             self._tracker: Any = acyclic_mod_tracker()
         except ImportError:  # pragma: no cover - builds without torch.distributed
@@ -77,7 +78,21 @@ class ModulePath:
         known = getattr(self._tracker, "get_known_fqn", None)
         return (known(mod) if known is not None else None) or type(mod).__name__
 
+    def _stray(self, mod: Any, name: str) -> bool:
+        """A module called inside another's forward that is no submodule of the model (its
+        name is its class's alone): its code is the caller's. transformers' kernel wrappers
+        are such modules with the ``kernels`` package installed (one private instance per
+        layer, called through a context variable, never registered)."""
+        if mod in self._strays:
+            return True
+        if self._stack and "." not in name and name == type(mod).__name__:
+            self._strays.add(mod)
+            return True
+        return False
+
     def _pre_fw(self, mod: Any, inputs: Any) -> None:
+        if self._stray(mod, self._name(mod)):
+            return
         self.last_entered = self._name(mod)
         if self.is_bw:
             self.recompute_depth += 1
@@ -85,6 +100,8 @@ class ModulePath:
         self._mark()
 
     def _post_fw(self, mod: Any, inputs: Any, outputs: Any) -> None:
+        if mod in self._strays:
+            return
         if self.is_bw and self.recompute_depth > 0:
             self.recompute_depth -= 1
         name = self._name(mod)

@@ -256,9 +256,30 @@ class KernelCall:
     installed: bool  # the package is importable here (its kernel was traced as the fallback)
 
 
+def _closure(fn: Any) -> dict[str, Any]:
+    """A function's closure cells by name ({} for anything else)."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or cells is None:
+        return {}
+    return {n: c.cell_contents for n, c in zip(code.co_freevars, cells, strict=True)}
+
+
+def _unwrap_hub_layer(fn: Any) -> Any:
+    """With the ``kernels`` package installed (a dependency of transformers from 5.25),
+    transformers' ``use_kernel_forward_from_hub`` turns the wrapper function into an instance
+    of an ``nn.Module`` class made for it (kernels' ``_create_func_module``), whose forward
+    calls the function from its closure (``func``): that function; else ``fn`` itself."""
+    if isinstance(fn, nn.Module):
+        inner = _closure(type(fn).forward).get("func")
+        if callable(inner):
+            return inner
+    return fn
+
+
 def _kernel_wrapper(fn: Any) -> tuple[KernelCall, Callable[..., Any]] | None:
-    """Where ``fn`` is transformers' kernel wrapper: what it calls and its reference PyTorch
-    function; else None."""
+    """Where ``fn`` is transformers' kernel wrapper (a function, or the module the ``kernels``
+    package makes of it): what it calls and its reference PyTorch function; else None."""
+    fn = _unwrap_hub_layer(fn)
     code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
     if code is None or cells is None or not set(_FALLBACK_CELLS) <= set(code.co_freevars):
         return None
