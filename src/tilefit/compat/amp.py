@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from tilefit.compat import probes
+
 __all__ = ["unscale_grads_", "update_scale_", "watching_autocast"]
 
 
@@ -24,6 +26,9 @@ def watching_autocast(entered: Callable[[Any, bool], object],
 
     def watched_enter(ctx: Any) -> Any:
         out = enter(ctx)
+        if not hasattr(ctx, "_enabled"):
+            probes.went_blind("torch", "whether a torch.autocast context the step enters "
+                              "is enabled (its _enabled flag): each is taken as enabled")
         entered(ctx, bool(getattr(ctx, "_enabled", True)))
         return out
 

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from tilefit.compat import probes
+
 __all__ = ["CUSTOM_MAX_M", "dense_buffers", "gemm_4bit_dequantizes", "gpu_props"]
 
 CUSTOM_MAX_M = 1536  # _gemm_4bit_custom_max_m on CUDA, bitsandbytes 0.50.2
@@ -85,6 +87,11 @@ def gemm_4bit_dequantizes(m: int, n: int, k: int, dtype: torch.dtype, blocksize:
     if gpu is None:
         return True
     found = _cuda_rule()
+    probes.read("bitsandbytes")
+    if found is None and probes.installed("bitsandbytes") is not None:
+        probes.went_blind("bitsandbytes", "its choice of 4-bit GEMM kernel on CUDA "
+                          f"(backends/cuda/ops.py, {_RULE}): a GEMM of at most {CUSTOM_MAX_M} "
+                          "rows is traced as its fused kernel, without a dense weight")
     max_m = CUSTOM_MAX_M if found is None else found[1]
     if m > max_m or k % blocksize != 0:
         return True

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from tilefit.compat import probes
+
 __all__ = ["ModulePath", "acyclic_mod_tracker", "buffer_slots", "node_module", "parameter_slots",
            "record_module_paths"]
 
@@ -76,6 +78,9 @@ class ModulePath:
 
     def _name(self, mod: Any) -> str:
         known = getattr(self._tracker, "get_known_fqn", None)
+        if known is None:
+            probes.went_blind("torch", "module paths (ModTracker.get_known_fqn): ops are "
+                              "attributed to module classes, not paths")
         return (known(mod) if known is not None else None) or type(mod).__name__
 
     def _stray(self, mod: Any, name: str) -> bool:

@@ -20,6 +20,7 @@ on fake tensors, both answered here:
 from __future__ import annotations
 
 import contextlib
+import sys
 import unittest.mock
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 from torch._meta_registrations import _create_grouped_mm_output_tensor
 
+from tilefit.compat import probes
 from tilefit.compat.fake import TorchDispatchMode
 
 # transformers' per-expert fallback ops (transformers/integrations/moe.py): the experts'
@@ -68,7 +70,15 @@ def experts_dispatch_for(capability: tuple[int, int] | None) -> Iterator[None]:
         from transformers.integrations import moe as hf_moe
     except ImportError:  # pragma: no cover - transformers without MoE integrations
         hf_moe = None
-    if not loops_on(capability) or not hasattr(hf_moe, "_can_use_grouped_mm"):
+    if not loops_on(capability):
+        yield
+        return
+    probes.read("transformers")
+    if not hasattr(hf_moe, "_can_use_grouped_mm"):
+        probes.went_blind("transformers", "its choice between torch's grouped GEMM and its "
+                          "per-expert loop before compute capability 8.0 (integrations.moe."
+                          "_can_use_grouped_mm): the experts are traced with its answer for "
+                          "this CPU")
         yield
         return
     with unittest.mock.patch.object(hf_moe, "_can_use_grouped_mm",
@@ -78,10 +88,18 @@ def experts_dispatch_for(capability: tuple[int, int] | None) -> Iterator[None]:
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:
     """The modules ``@use_experts_implementation`` made: its __init__ sets
-    ``is_concatenated``, ``has_gate`` and ``config`` on each; ``num_experts`` is the class's."""
-    return [m for m in model.modules()
-            if hasattr(m, "is_concatenated") and hasattr(m, "has_gate")
-            and hasattr(m, "num_experts") and hasattr(m, "config")]
+    ``is_concatenated``, ``has_gate`` and ``config`` on each; ``num_experts`` is the class's.
+    None found in a model whose modeling module imports that decorator: the probe is blind
+    (tilefit.compat.probes)."""
+    found = [m for m in model.modules()
+             if hasattr(m, "is_concatenated") and hasattr(m, "has_gate")
+             and hasattr(m, "num_experts") and hasattr(m, "config")]
+    modules = {sys.modules.get(type(m).__module__) for m in model.modules()}
+    if not found and any(hasattr(mod, "use_experts_implementation") for mod in modules):
+        probes.went_blind("transformers", "the experts modules of this mixture of experts "
+                          "(none made by use_experts_implementation was recognised): the "
+                          "routing assumption (--routing) is not applied")
+    return found
 
 
 def experts_implementation(module: nn.Module) -> str:

@@ -12,14 +12,23 @@ from typing import Any
 
 from torch import nn
 
+from tilefit.compat import probes
 
-def refused_targets(config: Any, model: nn.Module, names: list[str]) -> list[str]:
+# what cannot be checked where peft's rule is missing
+BLIND_RULE = ("its rule refusing LoRA targets on Mamba-based models "
+              "(tuners_utils._check_lora_target_modules_mamba)")
+
+
+def refused_targets(config: Any, model: nn.Module, names: list[str]) -> list[str] | None:
     """The module names among ``names`` that peft refuses as LoRA targets of ``model`` under
-    ``config`` (a peft.LoraConfig); none where peft has no such rule."""
+    ``config`` (a peft.LoraConfig); None where this peft has no such rule (the probe is
+    blind: tilefit.compat.probes)."""
+    probes.read("peft")
     try:
         from peft.tuners.tuners_utils import _check_lora_target_modules_mamba
     except ImportError:  # another peft: no rule known
-        return []
+        probes.went_blind("peft", BLIND_RULE)
+        return None
     refused = []
     for name in names:
         try:

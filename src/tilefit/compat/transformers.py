@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tilefit.compat import probes
 from tilefit.compat.compile import checkpoint_region_tagger
 from tilefit.compat.fake import FakeTensor, holds_fake
 from tilefit.errors import TilefitError
@@ -40,24 +41,58 @@ def is_fake(x: Any) -> bool:
     return isinstance(x, FakeTensor) or holds_fake(x)
 
 
+# what the mask rule's patch reads of transformers' function (transformers 5.25)
+_MASK_RULE_PARAMETERS = ("padding_mask", "q_length", "kv_length", "local_attention_size")
+
+
+def _mask_rule(mu: Any) -> Callable[..., bool] | None:
+    """transformers' ``_ignore_causal_mask_sdpa`` where it is found with the parameters the
+    patch reads (the first three in that order, and ``local_attention_size``); else None."""
+    original = getattr(mu, "_ignore_causal_mask_sdpa", None)
+    if original is None:
+        return None
+    try:
+        names = list(inspect.signature(original).parameters)
+    except (TypeError, ValueError):
+        return None
+    if names[:3] != list(_MASK_RULE_PARAMETERS[:3]) or _MASK_RULE_PARAMETERS[3] not in names:
+        return None
+    return original  # type: ignore[no-any-return]
+
+
 @contextlib.contextmanager
-def gpu_mask_semantics(known_ones: Callable[[Any], bool] | None = None) -> Iterator[None]:
+def gpu_mask_semantics(known_ones: Callable[[Any], bool] | None = None,
+                       model: Any = None) -> Iterator[None]:
     """transformers' mask rules as a real run decides them: no mask for a square causal step
     without padding (SDPA's is_causal), ``known_ones(mask)`` telling which fake masks hold
-    only ones (a real run reads their values); no packed-sequence search on fake ids."""
+    only ones (a real run reads their values); no packed-sequence search on fake ids.
+    ``model``: the traced model; where it is a transformers model and the rule is not found,
+    the trace notes it (tilefit.compat.probes)."""
     try:
         mu = importlib.import_module("transformers.masking_utils")
     except ImportError:
         yield
         return
-    original = getattr(mu, "_ignore_causal_mask_sdpa", None)
+    hf = isinstance(model, nn.Module) and any(
+        type(m).__module__.startswith("transformers.") for m in model.modules())
+    if hf:
+        probes.read("transformers")
+    original = _mask_rule(mu)
     if original is None:
+        if hf:
+            probes.went_blind("transformers", "its causal-mask rule (masking_utils."
+                              "_ignore_causal_mask_sdpa, not found with the parameters "
+                              f"{', '.join(_MASK_RULE_PARAMETERS)}): attention is traced with "
+                              "the mask transformers builds on fake tensors, where a GPU run "
+                              "may pass is_causal and use another attention kernel")
         yield
         return
+    rule = inspect.signature(original)
 
     def ignore_causal_mask_sdpa(padding_mask: Any, q_length: int, kv_length: int,
                                 *args: Any, **kwargs: Any) -> bool:
-        local = kwargs.get("local_attention_size", args[2] if len(args) > 2 else None)
+        local = rule.bind(padding_mask, q_length, kv_length, *args,
+                          **kwargs).arguments.get("local_attention_size")
         if known_ones is not None and known_ones(padding_mask):
             padding_mask = None  # a mask the model made of ones: a real run reads it so
         if (padding_mask is None and (q_length == 1 or kv_length == q_length)
@@ -87,10 +122,16 @@ def use_checkpoint_function(model: Any, function: Any) -> None:
     """Every module Hugging Face's ``gradient_checkpointing_enable`` armed calls ``function``
     in place of torch.utils.checkpoint (transformers' ``GradientCheckpointingLayer`` calls
     ``self._gradient_checkpointing_func(forward, *args)``)."""
+    armed = 0
     for module in model.modules():
         if getattr(module, "gradient_checkpointing", False) and \
                 hasattr(module, "_gradient_checkpointing_func"):
             module._gradient_checkpointing_func = function
+            armed += 1
+    if armed == 0:
+        probes.went_blind("transformers", "which layers gradient_checkpointing_enable armed "
+                          "(no module has _gradient_checkpointing_func): the compiled step is "
+                          "traced without the partitioner's recompute of checkpointed layers")
 
 
 def refuses_sdpa(model_class: type) -> bool:
@@ -299,6 +340,23 @@ def kernel_distribution(package: str) -> str:
     return named.get(package, package.replace("_", "-"))
 
 
+# the decorator a modeling module imports to wrap its optional kernels
+_FALLBACK_DECORATOR = "use_kernel_func_from_hub_with_fallback"
+
+
+def _probe_kernel_wrappers(mod: Any, found: int) -> None:
+    """A transformers modeling module read for kernel wrappers: blind where it imports
+    transformers' fallback decorator but no wrapper of it was recognised."""
+    if not mod.__name__.startswith("transformers."):
+        return
+    probes.read("transformers")
+    if found == 0 and hasattr(mod, _FALLBACK_DECORATOR):
+        probes.went_blind("transformers", f"the optional kernels of {mod.__name__} (no "
+                          f"wrapper made by {_FALLBACK_DECORATOR} was recognised): its code "
+                          "is traced as it runs on fake tensors, and no note says which "
+                          "kernels a GPU machine would run instead")
+
+
 @contextlib.contextmanager
 def reference_kernels(model: nn.Module, on_call: Callable[[KernelCall], None]
                       ) -> Iterator[None]:
@@ -320,12 +378,15 @@ def reference_kernels(model: nn.Module, on_call: Callable[[KernelCall], None]
         return run
 
     for mod in modules - {None}:
+        found = 0
         for attr, fn in list(vars(mod).items()):
             # an enclosing step's own wrapper (a process forked inside one) is wrapped anew
             wrapper = getattr(fn, "_tilefit_kernel", None) or _kernel_wrapper(fn)
             if wrapper is not None:
                 patched.append((mod, attr, fn))
                 setattr(mod, attr, recording(*wrapper))
+                found += 1
+        _probe_kernel_wrappers(mod, found)
     try:
         yield
     finally:

@@ -132,9 +132,13 @@ def _refused(model: nn.Module, config: Any, linear: list[str], asked: str, probl
              ) -> TilefitError:
     """peft refused the targets: name the linear layers it accepts on this model (a
     Mamba-based model's out_proj and conv1d it refuses: compat.peft)."""
-    from tilefit.compat.peft import refused_targets
+    from tilefit.compat import probes
+    from tilefit.compat.peft import BLIND_RULE, refused_targets
 
     refused = refused_targets(config, model, linear)
+    if refused is None:  # this peft's rule is unknown: say so beside the plain error
+        return _bad_target(linear, "--lora-targets", asked,
+                           f"{problem} ({probes.Blind('peft', BLIND_RULE).note})")
     if not refused:
         return _bad_target(linear, "--lora-targets", asked, problem)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tilefit.compat import probes
 from tilefit.compat.bitsandbytes import logical_numel, quant_state_tensors, quant_states_lifted
 from tilefit.compat.bnb_dispatch import dense_buffers, gpu_props
 from tilefit.compat.compile import mutating_ops_in_place
@@ -128,8 +129,13 @@ def trace_module(model: ModelSpec, batch: Any, recipe: Recipe, gpu: str | Device
     _check_compile(options)
     # quiet_imports: the first trace may import transformers' quantizers, and torchao with them;
     # gc_paused: a quarter faster (tilefit.tracing.gc_pause)
-    with quiet_imports(), quiet_fake_errors(), quiet_transformers(), gc_paused():
+    # probes.collecting: what a compat probe could not check of a library is noted
+    with quiet_imports(), quiet_fake_errors(), quiet_transformers(), gc_paused(), \
+            probes.collecting() as blind:
+        probes.read("torch")  # its fake tensors, dispatch modes and private tracing APIs
         tr = _trace(model, batch, options, target)
+    if blind:
+        tr = dataclasses.replace(tr, warnings=(*tr.warnings, *blind))
     return tr if recipe.alloc_conf is None else dataclasses.replace(
         tr, alloc_conf=recipe.alloc_conf)
 
@@ -177,6 +183,7 @@ def _trace(model: ModelSpec, batch: Any, options: TraceOptions, target: Target) 
 def _trace_prepared(prep: Prepared, options: TraceOptions, target: Target,
                     recorder: Recorder, mode: FakeTensorMode) -> Trace:
     tracker = recorder.tracker
+    probes.read_model(prep.model)
     recorder.set_root(root_name(prep.model))
     router = AttentionRouter(target, recorder) if target.kind == "cuda" else None
     autocast = autocast_for(target, options.low_dtype, router)
@@ -198,7 +205,7 @@ def _trace_prepared(prep: Prepared, options: TraceOptions, target: Target,
             stack.enter_context(recorder)
             if autocast is not None:
                 stack.enter_context(autocast)
-            stack.enter_context(gpu_mask_semantics(recorder.ones))
+            stack.enter_context(gpu_mask_semantics(recorder.ones, prep.model))
             stack.enter_context(explain_fake_errors(recorder))
             if options.parallel is not None:
                 stack.enter_context(recorder.watching_resizes())
@@ -227,7 +234,7 @@ def _with_compiled(prep: Prepared, options: TraceOptions, recorder: Recorder,
                 autocast.end_forward()
                 autocast.end_backward()
 
-    with gpu_mask_semantics(), explain_fake_errors(recorder), \
+    with gpu_mask_semantics(model=prep.model), explain_fake_errors(recorder), \
             quant_states_lifted(prep.model):
         compiled = capture_step(prep.model, prep.batch, options.loss_fn, recorder,
                                 cpu=not options.cuda, forward_context=forward_autocast,

@@ -1,0 +1,137 @@
+"""The versions tilefit was tested with, and what a trace could not check of a library's
+internals: said in the estimate's notes instead of predicting as if nothing were there.
+
+tilefit reads library internals (transformers' kernel wrappers and mask rule, peft's LoRA
+target rule, bitsandbytes' kernel choice, torch's private tracing APIs): a new release can
+change them without an error. Each compat probe calls ``read`` when it reads a library, and
+``went_blind`` when it finds nothing where the tested version has something. A trace run
+inside ``collecting`` turns what was reported into notes, one line each: the probe that
+went blind (the library, its version, what could not be checked and what the trace did
+instead), and each library read whose installed version is not the tested one.
+
+``TESTED`` is the tested set's entry for each library whose internals tilefit reads: the
+exact versions in the repository's ``constraints.txt``, which ``scripts/update_constraints.py``
+rewrites (``tests/test_probes.py`` checks that the two agree).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from collections.abc import Iterator
+from importlib import metadata
+
+# distribution -> the version the suite passed with (constraints.txt)
+TESTED: dict[str, str] = {
+    "torch": "2.13.0",
+    "transformers": "5.25.0",
+    "peft": "0.21.2",
+    "bitsandbytes": "0.50.2",
+    "torchao": "0.18.0",
+    "accelerate": "1.16.0",
+    "lightning": "2.6.6",
+}
+
+
+@functools.cache
+def installed(distribution: str) -> str | None:
+    """The installed version of a distribution, or None where it is not installed."""
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def release(version: str) -> str:
+    """A version without its local part: torch's "2.13.0+cpu" and "2.13.0+cu128" are one
+    release."""
+    return version.split("+", 1)[0]
+
+
+def untested(distribution: str) -> str | None:
+    """The installed version where it is not the tested one; None where it is, or where the
+    distribution is not installed or has no tested version."""
+    have, tested = installed(distribution), TESTED.get(distribution)
+    if have is None or tested is None or release(have) == tested:
+        return None
+    return have
+
+
+@dataclasses.dataclass(frozen=True)
+class Blind:
+    """A probe that found nothing where the tested version of its library has something."""
+
+    library: str  # the distribution whose internals were read (transformers, peft, ...)
+    what: str  # what could not be checked, and what the trace did instead
+
+    @property
+    def note(self) -> str:
+        have = installed(self.library) or "(not installed)"
+        tested = TESTED.get(self.library)
+        against = f"; tilefit was tested with {tested}" if tested else ""
+        return (f"{self.library} {have}: tilefit could not check {self.what}{against} "
+                "(run `tilefit --version` to see the tested set)")
+
+
+@dataclasses.dataclass
+class _Reports:
+    blind: dict[Blind, None] = dataclasses.field(default_factory=dict)
+    read: dict[str, None] = dataclasses.field(default_factory=dict)
+
+    def notes(self) -> list[str]:
+        lines = [b.note for b in self.blind]
+        for lib in self.read:
+            have = untested(lib)
+            if have is not None:
+                lines.append(
+                    f"{lib} {have} is not the version tilefit was tested with "
+                    f"({TESTED[lib]}): what tilefit reads of its internals is unchecked "
+                    f"there (pip install {lib}=={TESTED[lib]} for the tested one)")
+        return lines
+
+
+_REPORTS: contextvars.ContextVar[_Reports | None] = contextvars.ContextVar(
+    "tilefit_probe_reports", default=None)
+
+
+def read(library: str) -> None:
+    """A probe read this library's internals (its version is then checked)."""
+    reports = _REPORTS.get()
+    if reports is not None:
+        reports.read.setdefault(library)
+
+
+def read_model(model: object) -> None:
+    """The libraries whose classes make up a traced model (transformers' layers, peft's
+    adapters, bitsandbytes' and torchao's linears): tilefit reads their internals."""
+    modules = getattr(model, "modules", None)
+    if not callable(modules):
+        return
+    for m in modules():
+        top = type(m).__module__.split(".", 1)[0]
+        if top in TESTED:
+            read(top)
+
+
+def went_blind(library: str, what: str) -> None:
+    """A probe found nothing where the tested version has something: said once per trace."""
+    reports = _REPORTS.get()
+    if reports is not None:
+        reports.read.setdefault(library)
+        reports.blind.setdefault(Blind(library, what))
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[list[str]]:
+    """Collect the probes' reports while the block runs; on exit the yielded list holds
+    their notes (a nested block, a trace inside a traced step, collects its own)."""
+    reports = _Reports()
+    token = _REPORTS.set(reports)
+    notes: list[str] = []
+    try:
+        yield notes
+    finally:
+        _REPORTS.reset(token)
+        notes.extend(reports.notes())
