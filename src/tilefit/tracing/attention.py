@@ -48,9 +48,10 @@ def choose_backend(target: Target, q: torch.Tensor, k: torch.Tensor,
 
 
 class AttentionRouter:
-    """Runs F.scaled_dot_product_attention as the target would, telling the recorder which
-    backend ran. Called by the trace's torch-function mode (CudaAutocast) for every SDPA call;
-    one mode does both jobs because each active mode costs a Python call per torch call."""
+    """Runs scaled_dot_product_attention as the target would, telling the recorder which
+    backend ran. Called for every SDPA call by its kernel in the dispatcher
+    (tracing.target_kernels) with ``run``, the op's composite: its backend is chosen by
+    torch's sdpa_kernel flags."""
 
     def __init__(self, target: Target, recorder: Any, force_math: bool = False) -> None:
         self.target = target
@@ -58,7 +59,7 @@ class AttentionRouter:
         self.force_math = force_math
         self.choices: dict[str, int] = {}
 
-    def __call__(self, func: Callable[..., Any], args: tuple[Any, ...],
+    def __call__(self, run: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
         bound = _SDPA_SIG.bind(*args, **kwargs)
         bound.apply_defaults()
@@ -68,15 +69,15 @@ class AttentionRouter:
         self.choices[backend] = self.choices.get(backend, 0) + 1
         if backend == "math":
             with self.recorder.attention_backend("math"), sdpa_kernel([SDPBackend.MATH]):
-                return func(*args, **kwargs)
+                return run(*args, **kwargs)
         fused = {**a, "dropout_p": 0.0}
         if not fused["enable_gqa"]:
             del fused["enable_gqa"]  # torch < 2.5 has no enable_gqa
         try:
             with self.recorder.attention_backend(backend), \
                     sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                return func(**fused)
+                return run(**fused)
         except RuntimeError:
             # the CPU stand-in rejects this input: fall back to the math decomposition
             with self.recorder.attention_backend("math"), sdpa_kernel([SDPBackend.MATH]):
-                return func(*args, **kwargs)
+                return run(*args, **kwargs)

@@ -1,275 +1,277 @@
-"""CUDA autocast's cast policy, applied on a machine without CUDA.
+"""CUDA autocast's cast policy, applied on a machine without CUDA, where ATen applies it: in
+the dispatcher.
 
-torch.autocast("cuda") refuses to run without a CUDA device, and CPU autocast has a different
-policy (its op lists differ: softmax, layer_norm and the losses are not kept in fp32 there).
-This TorchFunctionMode applies CUDA's policy at the torch-function level, above autograd, so
-the casts are recorded by autograd exactly as they are on a GPU.
+A step is traced on fake CPU tensors. ``torch.autocast("cuda")`` does nothing without CUDA,
+and CPU autocast has another policy (its op lists differ: softmax, layer_norm and the losses
+are not kept in fp32 there). So for a CUDA target, CPU autocast runs with CUDA's lists: for
+the trace, each overload CUDA autocast lists (tracing.autocast_lists, from ATen's
+autocast_mode.h) gets a kernel at the AutocastCPU dispatch key that does what ATen's CUDA
+kernel does (cast its eligible arguments, then run the op below the autocast key), and each
+overload only CPU autocast lists passes through. Because the policy sits in the dispatcher,
+every op gets it whatever Python function calls it: torch.nn's composites
+(``F.multi_head_attention_forward``), the user's functions, autograd Functions, hooks, and a
+checkpointed recompute, which torch.utils.checkpoint runs under the autocast state of the
+forward. As in ATen's cached_cast, each fp32 leaf that requires grad (a weight) is cast to
+the low dtype once until the outermost autocast context is left.
 
-The op lists are CUDA's, from ATen/autocast_mode.h (AT_FORALL_LOWER_PRECISION_FP,
-AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE, in the header shipped with
-torch). As in ATen's cached_cast, casts of leaf tensors that require grad (the weights) are
-cached while the forward runs, so each weight is cast once per forward.
+Code that enters ``torch.autocast`` itself keeps its meaning: a context naming the tensors'
+device (the CPU, for a fake tensor) is CPU autocast, which now has CUDA's policy; a context
+naming "cuda" is mirrored on the CPU (on a CPU build it is disabled, as transformers' rotary
+embeddings and peft disable it for their own computation). While the step's forward runs,
+CUDA autocast's own flags are set too, so that ``torch.is_autocast_enabled()`` and
+``torch.get_autocast_dtype("cuda")`` answer as on the GPU.
 
 ``CpuAutocast`` is torch.autocast("cpu") for a CPU target; ``autocast_for`` picks the
-target's, ``recompute_contexts`` enters CUDA's again around a checkpointed recompute.
+target's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
+from tilefit.compat import dispatch
 from tilefit.compat.amp import watching_autocast
-from tilefit.compat.fake import is_view, tree_map
+from tilefit.compat.fake import is_view
+from tilefit.tracing import autocast_lists as lists
 from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.target import Target
-
-if TYPE_CHECKING:
-    from tilefit.tracing.recorder import Recorder
+from tilefit.tracing.target_kernels import register_target_kernels
 
 T = torch.Tensor
-
-
-def _fns(*names: str, module: Any = torch, methods: bool = True) -> set[Callable[..., Any]]:
-    out: set[Callable[..., Any]] = set()
-    for n in names:
-        if hasattr(module, n):
-            out.add(getattr(module, n))
-        if methods and hasattr(T, n):
-            out.add(getattr(T, n))
-    return out
-
-
-LOWER_PRECISION: set[Callable[..., Any]] = (
-    _fns("matmul", "mm", "mv", "bmm", "baddbmm", "addmm", "addbmm", "addmv", "addr", "einsum",
-         "chain_matmul", "prelu", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
-         "conv_transpose2d", "conv_transpose3d", "convolution", "_convolution", "lstm_cell",
-         "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")
-    | {T.__matmul__, T.__rmatmul__, F.linear, F.prelu, F.scaled_dot_product_attention,
-       F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
-       torch.linalg.multi_dot, torch.linalg.vecdot}
-)  # fmt: skip
-
-FP32: set[Callable[..., Any]] = (
-    _fns("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
-         "reciprocal", "rsqrt", "sinh", "tan", "pow", "logsumexp", "dist", "cdist", "renorm",
-         "layer_norm", "group_norm", "rms_norm", "cosine_similarity", "pdist")
-    | {T.__pow__, T.__rpow__, F.softplus, F.layer_norm, F.group_norm, F.cosine_similarity,
-       F.poisson_nll_loss, F.cosine_embedding_loss, F.nll_loss, F.hinge_embedding_loss,
-       F.kl_div, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.mse_loss, F.margin_ranking_loss,
-       F.multilabel_margin_loss, F.soft_margin_loss, F.triplet_margin_loss, F.multi_margin_loss,
-       F.binary_cross_entropy_with_logits, F.interpolate, F.upsample}
-    | ({F.rms_norm} if hasattr(F, "rms_norm") else set())
-)  # fmt: skip
-
-FP32_SET_OPT_DTYPE: set[Callable[..., Any]] = (
-    _fns("prod", "softmax", "log_softmax", "cumprod", "cumsum", "sum")
-    | {F.softmax, F.log_softmax, torch.linalg.vector_norm, torch.linalg.matrix_norm}
-)
-
-PROMOTE: set[Callable[..., Any]] = _fns(
-    "addcdiv", "addcmul", "atan2", "cross", "dot", "vdot", "tensordot", "scatter_add",
-    "index_put",
-) | {F.bilinear, F.grid_sample}
-
+KEY = "AutocastCPU"
 _LOW = (torch.float16, torch.bfloat16)
-_NO_RESULT = object()
-_CE_SIG = inspect.signature(F.cross_entropy)
-_DROPOUT_SIG = inspect.signature(F.dropout)
 
 
-def cuda_dropout(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """F.dropout as CUDA runs it: ATen's dropout takes the fused kernel for a CUDA input with
-    0 < p < 1 (is_fused_kernel_acceptable in ATen's Dropout.cpp): native_dropout, which
-    returns the output and a bool mask that its backward keeps. The CPU decomposes it into
-    bernoulli_, div_ and mul, keeping a mask in the input's dtype. _NO_RESULT when the
-    fused kernel does not apply (eval, p of 0 or 1, in place, empty)."""
-    bound = _DROPOUT_SIG.bind(*args, **kwargs)
-    bound.apply_defaults()
-    x, p = bound.arguments["input"], bound.arguments["p"]
-    if not bound.arguments["training"] or bound.arguments["inplace"] or not 0 < p < 1 \
-            or not isinstance(x, T) or x.numel() == 0:
-        return _NO_RESULT
-    return torch.native_dropout(x, p, True)[0]
+def _eligible(x: Any) -> bool:
+    """ATen's is_eligible: a floating tensor that is not double (on the autocast device)."""
+    return isinstance(x, T) and x.is_floating_point() and x.dtype != torch.float64
 
 
-# the CudaAutocast modes entered, innermost last: the one a torch.autocast(enabled=False)
-# in the traced code turns off
-_ACTIVE: list[CudaAutocast] = []
-_WATCH: list[Any] = []  # the watch on torch.autocast while any mode is entered
+class CastCache:
+    """ATen's cached_cast: casts of fp32 leaves that require grad (the weights) to the low
+    dtype, kept until the outermost autocast context is left."""
 
+    def __init__(self) -> None:
+        self._casts: dict[int, tuple[T, T]] = {}
 
-def _autocast_entered(ctx: Any, enabled: bool) -> None:
-    """Code that turns autocast off for its own computation (transformers' rotary
-    embeddings, peft's LoRA on expert parameters) names its tensors' device, which a fake
-    tensor gives as the CPU: on the target's GPU that context turns CUDA autocast off, so it
-    turns the emulated policy off until it is left."""
-    if _ACTIVE and not enabled:
-        mode = _ACTIVE[-1]
-        ctx._tilefit_restore = (mode, mode.enabled)
-        mode.enabled = False
+    def clear(self) -> None:
+        self._casts.clear()
 
-
-def _autocast_left(ctx: Any) -> None:
-    restore = getattr(ctx, "_tilefit_restore", None)
-    if restore is not None:
-        restore[0].enabled = restore[1]
-        del ctx._tilefit_restore
-
-
-class CudaAutocast(TorchFunctionMode):
-    """Apply CUDA autocast's policy with ``dtype`` (fp16 or bf16; None: no casting) while
-    ``enabled``, and send SDPA calls to ``router`` (the target's attention kernel choice).
-    A torch.autocast(enabled=False) context the traced code enters turns it off until left
-    (``_autocast_entered``)."""
-
-    def __enter__(self) -> CudaAutocast:
-        if not _ACTIVE:  # the first mode entered watches torch.autocast for all of them
-            _WATCH.append(watching_autocast(_autocast_entered, _autocast_left))
-            _WATCH[-1].__enter__()
-        _ACTIVE.append(self)
-        super().__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        del _ACTIVE[len(_ACTIVE) - 1 - _ACTIVE[::-1].index(self)]  # its innermost entry
-        if not _ACTIVE and _WATCH:
-            _WATCH.pop().__exit__(None, None, None)
-
-    def __init__(self, dtype: torch.dtype | None,
-                 router: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
-                 ) -> None:
-        super().__init__()
-        self.dtype = dtype
-        self.router = router
-        self.enabled = False
-        self.cache_weights = False
-        self._cache: dict[int, tuple[T, T]] = {}
-
-    def clear_cache(self) -> None:
-        self._cache.clear()
-
-    def begin_forward(self) -> None:
-        self.enabled = True
-        self.cache_weights = True
-
-    def end_forward(self) -> None:
-        # Leaving torch.autocast clears the weight-cast cache. Autocast stays on for the
-        # recomputed forward of checkpointed blocks during backward (torch.utils.checkpoint
-        # re-enters autocast with the forward's state), without the cache.
-        self.cache_weights = False
-        self.clear_cache()
-
-    def end_backward(self) -> None:
-        self.enabled = False
-
-    def _cast(self, x: Any, to: torch.dtype) -> Any:
-        if not isinstance(x, T) or not x.is_floating_point() or x.dtype in (to, torch.float64):
+    def cast(self, x: Any, to: torch.dtype) -> Any:
+        """``x`` in ``to`` where it is eligible (lists and tuples element-wise)."""
+        if isinstance(x, (list, tuple)):
+            return type(x)(self.cast(v, to) for v in x)
+        if not _eligible(x) or x.dtype == to:
             return x
-        # ATen's cached_cast: a leaf that requires grad and is not a view (a weight.t() view
-        # is cast afresh each time)
-        cacheable = self.cache_weights and x.is_leaf and x.requires_grad and not is_view(x)
+        cacheable = (to == torch.get_autocast_dtype("cpu") and x.dtype == torch.float32
+                     and x.requires_grad and x.is_leaf and not is_view(x)
+                     and torch.is_autocast_cache_enabled())
         if cacheable:
-            hit = self._cache.get(id(x))
+            hit = self._casts.get(id(x))
             if hit is not None and hit[0] is x:
                 return hit[1]
         y = x.to(to)
         if cacheable:
-            self._cache[id(x)] = (x, y)
+            self._casts[id(x)] = (x, y)
         return y
 
-    def __torch_function__(
-        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        # autocast's kernels are the functional overloads': an out= call runs as written
-        if self.enabled and self.dtype is not None and kwargs.get("out") is None:
-            out = self._apply_policy(func, args, kwargs)
-            if out is not None:
-                args, kwargs, result = out
-                if result is not _NO_RESULT:
-                    return result
-        if self.router is not None and func is F.scaled_dot_product_attention:
-            return self.router(func, args, kwargs)
-        if self.router is not None and func is F.dropout:  # the CUDA target's kernel
-            result = cuda_dropout(args, kwargs)
-            if result is not _NO_RESULT:
-                return result
-        return func(*args, **kwargs)
-
-    def _apply_policy(self, func: Callable[..., Any], args: tuple[Any, ...],
-                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], Any] | None:
-        """New (args, kwargs, result-or-_NO_RESULT) under the cast policy, or None."""
-        if func in LOWER_PRECISION:
-            args, kwargs = tree_map(lambda x: self._cast(x, self.dtype), (args, kwargs))
-        elif func in FP32_SET_OPT_DTYPE:
-            first = args[0] if args else None
-            if (isinstance(first, T) and first.dtype in _LOW and kwargs.get("dtype") is None
-                    and not _positional_dtype(func, args)):
-                kwargs = {**kwargs, "dtype": torch.float32}
-        elif func in FP32:
-            args, kwargs = tree_map(lambda x: self._cast(x, torch.float32), (args, kwargs))
-        elif func in PROMOTE:
-            tensors = [a for a in (*args, *kwargs.values())
-                       if isinstance(a, T) and a.is_floating_point()]
-            if tensors:
-                widest = tensors[0].dtype
-                for t in tensors[1:]:
-                    widest = torch.promote_types(widest, t.dtype)
-                args, kwargs = tree_map(lambda x: self._cast(x, widest), (args, kwargs))
-        elif func is F.cross_entropy:
-            # cross_entropy = nll_loss(log_softmax(x)): CUDA autocast runs log_softmax with
-            # dtype=float32 (fp32 log-probs, no fp32 copy of the input) and nll_loss in fp32.
-            bound = _CE_SIG.bind(*args, **kwargs)
-            bound.apply_defaults()
-            a = bound.arguments
-            if isinstance(a["input"], T) and a["input"].dtype in _LOW:
-                plain = a["size_average"] is None and a["reduce"] is None
-                if a["label_smoothing"] == 0.0 and plain:
-                    x = a["input"]
-                    logp = F.log_softmax(x, dim=1 if x.dim() > 1 else 0, dtype=torch.float32)
-                    weight = self._cast(a["weight"], torch.float32)
-                    return args, kwargs, F.nll_loss(logp, a["target"], weight=weight,
-                                                    ignore_index=a["ignore_index"],
-                                                    reduction=a["reduction"])
-                args, kwargs = tree_map(lambda x: self._cast(x, torch.float32), (args, kwargs))
-        else:
-            return None
-        return args, kwargs, _NO_RESULT
+    def cast_all(self, args: tuple[Any, ...], kwargs: dict[str, Any], to: torch.dtype
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return (tuple(self.cast(a, to) for a in args),
+                {k: self.cast(v, to) for k, v in kwargs.items()})
 
 
-def _positional_dtype(func: Callable[..., Any], args: tuple[Any, ...]) -> bool:
-    return any(isinstance(a, torch.dtype) for a in args[1:])
+def _below(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``op`` below the autocast key, as ATen's autocast kernels redispatch."""
+    with dispatch.excluding(KEY):
+        return op(*args, **kwargs)
 
 
-def recompute_contexts(target: Target, recorder: Recorder, low: torch.dtype | None
-                       ) -> Callable[[], tuple[Any, Any]] | None:
-    """torch.utils.checkpoint's context_fn: the recomputed forward runs inside the autograd
-    engine, where torch-function modes are not active, so the CUDA autocast policy and the
-    attention routing are entered again around it."""
-    if target.kind != "cuda":
-        return None
+def _lower_precision(op: Any, cache: CastCache) -> Callable[..., Any]:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = cache.cast_all(args, kwargs, torch.get_autocast_dtype("cpu"))
+        return _below(op, args, kwargs)
+    return kernel
 
-    def recompute() -> CudaAutocast:
-        mode = CudaAutocast(low, AttentionRouter(target, recorder))
-        mode.enabled = True
-        return mode
 
-    return lambda: (contextlib.nullcontext(), recompute())
+def _fp32(op: Any, cache: CastCache) -> Callable[..., Any]:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = cache.cast_all(args, kwargs, torch.float32)
+        return _below(op, args, kwargs)
+    return kernel
+
+
+def _fp32_set_opt_dtype(op: Any) -> Callable[..., Any]:
+    """Run in fp32 through the op's own dtype argument where the caller set none."""
+    positional, _ = dispatch.schema_names(op)
+    at = positional.index("dtype") if "dtype" in positional else None
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if args and _eligible(args[0]):
+            if at is None:
+                if kwargs.get("dtype") is None:
+                    kwargs = {**kwargs, "dtype": torch.float32}
+            elif len(args) <= at or args[at] is None:
+                args = (*args[:at], torch.float32, *args[at + 1:])
+        return _below(op, args, kwargs)
+    return kernel
+
+
+def _fp32_append_dtype(op: Any, with_dtype: Any) -> Callable[..., Any]:
+    """norm's overloads without a dtype run as their dtype-taking sibling in fp32."""
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if args and _eligible(args[0]):
+            return _below(with_dtype, args, {**kwargs, "dtype": torch.float32})
+        return _below(op, args, kwargs)
+    return kernel
+
+
+def _promote(op: Any, cache: CastCache) -> Callable[..., Any]:
+    """The widest of the low dtype and the eligible arguments' (ATen's prioritize)."""
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        low = torch.get_autocast_dtype("cpu")
+        to = low
+        for t in _tensors((*args, *kwargs.values())):
+            if not _eligible(t):
+                continue
+            if t.dtype == torch.float32 or to == torch.float32:
+                to = torch.float32
+            elif not t.dtype == to == low:
+                raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")
+        args, kwargs = cache.cast_all(args, kwargs, to)
+        return _below(op, args, kwargs)
+    return kernel
+
+
+def _tensors(values: tuple[Any, ...]) -> Iterator[T]:
+    for v in values:
+        if isinstance(v, T):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from _tensors(tuple(v))
+
+
+def _banned(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError(lists.BANNED_MESSAGE)
+
+
+def register_cuda_policy(regs: dispatch.Registrations, cache: CastCache) -> None:
+    """CUDA autocast's policy on the AutocastCPU key: its lists' kernels, and every other
+    overload CPU autocast has a kernel for passing through."""
+    makers: list[tuple[tuple[str, ...], Callable[[Any], Callable[..., Any]]]] = [
+        (lists.LOWER_PRECISION_FP, lambda op: _lower_precision(op, cache)),
+        (lists.FP32, lambda op: _fp32(op, cache)),
+        (lists.FP32_SET_OPT_DTYPE, _fp32_set_opt_dtype),
+        (lists.PROMOTE, lambda op: _promote(op, cache)),
+        (lists.BANNED, lambda op: _banned),
+    ]
+    for names, make in makers:
+        for name in names:
+            op = dispatch.op_overload(name)
+            if op is not None:
+                regs.impl(name, make(op), KEY)
+    for name, sibling in lists.FP32_APPEND_DTYPE.items():
+        op, with_dtype = dispatch.op_overload(name), dispatch.op_overload(sibling)
+        if op is not None and with_dtype is not None:
+            regs.impl(name, _fp32_append_dtype(op, with_dtype), KEY)
+    for name in dispatch.ops_with_kernel(KEY) - lists.listed():
+        regs.fallthrough(name, KEY)
+
+
+class CudaAutocast:
+    """CUDA's autocast with ``dtype`` (fp16 or bf16; None: no casting) and the CUDA target's
+    kernels (``router``'s attention, tracing.target_kernels), for a traced step: entered
+    around the whole step (the policy and kernels registered), its forward between
+    ``begin_forward`` and ``end_forward`` under autocast."""
+
+    def __init__(self, dtype: torch.dtype | None, router: AttentionRouter | None = None
+                 ) -> None:
+        self.dtype = dtype
+        self.router = router
+        self.cache = CastCache()
+        self._stack: contextlib.ExitStack | None = None
+        self._depth = 0  # entered again by a compiled step's capture
+        self._nesting = 0  # torch.autocast contexts entered and not left
+        self._forward: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> CudaAutocast:
+        self._depth += 1
+        if self._depth == 1:
+            with contextlib.ExitStack() as stack:
+                regs = stack.enter_context(dispatch.registered())
+                # always: code under test may enter autocast itself in an fp32 step
+                register_cuda_policy(regs, self.cache)
+                if self.router is not None:
+                    register_target_kernels(regs, self.router)
+                stack.enter_context(watching_autocast(self._entered, self._left))
+                self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._stack is not None:
+            self.end_forward()
+            self._stack.close()
+            self._stack = None
+            self.cache.clear()
+
+    def begin_forward(self) -> None:
+        """The step's forward runs under autocast from here (CUDA's flags set too)."""
+        if self.dtype is None or self._forward is not None:
+            return
+        stack = contextlib.ExitStack()
+        stack.enter_context(_cuda_flags(self.dtype))
+        stack.enter_context(torch.autocast("cpu", dtype=self.dtype))
+        self._forward = stack
+
+    def end_forward(self) -> None:
+        if self._forward is not None:
+            self._forward.close()
+            self._forward = None
+
+    def end_backward(self) -> None:
+        """Nothing to do: the backward runs outside autocast, as the loop calls it."""
+
+    def _entered(self, ctx: Any, enabled: bool) -> None:
+        self._nesting += 1
+        if getattr(ctx, "device", None) == "cuda":
+            # a context naming CUDA: what it sets is mirrored on the CPU's autocast
+            dtype = ctx.fast_dtype if ctx.fast_dtype in _LOW else self.dtype or torch.float16
+            mirror = torch.autocast("cpu", dtype=dtype, enabled=enabled)
+            mirror.__enter__()
+            ctx._tilefit_mirror = mirror
+
+    def _left(self, ctx: Any) -> None:
+        mirror = ctx.__dict__.pop("_tilefit_mirror", None)
+        if mirror is not None:
+            mirror.__exit__(None, None, None)
+        self._nesting -= 1
+        if self._nesting == 0:  # ATen clears its cast cache as the outermost one is left
+            self.cache.clear()
+
+
+@contextlib.contextmanager
+def _cuda_flags(dtype: torch.dtype) -> Iterator[None]:
+    """CUDA autocast's flags as a GPU run's forward has them (thread-local state only: no
+    CUDA tensor exists, so no CUDA kernel runs)."""
+    enabled, was = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", dtype)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled("cuda", enabled)
+        torch.set_autocast_dtype("cuda", was)
 
 
 def autocast_for(target: Target, low: torch.dtype | None,
                  router: AttentionRouter | None) -> CudaAutocast | CpuAutocast | None:
-    """The CUDA target casts under mixed precision and routes SDPA always; the CPU target
-    follows CPU autocast's policy under mixed precision."""
+    """The CUDA target casts under mixed precision and runs its own kernels always; the CPU
+    target follows CPU autocast's policy under mixed precision."""
     if target.kind == "cuda":
         return CudaAutocast(low, router)
     return CpuAutocast(low) if low is not None else None
@@ -286,9 +288,7 @@ class CpuAutocast:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(None, None, None)
-            self._ctx = None
+        self.end_forward()
 
     def begin_forward(self) -> None:
         self._ctx = torch.autocast("cpu", dtype=self.dtype)

@@ -20,7 +20,6 @@ from tilefit.compat.transformers import (
 )
 from tilefit.errors import TilefitError
 from tilefit.models.cast import cast_floating
-from tilefit.tracing.autocast import recompute_contexts
 from tilefit.tracing.compiled import CompiledStep
 from tilefit.tracing.distributed import wrap_model
 from tilefit.tracing.errors import USER_CODE_ERRORS
@@ -125,9 +124,10 @@ def prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target,
         if options.precision.float8_linears and options.low_dtype is not None:
             fmodel, notes = convert_linears(fmodel, options.low_dtype)
         if options.grad_checkpointing:
-            enable_checkpointing(fmodel,
-                                 recompute_contexts(target, recorder, options.low_dtype),
-                                 compiled=options.compile)
+            # the recompute runs under the forward's autocast state, which
+            # torch.utils.checkpoint restores, and the target's kernels, which the dispatcher
+            # holds for the whole step (tracing.autocast): no context of its own
+            enable_checkpointing(fmodel, None, compiled=options.compile)
         fmodel.train()
     if parallel is not None:
         fmodel, wrap_notes = wrap_model(fmodel, parallel, mesh, mode, recorder,
