@@ -4,6 +4,8 @@ the torch.autocast contexts a traced step enters."""
 from __future__ import annotations
 
 import contextlib
+import inspect
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -11,7 +13,17 @@ import torch
 
 from tilefit.compat import probes
 
-__all__ = ["unscale_grads_", "update_scale_", "watching_autocast"]
+__all__ = ["requested", "unscale_grads_", "update_scale_", "watching_autocast"]
+
+
+def requested(ctx: Any) -> tuple[bool, torch.dtype | None]:
+    """What a ``torch.autocast`` context was asked for (enabled, dtype), before torch
+    disabled it for a device it does not have ("cuda" on a CPU build), where
+    ``watching_autocast`` saw it made; else what it holds."""
+    asked = getattr(ctx, "_tilefit_requested", None)
+    if asked is not None:
+        return asked  # type: ignore[no-any-return]
+    return bool(getattr(ctx, "_enabled", True)), getattr(ctx, "fast_dtype", None)
 
 
 @contextlib.contextmanager
@@ -19,10 +31,23 @@ def watching_autocast(entered: Callable[[Any, bool], object],
                       left: Callable[[Any], object]) -> Iterator[None]:
     """While active, ``entered(ctx, enabled)`` runs when code enters a ``torch.autocast``
     context ``ctx`` (``enabled``: its private ``_enabled`` flag, what it sets) and
-    ``left(ctx)`` when it leaves it. torch.autocast has no hook of its own: its class's
-    ``__enter__`` / ``__exit__`` are wrapped, and restored on exit."""
+    ``left(ctx)`` when it leaves it; a context made meanwhile keeps what it was asked for
+    (``requested``), and one naming "cuda" warns nothing of CUDA's absence. torch.autocast
+    has no hook of its own: its class's ``__init__``, ``__enter__`` and ``__exit__`` are
+    wrapped, and restored on exit."""
     cls = torch.amp.autocast_mode.autocast
-    enter, leave = cls.__enter__, cls.__exit__
+    init, enter, leave = cls.__init__, cls.__enter__, cls.__exit__
+    asked = inspect.signature(init)
+
+    def watched_init(ctx: Any, *args: Any, **kwargs: Any) -> None:
+        bound = asked.bind(ctx, *args, **kwargs)
+        bound.apply_defaults()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*CUDA is not available",
+                                    category=UserWarning)
+            init(ctx, *args, **kwargs)
+        ctx._tilefit_requested = (bool(bound.arguments["enabled"]),
+                                  bound.arguments["dtype"] or ctx.fast_dtype)
 
     def watched_enter(ctx: Any) -> Any:
         out = enter(ctx)
@@ -36,10 +61,12 @@ def watching_autocast(entered: Callable[[Any, bool], object],
         left(ctx)
         return leave(ctx, *exc)
 
+    cls.__init__ = watched_init  # type: ignore[method-assign]
     cls.__enter__, cls.__exit__ = watched_enter, watched_exit  # type: ignore[method-assign]
     try:
         yield
     finally:
+        cls.__init__ = init  # type: ignore[method-assign]
         cls.__enter__, cls.__exit__ = enter, leave  # type: ignore[method-assign]
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from tilefit.compat import dispatch
-from tilefit.compat.amp import watching_autocast
+from tilefit.compat.amp import requested, watching_autocast
 from tilefit.compat.fake import is_view
 from tilefit.tracing import autocast_lists as lists
 from tilefit.tracing.attention import AttentionRouter
@@ -70,13 +70,16 @@ class CastCache:
         cacheable = (to == torch.get_autocast_dtype("cpu") and x.dtype == torch.float32
                      and x.requires_grad and x.is_leaf and not is_view(x)
                      and torch.is_autocast_cache_enabled())
-        if cacheable:
-            hit = self._casts.get(id(x))
-            if hit is not None and hit[0] is x:
-                return hit[1]
-        y = x.to(to)
-        if cacheable:
-            self._casts[id(x)] = (x, y)
+        if not cacheable:
+            return x.to(to)
+        hit = self._casts.get(id(x))
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        # ATen makes a cached cast with grad mode on, also inside no_grad (a reentrant
+        # checkpoint's forward): the cast requires grad wherever the cache serves it
+        with torch.enable_grad():
+            y = x.to(to)
+        self._casts[id(x)] = (x, y)
         return y
 
     def cast_all(self, args: tuple[Any, ...], kwargs: dict[str, Any], to: torch.dtype
@@ -239,9 +242,10 @@ class CudaAutocast:
     def _entered(self, ctx: Any, enabled: bool) -> None:
         self._nesting += 1
         if getattr(ctx, "device", None) == "cuda":
-            # a context naming CUDA: what it sets is mirrored on the CPU's autocast
-            dtype = ctx.fast_dtype if ctx.fast_dtype in _LOW else self.dtype or torch.float16
-            mirror = torch.autocast("cpu", dtype=dtype, enabled=enabled)
+            # a context naming CUDA: what it asked for is mirrored on the CPU's autocast
+            on, asked = requested(ctx)
+            dtype = asked if asked in _LOW else self.dtype or torch.float16
+            mirror = torch.autocast("cpu", dtype=dtype, enabled=on)
             mirror.__enter__()
             ctx._tilefit_mirror = mirror
 
