@@ -426,6 +426,12 @@ def test_cli_terminal_report(tmp_path: Path) -> None:
     out = " ".join(res.stdout.split())
     assert "vocab_size 50257 -> 50304" in out
     assert "time by module" in out and "step time" in out
+    # each fix, code to copy, is one line even 80 columns wide (CliRunner is no terminal):
+    # the line after it is the finding's reason
+    lines = res.stdout.splitlines()
+    fixes = [i for i, line in enumerate(lines) if line.startswith("   fix: ")]
+    assert fixes and max(len(lines[i]) for i in fixes) > 80
+    assert all(lines[i + 1].startswith("   why: ") for i in fixes)
     # the loop the trace assumed, on stderr as `tilefit estimate` prints it: the Trainer's
     # defaults for a Hugging Face model (Recipe.for_model)
     err = " ".join(res.stderr.split())

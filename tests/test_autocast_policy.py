@@ -230,7 +230,7 @@ class _NormAndLoss(nn.Module):
 
 @pytest.mark.parametrize("name", ["mha-seq-first-weights", "einsum-attention", "norm-and-loss"])
 def test_what_cuda_keeps_in_fp32_is_fp32(name: str) -> None:
-    build, batch = MODELS[name] if name in MODELS else (_NormAndLoss, SEQ)
+    build, batch = MODELS.get(name, (_NormAndLoss, SEQ))
     traced = [o for o in _traced(build, batch) if o[0] in CUDA_FP32_KERNELS
               and o[1] == "forward"]
     assert traced and {dtype for _, _, dtype in traced} == {"float32"}

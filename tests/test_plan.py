@@ -491,6 +491,33 @@ def test_cli_json(tiny_gpt2_config, a100_plan) -> None:  # type: ignore[no-untyp
     assert d["best"] == a100_plan.to_dict()["best"]
 
 
+def test_cli_text_prints_each_block_whole_and_writes_one_gpu_files(  # type: ignore[no-untyped-def]
+        tiny_gpt2_config, a100_plan, tmp_path) -> None:
+    # the same plan as text, to CliRunner's stream (no terminal, 80 columns, as a pipe):
+    # every config block printed as it is (never wrapped) and parseable; --write-configs
+    # writes a one-GPU plan's files (the same step: traces shared by the file)
+    from typer.testing import CliRunner
+
+    from tests.test_copyable_output import parses
+    from tilefit.cli.app import app
+    from tilefit.report.plan import config_sections
+
+    out = tmp_path / "cfg"
+    r = CliRunner().invoke(app, ["plan", str(tiny_gpt2_config), "--gpu", "a100-80gb",
+                                 "--global-batch", "16", "--seq", "32",
+                                 "--write-configs", str(out)])
+    assert r.exit_code == 0, r.output
+    for name, _, text in config_sections(a100_plan.configs):
+        assert text in r.stdout, name
+        parses(name, text)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "train_hf.py", "train_lightning.py", "train_pytorch.py", "training_args.json"]
+    for path in out.iterdir():
+        parses(path.name, path.read_text())
+        assert path.read_text() == a100_plan.configs["files"][path.name]
+        assert f"wrote {path}" in " ".join(r.stdout.split())
+
+
 def test_plan_searches_the_same_math_knobs(tiny_gpt2) -> None:  # type: ignore[no-untyped-def]
     # foreach AdamW: its fused kernel is the same update (no algorithm change); a causal LM
     # also gets the fused linear cross-entropy loss; both are labelled in the rows' changes

@@ -26,9 +26,11 @@ STRATEGY_OPTION = typer.Option(
     ", ".join((*STRATEGIES, *ZERO_STRATEGIES)) + "; DeepSpeed ZeRO modelled, stages 2 "
     "and 3 also with the optimizer offloaded to the CPU); default: all of them.")
 WRITE_CONFIGS_OPTION = typer.Option(
-    None, "--write-configs", help="With --gpus > 1: write the chosen plan's launch files "
-    "into this directory: train_tilefit.py (torchrun), ds_config.json, and for DDP/FSDP2 "
-    "accelerate.yaml with train_accelerate.py.")
+    None, "--write-configs", help="Write the chosen plan's files into this directory: on "
+    "one GPU train_hf.py, training_args.json, train_lightning.py and train_pytorch.py (and "
+    "the LoRA, 4-bit and DeepSpeed JSON where the plan has them); on several, "
+    "train_tilefit.py (torchrun), ds_config.json, and for DDP/FSDP2 accelerate.yaml with "
+    "train_accelerate.py.")
 MEMORY_FRACTION_OPTION = typer.Option(
     1.0, "--memory-fraction",
     help="Share of GPU memory a plan may use, in (0, 1] (default all of it: plans are "
@@ -133,24 +135,26 @@ def _render(result: Any, warning: str | None, written: list[Path], *, json_out: 
         return
     print_plan(console, result, top=top)
     for path in written:
-        console.print(f"wrote {path}", highlight=False)
+        console.print(f"wrote {path}", highlight=False, soft_wrap=True)
 
 
 def write_launch_files(result: object, directory: Path) -> list[Path]:
-    """The chosen multi-GPU plan's launch files in ``directory`` (the library returns the
-    text; writing files is the command's job)."""
+    """The chosen plan's files in ``directory``: a one-GPU plan's scripts and configs, or
+    a multi-GPU plan's launch files, where nothing fits one GPU the fallback's (the library
+    returns the text; writing files is the command's job)."""
     from tilefit.errors import TilefitError
     from tilefit.planner import Plan
 
     assert isinstance(result, Plan)
     cfg = result.configs
-    if "torchrun_script" not in cfg and result.multi_gpu and result.multi_gpu.configs:
+    if result.best is None and result.multi_gpu and result.multi_gpu.configs:
         cfg = result.multi_gpu.configs
-    if "torchrun_script" not in cfg:
-        raise TilefitError("there is no multi-GPU plan to write",
-                           expected="a plan with --gpus N (N > 1) that fits, or one that "
-                           "fell back to several GPUs", given=f"--gpus {result.world_size}",
-                           fix="add --gpus 2 (or more) to plan for several GPUs")
+    if "files" not in cfg:
+        raise TilefitError("there is no plan to write: nothing fits",
+                           expected="a plan that fits one GPU or several",
+                           given=f"--gpus {result.world_size}",
+                           fix="add --gpus 2 (or more), --allow-peft or --allow-quantize, or "
+                           "lower --global-batch")
     directory.mkdir(parents=True, exist_ok=True)
     files: dict[str, str] = cfg["files"]
     for name, text in files.items():

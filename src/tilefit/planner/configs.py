@@ -327,7 +327,22 @@ def single_gpu_configs(row: PlanRow, task: str, *, hf_model: bool = True) -> dic
         out["peft_lora_config"] = peft_config(task, row.recipe.lora)
     if row.recipe.quantize:
         out["bitsandbytes_config"] = bnb_kwargs(row)
+    out["files"] = single_gpu_files(out)
     return out
+
+
+def single_gpu_files(cfg: dict[str, Any]) -> dict[str, str]:
+    """What ``--write-configs DIR`` writes for a one-GPU plan, by file name: each way to
+    train it as a script, and the JSON configs it uses."""
+    files = {"train_hf.py": cfg["hf_python"],
+             "training_args.json": cfg["hf_training_arguments_json"],
+             "train_lightning.py": cfg["lightning_python"],
+             "train_pytorch.py": cfg["pytorch_loop"]}
+    for key, name in (("deepspeed", "ds_config.json"), ("peft_lora_config", "lora_config.json"),
+                      ("bitsandbytes_config", "bnb_config.json")):
+        if key in cfg:
+            files[name] = json.dumps(cfg[key], indent=2)
+    return {name: text if text.endswith("\n") else text + "\n" for name, text in files.items()}
 
 
 def multi_gpu_configs(row: PlanRow, work: Workload) -> dict[str, Any]:

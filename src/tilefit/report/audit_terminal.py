@@ -75,7 +75,7 @@ def print_findings(console: Console, audit: Audit) -> None:
     c = audit.combined
     if c is not None:  # the compatible fixes at once, re-estimated as one step
         console.print(f"[bold]{escape(combined_head(c))}[/]: " + escape("; ".join(c.fixes)),
-                      highlight=False)
+                      highlight=False, soft_wrap=True)
         if combined_aside(c):
             console.print(f"   [dim]{escape(combined_aside(c))}[/]", highlight=False)
     for i, f in enumerate(audit.findings, 1):
@@ -88,7 +88,8 @@ def print_findings(console: Console, audit: Audit) -> None:
         if f.changes_a_dimension:
             console.print(f"   change: {f.dimension} {f.current} -> {f.suggested}",
                           highlight=False)
-        console.print(f"   fix: [green]{f.fix}[/]", highlight=False)
+        # the fix holds code to copy: one line, never wrapped (a terminal folds it on screen)
+        console.print(f"   fix: [green]{escape(f.fix)}[/]", highlight=False, soft_wrap=True)
         console.print(f"   [dim]why: {f.reason}[/]", highlight=False)
         console.print()
 

@@ -183,7 +183,13 @@ def _print_configs(console: Console, cfg: dict[str, Any]) -> None:
     for name, aside, text in config_sections(cfg):
         console.print(f"[bold]{escape(name)}[/]" + (f" {escape(aside)}" if aside else ""),
                       highlight=False)
-        console.print(text, highlight=False, markup=False)
+        print_code(console, text)
+
+
+def print_code(console: Console, text: str) -> None:
+    """Code or JSON to paste, each line as it is: never wrapped at the console's width (a
+    wrapped line breaks a string or a key, on a terminal and in a pipe alike)."""
+    console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
 def print_plan(console: Console, plan: Plan, *, top: int = 15) -> None:
