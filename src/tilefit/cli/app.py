@@ -7,6 +7,7 @@ import importlib
 import typer
 
 from tilefit.cli import common
+from tilefit.quiet_imports import library_output_shown
 
 app = typer.Typer(
     name="tilefit",
@@ -47,16 +48,16 @@ def _version(value: bool) -> None:
 def _global_options(
     ctx: typer.Context,
     verbose: bool = typer.Option(
-        False, "--verbose", "-v", help="Keep the libraries' own log lines, warnings and "
-        "tracebacks (PyTorch, transformers, torchao), which tilefit otherwise replaces by "
-        "its own message. Before the command: tilefit --verbose estimate ..."),
+        False, "--verbose", "-v", help="Keep the libraries' own log lines, warnings, progress "
+        "bars and tracebacks (PyTorch, transformers, peft, bitsandbytes, torchao), which "
+        "tilefit otherwise silences, saying what matters in its own notes. Before the "
+        "command: tilefit --verbose estimate ..."),
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
                                  help="Print tilefit's version and exit."),
 ) -> None:
     """Predict and fix what makes single-GPU training slow or run out of memory."""
     common.VERBOSE["on"] = verbose
-    if not verbose:
-        ctx.with_resource(common.quiet_libraries())
+    ctx.with_resource(library_output_shown() if verbose else common.quiet_libraries())
 
 
 for _name in COMMAND_MODULES:
