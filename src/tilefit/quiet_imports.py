@@ -8,7 +8,9 @@ user did not ask for. The loggers' levels are restored afterwards: the user's lo
 theirs.
 
 ``quiet_transformers`` likewise silences transformers' own notices while tilefit builds and
-traces a model."""
+traces a model, and ``quiet_fake_errors`` the fake-tensor logger. Inside ``library_output_shown``
+(the CLI's ``--verbose``) none of the three silences anything: the libraries' lines reach
+stderr as they would without tilefit."""
 
 from __future__ import annotations
 
@@ -20,10 +22,34 @@ from collections.abc import Iterator
 # ("Failed to load CPU gemm_4bit_forward from kernels-community", bitsandbytes 0.50.2)
 IMPORT_TIME_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
 
+# whether the libraries' own output is shown (library_output_shown); a plain flag, not a
+# context variable, so that a thread a library starts sees it too
+_SHOWN = {"on": False}
+
+
+@contextlib.contextmanager
+def library_output_shown() -> Iterator[None]:
+    """While the block runs, quiet_imports, quiet_fake_errors and quiet_transformers leave
+    the libraries' log lines, warnings and progress bars alone (``tilefit --verbose``)."""
+    before = _SHOWN["on"]
+    _SHOWN["on"] = True
+    try:
+        yield
+    finally:
+        _SHOWN["on"] = before
+
+
+def shown() -> bool:
+    """Whether the libraries' own output is shown now (inside ``library_output_shown``)."""
+    return _SHOWN["on"]
+
 
 @contextlib.contextmanager
 def quiet_imports() -> Iterator[None]:
     """Raise the import-time loggers to ERROR for the duration, then restore their levels."""
+    if shown():
+        yield
+        return
     logs = [logging.getLogger(name) for name in IMPORT_TIME_LOGGERS]
     levels = [log.level for log in logs]
     for log in logs:
@@ -44,6 +70,9 @@ FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 @contextlib.contextmanager
 def quiet_fake_errors() -> Iterator[None]:
     """Silence the fake-tensor logger for the duration, then restore its level."""
+    if shown():
+        yield
+        return
     log = logging.getLogger(FAKE_TENSOR_LOGGER)
     level = log.level
     log.setLevel(logging.CRITICAL + 1)
@@ -60,6 +89,9 @@ def quiet_transformers() -> Iterator[None]:
     tilefit's fake copy, not the user's code: silence them for the duration."""
     import warnings
 
+    if shown():
+        yield
+        return
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:

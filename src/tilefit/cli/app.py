@@ -7,6 +7,7 @@ import importlib
 import typer
 
 from tilefit.cli import common
+from tilefit.quiet_imports import library_output_shown
 
 app = typer.Typer(
     name="tilefit",
@@ -34,12 +35,23 @@ COMMAND_MODULES: tuple[str, ...] = (  # in the order `tilefit --help` lists them
 )
 
 
-
 def _version(value: bool) -> None:
-    if value:  # the installed distribution's version (the package itself is a tier above)
+    """tilefit's version (the installed distribution's: the package is a tier above), then
+    one line per library of the tested set, what an issue report needs."""
+    if value:
         from importlib.metadata import version
 
-        typer.echo(f"tilefit {version('tilefit')}")
+        from tilefit.compat.probes import library_versions
+
+        lines = [f"tilefit {version('tilefit')}"]
+        for lib in library_versions():
+            if lib.version is None:
+                lines.append(f"{lib.name} not installed")
+                continue
+            build = f" ({lib.build})" if lib.build else ""
+            mark = f"  (not tested: tilefit was tested with {lib.tested})" if lib.untested else ""
+            lines.append(f"{lib.name} {lib.version}{build}{mark}")
+        typer.echo("\n".join(lines))
         raise typer.Exit()
 
 
@@ -47,16 +59,19 @@ def _version(value: bool) -> None:
 def _global_options(
     ctx: typer.Context,
     verbose: bool = typer.Option(
-        False, "--verbose", "-v", help="Keep the libraries' own log lines, warnings and "
-        "tracebacks (PyTorch, transformers, torchao), which tilefit otherwise replaces by "
-        "its own message. Before the command: tilefit --verbose estimate ..."),
-    version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
-                                 help="Print tilefit's version and exit."),
+        False, "--verbose", "-v", help="Keep the libraries' own log lines, warnings, progress "
+        "bars and tracebacks (PyTorch, transformers, peft, bitsandbytes, torchao), which "
+        "tilefit otherwise silences, saying what matters in its own notes. Before the "
+        "command: tilefit --verbose estimate ..."),
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_version,
+        help="Print tilefit's version and those of torch (CPU or CUDA build), transformers, "
+        "peft, bitsandbytes, torchao, accelerate and lightning, marking any outside the "
+        "tested set, and exit."),
 ) -> None:
     """Predict and fix what makes single-GPU training slow or run out of memory."""
     common.VERBOSE["on"] = verbose
-    if not verbose:
-        ctx.with_resource(common.quiet_libraries())
+    ctx.with_resource(library_output_shown() if verbose else common.quiet_libraries())
 
 
 for _name in COMMAND_MODULES:

@@ -215,7 +215,46 @@ def acyclic_mod_tracker() -> Any:
             else:
                 self._post_bw_callbacks_to_enqueue.append(pop)
 
+        def _get_append_fn(self, w_mod: Any, name: str, is_bw: bool) -> Any:
+            append = super()._get_append_fn(w_mod, name, is_bw)
+
+            def fn(*args: Any) -> Any:
+                if name not in self.parents or not _stray_name(w_mod(), name):
+                    return append(*args)
+                with _no_nesting_warning():
+                    return append(*args)
+
+            return fn
+
     return AcyclicModTracker()
+
+
+def _stray_name(mod: Any, name: str) -> bool:
+    """ModTracker named ``mod`` by its class alone: a module that is no submodule of the
+    model (ModulePath._stray), or the root."""
+    return mod is not None and "." not in name and name == type(mod).__name__
+
+
+@contextlib.contextmanager
+def _no_nesting_warning() -> Iterator[None]:
+    """ModTracker warns "The module hierarchy tracking maybe be messed up" when a module
+    starts under a running module of its name (torch 2.13), and replaces
+    ``warnings.formatwarning`` for the whole process as it does. Two modules that no path
+    names, of one class, share the name: transformers' kernel wrappers with the ``kernels``
+    package (kernels 0.19's ``Func``: the global wrapper's forward calls the layer's private
+    copy; Mamba's and Mixtral's layers). Its count of running modules handles them and
+    ModulePath treats them as their caller's code, so the warning asks the user to report a
+    bug that is not there: silenced, and the process's formatwarning kept."""
+    import warnings
+
+    formatwarning = warnings.formatwarning
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The module hierarchy tracking",
+                                    category=UserWarning)
+            yield
+    finally:
+        warnings.formatwarning = formatwarning
 
 
 @contextlib.contextmanager

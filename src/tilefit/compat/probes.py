@@ -60,6 +60,74 @@ def untested(distribution: str) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class LibraryVersion:
+    """One library of the tested set as installed here (``tilefit --version``)."""
+
+    name: str  # the distribution
+    version: str | None  # the installed version; None where it is not installed
+    tested: str  # the version tilefit was tested with
+    build: str | None = None  # torch's: "CPU build", "CUDA 12.8 build", "ROCm 6.3 build"
+
+    @property
+    def untested(self) -> bool:
+        """Installed at a release other than the tested one."""
+        return self.version is not None and release(self.version) != self.tested
+
+
+def library_versions() -> list[LibraryVersion]:
+    """Each library of the tested set, in TESTED's order: its installed version (torch's
+    with its build) beside the tested one."""
+    return [LibraryVersion(name, installed(name), tested,
+                           torch_build() if name == "torch" and installed(name) else None)
+            for name, tested in TESTED.items()]
+
+
+def torch_build() -> str | None:
+    """What the installed torch was built for, read from ``torch.version`` (its ``cuda`` and
+    ``hip`` fields): from the file itself where torch is not imported yet (importing it takes
+    seconds), else from the module; None where neither can be read."""
+    import sys
+
+    fields = _torch_version_fields() if "torch" not in sys.modules else None
+    if fields is None:
+        try:
+            import torch.version
+        except ImportError:
+            return None
+        fields = vars(torch.version)
+    if fields.get("hip"):
+        return f"ROCm {fields['hip']} build"
+    return f"CUDA {fields['cuda']} build" if fields.get("cuda") else "CPU build"
+
+
+def _torch_version_fields() -> dict[str, object] | None:
+    """The literal module-level assignments of torch/version.py, which torch's build writes;
+    None where the file cannot be read or has no ``cuda`` field."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    try:
+        spec = importlib.util.find_spec("torch")
+        roots = list(spec.submodule_search_locations or ()) if spec is not None else []
+        tree = ast.parse(Path(roots[0], "version.py").read_text(encoding="utf-8"))
+    except (ImportError, IndexError, OSError, SyntaxError, ValueError):
+        return None
+    fields: dict[str, object] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name):
+            with contextlib.suppress(ValueError, TypeError, SyntaxError, RecursionError):
+                fields[target.id] = ast.literal_eval(value)
+    return fields if "cuda" in fields else None  # another layout: ask the module
+
+
+@dataclasses.dataclass(frozen=True)
 class Blind:
     """A probe that found nothing where the tested version of its library has something."""
 
