@@ -12,8 +12,8 @@ import io
 import json
 
 import pytest
-
 from tests.test_plan_configs import EIGHT_BIT, LORA, MIXED, OFFLOAD, PURE
+
 from tilefit.cli.common import TableConsole
 from tilefit.planner import configs
 from tilefit.report.plan import _print_configs, config_sections

@@ -496,9 +496,9 @@ def test_cli_text_prints_each_block_whole_and_writes_one_gpu_files(  # type: ign
     # the same plan as text, to CliRunner's stream (no terminal, 80 columns, as a pipe):
     # every config block printed as it is (never wrapped) and parseable; --write-configs
     # writes a one-GPU plan's files (the same step: traces shared by the file)
+    from tests.test_copyable_output import parses
     from typer.testing import CliRunner
 
-    from tests.test_copyable_output import parses
     from tilefit.cli.app import app
     from tilefit.report.plan import config_sections
 
