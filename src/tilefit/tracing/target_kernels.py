@@ -35,7 +35,9 @@ def _sdpa(router: AttentionRouter) -> Callable[..., Any]:
 
 
 def _dropout(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
-    if train and 0 < p < 1 and x.numel() > 0:
+    if not train or p == 0 or x.numel() == 0:
+        return x  # ATen returns the input itself: no kernel runs
+    if p < 1:
         return torch.ops.aten.native_dropout.default(x, p, train)[0]  # type: ignore[no-any-return]
     return _DROPOUT.decompose(x, p, train)  # type: ignore[no-any-return]
 
