@@ -30,10 +30,12 @@ __all__ = [
     "TorchDispatchMode",
     "as_kernels_return",
     "fake_mode_active",
+    "fake_sparse_like",
     "flop_formula",
     "holds_fake",
     "is_view",
     "new_fake_mode",
+    "sparse_parts",
     "storage_key",
     "tree_flatten",
     "tree_leaves",
@@ -182,3 +184,21 @@ def as_kernels_return(func: Any, out: Any) -> Any:
         return (torch.empty_like(out[0], memory_format=torch.contiguous_format), *out[1:])
     return out
 
+
+def sparse_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse COO tensor's indices and values (Tensor._indices / _values): the storages it
+    holds, having none of its own."""
+    return t._indices(), t._values()
+
+
+def fake_sparse_like(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
+    """A fake sparse COO tensor of ``t``'s size with as many stored elements (the fake
+    mode's own copy of a sparse tensor keeps none: its memory would be lost)."""
+    with unset_fake_temporarily():  # the real tensor's parts (inside the mode they are fakes)
+        indices, values = sparse_parts(t)
+        coalesced = t.is_coalesced()
+    with mode:
+        return torch.sparse_coo_tensor(
+            torch.empty(tuple(indices.shape), dtype=indices.dtype),
+            torch.empty(tuple(values.shape), dtype=values.dtype), tuple(t.shape),
+            is_coalesced=coalesced, check_invariants=False)

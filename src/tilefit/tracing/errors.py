@@ -11,7 +11,7 @@ import torch
 
 from tilefit.compat.fake import FAKE_ERRORS
 from tilefit.errors import TilefitError
-from tilefit.tracing.recorder import Recorder
+from tilefit.tracing.recorder import ROOT_CODE, Recorder
 from tilefit.vocab import MICRO_PHASES
 
 __all__ = ["USER_CODE_ERRORS", "explain_build_errors", "explain_fake_errors", "first_line",
@@ -31,11 +31,14 @@ def raised_at(exc: BaseException) -> str | None:
     library's code that raised it ("peft/tuners/lora/layer.py:2594"), short of the
     site-packages or checkout it is in; None where every frame is torch's."""
     torch_dir = Path(torch.__file__).parent
+    # tilefit's own package folder (not any folder named "tilefit": a checkout cloned into
+    # git's default folder name, or the user's project, may be called that)
+    tilefit_dir = Path(__file__).resolve().parents[1]
     found: tuple[str, int] | None = None
     tb = exc.__traceback__
     while tb is not None:
         path = Path(tb.tb_frame.f_code.co_filename)
-        if torch_dir not in path.parents and "tilefit" not in path.parts:
+        if torch_dir not in path.parents and tilefit_dir not in path.parents:
             found = (str(path), tb.tb_lineno)
         tb = tb.tb_next
     if found is None:
@@ -52,6 +55,8 @@ def where_in_step(recorder: Recorder) -> str:
     if recorder.phase not in MICRO_PHASES:
         return f"the {recorder.phase} step"
     name = recorder.failing_module
+    if name == ROOT_CODE:
+        return f"the forward of the model itself ({recorder.root_name})"
     return f"module {name!r}" if name else "code outside any module (the loss function?)"
 
 

@@ -12,7 +12,12 @@ import torch
 from torch import nn
 
 from tilefit.compat.bitsandbytes import fake_quantized, is_quantized_param
-from tilefit.compat.fake import DataDependentOutputException, FakeTensorMode, tree_map
+from tilefit.compat.fake import (
+    DataDependentOutputException,
+    FakeTensorMode,
+    fake_sparse_like,
+    tree_map,
+)
 from tilefit.compat.transformers import (
     enable_checkpointing,
     set_attention,
@@ -20,6 +25,7 @@ from tilefit.compat.transformers import (
 )
 from tilefit.errors import TilefitError
 from tilefit.models.cast import cast_floating
+from tilefit.tracing.build_values import BuildValues, reads_a_value
 from tilefit.tracing.compiled import CompiledStep
 from tilefit.tracing.distributed import wrap_model
 from tilefit.tracing.errors import USER_CODE_ERRORS
@@ -58,6 +64,9 @@ def fake_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
 
 def fake_batch(batch: Any, mode: FakeTensorMode, float_dtype: torch.dtype | None) -> Any:
     def conv(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.layout == torch.sparse_coo:
+            # a sparse batch (a graph's COO adjacency): its indices and values as fakes
+            return fake_sparse_like(x, mode)
         if isinstance(x, torch.Tensor):
             dt = float_dtype if (float_dtype is not None and x.is_floating_point()) else None
             return _fake_like(x.contiguous() if x.device.type != "meta" else x, mode, dt)
@@ -78,36 +87,50 @@ class Prepared:
     notes: tuple[str, ...] = ()  # what wrapping the model in a data-parallel engine noted
 
 
-def build_model(model: ModelSpec, mode: FakeTensorMode, meta: bool = False) -> nn.Module:
-    """The fake model: the factory's product built under the fake mode, or a fake copy.
-    ``meta``: a factory's model on the meta device (FSDP2 shards it, then materialises it)."""
+def build_model(model: ModelSpec, mode: FakeTensorMode, meta: bool = False
+                ) -> tuple[nn.Module, tuple[str, ...]]:
+    """The fake model (the factory's product built under the fake mode, or a fake copy)
+    and what its build assumed. ``meta``: a factory's model on the meta device (FSDP2
+    shards it, then materialises it)."""
     if isinstance(model, nn.Module):
-        return fake_copy(model, mode)
+        return fake_copy(model, mode), ()
+    notes: tuple[str, ...] = ()
     if meta:
         with torch.device("meta"):
             built = model()
     else:
-        built = _build_fake(model, mode)
+        built, notes = _build_fake(model, mode)
     if not isinstance(built, nn.Module):
         raise TilefitError("the model factory did not return an nn.Module",
                            expected="a zero-argument callable returning torch.nn.Module",
                            given=type(built).__name__, fix="return the module")
-    return built
+    return built, notes
 
 
-def _build_fake(factory: Any, mode: FakeTensorMode) -> Any:
+def _build_fake(factory: Any, mode: FakeTensorMode) -> tuple[Any, tuple[str, ...]]:
     """The factory's product on fake tensors, without weight initialisation (no values to
     initialise; torch.nn.init.trunc_normal_ reads one: ViT, DINOv2). An ``__init__`` that
     reads a tensor it made on an explicit device (ConvNeXt's drop-path rates,
     ``torch.linspace(..., device="cpu").tolist()``) cannot run under the fake mode; it is
-    built on the meta device, where such a tensor keeps its values, and copied to fakes."""
+    built on the meta device, where such a tensor keeps its values, and copied to fakes.
+    One that reads a value of its own weights (torch's orthogonal() parametrization checks
+    whether the weight is orthogonal already) is built on fake tensors again with each
+    such read answered (tracing.build_values), and the trace says so."""
     try:
         with mode, skip_init_without_data():
-            return factory()
+            return factory(), ()
     except DataDependentOutputException:
+        pass
+    try:
         with torch.device("meta"), skip_init_without_data():
             built = factory()
-    return fake_copy(built, mode) if isinstance(built, nn.Module) else built
+    except RuntimeError as exc:
+        if not reads_a_value(exc):
+            raise
+        answers = BuildValues()
+        with mode, answers, skip_init_without_data():
+            return factory(), answers.notes()
+    return (fake_copy(built, mode) if isinstance(built, nn.Module) else built), ()
 
 
 def prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target,
@@ -115,14 +138,15 @@ def prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target,
     """The fake model (as ``options`` set it up, wrapped in its data-parallel engine), the
     fake batch, the optimizer and GradScaler's state."""
     parallel = options.parallel
-    fmodel = build_model(model, mode, meta=parallel is not None and parallel.strategy == "fsdp2")
+    fmodel, notes = build_model(model, mode,
+                                meta=parallel is not None and parallel.strategy == "fsdp2")
     with mode:
         set_attention(fmodel, options.attention)
         if options.pure_half is not None:
             cast_floating(fmodel, options.pure_half)
-        notes: tuple[str, ...] = ()
         if options.precision.float8_linears and options.low_dtype is not None:
-            fmodel, notes = convert_linears(fmodel, options.low_dtype)
+            fmodel, fp8_notes = convert_linears(fmodel, options.low_dtype)
+            notes += fp8_notes
         if options.grad_checkpointing:
             # the recompute runs under the forward's autocast state, which
             # torch.utils.checkpoint restores, and the target's kernels, which the dispatcher

@@ -58,6 +58,10 @@ class StepMarks:
     end: int  # the event index after the step
 
 
+# failing_module's name for the model's own forward (the root module's code)
+ROOT_CODE = "(the model's own forward)"
+
+
 class Recorder(Replays, TorchDispatchMode):
     """Records ops (shapes, FLOPs, bytes, module, phase) and storage lifetimes."""
 
@@ -82,6 +86,7 @@ class Recorder(Replays, TorchDispatchMode):
         self._alloc_module: dict[int, str] = {}
         self.category: dict[int, str] = {}
         self._attention_backend: str | None = None  # the router's choice for the current call
+        self.raised_in: str | None = None  # the module whose op raised (failing_module)
         self._attn_by_uid: dict[int, dict[str, Any]] = {}
         self._host_uids: set[int] = set()  # storages that live in host memory on the target
         self._recording = True
@@ -297,8 +302,11 @@ class Recorder(Replays, TorchDispatchMode):
 
     @property
     def failing_module(self) -> str:
-        """The module running now, or else the last one entered (an exception unwinds the
-        module stack before it is reported)."""
+        """The module whose code ran the op that raised (caught as it raised: the
+        exception unwinds the module stack before it is reported); else the module running
+        now, or else the last one entered."""
+        if self.raised_in is not None:
+            return self.raised_in
         if self.module:
             return self.module
         last = getattr(self.tracker, "last_entered", "")
@@ -320,6 +328,12 @@ class Recorder(Replays, TorchDispatchMode):
             out = func(*args, **kwargs)
         except DataDependentOutputException:
             out = self._stand_in_scalar(func, args)
+        except Exception:
+            # the module whose code ran the op, before the exception unwinds the modules
+            if self.raised_in is None:
+                self.raised_in = self.module or (
+                    ROOT_CODE if self.tracker.current == self.root_name else "")
+            raise
         out = as_kernels_return(func, out)
         if not self._recording or str(func) in _SKIP:
             return out

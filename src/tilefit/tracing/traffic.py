@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from tilefit.compat.distributed import local_tensor
-from tilefit.compat.fake import written_args
+from tilefit.compat.fake import sparse_parts, written_args
 from tilefit.compat.torchao import float8_payload
 
 __all__ = ["multi_tensor", "op_tensors", "traffic", "written_in_place"]
@@ -18,7 +18,10 @@ __all__ = ["multi_tensor", "op_tensors", "traffic", "written_in_place"]
 
 def op_tensors(tree: Any) -> Iterator[torch.Tensor]:
     """The tensors in nested tuples/lists/dicts (aten arguments are no deeper than that)."""
-    if isinstance(tree, torch.Tensor):
+    if isinstance(tree, torch.Tensor) and tree.layout == torch.sparse_coo:
+        # a sparse COO tensor has no storage of its own: its indices' and values' are it
+        yield from sparse_parts(tree)
+    elif isinstance(tree, torch.Tensor):
         # a DTensor's shard: what this rank holds; a torchao float8 tensor's fp8 data
         yield float8_payload(local_tensor(tree))
     elif isinstance(tree, tuple | list):
