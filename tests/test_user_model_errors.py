@@ -100,3 +100,26 @@ def test_raised_at_skips_only_tilefits_own_folder(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as err:
         scope["boom"]()  # type: ignore[operator]
     assert raised_at(err.value) == "tilefit/user_model.py:2"
+
+
+def test_layers_made_with_deepcopy_are_the_real_steps_memory() -> None:
+    # as nn.TransformerEncoder builds its layers: deep copies of one layer; each copy's
+    # weight.t() in the forward is a view, no new tensor (the copy keeps the fake mode)
+    import copy
+
+    from tilefit.bench.step import real_step_peak_bytes
+
+    def build() -> nn.Module:
+        layer = nn.Linear(256, 256)
+        return nn.Sequential(*[copy.deepcopy(layer) for _ in range(8)])
+
+    def make_opt(ps: object) -> torch.optim.Optimizer:
+        return torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False)  # type: ignore[arg-type]
+
+    x = torch.randn(16, 256)
+    tr = trace(build, x, loss_fn=_loss, gpu="cpu", recipe=Recipe(optimizer=make_opt))
+    assert not [o for o in tr.ops if o.op == "aten.t.default" and o.alloc_bytes]
+    torch.manual_seed(0)
+    model = build()
+    real = real_step_peak_bytes(model, make_opt(model.parameters()), x, _loss)
+    assert tr.peak(rounded=False)[0] == pytest.approx(real, rel=0.01)

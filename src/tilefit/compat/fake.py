@@ -6,7 +6,8 @@ torch.utils._pytree, and the flop formula registry of torch.utils.flop_counter.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ __all__ = [
     "FakeTensorMode",
     "TorchDispatchMode",
     "as_kernels_return",
+    "deepcopy_keeps_mode",
     "fake_mode_active",
     "fake_sparse_like",
     "flop_formula",
@@ -202,3 +204,23 @@ def fake_sparse_like(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
             torch.empty(tuple(indices.shape), dtype=indices.dtype),
             torch.empty(tuple(values.shape), dtype=values.dtype), tuple(t.shape),
             is_coalesced=coalesced, check_invariants=False)
+
+
+@contextlib.contextmanager
+def deepcopy_keeps_mode() -> Iterator[None]:
+    """While active, ``copy.deepcopy`` of a fake tensor keeps its FakeTensorMode instead of
+    copying it with the tensor's ``__dict__`` (Tensor.__deepcopy__ deep-copies the dict,
+    and the fake mode is in it). A copy that belonged to a copied mode is a foreign input to
+    the real one, which fakes it anew at each op: a layer made with copy.deepcopy, as
+    nn.TransformerEncoder makes its layers, would get a weight-sized new tensor at each
+    ``weight.t()``."""
+    had = "__deepcopy__" in vars(FakeTensorMode)
+    previous = vars(FakeTensorMode).get("__deepcopy__")
+    FakeTensorMode.__deepcopy__ = lambda self, memo: self  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if had:
+            FakeTensorMode.__deepcopy__ = previous  # type: ignore[attr-defined]
+        else:
+            del FakeTensorMode.__deepcopy__  # type: ignore[attr-defined]

@@ -15,6 +15,7 @@ from tilefit.compat.bitsandbytes import fake_quantized, is_quantized_param
 from tilefit.compat.fake import (
     DataDependentOutputException,
     FakeTensorMode,
+    deepcopy_keeps_mode,
     fake_sparse_like,
     tree_map,
 )
@@ -99,7 +100,8 @@ def build_model(model: ModelSpec, mode: FakeTensorMode, meta: bool = False
         with torch.device("meta"):
             built = model()
     else:
-        built, notes = _build_fake(model, mode)
+        with deepcopy_keeps_mode():  # layers made with copy.deepcopy stay the mode's
+            built, notes = _build_fake(model, mode)
     if not isinstance(built, nn.Module):
         raise TilefitError("the model factory did not return an nn.Module",
                            expected="a zero-argument callable returning torch.nn.Module",
