@@ -16,6 +16,7 @@ from tilefit.advise.rules_batch import memory_bound_findings, wave_findings
 from tilefit.advise.rules_compile import compile_findings, compile_variant
 from tilefit.advise.rules_dims import dimension_findings
 from tilefit.advise.rules_fp8 import fp8_findings
+from tilefit.advise.rules_fp32_regions import fp32_region_findings
 from tilefit.advise.rules_host import host_findings
 from tilefit.advise.rules_kernels import reference_kernel_findings
 from tilefit.advise.rules_memory import memory_findings
@@ -52,7 +53,7 @@ RULES: tuple[Callable[[WhatIf], list[Finding]], ...] = (
     dimension_findings, memory_bound_findings, wave_findings, precision_findings,
     attention_findings, host_findings, fused_optimizer_findings, memory_findings,
     fragmentation_findings, activation_findings, experts_findings, bf16_experts_findings,
-    compile_findings, fp8_findings, reference_kernel_findings)
+    compile_findings, fp8_findings, reference_kernel_findings, fp32_region_findings)
 
 
 @dataclass(frozen=True)
