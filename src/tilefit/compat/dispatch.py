@@ -5,7 +5,8 @@ A kernel registered for a dispatch key runs wherever an op reaches that key, wha
 function called the op: torch.nn.functional's composites (``multi_head_attention_forward``),
 the user's own functions, autograd's engine (a checkpointed recompute). That is how ATen's
 own autocast and kernel choices work, and what a torch-function mode cannot do: a mode is
-not active while its own handler runs the function it was handed.
+not active while its own handler runs the function it was handed
+(docs/references.md, section 46).
 
 Private: ``torch.library.Library._destroy`` (removing the registrations, after which the
 previous kernels are back), ``torch._C._ExcludeDispatchKeyGuard`` and ``DispatchKeySet``

@@ -91,7 +91,7 @@ def gpu_mask_semantics(known_ones: Callable[[Any], bool] | None = None,
 
     def ignore_causal_mask_sdpa(padding_mask: Any, q_length: int, kv_length: int,
                                 *args: Any, **kwargs: Any) -> bool:
-        local = rule.bind(padding_mask, q_length, kv_length, *args,
+        local = rule.bind_partial(padding_mask, q_length, kv_length, *args,
                           **kwargs).arguments.get("local_attention_size")
         if known_ones is not None and known_ones(padding_mask):
             padding_mask = None  # a mask the model made of ones: a real run reads it so

@@ -22,7 +22,7 @@ CUDA autocast's own flags are set too, so that ``torch.is_autocast_enabled()`` a
 ``torch.get_autocast_dtype("cuda")`` answer as on the GPU.
 
 ``CpuAutocast`` is torch.autocast("cpu") for a CPU target; ``autocast_for`` picks the
-target's.
+target's (docs/references.md, section 46).
 """
 
 from __future__ import annotations

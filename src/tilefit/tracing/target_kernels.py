@@ -10,7 +10,8 @@ traced step, so that every call gets them whatever Python function makes it.
   mul, keeping a mask in the input's dtype.
 
 Both are CompositeImplicitAutograd ops: the kernels sit at the AutogradCPU key (above
-autograd, as the composite itself runs) and run the composite, or the fused op, from there.
+autograd, as the composite itself runs) and run the composite, or the fused op, from there
+(docs/references.md, section 46).
 """
 
 from __future__ import annotations
