@@ -28,6 +28,10 @@ Checks, each a section of the one JSON written to OUT.json:
    and QLoRA (nf4 through transformers' from_pretrained) steps of a 4-layer Llama 3.2 1B,
    built for real by peft and bitsandbytes (benchmarks/gpu_lora_check.py): peak and
    reserved memory and step time beside the estimate. Target (issue 28): peak within 5%.
+8. rnn: cuDNN's fused RNN (benchmarks/gpu_rnn_check.py): the reserve space _cudnn_rnn
+   returns over a grid of shapes (not published; PyTorch's meta kernel leaves it empty) and
+   nn.LSTM's output dtype under bf16 and fp16 autocast: what tracing RNNs as cuDNN runs them
+   needs (issue 46, item 3).
 
 Without CUDA it writes {"status": "skipped", ...} and exits 0 with a message, so it is safe to
 import and run anywhere; the CPU-only parts (shape lists, summaries, hooks' pending answers)
@@ -243,6 +247,14 @@ def check_lora() -> dict[str, Any]:
     return summary(run())
 
 
+def check_rnn() -> dict[str, Any]:
+    """cuDNN's fused RNN: its reserve space and its dtype under autocast (gpu_rnn_check.py)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu_rnn_check import run, summary
+
+    return summary(run())
+
+
 def check_families() -> dict[str, Any]:
     """Device time by kernel category, measured against predicted (gpu_families.py)."""
     sys.path.insert(0, str(Path(__file__).parent))
@@ -267,6 +279,7 @@ def _guarded_sections(rows: list[dict[str, Any]], result: dict[str, Any],
     sections: dict[str, Any] = {
         "alloc_retries": lambda: check_alloc_retries(rows),  # issue 26: a real cap
         "lora": check_lora,  # issue 28: LoRA and QLoRA as peft and bitsandbytes build them
+        "rnn": check_rnn,  # issue 46: cuDNN RNN's reserve space and autocast dtype
         "tune": check_tune, "host": check_host, "families": check_families,
         "optimizer": check_optimizer,
     }

@@ -160,3 +160,22 @@ def test_each_section_is_saved_as_it_ends_and_an_error_stays_in_its_section(
     data = json.loads(out.read_text())
     assert data["lora"] == {"status": "error", "reason": "RuntimeError: no bitsandbytes kernel"}
     assert data["optimizer"] == {"status": "pass"} and result["status"] == "pass"
+
+
+def test_the_rnn_check_varies_each_term_alone_and_summarises() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from gpu_rnn_check import BASE, grid, summary
+
+    shapes = grid()
+    assert shapes[0] == BASE and len(set(shapes)) == len(shapes)
+    for shape in shapes[1:]:  # one term differs from the base
+        assert sum(a != b for a, b in zip(shape, BASE, strict=True)) == 1
+    row = {"mode": "LSTM", "hidden": 256, "batch": 16, "seq": 64, "layers": 1,
+           "bidirectional": False, "autocast": "fp32", "output_dtype": "torch.float32",
+           "reserve_bytes": 2 * 256 * 16 * 64 * 4, "peak_bytes_over_start": 0, "step_ms": 1.0}
+    out = summary([row, {"shape": list(BASE), "autocast": "bf16", "error": "x"}])
+    assert out["reserve_bytes_per_state_element"] == [8.0]  # 2 x 4 bytes, by hand
+    assert out["output_dtype_by_autocast"] == {"fp32": "torch.float32"} and out["errors"] == 1
