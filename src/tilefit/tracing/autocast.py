@@ -162,6 +162,24 @@ def _banned(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError(lists.BANNED_MESSAGE)
 
 
+def _cudnn_rnn(op: Any, cache: CastCache) -> Callable[..., Any]:
+    """ATen's cuDNN RNN autocast kernel (AutocastRNN.cpp, registered apart from the lists):
+    the weights cast to fp16 into one flat buffer (autograd sees the casts and the copy),
+    the input and the states cast to fp16: fp16 whatever the autocast dtype."""
+    def kernel(x: Any, weight: list[Any], stride0: int, weight_buf: Any, hx: Any, cx: Any,
+               *rest: Any) -> Any:
+        half = torch.float16
+        if weight and _eligible(weight[0]) and weight[0].dtype != half:
+            flat = torch.cat([w.to(half).reshape(-1) for w in weight])
+            weight = [v.view(w.shape) for v, w in zip(
+                flat.split([w.numel() for w in weight]), weight, strict=True)]
+            weight_buf = flat.detach()  # _cudnn_rnn takes no gradient for the buffer
+        args = (cache.cast(x, half), weight, stride0, weight_buf, cache.cast(hx, half),
+                cache.cast(cx, half), *rest)
+        return _below(op, args, {})
+    return kernel
+
+
 def register_cuda_policy(regs: dispatch.Registrations, cache: CastCache) -> None:
     """CUDA autocast's policy on the AutocastCPU key: its lists' kernels, and every other
     overload CPU autocast has a kernel for passing through."""
@@ -177,6 +195,7 @@ def register_cuda_policy(regs: dispatch.Registrations, cache: CastCache) -> None
             op = dispatch.op_overload(name)
             if op is not None:
                 regs.impl(name, make(op), KEY)
+    regs.impl(lists.CUDNN_RNN, _cudnn_rnn(dispatch.op_overload(lists.CUDNN_RNN), cache), KEY)
     for name, sibling in lists.FP32_APPEND_DTYPE.items():
         op, with_dtype = dispatch.op_overload(name), dispatch.op_overload(sibling)
         if op is not None and with_dtype is not None:

@@ -66,7 +66,11 @@ BANNED_MESSAGE = (
     "binary_cross_entropy_with_logits and BCEWithLogits are\nsafe to autocast.")
 
 
+# registered by cudnn/AutocastRNN.cpp, not in the header's lists: the cuDNN RNN in fp16
+CUDNN_RNN = "_cudnn_rnn"
+
+
 def listed() -> frozenset[str]:
     """Every overload CUDA autocast has a kernel for."""
     return frozenset((*LOWER_PRECISION_FP, *FP32, *FP32_SET_OPT_DTYPE, *FP32_APPEND_DTYPE,
-                      *PROMOTE, *BANNED))
+                      *PROMOTE, *BANNED, CUDNN_RNN))

@@ -27,6 +27,7 @@ from tilefit.tracing.ones import KnownOnes
 from tilefit.tracing.records import Collective, GemmShape, OpRecord, StorageRecord
 from tilefit.tracing.replay import Replays
 from tilefit.tracing.shapes import (
+    CUDNN_RNN_OPS,
     GROUPED_NAMES,
     ExpertCounts,
     classify,
@@ -401,7 +402,8 @@ class Recorder(Replays, TorchDispatchMode):
         gemms: tuple[GemmShape, ...] = gemm_shapes(
             func, unwrap_float8(args) if float8 else args, kwargs, out, kind,
             self.expert_counts) if kind in ("gemm", "conv") else ()
-        if packet_name(func) in GROUPED_NAMES:  # one GEMM per expert: no torch formula
+        if packet_name(func) in GROUPED_NAMES or packet_name(func) in CUDNN_RNN_OPS:
+            # one GEMM per expert, or per step of cuDNN's RNN: no torch formula
             flops = sum(2 * g.batch * g.m * g.n * g.k for g in gemms)
         return flops, flops_error, gemms
 

@@ -19,6 +19,8 @@ from tilefit.vocab import BALANCED
 
 GEMM_OPS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm",
             "aten._grouped_mm"}
+# cuDNN's fused RNN (what a CUDA target runs for nn.LSTM / GRU / RNN: tracing.target_kernels)
+CUDNN_RNN_OPS = {"aten._cudnn_rnn", "aten._cudnn_rnn_backward"}
 # grouped GEMMs: torch's kernel, and transformers' per-expert loop in its place
 # (compat.moe.EXPERT_LOOP_OPS); their FLOPs are the sum of their per-expert GEMMs
 EXPERT_LOOP_NAMES = frozenset(op.rsplit(".", 1)[0] for op in EXPERT_LOOP_OPS)
@@ -101,7 +103,7 @@ def _classify(func: Any) -> str:
         return "collective"
     if name.startswith(ENGINE_COPY_NAMESPACE):  # FSDP2's copy-in / copy-out kernels
         return "memory"
-    if name in GEMM_OPS:
+    if name in GEMM_OPS or name in CUDNN_RNN_OPS:
         return "gemm"
     if name in CONV_OPS:
         return "conv"
@@ -144,11 +146,55 @@ def gemm_shapes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: A
     if name in BNB_GEMM_OPS:  # A (..., K) times the 4-bit weight of shape shapeB = (N, K)
         a, n = args[0], args[2][0]
         return (GemmShape(1, a.numel() // a.shape[-1], n, a.shape[-1], tilefit_dtype(a.dtype)),)
+    if name in CUDNN_RNN_OPS:
+        return cudnn_rnn_gemms(args, backward=name == "aten._cudnn_rnn_backward")
     if name == "aten.convolution_backward":
         return _conv_backward_gemms(args)
     if name in CONV_OPS:
         return _conv_forward_gemms(args, out)
     return ()
+
+
+# gates per step: cudnnRNNMode_t's RNN_RELU, RNN_TANH, LSTM, GRU
+_RNN_GATES = {0: 1, 1: 1, 2: 4, 3: 3}
+
+
+def cudnn_rnn_gemms(args: tuple[Any, ...], *, backward: bool) -> tuple[GemmShape, ...]:
+    """The GEMMs of cuDNN's RNN over a sequence of S steps and batch B, per layer and
+    direction, with G gates of hidden size H and a recurrent input of size P (the projection,
+    else H): one GEMM for every step's input projection (S*B x G*H x I, I the layer's input
+    size), then one recurrent GEMM per step (B x G*H x P), in order. The backward runs the
+    recurrent GEMM per step the other way (B x P x G*H) and, over the whole sequence, the
+    input's gradient (S*B x I x G*H) and the two weights' (G*H x I and G*H x P, the
+    contraction S*B long): twice the forward's work. The elementwise gate math is left out
+    (it is memory-bound and small beside them)."""
+    x, weight = args[0], args[1]
+    # forward: (..., mode 6, hidden 7, proj 8, layers 9, batch_first 10, ..., bidir 13,
+    # batch_sizes 14); backward: (..., mode 10, hidden 11, proj 12, layers 13,
+    # batch_first 14, ..., bidir 17, batch_sizes 18)
+    at = 10 if backward else 6
+    mode, hidden, proj, layers, batch_first = args[at:at + 5]
+    bidir, batch_sizes = args[at + 7], args[at + 8]
+    if batch_sizes:
+        steps, batch = len(batch_sizes), int(batch_sizes[0])
+    else:
+        steps, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
+    directions, gh = 2 if bidir else 1, _RNN_GATES[int(mode)] * hidden
+    rec = proj or hidden
+    dt = tilefit_dtype(weight[0].dtype if weight else x.dtype)
+    out: list[GemmShape] = []
+    for layer in range(layers):
+        width = x.shape[-1] if layer == 0 else rec * directions
+        for _ in range(directions):
+            if not backward:
+                out.append(GemmShape(1, steps * batch, gh, width, dt))
+                out += [GemmShape(1, batch, gh, rec, dt)] * steps
+            else:
+                out += [GemmShape(1, batch, rec, gh, dt)] * steps
+                out += [GemmShape(1, steps * batch, width, gh, dt),
+                        GemmShape(1, gh, width, steps * batch, dt),
+                        GemmShape(1, gh, rec, steps * batch, dt)]
+    return tuple(out)
 
 
 def grouped_gemms(args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -311,6 +311,8 @@ def _to_trace(prep: Prepared, options: TraceOptions, target: Target, recorder: R
         warnings.append(f"attention ran the math kernel {per_micro} time(s) per micro-batch: "
                         "it materialises the S x S scores (fp32 or unsupported head dim or "
                         "mask)")
+    if any(op.op.startswith("aten._cudnn_rnn.") for op in recorder.ops):
+        warnings.append(CUDNN_RESERVE_NOTE)
     warnings.extend(prep.notes)
     warnings.extend(notes or ())
     warnings.extend(reference_note(kernels, cuda=target.kind == "cuda"))
@@ -337,6 +339,13 @@ def _to_trace(prep: Prepared, options: TraceOptions, target: Target, recorder: R
         strategy=None if parallel is None else parallel.strategy,
         reference_kernels=kernels,
     )
+
+
+# what the trace of a cuDNN RNN leaves out (tracing.target_kernels)
+CUDNN_RESERVE_NOTE = (
+    "nn.LSTM / GRU / RNN traced as cuDNN's fused RNN (one _cudnn_rnn, its GEMMs counted; "
+    "under autocast in fp16, as ATen's cuDNN autocast kernel casts it); cuDNN's reserve "
+    "space, what its forward keeps for the backward, is not published and not counted")
 
 
 def _samples_and_tokens(batch: Any) -> tuple[int, int | None]:
