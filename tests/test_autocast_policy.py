@@ -337,3 +337,26 @@ def test_cross_entropy_keeps_its_log_softmax_in_the_logits_dtype() -> None:
     assert [o for o in traced if o[0] == "_log_softmax"] == [("_log_softmax", "forward", BF16)]
     assert [o for o in traced if o[0] == "nll_loss_forward"] == [
         ("nll_loss_forward", "forward", "float32")]
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+def test_multihead_attention_runs_the_kernels_of_its_linear_twin(precision: str) -> None:
+    # issue 46's example, small: the GEMMs and attention kernels of nn.MultiheadAttention
+    # blocks are those of the same blocks written with nn.Linear and SDPA, shape for shape
+    # (the rest of the difference is MultiheadAttention's own copies, which a GPU runs too:
+    # benchmarks/bench_mha_vs_linear.py)
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_mha_vs_linear as twins
+
+    x = torch.randn(2, 16, twins.WIDTH)
+
+    def kernels(build: Callable[[], nn.Module]) -> Counter[tuple[object, ...]]:
+        tr = trace(build, x, recipe=Recipe(precision=precision, optimizer="sgd", batch_size=2),
+                   gpu="a100-80gb", loss_fn=lambda m, b: m(b).float().mean())
+        return Counter((r.phase, r.kind, tuple(sorted((g.m, g.n, g.k, g.dtype) for g in
+                                                      r.gemms)), r.dtype)
+                       for r in tr.ops if r.step == 1 and r.kind in ("gemm", "attention"))
+
+    assert kernels(twins.WithMHA) == kernels(twins.WithLinear)
