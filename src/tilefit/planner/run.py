@@ -139,8 +139,8 @@ def _check(global_batch: int, recipe: Recipe, search: PlanSearch, gpu: str | Dev
 
 def _state(work: Workload, device: Device, global_batch: int, recipe: Recipe,
            search: PlanSearch) -> PlanState:
-    """The search's state: the budget, the offload link, the traced depth, the user's loop
-    settings every recipe keeps (clipping, loss read, fused loss, compile and its mode)."""
+    """The search's state: the budget, the offload link, the traced depth, and the user's
+    recipe, whose fields the search does not vary every row keeps (PlanState.with_user)."""
     budget, _ = budget_of(device, search.memory_fraction)
     link = OffloadLink(search.pcie_bytes_per_s or PCIE_BYTES_PER_S,
                        search.host_bandwidth_bytes_per_s or HOST_BANDWIDTH_BYTES_PER_S)
@@ -148,10 +148,8 @@ def _state(work: Workload, device: Device, global_batch: int, recipe: Recipe,
         depth = depth_of(work, use_lever=search.layer_lever)
     except TilefitError:
         depth = Depth(None, 1, (1,))
-    user = Recipe(max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync,
-                  fused_ce=recipe.fused_ce, compile=recipe.compile)
     p = PlanState(work, device, global_batch, budget, _optimizer_name(recipe), depth, link,
-                  user, world_size=recipe.parallel.world_size)
+                  recipe, world_size=recipe.parallel.world_size)
     note = searched_fields_note(recipe)
     p.notes.extend([*recipe.notes, *([note] if note else [])])
     return p

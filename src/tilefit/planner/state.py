@@ -40,6 +40,13 @@ def state_kind(spec: Recipe) -> tuple[object, ...]:
             FUSED_IMPLEMENTATION.get(spec.optimizer, spec.optimizer), spec.lora, spec.quantize)
 
 
+# the Recipe fields the planner varies; every other field is the user's, in every row and
+# every config it writes (tests/test_plan_keeps_the_recipe.py walks the fields)
+SEARCHED_FIELDS = frozenset({"batch_size", "precision", "optimizer", "grad_checkpointing",
+                             "accumulation_steps", "attention", "parallel", "lora",
+                             "quantize", "notes"})
+
+
 class PlanState:
     """The search's state: sweeps traced so far, rows, notes, the trace count, for one GPU or
     ``world_size`` GPUs (rows per GPU; the sweep's depth is then multiplan.multi_depth's)."""
@@ -51,8 +58,8 @@ class PlanState:
         self.budget, self.optimizer, self.link = budget, optimizer, link
         self.world_size = world_size
         self.depth = depth if world_size == 1 else multiplan.multi_depth(depth)
-        # what every recipe keeps of the user's: the clip, the loop's loss read, the fused
-        # loss and torch.compile (the last two may also be proposed)
+        # what every recipe keeps of the user's: every field the search does not vary
+        # (SEARCHED_FIELDS; the fused loss and torch.compile may also be proposed)
         self.user = user or Recipe()
         friendly, others = space.micro_batch_candidates(global_batch)
         self.micro_batches = sorted(friendly + others)
@@ -72,16 +79,19 @@ class PlanState:
             refuses_sdpa(work.config, work.task)
 
     def with_user(self, spec: Recipe) -> Recipe:
-        """The recipe with the user's loop settings (and a mixture-of-experts model's
-        routing), as it is traced and keyed; "auto" attention for a class that refuses
+        """The recipe with every field of the user's that the search does not vary (their
+        loop: clipping, loss read, how gradients are cleared; the allocator's settings; a
+        mixture of experts' routing), the fused loss and torch.compile where either asks
+        for them, as it is traced and keyed; "auto" attention for a class that refuses
         SDPA."""
         user = self.user
         attention = "auto" if self.sdpa_refused and spec.attention in ("sdpa", "eager") \
             else spec.attention
-        return dataclasses.replace(spec, max_grad_norm=user.max_grad_norm,
-                                   loss_sync=user.loss_sync, routing=user.routing,
-                                   fused_ce=user.fused_ce or spec.fused_ce,
-                                   compile=user.compile or spec.compile, attention=attention)
+        carried = {f.name: getattr(user, f.name) for f in dataclasses.fields(Recipe)
+                   if f.name not in SEARCHED_FIELDS}
+        return dataclasses.replace(spec, **{**carried, "fused_ce": user.fused_ce or spec.fused_ce,
+                                            "compile": user.compile or spec.compile,
+                                            "attention": attention})
 
     def add(self, spec: Recipe, *, offload: bool = False) -> None:
         """Sweep ``spec`` (with the user's loop settings) over the micro-batches: its rows."""
