@@ -62,6 +62,7 @@ def test_a_library_outside_the_tested_set_is_marked(monkeypatch: pytest.MonkeyPa
     have = _installed("transformers")
     assert have is not None  # a dependency of tilefit
     monkeypatch.setitem(probes.TESTED, "transformers", "0.0.1")
+    monkeypatch.setitem(probes.LOWEST, "transformers", "0.0.1")
     real = probes.installed
     monkeypatch.setattr(probes, "installed", lambda d: None if d == "peft" else real(d))
     out = invoke_cli("--version")

@@ -22,6 +22,7 @@ app = typer.Typer(
 COMMAND_MODULES: tuple[str, ...] = (  # in the order `tilefit --help` lists them
     "tilefit.cli.audit",
     "tilefit.cli.estimate",
+    "tilefit.cli.run",
     "tilefit.cli.plan",
     "tilefit.cli.tune",
     "tilefit.cli.noise",
@@ -41,7 +42,7 @@ def _version(value: bool) -> None:
     if value:
         from importlib.metadata import version
 
-        from tilefit.compat.probes import library_versions
+        from tilefit.compat.probes import library_versions, tested_text
 
         lines = [f"tilefit {version('tilefit')}"]
         for lib in library_versions():
@@ -49,7 +50,8 @@ def _version(value: bool) -> None:
                 lines.append(f"{lib.name} not installed")
                 continue
             build = f" ({lib.build})" if lib.build else ""
-            mark = f"  (not tested: tilefit was tested with {lib.tested})" if lib.untested else ""
+            mark = (f"  (not tested: tilefit was tested with {tested_text(lib.name)})"
+                    if lib.untested else "")
             lines.append(f"{lib.name} {lib.version}{build}{mark}")
         typer.echo("\n".join(lines))
         raise typer.Exit()

@@ -10,8 +10,10 @@ went blind (the library, its version, what could not be checked and what the tra
 instead), and each library read whose installed version is not the tested one.
 
 ``TESTED`` is the tested set's entry for each library whose internals tilefit reads: the
-exact versions in the repository's ``constraints.txt``, which ``scripts/update_constraints.py``
-rewrites (``tests/test_probes.py`` checks that the two agree).
+exact versions in the repository's ``constraints.txt``; ``LOWEST`` the lowest set the suite
+also passed with, ``constraints-lowest.txt`` (pyproject.toml's lower bounds). Both are
+rewritten by ``scripts/update_constraints.py`` (``tests/test_probes.py`` checks that each
+table and its file agree).
 """
 
 from __future__ import annotations
@@ -34,6 +36,17 @@ TESTED: dict[str, str] = {
     "lightning": "2.6.6",
 }
 
+# distribution -> the lowest version the suite passed with (constraints-lowest.txt)
+LOWEST: dict[str, str] = {
+    "torch": "2.11.0",
+    "transformers": "5.25.0",
+    "peft": "0.21.0",
+    "bitsandbytes": "0.50.0",
+    "torchao": "0.18.0",
+    "accelerate": "1.16.0",
+    "lightning": "2.6.0",
+}
+
 
 @functools.cache
 def installed(distribution: str) -> str | None:
@@ -50,11 +63,23 @@ def release(version: str) -> str:
     return version.split("+", 1)[0]
 
 
+def is_tested(distribution: str, version: str) -> bool:
+    """Whether the suite passed with this release of the distribution: the newest or the
+    lowest tested set's."""
+    return release(version) in (TESTED.get(distribution), LOWEST.get(distribution))
+
+
+def tested_text(distribution: str) -> str:
+    """The tested releases of a distribution as a note says them: "2.13.0 and 2.11.0"."""
+    newest, lowest = TESTED.get(distribution, "?"), LOWEST.get(distribution)
+    return newest if lowest in (None, newest) else f"{newest} and {lowest}"
+
+
 def untested(distribution: str) -> str | None:
-    """The installed version where it is not the tested one; None where it is, or where the
+    """The installed version where it is not a tested one; None where it is, or where the
     distribution is not installed or has no tested version."""
-    have, tested = installed(distribution), TESTED.get(distribution)
-    if have is None or tested is None or release(have) == tested:
+    have = installed(distribution)
+    if have is None or distribution not in TESTED or is_tested(distribution, have):
         return None
     return have
 
@@ -70,8 +95,8 @@ class LibraryVersion:
 
     @property
     def untested(self) -> bool:
-        """Installed at a release other than the tested one."""
-        return self.version is not None and release(self.version) != self.tested
+        """Installed at a release other than the tested ones."""
+        return self.version is not None and not is_tested(self.name, self.version)
 
 
 def library_versions() -> list[LibraryVersion]:
@@ -137,8 +162,8 @@ class Blind:
     @property
     def note(self) -> str:
         have = installed(self.library) or "(not installed)"
-        tested = TESTED.get(self.library)
-        against = f"; tilefit was tested with {tested}" if tested else ""
+        against = (f"; tilefit was tested with {tested_text(self.library)}"
+                   if self.library in TESTED else "")
         return (f"{self.library} {have}: tilefit could not check {self.what}{against} "
                 "(run `tilefit --version` to see the tested set)")
 
@@ -154,8 +179,8 @@ class _Reports:
             have = untested(lib)
             if have is not None:
                 lines.append(
-                    f"{lib} {have} is not the version tilefit was tested with "
-                    f"({TESTED[lib]}): what tilefit reads of its internals is unchecked "
+                    f"{lib} {have} is not a version tilefit was tested with "
+                    f"({tested_text(lib)}): what tilefit reads of its internals is unchecked "
                     f"there (pip install {lib}=={TESTED[lib]} for the tested one)")
         return lines
 

@@ -54,6 +54,9 @@ def _dropout(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
 CUDNN_MODES = {"rnn_relu": 0, "rnn_tanh": 1, "lstm": 2, "gru": 3}
 
 
+_CUDNN_RNN = dispatch.op_overload("_cudnn_rnn")
+
+
 def _cudnn_rnn(mode: str) -> Callable[..., Any]:
     """``lstm.input`` (and the GRU's and RNNs') as CUDA runs it: one ``_cudnn_rnn``."""
     def kernel(x: torch.Tensor, hx: Any, params: list[torch.Tensor], has_biases: bool,
@@ -66,7 +69,7 @@ def _cudnn_rnn(mode: str) -> Callable[..., Any]:
         proj = h0.shape[-1] if c0 is not None and h0.shape[-1] != hidden else 0
         # the flat weight buffer nn's RNNs keep on a GPU holds the parameters themselves:
         # an empty stand-in (the autocast kernel makes the fp16 one it casts into)
-        out = torch.ops.aten._cudnn_rnn.default(
+        out = _CUDNN_RNN(
             x, list(params), len(params) // (num_layers * directions), x.new_empty(0), h0,
             c0, CUDNN_MODES[mode], hidden, proj, num_layers, batch_first, dropout, train,
             bidirectional, [], None)

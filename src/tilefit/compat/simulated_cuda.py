@@ -1,0 +1,107 @@
+"""What a CPU build of torch must answer for a script to see a CUDA device that is not there.
+
+tilefit's simulated GPU keeps every tensor a fake tensor on the CPU (a CPU build has no CUDA
+device guard: a backward through fake *cuda* tensors aborts the process; docs/references.md,
+section 42) and presents "cuda" to the script. The parts of that which reach into torch's
+internals are here:
+
+- ``presented_device``: ``FakeTensor.device`` is a Python property that a TorchFunctionMode
+  does not see; it answers ``cuda:0`` for the tensors ``on_gpu`` selects, outside the fake
+  mode's own kernels (which read it as meta) and outside the ops tilefit runs;
+- ``fake_parameter_swaps``: ``nn.Module._apply`` (``.to``, ``.cuda``, ``.half``) always swaps
+  a fake parameter with ``torch.utils.swap_tensors``, which refuses one with a weak
+  reference (every fake tensor has one): the new data is set on the parameter instead;
+- ``patched``: module attributes (``torch.cuda``'s functions, ``torch.accelerator``'s)
+  replaced for a block and restored after, whether or not the attribute is private.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from tilefit.compat import probes
+from tilefit.compat.fake import FakeTensor
+
+__all__ = ["fake_parameter_swaps", "inside_torch", "patched", "presented_device"]
+
+_STATE = threading.local()
+
+
+@contextlib.contextmanager
+def inside_torch() -> Iterator[None]:
+    """A block of torch's own work (an op tilefit runs for the script): tensors report the
+    device they really have inside it."""
+    was = getattr(_STATE, "inside", False)
+    _STATE.inside = True
+    try:
+        yield
+    finally:
+        _STATE.inside = was
+
+
+@contextlib.contextmanager
+def presented_device(on_gpu: Callable[[Any], bool], device: torch.device) -> Iterator[None]:
+    """While active, ``t.device`` of a fake tensor that ``on_gpu(t)`` selects is ``device``
+    (outside ``inside_torch`` and the fake mode's kernels)."""
+    prop = FakeTensor.__dict__.get("device")
+    if not isinstance(prop, property) or prop.fget is None:
+        probes.went_blind("torch", "FakeTensor.device (a property in the tested torch): the "
+                          "script's tensors report the CPU as their device")
+        yield
+        return
+    real = prop.fget
+
+    def answered(t: Any) -> torch.device:
+        dev = real(t)
+        if dev.type == "cpu" and not getattr(_STATE, "inside", False) and on_gpu(t):
+            return device
+        return dev  # type: ignore[no-any-return]
+
+    FakeTensor.device = property(answered, prop.fset)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        FakeTensor.device = prop  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def fake_parameter_swaps() -> Iterator[None]:
+    """``torch.utils.swap_tensors(a, b)`` of fake tensors sets ``a``'s data to ``b``'s (the
+    module keeps its parameter object, now of ``b``'s dtype and storage)."""
+    swap = torch.utils.swap_tensors
+
+    def swapped(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        if isinstance(t1, FakeTensor) or isinstance(t2, FakeTensor):
+            t1.data = t2.detach()
+            return
+        swap(t1, t2)
+
+    torch.utils.swap_tensors = swapped
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = swap
+
+
+@contextlib.contextmanager
+def patched(owner: Any, answers: dict[str, Any]) -> Iterator[None]:
+    """``owner``'s attributes set to ``answers`` for the block (missing ones created), the
+    old values (or their absence) restored after."""
+    missing = object()
+    saved = {name: owner.__dict__.get(name, missing) if isinstance(owner, type)
+             else getattr(owner, name, missing) for name in answers}
+    for name, value in answers.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)

@@ -1,0 +1,105 @@
+"""Where a script's tensors live on the simulated GPU.
+
+Every tensor is a fake tensor on the CPU; which of them the script put on the GPU is kept
+here. A tensor made with ``device="cuda"`` (or under ``torch.set_default_device("cuda")``) is
+on the GPU; a tensor made without a device is in host memory, as on a GPU machine, and so
+is what the ops on host tensors alone make (the Recorder propagates it). ``.cuda()`` /
+``.to("cuda")`` of a host tensor is the host-to-device copy: a new GPU tensor; of a GPU
+tensor, the tensor itself. ``pin_memory`` is answered as done. The device arguments are
+rewritten to the CPU before torch sees them (a CPU build has no CUDA kernels)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from tilefit.compat.fake import tree_leaves
+from tilefit.compat.simulated_cuda import inside_torch
+from tilefit.tracing.recorder import Recorder
+
+CPU = torch.device("cpu")
+GPU = torch.device("cuda", 0)
+_MOVES = {"to", "cuda", "cpu", "type"}
+
+
+def names_gpu(device: Any) -> bool:
+    """Whether a device argument names the GPU: "cuda", "cuda:0", torch.device("cuda"), 0."""
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":", 1)[0] == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def names_cpu(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cpu"
+    return isinstance(device, str) and device.split(":", 1)[0] == "cpu"
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [x for x in tree_leaves(value) if isinstance(x, torch.Tensor)]
+
+
+class DevicePlacement(TorchFunctionMode):
+    """The rewrite of device arguments, and the host or GPU placement of what is made."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+        self.default_gpu = False  # torch.set_default_device("cuda")
+        self.copies_in = 0  # host-to-device copies the script made
+
+    def on_gpu(self, t: torch.Tensor) -> bool:
+        return not self.recorder.is_host(t)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "")
+        if name == "set_default_device":
+            self.default_gpu = names_gpu(args[0] if args else kwargs.get("device"))
+            return None
+        if name in ("pin_memory", "is_pinned") and args:
+            return True if name == "is_pinned" else args[0]
+        kwargs.pop("pin_memory", None)
+        if name in _MOVES and args and isinstance(args[0], torch.Tensor):
+            return self._move(func, name, args, kwargs)
+        to_gpu = names_gpu(kwargs.get("device")) or (
+            self.default_gpu and kwargs.get("device") is None)
+        if "device" in kwargs:
+            kwargs["device"] = CPU
+        with inside_torch():
+            out = func(*args, **kwargs)
+        if not to_gpu and not _tensors((args, kwargs)):  # made from nothing: a factory
+            self.recorder.mark_host(_tensors(out))
+        return out
+
+    def _move(self, func: Any, name: str, args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> Any:
+        """Tensor.to / .cuda / .cpu: where the result lives decides whether it is a copy."""
+        t, rest = args[0], list(args[1:])
+        to_gpu = name == "cuda" or names_gpu(kwargs.get("device")) or any(
+            names_gpu(a) for a in rest)
+        to_host = name == "cpu" or names_cpu(kwargs.get("device")) or any(
+            names_cpu(a) for a in rest)
+        if name == "cuda":
+            rest, kwargs = [], {k: v for k, v in kwargs.items() if k == "non_blocking"}
+            name, func = "to", torch.Tensor.to
+        rest = [CPU if names_gpu(a) else a for a in rest]
+        if "device" in kwargs:
+            kwargs["device"] = CPU
+        with inside_torch():
+            out = func(t, *rest, **kwargs) if name != "cpu" else t
+            if to_gpu and not self.on_gpu(t):
+                out = out.clone() if out is t else out
+                self.copies_in += 1
+                self.recorder.unmark_host(out)
+                if not isinstance(t, torch.nn.Parameter):  # a module's is labelled later
+                    self.recorder.label(out, "inputs")
+            elif to_host and self.on_gpu(t):
+                out = out.clone() if out is t else out
+                self.recorder.mark_host(out)
+        return out

@@ -1,0 +1,142 @@
+"""What a simulated run found in the user's code, and the Trace of its last step.
+
+The last step is the events between the last two step boundaries (tilefit.simulate.watch);
+its ops are labelled step 1, the steady step the estimator costs, everything before step 0.
+Every forward and backward of that step was run (none replayed), so the trace's
+accumulation is the step's backward passes, all traced. Storages in host memory (the
+script's CPU tensors: its data before the copy to the GPU, torch.optim's step counters) are
+not GPU memory and are left out; so is what the code did after its last step."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tilefit.hardware import Device
+from tilefit.tracing.options import resolve_target
+from tilefit.tracing.records import Trace
+from tilefit.vocab import MICRO_PHASES
+
+if TYPE_CHECKING:
+    from tilefit.simulate.devices import DevicePlacement
+    from tilefit.simulate.session import _Readings
+    from tilefit.simulate.values import HostRead, SimulationRecorder
+    from tilefit.simulate.watch import OptimizerSeen, StepWatch
+
+
+@dataclasses.dataclass(frozen=True)
+class Findings:
+    """What the code was seen to do (the report's 'found in the script')."""
+
+    precision: str  # a vocab precision name, read off the step's GEMMs and weights
+    autocast_dtype: str | None  # the dtype the step's GEMMs ran in under autocast
+    grad_scaler: bool
+    optimizers: tuple[OptimizerSeen, ...]
+    clipping: tuple[str, ...]  # clip_grad_norm_ / clip_grad_value_
+    accumulation_steps: int  # backward passes in the last step
+    grad_checkpointing: bool  # the backward recomputed forward ops
+    zero_grad_to_none: bool | None  # None where zero_grad was not called
+    models: tuple[str, ...]  # the classes of the modules the code called at the top
+    host_reads: tuple[HostRead, ...]  # .item() and the like: host synchronizations
+    syncs: tuple[str, ...]  # torch.cuda.synchronize() and Event.synchronize() calls
+    copies_to_gpu: int  # host-to-device copies (.to("cuda") of CPU tensors)
+    steps_run: int  # optimizer steps (of the first optimizer) the code made
+    stopped: bool  # stopped after the asked steps; else the code ended by itself
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["host_reads"] = [dataclasses.asdict(r) for r in self.host_reads]
+        return out
+
+
+def _precision(ops: list[Any], weights: str) -> tuple[str, str | None]:
+    """The precision name and the autocast dtype, from the step's GEMM dtypes and the
+    dtype most parameter bytes have."""
+    gemm = {g.dtype for op in ops for g in op.gemms if op.phase == "forward"}
+    low = next((d for d in ("bf16", "fp16") if d in gemm), None)
+    if weights in ("bf16", "fp16"):
+        return f"{weights}-true", None
+    if low is None:
+        return "fp32", None
+    return f"{low}-mixed", low
+
+
+def _weights_dtype(params: list[torch.Tensor]) -> str:
+    by_dtype: dict[torch.dtype, int] = {}
+    for p in params:
+        by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel() * p.element_size()
+    top = max(by_dtype, key=by_dtype.__getitem__) if by_dtype else torch.float32
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(top, "fp32")
+
+
+def findings_of(watch: StepWatch, recorder: SimulationRecorder, placement: DevicePlacement,
+                readings: _Readings, stopped: bool, steps: int) -> Findings:
+    start, end = _last_step(watch)
+    ops = recorder.ops[start:end]
+    precision, autocast = _precision(ops, _weights_dtype(watch.params))
+    facts = watch.facts
+    return Findings(
+        precision=precision, autocast_dtype=autocast, grad_scaler=facts.grad_scaler,
+        optimizers=tuple(facts.optimizers), clipping=tuple(sorted(facts.clipping)),
+        accumulation_steps=max(facts.backward_calls[-1], 1),
+        grad_checkpointing=any(op.phase == "recompute" for op in ops),
+        zero_grad_to_none=(None if not facts.zero_grad_to_none
+                           else all(facts.zero_grad_to_none)),
+        models=tuple(facts.models), host_reads=recorder.host_reads(),
+        syncs=tuple(readings.syncs), copies_to_gpu=placement.copies_in,
+        steps_run=len(watch.boundaries), stopped=stopped)
+
+
+def _last_step(watch: StepWatch) -> tuple[int, int]:
+    b = watch.boundaries
+    return (b[-2] if len(b) > 1 else 0), b[-1]
+
+
+def build_trace(recorder: SimulationRecorder, watch: StepWatch, device: Device,
+                found: Findings, notes: list[str]) -> Trace:
+    """The Trace of the run up to its last step, that step labelled the steady one."""
+    start, end = _last_step(watch)
+    ops = tuple(dataclasses.replace(op, step=1 if i >= start else 0,
+                                    micro=op.micro if op.phase in MICRO_PHASES else 0)
+                for i, op in enumerate(recorder.ops[:end]))
+    host = recorder.host_uids
+    storages = tuple(
+        s if s.free_at is None or s.free_at <= end else dataclasses.replace(s, free_at=None)
+        for s in recorder.storages() if s.uid not in host and s.alloc_at < end)
+    samples, tokens = _samples_and_tokens(watch.first_batch)
+    target, _ = resolve_target(device)
+    warnings = list(notes)
+    if len(watch.boundaries) < 2:
+        warnings.append("the code made one optimizer step: the step shown is the first, "
+                        "which also creates the optimizer state (run 2 or more steps)")
+    return Trace(
+        target=target, precision=found.precision,
+        optimizer=", ".join(o.name for o in found.optimizers) or "none",
+        attention="auto", grad_checkpointing=found.grad_checkpointing,
+        accumulation_steps=found.accumulation_steps,
+        traced_micro_steps=found.accumulation_steps, ops=ops, storages=storages,
+        n_events=end, param_count=watch.param_count,
+        trainable_param_count=sum(p.numel() for p in watch.params if p.requires_grad),
+        trainable_param_tensors=sum(o.param_tensors for o in found.optimizers),
+        samples_per_micro_batch=samples, tokens_per_micro_batch=tokens,
+        warnings=tuple(warnings))
+
+
+def _samples_and_tokens(first: tuple[tuple[Any, ...], dict[str, Any]] | None
+                        ) -> tuple[int, int | None]:
+    """The micro-batch's samples (the leading dimension of the first forward's first
+    tensor) and tokens (its input_ids' elements, where it has them)."""
+    if first is None:
+        return 1, None
+    args, kwargs = first
+    ids = kwargs.get("input_ids")
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 1:
+        return int(ids.shape[0]), int(ids.numel())
+    from tilefit.compat.fake import tree_leaves
+
+    leaves = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if not leaves or leaves[0].dim() == 0:
+        return 1, None
+    return int(leaves[0].shape[0]), None

@@ -1,0 +1,137 @@
+"""``tilefit.simulate``: the user's own training code run as if ``cuda`` were a chosen GPU.
+
+Inside ``with simulate(gpu="h100", steps=3) as sim:`` the code's tensors are fake tensors
+(no memory the size of the model is allocated, docs/references.md section 42), "cuda" is
+presented to it (tilefit.simulate.gpu, .devices), every aten op and storage is recorded by
+the tracer's Recorder as the target GPU runs it (CUDA autocast's policy and the target's
+kernels: tilefit.tracing.autocast), and the loop's phases and steps are read from its own
+calls (tilefit.simulate.watch). After ``steps`` optimizer steps the code is stopped; the last
+step is costed by the estimator, the same code ``tilefit.estimate`` uses, and ``sim.result``
+is the Estimate."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+import torch
+
+from tilefit.compat import probes
+from tilefit.compat.fake import new_fake_mode
+from tilefit.compat.modules import ModulePath
+from tilefit.compat.simulated_cuda import fake_parameter_swaps, presented_device
+from tilefit.errors import TilefitError
+from tilefit.estimator import Estimate, estimate_trace
+from tilefit.estimator.cost import CostContext, op_time_s
+from tilefit.hardware import Device
+from tilefit.quiet_imports import quiet_fake_errors
+from tilefit.recipe import DEFAULT_GPU
+from tilefit.simulate.devices import GPU, DevicePlacement
+from tilefit.simulate.findings import Findings, build_trace, findings_of
+from tilefit.simulate.gpu import cuda_answers
+from tilefit.simulate.values import SimulationRecorder
+from tilefit.simulate.watch import StepWatch, StopSimulation
+from tilefit.tracing.attention import AttentionRouter
+from tilefit.tracing.autocast import CudaAutocast
+from tilefit.tracing.options import resolve_target
+from tilefit.tracing.records import Trace
+
+DEFAULT_STEPS = 3
+
+
+@dataclasses.dataclass
+class Simulation:
+    """A simulation's state while the code runs, and its outcome after the block."""
+
+    device: Device
+    steps: int
+    result: Estimate | None = None  # the last step's estimate: tilefit.estimate's object
+    trace: Trace | None = None
+    found: Findings | None = None
+    stopped: bool = False  # stopped after ``steps`` optimizer steps (else the code ended)
+
+
+class _Readings:
+    """What torch.cuda's memory and event queries answer while the code runs."""
+
+    def __init__(self, recorder: SimulationRecorder, device: Device) -> None:
+        self.recorder, self.device = recorder, device
+        self.peak_from = 0
+        self.syncs: list[str] = []
+
+    def allocated_bytes(self) -> int:
+        return self.recorder.live_bytes(device_only=True)
+
+    def peak_allocated_bytes(self) -> int:
+        return self.recorder.peak_bytes(since=self.peak_from, device_only=True)
+
+    def reset_peak(self) -> None:
+        self.peak_from = self.recorder.events
+
+    def now(self) -> int:
+        return self.recorder.events
+
+    def elapsed_s(self, start: int, end: int) -> float:
+        ctx = CostContext(precision="fp32")
+        return sum(op_time_s(op, self.device, ctx) for op in self.recorder.ops[start:end])
+
+    def synchronized(self, what: str) -> None:
+        self.syncs.append(what)
+
+
+@contextlib.contextmanager
+def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS
+             ) -> Iterator[Simulation]:
+    """Run the block's training code as if ``cuda`` were ``gpu`` (a catalog name, a spec
+    file, a Device; "cpu" for this machine), stopping it after ``steps`` optimizer steps;
+    then ``sim.result`` is the estimate of its last (steady) step, ``sim.found`` what the
+    code was seen to do (precision, optimizers, clipping, accumulation, models, host
+    reads)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise TilefitError("steps is the number of optimizer steps to run",
+                           expected="an integer of at least 1 (2 or more: the first step "
+                           "creates the optimizer state)", given=repr(steps),
+                           fix="steps=3")
+    target, dev = resolve_target(gpu)
+    sim = Simulation(dev, steps)
+    recorder = SimulationRecorder(ModulePath(), "")
+    watch = StepWatch(recorder, steps)
+    readings = _Readings(recorder, dev)
+    placement = DevicePlacement(recorder)
+    cuda = target.kind == "cuda"
+    with contextlib.ExitStack() as stack:
+        collected = stack.enter_context(probes.collecting())
+        probes.read("torch")
+        stack.enter_context(quiet_fake_errors())
+        stack.enter_context(watch.watching())  # its forward hook before the tracker's
+        if cuda:
+            stack.enter_context(cuda_answers(dev, readings))
+            stack.enter_context(presented_device(placement.on_gpu, GPU))
+        stack.enter_context(fake_parameter_swaps())
+        stack.enter_context(new_fake_mode())
+        stack.enter_context(recorder.tracker)
+        stack.enter_context(recorder)
+        if cuda:
+            stack.enter_context(CudaAutocast(None, AttentionRouter(target, recorder)))
+        stack.enter_context(placement)
+        try:
+            yield sim
+        except StopSimulation:
+            sim.stopped = True
+    _finish(sim, recorder, watch, placement, readings, list(collected))
+
+
+def _finish(sim: Simulation, recorder: SimulationRecorder, watch: StepWatch,
+            placement: DevicePlacement, readings: _Readings, notes: list[str]) -> None:
+    if not watch.boundaries:
+        raise TilefitError(
+            "the code made no optimizer step, so there is no training step to predict",
+            expected="a training loop that calls optimizer.step() (or a Trainer's fit)",
+            given="no optimizer.step() before the code ended",
+            fix="run the training part of the script (check its arguments, e.g. the "
+                "number of epochs or max_steps)")
+    found = findings_of(watch, recorder, placement, readings, sim.stopped, sim.steps)
+    tr = build_trace(recorder, watch, sim.device, found, notes)
+    with torch.no_grad():
+        sim.result = estimate_trace(tr, sim.device)
+    sim.trace, sim.found = tr, found

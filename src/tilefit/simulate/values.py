@@ -1,0 +1,87 @@
+"""Values a fake tensor does not have, read by the script on the host.
+
+``.item()``, ``float(loss)``, ``bool(t)``, ``if torch.isnan(loss)`` and ``.tolist()`` reach
+aten's ``_local_scalar_dense``, which a fake tensor cannot answer. The simulation answers
+with a placeholder that takes the ordinary branch of a training loop, and records the read:
+on a GPU each is a host synchronization (the host waits for the device), which the step's
+timeline costs (tilefit.estimator.steptime's SYNC_OPS).
+
+- a bool: False (``if torch.isnan(loss)``, ``if torch.isinf(...)``: the loss is finite);
+- GradScaler's found-inf flag (read in its ``step``): 0.0, no inf found, so the optimizer
+  steps (1 would skip every step);
+- any other float: 1.0 (a loss, a norm, a step count: 0 would divide by zero in
+  single-tensor AdamW's bias correction, which reads its step count);
+- an integer: 1.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tilefit.tracing.recorder import Recorder
+from tilefit.tracing.shapes import packet_name
+
+_TILEFIT = Path(__file__).resolve().parents[1]
+_TORCH = Path(torch.__file__).resolve().parent
+
+
+@dataclasses.dataclass(frozen=True)
+class HostRead:
+    """A value the script read from a tensor on the host: where, and what stood in."""
+
+    site: str  # "train.py:42" (the script's own line), or the library's where it read
+    placeholder: float | bool
+    count: int  # in the whole run
+
+
+def placeholder(t: torch.Tensor, phase: str) -> float | int | bool:
+    """The stand-in for a read of ``t`` in ``phase`` (the module's rules)."""
+    if t.dtype == torch.bool:
+        return False
+    if phase == "scaler":
+        return 0.0
+    return 1.0 if t.is_floating_point() else 1
+
+
+def read_site(frame: Any = None) -> str:
+    """The innermost caller outside torch and tilefit: the script's line, or the library's
+    (the HF Trainer's, Lightning's) that read the value."""
+    frame = frame or sys._getframe(1)
+    while frame is not None:
+        path = Path(frame.f_code.co_filename)
+        if not (_is_under(path, _TORCH) or _is_under(path, _TILEFIT)) and \
+                not frame.f_code.co_filename.startswith("<"):
+            return f"{path.name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "(torch)"
+
+
+def _is_under(path: Path, root: Path) -> bool:
+    try:
+        return path.resolve().is_relative_to(root)
+    except OSError:
+        return False
+
+
+class SimulationRecorder(Recorder):
+    """The tracer's Recorder, answering every host read of a value (the module's rules)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reads: collections.Counter[tuple[str, float | bool]] = collections.Counter()
+
+    def _stand_in_scalar(self, func: Any, args: tuple[Any, ...]) -> Any:
+        if packet_name(func) != "aten._local_scalar_dense":
+            raise  # noqa: PLE0704 - re-raised inside the caller's except block
+        value = placeholder(args[0], self.phase)
+        self.reads[(read_site(), value)] += 1
+        return value
+
+    def host_reads(self) -> tuple[HostRead, ...]:
+        return tuple(HostRead(site, value, n) for (site, value), n in self.reads.items())

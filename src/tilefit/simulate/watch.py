@@ -1,0 +1,224 @@
+"""The user's training loop as the simulation sees it: which phase each op is in, where the
+optimizer steps fall, and the stop after the last one.
+
+Everything is read from the script's own calls, through torch's public hooks where torch has
+them (``register_optimizer_step_pre_hook`` / ``_post_hook``, the global module forward
+pre-hook) and by wrapping the calls that have none (``torch.autograd.backward`` and ``grad``,
+``clip_grad_norm_`` / ``clip_grad_value_``, GradScaler's ``unscale_`` / ``step`` /
+``update``, ``zero_grad``) for the simulation's life.
+
+A step ends when the optimizer that stepped first steps again (with two optimizers, a GAN's,
+each iteration's steps fall in one cycle); after ``steps`` of them the script is stopped with
+``StopSimulation``, a BaseException the script's ``except Exception`` does not catch."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from tilefit.compat.bitsandbytes import logical_numel
+from tilefit.compat.simulated_cuda import patched
+from tilefit.tracing.optimizers import optimizer_state_tensors
+from tilefit.tracing.recorder import Recorder
+
+
+class StopSimulation(BaseException):  # noqa: N818 - what the script meets: a stop, no error
+    """Raised from the script's ``steps``-th optimizer step: the simulation has its steps."""
+
+
+@dataclasses.dataclass
+class OptimizerSeen:
+    """One optimizer the script stepped: its class and the hyperparameters that cost."""
+
+    name: str
+    steps: int = 0
+    fused: bool | None = None
+    foreach: bool | None = None
+    param_tensors: int = 0
+
+
+@dataclasses.dataclass
+class LoopFacts:
+    """What the script's loop did, as seen (the report's 'found in the script')."""
+
+    optimizers: list[OptimizerSeen] = dataclasses.field(default_factory=list)
+    backward_calls: list[int] = dataclasses.field(default_factory=list)  # per step
+    clipping: set[str] = dataclasses.field(default_factory=set)
+    grad_scaler: bool = False
+    autocast_dtypes: set[str] = dataclasses.field(default_factory=set)
+    zero_grad_to_none: set[bool] = dataclasses.field(default_factory=set)
+    models: list[str] = dataclasses.field(default_factory=list)  # root modules' classes
+
+
+class StepWatch:
+    """Sets the recorder's phase from the script's calls and marks the step boundaries."""
+
+    def __init__(self, recorder: Recorder, steps: int) -> None:
+        self.recorder = recorder
+        self.steps = steps
+        self.facts = LoopFacts()
+        self.boundaries: list[int] = []  # event index after each step's end
+        self._phases: list[str] = []
+        self._first: Any = None  # the optimizer that stepped first: its steps end a step
+        self._seen: weakref.WeakKeyDictionary[Any, OptimizerSeen] = weakref.WeakKeyDictionary()
+        self._backwards = 0
+        self._roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._first_root: nn.Module | None = None
+        self._handles: list[Any] = []  # the hooks on the top modules, removed at the end
+        self.first_batch: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self.params: list[torch.Tensor] = []  # every optimizer's, as of its last step
+        self.param_count = 0  # the elements of the top modules' parameters
+
+    # ---- phases -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self._phases.append(self.recorder.phase)
+        self.recorder.enter_phase(name)  # type: ignore[arg-type]
+        try:
+            yield
+        finally:
+            self.recorder.enter_phase(self._phases.pop())  # type: ignore[arg-type]
+
+    def _wrapped(self, fn: Callable[..., Any], name: str,
+                 after: Callable[[], None] | None = None) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self.phase(name):
+                out = fn(*args, **kwargs)
+            if after is not None:
+                after()
+            return out
+        return call
+
+    def _backward_done(self) -> None:
+        if self.recorder.phase in ("backward", "recompute"):
+            return  # a backward inside a backward (double backward): one pass
+        self._backwards += 1
+        self.recorder.begin_micro(self._backwards)
+
+    # ---- hooks --------------------------------------------------------------------------
+    def _forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self.recorder.phase in ("backward", "recompute", "optimizer"):
+            return
+        if self.recorder.tracker.current == "" and module not in self._roots:
+            # a top module (this hook runs before the tracker's): its calls' arguments
+            # from the next on (the global hook has no keyword arguments)
+            self._roots.add(module)
+            self._first_root = self._first_root or module
+            self.facts.models.append(type(module).__name__)
+            self.first_batch = self.first_batch or (args, {})
+            self._handles.append(module.register_forward_pre_hook(self._inputs,
+                                                                  with_kwargs=True))
+        if self.recorder.phase not in ("forward", "scaler", "clip_grad"):
+            self.recorder.enter_phase("forward")
+
+    def _inputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                ) -> None:
+        if self.recorder.phase not in ("backward", "recompute") and module is self._main():
+            self.first_batch = (args, kwargs)
+
+    def _main(self) -> nn.Module | None:
+        """The first top module the code called (the model; a teacher or discriminator
+        comes later)."""
+        return next(iter(self._roots), None) if len(self._roots) == 1 else self._first_root
+
+    def _step_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        seen = self._seen.get(optimizer)
+        if seen is None:
+            defaults = getattr(optimizer, "defaults", {})
+            seen = OptimizerSeen(type(optimizer).__name__, fused=defaults.get("fused"),
+                                 foreach=defaults.get("foreach"))
+            self._seen[optimizer] = seen
+            self.facts.optimizers.append(seen)
+            self._first = self._first or weakref.ref(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        seen.param_tensors = len(params)
+        self._count_params(params)
+        self.recorder.label(params, "parameters")
+        self.recorder.label([p.grad for p in params if p.grad is not None], "gradients")
+        self._phases.append(self.recorder.phase)
+        self.recorder.enter_phase("optimizer")
+
+    def _count_params(self, stepped: list[torch.Tensor]) -> None:
+        known = {id(p) for p in self.params}
+        self.params += [p for p in stepped if id(p) not in known]
+        every = {id(p): p for m in list(self._roots) for p in m.parameters()}
+        every.update({id(p): p for p in self.params})
+        self.param_count = sum(logical_numel(p) for p in every.values())
+
+    def _step_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.recorder.label(optimizer_state_tensors(optimizer), "optimizer_state")
+        self.recorder.enter_phase(self._phases.pop() if self._phases else "zero_grad")
+        self._seen[optimizer].steps += 1
+        if self._first is None or self._first() is not optimizer:
+            return
+        self.boundaries.append(self.recorder.events)
+        self.facts.backward_calls.append(self._backwards)
+        self._backwards = 0
+        self.recorder.begin_micro(0)
+        if self.recorder.phase not in ("scaler",):
+            self.recorder.enter_phase("zero_grad")
+        if len(self.boundaries) >= self.steps:
+            raise StopSimulation
+
+    def _zero_grad(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def zero_grad(obj: Any, set_to_none: bool = True) -> Any:
+            self.facts.zero_grad_to_none.add(bool(set_to_none))
+            with self.phase("zero_grad"):
+                return fn(obj, set_to_none)
+        return zero_grad
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """The hooks and wrappers, for the block."""
+        from torch.nn.modules.module import register_module_forward_pre_hook
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        autograd = {"backward": self._wrapped(torch.autograd.backward, "backward",
+                                              self._backward_done),
+                    "grad": self._wrapped(torch.autograd.grad, "backward")}
+        utils = {n: self._clip(getattr(nn.utils, n), n) for n in
+                 ("clip_grad_norm_", "clip_grad_value_")}
+        scaler = torch.amp.GradScaler
+        scaling = {"unscale_": self._wrapped(scaler.unscale_, "scaler"),
+                   "step": self._scaler_step(scaler.step),
+                   "update": self._wrapped(scaler.update, "scaler")}
+        handles = [register_module_forward_pre_hook(self._forward_pre),  # type: ignore[arg-type]
+                   register_optimizer_step_pre_hook(self._step_pre),
+                   register_optimizer_step_post_hook(self._step_post)]
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(patched(torch.autograd, autograd))
+            stack.enter_context(patched(nn.utils, utils))
+            stack.enter_context(patched(nn.utils.clip_grad, utils))
+            stack.enter_context(patched(scaler, scaling))
+            stack.enter_context(patched(torch.optim.Optimizer, {
+                "zero_grad": self._zero_grad(torch.optim.Optimizer.zero_grad)}))
+            stack.enter_context(patched(nn.Module, {
+                "zero_grad": self._zero_grad(nn.Module.zero_grad)}))
+            try:
+                yield
+            finally:
+                for h in handles + self._handles:
+                    h.remove()
+
+    def _clip(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def clip(*args: Any, **kwargs: Any) -> Any:
+            self.facts.clipping.add(name)
+            with self.phase("clip_grad"):
+                return fn(*args, **kwargs)
+        return clip
+
+    def _scaler_step(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def step(scaler: Any, *args: Any, **kwargs: Any) -> Any:
+            self.facts.grad_scaler = True
+            with self.phase("scaler"):
+                return fn(scaler, *args, **kwargs)
+        return step
