@@ -1,8 +1,8 @@
 """What a CPU build of torch must answer for a script to see a CUDA device that is not there.
 
-tilefit's simulated GPU keeps every tensor a fake tensor on the CPU (a CPU build has no CUDA
-device guard: a backward through fake *cuda* tensors aborts the process; docs/references.md,
-section 42) and presents "cuda" to the script. The parts of that which reach into torch's
+tilefit's simulated GPU keeps every tensor a fake tensor on the CPU and presents "cuda" to
+the script (docs/references.md, section 47: a CPU build has no CUDA device guard, and a
+backward through fake *cuda* tensors aborts the process). The parts of that which reach into torch's
 internals are here:
 
 - ``presented_device``: ``FakeTensor.device`` is a Python property that a TorchFunctionMode
@@ -27,7 +27,8 @@ import torch
 from tilefit.compat import probes
 from tilefit.compat.fake import FakeTensor
 
-__all__ = ["fake_parameter_swaps", "inside_torch", "patched", "presented_device"]
+__all__ = ["fake_parameter_swaps", "foreach_for_fake_parameters", "inside_torch", "patched",
+           "presented_device"]
 
 _STATE = threading.local()
 
@@ -105,3 +106,29 @@ def patched(owner: Any, answers: dict[str, Any]) -> Iterator[None]:
                 delattr(owner, name)
             else:
                 setattr(owner, name, value)
+
+
+@contextlib.contextmanager
+def foreach_for_fake_parameters() -> Iterator[None]:
+    """torch.optim's optimizers and torch.nn.utils' gradient clipping take their foreach
+    (multi-tensor) path by default when every tensor is a plain Tensor (or Parameter) on a
+    device with foreach kernels (CUDA): a fake tensor is neither class, so the simulated
+    GPU's optimizers and clipping took the per-tensor path a CUDA run does not take.
+    FakeTensor is added to both lists of accepted classes for the block."""
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    lists = [getattr(m, "_foreach_supported_types", None) for m in (optimizer, _foreach_utils)]
+    if not all(isinstance(accepted, list) for accepted in lists):
+        probes.went_blind("torch", "torch.optim's and clip_grad_norm_'s default to their "
+                          "foreach path (_foreach_supported_types): they take their "
+                          "per-tensor path")
+        yield
+        return
+    for accepted in lists:
+        accepted.append(FakeTensor)
+    try:
+        yield
+    finally:
+        for accepted in lists:
+            accepted.remove(FakeTensor)

@@ -1,7 +1,7 @@
 """``tilefit.simulate``: the user's own training code run as if ``cuda`` were a chosen GPU.
 
 Inside ``with simulate(gpu="h100", steps=3) as sim:`` the code's tensors are fake tensors
-(no memory the size of the model is allocated, docs/references.md section 42), "cuda" is
+(no memory the size of the model is allocated; docs/references.md, section 47), "cuda" is
 presented to it (tilefit.simulate.gpu, .devices), every aten op and storage is recorded by
 the tracer's Recorder as the target GPU runs it (CUDA autocast's policy and the target's
 kernels: tilefit.tracing.autocast), and the loop's phases and steps are read from its own
@@ -14,12 +14,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
+
 import torch
 
 from tilefit.compat import probes
 from tilefit.compat.fake import new_fake_mode
 from tilefit.compat.modules import ModulePath
-from tilefit.compat.simulated_cuda import fake_parameter_swaps, presented_device
+from tilefit.compat.simulated_cuda import (
+    fake_parameter_swaps,
+    foreach_for_fake_parameters,
+    presented_device,
+)
+from tilefit.compat.transformers import gpu_mask_semantics
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate, estimate_trace
 from tilefit.estimator.cost import CostContext, op_time_s
@@ -34,7 +40,7 @@ from tilefit.simulate.watch import StepWatch, StopSimulation
 from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.autocast import CudaAutocast
 from tilefit.tracing.options import resolve_target
-from tilefit.tracing.records import Trace
+from tilefit.tracing.records import StorageRecord, Trace
 
 DEFAULT_STEPS = 3
 
@@ -59,11 +65,28 @@ class _Readings:
         self.peak_from = 0
         self.syncs: list[str] = []
 
+    def _gpu_storages(self) -> list[StorageRecord]:
+        host = self.recorder.host_uids
+        return [s for s in self.recorder.storages() if s.uid not in host]
+
     def allocated_bytes(self) -> int:
-        return self.recorder.live_bytes(device_only=True)
+        return sum(s.nbytes for s in self._gpu_storages() if s.free_at is None)
 
     def peak_allocated_bytes(self) -> int:
-        return self.recorder.peak_bytes(since=self.peak_from, device_only=True)
+        """The most bytes alive at once since the last reset."""
+        delta: dict[int, int] = {}
+        for s in self._gpu_storages():
+            if s.free_at is not None and s.free_at < self.peak_from:
+                continue
+            born = max(s.alloc_at, self.peak_from - 1)
+            delta[born] = delta.get(born, 0) + s.nbytes
+            if s.free_at is not None:
+                delta[s.free_at] = delta.get(s.free_at, 0) - s.nbytes
+        live = peak = 0
+        for at in sorted(delta):
+            live += delta[at]
+            peak = max(peak, live)
+        return peak
 
     def reset_peak(self) -> None:
         self.peak_from = self.recorder.events
@@ -99,6 +122,8 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS
     readings = _Readings(recorder, dev)
     placement = DevicePlacement(recorder)
     cuda = target.kind == "cuda"
+    if cuda:
+        _import_before_cuda()
     with contextlib.ExitStack() as stack:
         collected = stack.enter_context(probes.collecting())
         probes.read("torch")
@@ -107,18 +132,38 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS
         if cuda:
             stack.enter_context(cuda_answers(dev, readings))
             stack.enter_context(presented_device(placement.on_gpu, GPU))
+            stack.enter_context(foreach_for_fake_parameters())
         stack.enter_context(fake_parameter_swaps())
         stack.enter_context(new_fake_mode())
         stack.enter_context(recorder.tracker)
         stack.enter_context(recorder)
         if cuda:
             stack.enter_context(CudaAutocast(None, AttentionRouter(target, recorder)))
+        stack.enter_context(gpu_mask_semantics(recorder.ones))
         stack.enter_context(placement)
         try:
             yield sim
         except StopSimulation:
             sim.stopped = True
     _finish(sim, recorder, watch, placement, readings, list(collected))
+
+
+# libraries that pick a CUDA backend when they are first imported with torch.cuda answering
+# that a GPU is there, and then reach for the CUDA runtime a CPU build has not got
+# (bitsandbytes: torch._C._cuda_getCurrentRawStream): imported before the GPU is presented,
+# they keep their CPU backend; tilefit runs their ops on fake tensors (tilefit.compat)
+_CUDA_PROBING = ("bitsandbytes",)
+
+
+def _import_before_cuda() -> None:
+    import importlib.util
+
+    from tilefit.quiet_imports import quiet_imports
+
+    for name in _CUDA_PROBING:
+        if importlib.util.find_spec(name) is not None:
+            with quiet_imports():
+                importlib.import_module(name)
 
 
 def _finish(sim: Simulation, recorder: SimulationRecorder, watch: StepWatch,

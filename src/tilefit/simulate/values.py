@@ -78,7 +78,7 @@ class SimulationRecorder(Recorder):
 
     def _stand_in_scalar(self, func: Any, args: tuple[Any, ...]) -> Any:
         if packet_name(func) != "aten._local_scalar_dense":
-            raise  # noqa: PLE0704 - re-raised inside the caller's except block
+            raise
         value = placeholder(args[0], self.phase)
         self.reads[(read_site(), value)] += 1
         return value

@@ -27,8 +27,11 @@ from tilefit.compat.simulated_cuda import patched
 from tilefit.tracing.optimizers import optimizer_state_tensors
 from tilefit.tracing.recorder import Recorder
 
+# torch.nn.utils' gradient clipping, whole (the first two) or in its two parts
+CLIPPING = ("clip_grad_norm_", "clip_grad_value_", "get_total_norm", "clip_grads_with_norm_")
 
-class StopSimulation(BaseException):  # noqa: N818 - what the script meets: a stop, no error
+
+class StopSimulation(BaseException):
     """Raised from the script's ``steps``-th optimizer step: the simulation has its steps."""
 
 
@@ -109,8 +112,9 @@ class StepWatch:
             # a top module (this hook runs before the tracker's): its calls' arguments
             # from the next on (the global hook has no keyword arguments)
             self._roots.add(module)
-            self._first_root = self._first_root or module
-            self.facts.models.append(type(module).__name__)
+            if next(module.parameters(), None) is not None:  # a model, not a loss module
+                self._first_root = self._first_root or module
+                self.facts.models.append(type(module).__name__)
             self.first_batch = self.first_batch or (args, {})
             self._handles.append(module.register_forward_pre_hook(self._inputs,
                                                                   with_kwargs=True))
@@ -185,8 +189,9 @@ class StepWatch:
         autograd = {"backward": self._wrapped(torch.autograd.backward, "backward",
                                               self._backward_done),
                     "grad": self._wrapped(torch.autograd.grad, "backward")}
-        utils = {n: self._clip(getattr(nn.utils, n), n) for n in
-                 ("clip_grad_norm_", "clip_grad_value_")}
+        # accelerate (the HF Trainer's) clips with get_total_norm and clip_grads_with_norm_
+        utils = {n: self._clip(getattr(nn.utils, n), n) for n in CLIPPING
+                 if hasattr(nn.utils, n)}
         scaler = torch.amp.GradScaler
         scaling = {"unscale_": self._wrapped(scaler.unscale_, "scaler"),
                    "step": self._scaler_step(scaler.step),
@@ -212,6 +217,8 @@ class StepWatch:
     def _clip(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         def clip(*args: Any, **kwargs: Any) -> Any:
             self.facts.clipping.add(name)
+            if self.recorder.phase == "clip_grad":  # clip_grad_norm_'s own parts
+                return fn(*args, **kwargs)
             with self.phase("clip_grad"):
                 return fn(*args, **kwargs)
         return clip

@@ -247,6 +247,21 @@ class Recorder(Replays, TorchDispatchMode):
         for t in op_tensors(tensors):
             self._host_uids.add(self._track(t, self._events))
 
+    def unmark_host(self, tensors: Any) -> None:
+        """These tensors live in device memory (a host-to-device copy's result)."""
+        for t in op_tensors(tensors):
+            self._host_uids.discard(self._track(t, self._events))
+
+    @property
+    def host_uids(self) -> frozenset[int]:
+        """The storages that live in host memory on the target."""
+        return frozenset(self._host_uids)
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        """Whether this tensor's storage lives in host memory on the target."""
+        uid = self.uid(t)
+        return uid is not None and uid in self._host_uids
+
     def _runs_on_host(self, name: str, inputs: list[torch.Tensor]) -> bool:
         """An op runs on the host when it reads host tensors and nothing larger than a
         scalar from the device; constants made in the optimizer step are host tensors."""

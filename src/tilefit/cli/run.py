@@ -1,0 +1,97 @@
+"""`tilefit run SCRIPT [ARGS]...`: your own training script, unmodified, on a simulated GPU."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from tilefit.cli import model_options as mo
+from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
+from tilefit.cli.estimate import OPS_OPTION
+
+if TYPE_CHECKING:
+    from tilefit.simulate.findings import Findings
+
+STEPS_OPTION = typer.Option(3, "--steps", min=1, help="Stop the script after its Nth "
+                            "optimizer step; the report is of the last (the first also "
+                            "creates the optimizer state).")
+MODULE_OPTION = typer.Option(None, "--module", "-m", help="Run a module as `python -m` "
+                             "does, instead of a script.")
+SCRIPT_ARG = typer.Argument(None, help="The training script, then its own arguments.",
+                            show_default=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run", context_settings={"allow_interspersed_args": False,
+                                         "ignore_unknown_options": True})(run)
+
+
+def run(
+    script_and_args: list[str] = SCRIPT_ARG,
+    module: str | None = MODULE_OPTION,
+    gpu: str = mo.GPU_OPTION,
+    steps: int = STEPS_OPTION,
+    ops: bool = OPS_OPTION,
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Run your training script as if `cuda` were the chosen GPU, on this machine, and
+    predict its training step: the script's own model, loop, precision and optimizers."""
+    from tilefit.hardware import get_device
+    from tilefit.simulate.script import ScriptFailed, run_script
+
+    words = list(script_and_args or [])
+    script = None if module is not None else (words.pop(0) if words else None)
+    started = time.perf_counter()
+    with user_errors():
+        device = get_device(gpu)
+        try:
+            sim = run_script(script, words, module=module, gpu=device, steps=steps)
+        except ScriptFailed as failed:
+            sys.stderr.write(failed.traceback_text)
+            err_console.print("[bold red]error:[/] the script raised before its first "
+                              "optimizer step: nothing was predicted", highlight=False)
+            raise typer.Exit(code=1) from None
+    wall_s = time.perf_counter() - started
+    assert sim.result is not None and sim.found is not None
+    name = script or f"-m {module}"
+    if json_out:
+        print_json({"script": name, "args": words, "found": sim.found.to_dict(),
+                    "simulation_wall_s": wall_s, **sim.result.to_dict(include_ops=ops)})
+        return
+    from tilefit.report.terminal import print_estimate
+
+    print_estimate(console, sim.result, f"tilefit run: {name} on {device.display_name}, "
+                   f"the script's step {sim.found.steps_run}")
+    _print_found(sim.found)
+
+
+def _print_found(found: Findings) -> None:
+    """What the script was seen to do: what the prediction rests on."""
+    lines = [f"precision: {found.precision}"
+             + (" with a GradScaler" if found.grad_scaler else ""),
+             "optimizers: " + (", ".join(_optimizer(o) for o in found.optimizers) or "none"),
+             f"micro-batches per step (backward passes): {found.accumulation_steps}",
+             "gradient clipping: " + (", ".join(found.clipping) or "none"),
+             f"activation checkpointing: {'yes' if found.grad_checkpointing else 'no'}",
+             "models called: " + (", ".join(found.models) or "none"),
+             f"host-to-device copies in the run: {found.copies_to_gpu}"]
+    if found.zero_grad_to_none is not None:
+        lines.append("zero_grad: " + ("set_to_none" if found.zero_grad_to_none
+                                      else "zeroed in place (set_to_none=False)"))
+    for r in found.host_reads:
+        lines.append(f"host read of a value at {r.site}, {r.count} time(s) in the run "
+                     f"(a GPU sync; the simulation answered {r.placeholder!r})")
+    for s in found.syncs:
+        lines.append(f"{s} (the host waits for the GPU)")
+    console.print("[bold]found in the script[/]", highlight=False)
+    for line in lines:
+        console.print(f"  {line}", highlight=False, soft_wrap=True)
+
+
+def _optimizer(o: Any) -> str:
+    extra = [f"{k}={v}" for k, v in (("fused", o.fused), ("foreach", o.foreach))
+             if v is not None]
+    return o.name + (f" ({', '.join(extra)})" if extra else "")

@@ -1,0 +1,175 @@
+"""The user's own training code on a simulated GPU (tilefit.simulate, `tilefit run`, issue 42):
+each script runs unmodified; its step is checked against the estimate of the same step, or
+against hand arithmetic, and what the script did is read back from it."""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import tilefit
+from tilefit import Recipe
+from tilefit.errors import TilefitError
+from tilefit.simulate import simulate
+from tilefit.simulate.script import ScriptFailed, run_script
+
+SCRIPTS = Path(__file__).parent / "scripts"
+GPU = "a100-80gb"
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 10))
+
+
+# Linear(128, 512) + Linear(512, 10): 128*512 + 512 + 512*10 + 10 = 71,178 parameters
+MLP_PARAMS = 128 * 512 + 512 + 512 * 10 + 10
+
+
+@pytest.fixture(scope="module")
+def plain() -> tilefit.simulate.Simulation:
+    return run_script(str(SCRIPTS / "plain_loop.py"), ["--batch", "32"], gpu=GPU, steps=3)
+
+
+@pytest.fixture(scope="module")
+def plain_estimate() -> tilefit.Estimate:
+    batch = (torch.randn(32, 128), torch.randint(0, 10, (32,)))
+    return tilefit.estimate(_mlp, batch, recipe=Recipe(precision="bf16-mixed", optimizer="adamw"),
+                            gpu=GPU, loss_fn=lambda m, b: nn.functional.cross_entropy(m(b[0]),
+                                                                                      b[1]))
+
+
+def test_a_plain_loop_is_the_estimate_of_the_same_step(plain, plain_estimate) -> None:  # type: ignore[no-untyped-def]
+    run, est = plain.result, plain_estimate
+    assert plain.stopped and plain.found.steps_run == 3
+    assert run.param_count == est.param_count == MLP_PARAMS
+    assert run.flops == est.flops  # the same GEMMs: 6 * params * samples, and the rest
+    for category in ("parameters", "gradients"):
+        # fp32 weights and gradients: 4 bytes each, each tensor rounded to 512 bytes
+        assert run.memory_breakdown[category] == est.memory_breakdown[category]
+    # AdamW's two moments on the GPU (its step counts are host tensors in both)
+    assert abs(run.memory_breakdown["optimizer_state"] - est.memory_breakdown[
+        "optimizer_state"]) <= 512 * 4
+    assert run.peak_memory_bytes == pytest.approx(est.peak_memory_bytes, rel=0.02)
+    # the GPU runs the same kernels; the host does what the script adds to the estimate's
+    # loop each step: two slices of its CPU data and two copies to the GPU
+    assert run.device_time_s == pytest.approx(est.device_time_s, rel=1e-6)
+    extra = collections.Counter(_ops(run)) - collections.Counter(_ops(est))
+    assert sorted(extra.elements()) == [("aten.clone.default", True)] * 2 + [
+        ("aten.slice.Tensor", True)] * 2
+    assert not collections.Counter(_ops(est)) - collections.Counter(_ops(run))
+    assert run.host_time_s > est.host_time_s
+
+
+def _ops(e: tilefit.Estimate) -> list[tuple[str, bool]]:
+    return [(c.record.op, c.record.on_host) for c in e.ops]
+
+
+def test_what_the_plain_loop_did_is_read_from_it(plain) -> None:  # type: ignore[no-untyped-def]
+    found = plain.found
+    assert found.precision == "bf16-mixed" and found.autocast_dtype == "bf16"
+    assert not found.grad_scaler and found.clipping == ()
+    assert [(o.name, o.steps) for o in found.optimizers] == [("AdamW", 3)]
+    assert found.accumulation_steps == 1 and found.models == ("Sequential",)
+    assert found.zero_grad_to_none is True and found.host_reads == ()
+    # the module's weights and biases, then x and y each step: 4 + 2 * 3
+    assert found.copies_to_gpu == 4 + 2 * 3
+    # the batch is the script's own: 32 samples of its --batch
+    assert plain.result.samples_per_step == 32
+
+
+def test_accumulation_is_the_steps_backward_passes() -> None:
+    sim = run_script(str(SCRIPTS / "plain_loop.py"), ["--batch", "16", "--accumulation", "2"],
+                     gpu=GPU, steps=2)
+    one = run_script(str(SCRIPTS / "plain_loop.py"), ["--batch", "16"], gpu=GPU, steps=2)
+    assert sim.found.accumulation_steps == 2 and sim.result.accumulation_steps == 2
+    assert sim.result.samples_per_step == 32
+    # two micro-batches of 16: twice the forward and backward FLOPs of one
+    assert sim.result.flops == pytest.approx(2 * one.result.flops, rel=0.01)
+
+
+def test_a_gan_with_two_optimizers_and_a_scaler() -> None:
+    sim = run_script(str(SCRIPTS / "gan.py"), [], gpu=GPU, steps=3)
+    found = sim.found
+    assert found.precision == "fp16-mixed" and found.grad_scaler
+    assert [o.name for o in found.optimizers] == ["Adam", "Adam"]
+    assert found.models == ("Sequential", "Sequential") and found.accumulation_steps == 2
+    # the generator's and the discriminator's parameters: (16*64+64 + 64*32+32) and
+    # (32*64+64 + 64*1+1)
+    assert sim.result.param_count == (16 * 64 + 64 + 64 * 32 + 32) + (32 * 64 + 64 + 64 + 1)
+    # GradScaler's found-inf read answered 'no inf', so every optimizer step ran
+    assert all(o.steps >= 2 for o in found.optimizers)
+    assert any(r.placeholder == 0.0 for r in found.host_reads)
+
+
+def test_the_simulated_device_answers_as_the_gpu() -> None:
+    seen: dict[str, object] = {}
+    with simulate(gpu="h100", steps=2) as sim:
+        seen["available"] = torch.cuda.is_available()
+        seen["name"] = torch.cuda.get_device_name()
+        seen["memory"] = torch.cuda.get_device_properties(0).total_memory
+        model = nn.Linear(1024, 1024).cuda()
+        seen["device"] = str(next(model.parameters()).device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(torch.randn(8, 1024, device="cuda")).sum().backward()
+            opt.step()
+            seen["allocated"] = torch.cuda.memory_allocated()
+    assert seen["available"] is True and seen["device"] == "cuda:0"
+    assert seen["name"] == sim.device.display_name
+    assert seen["memory"] == sim.device.memory_bytes
+    # weight and bias and their gradients: (1024*1024 + 1024) * 4 bytes, twice, at least
+    assert seen["allocated"] >= 2 * (1024 * 1024 + 1024) * 4
+    assert torch.cuda.is_available() is False  # restored
+
+
+def test_no_memory_the_size_of_the_model_is_allocated() -> None:
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with simulate(gpu=GPU, steps=2):
+        model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(16)]).cuda()  # 1 GiB
+        opt = torch.optim.AdamW(model.parameters())
+        for _ in range(2):
+            model(torch.randn(8, 4096, device="cuda")).sum().backward()
+            opt.step()
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 256 * 1024  # a real build would need 1 GiB of weights, 4 GiB in all
+
+
+def test_bad_scripts_get_clear_answers(tmp_path: Path) -> None:
+    with pytest.raises(TilefitError, match="no script at"):
+        run_script(str(tmp_path / "missing.py"), [], gpu=GPU)
+    broken = tmp_path / "broken.py"
+    broken.write_text("for x in range(3)\n    pass\n")
+    with pytest.raises(TilefitError, match="does not compile"):
+        run_script(str(broken), [], gpu=GPU)
+    with pytest.raises(ScriptFailed, match="the data folder is missing") as failed:
+        run_script(str(SCRIPTS / "fails_early.py"), [], gpu=GPU)
+    assert "fails_early.py" in failed.value.traceback_text
+    with pytest.raises(TilefitError, match="no optimizer step"):
+        run_script(str(SCRIPTS / "no_step.py"), [], gpu=GPU)
+    with pytest.raises(TilefitError, match="at least 1"):
+        run_script(str(SCRIPTS / "no_step.py"), [], gpu=GPU, steps=0)
+
+
+def test_cli_run_prints_the_step_and_what_it_found() -> None:
+    out = subprocess.run([sys.executable, "-m", "tilefit", "run", "--gpu", GPU, "--steps", "2",
+                          "--json", "--no-ops", str(SCRIPTS / "gan.py")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout[out.stdout.index("{"):])
+    assert data["found"]["grad_scaler"] is True and data["step_time_s"] > 0
+    assert data["peak_memory_bytes"] > 0 and "ops" not in data
+    failed = subprocess.run([sys.executable, "-m", "tilefit", "run",
+                             str(SCRIPTS / "fails_early.py")],
+                            capture_output=True, text=True, timeout=300)
+    assert failed.returncode == 1
+    assert "ValueError: the data folder is missing" in failed.stderr
+    assert "before its first optimizer step" in failed.stderr
