@@ -34,7 +34,7 @@ TIERS: tuple[tuple[str, ...], ...] = (
     ("models",),
     ("tracing",),
     ("estimator",),
-    ("planner", "tuning", "bench", "simulate"),
+    ("planner", "tuning", "bench", "simulation"),
     # calibrate times its grid with bench's timer and stores profiles through hardware; the
     # audit's way forward, when the step does not fit, is the planner's answer
     ("advise", "calibrate"),

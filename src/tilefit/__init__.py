@@ -50,6 +50,8 @@ _LAZY = {
     "noise_scale": ("tilefit.tuning", "noise_scale"),
     "NoiseScale": ("tilefit.tuning", "NoiseScale"),
     "NoiseMeasure": ("tilefit.tuning", "NoiseMeasure"),
+    "simulate": ("tilefit.simulation", "simulate"),
+    "Simulation": ("tilefit.simulation", "Simulation"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -92,6 +92,11 @@ class Recipe:
     # a mixture-of-experts layer's tokens per expert (vocab.parse_routing): "balanced" or
     # "skewed:F", the busiest expert's share F of the routed tokens
     routing: str = "balanced"
+    # a Hugging Face model's KV cache in the training step (config.use_cache): None keeps the
+    # config's; the HF Trainer sets False (TrainingArguments.use_cache, transformers 5.x:
+    # docs/references.md, section 47), so a causal LM keeps no cache copy of its keys and
+    # values; a plain loop calling model(**batch) builds it when the config says so
+    use_cache: bool | None = None
     notes: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -127,6 +132,10 @@ class Recipe:
                                given=repr(self.attention),
                                fix="use sdpa (PyTorch's fused kernels) unless you need eager")
         check_max_grad_norm(self.max_grad_norm)
+        if self.use_cache not in (None, True, False):
+            raise TilefitError("use_cache is the model config's KV-cache switch in training",
+                               expected="None (the config's), True or False",
+                               given=repr(self.use_cache), fix="Recipe(use_cache=False)")
         if not isinstance(self.zero_grad_to_none, bool):
             raise TilefitError("zero_grad_to_none says how the loop clears the gradients",
                                expected="True (zero_grad() frees them) or False (kept, zeroed)",
@@ -253,7 +262,7 @@ def check_optimizer(optimizer: Any) -> None:
 # optim="adamw_torch_fused" (its default with torch >= 2.8), max_grad_norm=1.0,
 # logging_nan_inf_filter=True (the loss read on the host after each micro-batch).
 HF_TRAINER: dict[str, Any] = {"optimizer": "adamw-fused", "max_grad_norm": 1.0,
-                              "loss_sync": True}
+                              "loss_sync": True, "use_cache": False}
 # A plain PyTorch loop: torch.optim.AdamW as torch defaults it (foreach on a GPU), no
 # clipping, no read of the loss.
 PLAIN_PYTORCH: dict[str, Any] = {"optimizer": "adamw", "max_grad_norm": None,

@@ -13,7 +13,7 @@ from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, us
 from tilefit.cli.estimate import OPS_OPTION
 
 if TYPE_CHECKING:
-    from tilefit.simulate.findings import Findings
+    from tilefit.simulation.findings import Findings
 
 STEPS_OPTION = typer.Option(3, "--steps", min=1, help="Stop the script after its Nth "
                             "optimizer step; the report is of the last (the first also "
@@ -40,7 +40,7 @@ def run(
     """Run your training script as if `cuda` were the chosen GPU, on this machine, and
     predict its training step: the script's own model, loop, precision and optimizers."""
     from tilefit.hardware import get_device
-    from tilefit.simulate.script import ScriptFailed, run_script
+    from tilefit.simulation.script import ScriptFailed, run_script
 
     words = list(script_and_args or [])
     script = None if module is not None else (words.pop(0) if words else None)
@@ -77,7 +77,9 @@ def _print_found(found: Findings) -> None:
              "gradient clipping: " + (", ".join(found.clipping) or "none"),
              f"activation checkpointing: {'yes' if found.grad_checkpointing else 'no'}",
              "models called: " + (", ".join(found.models) or "none"),
-             f"host-to-device copies in the run: {found.copies_to_gpu}"]
+             f"host-to-device copies in the run: {found.copies_to_gpu}",
+             f"ops on CPU tensors in the step (data loading, collation): "
+             f"{found.host_ops_per_step}, run by this machine's CPU, not in the prediction"]
     if found.zero_grad_to_none is not None:
         lines.append("zero_grad: " + ("set_to_none" if found.zero_grad_to_none
                                       else "zeroed in place (set_to_none=False)"))

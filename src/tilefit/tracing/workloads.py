@@ -178,6 +178,8 @@ def _trace_workload(work: Workload, recipe: Recipe, gpu: str | Device) -> Trace:
 
         check_lora(work)
         model = build_lora_model(work, build_attention, lora_base_dtype(recipe), recipe.lora)
+    if recipe.use_cache is not None:
+        model = _with_use_cache(model, recipe.use_cache)
     # the workload's model already has its attention implementation built in
     tr = trace_module(model, work.make_batch(recipe.batch_size, device="meta"),
                       replace(recipe, attention="auto"), gpu,
@@ -187,6 +189,21 @@ def _trace_workload(work: Workload, recipe: Recipe, gpu: str | Device) -> Trace:
     from tilefit.models.quantize import quantize_notes
 
     return replace(tr, warnings=tr.warnings + quantize_notes(recipe))
+
+
+def _with_use_cache(model: Any, use_cache: bool) -> Any:
+    """The model (or its factory's) with every Hugging Face config's ``use_cache`` set, as
+    the training loop sets it (the HF Trainer: False); the model is tilefit's own build."""
+    def set_cache(m: Any) -> Any:
+        for sub in m.modules():
+            config = getattr(sub, "config", None)
+            if config is not None and hasattr(config, "use_cache"):
+                config.use_cache = use_cache
+        return m
+
+    if callable(model) and not hasattr(model, "modules"):
+        return lambda: set_cache(model())
+    return set_cache(model)
 
 
 def check_lora(workload: Workload) -> None:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tilefit.compat.bitsandbytes import logical_numel
+from tilefit.compat.fake import tree_leaves
 from tilefit.compat.simulated_cuda import patched
 from tilefit.tracing.optimizers import optimizer_state_tensors
 from tilefit.tracing.recorder import Recorder
@@ -59,6 +60,18 @@ class LoopFacts:
     models: list[str] = dataclasses.field(default_factory=list)  # root modules' classes
 
 
+def samples_and_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int | None]:
+    """A forward call's micro-batch: the samples (the leading dimension of its first tensor)
+    and tokens (its input_ids' elements, where it has them)."""
+    ids = kwargs.get("input_ids")
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 1:
+        return int(ids.shape[0]), int(ids.numel())
+    leaves = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if not leaves or leaves[0].dim() == 0:
+        return 1, None
+    return int(leaves[0].shape[0]), None
+
+
 class StepWatch:
     """Sets the recorder's phase from the script's calls and marks the step boundaries."""
 
@@ -74,7 +87,11 @@ class StepWatch:
         self._roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._first_root: nn.Module | None = None
         self._handles: list[Any] = []  # the hooks on the top modules, removed at the end
-        self.first_batch: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self._stepping = False  # inside an optimizer's step (a closure may run the forward)
+        self._backwards_at_step = 0
+        # the main model's micro-batch: (samples, tokens), read from its inputs as it is
+        # called (the tensors themselves are not kept: that would hold the script's memory)
+        self.batch_size: tuple[int, int | None] | None = None
         self.params: list[torch.Tensor] = []  # every optimizer's, as of its last step
         self.param_count = 0  # the elements of the top modules' parameters
 
@@ -103,10 +120,18 @@ class StepWatch:
             return  # a backward inside a backward (double backward): one pass
         self._backwards += 1
         self.recorder.begin_micro(self._backwards)
+        if self._stepping:  # a closure's backward (Lightning's): the optimizer's work follows
+            self.recorder.enter_phase("optimizer")
+
+    def _in_closure(self) -> bool:
+        """An optimizer step whose closure runs the forward (Lightning's automatic
+        optimization, LBFGS): no backward of this step has run yet."""
+        return self._stepping and self._backwards_at_step == self._backwards
 
     # ---- hooks --------------------------------------------------------------------------
     def _forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self.recorder.phase in ("backward", "recompute", "optimizer"):
+        if self.recorder.phase in ("backward", "recompute") or (
+                self.recorder.phase == "optimizer" and not self._in_closure()):
             return
         if self.recorder.tracker.current == "" and module not in self._roots:
             # a top module (this hook runs before the tracker's): its calls' arguments
@@ -115,7 +140,7 @@ class StepWatch:
             if next(module.parameters(), None) is not None:  # a model, not a loss module
                 self._first_root = self._first_root or module
                 self.facts.models.append(type(module).__name__)
-            self.first_batch = self.first_batch or (args, {})
+            self.batch_size = self.batch_size or samples_and_tokens(args, {})
             self._handles.append(module.register_forward_pre_hook(self._inputs,
                                                                   with_kwargs=True))
         if self.recorder.phase not in ("forward", "scaler", "clip_grad"):
@@ -124,7 +149,7 @@ class StepWatch:
     def _inputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                 ) -> None:
         if self.recorder.phase not in ("backward", "recompute") and module is self._main():
-            self.first_batch = (args, kwargs)
+            self.batch_size = samples_and_tokens(args, kwargs)
 
     def _main(self) -> nn.Module | None:
         """The first top module the code called (the model; a teacher or discriminator
@@ -147,6 +172,7 @@ class StepWatch:
         self.recorder.label([p.grad for p in params if p.grad is not None], "gradients")
         self._phases.append(self.recorder.phase)
         self.recorder.enter_phase("optimizer")
+        self._stepping, self._backwards_at_step = True, self._backwards
 
     def _count_params(self, stepped: list[torch.Tensor]) -> None:
         known = {id(p) for p in self.params}
@@ -156,8 +182,12 @@ class StepWatch:
         self.param_count = sum(logical_numel(p) for p in every.values())
 
     def _step_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._stepping = False
         self.recorder.label(optimizer_state_tensors(optimizer), "optimizer_state")
-        self.recorder.enter_phase(self._phases.pop() if self._phases else "zero_grad")
+        before = self._phases.pop() if self._phases else "forward"
+        # what follows the step until the next is the next micro-batch's (its data, its
+        # copies to the GPU) unless the step ran inside GradScaler.step
+        self.recorder.enter_phase(before if before == "scaler" else "forward")
         self._seen[optimizer].steps += 1
         if self._first is None or self._first() is not optimizer:
             return
@@ -165,8 +195,6 @@ class StepWatch:
         self.facts.backward_calls.append(self._backwards)
         self._backwards = 0
         self.recorder.begin_micro(0)
-        if self.recorder.phase not in ("scaler",):
-            self.recorder.enter_phase("zero_grad")
         if len(self.boundaries) >= self.steps:
             raise StopSimulation
 

@@ -2,10 +2,10 @@
 
 Inside ``with simulate(gpu="h100", steps=3) as sim:`` the code's tensors are fake tensors
 (no memory the size of the model is allocated; docs/references.md, section 47), "cuda" is
-presented to it (tilefit.simulate.gpu, .devices), every aten op and storage is recorded by
+presented to it (tilefit.simulation.gpu, .devices), every aten op and storage is recorded by
 the tracer's Recorder as the target GPU runs it (CUDA autocast's policy and the target's
 kernels: tilefit.tracing.autocast), and the loop's phases and steps are read from its own
-calls (tilefit.simulate.watch). After ``steps`` optimizer steps the code is stopped; the last
+calls (tilefit.simulation.watch). After ``steps`` optimizer steps the code is stopped; the last
 step is costed by the estimator, the same code ``tilefit.estimate`` uses, and ``sim.result``
 is the Estimate."""
 
@@ -27,16 +27,16 @@ from tilefit.compat.simulated_cuda import (
 )
 from tilefit.compat.transformers import gpu_mask_semantics
 from tilefit.errors import TilefitError
-from tilefit.estimator import Estimate, estimate_trace
+from tilefit.estimator import Estimate, estimate_trace, overhead_bytes
 from tilefit.estimator.cost import CostContext, op_time_s
 from tilefit.hardware import Device
 from tilefit.quiet_imports import quiet_fake_errors
 from tilefit.recipe import DEFAULT_GPU
-from tilefit.simulate.devices import GPU, DevicePlacement
-from tilefit.simulate.findings import Findings, build_trace, findings_of
-from tilefit.simulate.gpu import cuda_answers
-from tilefit.simulate.values import SimulationRecorder
-from tilefit.simulate.watch import StepWatch, StopSimulation
+from tilefit.simulation.devices import GPU, DevicePlacement
+from tilefit.simulation.findings import Findings, build_trace, findings_of, trace_so_far
+from tilefit.simulation.gpu import cuda_answers
+from tilefit.simulation.values import SimulationRecorder
+from tilefit.simulation.watch import StepWatch, StopSimulation
 from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.autocast import CudaAutocast
 from tilefit.tracing.options import resolve_target
@@ -87,6 +87,17 @@ class _Readings:
             live += delta[at]
             peak = max(peak, live)
         return peak
+
+    def reserved_bytes(self) -> int:
+        """What the caching allocator would hold at its peak so far (the allocator model
+        replayed over the record: tilefit.estimator.reserved)."""
+        from tilefit.estimator.reserved import allocator_config_of, reserved_memory
+
+        tr = trace_so_far(self.recorder, self.device)
+        if not tr.storages:
+            return 0
+        limit = self.device.memory_bytes - overhead_bytes(self.device)
+        return reserved_memory(tr, limit, allocator_config_of(tr)).peak_reserved_bytes
 
     def reset_peak(self) -> None:
         self.peak_from = self.recorder.events

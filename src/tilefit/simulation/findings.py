@@ -1,6 +1,6 @@
 """What a simulated run found in the user's code, and the Trace of its last step.
 
-The last step is the events between the last two step boundaries (tilefit.simulate.watch);
+The last step is the events between the last two step boundaries (tilefit.simulation.watch);
 its ops are labelled step 1, the steady step the estimator costs, everything before step 0.
 Every forward and backward of that step was run (none replayed), so the trace's
 accumulation is the step's backward passes, all traced. Storages in host memory (the
@@ -17,13 +17,13 @@ import torch
 from tilefit.hardware import Device
 from tilefit.tracing.options import resolve_target
 from tilefit.tracing.records import Trace
-from tilefit.vocab import MICRO_PHASES
+from tilefit.vocab import MICRO_PHASES, OPTIMIZER_PHASES
 
 if TYPE_CHECKING:
-    from tilefit.simulate.devices import DevicePlacement
-    from tilefit.simulate.session import _Readings
-    from tilefit.simulate.values import HostRead, SimulationRecorder
-    from tilefit.simulate.watch import OptimizerSeen, StepWatch
+    from tilefit.simulation.devices import DevicePlacement
+    from tilefit.simulation.session import _Readings
+    from tilefit.simulation.values import HostRead, SimulationRecorder
+    from tilefit.simulation.watch import OptimizerSeen, StepWatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,7 @@ class Findings:
     host_reads: tuple[HostRead, ...]  # .item() and the like: host synchronizations
     syncs: tuple[str, ...]  # torch.cuda.synchronize() and Event.synchronize() calls
     copies_to_gpu: int  # host-to-device copies (.to("cuda") of CPU tensors)
+    host_ops_per_step: int  # the script's own ops on CPU tensors in its last step
     steps_run: int  # optimizer steps (of the first optimizer) the code made
     stopped: bool  # stopped after the asked steps; else the code ended by itself
 
@@ -71,6 +72,14 @@ def _weights_dtype(params: list[torch.Tensor]) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(top, "fp32")
 
 
+def script_host_op(op: Any) -> bool:
+    """An op of the script's own on tensors in host memory (its data loading, collation,
+    CPU preprocessing): the machine's CPU runs it, not the GPU's host thread issuing kernels,
+    so the step's prediction leaves it out (torch.optim's step counts, host tensors too, are
+    the optimizer's and stay)."""
+    return bool(op.on_host) and op.phase not in OPTIMIZER_PHASES
+
+
 def findings_of(watch: StepWatch, recorder: SimulationRecorder, placement: DevicePlacement,
                 readings: _Readings, stopped: bool, steps: int) -> Findings:
     start, end = _last_step(watch)
@@ -86,6 +95,7 @@ def findings_of(watch: StepWatch, recorder: SimulationRecorder, placement: Devic
                            else all(facts.zero_grad_to_none)),
         models=tuple(facts.models), host_reads=recorder.host_reads(),
         syncs=tuple(readings.syncs), copies_to_gpu=placement.copies_in,
+        host_ops_per_step=sum(script_host_op(op) for op in ops),
         steps_run=len(watch.boundaries), stopped=stopped)
 
 
@@ -98,14 +108,14 @@ def build_trace(recorder: SimulationRecorder, watch: StepWatch, device: Device,
                 found: Findings, notes: list[str]) -> Trace:
     """The Trace of the run up to its last step, that step labelled the steady one."""
     start, end = _last_step(watch)
-    ops = tuple(dataclasses.replace(op, step=1 if i >= start else 0,
+    ops = tuple(dataclasses.replace(op, step=1 if i >= start and not script_host_op(op) else 0,
                                     micro=op.micro if op.phase in MICRO_PHASES else 0)
                 for i, op in enumerate(recorder.ops[:end]))
     host = recorder.host_uids
     storages = tuple(
         s if s.free_at is None or s.free_at <= end else dataclasses.replace(s, free_at=None)
         for s in recorder.storages() if s.uid not in host and s.alloc_at < end)
-    samples, tokens = _samples_and_tokens(watch.first_batch)
+    samples, tokens = watch.batch_size or (1, None)
     target, _ = resolve_target(device)
     warnings = list(notes)
     if len(watch.boundaries) < 2:
@@ -124,19 +134,14 @@ def build_trace(recorder: SimulationRecorder, watch: StepWatch, device: Device,
         warnings=tuple(warnings))
 
 
-def _samples_and_tokens(first: tuple[tuple[Any, ...], dict[str, Any]] | None
-                        ) -> tuple[int, int | None]:
-    """The micro-batch's samples (the leading dimension of the first forward's first
-    tensor) and tokens (its input_ids' elements, where it has them)."""
-    if first is None:
-        return 1, None
-    args, kwargs = first
-    ids = kwargs.get("input_ids")
-    if isinstance(ids, torch.Tensor) and ids.dim() >= 1:
-        return int(ids.shape[0]), int(ids.numel())
-    from tilefit.compat.fake import tree_leaves
-
-    leaves = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-    if not leaves or leaves[0].dim() == 0:
-        return 1, None
-    return int(leaves[0].shape[0]), None
+def trace_so_far(recorder: SimulationRecorder, device: Device) -> Trace:
+    """The record up to now as a Trace of one unfinished step: what the caching allocator
+    has reserved so far is replayed from it (torch.cuda.memory_reserved)."""
+    host = recorder.host_uids
+    target, _ = resolve_target(device)
+    return Trace(target=target, precision="fp32", optimizer="none", attention="auto",
+                 grad_checkpointing=False, accumulation_steps=1, traced_micro_steps=1,
+                 ops=tuple(recorder.ops), n_events=recorder.events,
+                 storages=tuple(s for s in recorder.storages() if s.uid not in host),
+                 param_count=0, trainable_param_count=0, samples_per_micro_batch=1,
+                 tokens_per_micro_batch=None)

@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from tilefit.compat.fake import tree_leaves
 from tilefit.compat.simulated_cuda import inside_torch
-from tilefit.tracing.recorder import Recorder
+from tilefit.simulation.values import SimulationRecorder
 
 CPU = torch.device("cpu")
 GPU = torch.device("cuda", 0)
@@ -46,7 +46,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 class DevicePlacement(TorchFunctionMode):
     """The rewrite of device arguments, and the host or GPU placement of what is made."""
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: SimulationRecorder) -> None:
         super().__init__()
         self.recorder = recorder
         self.default_gpu = False  # torch.set_default_device("cuda")
@@ -94,9 +94,8 @@ class DevicePlacement(TorchFunctionMode):
         with inside_torch():
             out = func(t, *rest, **kwargs) if name != "cpu" else t
             if to_gpu and not self.on_gpu(t):
-                out = out.clone() if out is t else out
+                out = self.recorder.copy_to_device(out)
                 self.copies_in += 1
-                self.recorder.unmark_host(out)
                 if not isinstance(t, torch.nn.Parameter):  # a module's is labelled later
                     self.recorder.label(out, "inputs")
             elif to_host and self.on_gpu(t):

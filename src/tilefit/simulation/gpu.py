@@ -17,10 +17,11 @@ from tilefit.hardware import Device
 
 
 class Readings(Protocol):
-    """What the simulation knows as the script runs (tilefit.simulate.session)."""
+    """What the simulation knows as the script runs (tilefit.simulation.session)."""
 
     def allocated_bytes(self) -> int: ...
     def peak_allocated_bytes(self) -> int: ...
+    def reserved_bytes(self) -> int: ...
     def reset_peak(self) -> None: ...
     def elapsed_s(self, start: int, end: int) -> float: ...
     def now(self) -> int: ...
@@ -110,6 +111,15 @@ class SimulatedStream:
         pass
 
 
+def _memory_stats(readings: Readings) -> dict[str, int]:
+    """The keys of torch.cuda.memory_stats() that scripts and loggers read."""
+    allocated, reserved = readings.allocated_bytes(), readings.reserved_bytes()
+    return {"allocated_bytes.all.current": allocated,
+            "allocated_bytes.all.peak": readings.peak_allocated_bytes(),
+            "reserved_bytes.all.current": reserved, "reserved_bytes.all.peak": reserved,
+            "active_bytes.all.current": allocated, "num_alloc_retries": 0, "num_ooms": 0}
+
+
 def _constant(value: Any) -> Callable[..., Any]:
     return lambda *args, **kwargs: value
 
@@ -136,6 +146,11 @@ def _cuda_table(device: Device, readings: Readings, world_size: int) -> dict[str
         "synchronize": synchronize, "empty_cache": _constant(None),
         "memory_allocated": lambda *a: readings.allocated_bytes(),
         "max_memory_allocated": lambda *a: readings.peak_allocated_bytes(),
+        # the allocator model's peak over the record so far: reserved memory is held until
+        # empty_cache, so the current figure is taken as the peak's
+        "memory_reserved": lambda *a: readings.reserved_bytes(),
+        "max_memory_reserved": lambda *a: readings.reserved_bytes(),
+        "memory_stats": lambda *a: _memory_stats(readings),
         "reset_peak_memory_stats": lambda *a: readings.reset_peak(),
         "reset_max_memory_allocated": lambda *a: readings.reset_peak(),
         "mem_get_info": mem_get_info,

@@ -70,7 +70,8 @@ def _is_under(path: Path, root: Path) -> bool:
 
 
 class SimulationRecorder(Recorder):
-    """The tracer's Recorder, answering every host read of a value (the module's rules)."""
+    """The tracer's Recorder, answering every host read of a value (the module's rules) and
+    counting those of GPU tensors (a read of a tensor in host memory syncs nothing)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -80,8 +81,18 @@ class SimulationRecorder(Recorder):
         if packet_name(func) != "aten._local_scalar_dense":
             raise
         value = placeholder(args[0], self.phase)
-        self.reads[(read_site(), value)] += 1
+        if not self.is_host(args[0]):  # a read of a CPU tensor makes the GPU wait for nothing
+            self.reads[(read_site(), value)] += 1
         return value
+
+    def copy_to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (in host memory) copied to the GPU: a new GPU tensor, and an op the GPU
+        runs (the clone is recorded as a host op, its input being in host memory)."""
+        out = t.clone()
+        if self.ops:
+            self.ops[-1] = dataclasses.replace(self.ops[-1], on_host=False)
+        self.unmark_host(out)
+        return out
 
     def host_reads(self) -> tuple[HostRead, ...]:
         return tuple(HostRead(site, value, n) for (site, value), n in self.reads.items())

@@ -1,5 +1,5 @@
 """``tilefit run SCRIPT``: a user's unmodified training script (or ``-m MODULE``) run under
-the simulated GPU (tilefit.simulate.session), with its own arguments, as ``python`` runs it:
+the simulated GPU (tilefit.simulation.session), with its own arguments, as ``python`` runs it:
 ``sys.argv`` is the script and its arguments, the script's folder comes first on
 ``sys.path``, and it runs as ``__main__``. Both are restored after."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device
 from tilefit.recipe import DEFAULT_GPU
-from tilefit.simulate.session import DEFAULT_STEPS, Simulation, simulate
+from tilefit.simulation.session import DEFAULT_STEPS, Simulation, simulate
 
 
 class ScriptFailed(Exception):
