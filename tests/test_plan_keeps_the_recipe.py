@@ -14,7 +14,8 @@ from tilefit.recipe import Compile, Recipe
 # field must be added here or to SEARCHED_FIELDS (the test below fails until it is)
 NOT_DEFAULT = {"max_grad_norm": 0.5, "loss_sync": True, "zero_grad_to_none": False,
                "fused_ce": True, "compile": Compile(mode="reduce-overhead"),
-               "alloc_conf": "expandable_segments:True", "routing": "skewed:0.5"}
+               "alloc_conf": "expandable_segments:True", "routing": "skewed:0.5",
+               "use_cache": False}
 
 
 def test_every_field_not_searched_is_carried() -> None:

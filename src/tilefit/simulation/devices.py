@@ -71,10 +71,11 @@ class DevicePlacement(TorchFunctionMode):
             self.default_gpu and kwargs.get("device") is None)
         if "device" in kwargs:
             kwargs["device"] = CPU
+        at = self.recorder.events
         with inside_torch():
             out = func(*args, **kwargs)
         if not to_gpu and not _tensors((args, kwargs)):  # made from nothing: a factory
-            self.recorder.mark_host(_tensors(out))
+            self.recorder.made_on_host(_tensors(out), since=at)
         return out
 
     def _move(self, func: Any, name: str, args: tuple[Any, ...],

@@ -94,5 +94,13 @@ class SimulationRecorder(Recorder):
         self.unmark_host(out)
         return out
 
+    def made_on_host(self, tensors: Any, since: int) -> None:
+        """These tensors, made by the ops recorded from event ``since`` on (a factory called
+        without a device: ``torch.randint`` in a Dataset), live in host memory, and those ops
+        ran on the host."""
+        self.mark_host(tensors)
+        for i in range(since, len(self.ops)):
+            self.ops[i] = dataclasses.replace(self.ops[i], on_host=True)
+
     def host_reads(self) -> tuple[HostRead, ...]:
         return tuple(HostRead(site, value, n) for (site, value), n in self.reads.items())
