@@ -148,6 +148,32 @@ def test_the_hf_trainers_step_is_the_estimate_of_the_same_step(tmp_path: Path) -
     assert run.device_time_s == pytest.approx(est.device_time_s, rel=0.10)
 
 
+def test_on_the_cpu_the_predicted_peak_is_the_real_runs() -> None:
+    """Ground truth here (issue 42, item 8): the script simulated on this CPU, and run for
+    real under PyTorch's MemTracker (its own accounting of live tensors)."""
+    import runpy
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from tilefit.compat.distributed import new_mem_tracker
+
+    script, args = str(SCRIPTS / "plain_loop.py"), ["--batch", "64", "--epochs", "1"]
+    predicted = run_script(script, args, gpu="cpu", steps=3).result.peak_memory_bytes
+    tracker = new_mem_tracker()
+    # MemTracker wants its module statistics cleared between iterations
+    hook = register_optimizer_step_post_hook(lambda *a: tracker.reset_mod_stats())
+    argv = sys.argv[:]
+    try:
+        sys.argv = [script, *args]
+        with tracker:
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        hook.remove()
+        sys.argv = argv
+    real = int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+    assert predicted == pytest.approx(real, rel=0.01)
+
+
 def test_a_gan_with_two_optimizers_and_a_scaler() -> None:
     sim = run_script(str(SCRIPTS / "gan.py"), [], gpu=GPU, steps=3)
     found = sim.found

@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tilefit.hardware import Device
-from tilefit.tracing.options import resolve_target
 from tilefit.tracing.records import Trace
+from tilefit.tracing.target import Target
 from tilefit.vocab import MICRO_PHASES, OPTIMIZER_PHASES
 
 if TYPE_CHECKING:
@@ -104,7 +103,7 @@ def _last_step(watch: StepWatch) -> tuple[int, int]:
     return (b[-2] if len(b) > 1 else 0), b[-1]
 
 
-def build_trace(recorder: SimulationRecorder, watch: StepWatch, device: Device,
+def build_trace(recorder: SimulationRecorder, watch: StepWatch, target: Target,
                 found: Findings, notes: list[str]) -> Trace:
     """The Trace of the run up to its last step, that step labelled the steady one."""
     start, end = _last_step(watch)
@@ -116,7 +115,6 @@ def build_trace(recorder: SimulationRecorder, watch: StepWatch, device: Device,
         s if s.free_at is None or s.free_at <= end else dataclasses.replace(s, free_at=None)
         for s in recorder.storages() if s.uid not in host and s.alloc_at < end)
     samples, tokens = watch.batch_size or (1, None)
-    target, _ = resolve_target(device)
     warnings = list(notes)
     if len(watch.boundaries) < 2:
         warnings.append("the code made one optimizer step: the step shown is the first, "
@@ -134,11 +132,10 @@ def build_trace(recorder: SimulationRecorder, watch: StepWatch, device: Device,
         warnings=tuple(warnings))
 
 
-def trace_so_far(recorder: SimulationRecorder, device: Device) -> Trace:
+def trace_so_far(recorder: SimulationRecorder, target: Target) -> Trace:
     """The record up to now as a Trace of one unfinished step: what the caching allocator
     has reserved so far is replayed from it (torch.cuda.memory_reserved)."""
     host = recorder.host_uids
-    target, _ = resolve_target(device)
     return Trace(target=target, precision="fp32", optimizer="none", attention="auto",
                  grad_checkpointing=False, accumulation_steps=1, traced_micro_steps=1,
                  ops=tuple(recorder.ops), n_events=recorder.events,

@@ -29,7 +29,7 @@ from tilefit.compat.transformers import gpu_mask_semantics
 from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate, estimate_trace, overhead_bytes
 from tilefit.estimator.cost import CostContext, op_time_s
-from tilefit.hardware import Device
+from tilefit.hardware import Device, get_device
 from tilefit.quiet_imports import quiet_fake_errors
 from tilefit.recipe import DEFAULT_GPU
 from tilefit.simulation.devices import GPU, DevicePlacement
@@ -41,6 +41,7 @@ from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.autocast import CudaAutocast
 from tilefit.tracing.options import resolve_target
 from tilefit.tracing.records import StorageRecord, Trace
+from tilefit.tracing.target import Target
 
 DEFAULT_STEPS = 3
 
@@ -60,8 +61,8 @@ class Simulation:
 class _Readings:
     """What torch.cuda's memory and event queries answer while the code runs."""
 
-    def __init__(self, recorder: SimulationRecorder, device: Device) -> None:
-        self.recorder, self.device = recorder, device
+    def __init__(self, recorder: SimulationRecorder, device: Device, target: Target) -> None:
+        self.recorder, self.device, self.target = recorder, device, target
         self.peak_from = 0
         self.syncs: list[str] = []
 
@@ -93,7 +94,7 @@ class _Readings:
         replayed over the record: tilefit.estimator.reserved)."""
         from tilefit.estimator.reserved import allocator_config_of, reserved_memory
 
-        tr = trace_so_far(self.recorder, self.device)
+        tr = trace_so_far(self.recorder, self.target)
         if not tr.storages:
             return 0
         limit = self.device.memory_bytes - overhead_bytes(self.device)
@@ -126,11 +127,12 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS
                            expected="an integer of at least 1 (2 or more: the first step "
                            "creates the optimizer state)", given=repr(steps),
                            fix="steps=3")
-    target, dev = resolve_target(gpu)
+    target, _ = resolve_target(gpu)
+    dev = gpu if isinstance(gpu, Device) else get_device(gpu)  # "cpu": this machine's
     sim = Simulation(dev, steps)
     recorder = SimulationRecorder(ModulePath(), "")
     watch = StepWatch(recorder, steps)
-    readings = _Readings(recorder, dev)
+    readings = _Readings(recorder, dev, target)
     placement = DevicePlacement(recorder)
     cuda = target.kind == "cuda"
     if cuda:
@@ -151,7 +153,8 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS
         if cuda:
             stack.enter_context(CudaAutocast(None, AttentionRouter(target, recorder)))
         stack.enter_context(gpu_mask_semantics(recorder.ones))
-        stack.enter_context(placement)
+        if cuda:  # on a CPU target the code's tensors are where it puts them: this CPU
+            stack.enter_context(placement)
         try:
             yield sim
         except StopSimulation:
@@ -187,7 +190,7 @@ def _finish(sim: Simulation, recorder: SimulationRecorder, watch: StepWatch,
             fix="run the training part of the script (check its arguments, e.g. the "
                 "number of epochs or max_steps)")
     found = findings_of(watch, recorder, placement, readings, sim.stopped, sim.steps)
-    tr = build_trace(recorder, watch, sim.device, found, notes)
+    tr = build_trace(recorder, watch, readings.target, found, notes)
     with torch.no_grad():
         sim.result = estimate_trace(tr, sim.device)
     sim.trace, sim.found = tr, found
