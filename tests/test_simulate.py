@@ -174,6 +174,24 @@ def test_on_the_cpu_the_predicted_peak_is_the_real_runs() -> None:
     assert predicted == pytest.approx(real, rel=0.01)
 
 
+def test_shapes_that_depend_on_values_take_their_upper_bound() -> None:
+    with simulate(gpu=GPU, steps=2) as sim:
+        x = torch.randn(8, 16, device="cuda", requires_grad=True)
+        opt = torch.optim.SGD([x], lr=0.1)
+        for _ in range(3):
+            mask = x > 0
+            loss = x[mask].sum() + torch.masked_select(x, mask).sum() + \
+                torch.nonzero(mask).float().sum()
+            loss.backward()
+            opt.step()
+    shapes = {op.op: op.output_shapes for op in sim.trace.ops_of_step(1)
+              if op.op.split(".")[1] in ("index", "masked_select", "nonzero")}
+    # every one of the 8 x 16 = 128 elements selected
+    assert shapes == {"aten.index.Tensor": ((128,),), "aten.masked_select.default": ((128,),),
+                      "aten.nonzero.default": ((128, 2),)}
+    assert any("upper bound" in w and "aten.nonzero" in w for w in sim.result.warnings)
+
+
 def test_a_gan_with_two_optimizers_and_a_scaler() -> None:
     sim = run_script(str(SCRIPTS / "gan.py"), [], gpu=GPU, steps=3)
     found = sim.found

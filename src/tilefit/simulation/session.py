@@ -35,7 +35,7 @@ from tilefit.recipe import DEFAULT_GPU
 from tilefit.simulation.devices import GPU, DevicePlacement
 from tilefit.simulation.findings import Findings, build_trace, findings_of, trace_so_far
 from tilefit.simulation.gpu import cuda_answers
-from tilefit.simulation.values import SimulationRecorder
+from tilefit.simulation.values import BOUND_NOTE, SimulationRecorder
 from tilefit.simulation.watch import StepWatch, StopSimulation
 from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.autocast import CudaAutocast
@@ -189,6 +189,8 @@ def _finish(sim: Simulation, recorder: SimulationRecorder, watch: StepWatch,
             given="no optimizer.step() before the code ended",
             fix="run the training part of the script (check its arguments, e.g. the "
                 "number of epochs or max_steps)")
+    if recorder.bounded:
+        notes.append(BOUND_NOTE.format(ops=", ".join(recorder.bounded)))
     found = findings_of(watch, recorder, placement, readings, sim.stopped, sim.steps)
     tr = build_trace(recorder, watch, readings.target, found, notes)
     with torch.no_grad():

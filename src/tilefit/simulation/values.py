@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tilefit.compat.fake import DynamicOutputShapeException
 from tilefit.tracing.recorder import Recorder
 from tilefit.tracing.shapes import packet_name
 
@@ -69,6 +70,41 @@ def _is_under(path: Path, root: Path) -> bool:
         return False
 
 
+def _selected_shape(args: tuple[Any, ...]) -> tuple[int, ...] | None:
+    """``x[mask]``'s shape with every element of the boolean mask selected (aten.index with
+    a bool index at position p covering k dimensions: x.shape[:p] + (mask.numel(),) +
+    x.shape[p + k:]); None where no index is a mask."""
+    x, indices = args[0], list(args[1])
+    for p, ix in enumerate(indices):
+        if isinstance(ix, torch.Tensor) and ix.dtype == torch.bool:
+            return (*x.shape[:p], ix.numel(), *x.shape[p + ix.dim():])
+    return None
+
+
+def upper_bound(func: Any, args: tuple[Any, ...]) -> torch.Tensor | None:
+    """The output of an op whose shape depends on values, with every element selected:
+    the largest it can be. None for an op without a stated bound."""
+    name = packet_name(func)
+    x = args[0]
+    if name == "aten.nonzero":
+        return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+    if name == "aten.masked_select":
+        numel = torch.broadcast_shapes(x.shape, args[1].shape).numel()
+        return torch.empty((numel,), dtype=x.dtype, device=x.device)
+    if name == "aten.index":
+        shape = _selected_shape(args)
+        return None if shape is None else torch.empty(shape, dtype=x.dtype, device=x.device)
+    if name == "aten.index_put_":  # the backward of x[mask]: written in place
+        return x
+    return None
+
+
+# what the report says of each op given its upper bound
+BOUND_NOTE = ("{ops}: shapes that depend on values, taken at their upper bound (every "
+              "element selected, as if the mask were all True): memory and time are the most "
+              "they can be")
+
+
 class SimulationRecorder(Recorder):
     """The tracer's Recorder, answering every host read of a value (the module's rules) and
     counting those of GPU tensors (a read of a tensor in host memory syncs nothing)."""
@@ -76,6 +112,20 @@ class SimulationRecorder(Recorder):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.reads: collections.Counter[tuple[str, float | bool]] = collections.Counter()
+        self.bounded: dict[str, None] = {}  # ops taken at their upper bound
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except DynamicOutputShapeException:
+            out = upper_bound(func, args)
+            if out is None:
+                raise
+        self.raised_in = None
+        self.bounded.setdefault(packet_name(func))
+        self._record(func, args, kwargs or {}, out, self.module, self.effective_phase)
+        return out
 
     def _stand_in_scalar(self, func: Any, args: tuple[Any, ...]) -> Any:
         if packet_name(func) != "aten._local_scalar_dense":
