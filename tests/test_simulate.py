@@ -232,6 +232,20 @@ def test_the_simulated_device_answers_as_the_gpu() -> None:
     assert torch.cuda.is_available() is False  # restored
 
 
+def test_files_the_code_saves_are_listed_not_written(tmp_path: Path) -> None:
+    with simulate(gpu=GPU, steps=2) as sim:
+        model = nn.Linear(8, 8).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            model(torch.randn(4, 8, device="cuda")).sum().backward()
+            opt.step()
+            torch.save(model.state_dict(), tmp_path / f"step{step}.pt")
+    assert sim.unwritten == [str(tmp_path / "step0.pt")]  # stopped in step 2, before its save
+    assert list(tmp_path.iterdir()) == []
+    torch.save({"a": 1}, tmp_path / "real.pt")  # restored after the block
+    assert (tmp_path / "real.pt").exists()
+
+
 def test_no_memory_the_size_of_the_model_is_allocated() -> None:
     import resource
 

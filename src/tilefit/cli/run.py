@@ -59,6 +59,7 @@ def run(
     name = script or f"-m {module}"
     if json_out:
         print_json({"script": name, "args": words, "found": sim.found.to_dict(),
+                    "not_written": sim.unwritten,
                     "simulation_wall_s": wall_s, **sim.result.to_dict(include_ops=ops)})
         return
     from tilefit.report.terminal import print_estimate
@@ -66,6 +67,9 @@ def run(
     print_estimate(console, sim.result, f"tilefit run: {name} on {device.display_name}, "
                    f"the script's step {sim.found.steps_run}")
     _print_found(sim.found)
+    for path in sim.unwritten:
+        console.print(f"  not written (its tensors are simulated): {path}", highlight=False,
+                      soft_wrap=True)
 
 
 def _print_found(found: Findings) -> None:

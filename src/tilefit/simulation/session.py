@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
+import importlib.util
+import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -23,6 +27,7 @@ from tilefit.compat.modules import ModulePath
 from tilefit.compat.simulated_cuda import (
     fake_parameter_swaps,
     foreach_for_fake_parameters,
+    patched,
     presented_device,
 )
 from tilefit.compat.transformers import gpu_mask_semantics
@@ -56,6 +61,8 @@ class Simulation:
     trace: Trace | None = None
     found: Findings | None = None
     stopped: bool = False  # stopped after ``steps`` optimizer steps (else the code ended)
+    # what the code asked torch.save / safetensors to write (of fake tensors): not written
+    unwritten: list[str] = dataclasses.field(default_factory=list)
 
 
 class _Readings:
@@ -147,6 +154,7 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS
             stack.enter_context(presented_device(placement.on_gpu, GPU))
             stack.enter_context(foreach_for_fake_parameters())
         stack.enter_context(fake_parameter_swaps())
+        stack.enter_context(unwritten_saves(sim.unwritten))
         stack.enter_context(new_fake_mode())
         stack.enter_context(recorder.tracker)
         stack.enter_context(recorder)
@@ -162,6 +170,26 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS
     _finish(sim, recorder, watch, placement, readings, list(collected))
 
 
+@contextlib.contextmanager
+def unwritten_saves(unwritten: list[str]) -> Iterator[None]:
+    """torch.save and safetensors' save_file write nothing (their tensors are fake: there is
+    nothing to write, and the user's files are never touched); each path is listed."""
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        path = os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", f)
+        unwritten.append(str(path))
+
+    def save_file(tensors: Any, filename: Any, *args: Any, **kwargs: Any) -> None:
+        unwritten.append(str(filename))
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(patched(torch, {"save": save}))
+        if importlib.util.find_spec("safetensors") is not None:
+            import safetensors.torch
+
+            stack.enter_context(patched(safetensors.torch, {"save_file": save_file}))
+        yield
+
+
 # libraries that pick a CUDA backend when they are first imported with torch.cuda answering
 # that a GPU is there, and then reach for the CUDA runtime a CPU build has not got
 # (bitsandbytes: torch._C._cuda_getCurrentRawStream): imported before the GPU is presented,
@@ -170,8 +198,6 @@ _CUDA_PROBING = ("bitsandbytes",)
 
 
 def _import_before_cuda() -> None:
-    import importlib.util
-
     from tilefit.quiet_imports import quiet_imports
 
     for name in _CUDA_PROBING:
