@@ -232,6 +232,21 @@ def test_the_simulated_device_answers_as_the_gpu() -> None:
     assert torch.cuda.is_available() is False  # restored
 
 
+def test_a_compiled_model_is_said_to_run_eagerly() -> None:
+    with simulate(gpu=GPU, steps=2) as sim:
+        model = nn.Linear(64, 64).cuda()
+        compiled = torch.compile(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            compiled(torch.randn(4, 64, device="cuda")).sum().backward()
+            opt.step()
+    assert sim.found.compiled
+    assert any("torch.compile" in w and "eager" in w for w in sim.result.warnings)
+    # the eager step's GEMMs: forward 2*4*64*64, and the weight's gradient as much (the
+    # input needs none)
+    assert sim.result.flops == 2 * (2 * 4 * 64 * 64)
+
+
 def test_files_the_code_saves_are_listed_not_written(tmp_path: Path) -> None:
     with simulate(gpu=GPU, steps=2) as sim:
         model = nn.Linear(8, 8).cuda()

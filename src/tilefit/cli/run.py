@@ -80,6 +80,7 @@ def _print_found(found: Findings) -> None:
              f"micro-batches per step (backward passes): {found.accumulation_steps}",
              "gradient clipping: " + (", ".join(found.clipping) or "none"),
              f"activation checkpointing: {'yes' if found.grad_checkpointing else 'no'}",
+             f"torch.compile: {'called (run eagerly here)' if found.compiled else 'no'}",
              "models called: " + (", ".join(found.models) or "none"),
              f"host-to-device copies in the run: {found.copies_to_gpu}",
              f"ops on CPU tensors in the step (data loading, collation): "

@@ -36,6 +36,7 @@ class Findings:
     clipping: tuple[str, ...]  # clip_grad_norm_ / clip_grad_value_
     accumulation_steps: int  # backward passes in the last step
     grad_checkpointing: bool  # the backward recomputed forward ops
+    compiled: bool  # the code called torch.compile (its graphs ran eagerly here)
     zero_grad_to_none: bool | None  # None where zero_grad was not called
     models: tuple[str, ...]  # the classes of the modules the code called at the top
     host_reads: tuple[HostRead, ...]  # .item() and the like: host synchronizations
@@ -71,6 +72,14 @@ def _weights_dtype(params: list[torch.Tensor]) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(top, "fp32")
 
 
+# torch.compile under the simulation: the recorder sees the eager aten ops of the compiled
+# module (observed with torch 2.13: no graph is captured under the simulation's modes)
+COMPILED_NOTE = ("the script calls torch.compile, whose graphs ran eagerly under the "
+                 "simulation: the step shown is the eager one (not yet predicted compiled "
+                 "from a script; `tilefit estimate MODEL --compile` predicts Inductor's "
+                 "kernels for a named model)")
+
+
 def script_host_op(op: Any) -> bool:
     """An op of the script's own on tensors in host memory (its data loading, collation,
     CPU preprocessing): the machine's CPU runs it, not the GPU's host thread issuing kernels,
@@ -90,6 +99,7 @@ def findings_of(watch: StepWatch, recorder: SimulationRecorder, placement: Devic
         optimizers=tuple(facts.optimizers), clipping=tuple(sorted(facts.clipping)),
         accumulation_steps=max(facts.backward_calls[-1], 1),
         grad_checkpointing=any(op.phase == "recompute" for op in ops),
+        compiled=facts.compiled,
         zero_grad_to_none=(None if not facts.zero_grad_to_none
                            else all(facts.zero_grad_to_none)),
         models=tuple(facts.models), host_reads=recorder.host_reads(),
@@ -116,6 +126,8 @@ def build_trace(recorder: SimulationRecorder, watch: StepWatch, target: Target,
         for s in recorder.storages() if s.uid not in host and s.alloc_at < end)
     samples, tokens = watch.batch_size or (1, None)
     warnings = list(notes)
+    if found.compiled:
+        warnings.append(COMPILED_NOTE)
     if len(watch.boundaries) < 2:
         warnings.append("the code made one optimizer step: the step shown is the first, "
                         "which also creates the optimizer state (run 2 or more steps)")

@@ -58,6 +58,7 @@ class LoopFacts:
     autocast_dtypes: set[str] = dataclasses.field(default_factory=set)
     zero_grad_to_none: set[bool] = dataclasses.field(default_factory=set)
     models: list[str] = dataclasses.field(default_factory=list)  # root modules' classes
+    compiled: bool = False  # the code called torch.compile
 
 
 def samples_and_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int | None]:
@@ -236,11 +237,18 @@ class StepWatch:
                 "zero_grad": self._zero_grad(torch.optim.Optimizer.zero_grad)}))
             stack.enter_context(patched(nn.Module, {
                 "zero_grad": self._zero_grad(nn.Module.zero_grad)}))
+            stack.enter_context(patched(torch, {"compile": self._compile(torch.compile)}))
             try:
                 yield
             finally:
                 for h in handles + self._handles:
                     h.remove()
+
+    def _compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def compile_(*args: Any, **kwargs: Any) -> Any:
+            self.facts.compiled = True
+            return fn(*args, **kwargs)
+        return compile_
 
     def _clip(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         def clip(*args: Any, **kwargs: Any) -> Any:
