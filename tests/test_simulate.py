@@ -275,6 +275,14 @@ def test_no_memory_the_size_of_the_model_is_allocated() -> None:
     assert grown_kib < 256 * 1024  # a real build would need 1 GiB of weights, 4 GiB in all
 
 
+def test_a_module_runs_as_python_m_runs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    sim = run_script(None, ["--batch", "16"], module="plain_loop", gpu=GPU, steps=2)
+    assert sim.result.samples_per_step == 16  # its own argument reached it
+    with pytest.raises(TilefitError, match="a script or a module"):
+        run_script("x.py", [], module="plain_loop", gpu=GPU)
+
+
 def test_bad_scripts_get_clear_answers(tmp_path: Path) -> None:
     with pytest.raises(TilefitError, match="no script at"):
         run_script(str(tmp_path / "missing.py"), [], gpu=GPU)
