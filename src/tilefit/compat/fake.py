@@ -169,8 +169,11 @@ def register_ctc_fakes() -> None:
                  ) -> torch.Tensor:
         return torch.empty_like(log_probs, memory_format=torch.contiguous_format)
 
-    torch.library.register_fake("aten::_ctc_loss", forward)
-    torch.library.register_fake("aten::_ctc_loss_backward", backward)
+    # aten::_ctc_loss has a Meta kernel (the int-lengths overload) that the fake mode never
+    # reaches for a dynamic_output_shape op; register_fake refuses an op with a Meta kernel
+    # unless allow_override=True, its default from torch 2.13 (False in torch 2.11)
+    torch.library.register_fake("aten::_ctc_loss", forward, allow_override=True)
+    torch.library.register_fake("aten::_ctc_loss_backward", backward, allow_override=True)
     _CTC_FAKES.append(True)
 
 
