@@ -36,6 +36,7 @@ __all__ = [
     "flop_formula",
     "holds_fake",
     "is_view",
+    "mend_addmm_out_dtype",
     "new_fake_mode",
     "sparse_parts",
     "storage_key",
@@ -59,7 +60,47 @@ FAKE_ERRORS: tuple[type[BaseException], ...] = (
 def new_fake_mode() -> FakeTensorMode:
     # allow_non_fake_inputs lets module-level constants (real CPU tensors a model keeps as
     # plain attributes) mix with fake tensors, as they would on a device.
+    mend_addmm_out_dtype()
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+_ADDMM_MENDED: list[bool] = []  # checked (and on torch 2.11, mended) once per process
+
+
+def mend_addmm_out_dtype() -> None:
+    """Make ``addmm(..., out_dtype=)`` (the overloads ``addmm.dtype`` and ``addmm.dtype_out``:
+    a 16-bit GEMM accumulating into fp32, the fused loss's weight gradient) run on fake
+    tensors. torch 2.11 registers its plain addmm decomposition for the whole addmm packet,
+    these two overloads included, and uses it as their Meta kernel: it takes out_dtype for
+    beta and fails ("unsupported operand type(s) for *: 'torch.dtype' and 'FakeTensor'").
+    torch 2.13 registers addmm's decomposition for default and out only, and a separate
+    addmm_dtype for these two, so nothing is done there. Where the bug is present the two
+    broken entries leave torch's decomposition table (a fake run would prefer them) and the
+    overloads get fake kernels with the shape and dtype of 2.13's decomposition: a contiguous
+    (rows of mat1, columns of mat2) tensor of out_dtype, or ``out`` resized to it."""
+    if _ADDMM_MENDED:
+        return
+    _ADDMM_MENDED.append(True)
+    from torch._decomp import decomposition_table
+
+    aten = torch.ops.aten
+    if decomposition_table.get(aten.addmm.dtype) is not decomposition_table.get(
+            aten.addmm.default):
+        return
+
+    def addmm_dtype(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor,
+                    out_dtype: torch.dtype, beta: float = 1, alpha: float = 1) -> torch.Tensor:
+        return mat1.new_empty((mat1.shape[0], mat2.shape[1]), dtype=out_dtype)
+
+    def addmm_dtype_out(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor,
+                        out_dtype: torch.dtype, beta: float = 1, alpha: float = 1, *,
+                        out: torch.Tensor) -> torch.Tensor:
+        return out.resize_((mat1.shape[0], mat2.shape[1]))
+
+    for overload, fake in ((aten.addmm.dtype, addmm_dtype),
+                           (aten.addmm.dtype_out, addmm_dtype_out)):
+        decomposition_table.pop(overload, None)
+        torch.library.register_fake(overload, fake, allow_override=True)
 
 
 def fake_mode_active() -> bool:
