@@ -39,6 +39,7 @@ __all__ = [
     "mend_addmm_out_dtype",
     "new_fake_mode",
     "sparse_parts",
+    "start_autograd_engine_before_fakes",
     "storage_key",
     "tree_flatten",
     "tree_leaves",
@@ -61,7 +62,32 @@ def new_fake_mode() -> FakeTensorMode:
     # allow_non_fake_inputs lets module-level constants (real CPU tensors a model keeps as
     # plain attributes) mix with fake tensors, as they would on a device.
     mend_addmm_out_dtype()
+    start_autograd_engine_before_fakes()
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+_ENGINE_STARTED: list[bool] = []  # once per process
+
+
+def start_autograd_engine_before_fakes() -> None:
+    """Run one empty CPU backward before the first fake mode, so forked background traces
+    (tilefit.tracing.background) can run a backward. Autograd's engine starts its device
+    threads once, at the first backward: one per device of every non-CPU device guard then
+    registered, and from then on marks each forked child as unable to run a backward
+    ("Unable to handle autograd's threading in combination with fork-based
+    multiprocessing"). On a CUDA build with no GPU (torch 2.11's PyPI wheel on a CPU
+    machine) the CUDA guard counts no device until FakeTensorMode's entry replaces it with a
+    no-op guard counting one (torch._C._ensureCUDADeviceGuardSet), so a first backward after
+    it starts a CUDA thread that a CPU-only build (torch 2.13+cpu) never starts; a first
+    backward before it starts none. Skipped while a dispatch mode is active (it would record
+    the warm-up); where a GPU is present the threads start at the first backward either
+    way."""
+    if _ENGINE_STARTED or _get_current_dispatch_mode_stack():
+        return
+    _ENGINE_STARTED.append(True)
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.zeros((), device="cpu", requires_grad=True)
+        (x * 1).backward()
 
 
 _ADDMM_MENDED: list[bool] = []  # checked (and on torch 2.11, mended) once per process
