@@ -127,9 +127,10 @@ def process_group(parallel: Parallel | None, gloo: bool = False) -> Iterator[Any
 def gloo_reduce_scatter() -> Iterator[None]:
     """torch.distributed.reduce_scatter_single (reduce_scatter_tensor before torch 2.13) as
     ProcessGroupGloo runs it: a clone of the whole input alive through the collective, this
-    rank's chunk copied out of it (NCCL works on the input and output as given). FSDP2's reduce-scatter input is a block's unsharded
-    gradients in the reduce dtype, so on a CPU the clone sets the backward's peak under mixed
-    precision (docs/references.md, section 23, item 8)."""
+    rank's chunk copied out of it (NCCL works on the input and output as given). FSDP2's
+    reduce-scatter input is a block's unsharded gradients in the reduce dtype, so on a CPU
+    the clone sets the backward's peak under mixed precision (docs/references.md, section
+    23, item 8)."""
     import torch.distributed as dist
 
     name = reduce_scatter_single_name()
