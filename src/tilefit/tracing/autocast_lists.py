@@ -1,11 +1,11 @@
 """CUDA autocast's op lists, as ATen registers them for the Autocast dispatch key.
 
-From torch's ATen/autocast_mode.h (shipped in the wheel under torch/include; torch 2.13),
-with what older releases list differently applied for the installed torch (below, each with
-its source; torch 2.11's header read):
-AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE,
-AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE (norm's fp32_append_dtype) and AT_FORALL_PROMOTE,
-and binary_cross_entropy, which CUDA autocast refuses (autocast_mode.cpp's "banned" kernel).
+From torch's ATen/autocast_mode.h (shipped in the wheel under torch/include; torch 2.13,
+with where torch 2.11's header differs applied when it is the installed torch, each
+difference below with its source): AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32,
+AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE (norm's
+fp32_append_dtype) and AT_FORALL_PROMOTE, and binary_cross_entropy, which CUDA autocast
+refuses (autocast_mode.cpp's "banned" kernel).
 Each entry is one aten overload, "name" for the default one and "name.overload" otherwise,
 exactly as the header lists it: an overload the header does not list runs without a cast
 (docs/references.md, section 46). tests/test_autocast_policy.py checks these lists against
