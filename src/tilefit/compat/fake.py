@@ -79,9 +79,10 @@ def start_autograd_engine_before_fakes() -> None:
     machine) the CUDA guard counts no device until FakeTensorMode's entry replaces it with a
     no-op guard counting one (torch._C._ensureCUDADeviceGuardSet), so a first backward after
     it starts a CUDA thread that a CPU-only build (torch 2.13+cpu) never starts; a first
-    backward before it starts none. Skipped while a dispatch mode is active (it would record
-    the warm-up); where a GPU is present the threads start at the first backward either
-    way."""
+    backward before it starts none. Run when this module is imported (tilefit's first fake
+    mode comes later; a FakeTensorMode the caller entered may not) and again by
+    ``new_fake_mode``; skipped while a dispatch mode is active (it would record the
+    warm-up). Where a GPU is present the threads start at the first backward either way."""
     if _ENGINE_STARTED or _get_current_dispatch_mode_stack():
         return
     _ENGINE_STARTED.append(True)
@@ -294,3 +295,6 @@ def deepcopy_keeps_mode() -> Iterator[None]:
             FakeTensorMode.__deepcopy__ = previous  # type: ignore[attr-defined]
         else:
             del FakeTensorMode.__deepcopy__  # type: ignore[attr-defined]
+
+
+start_autograd_engine_before_fakes()
