@@ -129,8 +129,8 @@ def gloo_reduce_scatter() -> Iterator[None]:
     ProcessGroupGloo runs it: a clone of the whole input alive through the collective, this
     rank's chunk copied out of it (NCCL works on the input and output as given). FSDP2's
     reduce-scatter input is a block's unsharded gradients in the reduce dtype, so on a CPU
-    the clone sets the backward's peak under mixed precision (docs/references.md, section
-    23, item 8)."""
+    the clone sets the backward's peak under mixed precision
+    (docs/references.md, section 23, item 8)."""
     import torch.distributed as dist
 
     name = reduce_scatter_single_name()
