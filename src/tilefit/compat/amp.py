@@ -13,7 +13,8 @@ import torch
 
 from tilefit.compat import probes
 
-__all__ = ["requested", "unscale_grads_", "update_scale_", "watching_autocast"]
+__all__ = ["autocast_runs_rms_norm_in_fp32", "has_named_dim_overloads", "requested",
+           "unscale_grads_", "update_scale_", "watching_autocast"]
 
 
 def requested(ctx: Any) -> tuple[bool, torch.dtype | None]:
@@ -83,3 +84,21 @@ def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: 
     ``growth_interval`` finite ones, in place (torch._amp_update_scale_)."""
     torch._amp_update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor,
                              growth_interval)
+
+
+def autocast_runs_rms_norm_in_fp32() -> bool:
+    """Whether CUDA autocast lists ``rms_norm`` in its fp32 policy (ATen/autocast_mode.h,
+    AT_FORALL_FP32): from torch 2.12 (pytorch/pytorch#174824, fixing #167308; torch 2.13's
+    header lists it); torch 2.11's header does not, so there rms_norm runs uncast."""
+    from tilefit.compat.compile import torch_version
+
+    return torch_version() >= (2, 12)
+
+
+def has_named_dim_overloads() -> bool:
+    """Whether aten still has the named-dimension (Dimname) overloads (``softmax.Dimname``,
+    ``sum.dim_DimnameList``, ``norm.names_ScalarOpt_dim``, ...), which CUDA autocast lists
+    beside their positional siblings: torch 2.11 has them and its autocast_mode.h lists
+    them; torch 2.13 has neither (pytorch/pytorch#173895 removed named tensors). Asked of
+    the installed aten rather than of a version."""
+    return "Dimname" in torch.ops.aten.softmax.overloads()

@@ -34,6 +34,17 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def reduce_scatter_single_name() -> str:
+    """The name in ``torch.distributed`` of the one-tensor reduce-scatter FSDP2 calls:
+    ``reduce_scatter_single`` from torch 2.13 (``reduce_scatter_tensor`` kept as its
+    deprecated alias); torch 2.11 has only ``reduce_scatter_tensor``, which its FSDP2 calls
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py of each release)."""
+    import torch.distributed as dist
+
+    return "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") \
+        else "reduce_scatter_tensor"
+
+
 def process_group_initialized() -> bool:
     import torch.distributed as dist
 

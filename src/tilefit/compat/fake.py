@@ -36,8 +36,10 @@ __all__ = [
     "flop_formula",
     "holds_fake",
     "is_view",
+    "mend_addmm_out_dtype",
     "new_fake_mode",
     "sparse_parts",
+    "start_autograd_engine_before_fakes",
     "storage_key",
     "tree_flatten",
     "tree_leaves",
@@ -59,7 +61,73 @@ FAKE_ERRORS: tuple[type[BaseException], ...] = (
 def new_fake_mode() -> FakeTensorMode:
     # allow_non_fake_inputs lets module-level constants (real CPU tensors a model keeps as
     # plain attributes) mix with fake tensors, as they would on a device.
+    mend_addmm_out_dtype()
+    start_autograd_engine_before_fakes()
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+_ENGINE_STARTED: list[bool] = []  # once per process
+
+
+def start_autograd_engine_before_fakes() -> None:
+    """Run one empty CPU backward before the first fake mode, so forked background traces
+    (tilefit.tracing.background) can run a backward. Autograd's engine starts its device
+    threads once, at the first backward: one per device of every non-CPU device guard then
+    registered, and from then on marks each forked child as unable to run a backward
+    ("Unable to handle autograd's threading in combination with fork-based
+    multiprocessing"). On a CUDA build with no GPU (torch 2.11's PyPI wheel on a CPU
+    machine) the CUDA guard counts no device until FakeTensorMode's entry replaces it with a
+    no-op guard counting one (torch._C._ensureCUDADeviceGuardSet), so a first backward after
+    it starts a CUDA thread that a CPU-only build (torch 2.13+cpu) never starts; a first
+    backward before it starts none. Run when this module is imported (tilefit's first fake
+    mode comes later; a FakeTensorMode the caller entered may not) and again by
+    ``new_fake_mode``; skipped while a dispatch mode is active (it would record the
+    warm-up). Where a GPU is present the threads start at the first backward either way."""
+    if _ENGINE_STARTED or _get_current_dispatch_mode_stack():
+        return
+    _ENGINE_STARTED.append(True)
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.zeros((), device="cpu", requires_grad=True)
+        (x * 1).backward()
+
+
+_ADDMM_MENDED: list[bool] = []  # checked (and on torch 2.11, mended) once per process
+
+
+def mend_addmm_out_dtype() -> None:
+    """Make ``addmm(..., out_dtype=)`` (the overloads ``addmm.dtype`` and ``addmm.dtype_out``:
+    a 16-bit GEMM accumulating into fp32, the fused loss's weight gradient) run on fake
+    tensors. torch 2.11 registers its plain addmm decomposition for the whole addmm packet,
+    these two overloads included, and uses it as their Meta kernel: it takes out_dtype for
+    beta and fails ("unsupported operand type(s) for *: 'torch.dtype' and 'FakeTensor'").
+    torch 2.13 registers addmm's decomposition for default and out only, and a separate
+    addmm_dtype for these two, so nothing is done there. Where the bug is present the two
+    broken entries leave torch's decomposition table (a fake run would prefer them) and the
+    overloads get fake kernels with the shape and dtype of 2.13's decomposition: a contiguous
+    (rows of mat1, columns of mat2) tensor of out_dtype, or ``out`` resized to it."""
+    if _ADDMM_MENDED:
+        return
+    _ADDMM_MENDED.append(True)
+    from torch._decomp import decomposition_table
+
+    aten = torch.ops.aten
+    if decomposition_table.get(aten.addmm.dtype) is not decomposition_table.get(
+            aten.addmm.default):
+        return
+
+    def addmm_dtype(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor,
+                    out_dtype: torch.dtype, beta: float = 1, alpha: float = 1) -> torch.Tensor:
+        return mat1.new_empty((mat1.shape[0], mat2.shape[1]), dtype=out_dtype)
+
+    def addmm_dtype_out(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor,
+                        out_dtype: torch.dtype, beta: float = 1, alpha: float = 1, *,
+                        out: torch.Tensor) -> torch.Tensor:
+        return out.resize_((mat1.shape[0], mat2.shape[1]))
+
+    for overload, fake in ((aten.addmm.dtype, addmm_dtype),
+                           (aten.addmm.dtype_out, addmm_dtype_out)):
+        decomposition_table.pop(overload, None)
+        torch.library.register_fake(overload, fake, allow_override=True)
 
 
 def fake_mode_active() -> bool:
@@ -169,8 +237,11 @@ def register_ctc_fakes() -> None:
                  ) -> torch.Tensor:
         return torch.empty_like(log_probs, memory_format=torch.contiguous_format)
 
-    torch.library.register_fake("aten::_ctc_loss", forward)
-    torch.library.register_fake("aten::_ctc_loss_backward", backward)
+    # aten::_ctc_loss has a Meta kernel (the int-lengths overload) that the fake mode never
+    # reaches for a dynamic_output_shape op; register_fake refuses an op with a Meta kernel
+    # unless allow_override=True, its default from torch 2.13 (False in torch 2.11)
+    torch.library.register_fake("aten::_ctc_loss", forward, allow_override=True)
+    torch.library.register_fake("aten::_ctc_loss_backward", backward, allow_override=True)
     _CTC_FAKES.append(True)
 
 
@@ -224,3 +295,6 @@ def deepcopy_keeps_mode() -> Iterator[None]:
             FakeTensorMode.__deepcopy__ = previous  # type: ignore[attr-defined]
         else:
             del FakeTensorMode.__deepcopy__  # type: ignore[attr-defined]
+
+
+start_autograd_engine_before_fakes()

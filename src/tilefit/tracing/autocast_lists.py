@@ -1,9 +1,11 @@
 """CUDA autocast's op lists, as ATen registers them for the Autocast dispatch key.
 
-From torch's ATen/autocast_mode.h (shipped in the wheel under torch/include; torch 2.13):
-AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE,
-AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE (norm's fp32_append_dtype) and AT_FORALL_PROMOTE,
-and binary_cross_entropy, which CUDA autocast refuses (autocast_mode.cpp's "banned" kernel).
+From torch's ATen/autocast_mode.h (shipped in the wheel under torch/include; torch 2.13,
+with where torch 2.11's header differs applied when it is the installed torch, each
+difference below with its source): AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32,
+AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE (norm's
+fp32_append_dtype) and AT_FORALL_PROMOTE, and binary_cross_entropy, which CUDA autocast
+refuses (autocast_mode.cpp's "banned" kernel).
 Each entry is one aten overload, "name" for the default one and "name.overload" otherwise,
 exactly as the header lists it: an overload the header does not list runs without a cast
 (docs/references.md, section 46). tests/test_autocast_policy.py checks these lists against
@@ -11,6 +13,24 @@ the header of the installed torch where it ships one.
 """
 
 from __future__ import annotations
+
+from tilefit.compat.amp import autocast_runs_rms_norm_in_fp32, has_named_dim_overloads
+
+# torch 2.11 (before pytorch/pytorch#173895 removed named tensors) also lists each of these
+# overloads' named-dimension sibling, right after it (its autocast_mode.h)
+_NAMED_SIBLING: dict[str, str] = {
+    "prod.dim_int": "prod.dim_Dimname", "softmax.int": "softmax.Dimname",
+    "log_softmax.int": "log_softmax.Dimname", "cumprod": "cumprod.dimname",
+    "cumsum": "cumsum.dimname", "sum.dim_IntList": "sum.dim_DimnameList",
+}
+
+
+def _with_named_siblings(names: tuple[str, ...]) -> tuple[str, ...]:
+    """``names`` with each one's named-dimension sibling after it, where aten has them."""
+    if not has_named_dim_overloads():
+        return names
+    return tuple(n for name in names for n in (name, _NAMED_SIBLING.get(name)) if n)
+
 
 LOWER_PRECISION_FP: tuple[str, ...] = (
     "_convolution.deprecated", "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc",
@@ -37,18 +57,22 @@ FP32: tuple[str, ...] = (
     "_upsample_bilinear2d_aa", "upsample_trilinear3d", "upsample_bicubic2d",
     "_upsample_bicubic2d_aa",
 )
+if not autocast_runs_rms_norm_in_fp32():  # torch 2.11: rms_norm is not listed (from 2.12)
+    FP32 = tuple(n for n in FP32 if n != "rms_norm")
 
-FP32_SET_OPT_DTYPE: tuple[str, ...] = (
+FP32_SET_OPT_DTYPE: tuple[str, ...] = _with_named_siblings((
     "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum",
     "linalg_vector_norm", "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum",
     "sum.dim_IntList",
-)
+))
 
 # fp32_append_dtype: the overload is run as its dtype-taking sibling with dtype=float32
 FP32_APPEND_DTYPE: dict[str, str] = {
     "norm.Scalar": "norm.ScalarOpt_dtype",
     "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype",
 }
+if has_named_dim_overloads():  # torch 2.11's header lists the named-dimension norm too
+    FP32_APPEND_DTYPE["norm.names_ScalarOpt_dim"] = "norm.names_ScalarOpt_dim_dtype"
 
 PROMOTE: tuple[str, ...] = (
     "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler",

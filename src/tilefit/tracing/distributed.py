@@ -37,6 +37,7 @@ from tilefit.compat.distributed import (
     fake_process_group,
     process_group_initialized,
     rebuild_ddp_buckets_on_fake_tensors,
+    reduce_scatter_single_name,
 )
 from tilefit.compat.fake import FakeTensorMode
 from tilefit.errors import TilefitError
@@ -124,14 +125,16 @@ def process_group(parallel: Parallel | None, gloo: bool = False) -> Iterator[Any
 
 @contextlib.contextmanager
 def gloo_reduce_scatter() -> Iterator[None]:
-    """torch.distributed.reduce_scatter_single as ProcessGroupGloo runs it: a clone of the
-    whole input alive through the collective, this rank's chunk copied out of it (NCCL works
-    on the input and output as given). FSDP2's reduce-scatter input is a block's unsharded
-    gradients in the reduce dtype, so on a CPU the clone sets the backward's peak under mixed
-    precision (docs/references.md, section 23, item 8)."""
+    """torch.distributed.reduce_scatter_single (reduce_scatter_tensor before torch 2.13) as
+    ProcessGroupGloo runs it: a clone of the whole input alive through the collective, this
+    rank's chunk copied out of it (NCCL works on the input and output as given). FSDP2's
+    reduce-scatter input is a block's unsharded gradients in the reduce dtype, so on a CPU
+    the clone sets the backward's peak under mixed precision
+    (docs/references.md, section 23, item 8)."""
     import torch.distributed as dist
 
-    plain = dist.reduce_scatter_single
+    name = reduce_scatter_single_name()
+    plain = getattr(dist, name)
 
     def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, *args: Any,
                               **kwargs: Any) -> Any:
@@ -141,11 +144,11 @@ def gloo_reduce_scatter() -> Iterator[None]:
         del clone
         return work
 
-    dist.reduce_scatter_single = reduce_scatter_single
+    setattr(dist, name, reduce_scatter_single)
     try:
         yield
     finally:
-        dist.reduce_scatter_single = plain
+        setattr(dist, name, plain)
 
 
 def find_layer_list(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
