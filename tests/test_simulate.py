@@ -247,6 +247,29 @@ def test_a_compiled_model_is_said_to_run_eagerly() -> None:
     assert sim.result.flops == 2 * (2 * 4 * 64 * 64)
 
 
+def test_cuda_events_time_on_the_predicted_clock() -> None:
+    from tilefit.estimator.cost import CostContext, op_time_s
+
+    with simulate(gpu=GPU, steps=2) as sim:
+        a, b = torch.randn(2048, 2048, device="cuda"), torch.randn(2048, 2048, device="cuda")
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        elapsed_ms = start.elapsed_time(end)
+        w = torch.zeros(1, device="cuda", requires_grad=True)
+        opt = torch.optim.SGD([w], lr=0.1)
+        for _ in range(3):
+            (w * 2).sum().backward()
+            opt.step()
+    mm = next(op for op in sim.trace.ops if op.op == "aten.mm.default")
+    # the GEMM's own predicted time, in milliseconds (the second method: the cost model
+    # called on its record directly)
+    assert elapsed_ms == pytest.approx(1e3 * op_time_s(mm, sim.device, CostContext("fp32")))
+    assert sim.found.syncs == ("torch.cuda.synchronize()",)
+
+
 def test_files_the_code_saves_are_listed_not_written(tmp_path: Path) -> None:
     with simulate(gpu=GPU, steps=2) as sim:
         model = nn.Linear(8, 8).cuda()
