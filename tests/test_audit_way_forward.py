@@ -13,6 +13,17 @@ from tilefit.recipe import Recipe
 GIB = 2**30
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_trace_per_step():  # type: ignore[no-untyped-def]
+    """The estimates that size the squeezed GPU and the audits below ask for some of the same
+    steps (model, recipe, GPU); a trace depends on nothing else, so each is traced once for
+    the file (tilefit.tracing.workloads, as tests/test_plan.py does)."""
+    from tilefit.tracing.workloads import shared_traces
+
+    with shared_traces():
+        yield
+
+
 @pytest.fixture(scope="module")
 def tiny_gpt2():  # type: ignore[no-untyped-def]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

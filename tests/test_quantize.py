@@ -466,9 +466,14 @@ def test_cli_audit_of_a_qlora_step(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from tilefit.cli.app import app
+    from tilefit.tracing.workloads import shared_traces
 
-    ok = CliRunner().invoke(app, ["audit", str(path), "--seq", "32", "--batch", "2", "--lora",
-                                  "--quantize", "nf4", "--json"])
+    args = ["audit", str(path), "--seq", "32", "--batch", "2", "--lora", "--quantize", "nf4"]
+    # one scope: the terminal report's audit takes the JSON audit's traces of the same steps
+    # (a trace depends only on its model, recipe and GPU: tests/test_shared_traces.py)
+    with shared_traces():
+        ok = CliRunner().invoke(app, [*args, "--json"])
+        text = CliRunner().invoke(app, args)
     assert ok.exit_code == 0, ok.output
     data = json.loads(ok.stdout)
     assert data["recipe"]["quantize"] == "nf4" and data["recipe"]["lora"]["rank"] == 16
@@ -477,8 +482,6 @@ def test_cli_audit_of_a_qlora_step(tmp_path: Path) -> None:
                for w in data["estimate"]["warnings"])
     assert data["estimate"]["trainable_param_count"] == 16 * sum(n + k for n, k in LINEARS)
     # the terminal report's title says what it audited
-    text = CliRunner().invoke(app, ["audit", str(path), "--seq", "32", "--batch", "2",
-                                    "--lora", "--quantize", "nf4"])
     assert text.exit_code == 0, text.output
     assert "LoRA r=16 alpha=32 on all linear layers of a frozen nf4 base" in " ".join(
         text.output.split())
