@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -190,6 +191,32 @@ def test_shapes_that_depend_on_values_take_their_upper_bound() -> None:
     assert shapes == {"aten.index.Tensor": ((128,),), "aten.masked_select.default": ((128,),),
                       "aten.nonzero.default": ((128, 2),)}
     assert any("upper bound" in w and "aten.nonzero" in w for w in sim.result.warnings)
+
+
+def test_ddp_under_several_gpus_is_the_estimates_ddp_step() -> None:
+    """--gpus 8: torchrun's environment, a simulated process group for
+    init_process_group("nccl"), DDP's buckets all-reduced as the estimate's DDP step does."""
+    from tilefit import Parallelism
+
+    sim = run_script(str(SCRIPTS / "ddp_loop.py"), [], gpu="h100", steps=3, gpus=8)
+    est = tilefit.estimate(
+        lambda: nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)),
+        torch.randn(32, 1024), gpu="h100", loss_fn=lambda m, b: m(b).float().pow(2).mean(),
+        recipe=Recipe(precision="bf16-mixed", optimizer="adamw",
+                      parallel=Parallelism(world_size=8, strategy="ddp")))
+    run = sim.result
+    assert sim.engines == ["ddp"] and run.parallel is not None and est.parallel is not None
+    assert (run.parallel.strategy, run.parallel.world_size) == ("ddp", 8)
+    # the buckets: every gradient once, (1024*4096 + 4096 + 4096*1024 + 1024) * 4 bytes
+    assert run.memory_breakdown["communication"] == est.memory_breakdown["communication"] \
+        == (1024 * 4096 + 4096 + 4096 * 1024 + 1024) * 4
+    # the backward's all-reduces are the estimate's; its steady step has no bucket rebuild
+    # (the estimate's second step is DDP's rebuild step: a broadcast in its forward)
+    assert run.parallel.communication_by_phase_s["backward"] == pytest.approx(
+        est.parallel.communication_by_phase_s["backward"])
+    assert "forward" not in run.parallel.communication_by_phase_s
+    assert run.peak_memory_bytes == pytest.approx(est.peak_memory_bytes, rel=1e-4)
+    assert "WORLD_SIZE" not in os.environ  # torchrun's environment is restored
 
 
 def test_a_gan_with_two_optimizers_and_a_scaler() -> None:

@@ -20,6 +20,9 @@ STEPS_OPTION = typer.Option(3, "--steps", min=1, help="Stop the script after its
                             "creates the optimizer state).")
 MODULE_OPTION = typer.Option(None, "--module", "-m", help="Run a module as `python -m` "
                              "does, instead of a script.")
+GPUS_OPTION = typer.Option(1, "--gpus", min=1, help="Run the script as rank 0 of N GPUs on "
+                           "one node, as torchrun --nproc-per-node N does (its environment, "
+                           "a simulated process group for init_process_group; DDP).")
 SCRIPT_ARG = typer.Argument(None, help="The training script, then its own arguments.",
                             show_default=False)
 
@@ -34,6 +37,7 @@ def run(
     module: str | None = MODULE_OPTION,
     gpu: str = mo.GPU_OPTION,
     steps: int = STEPS_OPTION,
+    gpus: int = GPUS_OPTION,
     ops: bool = OPS_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
@@ -48,7 +52,7 @@ def run(
     with user_errors():
         device = get_device(gpu)
         try:
-            sim = run_script(script, words, module=module, gpu=device, steps=steps)
+            sim = run_script(script, words, module=module, gpu=device, steps=steps, gpus=gpus)
         except ScriptFailed as failed:
             sys.stderr.write(failed.traceback_text)
             err_console.print("[bold red]error:[/] the script raised before its first "

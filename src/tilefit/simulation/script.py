@@ -59,9 +59,11 @@ def _as_main(argv: list[str], folder: str | None) -> Iterator[None]:
 
 
 def run_script(script: str | None, args: list[str], *, module: str | None = None,
-               gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS) -> Simulation:
-    """Run ``script`` (or ``module``) with ``args`` under the simulated ``gpu`` until its
-    ``steps``-th optimizer step; the Simulation holds the estimate of the last step."""
+               gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS,
+               gpus: int = 1) -> Simulation:
+    """Run ``script`` (or ``module``) with ``args`` under the simulated ``gpu`` (rank 0 of
+    ``gpus``) until its ``steps``-th optimizer step; the Simulation holds the estimate of
+    the last step."""
     if (script is None) == (module is None):
         raise TilefitError("tilefit run takes a script or a module",
                            expected="tilefit run SCRIPT [ARGS]... or tilefit run -m MODULE "
@@ -70,7 +72,7 @@ def run_script(script: str | None, args: list[str], *, module: str | None = None
     path = _check_script(script) if script is not None else None
     failure: list[str] = []
     try:
-        with simulate(gpu=gpu, steps=steps) as sim:
+        with simulate(gpu=gpu, steps=steps, gpus=gpus) as sim:
             _run(path, module, args, failure)
     except TilefitError:
         if failure:  # the script's own error came first: it is the one to show

@@ -40,6 +40,7 @@ from tilefit.recipe import DEFAULT_GPU
 from tilefit.simulation.devices import GPU, DevicePlacement
 from tilefit.simulation.findings import Findings, build_trace, findings_of, trace_so_far
 from tilefit.simulation.gpu import cuda_answers
+from tilefit.simulation.ranks import simulated_ranks
 from tilefit.simulation.values import BOUND_NOTE, SimulationRecorder
 from tilefit.simulation.watch import StepWatch, StopSimulation
 from tilefit.tracing.attention import AttentionRouter
@@ -63,6 +64,8 @@ class Simulation:
     stopped: bool = False  # stopped after ``steps`` optimizer steps (else the code ended)
     # what the code asked torch.save / safetensors to write (of fake tensors): not written
     unwritten: list[str] = dataclasses.field(default_factory=list)
+    world_size: int = 1  # the ranks the code ran as rank 0 of
+    engines: list[str] = dataclasses.field(default_factory=list)  # "ddp" where it built one
 
 
 class _Readings:
@@ -122,13 +125,15 @@ class _Readings:
 
 
 @contextlib.contextmanager
-def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS
-             ) -> Iterator[Simulation]:
+def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS,
+             gpus: int = 1) -> Iterator[Simulation]:
     """Run the block's training code as if ``cuda`` were ``gpu`` (a catalog name, a spec
     file, a Device; "cpu" for this machine), stopping it after ``steps`` optimizer steps;
     then ``sim.result`` is the estimate of its last (steady) step, ``sim.found`` what the
     code was seen to do (precision, optimizers, clipping, accumulation, models, host
-    reads)."""
+    reads). ``gpus``: the code runs as rank 0 of that many (torchrun's environment, a fake
+    process group for init_process_group; DDP: tilefit.simulation.ranks)."""
+    _check_gpus(gpus)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise TilefitError("steps is the number of optimizer steps to run",
                            expected="an integer of at least 1 (2 or more: the first step "
@@ -136,7 +141,7 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS
                            fix="steps=3")
     target, _ = resolve_target(gpu)
     dev = gpu if isinstance(gpu, Device) else get_device(gpu)  # "cpu": this machine's
-    sim = Simulation(dev, steps)
+    sim = Simulation(dev, steps, world_size=gpus)
     recorder = SimulationRecorder(ModulePath(), "")
     watch = StepWatch(recorder, steps)
     readings = _Readings(recorder, dev, target)
@@ -150,11 +155,13 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS
         stack.enter_context(quiet_fake_errors())
         stack.enter_context(watch.watching())  # its forward hook before the tracker's
         if cuda:
-            stack.enter_context(cuda_answers(dev, readings))
+            stack.enter_context(cuda_answers(dev, readings, gpus))
             stack.enter_context(presented_device(placement.on_gpu, GPU))
             stack.enter_context(foreach_for_fake_parameters())
         stack.enter_context(fake_parameter_swaps())
         stack.enter_context(unwritten_saves(sim.unwritten))
+        if gpus > 1:
+            stack.enter_context(simulated_ranks(gpus, recorder, sim.engines))
         stack.enter_context(new_fake_mode())
         stack.enter_context(recorder.tracker)
         stack.enter_context(recorder)
@@ -168,6 +175,13 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS
         except StopSimulation:
             sim.stopped = True
     _finish(sim, recorder, watch, placement, readings, list(collected))
+
+
+def _check_gpus(gpus: int) -> None:
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise TilefitError("gpus is the number of GPUs the code runs on, as torchrun's "
+                           "--nproc-per-node", expected="an integer of at least 1",
+                           given=repr(gpus), fix="gpus=8 (--gpus 8)")
 
 
 @contextlib.contextmanager
@@ -219,6 +233,9 @@ def _finish(sim: Simulation, recorder: SimulationRecorder, watch: StepWatch,
         notes.append(BOUND_NOTE.format(ops=", ".join(recorder.bounded)))
     found = findings_of(watch, recorder, placement, readings, sim.stopped, sim.steps)
     tr = build_trace(recorder, watch, readings.target, found, notes)
+    if sim.world_size > 1:
+        tr = dataclasses.replace(tr, world_size=sim.world_size,
+                                 strategy=sim.engines[0] if sim.engines else None)
     with torch.no_grad():
         sim.result = estimate_trace(tr, sim.device)
     sim.trace, sim.found = tr, found

@@ -17,8 +17,10 @@ timeline costs (tilefit.estimator.steptime's SYNC_OPS).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +115,18 @@ class SimulationRecorder(Recorder):
         super().__init__(*args, **kwargs)
         self.reads: collections.Counter[tuple[str, float | bool]] = collections.Counter()
         self.bounded: dict[str, None] = {}  # ops taken at their upper bound
+        self.engine_depth = 0  # inside an engine's own code (DDP's buckets): all on the GPU
+
+    @contextlib.contextmanager
+    def engine_buffers(self) -> Iterator[None]:
+        """What a data-parallel engine allocates inside (DDP's buckets, made without a
+        device from the parameters' own): on the GPU, as "communication"."""
+        self.engine_depth += 1
+        try:
+            with self.allocations_as("communication"):
+                yield
+        finally:
+            self.engine_depth -= 1
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -148,6 +162,8 @@ class SimulationRecorder(Recorder):
         """These tensors, made by the ops recorded from event ``since`` on (a factory called
         without a device: ``torch.randint`` in a Dataset), live in host memory, and those ops
         ran on the host."""
+        if self.engine_depth:
+            return
         self.mark_host(tensors)
         for i in range(since, len(self.ops)):
             self.ops[i] = dataclasses.replace(self.ops[i], on_host=True)

@@ -24,7 +24,7 @@ PyTorch's fake process group, so the trace records the engine's own collectives 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -238,9 +238,18 @@ def _wrap_ddp(model: nn.Module, mode: FakeTensorMode, recorder: Recorder) -> nn.
     with mode, recorder, recorder.allocations_as("communication"):
         # init_sync=False: the construction's parameter check and broadcast read values
         ddp = DistributedDataParallel(model, init_sync=False)
-    ddp.register_comm_hook(None, _all_reduce_bucket)
-    rebuild_ddp_buckets_on_fake_tensors(ddp, lambda: recorder.allocations_as("communication"))
+    ddp_on_fake_tensors(ddp, recorder)
     return ddp
+
+
+def ddp_on_fake_tensors(ddp: nn.Module, recorder: Recorder,
+                        around: Callable[[], Any] | None = None) -> None:
+    """A DDP built on fake tensors (with ``init_sync=False``) made to run there: its buckets
+    all-reduced by one collective each, and rebuilt as the recorder's "communication"
+    (``around()``: the context the rebuild runs in; default that category)."""
+    ddp.register_comm_hook(None, _all_reduce_bucket)  # type: ignore[operator]
+    rebuild_ddp_buckets_on_fake_tensors(
+        ddp, around or (lambda: recorder.allocations_as("communication")))
 
 
 def _all_reduce_bucket(state: Any, bucket: Any) -> Any:

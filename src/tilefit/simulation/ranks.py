@@ -1,0 +1,65 @@
+"""Several simulated GPUs: ``tilefit run --gpus N`` gives the script torchrun's environment as
+rank 0 of N, and ``torch.distributed.init_process_group`` (whatever backend it names: "nccl"
+on a GPU) the fake process group PyTorch tests with, whose collectives are dispatched (so
+recorded, then costed as the estimate costs them) but move no data. DistributedDataParallel
+is built as the tracer builds it on fake tensors (tilefit.tracing.distributed): without its
+initial parameter check and broadcast, which read values, its buckets all-reduced by one
+collective each."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from tilefit.compat.distributed import enable_dtensor, fake_process_group
+from tilefit.compat.simulated_cuda import patched
+from tilefit.simulation.values import SimulationRecorder
+from tilefit.tracing.distributed import ddp_on_fake_tensors
+
+
+def torchrun_environment(world_size: int) -> dict[str, str]:
+    """What torchrun sets for rank 0 of ``world_size`` processes on one node."""
+    return {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500"}
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def simulated_ranks(world_size: int, recorder: SimulationRecorder, used: list[str]
+                    ) -> Iterator[None]:
+    """Rank 0 of ``world_size`` for the block; ``used`` collects the engines the code built
+    ("ddp")."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    build = DistributedDataParallel.__init__
+
+    def ddp_init(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["init_sync"] = False  # its parameter check and broadcast read values
+        with recorder.engine_buffers():
+            build(ddp, module, *args, **kwargs)
+        ddp_on_fake_tensors(ddp, recorder, recorder.engine_buffers)
+        used.append("ddp")
+
+    enable_dtensor()
+    with _environment(torchrun_environment(world_size)), fake_process_group(world_size), \
+            patched(dist, {"init_process_group": lambda *a, **k: None,
+                           "destroy_process_group": lambda *a, **k: None}), \
+            patched(DistributedDataParallel, {"__init__": ddp_init}):
+        yield
