@@ -219,6 +219,22 @@ def test_ddp_under_several_gpus_is_the_estimates_ddp_step() -> None:
     assert "WORLD_SIZE" not in os.environ  # torchrun's environment is restored
 
 
+def test_fsdp2_in_a_script_is_a_clear_error() -> None:
+    from torch.distributed.fsdp import fully_shard as real
+
+    with pytest.raises(TilefitError, match=r"FSDP2.*not simulated yet"), \
+            simulate(gpu="h100", steps=2, gpus=2):
+        from torch.distributed.device_mesh import init_device_mesh  # as a script imports
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cuda", (2,))  # built as on a GPU: the ranks are real
+        assert mesh.size() == 2
+        fully_shard(nn.Linear(8, 8).cuda(), mesh=mesh)
+    from torch.distributed.fsdp import fully_shard as after
+
+    assert after is real  # restored
+
+
 def test_a_gan_with_two_optimizers_and_a_scaler() -> None:
     sim = run_script(str(SCRIPTS / "gan.py"), [], gpu=GPU, steps=3)
     found = sim.found

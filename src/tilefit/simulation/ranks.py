@@ -14,7 +14,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from tilefit.compat.distributed import enable_dtensor, fake_process_group
+from tilefit.compat.fake import unset_fake_temporarily
 from tilefit.compat.simulated_cuda import patched
+from tilefit.errors import TilefitError
 from tilefit.simulation.values import SimulationRecorder
 from tilefit.tracing.distributed import ddp_on_fake_tensors
 
@@ -41,6 +43,55 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _device_mesh_on_real_ranks() -> Iterator[None]:
+    """init_device_mesh builds its mesh of ranks outside the fake mode (it reads the ranks'
+    values: a fake tensor has none), on the CPU the simulated GPU's tensors live on, as the
+    tracer's FSDP2 build does (tilefit.tracing.distributed)."""
+    from torch.distributed import device_mesh
+
+    build = device_mesh.init_device_mesh
+
+    def init_device_mesh(device_type: str, *args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return build(device_type, *args, **kwargs)
+
+    import torch.distributed as dist
+
+    with patched(device_mesh, {"init_device_mesh": init_device_mesh}), \
+            patched(dist, {"init_device_mesh": init_device_mesh}):
+        yield
+
+
+@contextlib.contextmanager
+def _no_fsdp2() -> Iterator[None]:
+    """FSDP2's fully_shard is refused with a clear error: its buffers are made on the mesh's
+    device, outside what the simulation presents (not yet simulated from a script)."""
+    import importlib
+
+    def fully_shard(*args: Any, **kwargs: Any) -> Any:
+        raise TilefitError(
+            "FSDP2 (fully_shard) in a script is not simulated yet",
+            expected="a single-GPU script, or DDP under --gpus N",
+            given="fully_shard(...) under tilefit run --gpus N",
+            fix="predict the sharded step with tilefit estimate MODEL --gpus N --strategy "
+                "fsdp2 (tilefit.estimate(..., recipe=Recipe(parallel=Parallelism(world_size="
+                "N, strategy='fsdp2'))))")
+
+    owners = []
+    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "fully_shard"):
+            owners.append(module)
+    with contextlib.ExitStack() as stack:
+        for module in owners:
+            stack.enter_context(patched(module, {"fully_shard": fully_shard}))
+        yield
+
+
+@contextlib.contextmanager
 def simulated_ranks(world_size: int, recorder: SimulationRecorder, used: list[str]
                     ) -> Iterator[None]:
     """Rank 0 of ``world_size`` for the block; ``used`` collects the engines the code built
@@ -58,7 +109,8 @@ def simulated_ranks(world_size: int, recorder: SimulationRecorder, used: list[st
         used.append("ddp")
 
     enable_dtensor()
-    with _environment(torchrun_environment(world_size)), fake_process_group(world_size), \
+    with _device_mesh_on_real_ranks(), _no_fsdp2(), \
+            _environment(torchrun_environment(world_size)), fake_process_group(world_size), \
             patched(dist, {"init_process_group": lambda *a, **k: None,
                            "destroy_process_group": lambda *a, **k: None}), \
             patched(DistributedDataParallel, {"__init__": ddp_init}):

@@ -101,5 +101,7 @@ def _run(path: Path | None, module: str | None, args: list[str], failure: list[s
     except SystemExit as exc:
         if exc.code not in (None, 0):
             failure.append(f"SystemExit: {exc.code}")
+    except TilefitError:  # what the simulation refuses (FSDP2 in a script): tilefit's error
+        raise
     except Exception:  # the user's code: anything it raises is shown as it raised it
         failure.append(traceback.format_exc())
