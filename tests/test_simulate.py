@@ -235,6 +235,22 @@ def test_fsdp2_in_a_script_is_a_clear_error() -> None:
     assert after is real  # restored
 
 
+def test_a_scripts_accelerator_starts_fresh_and_the_callers_is_kept() -> None:
+    """accelerate's state is one per process: a notebook's own Accelerator (here on the CPU,
+    no mixed precision) must neither reach the script's nor be changed by it."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from tilefit.compat.accelerate import fresh_accelerate_state
+
+    with fresh_accelerate_state():  # this test's own state, put back for the next test
+        Accelerator(cpu=True)
+        sim = run_script(str(SCRIPTS / "accelerate_loop.py"), [], gpu=GPU, steps=2)
+        assert sim.found.precision == "bf16-mixed"
+        assert str(AcceleratorState().mixed_precision) == "no"
+        assert AcceleratorState().device.type == "cpu"
+
+
 def test_a_gan_with_two_optimizers_and_a_scaler() -> None:
     sim = run_script(str(SCRIPTS / "gan.py"), [], gpu=GPU, steps=3)
     found = sim.found

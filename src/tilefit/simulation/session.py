@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from tilefit.compat import probes
+from tilefit.compat.accelerate import fresh_accelerate_state
 from tilefit.compat.fake import new_fake_mode
 from tilefit.compat.modules import ModulePath
 from tilefit.compat.simulated_cuda import (
@@ -158,6 +159,7 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS,
             stack.enter_context(cuda_answers(dev, readings, gpus))
             stack.enter_context(presented_device(placement.on_gpu, GPU))
             stack.enter_context(foreach_for_fake_parameters())
+        stack.enter_context(fresh_accelerate_state())
         stack.enter_context(fake_parameter_swaps())
         stack.enter_context(unwritten_saves(sim.unwritten))
         if gpus > 1:
