@@ -251,6 +251,23 @@ def test_a_scripts_accelerator_starts_fresh_and_the_callers_is_kept() -> None:
         assert AcceleratorState().device.type == "cpu"
 
 
+def test_distillation_counts_the_frozen_teacher_but_trains_the_student() -> None:
+    sim = run_script(str(SCRIPTS / "distill.py"), [], gpu=GPU, steps=3)
+    teacher = 64 * 1024 + 1024 + 1024 * 10 + 10
+    student = 64 * 128 + 128 + 128 * 10 + 10
+    assert sim.found.models == ("Sequential", "Sequential")
+    assert sim.result.param_count == teacher + student
+    assert sim.result.trainable_param_count == student
+    # the weights of both are parameters (fp32, each tensor rounded to 512 bytes)
+    rounded = sum(-(-4 * n // 512) * 512 for n in (64 * 1024, 1024, 1024 * 10, 10,
+                                                  64 * 128, 128, 128 * 10, 10))
+    assert sim.result.memory_breakdown["parameters"] == rounded
+    # the teacher's forward costs GEMMs but no backward: 2*32*64*1024 + 2*32*1024*10 in it
+    teacher_flops = 2 * 32 * 64 * 1024 + 2 * 32 * 1024 * 10
+    student_flops = 3 * (2 * 32 * 64 * 128 + 2 * 32 * 128 * 10) - 2 * 32 * 64 * 128
+    assert sim.result.flops == teacher_flops + student_flops
+
+
 def test_a_gan_with_two_optimizers_and_a_scaler() -> None:
     sim = run_script(str(SCRIPTS / "gan.py"), [], gpu=GPU, steps=3)
     found = sim.found

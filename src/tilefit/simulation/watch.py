@@ -181,6 +181,9 @@ class StepWatch:
         every = {id(p): p for m in list(self._roots) for p in m.parameters()}
         every.update({id(p): p for p in self.params})
         self.param_count = sum(logical_numel(p) for p in every.values())
+        # a frozen model's too (a teacher, a reference model): no optimizer steps them
+        self.recorder.label(list(every.values()), "parameters")
+        self.recorder.label([b for m in list(self._roots) for b in m.buffers()], "parameters")
 
     def _step_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._stepping = False
