@@ -268,6 +268,28 @@ def test_distillation_counts_the_frozen_teacher_but_trains_the_student() -> None
     assert sim.result.flops == teacher_flops + student_flops
 
 
+def test_from_pretrained_builds_the_architecture_without_weights() -> None:
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    own = AutoModelForCausalLM.__dict__["from_pretrained"]
+    with simulate(gpu=GPU, steps=2) as sim:
+        # tilefit's catalog config: nothing read or downloaded
+        model = AutoModelForCausalLM.from_pretrained("gpt2", dtype=torch.bfloat16).cuda()
+        assert not model.training  # as from_pretrained returns it
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for _ in range(3):
+            ids = torch.randint(0, 50257, (1, 32), device="cuda")
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+    assert sim.pretrained == ["gpt2"] and sim.found.precision == "bf16-true"
+    assert sim.result.param_count == 124_439_808  # GPT-2 small, embeddings tied
+    assert AutoModelForCausalLM.__dict__["from_pretrained"] is own  # restored
+    with pytest.raises(TilefitError, match="quantization_config"), simulate(gpu=GPU):
+        AutoModelForCausalLM.from_pretrained(
+            "gpt2", quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+
+
 def test_a_gan_with_two_optimizers_and_a_scaler() -> None:
     sim = run_script(str(SCRIPTS / "gan.py"), [], gpu=GPU, steps=3)
     found = sim.found

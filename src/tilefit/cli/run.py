@@ -63,7 +63,7 @@ def run(
     name = script or f"-m {module}"
     if json_out:
         print_json({"script": name, "args": words, "found": sim.found.to_dict(),
-                    "not_written": sim.unwritten,
+                    "not_written": sim.unwritten, "from_pretrained": sim.pretrained,
                     "simulation_wall_s": wall_s, **sim.result.to_dict(include_ops=ops)})
         return
     from tilefit.report.terminal import print_estimate
@@ -71,6 +71,9 @@ def run(
     print_estimate(console, sim.result, f"tilefit run: {name} on {device.display_name}, "
                    f"the script's step {sim.found.steps_run}")
     _print_found(sim.found)
+    for name in sim.pretrained:
+        console.print(f"  from_pretrained({name!r}): built from its config, no weights read",
+                      highlight=False, soft_wrap=True)
     for path in sim.unwritten:
         console.print(f"  not written (its tensors are simulated): {path}", highlight=False,
                       soft_wrap=True)

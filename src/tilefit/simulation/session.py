@@ -41,6 +41,7 @@ from tilefit.recipe import DEFAULT_GPU
 from tilefit.simulation.devices import GPU, DevicePlacement
 from tilefit.simulation.findings import Findings, build_trace, findings_of, trace_so_far
 from tilefit.simulation.gpu import cuda_answers
+from tilefit.simulation.pretrained import pretrained_from_config
 from tilefit.simulation.ranks import simulated_ranks
 from tilefit.simulation.values import BOUND_NOTE, SimulationRecorder
 from tilefit.simulation.watch import StepWatch, StopSimulation
@@ -66,6 +67,8 @@ class Simulation:
     # what the code asked torch.save / safetensors to write (of fake tensors): not written
     unwritten: list[str] = dataclasses.field(default_factory=list)
     world_size: int = 1  # the ranks the code ran as rank 0 of
+    # the models the code asked from_pretrained for: built from their configs, no weights
+    pretrained: list[str] = dataclasses.field(default_factory=list)
     engines: list[str] = dataclasses.field(default_factory=list)  # "ddp" where it built one
 
 
@@ -160,6 +163,7 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS,
             stack.enter_context(presented_device(placement.on_gpu, GPU))
             stack.enter_context(foreach_for_fake_parameters())
         stack.enter_context(fresh_accelerate_state())
+        stack.enter_context(pretrained_from_config(sim.pretrained))
         stack.enter_context(fake_parameter_swaps())
         stack.enter_context(unwritten_saves(sim.unwritten))
         if gpus > 1:
