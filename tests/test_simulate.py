@@ -290,6 +290,17 @@ def test_from_pretrained_builds_the_architecture_without_weights() -> None:
             "gpt2", quantization_config=BitsAndBytesConfig(load_in_4bit=True))
 
 
+def test_peft_lora_on_a_pretrained_model() -> None:
+    sim = run_script(str(SCRIPTS / "lora_loop.py"), [], gpu=GPU, steps=2)
+    # r=16 on each layer's c_attn (768 -> 2304): 12 * (768*16 + 16*2304)
+    assert sim.result.trainable_param_count == 12 * (768 * 16 + 16 * 2304)
+    assert sim.result.param_count == 124_439_808 + 12 * (768 * 16 + 16 * 2304)
+    assert sim.found.precision == "bf16-true"  # the base's weights are bf16
+    # AdamW's moments of the adapters alone: 2 * 4 bytes each, per 512-byte-rounded tensor
+    moments = 2 * 12 * (-(-4 * 768 * 16 // 512) * 512 + -(-4 * 16 * 2304 // 512) * 512)
+    assert sim.result.memory_breakdown["optimizer_state"] == moments
+
+
 def test_a_gan_with_two_optimizers_and_a_scaler() -> None:
     sim = run_script(str(SCRIPTS / "gan.py"), [], gpu=GPU, steps=3)
     found = sim.found

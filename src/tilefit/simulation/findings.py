@@ -92,7 +92,7 @@ def findings_of(watch: StepWatch, recorder: SimulationRecorder, placement: Devic
                 readings: _Readings, stopped: bool, steps: int) -> Findings:
     start, end = _last_step(watch)
     ops = recorder.ops[start:end]
-    precision, autocast = _precision(ops, _weights_dtype(watch.params))
+    precision, autocast = _precision(ops, _weights_dtype(watch.every_param))
     facts = watch.facts
     return Findings(
         precision=precision, autocast_dtype=autocast, grad_scaler=facts.grad_scaler,

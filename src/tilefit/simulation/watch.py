@@ -95,6 +95,7 @@ class StepWatch:
         self.batch_size: tuple[int, int | None] | None = None
         self.params: list[torch.Tensor] = []  # every optimizer's, as of its last step
         self.param_count = 0  # the elements of the top modules' parameters
+        self.every_param: list[torch.Tensor] = []  # the top modules' and optimizers'
 
     # ---- phases -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -181,6 +182,7 @@ class StepWatch:
         every = {id(p): p for m in list(self._roots) for p in m.parameters()}
         every.update({id(p): p for p in self.params})
         self.param_count = sum(logical_numel(p) for p in every.values())
+        self.every_param = list(every.values())
         # a frozen model's too (a teacher, a reference model): no optimizer steps them
         self.recorder.label(list(every.values()), "parameters")
         self.recorder.label([b for m in list(self._roots) for b in m.buffers()], "parameters")
