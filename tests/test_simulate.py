@@ -379,6 +379,29 @@ def test_cuda_events_time_on_the_predicted_clock() -> None:
     assert sim.found.syncs == ("torch.cuda.synchronize()",)
 
 
+def test_tf32_matmuls_are_the_scripts_choice() -> None:
+    def train() -> None:
+        model = nn.Linear(1024, 1024).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(torch.randn(256, 1024, device="cuda")).sum().backward()
+            opt.step()
+
+    with simulate(gpu=GPU, steps=2) as fp32:
+        train()
+    try:
+        with simulate(gpu=GPU, steps=2) as tf32:
+            torch.backends.cuda.matmul.allow_tf32 = True  # as a script enables TF32
+            train()
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert (fp32.found.precision, tf32.found.precision) == ("fp32", "tf32")
+    # the same GEMMs at the A100's TF32 rate (156 TFLOP/s dense) rather than fp32's (19.5)
+    gemm = [c.time_s for c in fp32.result.ops if c.record.kind == "gemm"]
+    gemm_tf32 = [c.time_s for c in tf32.result.ops if c.record.kind == "gemm"]
+    assert sum(gemm_tf32) < sum(gemm) / 2
+
+
 def test_files_the_code_saves_are_listed_not_written(tmp_path: Path) -> None:
     with simulate(gpu=GPU, steps=2) as sim:
         model = nn.Linear(8, 8).cuda()

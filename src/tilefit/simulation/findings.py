@@ -52,15 +52,15 @@ class Findings:
         return out
 
 
-def _precision(ops: list[Any], weights: str) -> tuple[str, str | None]:
-    """The precision name and the autocast dtype, from the step's GEMM dtypes and the
-    dtype most parameter bytes have."""
+def _precision(ops: list[Any], weights: str, tf32: bool) -> tuple[str, str | None]:
+    """The precision name and the autocast dtype, from the step's GEMM dtypes, the dtype
+    most parameter bytes have and whether fp32 matmuls may run as TF32."""
     gemm = {g.dtype for op in ops for g in op.gemms if op.phase == "forward"}
     low = next((d for d in ("bf16", "fp16") if d in gemm), None)
     if weights in ("bf16", "fp16"):
         return f"{weights}-true", None
     if low is None:
-        return "fp32", None
+        return ("tf32" if tf32 else "fp32"), None
     return f"{low}-mixed", low
 
 
@@ -92,7 +92,8 @@ def findings_of(watch: StepWatch, recorder: SimulationRecorder, placement: Devic
                 readings: _Readings, stopped: bool, steps: int) -> Findings:
     start, end = _last_step(watch)
     ops = recorder.ops[start:end]
-    precision, autocast = _precision(ops, _weights_dtype(watch.every_param))
+    precision, autocast = _precision(ops, _weights_dtype(watch.every_param),
+                                     watch.facts.tf32)
     facts = watch.facts
     return Findings(
         precision=precision, autocast_dtype=autocast, grad_scaler=facts.grad_scaler,

@@ -180,6 +180,8 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS,
             yield sim
         except StopSimulation:
             sim.stopped = True
+        # TF32 for fp32 matmuls, as the code left it (allow_tf32 / set_float32_matmul_precision)
+        watch.facts.tf32 = torch.get_float32_matmul_precision() != "highest"
     _finish(sim, recorder, watch, placement, readings, list(collected))
 
 

@@ -59,6 +59,7 @@ class LoopFacts:
     zero_grad_to_none: set[bool] = dataclasses.field(default_factory=set)
     models: list[str] = dataclasses.field(default_factory=list)  # root modules' classes
     compiled: bool = False  # the code called torch.compile
+    tf32: bool = False  # the code let fp32 matmuls run as TF32
 
 
 def samples_and_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int | None]:
