@@ -402,6 +402,28 @@ def test_tf32_matmuls_are_the_scripts_choice() -> None:
     assert sum(gemm_tf32) < sum(gemm) / 2
 
 
+def test_a_synchronize_in_the_loop_makes_the_host_wait() -> None:
+    def train(sync: bool) -> tilefit.Simulation:
+        with simulate(gpu=GPU, steps=2) as sim:
+            model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]).cuda()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                model(torch.randn(64, 256, device="cuda")).sum().backward()
+                if sync:
+                    torch.cuda.synchronize()
+                opt.step()
+        return sim
+
+    free, waiting = train(False), train(True)
+    assert waiting.found.syncs == ("torch.cuda.synchronize()",) * 2
+    # the same ops; the host stops issuing until the backward is done, so the optimizer's
+    # launches no longer overlap it: the step is longer, by at most the backward's device time
+    assert waiting.result.device_time_s == pytest.approx(free.result.device_time_s)
+    backward = free.result.time_by_phase_s["backward"]
+    assert free.result.step_time_s < waiting.result.step_time_s <= \
+        free.result.step_time_s + backward + 1e-9
+
+
 def test_files_the_code_saves_are_listed_not_written(tmp_path: Path) -> None:
     with simulate(gpu=GPU, steps=2) as sim:
         model = nn.Linear(8, 8).cuda()

@@ -99,7 +99,7 @@ def _print_found(found: Findings) -> None:
         lines.append(f"host read of a value at {r.site}, {r.count} time(s) in the run "
                      f"(a GPU sync; the simulation answered {r.placeholder!r})")
     for s in found.syncs:
-        lines.append(f"{s} (the host waits for the GPU; not yet costed in the step)")
+        lines.append(f"{s} (the host waits for the GPU: costed in the step)")
     console.print("[bold]found in the script[/]", highlight=False)
     for line in lines:
         console.print(f"  {line}", highlight=False, soft_wrap=True)

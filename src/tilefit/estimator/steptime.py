@@ -72,8 +72,8 @@ def _blocks(costs: Sequence[OpCost], device: Device, param_tensors: int,
         if c.record.phase not in MICRO_PHASES and not opened_optimizer:
             opened_optimizer = True
             items.append(Item(param_tensors * host.optimizer_tensor_s, 0.0))
-        sync = (c.record.op in SYNC_OPS or reads_expert_offsets(c.record)) and \
-            not c.record.on_host
+        sync = (c.record.op in SYNC_OPS or reads_expert_offsets(c.record)
+                or c.record.then_synchronized) and not c.record.on_host
         items.append(Item(host_s, c.time_s, sync))
     if items:
         blocks.append(Block(tuple(items), repeats or 1))

@@ -115,11 +115,14 @@ def _last_step(watch: StepWatch) -> tuple[int, int]:
 
 
 def build_trace(recorder: SimulationRecorder, watch: StepWatch, target: Target,
-                found: Findings, notes: list[str]) -> Trace:
-    """The Trace of the run up to its last step, that step labelled the steady one."""
+                found: Findings, notes: list[str], sync_at: list[int]) -> Trace:
+    """The Trace of the run up to its last step, that step labelled the steady one (the ops
+    after which the code synchronized marked so)."""
     start, end = _last_step(watch)
+    waits = {i - 1 for i in sync_at}
     ops = tuple(dataclasses.replace(op, step=1 if i >= start and not script_host_op(op) else 0,
-                                    micro=op.micro if op.phase in MICRO_PHASES else 0)
+                                    micro=op.micro if op.phase in MICRO_PHASES else 0,
+                                    then_synchronized=i in waits)
                 for i, op in enumerate(recorder.ops[:end]))
     host = recorder.host_uids
     storages = tuple(

@@ -79,6 +79,7 @@ class _Readings:
         self.recorder, self.device, self.target = recorder, device, target
         self.peak_from = 0
         self.syncs: list[str] = []
+        self.sync_at: list[int] = []  # the events at which the code synchronized
 
     def _gpu_storages(self) -> list[StorageRecord]:
         host = self.recorder.host_uids
@@ -126,6 +127,7 @@ class _Readings:
 
     def synchronized(self, what: str) -> None:
         self.syncs.append(what)
+        self.sync_at.append(self.recorder.events)
 
 
 @contextlib.contextmanager
@@ -240,7 +242,7 @@ def _finish(sim: Simulation, recorder: SimulationRecorder, watch: StepWatch,
     if recorder.bounded:
         notes.append(BOUND_NOTE.format(ops=", ".join(recorder.bounded)))
     found = findings_of(watch, recorder, placement, readings, sim.stopped, sim.steps)
-    tr = build_trace(recorder, watch, readings.target, found, notes)
+    tr = build_trace(recorder, watch, readings.target, found, notes, readings.sync_at)
     if sim.world_size > 1:
         tr = dataclasses.replace(tr, world_size=sim.world_size,
                                  strategy=sim.engines[0] if sim.engines else None)

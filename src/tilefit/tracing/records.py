@@ -106,6 +106,9 @@ class OpRecord:
     collective: Collective | None = None  # kind "collective": what it communicates
     # its FLOP formula (torch.utils.flop_counter's) failed: the error's first line; flops is 0
     flops_error: str | None = None
+    # the host waits for the device after issuing it: the code called torch.cuda.synchronize()
+    # (or Event.synchronize) next (tilefit.simulation)
+    then_synchronized: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
