@@ -476,6 +476,22 @@ def test_bad_scripts_get_clear_answers(tmp_path: Path) -> None:
         run_script(str(SCRIPTS / "no_step.py"), [], gpu=GPU, steps=0)
 
 
+def test_the_html_report_has_the_step_and_what_was_found(tmp_path: Path) -> None:
+    from html.parser import HTMLParser
+
+    from tilefit.cli.run import found_lines
+    from tilefit.report.html import render_run_html, write_text
+
+    sim = run_script(str(SCRIPTS / "gan.py"), [], gpu=GPU, steps=2)
+    lines = found_lines(sim.found)
+    out = write_text(render_run_html(sim.result, "tilefit run: gan.py", lines),
+                     tmp_path / "run.html")
+    page = out.read_text()
+    HTMLParser().feed(page)  # well-formed enough for Python's parser
+    assert "precision: fp16-mixed with a GradScaler" in page
+    assert page.count("<img") == 2 and "Found in the script" in page
+
+
 def test_cli_run_prints_the_step_and_what_it_found() -> None:
     out = subprocess.run([sys.executable, "-m", "tilefit", "run", "--gpu", GPU, "--steps", "2",
                           "--json", "--no-ops", str(SCRIPTS / "gan.py")],

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
 
 from tilefit.cli import model_options as mo
+from tilefit.cli.audit import HTML_OPTION, _check_html
 from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
 from tilefit.cli.estimate import OPS_OPTION
 
@@ -39,6 +41,7 @@ def run(
     steps: int = STEPS_OPTION,
     gpus: int = GPUS_OPTION,
     ops: bool = OPS_OPTION,
+    html: Path | None = HTML_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Run your training script as if `cuda` were the chosen GPU, on this machine, and
@@ -50,6 +53,7 @@ def run(
     script = None if module is not None else (words.pop(0) if words else None)
     started = time.perf_counter()
     with user_errors():
+        _check_html(html)
         device = get_device(gpu)
         try:
             sim = run_script(script, words, module=module, gpu=device, steps=steps, gpus=gpus)
@@ -68,19 +72,26 @@ def run(
         return
     from tilefit.report.terminal import print_estimate
 
-    print_estimate(console, sim.result, f"tilefit run: {name} on {device.display_name}, "
-                   f"the script's step {sim.found.steps_run}")
-    _print_found(sim.found)
-    for name in sim.pretrained:
-        console.print(f"  from_pretrained({name!r}): built from its config, no weights read",
-                      highlight=False, soft_wrap=True)
-    for path in sim.unwritten:
-        console.print(f"  not written (its tensors are simulated): {path}", highlight=False,
-                      soft_wrap=True)
+    title = f"tilefit run: {name} on {device.display_name}, the script's step " \
+        f"{sim.found.steps_run}"
+    print_estimate(console, sim.result, title)
+    lines = found_lines(sim.found) + [
+        f"from_pretrained({p!r}): built from its config, no weights read"
+        for p in sim.pretrained] + [
+        f"not written (its tensors are simulated): {path}" for path in sim.unwritten]
+    console.print("[bold]found in the script[/]", highlight=False)
+    for line in lines:
+        console.print(f"  {line}", highlight=False, soft_wrap=True)
+    if html is not None:
+        from tilefit.report.html import render_run_html, write_text
+
+        with user_errors():
+            out = write_text(render_run_html(sim.result, title, lines), html)
+        console.print(f"wrote {out}", highlight=False, soft_wrap=True)
 
 
-def _print_found(found: Findings) -> None:
-    """What the script was seen to do: what the prediction rests on."""
+def found_lines(found: Findings) -> list[str]:
+    """What the script was seen to do: what the prediction rests on, a line each."""
     lines = [f"precision: {found.precision}"
              + (" with a GradScaler" if found.grad_scaler else ""),
              "optimizers: " + (", ".join(_optimizer(o) for o in found.optimizers) or "none"),
@@ -100,9 +111,7 @@ def _print_found(found: Findings) -> None:
                      f"(a GPU sync; the simulation answered {r.placeholder!r})")
     for s in found.syncs:
         lines.append(f"{s} (the host waits for the GPU: costed in the step)")
-    console.print("[bold]found in the script[/]", highlight=False)
-    for line in lines:
-        console.print(f"  {line}", highlight=False, soft_wrap=True)
+    return lines
 
 
 def _optimizer(o: Any) -> str:

@@ -249,6 +249,42 @@ def render_html(audit: Audit) -> str:
             + "</body></html>")
 
 
+def render_run_html(estimate: Estimate, title: str, found: list[str]) -> str:
+    """`tilefit run --html`: the script's step as the estimate shows it (summary, host and
+    GPU, time by module, memory) and what was found in the script."""
+    from tilefit.report.notebook import estimate_html
+    from tilefit.report.plots import bars_png, png_bytes
+
+    mods = estimate.modules_by_pattern()[:15]
+    time_png = bars_png([m.module or "(root)" for m in mods], [m.time_s * 1e3 for m in mods],
+                        "predicted time per step (ms)", "time by module (layers folded)")
+    mem_png = png_bytes(memory_chart(estimate))
+    notes = "".join(f"<li>{_esc(note)}</li>" for note in estimate.warnings)
+    timeline = (f"<h2>Host and GPU</h2>{timeline_html(estimate)}"
+                if estimate.device.kind == "cuda" else "")
+    items = "".join(f"<li>{_esc(line)}</li>" for line in found)
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+            f"<title>{_esc(title)}</title><style>{CSS}</style></head><body>"
+            f"<h1>{_esc(title)}</h1><p>The script ran on this machine with the GPU simulated: "
+            "its tensors fake, its step traced as the GPU runs it and costed op by op.</p>"
+            f"<h2>Summary</h2>{estimate_html(estimate)}<h2>Found in the script</h2>"
+            f"<ul>{items}</ul>{timeline}"
+            f"<h2>Time by module</h2>{_img(time_png, 'time by module')}"
+            f"<h2>Memory</h2>{_img(mem_png, 'memory breakdown; ' + capacity_label(estimate))}"
+            + (f"<h2>Notes</h2><ul>{notes}</ul>" if notes else "") + "</body></html>")
+
+
+def write_text(text: str, path: str | Path) -> Path:
+    """A report's HTML written to ``path``, in a folder that exists."""
+    out = Path(path)
+    if not out.parent.resolve().is_dir():
+        raise TilefitError(f"cannot write the report: folder {str(out.parent)!r} does not "
+                           "exist", expected="a path in an existing folder", given=str(path),
+                           fix="create the folder first")
+    out.write_text(text, encoding="utf-8")
+    return out
+
+
 def write_html(audit: Audit, path: str | Path) -> Path:
     out = Path(path)
     if not out.parent.resolve().is_dir():
