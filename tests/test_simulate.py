@@ -492,6 +492,32 @@ def test_the_html_report_has_the_step_and_what_was_found(tmp_path: Path) -> None
     assert page.count("<img") == 2 and "Found in the script" in page
 
 
+def test_the_audit_of_a_scripts_step_finds_an_odd_dimension() -> None:
+    from tilefit.advise.audit import audit_trace
+    from tilefit.simulation.findings import recipe_of
+
+    with simulate(gpu=GPU, steps=2) as sim:
+        model = nn.Sequential(nn.Linear(1000, 4000), nn.GELU(), nn.Linear(4000, 1000)).cuda()
+        opt = torch.optim.AdamW(model.parameters(), fused=True)
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(torch.randn(8192, 1000, device="cuda")).float().pow(2).mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+    recipe = recipe_of(sim.found, 8192)
+    assert (recipe.precision, recipe.optimizer, recipe.max_grad_norm) == (
+        "bf16-mixed", "adamw-fused", 0.5)
+    result = audit_trace(sim.trace, recipe, sim.device, name="loop")
+    dims = {(f.current, f.suggested): f for f in result.findings
+            if f.rule == "weight-dim-alignment"}
+    # 1000 and 4000 are off the A100's 64-element bf16 multiple: 1024 and 4032 are the next
+    assert set(dims) == {(1000, 1024), (4000, 4032)}
+    top = dims[(1000, 1024)]  # the step is GEMM-bound at 8192 samples: the fix pays
+    assert top.recommended and top.step_time_after_s < top.step_time_before_s
+
+
 def test_cli_run_prints_the_step_and_what_it_found() -> None:
     out = subprocess.run([sys.executable, "-m", "tilefit", "run", "--gpu", GPU, "--steps", "2",
                           "--json", "--no-ops", str(SCRIPTS / "gan.py")],

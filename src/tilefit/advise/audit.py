@@ -207,6 +207,18 @@ def _module_subject(model: Any, batch: Any, recipe: Recipe, device: Device, *,
                     else None, notes=tuple(notes))
 
 
+def audit_trace(trace: Trace, recipe: Recipe, device: Device, *, name: str,
+                notes: tuple[str, ...] = ()) -> Audit:
+    """The audit of a step traced elsewhere (a user's script run under the simulated GPU:
+    tilefit.simulation), ``recipe`` what that step was seen to do: every rule that needs no
+    re-trace; the what-ifs that do are skipped, with a note, as for an nn.Module."""
+    subject = _Subject(name=name, seq_len=None, recipe=recipe, trace=trace, workload=None,
+                       retrace_fn=None, modules=None, notes=(
+                           *notes, "a script's step cannot be re-traced: the batch, sequence "
+                           "and memory what-ifs were skipped"))
+    return _run_rules(subject, device, confirm=False, started_s=time.perf_counter())
+
+
 def _run_rules(subject: _Subject, device: Device, *, confirm: bool,
                started_s: float) -> Audit:
     est = estimate_trace(subject.trace, device)

@@ -22,6 +22,9 @@ STEPS_OPTION = typer.Option(3, "--steps", min=1, help="Stop the script after its
                             "creates the optimizer state).")
 MODULE_OPTION = typer.Option(None, "--module", "-m", help="Run a module as `python -m` "
                              "does, instead of a script.")
+AUDIT_OPTION = typer.Option(False, "--audit", help="Also audit the script's step: what slows "
+                            "it or makes it not fit, each finding with its fix and predicted "
+                            "gain (the what-ifs that need a re-trace are skipped).")
 GPUS_OPTION = typer.Option(1, "--gpus", min=1, help="Run the script as rank 0 of N GPUs on "
                            "one node, as torchrun --nproc-per-node N does (its environment, "
                            "a simulated process group for init_process_group; DDP).")
@@ -42,6 +45,7 @@ def run(
     gpus: int = GPUS_OPTION,
     ops: bool = OPS_OPTION,
     html: Path | None = HTML_OPTION,
+    audit: bool = AUDIT_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Run your training script as if `cuda` were the chosen GPU, on this machine, and
@@ -82,12 +86,28 @@ def run(
     console.print("[bold]found in the script[/]", highlight=False)
     for line in lines:
         console.print(f"  {line}", highlight=False, soft_wrap=True)
+    if audit:
+        _print_audit(sim, name)
     if html is not None:
         from tilefit.report.html import render_run_html, write_text
 
         with user_errors():
             out = write_text(render_run_html(sim.result, title, lines), html)
         console.print(f"wrote {out}", highlight=False, soft_wrap=True)
+
+
+def _print_audit(sim: Any, name: str) -> None:
+    """The audit's findings for the script's step (tilefit.advise.audit_trace)."""
+    from tilefit.advise.audit import audit_trace
+    from tilefit.report.audit_terminal import print_findings
+    from tilefit.simulation.findings import recipe_of
+
+    recipe = recipe_of(sim.found, sim.trace.samples_per_micro_batch)
+    result = audit_trace(sim.trace, recipe, sim.device, name=name)
+    console.print("[bold]audit of the script's step[/]", highlight=False)
+    print_findings(console, result)
+    for note in result.notes:
+        console.print(f"note: {note}", highlight=False, soft_wrap=True)
 
 
 def found_lines(found: Findings) -> list[str]:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tilefit.recipe import Recipe
 from tilefit.tracing.records import Trace
 from tilefit.tracing.target import Target
 from tilefit.vocab import MICRO_PHASES, OPTIMIZER_PHASES
@@ -37,6 +38,7 @@ class Findings:
     accumulation_steps: int  # backward passes in the last step
     grad_checkpointing: bool  # the backward recomputed forward ops
     compiled: bool  # the code called torch.compile (its graphs ran eagerly here)
+    max_grad_norm: float | None  # the norm it clipped gradients to, where it did
     zero_grad_to_none: bool | None  # None where zero_grad was not called
     models: tuple[str, ...]  # the classes of the modules the code called at the top
     host_reads: tuple[HostRead, ...]  # .item() and the like: host synchronizations
@@ -100,13 +102,32 @@ def findings_of(watch: StepWatch, recorder: SimulationRecorder, placement: Devic
         optimizers=tuple(facts.optimizers), clipping=tuple(sorted(facts.clipping)),
         accumulation_steps=max(facts.backward_calls[-1], 1),
         grad_checkpointing=any(op.phase == "recompute" for op in ops),
-        compiled=facts.compiled,
+        compiled=facts.compiled, max_grad_norm=facts.max_grad_norm,
         zero_grad_to_none=(None if not facts.zero_grad_to_none
                            else all(facts.zero_grad_to_none)),
         models=tuple(facts.models), host_reads=recorder.host_reads(),
         syncs=tuple(readings.syncs), copies_to_gpu=placement.copies_in,
         host_ops_per_step=sum(script_host_op(op) for op in ops),
         steps_run=len(watch.boundaries), stopped=stopped)
+
+
+# torch.optim's classes as tilefit's optimizer names (vocab.OPTIMIZER_NAMES)
+_OPTIMIZERS = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "Adafactor": "adafactor"}
+
+
+def recipe_of(found: Findings, samples: int) -> Recipe:
+    """The Recipe that describes what the script was seen to do: what the audit of its step
+    reads (a script's optimizer that tilefit does not name is described as AdamW)."""
+    opt = found.optimizers[0] if found.optimizers else None
+    name = _OPTIMIZERS.get(opt.name, "adamw") if opt is not None else "adamw"
+    if name == "adamw" and opt is not None and opt.fused:
+        name = "adamw-fused"
+    return Recipe(batch_size=samples, precision=found.precision, optimizer=name,
+                  grad_checkpointing=found.grad_checkpointing,
+                  accumulation_steps=found.accumulation_steps,
+                  max_grad_norm=found.max_grad_norm,
+                  loss_sync=bool(found.host_reads),
+                  zero_grad_to_none=found.zero_grad_to_none is not False)
 
 
 def _last_step(watch: StepWatch) -> tuple[int, int]:

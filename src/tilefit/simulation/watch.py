@@ -60,6 +60,7 @@ class LoopFacts:
     models: list[str] = dataclasses.field(default_factory=list)  # root modules' classes
     compiled: bool = False  # the code called torch.compile
     tf32: bool = False  # the code let fp32 matmuls run as TF32
+    max_grad_norm: float | None = None  # the norm it clipped to (clip_grad_norm_'s max_norm)
 
 
 def samples_and_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int | None]:
@@ -259,6 +260,10 @@ class StepWatch:
     def _clip(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         def clip(*args: Any, **kwargs: Any) -> Any:
             self.facts.clipping.add(name)
+            norm = kwargs.get("max_norm", args[1] if len(args) > 1 else None)
+            if name in ("clip_grad_norm_", "clip_grads_with_norm_") and isinstance(
+                    norm, (int, float)) and not isinstance(norm, bool):
+                self.facts.max_grad_norm = float(norm)
             if self.recorder.phase == "clip_grad":  # clip_grad_norm_'s own parts
                 return fn(*args, **kwargs)
             with self.phase("clip_grad"):
