@@ -44,7 +44,8 @@ TIERS: tuple[tuple[str, ...], ...] = (
 )
 # the modules at the top of src/tilefit, by layer (a package is its own layer)
 TOP_LEVEL = {"errors": "leaves", "dtypes": "leaves", "batches": "leaves",
-             "quiet_imports": "leaves", "html_repr": "leaves", "vocab": "vocab", "gemm": "gemm",
+             "quiet_imports": "leaves", "html_repr": "leaves", "units": "leaves",
+             "vocab": "vocab", "gemm": "gemm",
              "gemm_cpu": "gemm",
              "linear": "gemm", "recipe": "recipe", "recipe_parts": "recipe", "legacy": "recipe",
              "alloc_conf": "recipe",

@@ -40,6 +40,7 @@ from tilefit.recipe import (
 )
 from tilefit.tracing.records import Trace
 from tilefit.tracing.workloads import prefetch, shared_traces
+from tilefit.units import fmt_time
 
 if TYPE_CHECKING:
     from tilefit.models import Workload
@@ -72,6 +73,12 @@ class Audit(HtmlRepr):
     plan: Plan | None = None
     # when the step fits: the compatible recommended fixes re-estimated together as one step
     combined: CombinedFix | None = None
+
+    def __repr__(self) -> str:
+        """One line (print() of a result; its detail is in the fields)."""
+        top = f", top={self.findings[0].title!r}" if self.findings else ""
+        return (f"Audit(model={self.model!r}, gpu={self.device.name!r}, step_time="
+                f"{fmt_time(self.estimate.step_time_s)}, findings={len(self.findings)}{top})")
 
     @property
     def recommended(self) -> tuple[Finding, ...]:

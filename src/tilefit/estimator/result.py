@@ -12,6 +12,7 @@ from tilefit.estimator.cost import CostContext, gemm_dtype
 from tilefit.hardware.device import Device
 from tilefit.html_repr import HtmlRepr
 from tilefit.tracing.records import GemmShape, OpRecord
+from tilefit.units import fmt_bytes, fmt_time
 from tilefit.vocab import OPTIMIZER_PHASES
 
 if TYPE_CHECKING:
@@ -125,6 +126,12 @@ class Estimate(HtmlRepr):
     # what the CUDA caching allocator holds over the step and whether it runs out of memory
     # (tilefit.estimator.reserved); None on the CPU and for modelled (ZeRO) estimates
     reserved: ReservedMemory | None = None
+
+    def __repr__(self) -> str:
+        """One line (print() of a result; its detail is in the fields)."""
+        return (f"Estimate(gpu={self.device.name!r}, recipe='{self.precision}, "
+                f"{self.optimizer}', step_time={fmt_time(self.step_time_s)}, "
+                f"peak={fmt_bytes(self.peak_memory_bytes)}, fits={self.fits})")
 
     @property
     def total_memory_bytes(self) -> int:

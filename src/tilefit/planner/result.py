@@ -9,6 +9,7 @@ from typing import Any
 from tilefit.hardware import Device
 from tilefit.html_repr import HtmlRepr
 from tilefit.planner.rows import PlanRow
+from tilefit.units import fmt_time
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,14 @@ class Plan(HtmlRepr):
     traces: int = 0
     wall_time_s: float = 0.0
     world_size: int = 1  # GPUs the plan is for (rows per GPU; --gpus)
+
+    def __repr__(self) -> str:
+        """One line (print() of a result; its detail is in the fields)."""
+        best = "none fits" if self.best is None else (
+            f"batch {self.best.recipe.batch_size} x {self.best.recipe.accumulation_steps}, "
+            f"{self.best.recipe.precision}, {fmt_time(self.best.predicted_step_time_s)}")
+        return (f"Plan(model={self.model!r}, gpu={self.device.name!r}, global_batch="
+                f"{self.global_batch}, rows={len(self.rows)}, best='{best}')")
 
     def to_dict(self) -> dict[str, Any]:
         best = None

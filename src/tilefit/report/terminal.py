@@ -11,25 +11,7 @@ from rich.table import Table
 
 if TYPE_CHECKING:  # annotations alone: a torch-free result's notebook view imports no torch
     from tilefit.estimator import Estimate
-
-GIB = 1024**3
-
-
-def fmt_bytes(n: float) -> str:
-    if abs(n) >= GIB:
-        return f"{n / GIB:.2f} GiB"
-    if abs(n) >= 1024**2:
-        return f"{n / 1024**2:.1f} MiB"
-    return f"{n / 1024:.1f} KiB"
-
-
-def fmt_time(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} us"
-
+from tilefit.units import GIB, fmt_bytes, fmt_time  # noqa: F401 - re-exported
 
 HOST_BOUND_SHOWN = 0.2  # a step whose GPU waits this share of the time is called host-bound
 

@@ -71,6 +71,11 @@ class Simulation:
     pretrained: list[str] = dataclasses.field(default_factory=list)
     engines: list[str] = dataclasses.field(default_factory=list)  # "ddp" where it built one
 
+    def __repr__(self) -> str:
+        """One line; the detail is in the fields."""
+        return (f"Simulation(gpu={self.device.name!r}, steps_run="
+                f"{self.found.steps_run if self.found else 0}, result={self.result!r})")
+
 
 class _Readings:
     """What torch.cuda's memory and event queries answer while the code runs."""

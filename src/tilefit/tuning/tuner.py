@@ -79,6 +79,12 @@ class TuneResult(HtmlRepr):
     # not run); the CLI shows them
     notes: tuple[str, ...] = ()
 
+    def __repr__(self) -> str:
+        """One line (print() of a result; its detail is in the fields)."""
+        rate = "" if self.samples_per_s is None else f", {self.samples_per_s:,.1f} samples/s"
+        return (f"TuneResult(batch_size={self.batch_size}, max_fitting_batch_size="
+                f"{self.max_fitting_batch_size}, trials={len(self.trials)}{rate})")
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["trials"] = [t.to_dict() for t in self.trials]
