@@ -286,10 +286,4 @@ def write_text(text: str, path: str | Path) -> Path:
 
 
 def write_html(audit: Audit, path: str | Path) -> Path:
-    out = Path(path)
-    if not out.parent.resolve().is_dir():
-        raise TilefitError(f"cannot write the report: folder {str(out.parent)!r} does not "
-                           "exist", expected="a path in an existing folder", given=str(path),
-                           fix="create the folder first")
-    out.write_text(render_html(audit), encoding="utf-8")
-    return out
+    return write_text(render_html(audit), path)
