@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -519,16 +518,17 @@ def test_the_audit_of_a_scripts_step_finds_an_odd_dimension() -> None:
 
 
 def test_cli_run_prints_the_step_and_what_it_found() -> None:
-    out = subprocess.run([sys.executable, "-m", "tilefit", "run", "--gpu", GPU, "--steps", "2",
-                          "--json", "--no-ops", str(SCRIPTS / "gan.py")],
-                         capture_output=True, text=True, timeout=300)
+    from tests.conftest import invoke_cli  # in this process: what it says, its exit code
+
+    out = invoke_cli("run", "--gpu", GPU, "--steps", "2", "--json", "--no-ops",
+                     str(SCRIPTS / "gan.py"))
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout[out.stdout.index("{"):])
     assert data["found"]["grad_scaler"] is True and data["step_time_s"] > 0
     assert data["peak_memory_bytes"] > 0 and "ops" not in data
-    failed = subprocess.run([sys.executable, "-m", "tilefit", "run",
-                             str(SCRIPTS / "fails_early.py")],
-                            capture_output=True, text=True, timeout=300)
+    failed = invoke_cli("run", str(SCRIPTS / "fails_early.py"))
     assert failed.returncode == 1
     assert "ValueError: the data folder is missing" in failed.stderr
     assert "before its first optimizer step" in failed.stderr
+    missing = invoke_cli("run", str(SCRIPTS / "no_such_script.py"))
+    assert missing.returncode == 2 and "no script at" in missing.stderr
