@@ -182,8 +182,13 @@ def test_accelerate_fsdp2_config_shards_on_two_cpu_ranks(tmp_path: Path) -> None
     _write(launch_files(_row("fsdp2", precision="fp32"), _mlp()), out)
     loaded = load_config_from_file(str(out / ACCELERATE_CONFIG_NAME))
     assert loaded.fsdp_config["fsdp_version"] == 2 and loaded.num_processes == 2
+    # --main_process_port 0: a free port, which accelerate picks (its default is a fixed
+    # 29500, which ignores PET_MASTER_PORT: a run just before, or beside on another worker,
+    # could still hold it, and rank 0's store then aborted: "terminate called without an
+    # active exception")
     run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                           ACCELERATE_CONFIG_NAME, "--num_processes", "2",
+                          "--main_process_port", "0",
                           str(ROOT / "tests" / "fixtures" / "accelerate_as_gpu.py"),
                           ACCELERATE_SCRIPT_NAME, "--steps", "2", "--record", str(tmp_path)],
                          env=_env(), capture_output=True, text=True, timeout=600, cwd=out)
