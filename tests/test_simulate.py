@@ -85,14 +85,16 @@ def test_what_the_plain_loop_did_is_read_from_it(plain) -> None:  # type: ignore
     assert plain.result.samples_per_step == 32
 
 
-def test_accumulation_is_the_steps_backward_passes() -> None:
-    sim = run_script(str(SCRIPTS / "plain_loop.py"), ["--batch", "16", "--accumulation", "2"],
-                     gpu=GPU, steps=2)
+@pytest.mark.parametrize("micro_batches", [2, 4])
+def test_accumulation_is_the_steps_backward_passes(micro_batches: int) -> None:
+    sim = run_script(str(SCRIPTS / "plain_loop.py"),
+                     ["--batch", "16", "--accumulation", str(micro_batches)], gpu=GPU, steps=2)
     one = run_script(str(SCRIPTS / "plain_loop.py"), ["--batch", "16"], gpu=GPU, steps=2)
-    assert sim.found.accumulation_steps == 2 and sim.result.accumulation_steps == 2
-    assert sim.result.samples_per_step == 32
-    # two micro-batches of 16: twice the forward and backward FLOPs of one
-    assert sim.result.flops == pytest.approx(2 * one.result.flops, rel=0.01)
+    assert sim.found.accumulation_steps == sim.result.accumulation_steps == micro_batches
+    assert sim.result.samples_per_step == 16 * micro_batches
+    # micro-batches of 16, each run and counted once: that many times the forward and
+    # backward FLOPs of one (4 counted 12 times before every micro-batch counted once)
+    assert sim.result.flops == pytest.approx(micro_batches * one.result.flops, rel=0.01)
 
 
 @pytest.mark.parametrize("script", ["accelerate_loop.py", "lightning_loop.py"])

@@ -145,7 +145,9 @@ class Trace(HtmlRepr):
     attention: str
     grad_checkpointing: bool
     accumulation_steps: int
-    traced_micro_steps: int  # micro-batches traced per step (min(accumulation, 2))
+    # micro-batches traced per step: min(accumulation, 2) for the tracer's loop, which
+    # replays the second for the rest; all of them for a simulated script (every one ran)
+    traced_micro_steps: int
     ops: tuple[OpRecord, ...]
     storages: tuple[StorageRecord, ...]
     n_events: int
@@ -246,9 +248,10 @@ class Trace(HtmlRepr):
         """How often a steady-state op runs per optimizer step: micro-batch 0 once,
         micro-batch 1 (traced when accumulating) for the other a - 1 micro-batches, which
         accumulate into existing gradients; one traced micro-batch for all a; the
-        optimizer step and what follows it once."""
+        optimizer step and what follows it once; every op once where every micro-batch
+        was traced."""
         a = self.accumulation_steps
-        if op.phase not in MICRO_PHASES:
+        if op.phase not in MICRO_PHASES or self.traced_micro_steps >= a:
             return 1
         if op.micro == 0 and (a == 1 or self.traced_micro_steps == 2):
             return 1
