@@ -48,7 +48,7 @@ from tilefit.simulation.watch import StepWatch, StopSimulation
 from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.autocast import CudaAutocast
 from tilefit.tracing.options import resolve_target
-from tilefit.tracing.records import StorageRecord, Trace
+from tilefit.tracing.records import Trace
 from tilefit.tracing.target import Target
 
 DEFAULT_STEPS = 3
@@ -86,28 +86,16 @@ class _Readings:
         self.syncs: list[str] = []
         self.sync_at: list[int] = []  # the events at which the code synchronized
 
-    def _gpu_storages(self) -> list[StorageRecord]:
-        host = self.recorder.host_uids
-        return [s for s in self.recorder.storages() if s.uid not in host]
+    def _timeline(self) -> list[int]:
+        """The GPU's live tensor bytes after each event of the record so far."""
+        return trace_so_far(self.recorder, self.target).live_bytes_timeline(rounded=False)
 
     def allocated_bytes(self) -> int:
-        return sum(s.nbytes for s in self._gpu_storages() if s.free_at is None)
+        return self._timeline()[-1]
 
     def peak_allocated_bytes(self) -> int:
         """The most bytes alive at once since the last reset."""
-        delta: dict[int, int] = {}
-        for s in self._gpu_storages():
-            if s.free_at is not None and s.free_at < self.peak_from:
-                continue
-            born = max(s.alloc_at, self.peak_from - 1)
-            delta[born] = delta.get(born, 0) + s.nbytes
-            if s.free_at is not None:
-                delta[s.free_at] = delta.get(s.free_at, 0) - s.nbytes
-        live = peak = 0
-        for at in sorted(delta):
-            live += delta[at]
-            peak = max(peak, live)
-        return peak
+        return max(self._timeline()[self.peak_from:])
 
     def reserved_bytes(self) -> int:
         """What the caching allocator would hold at its peak so far (the allocator model
