@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tilefit.compat.fake import tree_leaves
 from tilefit.compat.simulated_cuda import inside_torch
 from tilefit.simulation.values import SimulationRecorder
+from tilefit.tracing.traffic import op_tensors
 
 CPU = torch.device("cpu")
 GPU = torch.device("cuda", 0)
@@ -37,10 +37,6 @@ def names_cpu(device: Any) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cpu"
     return isinstance(device, str) and device.split(":", 1)[0] == "cpu"
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [x for x in tree_leaves(value) if isinstance(x, torch.Tensor)]
 
 
 class DevicePlacement(TorchFunctionMode):
@@ -74,8 +70,8 @@ class DevicePlacement(TorchFunctionMode):
         at = self.recorder.events
         with inside_torch():
             out = func(*args, **kwargs)
-        if not to_gpu and not _tensors((args, kwargs)):  # made from nothing: a factory
-            self.recorder.made_on_host(_tensors(out), since=at)
+        if not to_gpu and next(op_tensors((args, kwargs)), None) is None:  # a factory
+            self.recorder.made_on_host(out, since=at)
         return out
 
     def _move(self, func: Any, name: str, args: tuple[Any, ...],

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from tilefit.compat.bitsandbytes import logical_numel
-from tilefit.compat.fake import tree_leaves
 from tilefit.compat.simulated_cuda import patched
 from tilefit.tracing.optimizers import optimizer_state_tensors
 from tilefit.tracing.recorder import Recorder
+from tilefit.tracing.step import samples_and_tokens
 
 # torch.nn.utils' gradient clipping, whole (the first two) or in its two parts
 CLIPPING = ("clip_grad_norm_", "clip_grad_value_", "get_total_norm", "clip_grads_with_norm_")
@@ -55,7 +55,6 @@ class LoopFacts:
     backward_calls: list[int] = dataclasses.field(default_factory=list)  # per step
     clipping: set[str] = dataclasses.field(default_factory=set)
     grad_scaler: bool = False
-    autocast_dtypes: set[str] = dataclasses.field(default_factory=set)
     zero_grad_to_none: set[bool] = dataclasses.field(default_factory=set)
     models: list[str] = dataclasses.field(default_factory=list)  # root modules' classes
     compiled: bool = False  # the code called torch.compile
@@ -63,16 +62,10 @@ class LoopFacts:
     max_grad_norm: float | None = None  # the norm it clipped to (clip_grad_norm_'s max_norm)
 
 
-def samples_and_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int | None]:
-    """A forward call's micro-batch: the samples (the leading dimension of its first tensor)
-    and tokens (its input_ids' elements, where it has them)."""
-    ids = kwargs.get("input_ids")
-    if isinstance(ids, torch.Tensor) and ids.dim() >= 1:
-        return int(ids.shape[0]), int(ids.numel())
-    leaves = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-    if not leaves or leaves[0].dim() == 0:
-        return 1, None
-    return int(leaves[0].shape[0]), None
+def _call_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A forward call's inputs as tracing.step.samples_and_tokens reads a batch: its keyword
+    arguments where they hold input_ids (model(**batch)), else all of them."""
+    return kwargs if isinstance(kwargs.get("input_ids"), torch.Tensor) else (args, kwargs)
 
 
 class StepWatch:
@@ -144,7 +137,7 @@ class StepWatch:
             if next(module.parameters(), None) is not None:  # a model, not a loss module
                 self._first_root = self._first_root or module
                 self.facts.models.append(type(module).__name__)
-            self.batch_size = self.batch_size or samples_and_tokens(args, {})
+            self.batch_size = self.batch_size or samples_and_tokens(_call_batch(args, {}))
             self._handles.append(module.register_forward_pre_hook(self._inputs,
                                                                   with_kwargs=True))
         if self.recorder.phase not in ("forward", "scaler", "clip_grad"):
@@ -153,7 +146,7 @@ class StepWatch:
     def _inputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                 ) -> None:
         if self.recorder.phase not in ("backward", "recompute") and module is self._main():
-            self.batch_size = samples_and_tokens(args, kwargs)
+            self.batch_size = samples_and_tokens(_call_batch(args, kwargs))
 
     def _main(self) -> nn.Module | None:
         """The first top module the code called (the model; a teacher or discriminator

@@ -297,7 +297,7 @@ def _micro_batch(prep: Prepared, options: TraceOptions, recorder: Recorder, auto
 def _to_trace(prep: Prepared, options: TraceOptions, target: Target, recorder: Recorder,
               router: AttentionRouter | None, notes: list[str] | None = None,
               kernels: tuple[ReferenceKernel, ...] = ()) -> Trace:
-    samples, tokens = _samples_and_tokens(prep.batch)
+    samples, tokens = samples_and_tokens(prep.batch)
     warnings = []
     if recorder.stand_in_reads:
         warnings.append(f"the optimizer read {recorder.stand_in_reads} value(s) from tensors "
@@ -348,7 +348,9 @@ CUDNN_RESERVE_NOTE = (
     "space, what its forward keeps for the backward, is not published and not counted")
 
 
-def _samples_and_tokens(batch: Any) -> tuple[int, int | None]:
+def samples_and_tokens(batch: Any) -> tuple[int, int | None]:
+    """A micro-batch's samples (the leading dimension of its first tensor) and tokens (its
+    input_ids' elements, where it is a dict that has them)."""
     if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
         ids = batch["input_ids"]
         return int(ids.shape[0]), int(ids.numel())
