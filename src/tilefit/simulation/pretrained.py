@@ -13,8 +13,6 @@ from a script (``tilefit estimate MODEL --quantize nf4`` predicts it)."""
 from __future__ import annotations
 
 import contextlib
-import json
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,15 +31,12 @@ def _config(name: str, kwargs: dict[str, Any]) -> Any:
     from transformers import AutoConfig
 
     from tilefit.models import catalog, hub
+    from tilefit.models.hf import make_config
 
     if Path(name).is_dir():
         return AutoConfig.from_pretrained(name)
-    if catalog.resolve_name(name) is not None:
-        entry = {k: v for k, v in catalog.catalog_entry(name).items()
-                 if not k.startswith("_")}
-        with tempfile.TemporaryDirectory() as folder:
-            (Path(folder) / "config.json").write_text(json.dumps(entry))
-            return AutoConfig.from_pretrained(folder)
+    if catalog.resolve_name(name) is not None:  # built as tilefit builds its catalog models
+        return make_config(catalog.catalog_entry(name))
     if hub.is_hub_id(name):
         path = hub.config_file(name, kwargs.get("revision"))
         return AutoConfig.from_pretrained(str(path.parent))

@@ -45,8 +45,8 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 @contextlib.contextmanager
 def _device_mesh_on_real_ranks() -> Iterator[None]:
     """init_device_mesh builds its mesh of ranks outside the fake mode (it reads the ranks'
-    values: a fake tensor has none), on the CPU the simulated GPU's tensors live on, as the
-    tracer's FSDP2 build does (tilefit.tracing.distributed)."""
+    values: a fake tensor has none), as the tracer's FSDP2 build does
+    (tilefit.tracing.distributed); on the device type the code names."""
     from torch.distributed import device_mesh
 
     build = device_mesh.init_device_mesh
