@@ -222,56 +222,57 @@ def _assumptions(audit: Audit) -> str:
     return f"<p>{_esc(loop)}</p>"
 
 
-def render_html(audit: Audit) -> str:
+def _step_sections(estimate: Estimate) -> tuple[str, str, str]:
+    """The sections every report draws of a step: host and GPU (on a GPU), time by module
+    and memory, as HTML."""
     from tilefit.report.plots import bars_png, png_bytes
 
-    estimate = audit.estimate
     mods = estimate.modules_by_pattern()[:15]
     time_png = bars_png([m.module or "(root)" for m in mods], [m.time_s * 1e3 for m in mods],
                         "predicted time per step (ms)", "time by module (layers folded)")
     mem_png = png_bytes(memory_chart(estimate))
-    title = f"tilefit audit: {audit.model} on {estimate.device.name}"
-    notes = "".join(f"<li>{_esc(note)}</li>" for note in (*audit.notes, *estimate.warnings))
     timeline = (f"<h2>Host and GPU</h2>{timeline_html(estimate)}"
                 if estimate.device.kind == "cuda" else "")
+    return (timeline, f"<h2>Time by module</h2>{_img(time_png, 'time by module')}",
+            f"<h2>Memory</h2>{_img(mem_png, 'memory breakdown; ' + capacity_label(estimate))}")
+
+
+def _page(title: str, body: str, notes: tuple[str, ...]) -> str:
+    """A self-contained page: the title, the body, the notes."""
+    items = "".join(f"<li>{_esc(note)}</li>" for note in notes)
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
             f"<title>{_esc(title)}</title><style>{CSS}</style></head><body>"
-            f"<h1>{_esc(title)}</h1><p>Predicted without the GPU: the training step traced on "
-            "fake tensors and costed op by op; each fix re-estimated with the fix applied.</p>"
-            f"<h2>Summary</h2>{_summary(audit)}{_way_forward(audit)}<h2>Findings</h2>{_findings(audit)}"
-            f"{timeline}<h2>Assumed training loop</h2>{_assumptions(audit)}"
-            f"<h2>GEMM roofline</h2>{_img(_roofline(audit), 'roofline of every GEMM')}"
-            f"<h2>Time by module</h2>{_img(time_png, 'time by module')}"
-            f"<h2>Memory</h2>{_img(mem_png, 'memory breakdown; ' + capacity_label(estimate))}"
-            f'<p class="capacity">dashed line: {_esc(capacity_label(estimate))}; '
-            f"{verdict_html(estimate)}</p>"
-            + (f"<h2>Notes</h2><ul>{notes}</ul>" if notes else "")
-            + "</body></html>")
+            f"<h1>{_esc(title)}</h1>{body}"
+            + (f"<h2>Notes</h2><ul>{items}</ul>" if items else "") + "</body></html>")
+
+
+def render_html(audit: Audit) -> str:
+    estimate = audit.estimate
+    timeline, time_section, memory_section = _step_sections(estimate)
+    title = f"tilefit audit: {audit.model} on {estimate.device.name}"
+    return _page(title, "<p>Predicted without the GPU: the training step traced on fake "
+                 "tensors and costed op by op; each fix re-estimated with the fix applied.</p>"
+                 f"<h2>Summary</h2>{_summary(audit)}{_way_forward(audit)}"
+                 f"<h2>Findings</h2>{_findings(audit)}"
+                 f"{timeline}<h2>Assumed training loop</h2>{_assumptions(audit)}"
+                 f"<h2>GEMM roofline</h2>{_img(_roofline(audit), 'roofline of every GEMM')}"
+                 f"{time_section}{memory_section}"
+                 f'<p class="capacity">dashed line: {_esc(capacity_label(estimate))}; '
+                 f"{verdict_html(estimate)}</p>", (*audit.notes, *estimate.warnings))
 
 
 def render_run_html(estimate: Estimate, title: str, found: list[str]) -> str:
     """`tilefit run --html`: the script's step as the estimate shows it (summary, host and
     GPU, time by module, memory) and what was found in the script."""
     from tilefit.report.notebook import estimate_html
-    from tilefit.report.plots import bars_png, png_bytes
 
-    mods = estimate.modules_by_pattern()[:15]
-    time_png = bars_png([m.module or "(root)" for m in mods], [m.time_s * 1e3 for m in mods],
-                        "predicted time per step (ms)", "time by module (layers folded)")
-    mem_png = png_bytes(memory_chart(estimate))
-    notes = "".join(f"<li>{_esc(note)}</li>" for note in estimate.warnings)
-    timeline = (f"<h2>Host and GPU</h2>{timeline_html(estimate)}"
-                if estimate.device.kind == "cuda" else "")
+    timeline, time_section, memory_section = _step_sections(estimate)
     items = "".join(f"<li>{_esc(line)}</li>" for line in found)
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-            f"<title>{_esc(title)}</title><style>{CSS}</style></head><body>"
-            f"<h1>{_esc(title)}</h1><p>The script ran on this machine with the GPU simulated: "
-            "its tensors fake, its step traced as the GPU runs it and costed op by op.</p>"
-            f"<h2>Summary</h2>{estimate_html(estimate)}<h2>Found in the script</h2>"
-            f"<ul>{items}</ul>{timeline}"
-            f"<h2>Time by module</h2>{_img(time_png, 'time by module')}"
-            f"<h2>Memory</h2>{_img(mem_png, 'memory breakdown; ' + capacity_label(estimate))}"
-            + (f"<h2>Notes</h2><ul>{notes}</ul>" if notes else "") + "</body></html>")
+    return _page(title, "<p>The script ran on this machine with the GPU simulated: its "
+                 "tensors fake, its step traced as the GPU runs it and costed op by op.</p>"
+                 f"<h2>Summary</h2>{estimate_html(estimate)}<h2>Found in the script</h2>"
+                 f"<ul>{items}</ul>{timeline}{time_section}{memory_section}",
+                 estimate.warnings)
 
 
 def write_text(text: str, path: str | Path) -> Path:
