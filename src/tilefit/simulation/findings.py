@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tilefit.recipe import Recipe
-from tilefit.tracing.records import StorageRecord, Trace
+from tilefit.tracing.records import Trace
 from tilefit.tracing.target import Target
 from tilefit.vocab import MICRO_PHASES, OPTIMIZER_PHASES
 
@@ -147,7 +147,7 @@ def build_trace(recorder: SimulationRecorder, watch: StepWatch, target: Target,
                 for i, op in enumerate(recorder.ops[:end]))
     storages = tuple(
         s if s.free_at is None or s.free_at <= end else dataclasses.replace(s, free_at=None)
-        for s in gpu_storages(recorder) if s.alloc_at < end)
+        for s in recorder.storages() if s.alloc_at < end)
     samples, tokens = watch.batch_size or (1, None)
     warnings = list(notes)
     if found.compiled:
@@ -168,18 +168,12 @@ def build_trace(recorder: SimulationRecorder, watch: StepWatch, target: Target,
         warnings=tuple(warnings))
 
 
-def gpu_storages(recorder: SimulationRecorder) -> tuple[StorageRecord, ...]:
-    """The record's storages in GPU memory (not the host tensors of the script)."""
-    host = recorder.host_uids
-    return tuple(s for s in recorder.storages() if s.uid not in host)
-
-
 def trace_so_far(recorder: SimulationRecorder, target: Target) -> Trace:
     """The record up to now as a Trace of one unfinished step: what the caching allocator
     has reserved so far is replayed from it (torch.cuda.memory_reserved)."""
     return Trace(target=target, precision="fp32", optimizer="none", attention="auto",
                  grad_checkpointing=False, accumulation_steps=1, traced_micro_steps=1,
                  ops=tuple(recorder.ops), n_events=recorder.events,
-                 storages=gpu_storages(recorder),
+                 storages=recorder.storages(),
                  param_count=0, trainable_param_count=0, samples_per_micro_batch=1,
                  tokens_per_micro_batch=None)

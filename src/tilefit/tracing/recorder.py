@@ -252,11 +252,6 @@ class Recorder(Replays, TorchDispatchMode):
         for t in op_tensors(tensors):
             self._host_uids.discard(self._track(t, self._events))
 
-    @property
-    def host_uids(self) -> frozenset[int]:
-        """The storages that live in host memory on the target."""
-        return frozenset(self._host_uids)
-
     def is_host(self, t: torch.Tensor) -> bool:
         """Whether this tensor's storage lives in host memory on the target."""
         uid = self.uid(t)
@@ -277,8 +272,11 @@ class Recorder(Replays, TorchDispatchMode):
         return self._uid_of.get(t.untyped_storage())
 
     def storages(self) -> tuple[StorageRecord, ...]:
+        """The storages in the target's memory (not torch.optim's CPU step counters)."""
         out = []
         for uid, nbytes in self._nbytes.items():
+            if uid in self._host_uids:
+                continue
             phase = self._alloc_phase[uid]
             category = self.category.get(uid) or (
                 "activations" if phase in ("forward", "recompute") else "temporaries")
