@@ -1,12 +1,14 @@
-"""`tilefit run` of a Hugging Face Trainer script on GPT-2 beside `tilefit estimate gpt2` for the
-same step (issue 42, items 7 and 10): the predictions (step time, peak and reserved memory)
-must agree, and the run's wall time be at most twice the estimate's.
+"""`tilefit run` of a Hugging Face Trainer script beside `tilefit estimate` of the same step
+(issue 42, items 7 and 10): the predictions (step time, peak and reserved memory) must agree,
+and the run's wall time be at most twice the estimate's. Two cases: GPT-2 (batch 8 x 1024,
+bf16=True; the default) and QLoRA (`--case qlora`: Llama 3.2 1B, nf4 with double
+quantization, LoRA r=16 on q_proj and v_proj, batch 4 x 512, bf16=True).
 
 Each command runs as a user runs it (a fresh process, the CLI, --json), alternating, REPEATS
 times; printed: both predictions and their ratio, each command's wall time (median and
 spread), the ratio of the medians, the thread count and the load average before and after.
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_run_vs_estimate.py [--gpu a100-80gb]
+    OMP_NUM_THREADS=2 python benchmarks/bench_run_vs_estimate.py [--gpu a100-80gb] [--case qlora]
 """
 
 from __future__ import annotations
@@ -21,7 +23,16 @@ import time
 from pathlib import Path
 
 REPEATS = 3
-SCRIPT = Path(__file__).parent / "scripts" / "hf_gpt2_trainer.py"
+SCRIPTS = Path(__file__).parent / "scripts"
+# each case: its script, and the estimate's model and flags for the same step
+CASES = {
+    "gpt2": (SCRIPTS / "hf_gpt2_trainer.py",
+             ["gpt2", "--batch", "8", "--seq", "1024", "--precision", "bf16-mixed"]),
+    "qlora": (SCRIPTS / "hf_qlora_trainer.py",
+              ["llama-3.2-1b", "--batch", "4", "--seq", "512", "--precision", "bf16-mixed",
+               "--quantize", "nf4", "--lora-rank", "16", "--lora-alpha", "32",
+               "--lora-targets", "q_proj,v_proj"]),
+}
 
 
 def _timed(cmd: list[str]) -> tuple[float, dict[str, object]]:
@@ -35,11 +46,13 @@ def _timed(cmd: list[str]) -> tuple[float, dict[str, object]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gpu", default="a100-80gb")
-    gpu = parser.parse_args().gpu
+    parser.add_argument("--case", choices=sorted(CASES), default="gpt2")
+    opts = parser.parse_args()
+    script, flags = CASES[opts.case]
     tilefit = [sys.executable, "-m", "tilefit"]
-    estimate = [*tilefit, "estimate", "gpt2", "--batch", "8", "--seq", "1024", "--precision",
-                "bf16-mixed", "--gpu", gpu, "--json", "--no-ops"]
-    run = [*tilefit, "run", "--gpu", gpu, "--json", "--no-ops", str(SCRIPT)]
+    estimate = [*tilefit, "estimate", *flags, "--gpu", opts.gpu, "--json", "--no-ops"]
+    run = [*tilefit, "run", "--gpu", opts.gpu, "--json", "--no-ops", str(script)]
+    print(f"case {opts.case}: {script.name} beside estimate {' '.join(flags)}")
     print(f"threads OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
           f"load before {os.getloadavg()}")
     walls: dict[str, list[float]] = {"estimate": [], "run": []}

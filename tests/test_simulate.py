@@ -270,7 +270,7 @@ def test_distillation_counts_the_frozen_teacher_but_trains_the_student() -> None
 
 
 def test_from_pretrained_builds_the_architecture_without_weights() -> None:
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
     own = AutoModelForCausalLM.__dict__["from_pretrained"]
     with simulate(gpu=GPU, steps=2) as sim:
@@ -286,9 +286,9 @@ def test_from_pretrained_builds_the_architecture_without_weights() -> None:
     assert sim.pretrained == ["gpt2"] and sim.found.precision == "bf16-true"
     assert sim.result.param_count == 124_439_808  # GPT-2 small, embeddings tied
     assert AutoModelForCausalLM.__dict__["from_pretrained"] is own  # restored
-    with pytest.raises(TilefitError, match="quantization_config"), simulate(gpu=GPU):
-        AutoModelForCausalLM.from_pretrained(
-            "gpt2", quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+    with pytest.raises(TilefitError, match="bitsandbytes only"), simulate(gpu=GPU):
+        AutoModelForCausalLM.from_pretrained(  # GPTQ's config, as a dict
+            "gpt2", quantization_config={"quant_method": "gptq", "bits": 4})
 
 
 def test_peft_lora_on_a_pretrained_model() -> None:

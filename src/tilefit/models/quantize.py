@@ -16,6 +16,7 @@ autocast) where transformers' BitsAndBytesConfig defaults
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tilefit.compat.bitsandbytes import require_bitsandbytes
@@ -80,28 +81,45 @@ def quantize_notes(recipe: Recipe) -> tuple[str, ...]:
             "(peft's prepare_model_for_kbit_training)",)
 
 
+def quantized_on_meta(build: Callable[[], torch.nn.Module], config: Any,
+                      weight_dtype: torch.dtype) -> torch.nn.Module:
+    """The model ``build`` makes, on the meta device, as transformers' from_pretrained
+    prepares it for ``config`` (a BitsAndBytesConfig): its linear layers swapped for
+    bitsandbytes' (not yet quantized), holding the ``weight_dtype`` weights the quantizer is
+    given, and marked loaded in 4 or 8 bits. Under no fake mode (bitsandbytes' parameters
+    cannot wrap a fake tensor: tilefit.compat.bitsandbytes)."""
+    import torch
+
+    from tilefit.quiet_imports import quiet_imports, quiet_transformers
+
+    with quiet_imports():  # transformers' quantizers import torchao where installed
+        from transformers.quantizers import AutoHfQuantizer
+    bnb = require_bitsandbytes("a quantized base")  # first: quietly imported
+    quantizer = AutoHfQuantizer.from_config(config, pre_quantized=False)
+    with quiet_transformers(), torch.device("meta"):
+        model = build()
+        quantizer.preprocess_model(model, device_map={"": "cpu"})
+        for module in model.modules():  # the 16-bit weights the quantizer is given
+            if isinstance(module, bnb.nn.Linear4bit):
+                module.weight.data = module.weight.data.to(weight_dtype)
+        quantizer.postprocess_model(model)  # is_loaded_in_4bit / 8bit, as from_pretrained
+    return model
+
+
 def build_quantized_model(work: Workload, attention: str, recipe: Recipe) -> torch.nn.Module:
     """The workload's model as QLoRA trains it, on the meta device: bitsandbytes' layers
     (not yet quantized), peft's fp32 casts, peft's LoRA adapters."""
     import torch
 
     from tilefit.models.lora import get_peft_model, require_peft
-    from tilefit.quiet_imports import quiet_imports, quiet_transformers
+    from tilefit.quiet_imports import quiet_transformers
 
-    with quiet_imports():  # transformers' quantizers import torchao where installed
-        from transformers.quantizers import AutoHfQuantizer
     bnb = require_bitsandbytes(f"--quantize {recipe.quantize}")  # first: quietly imported
     peft = require_peft()
     dtype = compute_dtype(recipe)
-    quantizer = AutoHfQuantizer.from_config(bnb_config(str(recipe.quantize), dtype),
-                                            pre_quantized=False)
+    model = quantized_on_meta(lambda: work.build(attention),
+                              bnb_config(str(recipe.quantize), dtype), dtype)
     with quiet_transformers(), torch.device("meta"):
-        model = work.build(attention)
-        quantizer.preprocess_model(model, device_map={"": "cpu"})
-        for module in model.modules():  # the 16-bit weights the quantizer is given
-            if isinstance(module, bnb.nn.Linear4bit):
-                module.weight.data = module.weight.data.to(dtype)
-        quantizer.postprocess_model(model)  # is_loaded_in_4bit / 8bit, as from_pretrained
         # checkpointing is the tracer's (non-reentrant, which needs no input hook)
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         for module in model.modules():

@@ -7,22 +7,26 @@ entry for a catalog name or its Hub id, a local folder's config.json, or the Hub
 alone (the Hugging Face cache, then the Hub: one small file; tilefit.models.hub). What
 from_pretrained would do beyond the architecture: ``dtype`` / ``torch_dtype`` (the weights'
 dtype), ``attn_implementation``, ``device_map`` (a GPU placement: the weights end on the
-GPU). ``quantization_config`` (bitsandbytes) is refused with a clear error: not simulated yet
-from a script (``tilefit estimate MODEL --quantize nf4`` predicts it)."""
+GPU), ``quantization_config`` (a BitsAndBytesConfig: its linear layers swapped for
+bitsandbytes' as transformers' quantizer swaps them, each weight quantized by bitsandbytes'
+own quantizer on fake tensors, on the GPU, as a real load quantizes it there)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from tilefit.compat.simulated_cuda import patched
 from tilefit.errors import TilefitError
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# a model built on the meta device -> its fake copy, on the simulated GPU
+LoadOnGpu = Callable[[nn.Module], nn.Module]
 
 
 def _config(name: str, kwargs: dict[str, Any]) -> Any:
@@ -46,40 +50,98 @@ def _config(name: str, kwargs: dict[str, Any]) -> Any:
                        fix="check the name, or pass the folder of its config.json")
 
 
-def _dtype(kwargs: dict[str, Any]) -> torch.dtype | None:
+def _dtype(kwargs: dict[str, Any], config: Any) -> torch.dtype:
+    """The weights' dtype: the ``dtype`` (or ``torch_dtype``) asked for; "auto", transformers'
+    default, is the config's own dtype, else fp32 (the checkpoint's dtype, which tilefit
+    does not read, is fp32 where the config names none)."""
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
-        return _DTYPES.get(dtype)
-    return dtype if isinstance(dtype, torch.dtype) else None
+        dtype = getattr(torch, dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise TilefitError("from_pretrained's dtype is not one tilefit can simulate",
+                           expected='a torch.dtype, its name ("bfloat16") or "auto"',
+                           given=repr(kwargs.get("dtype", kwargs.get("torch_dtype"))),
+                           fix="pass dtype=torch.bfloat16 (or leave it out: the config's)")
+    return dtype
 
 
-def _build(cls: Any, name: Any, kwargs: dict[str, Any]) -> Any:
-    """The model of ``name`` as ``cls.from_pretrained`` would build it, without weights."""
-    if kwargs.get("quantization_config") is not None:
+def _bnb_config(value: Any, cuda: bool) -> Any:
+    """The script's quantization_config as transformers' BitsAndBytesConfig."""
+    from transformers import BitsAndBytesConfig
+
+    if isinstance(value, dict) and value.get("quant_method", "bitsandbytes") == "bitsandbytes":
+        value = BitsAndBytesConfig.from_dict(value)
+    if not isinstance(value, BitsAndBytesConfig):
+        method = value.get("quant_method") if isinstance(value, dict) else type(value).__name__
         raise TilefitError(
-            "from_pretrained with a quantization_config is not simulated yet",
-            expected="from_pretrained without quantization_config under tilefit run",
-            given=f"from_pretrained({name!r}, quantization_config=...)",
-            fix="predict the quantized step with tilefit estimate MODEL --lora --quantize "
-                "nf4 (Recipe(quantize='nf4', lora=Lora()))")
+            "from_pretrained's quantization_config is simulated for bitsandbytes only",
+            expected="a BitsAndBytesConfig", given=str(method),
+            fix="quantize with BitsAndBytesConfig(load_in_4bit=True, ...), or predict the "
+                "unquantized model")
+    if value.load_in_8bit and cuda:
+        raise TilefitError(
+            "an 8-bit base (load_in_8bit) is not simulated on a GPU: LLM.int8()'s GPU path "
+            "splits out the outlier columns, whose number depends on the weights' and "
+            "activations' values, which fake tensors do not have",
+            expected="BitsAndBytesConfig(load_in_4bit=True, ...) on a GPU; load_in_8bit with "
+                     "--gpu cpu", given="load_in_8bit=True",
+            fix="simulate the 4-bit base (load_in_4bit=True), or run with --gpu cpu")
+    return value
+
+
+def _outside_the_simulation(build: Callable[[], nn.Module]) -> nn.Module:
+    """``build()`` run on a thread of its own, where none of the simulation's modes is
+    active (torch's mode stacks are per thread): bitsandbytes' parameters are made on the
+    meta device, as from_pretrained makes them, and cannot wrap a fake tensor."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(build())
+        except BaseException as exc:  # re-raised on the simulation's thread
+            out.append(exc)
+
+    thread = threading.Thread(target=run, name="tilefit-meta-build")
+    thread.start()
+    thread.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]  # type: ignore[no-any-return]
+
+
+def _from_config(cls: Any, config: Any, build: dict[str, Any]) -> Any:
+    return (cls.from_config(config, **build) if hasattr(cls, "_model_mapping")
+            else cls._from_config(config, **build))
+
+
+def _build(cls: Any, name: Any, kwargs: dict[str, Any], load: LoadOnGpu, cuda: bool) -> Any:
+    """The model of ``name`` as ``cls.from_pretrained`` would build it, without weights."""
     config = name if not isinstance(name, (str, Path)) else _config(str(name), kwargs)
-    build: dict[str, Any] = {}
+    build: dict[str, Any] = {"dtype": _dtype(kwargs, config)}  # its fp32-kept modules kept
     if kwargs.get("attn_implementation") is not None:
         build["attn_implementation"] = kwargs["attn_implementation"]
-    dtype = _dtype(kwargs)
-    if dtype is not None:  # as from_pretrained casts (its fp32-kept modules kept)
-        build["dtype"] = dtype
-    model = (cls.from_config(config, **build) if hasattr(cls, "_model_mapping")
-             else cls._from_config(config, **build))
+    if kwargs.get("quantization_config") is not None:
+        # quantized as the weights load onto the GPU (bitsandbytes places them itself,
+        # whatever device_map says)
+        from tilefit.models.quantize import quantized_on_meta
+
+        bnb = _bnb_config(kwargs["quantization_config"], cuda)
+        meta = _outside_the_simulation(lambda: quantized_on_meta(
+            lambda: _from_config(cls, config, build), bnb, build["dtype"]))
+        return load(meta).train(False)
+    model = _from_config(cls, config, build)
     if kwargs.get("device_map") not in (None, "cpu"):
         model = model.to("cuda")
     return model.train(False)  # from_pretrained returns the model in eval mode
 
 
 @contextlib.contextmanager
-def pretrained_from_config(built: list[str]) -> Iterator[None]:
+def pretrained_from_config(built: list[str], load: LoadOnGpu, cuda: bool) -> Iterator[None]:
     """transformers' from_pretrained (a model class's and the Auto classes') builds from the
-    config, for the block; ``built`` collects the names asked for."""
+    config, for the block; ``built`` collects the names asked for; ``load`` makes a meta
+    model's fake copy on the GPU (a quantized base)."""
     try:
         from transformers import PreTrainedModel
         from transformers.models.auto.auto_factory import _BaseAutoModelClass
@@ -89,7 +151,7 @@ def pretrained_from_config(built: list[str]) -> Iterator[None]:
 
     def from_pretrained(cls: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
         built.append(str(name))
-        return _build(cls, name, kwargs)
+        return _build(cls, name, kwargs, load, cuda)
 
     # every Auto class is made with its own copy of from_pretrained (transformers'
     # auto_class_update): import them all first, then answer each class's own

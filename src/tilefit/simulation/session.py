@@ -20,10 +20,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from tilefit.compat import probes
 from tilefit.compat.accelerate import fresh_accelerate_state
-from tilefit.compat.fake import new_fake_mode
+from tilefit.compat.bitsandbytes import quant_state_tensors
+from tilefit.compat.fake import FakeTensorMode, new_fake_mode
 from tilefit.compat.modules import ModulePath
 from tilefit.compat.simulated_cuda import (
     fake_parameter_swaps,
@@ -41,12 +43,13 @@ from tilefit.recipe import DEFAULT_GPU
 from tilefit.simulation.devices import GPU, DevicePlacement
 from tilefit.simulation.findings import Findings, build_trace, findings_of, trace_so_far
 from tilefit.simulation.gpu import cuda_answers
-from tilefit.simulation.pretrained import pretrained_from_config
+from tilefit.simulation.pretrained import LoadOnGpu, pretrained_from_config
 from tilefit.simulation.ranks import simulated_ranks
 from tilefit.simulation.values import BOUND_NOTE, SimulationRecorder
 from tilefit.simulation.watch import StepWatch, StopSimulation
 from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.autocast import CudaAutocast
+from tilefit.tracing.fakes import fake_copy
 from tilefit.tracing.options import resolve_target
 from tilefit.tracing.records import Trace
 from tilefit.tracing.target import Target
@@ -158,12 +161,13 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS,
             stack.enter_context(presented_device(placement.on_gpu, GPU))
             stack.enter_context(foreach_for_fake_parameters())
         stack.enter_context(fresh_accelerate_state())
-        stack.enter_context(pretrained_from_config(sim.pretrained))
+        mode = new_fake_mode()
+        stack.enter_context(pretrained_from_config(sim.pretrained, _loader(mode, recorder), cuda))
         stack.enter_context(fake_parameter_swaps())
         stack.enter_context(unwritten_saves(sim.unwritten))
         if gpus > 1:
             stack.enter_context(simulated_ranks(gpus, recorder, sim.engines))
-        stack.enter_context(new_fake_mode())
+        stack.enter_context(mode)
         stack.enter_context(recorder.tracker)
         stack.enter_context(recorder)
         if cuda:
@@ -178,6 +182,18 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS,
         # TF32 for fp32 matmuls, as the code left it (allow_tf32 / set_float32_matmul_precision)
         watch.facts.tf32 = torch.get_float32_matmul_precision() != "highest"
     _finish(sim, recorder, watch, placement, readings, list(collected))
+
+
+def _loader(mode: FakeTensorMode, recorder: SimulationRecorder) -> LoadOnGpu:
+    """A model built on the meta device made fake, its weights (a quantized base's packed
+    weights and quantization state) on the GPU, as from_pretrained loads them there."""
+    def load(meta: nn.Module) -> nn.Module:
+        model = fake_copy(meta, mode)
+        tensors = [*model.parameters(), *model.buffers(), *quant_state_tensors(model)]
+        recorder.unmark_host(tensors)
+        recorder.label(tensors, "parameters")
+        return model
+    return load
 
 
 def _check_gpus(gpus: int) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tilefit.compat.bitsandbytes import logical_numel
+from tilefit.compat.bitsandbytes import logical_numel, quant_state_tensors
 from tilefit.compat.simulated_cuda import patched
 from tilefit.tracing.optimizers import optimizer_state_tensors
 from tilefit.tracing.recorder import Recorder
@@ -181,6 +181,8 @@ class StepWatch:
         # a frozen model's too (a teacher, a reference model): no optimizer steps them
         self.recorder.label(list(every.values()), "parameters")
         self.recorder.label([b for m in list(self._roots) for b in m.buffers()], "parameters")
+        self.recorder.label([t for m in list(self._roots) for t in quant_state_tensors(m)],
+                            "parameters")  # a quantized base's absmax and codes
 
     def _step_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._stepping = False
