@@ -15,7 +15,8 @@ from tilefit.recipe import Compile, Recipe
 NOT_DEFAULT = {"max_grad_norm": 0.5, "loss_sync": True, "zero_grad_to_none": False,
                "fused_ce": True, "compile": Compile(mode="reduce-overhead"),
                "alloc_conf": "expandable_segments:True", "routing": "skewed:0.5",
-               "use_cache": False}
+               "use_cache": False, "double_quant": False, "quant_compute_dtype": "fp16",
+               "prepare_kbit": False}
 
 
 def test_every_field_not_searched_is_carried() -> None:

@@ -94,15 +94,24 @@ def test_a_users_bitsandbytes_config_loads_as_bitsandbytes_loads_it(tiny_llama: 
         -(-t.numel() * t.element_size() // 512) * 512 for t in held)
 
 
-def test_a_qlora_script_is_the_estimate_of_the_same_step(tiny_llama: Path) -> None:
-    """One truth for QLoRA: the script's step (nf4, double quantization, bf16 compute,
-    prepare_model_for_kbit_training, LoRA r=16 on q_proj and v_proj) and tilefit's
-    ``Recipe(quantize="nf4", lora=...)`` of the same model and batch."""
+@pytest.mark.parametrize(("argv", "settings"), [
+    ((), {"quantize": "nf4"}),
+    (("bnb-defaults",), {"quantize": "fp4", "double_quant": False,
+                         "quant_compute_dtype": "fp32", "prepare_kbit": False}),
+], ids=["qlora", "bnb-defaults"])
+def test_a_qlora_script_is_the_estimate_of_the_same_step(
+        tiny_llama: Path, argv: tuple[str, ...], settings: dict[str, Any]) -> None:
+    """One truth for QLoRA: the script's step and tilefit's Recipe of the same model, batch
+    and base. QLoRA's settings (nf4, double quantization, bf16 compute, the base loaded in
+    bf16, prepare_model_for_kbit_training, LoRA r=16 on q_proj and v_proj), and
+    BitsAndBytesConfig's own defaults (fp4, no double quantization, fp32 compute, the base
+    loaded in fp32, no preparation) said with the Recipe's quantization fields."""
     from tilefit.models import load_workload
 
-    sim = run_script(str(SCRIPTS / "qlora_loop.py"), [str(tiny_llama)], gpu=GPU, steps=3)
-    recipe = Recipe(batch_size=2, precision="bf16-mixed", quantize="nf4", optimizer="adamw",
-                    lora=Lora(rank=16, alpha=32, targets=("q_proj", "v_proj")))
+    sim = run_script(str(SCRIPTS / "qlora_loop.py"), [str(tiny_llama), *argv], gpu=GPU,
+                     steps=3)
+    recipe = Recipe(batch_size=2, precision="bf16-mixed", optimizer="adamw",
+                    lora=Lora(rank=16, alpha=32, targets=("q_proj", "v_proj")), **settings)
     est = tilefit.estimate(load_workload(str(tiny_llama / "config.json"), seq_len=64),
                            recipe=recipe, gpu=GPU)
     run = sim.result

@@ -86,6 +86,15 @@ class Recipe:
     # the frozen base's linear layers quantized by bitsandbytes (a vocab.Quantization: "nf4",
     # "fp4", "int8"), as transformers' BitsAndBytesConfig loads them; needs lora (QLoRA)
     quantize: str | None = None
+    # the quantized base as the user's BitsAndBytesConfig and peft calls make it: double
+    # quantization of a 4-bit base's scales (bnb_4bit_use_double_quant; QLoRA's), the dtype
+    # its layers compute in (bnb_4bit_compute_dtype: "bf16", "fp16", "fp32"; None: the
+    # precision's 16-bit dtype, else fp32), and whether peft's
+    # prepare_model_for_kbit_training runs (it casts what stays unquantized to fp32; without
+    # it those weights stay in the compute dtype they were loaded in)
+    double_quant: bool = True
+    quant_compute_dtype: str | None = None
+    prepare_kbit: bool = True
     # PyTorch's CUDA caching allocator settings (PYTORCH_CUDA_ALLOC_CONF's text, e.g.
     # "expandable_segments:True"); None: the environment's, read when the step is estimated
     alloc_conf: str | None = None
@@ -329,6 +338,7 @@ def check_quantize(recipe: Recipe) -> None:
     8-bit weights take no gradient), on one GPU or replicated by DDP on several, eager or
     (4-bit) compiled, outside fp8-mixed."""
     q = recipe.quantize
+    _check_quant_settings(recipe)
     if q is None:
         return
     if q not in QUANTIZATIONS:
@@ -366,3 +376,24 @@ def check_quantize(recipe: Recipe) -> None:
                                    f"{recipe.parallel.engine})",
                            "fp8": "--precision fp8-mixed"}[clash],
                        fix=fix)
+
+
+def _check_quant_settings(recipe: Recipe) -> None:
+    """double_quant and prepare_kbit are booleans; quant_compute_dtype a 16-bit or fp32
+    dtype name (stored as its canonical name), for a 4-bit base."""
+    for name in ("double_quant", "prepare_kbit"):
+        if not isinstance(getattr(recipe, name), bool):
+            raise TilefitError(f"{name} is True or False", expected="True or False",
+                               given=repr(getattr(recipe, name)), fix=f"Recipe({name}=False)")
+    dtype = recipe.quant_compute_dtype
+    if dtype is None:
+        return
+    from tilefit.dtypes import parse_dtype
+
+    name = parse_dtype(dtype).name
+    if name not in ("bf16", "fp16", "fp32") or recipe.quantize == "int8":
+        raise TilefitError("quant_compute_dtype is the dtype a 4-bit base's layers compute in",
+                           expected="bf16, fp16 or fp32, with quantize nf4 or fp4",
+                           given=f"{dtype!r} with quantize {recipe.quantize!r}",
+                           fix="Recipe(quantize='nf4', quant_compute_dtype='bf16')")
+    object.__setattr__(recipe, "quant_compute_dtype", name)

@@ -30,19 +30,23 @@ def real_qlora_model(config: dict[str, Any], where: Path,
     double-quantized nf4 computing in ``compute_dtype``, in training mode, on the CPU."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from tilefit.dtypes import parse_dtype
+    from tilefit.recipe import Recipe
+
     torch.manual_seed(0)
     fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures")}
     LlamaForCausalLM(LlamaConfig(**fields)).save_pretrained(where / "weights")
-    return load_qlora(LlamaForCausalLM, where / "weights", compute_dtype, "cpu", "nf4",
-                      "causal-lm", Lora())
+    recipe = Recipe(precision="fp32", quantize="nf4", lora=Lora(),
+                    quant_compute_dtype=parse_dtype(str(compute_dtype)).name)
+    return load_qlora(LlamaForCausalLM, where / "weights", recipe, "cpu", "causal-lm")
 
 
 def qlora_of_workload(work: Workload, recipe: Recipe, where: Path, device: str) -> nn.Module:
     """The workload's model as QLoRA trains it, for real on ``device``: its random weights
     (seed 0) saved under ``where``, loaded back by ``from_pretrained`` with the recipe's
-    BitsAndBytesConfig (bitsandbytes quantizes them as it loads), peft's preparation and
-    the recipe's LoRA: what the tracer's model (tilefit.models.quantize) stands for."""
-    from tilefit.models.quantize import compute_dtype
+    BitsAndBytesConfig (bitsandbytes quantizes them as it loads), peft's preparation where
+    the recipe runs it, and the recipe's LoRA: what the tracer's model
+    (tilefit.models.quantize) stands for."""
     from tilefit.quiet_imports import quiet_transformers
 
     torch.manual_seed(0)
@@ -52,29 +56,30 @@ def qlora_of_workload(work: Workload, recipe: Recipe, where: Path, device: str) 
         model.save_pretrained(where)
     cls = type(model)
     del model
-    return load_qlora(cls, where, compute_dtype(recipe), device, str(recipe.quantize),
-                      work.task, recipe.lora, attention)
+    return load_qlora(cls, where, recipe, device, work.task, attention)
 
 
-def load_qlora(cls: Any, path: Path, compute_dtype: torch.dtype, device: str, quantize: str,
-               task: str, lora: Lora | None, attention: str | None = None) -> nn.Module:
-    """``cls.from_pretrained(path)`` quantized by bitsandbytes (``quantize``: tilefit's
-    BitsAndBytesConfig for it), ``peft.prepare_model_for_kbit_training`` (no checkpointing:
-    bench step and the tracer enable it themselves) and peft's LoRA as ``lora`` says
+def load_qlora(cls: Any, path: Path, recipe: Recipe, device: str, task: str,
+               attention: str | None = None) -> nn.Module:
+    """``cls.from_pretrained(path)`` quantized by bitsandbytes as the recipe says (its
+    BitsAndBytesConfig: tilefit.models.quantize.bnb_config), loaded in the compute dtype,
+    ``peft.prepare_model_for_kbit_training`` where the recipe runs it (no checkpointing:
+    bench step and the tracer enable it themselves) and peft's LoRA as ``recipe.lora`` says
     (tilefit.models.lora.peft_config), in training mode."""
     import peft
 
     from tilefit.models.lora import get_peft_model
-    from tilefit.models.quantize import bnb_config
+    from tilefit.models.quantize import bnb_config, compute_dtype
     from tilefit.quiet_imports import quiet_transformers
 
     extra = {} if attention is None else {"attn_implementation": attention}
     with quiet_transformers():
         model = cls.from_pretrained(path, device_map={"": device},
-                                    quantization_config=bnb_config(quantize, compute_dtype),
-                                    **extra)
-    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    model = get_peft_model(model, task, lora)
+                                    quantization_config=bnb_config(recipe),
+                                    dtype=compute_dtype(recipe), **extra)
+    if recipe.prepare_kbit:
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    model = get_peft_model(model, task, recipe.lora)
     model.train()
     return model
 

@@ -157,6 +157,20 @@ QUANTIZE_OPTION = typer.Option(
     "nf4 or fp4 (Linear4bit, blocks of 64, double quantization, computing in the "
     "precision's 16-bit dtype), or int8 (Linear8bitLt; --gpu cpu only). Needs bitsandbytes.")
 
+DOUBLE_QUANT_OPTION = typer.Option(
+    None, "--double-quant/--no-double-quant", help="With --quantize nf4|fp4: the scales "
+    "quantized again (BitsAndBytesConfig's bnb_4bit_use_double_quant; default on, as QLoRA).")
+QUANT_COMPUTE_DTYPE_OPTION = typer.Option(
+    None, "--quant-compute-dtype", help="With --quantize nf4|fp4: the dtype the 4-bit layers "
+    "compute in (bnb_4bit_compute_dtype): bf16, fp16 or fp32; default the precision's 16-bit "
+    "dtype.")
+PREPARE_KBIT_OPTION = typer.Option(
+    None, "--prepare-kbit/--no-prepare-kbit", help="With --quantize: whether peft's "
+    "prepare_model_for_kbit_training runs (it casts what stays unquantized to fp32; default "
+    "on). Without it those weights stay in the compute dtype.")
+QUANT_SETTINGS = {"double_quant": "double-quant", "quant_compute_dtype": "quant-compute-dtype",
+                  "prepare_kbit": "prepare-kbit"}
+
 
 ROUTING_OPTION = typer.Option(
     None, "--routing", help="A mixture-of-experts model's tokens per expert, which the router "
@@ -211,6 +225,13 @@ def recipe(work: Any, *, compile_: bool = False, compile_mode: str = "default",
                            fix="add --compile")
     check_compile_mode(compile_mode, compile_)
     given = {k: v for k, v in flags.items() if v is not None}
+    loose = [f"--{'no-' if given[name] is False else ''}{flag}"
+             for name, flag in QUANT_SETTINGS.items() if name in given]
+    if loose and given.get("quantize") is None:
+        raise TilefitError(f"{loose[0]} describes a quantized base",
+                           expected=f"--quantize nf4 (or fp4) with {loose[0]}",
+                           given=f"{loose[0]} without --quantize",
+                           fix=f"add --quantize nf4 --lora, or drop {loose[0]}")
     if isinstance(given.get("max_grad_norm"), str):
         given["max_grad_norm"] = max_grad_norm(given["max_grad_norm"])
     return Recipe_.for_model(

@@ -7,11 +7,13 @@ Built on the meta device, as tilefit.models.lora builds LoRA; the weights are qu
 the tracer makes its fake copy (tilefit.compat.bitsandbytes.fake_quantized: bitsandbytes'
 quantizer on fake tensors), so the trace holds the packed weights and their quant state.
 
-The settings are QLoRA's (Dettmers et al. 2023; docs/references.md, section 33): blocks
-of 64 weights with double quantization (``bnb_4bit_use_double_quant=True``), and the
-compute dtype is the recipe's own 16-bit autocast dtype (bf16 or fp16; fp32 without
-autocast) where transformers' BitsAndBytesConfig defaults
-``bnb_4bit_compute_dtype`` to fp32.
+The defaults are QLoRA's (Dettmers et al. 2023; docs/references.md, section 33): blocks
+of 64 weights with double quantization (``bnb_4bit_use_double_quant=True``), the compute
+dtype the recipe's own 16-bit autocast dtype (bf16 or fp16; fp32 without autocast) where
+transformers' BitsAndBytesConfig defaults ``bnb_4bit_compute_dtype`` to fp32, and peft's
+preparation. The recipe says otherwise as the user's script does (``Recipe.double_quant``,
+``quant_compute_dtype``, ``prepare_kbit``); the base is loaded in the compute dtype
+(``from_pretrained(..., dtype=<compute dtype>)``, as QLoRA's scripts pass it).
 """
 
 from __future__ import annotations
@@ -28,31 +30,33 @@ if TYPE_CHECKING:
     from tilefit.models import Workload
     from tilefit.recipe import Recipe
 
-DOUBLE_QUANT = True  # QLoRA's double quantization: the absmax themselves in 8 bits
-
-
 def compute_dtype(recipe: Recipe) -> torch.dtype:
-    """The dtype bitsandbytes' layers compute in: the recipe's 16-bit dtype, else fp32."""
+    """The dtype bitsandbytes' layers compute in: the recipe's quant_compute_dtype, else its
+    16-bit dtype, else fp32."""
     from tilefit.dtypes import torch_dtype
 
-    return torch_dtype(recipe.spec.half_dtype or "fp32")  # type: ignore[no-any-return]
+    return torch_dtype(  # type: ignore[no-any-return]
+        recipe.quant_compute_dtype or recipe.spec.half_dtype or "fp32")
 
 
-def bnb_config_kwargs(quantize: str, dtype: str) -> dict[str, Any]:
-    """transformers' BitsAndBytesConfig(**this) for ``quantize`` (a vocab.Quantization)
-    computing in ``dtype`` (torch's name: "bfloat16"): what the tracer loads and what the
-    plan's configs paste. Torch-free."""
-    if quantize == "int8":
+def bnb_config_kwargs(recipe: Recipe) -> dict[str, Any]:
+    """transformers' BitsAndBytesConfig(**this) for the recipe's quantized base: what the
+    tracer loads and what the plan's configs paste. Torch-free."""
+    from tilefit.dtypes import parse_dtype
+
+    if recipe.quantize == "int8":
         return {"load_in_8bit": True}
-    return {"load_in_4bit": True, "bnb_4bit_quant_type": quantize,
-            "bnb_4bit_use_double_quant": DOUBLE_QUANT, "bnb_4bit_compute_dtype": dtype}
+    dtype = recipe.quant_compute_dtype or recipe.spec.half_dtype or "fp32"
+    return {"load_in_4bit": True, "bnb_4bit_quant_type": recipe.quantize,
+            "bnb_4bit_use_double_quant": recipe.double_quant,
+            "bnb_4bit_compute_dtype": parse_dtype(dtype).torch_name}
 
 
-def bnb_config(quantize: str, dtype: torch.dtype) -> Any:
-    """transformers' BitsAndBytesConfig for ``quantize`` (a vocab.Quantization)."""
+def bnb_config(recipe: Recipe) -> Any:
+    """transformers' BitsAndBytesConfig for the recipe's quantized base."""
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(**bnb_config_kwargs(quantize, str(dtype).removeprefix("torch.")))
+    return BitsAndBytesConfig(**bnb_config_kwargs(recipe))
 
 
 def check_target(recipe: Recipe, cuda: bool) -> None:
@@ -70,15 +74,19 @@ def check_target(recipe: Recipe, cuda: bool) -> None:
 def quantize_notes(recipe: Recipe) -> tuple[str, ...]:
     if recipe.quantize is None:
         return ()
+    rest = ("the rest fp32 (peft's prepare_model_for_kbit_training)" if recipe.prepare_kbit
+            else f"the rest {'in the compute dtype' if recipe.quantize != 'int8' else 'as built'}"
+                 " (no prepare_model_for_kbit_training)")
     if recipe.quantize == "int8":
         return ("int8 base: bitsandbytes' Linear8bitLt (LLM.int8(), outlier threshold 0) on "
-                "every linear layer but the output head; the rest fp32 "
-                "(peft's prepare_model_for_kbit_training)",)
+                f"every linear layer but the output head; {rest}",)
+    dtype = str(compute_dtype(recipe)).removeprefix("torch.")
+    source = ("quant_compute_dtype" if recipe.quant_compute_dtype else
+              "the recipe's dtype; BitsAndBytesConfig's default bnb_4bit_compute_dtype is fp32")
     return (f"{recipe.quantize} base: bitsandbytes' Linear4bit on every linear layer but the "
-            "output head, blocks of 64 with double quantization, computing in "
-            f"{str(compute_dtype(recipe)).removeprefix('torch.')} (the recipe's dtype; "
-            "BitsAndBytesConfig's default bnb_4bit_compute_dtype is fp32); the rest fp32 "
-            "(peft's prepare_model_for_kbit_training)",)
+            "output head, blocks of 64 "
+            f"{'with' if recipe.double_quant else 'without'} double quantization, computing "
+            f"in {dtype} ({source}); {rest}",)
 
 
 def quantized_on_meta(build: Callable[[], torch.nn.Module], config: Any,
@@ -102,6 +110,7 @@ def quantized_on_meta(build: Callable[[], torch.nn.Module], config: Any,
         for module in model.modules():  # the 16-bit weights the quantizer is given
             if isinstance(module, bnb.nn.Linear4bit):
                 module.weight.data = module.weight.data.to(weight_dtype)
+        model.hf_quantizer = quantizer  # as from_pretrained leaves it (the Trainer reads it)
         quantizer.postprocess_model(model)  # is_loaded_in_4bit / 8bit, as from_pretrained
     return model
 
@@ -111,21 +120,26 @@ def build_quantized_model(work: Workload, attention: str, recipe: Recipe) -> tor
     (not yet quantized), peft's fp32 casts, peft's LoRA adapters."""
     import torch
 
+    from tilefit.models.cast import cast_floating
     from tilefit.models.lora import get_peft_model, require_peft
     from tilefit.quiet_imports import quiet_transformers
 
     bnb = require_bitsandbytes(f"--quantize {recipe.quantize}")  # first: quietly imported
     peft = require_peft()
     dtype = compute_dtype(recipe)
-    model = quantized_on_meta(lambda: work.build(attention),
-                              bnb_config(str(recipe.quantize), dtype), dtype)
+    model = quantized_on_meta(lambda: work.build(attention), bnb_config(recipe), dtype)
     with quiet_transformers(), torch.device("meta"):
-        # checkpointing is the tracer's (non-reentrant, which needs no input hook)
-        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        if recipe.prepare_kbit:
+            # checkpointing is the tracer's (non-reentrant, which needs no input hook)
+            model = peft.prepare_model_for_kbit_training(model,
+                                                         use_gradient_checkpointing=False)
         for module in model.modules():
             # Linear4bit.forward casts its bias to the compute dtype in place on its first
             # call (bias.data = ...); every later step holds it so. Done here, as after that
             # call: torch.compile's capture cannot trace the in-place swap
             if isinstance(module, bnb.nn.Linear4bit) and module.bias is not None:
                 module.bias.data = module.bias.data.to(dtype)
-        return get_peft_model(model, work.task, recipe.lora)
+        model = get_peft_model(model, work.task, recipe.lora)
+        if not recipe.prepare_kbit:  # the frozen rest as loaded, with dtype=<compute dtype>
+            cast_floating(model, dtype, frozen_only=True)
+        return model

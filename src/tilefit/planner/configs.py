@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tilefit.dtypes import parse_dtype
 from tilefit.estimator.offload import REDUCE_BUCKET_ELEMENTS
 from tilefit.models import Workload
 from tilefit.models.lora import peft_config
@@ -89,20 +88,19 @@ def compile_lines(row: PlanRow) -> list[str]:
 
 def bnb_kwargs(row: PlanRow) -> dict[str, Any]:
     """transformers.BitsAndBytesConfig(**this) of a QLoRA row: the base as it was traced
-    (tilefit.models.quantize), computing in the row's 16-bit dtype."""
+    (tilefit.models.quantize), as the row's recipe says."""
     from tilefit.models.quantize import bnb_config_kwargs
 
-    half = row.recipe.spec.half_dtype
-    return bnb_config_kwargs(str(row.recipe.quantize),
-                             parse_dtype(half).torch_name if half else "float32")
+    return bnb_config_kwargs(row.recipe)
 
 
 AUTO_CAUSAL_LM = "AutoModelForCausalLM"
 
 
 def qlora_lines(row: PlanRow, task: str, *, placed: bool = False) -> list[str]:
-    """A QLoRA row's model: loaded quantized by bitsandbytes, prepared by peft (fp32 norms
-    and embeddings, frozen), LoRA adapters (peft_lora_config's) on it. ``placed``: loaded
+    """A QLoRA row's model: loaded quantized by bitsandbytes in its compute dtype, prepared
+    by peft (fp32 norms and embeddings, frozen) where the recipe says, LoRA adapters
+    (peft_lora_config's) on it. ``placed``: loaded
     straight onto ``device`` (``device_map``), as a loop without a Trainer needs it: the
     weights are quantized as they are placed."""
     attention = f', attn_implementation="{row.attention}"' \
@@ -111,6 +109,9 @@ def qlora_lines(row: PlanRow, task: str, *, placed: bool = False) -> list[str]:
         attention += ', device_map={"": device}'
     ckpt = ("True, gradient_checkpointing_kwargs={'use_reentrant': False}"
             if row.grad_checkpointing else "False")
+    dtype = bnb_kwargs(row).get("bnb_4bit_compute_dtype")  # loaded in it, as traced
+    if dtype is not None:
+        attention = f", dtype={dtype!r}{attention}"
     return [
         f"from transformers import {AUTO_CAUSAL_LM}",
         "from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training",
@@ -118,7 +119,8 @@ def qlora_lines(row: PlanRow, task: str, *, placed: bool = False) -> list[str]:
         "bnb_config = " + _python_call("BitsAndBytesConfig", bnb_kwargs(row)),
         "model = AutoModelForCausalLM.from_pretrained(name, quantization_config=bnb_config"
         f"{attention})",
-        f"model = prepare_model_for_kbit_training(model, use_gradient_checkpointing={ckpt})",
+        *([f"model = prepare_model_for_kbit_training(model, use_gradient_checkpointing={ckpt})"]
+          if row.recipe.prepare_kbit else []),
         "model = get_peft_model(model, "
         + _python_call("LoraConfig", peft_config(task, row.recipe.lora)) + ")"]
 
