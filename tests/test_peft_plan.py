@@ -101,13 +101,14 @@ def test_lora_plan_emits_the_config_it_traced(monkeypatch: pytest.MonkeyPatch) -
         return real_get(model, config, *args, **kwargs)
 
     monkeypatch.setattr(peft, "get_peft_model", spy)
-    # 33 M parameters, most of them in the (tied) embedding: LoRA's frozen 16-bit base saves
+    # 35 M parameters, most of them in the (tied) embedding: LoRA's frozen 16-bit base saves
     # ~14 B each (0.4 GiB), more than the memory objective's tie (1% of the budget); a 24 GB
     # Ampere card: no fp8 rows to trace (compiled, the slowest traces); global batch 1: one
-    # micro-batch, so each recipe is traced once, not at two micro-batches
+    # micro-batch, so each recipe is traced once, not at two micro-batches; one layer (the
+    # same rows and best plan as two, each trace shorter)
     work = tiny("llama-3.2-1b").with_config(hidden_size=512, intermediate_size=1024,
                                             num_attention_heads=8, head_dim=64,
-                                            vocab_size=64000)
+                                            vocab_size=64000, num_hidden_layers=1)
     p = plan(work, gpu="rtx-3090", global_batch=1, allow_peft=True, objective="memory",
              confirm=False)
     assert p.best is not None and p.best.peft
