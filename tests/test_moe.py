@@ -1,11 +1,13 @@
 """Mixture-of-experts models traced under a routing assumption (tilefit.tracing.moe).
 
 Tiny Mixtral- and OLMoE-like configs (2 layers, hidden 64, 4 or 8 experts, top-2) are written
-in each test. The traced CPU peak is checked against PyTorch's MemTracker on a real CPU run
-whose routers are forced to the same routing: a forward hook on each router replaces its
-top-k indices (balanced: token t's k slots go to experts (t k + j) mod E, so each expert gets
-exactly tokens x k / E; skewed:0.5 with top-2: every token's first slot expert 0, its second
-expert 1 + t mod (E - 1))."""
+in each test; the audits and the plan take one layer (each layer's experts alike: the same
+findings, the same order of the implementations' steps as on two, in half the traced ops).
+The traced CPU peak is checked against PyTorch's MemTracker on a real CPU run whose routers
+are forced to the same routing: a forward hook on each router replaces its top-k indices
+(balanced: token t's k slots go to experts (t k + j) mod E, so each expert gets exactly
+tokens x k / E; skewed:0.5 with top-2: every token's first slot expert 0, its second expert
+1 + t mod (E - 1))."""
 
 from __future__ import annotations
 
@@ -263,8 +265,8 @@ def test_the_audit_proposes_the_faster_experts_implementation_re_traced(tmp_path
     method: estimated directly)."""
     from tilefit.advise.rules_moe import RULE
 
-    work = load_workload(_config(tmp_path, MIXTRAL, experts_implementation="eager"),
-                         seq_len=SEQ)
+    work = load_workload(_config(tmp_path, MIXTRAL, num_hidden_layers=1,
+                                 experts_implementation="eager"), seq_len=SEQ)
     recipe = Recipe(batch_size=BATCH)
     with shared_traces():  # the direct estimates cost the audit's traces of the same steps
         audit = tilefit.audit(work, gpu="a100-80gb", recipe=recipe)
@@ -284,8 +286,9 @@ def test_no_experts_finding_where_transformers_default_is_fastest(tmp_path: Path
     keep the GPU busy (on the 64-token toy step the host decides) nothing beats it."""
     from tilefit.advise.rules_moe import RULE
 
-    work = load_workload(_config(tmp_path, MIXTRAL, hidden_size=256, intermediate_size=512,
-                                 num_local_experts=8, max_position_embeddings=256),
+    work = load_workload(_config(tmp_path, MIXTRAL, num_hidden_layers=1, hidden_size=256,
+                                 intermediate_size=512, num_local_experts=8,
+                                 max_position_embeddings=256),
                          seq_len=256)
     audit = tilefit.audit(work, gpu="a100-80gb",
                           recipe=Recipe(batch_size=4, precision="bf16-true"))
@@ -301,7 +304,7 @@ def test_fp32_experts_run_atens_per_group_fallback_and_the_audit_says_so(
     from tilefit.estimator.multitensor import kernel_launches
     from tilefit.hardware import get_device
 
-    work = load_workload(_config(tmp_path, MIXTRAL), seq_len=SEQ)
+    work = load_workload(_config(tmp_path, MIXTRAL, num_hidden_layers=1), seq_len=SEQ)
     recipe = Recipe(batch_size=BATCH)
     with shared_traces():  # the direct estimates cost the audit's traces of the same steps
         audit = tilefit.audit(work, gpu="a100-80gb", recipe=recipe)
@@ -328,8 +331,9 @@ def test_an_experts_size_off_alignment_is_named_once_by_its_config_field(tmp_pat
     """intermediate_size 1000 is off fp32's multiple of 32 (and so is the fused gate_up's 2 x
     1000 = 2000): one finding, on the field, not a second on an unnamed 2000 that no user can
     change apart from it."""
-    work = load_workload(_config(tmp_path, MIXTRAL, intermediate_size=1000, hidden_size=1024,
-                                 num_attention_heads=8, num_key_value_heads=8), seq_len=128)
+    work = load_workload(_config(tmp_path, MIXTRAL, num_hidden_layers=1, intermediate_size=1000,
+                                 hidden_size=1024, num_attention_heads=8,
+                                 num_key_value_heads=8), seq_len=128)
     audit = tilefit.audit(work, gpu="a100-80gb", recipe=Recipe(batch_size=4))
     dims = [(f.dimension, f.current, f.suggested) for f in audit.findings
             if f.rule == "weight-dim-alignment"]
@@ -411,7 +415,7 @@ def test_under_compile_the_audit_weighs_batched_mm_against_the_loop_and_skips_ea
     from tilefit.advise.rules_moe import RULE
     from tilefit.recipe_parts import Compile
 
-    work = load_workload(_config(tmp_path, MIXTRAL), seq_len=SEQ)
+    work = load_workload(_config(tmp_path, MIXTRAL, num_hidden_layers=1), seq_len=SEQ)
     recipe = Recipe(batch_size=BATCH, compile=Compile())
     with shared_traces():  # the direct estimates cost the audit's traces of the same steps
         audit = tilefit.audit(work, gpu="a100-80gb", recipe=recipe)
@@ -440,7 +444,7 @@ def test_plan_weighs_pure_bf16_for_a_mixture_of_experts(tmp_path: Path) -> None:
     (pure,) = moe_recipes(a100, "adamw", experts=True)
     assert any("pure bf16" in c for c in changes_of(pure, "adamw", offload=False))
     assert any("master copy on the CPU" in c for c in changes_of(pure, "adamw", offload=True))
-    work = load_workload(_config(tmp_path, MIXTRAL), seq_len=SEQ)
+    work = load_workload(_config(tmp_path, MIXTRAL, num_hidden_layers=1), seq_len=SEQ)
     # global batch 1: one micro-batch, each recipe traced once (the sweep of precisions is
     # what is checked, not the micro-batches)
     plan = tilefit.plan(work, gpu="a100-80gb", global_batch=1)

@@ -30,9 +30,10 @@ def tiny(name: str) -> Workload:
     return load_workload(name, seq_len=16).with_config(**TINY[name])
 
 
-def hand_lora_count(name: str) -> int:
-    """r * (in + out) for each layer peft's "all-linear" wraps (the output head excluded)."""
-    c = TINY[name]
+def hand_lora_count(name: str, **changes: int) -> int:
+    """r * (in + out) for each layer peft's "all-linear" wraps (the output head excluded), of
+    the TINY config with ``changes``."""
+    c = {**TINY[name], **changes}
     if name == "gpt2":  # Conv1D: c_attn d -> 3d, attn.c_proj d -> d, c_fc d -> 4d, c_proj 4d -> d
         d = c["n_embd"]
         shapes = [(d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)]
@@ -101,13 +102,14 @@ def test_lora_plan_emits_the_config_it_traced(monkeypatch: pytest.MonkeyPatch) -
         return real_get(model, config, *args, **kwargs)
 
     monkeypatch.setattr(peft, "get_peft_model", spy)
-    # 33 M parameters, most of them in the (tied) embedding: LoRA's frozen 16-bit base saves
+    # 35 M parameters, most of them in the (tied) embedding: LoRA's frozen 16-bit base saves
     # ~14 B each (0.4 GiB), more than the memory objective's tie (1% of the budget); a 24 GB
     # Ampere card: no fp8 rows to trace (compiled, the slowest traces); global batch 1: one
-    # micro-batch, so each recipe is traced once, not at two micro-batches
+    # micro-batch, so each recipe is traced once, not at two micro-batches; one layer (the
+    # same rows and best plan as two, each trace shorter)
     work = tiny("llama-3.2-1b").with_config(hidden_size=512, intermediate_size=1024,
                                             num_attention_heads=8, head_dim=64,
-                                            vocab_size=64000)
+                                            vocab_size=64000, num_hidden_layers=1)
     p = plan(work, gpu="rtx-3090", global_batch=1, allow_peft=True, objective="memory",
              confirm=False)
     assert p.best is not None and p.best.peft
@@ -190,13 +192,15 @@ def test_audit_and_fused_loss_with_peft() -> None:
     from tilefit.estimator.workloads import estimate_workload
     from tilefit.recipe import Recipe
 
-    work = tiny("llama-3.2-1b")
+    # one layer: the audit's what-ifs re-traced with the adapters on, as on two, in half the ops
+    work = tiny("llama-3.2-1b").with_config(num_hidden_layers=1)
     result = audit(work, gpu="a100-80gb", batch_size=2, precision="bf16-mixed", peft=True)
-    assert result.estimate.trainable_param_count == hand_lora_count("llama-3.2-1b")
+    assert result.estimate.trainable_param_count == hand_lora_count("llama-3.2-1b",
+                                                                    num_hidden_layers=1)
     fused = estimate_workload(work, Recipe(batch_size=2, precision="bf16-mixed",
                                            attention="sdpa", lora=True, fused_ce=True),
                               "a100-80gb")
-    assert fused.trainable_param_count == hand_lora_count("llama-3.2-1b")
+    assert fused.trainable_param_count == hand_lora_count("llama-3.2-1b", num_hidden_layers=1)
     assert any(o.record.op.startswith("tilefit.ce_grad_") for o in fused.ops)
     with pytest.raises(TilefitError, match="peft"):
         import torch
