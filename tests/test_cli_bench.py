@@ -180,3 +180,27 @@ def test_bench_step_measures_a_real_step_beside_the_estimate() -> None:
     assert data["measured_peak_memory_bytes"] == data["predicted_peak_memory_bytes"]
     assert data["measured_step_time_s"] > 0 and data["predicted_step_time_s"] > 0
     assert data["recipe"]["precision"] == "fp32"
+
+
+def test_bench_step_runs_the_recipes_loop_as_the_estimate_traces_it() -> None:
+    # issue 44 item 4: the measured step is the predicted one, the loop's settings included.
+    # zero_grad(set_to_none=False) holds the gradients through the next forward, which the
+    # real step's peak (MemTracker) shows as the trace predicts; the Trainer's loop (clipping
+    # at 1.0, the loss read) runs in both
+    from tilefit.bench.step import measure_step
+    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.hardware import get_device
+    from tilefit.models import load_workload
+    from tilefit.recipe import Recipe
+
+    work = load_workload("gpt2", seq_len=16).with_config(num_hidden_layers=1)
+    dev = get_device("cpu")
+    peaks = {}
+    for to_none in (True, False):
+        recipe = Recipe.for_model(work, batch_size=1, precision="fp32", optimizer="sgd",
+                                  zero_grad_to_none=to_none).on(dev)
+        assert recipe.max_grad_norm == 1.0 and recipe.loss_sync
+        measured = measure_step(work, recipe, "cpu", steps=1, warmup=1)
+        assert measured.peak_memory_bytes == estimate_workload(work, recipe, dev).peak_memory_bytes
+        peaks[to_none] = measured.peak_memory_bytes
+    assert peaks[False] > peaks[True]  # the held gradients

@@ -113,6 +113,19 @@ def _check_optimizer(opt: Any, model: Any, row: PlanRow) -> None:
     assert stepped == {id(p) for p in model.parameters() if p.requires_grad}
 
 
+def test_plain_pytorch_snippet_runs_the_rows_loop(tiny: str) -> None:
+    """The loop the plan writes is the loop it traced (issue 44 item 4): gradients cleared
+    as the recipe says (zero_grad(set_to_none=False): kept, zeroed) and the loss read on the
+    host after each micro-batch where it says so."""
+    row = _row(precision="fp32", optimizer="adamw", zero_grad_to_none=False, loss_sync=True)
+    ns = _run(configs.torch_loop(row), tiny, row)
+    grads = [p.grad for p in ns["model"].parameters()]
+    assert grads and all(g is not None and not g.any() for g in grads)
+    assert isinstance(ns["running_loss"], float) and ns["running_loss"] > 0
+    plain = configs.torch_loop(_row(precision="fp32", optimizer="adamw"))
+    assert "set_to_none=True" in plain and "loss.item()" not in plain
+
+
 @pytest.mark.parametrize("row", [LORA, MIXED, PURE, EIGHT_BIT],
                          ids=["lora", "mixed", "bf16-true", "adamw-8bit"])
 def test_plain_pytorch_snippet_trains_the_row(tiny: str, row: PlanRow) -> None:

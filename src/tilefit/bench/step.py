@@ -91,13 +91,18 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
 
     loss_fn = workload.loss_for(recipe.fused_ce)
 
-    def step() -> None:
+    def step() -> None:  # the recipe's loop, as the tracer's (tilefit.tracing.loop)
         with _autocast(kind, recipe.precision):
             loss = loss_fn(model, batch)
         loss.backward()
+        if recipe.loss_sync:  # the HF Trainer's read of the loss on the host
+            torch.isnan(loss) or torch.isinf(loss)
         del loss
+        if recipe.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.grad is not None], recipe.max_grad_norm)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=recipe.zero_grad_to_none)
 
     try:
         if kind == "cuda":

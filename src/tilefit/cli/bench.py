@@ -28,10 +28,13 @@ def step(
     batch: int = typer.Option(4, "--batch", help="Micro-batch size."),
     seq: int = typer.Option(None, "--seq", help="Tokens per sample."),
     precision: str = PRECISION_OPTION,
-    optimizer: str = typer.Option(
-        "adamw", "--optimizer", help="The optimizer of the plain training loop timed: "
-        + ", ".join(OPTIMIZER_NAMES) + "."),
+    optimizer: str | None = typer.Option(
+        None, "--optimizer", help="The optimizer: " + ", ".join(OPTIMIZER_NAMES) + " (default: "
+        "the model's usual loop's, as tilefit estimate: adamw-fused for a Hugging Face model, "
+        "adamw otherwise)."),
     grad_checkpointing: bool = typer.Option(False, "--grad-checkpointing"),
+    max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
+    loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     layers: int = typer.Option(None, "--layers", help="Build the model with this many layers "
                                "(num_hidden_layers), to fit a small device."),
     input_shape: str = typer.Option(None, "--input-shape", help="For module:function models."),
@@ -47,13 +50,14 @@ def step(
     json_out: bool = JSON_OPTION,
 ) -> None:
     """A real training step on the live device: its time and peak memory beside the
-    estimate's prediction for the same device. With --lora (and --quantize) the model is
-    built for real as peft (and bitsandbytes, through from_pretrained) build it."""
+    estimate's prediction for the same device and the same step (the model's usual loop,
+    as tilefit estimate: clipping and the loss read included). With --lora (and --quantize)
+    the model is built for real as peft (and bitsandbytes, through from_pretrained) build
+    it."""
     from tilefit.bench.step import measure_step
     from tilefit.calibrate.run import live_kind_device
     from tilefit.cli.model_options import load
     from tilefit.estimator.workloads import estimate_workload
-    from tilefit.recipe import Recipe
 
     with user_errors():
         dev = live_kind_device(device)
@@ -62,9 +66,10 @@ def step(
             work = work.with_config(num_hidden_layers=layers)
         adapters = mo.lora_of(lora, lora_rank, lora_alpha, lora_targets, lora_dropout, dora,
                               modules_to_save)
-        recipe = Recipe(batch_size=batch, precision=precision or "auto", optimizer=optimizer,
-                        grad_checkpointing=grad_checkpointing, lora=adapters or None,
-                        quantize=quantize).on(dev)
+        recipe = mo.recipe(work, batch_size=batch, precision=precision, optimizer=optimizer,
+                           grad_checkpointing=grad_checkpointing, lora=adapters,
+                           quantize=quantize, max_grad_norm=max_grad_norm,
+                           loss_sync=loss_sync).on(dev)
         predicted = estimate_workload(work, recipe, dev)
         measured = measure_step(work, recipe, dev.kind, steps=steps)
     row = _step_row(work, dev, recipe, predicted, measured)

@@ -251,6 +251,8 @@ def torch_loop(row: PlanRow, task: str = "causal-lm", *, hf_model: bool = True) 
     if prec.allow_tf32:
         lines.append("torch.backends.cuda.matmul.allow_tf32 = True")
     lines.append(f"opt = {model_code.optimizer_expr(row)}")
+    if row.recipe.loss_sync:
+        lines.append("running_loss = 0.0")
     if prec.grad_scaler:
         lines.append("scaler = torch.amp.GradScaler(device.type)")
     ctx = (f"torch.autocast(device.type, dtype={amp})" if amp else
@@ -261,6 +263,8 @@ def torch_loop(row: PlanRow, task: str = "causal-lm", *, hf_model: bool = True) 
               f"        loss = model(**batch).loss / {row.accumulation_steps}",
               "    scaler.scale(loss).backward()" if prec.grad_scaler else
               "    loss.backward()",
+              *(["    running_loss += loss.item()  # the loss read on the host (loss_sync)"]
+                if row.recipe.loss_sync else []),
               f"    if (i + 1) % {row.accumulation_steps} == 0:"]
     if row.recipe.max_grad_norm is not None:
         if prec.grad_scaler:
@@ -268,7 +272,7 @@ def torch_loop(row: PlanRow, task: str = "causal-lm", *, hf_model: bool = True) 
         lines.append(f"        {_clip_line(row, 'model')}")
     lines.append("        scaler.step(opt); scaler.update()" if prec.grad_scaler
                  else "        opt.step()")
-    lines.append("        opt.zero_grad(set_to_none=True)")
+    lines.append(f"        opt.zero_grad(set_to_none={row.recipe.zero_grad_to_none})")
     return "\n".join(lines)
 
 
