@@ -153,3 +153,20 @@ def test_nested_unnamed_modules_make_no_tracker_warning() -> None:
             outer(model(torch.ones(2, 4, requires_grad=True))).sum().backward()
     assert [str(w.message) for w in caught] == []
     assert warnings.formatwarning is formatwarning  # ModTracker replaces it as it warns
+
+
+def test_simulate_from_python_writes_nothing_of_the_libraries() -> None:
+    """`tilefit.simulate` in a fresh process (a notebook's first call): transformers' import,
+    which imports torchao, used to log torchao's kernel libraries and pytree's Enum warnings
+    on entering the block."""
+    import subprocess
+    import sys
+
+    code = ("import torch, tilefit\n"
+            "with tilefit.simulate(gpu='h100', steps=1):\n"
+            "    m = torch.nn.Linear(8, 8).cuda(); o = torch.optim.SGD(m.parameters())\n"
+            "    m(torch.randn(2, 8, device='cuda')).sum().backward(); o.step()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip() == "", out.stderr

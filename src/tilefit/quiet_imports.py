@@ -19,8 +19,9 @@ import logging
 from collections.abc import Iterator
 
 # bitsandbytes: its CPU backend logs that it cannot fetch an optional kernel from the Hub
-# ("Failed to load CPU gemm_4bit_forward from kernels-community", bitsandbytes 0.50.2)
-IMPORT_TIME_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
+# ("Failed to load CPU gemm_4bit_forward from kernels-community", bitsandbytes 0.50.2), and
+# the kernels package it asks, offline, that it skips the publisher's trust check
+IMPORT_TIME_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes", "kernels")
 
 # whether the libraries' own output is shown (library_output_shown); a plain flag, not a
 # context variable, so that a thread a library starts sees it too

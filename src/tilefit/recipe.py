@@ -33,6 +33,7 @@ from tilefit.recipe_parts import whole
 from tilefit.vocab import (
     ATTENTIONS,
     OPTIMIZER_NAMES,
+    PRECISIONS,
     QUANTIZATIONS,
     Precision,
     check_max_grad_norm,
@@ -110,6 +111,7 @@ class Recipe:
 
     def __post_init__(self) -> None:
         notes = list(self.notes)
+        _check_precision_object(self.precision)
         if self.precision != AUTO:
             reading = precision_reading(self.precision)
             object.__setattr__(self, "precision", parse_precision(self.precision).name)
@@ -397,3 +399,20 @@ def _check_quant_settings(recipe: Recipe) -> None:
                            given=f"{dtype!r} with quantize {recipe.quantize!r}",
                            fix="Recipe(quantize='nf4', quant_compute_dtype='bf16')")
     object.__setattr__(recipe, "quant_compute_dtype", name)
+
+
+def _check_precision_object(precision: Any) -> None:
+    """A Precision object is accepted when it is the vocabulary's own (the Recipe holds its
+    name); one with other fields would be reduced to its name and lose them silently."""
+    if not isinstance(precision, Precision):
+        return
+    named = next((p for p in PRECISIONS if p.name == precision.name), None)
+    if named != precision:
+        raise TilefitError(
+            "Recipe(precision=...) takes a precision of tilefit's vocabulary: a Precision "
+            "with other fields would be traced as its name's",
+            expected="a name of vocab.PRECISIONS (fp16 autocast without a GradScaler is "
+                     "'fp16-mixed-unscaled')",
+            given=f"Precision(name={precision.name!r}, grad_scaler={precision.grad_scaler}, "
+                  f"autocast_dtype={precision.autocast_dtype!r}, ...)",
+            fix="Recipe(precision='fp16-mixed-unscaled') (or another name of the vocabulary)")

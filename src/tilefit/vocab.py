@@ -80,8 +80,8 @@ Quantization = Literal["nf4", "fp4", "int8"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 # ---- precisions ---------------------------------------------------------------------------
-PrecisionName = Literal["fp32", "tf32", "fp16-mixed", "bf16-mixed", "bf16-true", "fp16-true",
-                        "fp8-mixed"]
+PrecisionName = Literal["fp32", "tf32", "fp16-mixed", "fp16-mixed-unscaled", "bf16-mixed",
+                        "bf16-true", "fp16-true", "fp8-mixed"]
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,12 @@ PRECISIONS: tuple[Precision, ...] = (
     Precision("fp16-mixed", "fp16", "fp16", "fp32", True, "fp16", "16-mixed",
               "fp32 weights, fp16 autocast with loss scaling",
               ("16-mixed", "fp16", "16", "float16", "amp-fp16", "float16-mixed")),
+    # fp16 autocast without torch's GradScaler: a loop that never scales its loss (timm's
+    # --amp without a scaler, a hand-written loop); Lightning and Hugging Face always scale
+    # fp16, so their configs cannot say it (after fp16-mixed: mixed_precision's choice)
+    Precision("fp16-mixed-unscaled", "fp16", "fp16", "fp32", False, "fp16", "16-mixed",
+              "fp32 weights, fp16 autocast without loss scaling",
+              ("fp16-autocast", "fp16-mixed-no-scaler", "fp16-noscaler")),
     Precision("bf16-mixed", "bf16", "bf16", "fp32", False, "bf16", "bf16-mixed",
               "fp32 weights, bf16 autocast",
               ("bf16", "bfloat16", "amp", "amp-bf16", "bfloat16-mixed")),

@@ -97,6 +97,8 @@ def findings_of(watch: StepWatch, recorder: SimulationRecorder, placement: Devic
     precision, autocast = _precision(ops, _weights_dtype(watch.every_param),
                                      watch.facts.tf32)
     facts = watch.facts
+    if precision == "fp16-mixed" and not facts.grad_scaler:  # autocast, never scaled
+        precision = "fp16-mixed-unscaled"
     return Findings(
         precision=precision, autocast_dtype=autocast, grad_scaler=facts.grad_scaler,
         optimizers=tuple(facts.optimizers), clipping=tuple(sorted(facts.clipping)),

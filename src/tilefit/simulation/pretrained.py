@@ -142,9 +142,15 @@ def pretrained_from_config(built: list[str], load: LoadOnGpu, cuda: bool) -> Ite
     """transformers' from_pretrained (a model class's and the Auto classes') builds from the
     config, for the block; ``built`` collects the names asked for; ``load`` makes a meta
     model's fake copy on the GPU (a quantized base)."""
+    from tilefit.quiet_imports import quiet_imports
+
     try:
-        from transformers import PreTrainedModel
-        from transformers.models.auto.auto_factory import _BaseAutoModelClass
+        with quiet_imports():  # transformers imports torchao, whose import logs its kernels
+            # every Auto class is made with its own copy of from_pretrained (transformers'
+            # auto_class_update): import them all first, then answer each class's own
+            import transformers.models.auto.modeling_auto  # noqa: F401
+            from transformers import PreTrainedModel
+            from transformers.models.auto.auto_factory import _BaseAutoModelClass
     except ImportError:
         yield
         return
@@ -152,10 +158,6 @@ def pretrained_from_config(built: list[str], load: LoadOnGpu, cuda: bool) -> Ite
     def from_pretrained(cls: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
         built.append(str(name))
         return _build(cls, name, kwargs, load, cuda)
-
-    # every Auto class is made with its own copy of from_pretrained (transformers'
-    # auto_class_update): import them all first, then answer each class's own
-    import transformers.models.auto.modeling_auto  # noqa: F401
 
     answer = classmethod(from_pretrained)
     owners = [c for c in (PreTrainedModel, _BaseAutoModelClass, *_subclasses(_BaseAutoModelClass))
