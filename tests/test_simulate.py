@@ -548,3 +548,17 @@ def test_cli_run_prints_the_step_and_what_it_found() -> None:
     assert "before its first optimizer step" in failed.stderr
     missing = invoke_cli("run", str(SCRIPTS / "no_such_script.py"))
     assert missing.returncode == 2 and "no script at" in missing.stderr
+
+
+def test_the_time_between_steps_is_measured_on_this_machine() -> None:
+    """Issue 42 item 3: what the loop does between steps (here a 50 ms sleep standing in for
+    data loading) is measured, labelled as this machine's, beside the predicted step."""
+    from tilefit.cli.run import found_lines
+
+    sim = run_script(str(SCRIPTS / "slow_loader.py"), [], gpu=GPU, steps=4)
+    gaps = sim.found.between_steps_s
+    assert len(gaps) == 3  # from each step's end to the next step's first forward
+    assert all(0.05 <= g < 10 for g in gaps)  # time.sleep sleeps at least as long
+    assert sim.result.step_time_s < 0.05  # and none of it is in the predicted step
+    line = next(x for x in found_lines(sim.found) if x.startswith("time between steps"))
+    assert "measured on this machine" in line

@@ -13,6 +13,7 @@ from tilefit.cli import model_options as mo
 from tilefit.cli.audit import HTML_OPTION, _check_html
 from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
 from tilefit.cli.estimate import OPS_OPTION
+from tilefit.units import fmt_time
 
 if TYPE_CHECKING:
     from tilefit.simulation.findings import Findings
@@ -131,6 +132,12 @@ def found_lines(found: Findings) -> list[str]:
                      f"(a GPU sync; the simulation answered {r.placeholder!r})")
     for s in found.syncs:
         lines.append(f"{s} (the host waits for the GPU: costed in the step)")
+    if found.between_steps_s:
+        gaps = sorted(found.between_steps_s)
+        lines.append(f"time between steps (data loading, logging): "
+                     f"{fmt_time(gaps[len(gaps) // 2])}, median of {len(gaps)}, measured on "
+                     "this machine under the simulation (its tensor ops on fake tensors), not "
+                     "in the predicted step")
     return lines
 
 

@@ -47,6 +47,8 @@ class Findings:
     host_ops_per_step: int  # the script's own ops on CPU tensors in its last step
     steps_run: int  # optimizer steps (of the first optimizer) the code made
     stopped: bool  # stopped after the asked steps; else the code ended by itself
+    # this machine's wall clock between steps (data loading, logging), under the simulation
+    between_steps_s: tuple[float, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -110,7 +112,8 @@ def findings_of(watch: StepWatch, recorder: SimulationRecorder, placement: Devic
         models=tuple(facts.models), host_reads=recorder.host_reads(),
         syncs=tuple(readings.syncs), copies_to_gpu=placement.copies_in,
         host_ops_per_step=sum(script_host_op(op) for op in ops),
-        steps_run=len(watch.boundaries), stopped=stopped)
+        steps_run=len(watch.boundaries), stopped=stopped,
+        between_steps_s=tuple(facts.between_steps_s))
 
 
 # torch.optim's classes as tilefit's optimizer names (vocab.OPTIMIZER_NAMES)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -60,6 +61,9 @@ class LoopFacts:
     compiled: bool = False  # the code called torch.compile
     tf32: bool = False  # the code let fp32 matmuls run as TF32
     max_grad_norm: float | None = None  # the norm it clipped to (clip_grad_norm_'s max_norm)
+    # wall-clock seconds on this machine from each step's end to the next step's first
+    # forward (data loading, logging, the loop's own Python), under the simulation
+    between_steps_s: list[float] = dataclasses.field(default_factory=list)
 
 
 def _call_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -91,6 +95,7 @@ class StepWatch:
         self.params: list[torch.Tensor] = []  # every optimizer's, as of its last step
         self.param_count = 0  # the elements of the top modules' parameters
         self.every_param: list[torch.Tensor] = []  # the top modules' and optimizers'
+        self._step_ended_at: float | None = None  # perf_counter at the last step's end
 
     # ---- phases -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -142,6 +147,9 @@ class StepWatch:
                                                                   with_kwargs=True))
         if self.recorder.phase not in ("forward", "scaler", "clip_grad"):
             self.recorder.enter_phase("forward")
+        if self._step_ended_at is not None:  # the next step's first forward
+            self.facts.between_steps_s.append(time.perf_counter() - self._step_ended_at)
+            self._step_ended_at = None
 
     def _inputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                 ) -> None:
@@ -195,6 +203,7 @@ class StepWatch:
         if self._first is None or self._first() is not optimizer:
             return
         self.boundaries.append(self.recorder.events)
+        self._step_ended_at = time.perf_counter()
         self.facts.backward_calls.append(self._backwards)
         self._backwards = 0
         self.recorder.begin_micro(0)
