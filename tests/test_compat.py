@@ -397,3 +397,25 @@ def test_compiling_sets_torchs_flag_for_the_capture_and_puts_it_back() -> None:
     with pytest.raises(ValueError), compiling():
         raise ValueError("a failed capture")
     assert not torch.compiler.is_compiling()
+
+
+@torch.library.custom_op("tilefit_compat_tests::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_missing_fake_op_reads_torchs_own_errors() -> None:
+    from tilefit.compat.fake import (
+        FakeTensorMode,
+        UnsupportedOperatorException,
+        missing_fake_op,
+    )
+
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.ones(2))
+        with pytest.raises(RuntimeError) as err:
+            _twice(x)  # torch's own error for a custom op without a fake implementation
+    assert missing_fake_op(err.value) == "tilefit_compat_tests::twice"
+    unsupported = UnsupportedOperatorException(torch.ops.aten.add.Tensor)
+    assert missing_fake_op(unsupported) == "aten.add.Tensor"
+    assert missing_fake_op(RuntimeError("shape mismatch")) is None

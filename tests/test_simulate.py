@@ -562,3 +562,28 @@ def test_the_time_between_steps_is_measured_on_this_machine() -> None:
     assert sim.result.step_time_s < 0.05  # and none of it is in the predicted step
     line = next(x for x in found_lines(sim.found) if x.startswith("time between steps"))
     assert "measured on this machine" in line
+
+
+@torch.library.custom_op("tilefit_tests::scaled_gelu", mutates_args=())
+def _scaled_gelu(x: torch.Tensor) -> torch.Tensor:  # an extension's op: no fake kernel
+    return torch.nn.functional.gelu(x) * 2
+
+
+class _WithExtension(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _scaled_gelu(self.fc(x))
+
+
+def test_an_op_without_a_fake_kernel_is_named_with_its_module() -> None:
+    """Issue 42 item 11: a custom CUDA extension's op (no fake implementation) is named, with
+    the module that called it, and how to give it one."""
+    with pytest.raises(TilefitError) as err, simulate(gpu=GPU):
+        model = nn.Sequential(nn.Linear(16, 16), _WithExtension()).cuda()
+        model(torch.randn(2, 16, device="cuda")).sum().backward()
+    assert "tilefit_tests::scaled_gelu" in err.value.problem
+    assert "'Sequential.1'" in err.value.problem  # the module whose forward called it
+    assert "register_fake('tilefit_tests::scaled_gelu')" in (err.value.fix or "")

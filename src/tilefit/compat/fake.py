@@ -7,6 +7,7 @@ torch.utils._pytree, and the flop formula registry of torch.utils.flop_counter.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,6 +38,7 @@ __all__ = [
     "holds_fake",
     "is_view",
     "mend_addmm_out_dtype",
+    "missing_fake_op",
     "new_fake_mode",
     "sparse_parts",
     "start_autograd_engine_before_fakes",
@@ -298,3 +300,19 @@ def deepcopy_keeps_mode() -> Iterator[None]:
 
 
 start_autograd_engine_before_fakes()
+
+
+# torch.library.custom_op's error for an op without a fake implementation (torch 2.11-2.13:
+# torch/_library/custom_ops.py's fake_impl); an op of a C++ extension without a Meta kernel
+# raises UnsupportedOperatorException instead, its op in .func
+_NO_FAKE_IMPL = re.compile(r"no fake impl registered for <CustomOpDef\((?P<op>[\w.:]+)\)>")
+
+
+def missing_fake_op(exc: BaseException) -> str | None:
+    """The op an error says has no fake implementation (a custom or extension op run on
+    fake tensors), else None."""
+    if isinstance(exc, UnsupportedOperatorException):
+        func = getattr(exc, "func", None)
+        return str(func) if func is not None else None
+    match = _NO_FAKE_IMPL.search(str(exc)) if isinstance(exc, RuntimeError) else None
+    return match.group("op") if match else None

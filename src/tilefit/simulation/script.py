@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
+from tilefit.compat.fake import missing_fake_op
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device
 from tilefit.recipe import DEFAULT_GPU
@@ -103,5 +104,7 @@ def _run(path: Path | None, module: str | None, args: list[str], failure: list[s
             failure.append(f"SystemExit: {exc.code}")
     except TilefitError:  # what the simulation refuses (FSDP2 in a script): tilefit's error
         raise
-    except Exception:  # the user's code: anything it raises is shown as it raised it
+    except Exception as exc:  # the user's code: anything it raises is shown as it raised it
+        if missing_fake_op(exc) is not None:  # but an op tilefit cannot simulate: named by
+            raise  # the simulation, with its module (session.simulate)
         failure.append(traceback.format_exc())

@@ -25,7 +25,7 @@ from torch import nn
 from tilefit.compat import probes
 from tilefit.compat.accelerate import fresh_accelerate_state
 from tilefit.compat.bitsandbytes import quant_state_tensors
-from tilefit.compat.fake import FakeTensorMode, new_fake_mode
+from tilefit.compat.fake import FakeTensorMode, missing_fake_op, new_fake_mode
 from tilefit.compat.modules import ModulePath
 from tilefit.compat.simulated_cuda import (
     fake_parameter_swaps,
@@ -49,6 +49,7 @@ from tilefit.simulation.values import BOUND_NOTE, SimulationRecorder
 from tilefit.simulation.watch import StepWatch, StopSimulation
 from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.autocast import CudaAutocast
+from tilefit.tracing.errors import where_in_step
 from tilefit.tracing.fakes import fake_copy
 from tilefit.tracing.options import resolve_target
 from tilefit.tracing.records import Trace
@@ -179,6 +180,11 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS,
             yield sim
         except StopSimulation:
             sim.stopped = True
+        except Exception as exc:
+            op = missing_fake_op(exc)
+            if op is None:
+                raise
+            raise _no_fake_implementation(op, where_in_step(recorder)) from None
         # TF32 for fp32 matmuls, as the code left it (allow_tf32 / set_float32_matmul_precision)
         watch.facts.tf32 = torch.get_float32_matmul_precision() != "highest"
     _finish(sim, recorder, watch, placement, readings, list(collected))
@@ -194,6 +200,18 @@ def _loader(mode: FakeTensorMode, recorder: SimulationRecorder) -> LoadOnGpu:
         recorder.label(tensors, "parameters")
         return model
     return load
+
+
+def _no_fake_implementation(op: str, where: str) -> TilefitError:
+    """The error for an op the simulation cannot run: a custom or extension op (a CUDA
+    extension's kernel) without a fake implementation to give its outputs' shapes."""
+    return TilefitError(
+        f"the code calls {op} in {where}, an op with no fake implementation: the simulated "
+        "GPU cannot know the shape of what it returns",
+        expected="custom and extension ops registered with a fake (meta) implementation",
+        given=f"{op} without one", fix=f"register one beside the op, e.g. "
+        f"@torch.library.register_fake({op.split('.')[0]!r}) returning torch.empty_like of "
+        "its output's shape; tilefit then costs the op by the bytes it moves")
 
 
 def _check_gpus(gpus: int) -> None:
