@@ -119,7 +119,7 @@ def found_lines(found: Findings) -> list[str]:
              f"micro-batches per step (backward passes): {found.accumulation_steps}",
              "gradient clipping: " + (", ".join(found.clipping) or "none"),
              f"activation checkpointing: {'yes' if found.grad_checkpointing else 'no'}",
-             f"torch.compile: {'called (run eagerly here)' if found.compiled else 'no'}",
+             "torch.compile: " + _compiled(found),
              "models called: " + (", ".join(found.models) or "none"),
              f"host-to-device copies in the run: {found.copies_to_gpu}",
              f"ops on CPU tensors in the step (data loading, collation): "
@@ -139,6 +139,12 @@ def found_lines(found: Findings) -> list[str]:
                      "this machine under the simulation (its tensor ops on fake tensors), not "
                      "in the predicted step")
     return lines
+
+
+def _compiled(found: Findings) -> str:
+    if found.compiled_modules:
+        return f"{found.compiled_modules} module(s), predicted as Inductor runs them"
+    return "called on a function (run eagerly here)" if found.compiled else "no"
 
 
 def _optimizer(o: Any) -> str:

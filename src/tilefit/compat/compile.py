@@ -390,3 +390,13 @@ def dynamo_graph_breaks(fn: Callable[..., Any], *args: Any) -> list[str]:
             out.append(f"{first}: {' '.join(context.split())[:200]} ({times}x)")
     return out
 
+
+
+@contextlib.contextmanager
+def inside_optimized_module() -> Iterator[None]:
+    """Dynamo's flag that torch.compile's OptimizedModule holds while its graphs run: module
+    hooks that honour it (ModTracker's) skip the modules inside, whose code is in the graph."""
+    from torch._dynamo.eval_frame import _set_in_optimized_module
+
+    with _set_in_optimized_module():
+        yield

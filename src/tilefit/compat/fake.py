@@ -40,6 +40,7 @@ __all__ = [
     "mend_addmm_out_dtype",
     "missing_fake_op",
     "new_fake_mode",
+    "outside_dispatch_modes",
     "sparse_parts",
     "start_autograd_engine_before_fakes",
     "storage_key",
@@ -316,3 +317,14 @@ def missing_fake_op(exc: BaseException) -> str | None:
         return str(func) if func is not None else None
     match = _NO_FAKE_IMPL.search(str(exc)) if isinstance(exc, RuntimeError) else None
     return match.group("op") if match else None
+
+
+@contextlib.contextmanager
+def outside_dispatch_modes() -> Iterator[None]:
+    """No dispatch mode active for the block (the fake mode and any recorder above it
+    popped), then all put back: for work the modes must not see (a compiled graph's
+    capture), which enters the modes it needs itself."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield

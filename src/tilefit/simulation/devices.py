@@ -65,13 +65,14 @@ class DevicePlacement(TorchFunctionMode):
             return self._move(func, name, args, kwargs)
         to_gpu = names_gpu(kwargs.get("device")) or (
             self.default_gpu and kwargs.get("device") is None)
-        if "device" in kwargs:
+        if names_gpu(kwargs.get("device")):  # "cpu" and "meta" stay as they are
             kwargs["device"] = CPU
         at = self.recorder.events
         with inside_torch():
             out = func(*args, **kwargs)
-        if not to_gpu and next(op_tensors((args, kwargs)), None) is None:  # a factory
-            self.recorder.made_on_host(out, since=at)
+        if not to_gpu and not self.recorder.in_compiled_node and \
+                next(op_tensors((args, kwargs)), None) is None:  # a factory of the code's
+            self.recorder.made_on_host(out, since=at)  # (a compiled graph's runs on the GPU)
         return out
 
     def _move(self, func: Any, name: str, args: tuple[Any, ...],
@@ -86,7 +87,7 @@ class DevicePlacement(TorchFunctionMode):
             rest, kwargs = [], {k: v for k, v in kwargs.items() if k == "non_blocking"}
             name, func = "to", torch.Tensor.to
         rest = [CPU if names_gpu(a) else a for a in rest]
-        if "device" in kwargs:
+        if names_gpu(kwargs.get("device")):
             kwargs["device"] = CPU
         with inside_torch():
             out = func(t, *rest, **kwargs) if name != "cpu" else t

@@ -37,7 +37,7 @@ class Findings:
     clipping: tuple[str, ...]  # clip_grad_norm_ / clip_grad_value_
     accumulation_steps: int  # backward passes in the last step
     grad_checkpointing: bool  # the backward recomputed forward ops
-    compiled: bool  # the code called torch.compile (its graphs ran eagerly here)
+    compiled: bool  # the code called torch.compile
     max_grad_norm: float | None  # the norm it clipped gradients to, where it did
     zero_grad_to_none: bool | None  # None where zero_grad was not called
     models: tuple[str, ...]  # the classes of the modules the code called at the top
@@ -49,6 +49,7 @@ class Findings:
     stopped: bool  # stopped after the asked steps; else the code ended by itself
     # this machine's wall clock between steps (data loading, logging), under the simulation
     between_steps_s: tuple[float, ...] = ()
+    compiled_modules: int = 0  # modules torch.compile'd: predicted as Inductor runs them
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -76,12 +77,18 @@ def _weights_dtype(params: list[torch.Tensor]) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(top, "fp32")
 
 
-# torch.compile under the simulation: the recorder sees the eager aten ops of the compiled
-# module (observed with torch 2.13: no graph is captured under the simulation's modes)
-COMPILED_NOTE = ("the script calls torch.compile, whose graphs ran eagerly under the "
-                 "simulation: the step shown is the eager one (not yet predicted compiled "
-                 "from a script; `tilefit estimate MODEL --compile` predicts Inductor's "
-                 "kernels for a named model)")
+# torch.compile of a function (or Module.compile) under the simulation: the recorder sees
+# the eager aten ops (observed with torch 2.13: no graph is captured under the modes)
+COMPILED_NOTE = ("the script calls torch.compile on a function, whose graphs ran eagerly "
+                 "under the simulation: that part of the step is the eager one (torch.compile "
+                 "of a module is predicted as Inductor runs it)")
+# torch.compile(module): simulation.compiled
+COMPILED_MODULE_NOTE = (
+    "torch.compile: each compiled module's forward and backward are predicted as Inductor "
+    "runs them (AOTAutograd's capture, Inductor's decompositions, partitioner and fused "
+    "kernels, as `tilefit estimate --compile`; docs/references.md, section 19), one graph per "
+    "call signature (graph breaks are not predicted); the code outside the module (a loss "
+    "computed on its output, the optimizer step) runs eager, as under torch.compile(model)")
 
 
 def script_host_op(op: Any) -> bool:
@@ -113,7 +120,8 @@ def findings_of(watch: StepWatch, recorder: SimulationRecorder, placement: Devic
         syncs=tuple(readings.syncs), copies_to_gpu=placement.copies_in,
         host_ops_per_step=sum(script_host_op(op) for op in ops),
         steps_run=len(watch.boundaries), stopped=stopped,
-        between_steps_s=tuple(facts.between_steps_s))
+        between_steps_s=tuple(facts.between_steps_s),
+        compiled_modules=facts.compiled_modules)
 
 
 # torch.optim's classes as tilefit's optimizer names (vocab.OPTIMIZER_NAMES)
@@ -155,7 +163,13 @@ def build_trace(recorder: SimulationRecorder, watch: StepWatch, target: Target,
         for s in recorder.storages() if s.alloc_at < end)
     samples, tokens = watch.batch_size or (1, None)
     warnings = list(notes)
-    if found.compiled:
+    if found.compiled_modules:
+        warnings.append(COMPILED_MODULE_NOTE)
+        if watch.facts.compile_options:
+            warnings.append("torch.compile's options " + ", ".join(sorted(
+                watch.facts.compile_options)) + " are not simulated: predicted as the default "
+                "mode")
+    elif found.compiled:
         warnings.append(COMPILED_NOTE)
     if len(watch.boundaries) < 2:
         warnings.append("the code made one optimizer step: the step shown is the first, "
@@ -170,7 +184,7 @@ def build_trace(recorder: SimulationRecorder, watch: StepWatch, target: Target,
         trainable_param_count=sum(p.numel() for p in watch.params if p.requires_grad),
         trainable_param_tensors=sum(o.param_tensors for o in found.optimizers),
         samples_per_micro_batch=samples, tokens_per_micro_batch=tokens,
-        warnings=tuple(warnings))
+        warnings=tuple(warnings), compiled=any(op.compiled for op in ops))
 
 
 def trace_so_far(recorder: SimulationRecorder, target: Target) -> Trace:

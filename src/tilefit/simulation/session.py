@@ -40,6 +40,7 @@ from tilefit.estimator.cost import CostContext, op_time_s
 from tilefit.hardware import Device, get_device
 from tilefit.quiet_imports import quiet_fake_errors
 from tilefit.recipe import DEFAULT_GPU
+from tilefit.simulation.compiled import SimulatedCompiled
 from tilefit.simulation.devices import GPU, DevicePlacement
 from tilefit.simulation.findings import Findings, build_trace, findings_of, trace_so_far
 from tilefit.simulation.gpu import cuda_answers
@@ -156,6 +157,7 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS,
         collected = stack.enter_context(probes.collecting())
         probes.read("torch")
         stack.enter_context(quiet_fake_errors())
+        stack.enter_context(_ops_without_fakes_named(recorder))
         stack.enter_context(watch.watching())  # its forward hook before the tracker's
         if cuda:
             stack.enter_context(cuda_answers(dev, readings, gpus))
@@ -163,6 +165,7 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS,
             stack.enter_context(foreach_for_fake_parameters())
         stack.enter_context(fresh_accelerate_state())
         mode = new_fake_mode()
+        watch.compile_module = lambda m: SimulatedCompiled(m, recorder, mode, cpu=not cuda)
         stack.enter_context(pretrained_from_config(sim.pretrained, _loader(mode, recorder), cuda))
         stack.enter_context(fake_parameter_swaps())
         stack.enter_context(unwritten_saves(sim.unwritten))
@@ -180,11 +183,6 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS,
             yield sim
         except StopSimulation:
             sim.stopped = True
-        except Exception as exc:
-            op = missing_fake_op(exc)
-            if op is None:
-                raise
-            raise _no_fake_implementation(op, where_in_step(recorder)) from None
         # TF32 for fp32 matmuls, as the code left it (allow_tf32 / set_float32_matmul_precision)
         watch.facts.tf32 = torch.get_float32_matmul_precision() != "highest"
     _finish(sim, recorder, watch, placement, readings, list(collected))
@@ -200,6 +198,19 @@ def _loader(mode: FakeTensorMode, recorder: SimulationRecorder) -> LoadOnGpu:
         recorder.label(tensors, "parameters")
         return model
     return load
+
+
+@contextlib.contextmanager
+def _ops_without_fakes_named(recorder: SimulationRecorder) -> Iterator[None]:
+    """An op the simulation cannot run (no fake implementation) raises tilefit's error,
+    naming it and the module that called it."""
+    try:
+        yield
+    except Exception as exc:
+        op = missing_fake_op(exc)
+        if op is None:
+            raise
+        raise _no_fake_implementation(op, where_in_step(recorder)) from None
 
 
 def _no_fake_implementation(op: str, where: str) -> TilefitError:

@@ -59,6 +59,8 @@ class LoopFacts:
     zero_grad_to_none: set[bool] = dataclasses.field(default_factory=set)
     models: list[str] = dataclasses.field(default_factory=list)  # root modules' classes
     compiled: bool = False  # the code called torch.compile
+    compiled_modules: int = 0  # modules it compiled: predicted as Inductor runs them
+    compile_options: set[str] = dataclasses.field(default_factory=set)  # not the defaults
     tf32: bool = False  # the code let fp32 matmuls run as TF32
     max_grad_norm: float | None = None  # the norm it clipped to (clip_grad_norm_'s max_norm)
     # wall-clock seconds on this machine from each step's end to the next step's first
@@ -96,6 +98,8 @@ class StepWatch:
         self.param_count = 0  # the elements of the top modules' parameters
         self.every_param: list[torch.Tensor] = []  # the top modules' and optimizers'
         self._step_ended_at: float | None = None  # perf_counter at the last step's end
+        # torch.compile(module) under the simulation (simulation.compiled), set by the session
+        self.compile_module: Callable[[nn.Module], nn.Module] | None = None
 
     # ---- phases -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -141,7 +145,8 @@ class StepWatch:
             self._roots.add(module)
             if next(module.parameters(), None) is not None:  # a model, not a loss module
                 self._first_root = self._first_root or module
-                self.facts.models.append(type(module).__name__)
+                inner = getattr(module, "_orig_mod", module)  # torch.compile's wrapper's
+                self.facts.models.append(type(inner).__name__)
             self.batch_size = self.batch_size or samples_and_tokens(_call_batch(args, {}))
             self._handles.append(module.register_forward_pre_hook(self._inputs,
                                                                   with_kwargs=True))
@@ -258,6 +263,12 @@ class StepWatch:
     def _compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def compile_(*args: Any, **kwargs: Any) -> Any:
             self.facts.compiled = True
+            if args and isinstance(args[0], nn.Module) and self.compile_module is not None:
+                self.facts.compiled_modules += 1
+                self.facts.compile_options.update(
+                    f"{k}={v!r}" for k, v in kwargs.items()
+                    if not (k == "mode" and v in (None, "default")))
+                return self.compile_module(args[0])  # its graphs as Inductor runs them
             return fn(*args, **kwargs)
         return compile_
 

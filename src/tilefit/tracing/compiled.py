@@ -71,9 +71,10 @@ def check_compile_supported() -> None:
         fix=f"pip install 'torch>={need}', or drop --compile (compile=False)")
 
 
-class _LossModule(nn.Module):
-    """``loss_fn(model, batch)`` as a module of the batch's tensors returning ``(loss,)``:
-    the shape AOTAutograd's capture takes."""
+class LossModule(nn.Module):
+    """``loss_fn(model, batch)`` as a module of the batch's tensors returning ``(loss,)``
+    (or the tensors ``loss_fn`` returns, where it returns a tuple): the shape AOTAutograd's
+    capture takes; a tied weight is one parameter of it."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
                  leaves: list[Any], spec: Any,
@@ -96,12 +97,13 @@ class _LossModule(nn.Module):
     def tensors(self) -> list[torch.Tensor]:
         return [self._leaves[i] for i in self._tensor_at]
 
-    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor]:
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         leaves = list(self._leaves)
         for i, t in zip(self._tensor_at, tensors, strict=True):
             leaves[i] = t
         with self._context(), record_module_paths(self.model), tied_while_traced(self._ties):
-            return (self._loss_fn(self.model, unflatten_batch(leaves, self._spec)),)
+            out = self._loss_fn(self.model, unflatten_batch(leaves, self._spec))
+        return tuple(out) if isinstance(out, tuple) else (out,)
 
 
 def _nbytes(value: Any) -> int:
@@ -281,7 +283,7 @@ class _PlannedInterpreter(fx.Interpreter):
 
 
 @dataclass
-class _Compiler:
+class GraphCompiler:
     """The fw_compiler / bw_compiler AOTAutograd calls: plan each graph's kernels and return
     a boxed function that runs it under the recorder."""
 
@@ -357,7 +359,7 @@ class CompiledStep:
 
     fn: Callable[..., Any]
     inputs: list[torch.Tensor]
-    compiler: _Compiler
+    compiler: GraphCompiler
     breaks: list[str] | None = None  # Dynamo's graph breaks, when looked for
     checkpointed: bool = False  # activation checkpointing, as Dynamo's tagged regions
 
@@ -383,8 +385,8 @@ def capture_step(model: nn.Module, batch: Any,
     ``compat.compile.checkpoint_region_tagger`` (the partitioner recomputes them)."""
     check_compile_supported()
     leaves, spec = flatten_batch(batch)
-    module = _LossModule(model, loss_fn, leaves, spec, forward_context)
-    compiler = _Compiler(recorder, cpu)
+    module = LossModule(model, loss_fn, leaves, spec, forward_context)
+    compiler = GraphCompiler(recorder, cpu)
     fn = aot_capture(module, module.tensors(), fw_compiler=compiler, bw_compiler=compiler,
                      partition_fn=inductor_partition_fn(),
                      decompositions=inductor_decompositions(), node_meta=checkpointed)

@@ -140,6 +140,10 @@ class Recorder(Replays, TorchDispatchMode):
         finally:
             self._node, self._node_module = None, ""
 
+    @property
+    def in_compiled_node(self) -> bool:  # the ops now recorded run in a compiled graph
+        return self._node is not None
+
     def _compiled_fields(self, first_uid: int) -> dict[str, Any]:
         """The OpRecord fields of an op of a compiled graph; a value Inductor keeps in
         registers allocates nothing (its storages count 0 bytes)."""
@@ -271,8 +275,7 @@ class Recorder(Replays, TorchDispatchMode):
     def uid(self, t: torch.Tensor) -> int | None:
         return self._uid_of.get(t.untyped_storage())
 
-    def storages(self) -> tuple[StorageRecord, ...]:
-        """The storages in the target's memory (not torch.optim's CPU step counters)."""
+    def storages(self) -> tuple[StorageRecord, ...]:  # in the target's memory (not host's)
         out = []
         for uid, nbytes in self._nbytes.items():
             if uid in self._host_uids:
