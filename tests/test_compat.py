@@ -419,3 +419,33 @@ def test_missing_fake_op_reads_torchs_own_errors() -> None:
     unsupported = UnsupportedOperatorException(torch.ops.aten.add.Tensor)
     assert missing_fake_op(unsupported) == "aten.add.Tensor"
     assert missing_fake_op(RuntimeError("shape mismatch")) is None
+
+
+def test_outside_dispatch_modes_pops_the_fake_mode_for_the_block() -> None:
+    from tilefit.compat.fake import FakeTensor, new_fake_mode, outside_dispatch_modes
+
+    with new_fake_mode():
+        assert isinstance(torch.ones(1), FakeTensor)
+        with outside_dispatch_modes():
+            assert not isinstance(torch.ones(1), FakeTensor)  # a real tensor here
+        assert isinstance(torch.ones(1), FakeTensor)  # and the mode back after
+
+
+def test_inside_optimized_module_hides_the_modules_from_mod_tracker() -> None:
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    from tilefit.compat.compile import inside_optimized_module
+
+    seen: list[set[str]] = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(set(tracker.parents))
+            return x
+
+    outer = torch.nn.Sequential(Probe())
+    with ModTracker() as tracker:
+        outer(torch.ones(1))
+        with inside_optimized_module():  # as torch.compile's OptimizedModule runs a graph
+            outer(torch.ones(1))
+    assert "Sequential.0" in seen[0] and "Sequential.0" not in seen[1]
