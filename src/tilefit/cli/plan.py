@@ -10,6 +10,7 @@ import typer
 from tilefit.cli import model_options as mo
 from tilefit.cli.common import GPU_HELP, JSON_OPTION, console, err_console, print_json, user_errors
 from tilefit.cli.noise import PLAN_NOISE_OPTION, read_noise_scale
+from tilefit.units import parse_bytes
 from tilefit.vocab import STRATEGIES, ZERO_STRATEGIES
 
 ALLOW_PEFT_OPTION = typer.Option(
@@ -40,6 +41,12 @@ ALLOW_QUANTIZE_OPTION = typer.Option(
     False, "--allow-quantize",
     help="Also rank QLoRA: LoRA adapters on a base quantized to 4-bit NF4 by bitsandbytes "
     "(needs peft and bitsandbytes); its configs include the BitsAndBytesConfig.")
+
+HOST_MEMORY_OPTION = typer.Option(
+    None, "--host-memory",
+    help="The training machine's RAM per node, e.g. 64GiB or 128GB: plans whose CPU memory "
+    "(ZeRO-Offload, DeepSpeed) is over it do not fit (default: the GPU spec file's "
+    "host_memory_bytes, else this machine's RAM).")
 
 
 def register(app: typer.Typer) -> None:
@@ -81,6 +88,7 @@ def plan(
     write_configs: str | None = WRITE_CONFIGS_OPTION,
     top: int = typer.Option(15, "--top", help="Rows of the ranked table to show."),
     noise_scale: str | None = PLAN_NOISE_OPTION,
+    host_memory: str | None = HOST_MEMORY_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Choose batch, accumulation, checkpointing, precision and optimizer together, with configs."""
@@ -89,7 +97,7 @@ def plan(
     from tilefit.tuning.noise import far_above_noise_scale
 
     with user_errors():
-        _check_early(memory_fraction, global_batch, gpus)
+        host_bytes = _check_early(memory_fraction, global_batch, gpus, host_memory)
         b_noise = None if noise_scale is None else read_noise_scale(noise_scale)
         work = mo.load(model, seq, input_shape, task, target_seq, image_size, revision)
         recipe = mo.recipe(work, optimizer=optimizer, max_grad_norm=max_grad_norm,
@@ -98,9 +106,8 @@ def plan(
         lora = mo.lora_of(False, lora_rank, lora_alpha, lora_targets, lora_dropout, dora,
                           modules_to_save)
         search = PlanSearch(memory_fraction, objective, allow_optimizer_change, allow_peft,
-                            lora=lora, allow_quantize=allow_quantize)
-        result = run_plan(work, gpu=gpu, global_batch=global_batch, recipe=recipe,
-                          search=search)
+                            lora=lora, allow_quantize=allow_quantize, host_memory_bytes=host_bytes)
+        result = run_plan(work, gpu=gpu, global_batch=global_batch, recipe=recipe, search=search)
         written = None if write_configs is None else write_launch_files(
             result, Path(write_configs))
     warning = None if b_noise is None else far_above_noise_scale(global_batch, b_noise)
@@ -108,8 +115,10 @@ def plan(
             stand_in_loss=work.is_factory)
 
 
-def _check_early(memory_fraction: float, global_batch: int, gpus: int) -> None:
-    """What can be checked before the model is loaded: fail in a second, not a minute."""
+def _check_early(memory_fraction: float, global_batch: int, gpus: int,
+                 host_memory: str | None) -> int | None:
+    """What can be checked before the model is loaded: fail in a second, not a minute. The
+    host memory in bytes (None: not given)."""
     from tilefit.planner.checks import check_fraction
     from tilefit.planner.multiplan import check_divisible
     from tilefit.planner.space import check_global_batch
@@ -118,6 +127,7 @@ def _check_early(memory_fraction: float, global_batch: int, gpus: int) -> None:
     check_global_batch(global_batch)
     if gpus > 1:
         check_divisible(global_batch, gpus)
+    return None if host_memory is None else parse_bytes(host_memory, option="--host-memory")
 
 
 def _render(result: Any, warning: str | None, written: list[Path], *, json_out: bool,

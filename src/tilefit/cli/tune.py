@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -14,14 +13,7 @@ from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, us
 from tilefit.cli.job import Job, torchrun_job
 from tilefit.cli.noise import DATA_OPTION, LOSS_OPTION, build_model, load_data, load_loss
 from tilefit.errors import TilefitError
-
-# Decimal units are powers of 1000 and binary units powers of 1024 (IEC 80000-13).
-UNITS: dict[str, int] = {
-    "": 1, "b": 1,
-    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-}
-
+from tilefit.units import parse_bytes
 
 LIVE_GPU_OPTION = typer.Option(
     "auto", "--gpu", help="The live device to tune on: auto (the CUDA GPU if there is one, "
@@ -34,24 +26,6 @@ OBJECTIVE_OPTION = typer.Option(
 
 def register(app: typer.Typer) -> None:
     app.command("tune")(tune_command)
-
-
-def parse_bytes(text: str) -> int:
-    """'2GiB' -> 2147483648, '500MB' -> 500000000, '123456' -> 123456."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in UNITS:
-        raise TilefitError(
-            "memory size not understood",
-            expected="bytes, or a number with a unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB",
-            given=repr(text),
-            fix="write it like 24GiB, 500MB or 2000000",
-        )
-    value = int(float(match.group(1)) * UNITS[unit])
-    if value < 1:
-        raise TilefitError("memory size must be positive", expected="at least 1 byte",
-                           given=repr(text), fix="write it like 24GiB")
-    return value
 
 
 def tune_command(

@@ -94,6 +94,10 @@ class Device(HtmlRepr):
     network_bytes_per_s: float = 0.0
     # what a PyTorch process holds on the GPU outside the caching allocator (CUDA_CONTEXT_BYTES)
     cuda_context_bytes: int = CUDA_CONTEXT_BYTES
+    # the training machine's host memory (CPU RAM per node): what `tilefit plan` judges a
+    # plan's CPU memory against (ZeRO-Offload's optimizer state, DeepSpeed's copies while it
+    # initialises); None: not given, the planner then takes this machine's RAM
+    host_memory_bytes: int | None = None
     # The measured profile from `tilefit calibrate`, when one was found for this device; the
     # GEMM model then uses its fitted terms (tilefit.hardware.profile).
     profile: Profile | None = field(default=None, hash=False, compare=False, repr=False)
@@ -119,6 +123,9 @@ class Device(HtmlRepr):
         for name in ("launch_overhead_s", "gemm_tile_latency_s", "cuda_context_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{self.name}: {name} must be >= 0")
+        if self.host_memory_bytes is not None and self.host_memory_bytes <= 0:
+            raise ValueError(f"{self.name}: host_memory_bytes must be positive, got "
+                             f"{self.host_memory_bytes}")
         object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
 
     def supports(self, dtype: str | DType) -> bool:

@@ -17,6 +17,7 @@ from tilefit.hardware.catalog import CATALOG
 from tilefit.hardware.device import Device
 from tilefit.hardware.host import DEFAULT_HOST, HostModel
 from tilefit.hardware.profiles import stored_profile
+from tilefit.units import parse_bytes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -222,7 +223,23 @@ def _spec_fields(data: dict[str, Any], path: Path) -> dict[str, Any]:
         data["compute_capability"] = (int(cc[0]), int(cc[1]) if len(cc) > 1 else 0)
     if "aliases" in data:
         data["aliases"] = tuple(data["aliases"])
+    if "host_memory_bytes" in data:
+        data["host_memory_bytes"] = _host_memory(data["host_memory_bytes"], path)
     return data
+
+
+def _host_memory(value: Any, path: Path) -> int:
+    """The spec file's host_memory_bytes: bytes, or a size as people write it ("64GiB")."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    try:
+        return parse_bytes(str(value), option="host_memory_bytes =")
+    except TilefitError as exc:
+        raise TilefitError(f"GPU spec file {str(path)!r}: {exc.problem}",
+                           expected="host_memory_bytes = 68719476736 or \"64GiB\"",
+                           given=f"host_memory_bytes = {value!r}",
+                           fix='write the training machine\'s RAM, e.g. host_memory_bytes = '
+                           '"64GiB"') from None
 
 
 def _from_base(base: Device, data: dict[str, Any], path: Path) -> Device:

@@ -41,10 +41,21 @@ class PlanSearch:
     # also rank QLoRA: LoRA adapters on an nf4 base (bitsandbytes' 4-bit layers, Recipe.quantize)
     allow_quantize: bool = False
     lora: Lora | None = None  # the LoRA rows' adapters (None: Lora()); implies allow_lora
+    # the training machine's RAM per node, which each plan's CPU memory must fit
+    # (tilefit.planner.host); None: the GPU spec file's host_memory_bytes, else this machine's
+    host_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.lora is not None:
             object.__setattr__(self, "allow_lora", True)
+        host = self.host_memory_bytes
+        if host is not None and (isinstance(host, bool) or not isinstance(host, int)
+                                 or host <= 0):
+            raise TilefitError("the host memory must be a positive number of bytes",
+                               expected="an int of bytes, e.g. 64 * 2**30",
+                               given=f"PlanSearch(host_memory_bytes={host!r})",
+                               fix="pass PlanSearch(host_memory_bytes=64 * 2**30) for a 64 GiB "
+                               "machine, or None for this machine's RAM")
 
 
 # plan's old keywords that are the search's, not the recipe's, and the model's

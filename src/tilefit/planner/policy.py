@@ -217,7 +217,7 @@ def _multi_gpu(p: PlanState, optimizer: str, hf_model: bool, budget: int) -> Fal
         return Fallback(MultiGpuPlan(gpus=None, note=notes.NO_SHARDED_SETUP))
     for gpus in multiplan.candidate_world_sizes(p.global_batch, first, FALLBACK_GPU_COUNTS):
         sub = PlanState(p.work, p.device, p.global_batch, budget, optimizer, p.depth, p.link,
-                        p.user, world_size=gpus)
+                        p.user, world_size=gpus, host=p.host)
         trace_on_gpus(sub, None, hf_model=hf_model, precisions=False,
                       replica_state_bytes=_model_state(p, optimizer, hf_model),
                       shown=FALLBACK_PLANS_SHOWN, said=p.notes,

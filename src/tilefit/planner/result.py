@@ -4,12 +4,15 @@ fewest GPUs that fit when nothing fits one."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tilefit.hardware import Device
 from tilefit.html_repr import HtmlRepr
 from tilefit.planner.rows import PlanRow
 from tilefit.units import fmt_time
+
+if TYPE_CHECKING:
+    from tilefit.planner.host import HostBudget
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,8 @@ class Plan(HtmlRepr):
     traces: int = 0
     wall_time_s: float = 0.0
     world_size: int = 1  # GPUs the plan is for (rows per GPU; --gpus)
+    # the CPU memory per node the rows' were judged against (None: unknown, not checked)
+    host_budget: HostBudget | None = None
 
     def __repr__(self) -> str:
         """One line (print() of a result; its detail is in the fields)."""
@@ -134,4 +139,5 @@ class Plan(HtmlRepr):
             "notes": list(self.notes),
             "traces": self.traces, "wall_time_s": self.wall_time_s,
             "world_size": self.world_size,
+            "host_budget": None if self.host_budget is None else self.host_budget.to_dict(),
         }

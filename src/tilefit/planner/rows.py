@@ -27,6 +27,9 @@ class PlanRow:
     # CPU memory per node the engine needs (DeepSpeed ZeRO: its own estimator's figure,
     # ZeRO-Offload's optimizer state included); None where not modelled
     host_memory_bytes: int | None = None
+    # the host memory per node that figure is judged against (planner.host: the training
+    # machine's RAM); None: not judged
+    host_budget_bytes: int | None = None
     # what the caching allocator reserves at the peak (tensors + fragmentation, its replay,
     # tilefit.estimator.reserved); None where no reserved model applies (CPU offload, a
     # modelled DeepSpeed engine): the allocated peak decides there
@@ -81,8 +84,22 @@ class PlanRow:
         return self.predicted_reserved_bytes
 
     @property
-    def fits(self) -> bool:
+    def fits_gpu(self) -> bool:
+        """Whether the GPU's memory holds it (the budget: the GPU's less what the step's
+        tensors cannot use)."""
         return self.memory_bytes <= self.budget_bytes
+
+    @property
+    def fits_host(self) -> bool:
+        """Whether the host's memory holds the CPU memory it needs (true where either is
+        unknown)."""
+        return self.host_memory_bytes is None or self.host_budget_bytes is None or \
+            self.host_memory_bytes <= self.host_budget_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Whether it fits the GPU and the host: what the ranking and the choice use."""
+        return self.fits_gpu and self.fits_host
 
     @property
     def headroom_bytes(self) -> int:
@@ -100,6 +117,8 @@ class PlanRow:
             "peft": self.peft, "quantize": self.recipe.quantize, "offload": self.offload,
             "world_size": self.world_size,
             "strategy": self.strategy, "host_memory_bytes": self.host_memory_bytes,
+            "host_budget_bytes": self.host_budget_bytes,
+            "fits_gpu": self.fits_gpu, "fits_host": self.fits_host,
             "predicted_peak_memory_bytes": self.predicted_peak_memory_bytes,
             "predicted_reserved_bytes": self.predicted_reserved_bytes,
             "headroom_bytes": self.headroom_bytes,

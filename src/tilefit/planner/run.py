@@ -12,7 +12,7 @@ from tilefit.estimator.zero_step import is_zero
 from tilefit.hardware import Device, get_device
 from tilefit.models import Workload
 from tilefit.models.lora import require_peft
-from tilefit.planner import configs, multiplan, notes, policy, rank, space
+from tilefit.planner import configs, host, multiplan, notes, policy, rank, space
 from tilefit.planner.api import DEFAULT_MEMORY_FRACTION, PlanSearch, searched_fields_note
 from tilefit.planner.checks import check_fraction, check_gpu
 from tilefit.planner.result import Confirmation, MultiGpuPlan, Plan
@@ -77,13 +77,15 @@ def search_plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
     else:
         _trace_one_gpu(p, search, optimizer, hf_model)
     best, conf, reason, rows, multi = _choose(p, search, hf_model)
+    reason = _host_said(p, rows, best, multi, search, reason)
     return Plan(
         model=work.name, device=device, global_batch=global_batch, seq_len=work.seq_len,
         objective=search.objective, memory_fraction=search.memory_fraction,
         budget_bytes=p.budget, overhead_bytes=budget_of(device, search.memory_fraction)[1],
         rows=tuple(rows), best=best, reason=reason, confirmation=conf,
         configs=_configs_of(best, work), multi_gpu=multi, notes=tuple(p.notes),
-        traces=p.traces, wall_time_s=time.perf_counter() - started, world_size=world_size)
+        traces=p.traces, wall_time_s=time.perf_counter() - started, world_size=world_size,
+        host_budget=p.host)
 
 
 def _trace_one_gpu(p: PlanState, search: PlanSearch, optimizer: str, hf_model: bool) -> None:
@@ -120,6 +122,26 @@ def _choose(p: PlanState, search: PlanSearch, hf_model: bool
     return best, conf, reason, rows, policy.confirm_fallback(p, fallback)
 
 
+def _host_said(p: PlanState, rows: list[PlanRow], best: PlanRow | None,
+               multi: MultiGpuPlan | None, search: PlanSearch, reason: str) -> str:
+    """Where the host's memory ruled out the plan the GPU alone would have chosen: a note
+    saying so and what fits both; where nothing was chosen, the reason says it too. Where
+    this machine's RAM is unknown and a row needs CPU memory: a note that it went
+    unchecked."""
+    if p.host is None:
+        if any(r.host_memory_bytes is not None for r in rows):
+            p.notes.append(host.UNREAD)
+        return reason
+    dropped = host.dropped_for_host(rows, search.objective, search.allow_optimizer_change)
+    if dropped is None:
+        return reason
+    p.notes.append(host.over_host_note(dropped, p.host, best, multi))
+    if best is not None:
+        return reason
+    return (f"{reason}; {host.engine_words(dropped)} fits the GPU, not the host's memory "
+            "(see the notes)")
+
+
 def _check(global_batch: int, recipe: Recipe, search: PlanSearch, gpu: str | Device
            ) -> Device:
     """The plan's inputs checked before any trace; the GPU planned for."""
@@ -149,7 +171,8 @@ def _state(work: Workload, device: Device, global_batch: int, recipe: Recipe,
     except TilefitError:
         depth = Depth(None, 1, (1,))
     p = PlanState(work, device, global_batch, budget, _optimizer_name(recipe), depth, link,
-                  recipe, world_size=recipe.parallel.world_size)
+                  recipe, world_size=recipe.parallel.world_size,
+                  host=host.host_budget(search.host_memory_bytes, device))
     note = searched_fields_note(recipe)
     p.notes.extend([*recipe.notes, *([note] if note else [])])
     return p

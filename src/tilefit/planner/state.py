@@ -13,6 +13,7 @@ from tilefit.models import Workload
 from tilefit.models.hf import refuses_sdpa
 from tilefit.planner import multiplan, notes, space
 from tilefit.planner.affine import SweepModel
+from tilefit.planner.host import HostBudget, judged
 from tilefit.planner.result import Confirmation
 from tilefit.planner.rows import PlanRow, recipe_label
 from tilefit.planner.search import (
@@ -53,9 +54,11 @@ class PlanState:
 
     def __init__(self, work: Workload, device: Device, global_batch: int, budget: int,
                  optimizer: str, depth: Depth, link: OffloadLink,
-                 user: Recipe | None = None, world_size: int = 1) -> None:
+                 user: Recipe | None = None, world_size: int = 1,
+                 host: HostBudget | None = None) -> None:
         self.work, self.device, self.global_batch = work, device, global_batch
         self.budget, self.optimizer, self.link = budget, optimizer, link
+        self.host = host  # the CPU memory per node each row's must fit (planner.host)
         self.world_size = world_size
         self.depth = depth if world_size == 1 else multiplan.multi_depth(depth)
         # what every recipe keeps of the user's: every field the search does not vary
@@ -160,13 +163,14 @@ class PlanState:
         """The sweep's rows, one per micro-batch (``stopped``: a sweep stopped at its
         smallest micro-batch, that one's row alone)."""
         bs = [min(s.micro_batch for s in model.samples)] if stopped else self.micro_batches
-        return [row_from(spec, model, b, self.global_batch, self.depth, self.device,
-                         self.budget, self.work.tokens_per_sample, self.optimizer,
-                         offload=self.link if offload else None) for b in bs]
+        return judged([row_from(spec, model, b, self.global_batch, self.depth, self.device,
+                                self.budget, self.work.tokens_per_sample, self.optimizer,
+                                offload=self.link if offload else None) for b in bs],
+                      self.host)
 
     def add_rows(self, rows: list[PlanRow], traces: int) -> None:
         """Rows swept by another search (multiplan's), and the traces it took."""
-        self.rows.extend(rows)
+        self.rows.extend(judged(rows, self.host))
         self.traces += traces
 
     def count(self, traces: int) -> None:

@@ -54,17 +54,24 @@ def short_label(row: PlanRow) -> str:
 
 
 def plans_table(plan: Plan, top: int) -> Table:
+    """The ranked rows; a ``cpu`` column (each row's CPU memory per node, red over the
+    host's) where a row shown needs CPU memory."""
+    shown = plan.rows[:top]
+    cpu = any(r.host_memory_bytes is not None for r in shown)
+    host = "" if not cpu or plan.host_budget is None else \
+        f"; host {_gib(plan.host_budget.memory_bytes)}iB"
     table = Table(title=f"plans, ranked (affine predictions; peak: the caching allocator's "
-                  f"reserved memory; budget {_gib(plan.budget_bytes)}iB)",
+                  f"reserved memory; budget {_gib(plan.budget_bytes)}iB{host})",
                   box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
     for name, just in (("recipe", "left"), ("mb", "right"),
                        ("acc", "right"), ("peak", "right"), ("free", "right"),
+                       *([("cpu", "right")] if cpu else []),
                        ("step", "right"), ("smp/s", "right"), ("tok/s", "right"),
                        ("MFU", "right")):
         table.add_column(name, justify=just, no_wrap=True)  # type: ignore[arg-type]
-    for row in plan.rows[:top]:
+    for row in shown:
         style = None if row.fits else "dim"
-        head = f"[green]{_gib(row.headroom_bytes)}[/]" if row.fits else \
+        head = f"[green]{_gib(row.headroom_bytes)}[/]" if row.fits_gpu else \
             f"[red]{_gib(row.headroom_bytes)}[/]"
         label = short_label(row)
         if row.fits and row.steady_alloc_retries:  # see notes.releasing
@@ -72,10 +79,31 @@ def plans_table(plan: Plan, top: int) -> Table:
             label += " (releases cache)"
         table.add_row(label, str(row.micro_batch),
                       str(row.accumulation_steps), _gib(row.memory_bytes), head,
+                      *([_cpu_cell(row)] if cpu else []),
                       _ms(row.predicted_step_time_s), f"{row.samples_per_s:,.1f}",
                       f"{row.tokens_per_s:,.0f}" if row.tokens_per_s is not None else "-",
                       f"{row.mfu:.0%}", style=style)
     return table
+
+
+def _cpu_cell(row: PlanRow) -> str:
+    """The row's CPU memory per node, red where the host's memory does not hold it."""
+    if row.host_memory_bytes is None:
+        return "-"
+    return _gib(row.host_memory_bytes) if row.fits_host else \
+        f"[red]{_gib(row.host_memory_bytes)}[/]"
+
+
+def host_text(plan: Plan, row: PlanRow) -> str:
+    """The row's CPU memory beside the host's budget, in words."""
+    assert row.host_memory_bytes is not None
+    what = "the offloaded optimizer state and its buffers" if row.offload else \
+        "the model's fp32 copy per process while DeepSpeed initialises"
+    budget = "" if plan.host_budget is None else (
+        f" of {plan.host_budget.words()}" if row.fits_host else
+        f", OVER {plan.host_budget.words()}")
+    return (f"{fmt_bytes(row.host_memory_bytes)} per node{budget} (DeepSpeed's own "
+            f"estimate: {what})")
 
 
 def changes_legend(plan: Plan, top: int) -> list[str]:
@@ -107,10 +135,7 @@ def best_rows(plan: Plan, best: PlanRow) -> list[tuple[str, str]]:
                  f"{fmt_bytes(plan.device.memory_bytes)} minus "
                  f"{fmt_bytes(plan.overhead_bytes)} CUDA context/workspace)"))
     if best.host_memory_bytes:
-        what = "the offloaded optimizer state and its buffers" if best.offload else \
-            "the model's fp32 copy per process while DeepSpeed initialises"
-        rows.append(("CPU memory", f"{fmt_bytes(best.host_memory_bytes)} per node "
-                     f"(DeepSpeed's own estimate: {what})"))
+        rows.append(("CPU memory", host_text(plan, best)))
     tput = f"{best.samples_per_s:,.2f} samples/s"
     if best.tokens_per_s is not None:
         tput += f", {best.tokens_per_s:,.0f} tokens/s"
