@@ -220,17 +220,35 @@ def test_ddp_under_several_gpus_is_the_estimates_ddp_step() -> None:
     assert "WORLD_SIZE" not in os.environ  # torchrun's environment is restored
 
 
-def test_fsdp2_in_a_script_is_a_clear_error() -> None:
+def test_an_fsdp2_script_is_the_estimate_of_its_sharded_step() -> None:
+    """Issue 42 items 6 and 9: an FSDP2 script under --gpus 2 (fully_shard per block, a bf16
+    policy) is `estimate --gpus 2 --strategy fsdp2` of the same model: its all-gathers and
+    reduce-scatters, kernels and memory; the mesh's ranks are real, its buffers the GPU's."""
     from torch.distributed.fsdp import fully_shard as real
 
-    with pytest.raises(TilefitError, match=r"FSDP2.*not simulated yet"), \
-            simulate(gpu="h100", steps=2, gpus=2):
-        from torch.distributed.device_mesh import init_device_mesh  # as a script imports
-        from torch.distributed.fsdp import fully_shard
+    from tilefit import Parallelism
 
-        mesh = init_device_mesh("cuda", (2,))  # built as on a GPU: the ranks are real
-        assert mesh.size() == 2
-        fully_shard(nn.Linear(8, 8).cuda(), mesh=mesh)
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from fsdp2_loop import Net
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    sim = run_script(str(SCRIPTS / "fsdp2_loop.py"), [], gpu=GPU, steps=3, gpus=2)
+    est = tilefit.estimate(Net, torch.randn(16, 256), gpu=GPU,
+                           loss_fn=lambda m, b: m(b).float().pow(2).mean(),
+                           recipe=Recipe(precision="bf16-mixed", optimizer="adamw",
+                                         parallel=Parallelism(world_size=2,
+                                                              strategy="fsdp2")))
+    run = sim.result
+    assert sim.engines == ["fsdp2"] and run.parallel is not None
+    assert run.flops == est.flops
+    collectives = [collections.Counter(c.record.op for c in e.ops if c.record.kind ==
+                                       "collective") for e in (run, est)]
+    assert collectives[0] == collectives[1] and collectives[0]
+    assert run.device_time_s == pytest.approx(est.device_time_s, rel=1e-6)
+    for category in ("parameters", "gradients", "optimizer_state"):
+        assert run.memory_breakdown[category] == est.memory_breakdown[category], category
+    assert run.peak_memory_bytes == est.peak_memory_bytes
     from torch.distributed.fsdp import fully_shard as after
 
     assert after is real  # restored

@@ -18,6 +18,7 @@ internals are here:
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,8 +28,8 @@ import torch
 from tilefit.compat import probes
 from tilefit.compat.fake import FakeTensor
 
-__all__ = ["fake_parameter_swaps", "foreach_for_fake_parameters", "inside_torch", "patched",
-           "presented_device"]
+__all__ = ["called_from_torch_distributed", "fake_parameter_swaps",
+           "foreach_for_fake_parameters", "inside_torch", "patched", "presented_device"]
 
 _STATE = threading.local()
 
@@ -59,7 +60,8 @@ def presented_device(on_gpu: Callable[[Any], bool], device: torch.device) -> Ite
 
     def answered(t: Any) -> torch.device:
         dev = real(t)
-        if dev.type == "cpu" and not getattr(_STATE, "inside", False) and on_gpu(t):
+        if dev.type == "cpu" and not getattr(_STATE, "inside", False) and on_gpu(t) \
+                and not _asked_by_torch_distributed():
             return device
         return dev  # type: ignore[no-any-return]
 
@@ -68,6 +70,23 @@ def presented_device(on_gpu: Callable[[Any], bool], device: torch.device) -> Ite
         yield
     finally:
         FakeTensor.device = prop  # type: ignore[assignment]
+
+
+# torch.distributed's tensor code (DTensor, FSDP2) builds wrappers whose C++ device is the
+# device their Python code reads: it is answered the tensors' real one, as torch's kernels
+# see them, so a DTensor's gradient and its parameter agree (the script still sees "cuda")
+_DISTRIBUTED = "torch.distributed."
+
+
+def _asked_by_torch_distributed() -> bool:
+    return called_from_torch_distributed(3)
+
+
+def called_from_torch_distributed(depth: int = 2) -> bool:
+    """Whether the code ``depth`` frames up is torch.distributed's (DTensor, FSDP2): their
+    buffers live on the GPU whatever device they name (the mesh's, the CPU here)."""
+    caller = sys._getframe(depth).f_globals.get("__name__", "")
+    return isinstance(caller, str) and caller.startswith(_DISTRIBUTED)
 
 
 @contextlib.contextmanager
@@ -114,7 +133,8 @@ def foreach_for_fake_parameters() -> Iterator[None]:
     (multi-tensor) path by default when every tensor is a plain Tensor (or Parameter) on a
     device with foreach kernels (CUDA): a fake tensor is neither class, so the simulated
     GPU's optimizers and clipping took the per-tensor path a CUDA run does not take.
-    FakeTensor is added to both lists of accepted classes for the block."""
+    FakeTensor is added to both lists of accepted classes for the block, and the CPU to the
+    optimizers' foreach devices (every tensor of the block is the simulated GPU's)."""
     from torch.optim import optimizer
     from torch.utils import _foreach_utils
 
@@ -127,8 +147,13 @@ def foreach_for_fake_parameters() -> Iterator[None]:
         return
     for accepted in lists:
         accepted.append(FakeTensor)
+    # a DTensor (FSDP2's sharded parameter) reports its real device, the CPU, to torch:
+    # the devices with foreach kernels include it while every tensor is the GPU's
+    devices = optimizer._get_foreach_kernels_supported_devices
     try:
-        yield
+        with patched(optimizer, {"_get_foreach_kernels_supported_devices":
+                                 lambda: [*devices(), "cpu"]}):
+            yield
     finally:
         for accepted in lists:
             accepted.remove(FakeTensor)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tilefit.compat.simulated_cuda import inside_torch
+from tilefit.compat.simulated_cuda import called_from_torch_distributed, inside_torch
 from tilefit.simulation.values import SimulationRecorder
 from tilefit.tracing.traffic import op_tensors
 
@@ -64,7 +64,8 @@ class DevicePlacement(TorchFunctionMode):
         if name in _MOVES and args and isinstance(args[0], torch.Tensor):
             return self._move(func, name, args, kwargs)
         to_gpu = names_gpu(kwargs.get("device")) or (
-            self.default_gpu and kwargs.get("device") is None)
+            self.default_gpu and kwargs.get("device") is None) or \
+            called_from_torch_distributed()  # FSDP2's buffers, on its (CPU) mesh's device
         if names_gpu(kwargs.get("device")):  # "cpu" and "meta" stay as they are
             kwargs["device"] = CPU
         at = self.recorder.events

@@ -16,7 +16,7 @@ from typing import Any
 from tilefit.compat.distributed import enable_dtensor, fake_process_group
 from tilefit.compat.fake import unset_fake_temporarily
 from tilefit.compat.simulated_cuda import patched
-from tilefit.errors import TilefitError
+from tilefit.simulation.devices import names_gpu
 from tilefit.simulation.values import SimulationRecorder
 from tilefit.tracing.distributed import ddp_on_fake_tensors
 
@@ -53,7 +53,7 @@ def _device_mesh_on_real_ranks() -> Iterator[None]:
 
     def init_device_mesh(device_type: str, *args: Any, **kwargs: Any) -> Any:
         with unset_fake_temporarily():
-            return build(device_type, *args, **kwargs)
+            return build("cpu" if names_gpu(device_type) else device_type, *args, **kwargs)
 
     import torch.distributed as dist
 
@@ -63,19 +63,11 @@ def _device_mesh_on_real_ranks() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _no_fsdp2() -> Iterator[None]:
-    """FSDP2's fully_shard is refused with a clear error: its buffers are made on the mesh's
-    device, outside what the simulation presents (not yet simulated from a script)."""
+def _fsdp2_seen(used: list[str]) -> Iterator[None]:
+    """FSDP2's fully_shard runs as written (its mesh on the CPU: _device_mesh_on_real_ranks;
+    its buffers on the GPU: simulation.devices); ``used`` gets "fsdp2", so the step is
+    costed as FSDP2's, its collectives on their own stream."""
     import importlib
-
-    def fully_shard(*args: Any, **kwargs: Any) -> Any:
-        raise TilefitError(
-            "FSDP2 (fully_shard) in a script is not simulated yet",
-            expected="a single-GPU script, or DDP under --gpus N",
-            given="fully_shard(...) under tilefit run --gpus N",
-            fix="predict the sharded step with tilefit estimate MODEL --gpus N --strategy "
-                "fsdp2 (tilefit.estimate(..., recipe=Recipe(parallel=Parallelism(world_size="
-                "N, strategy='fsdp2'))))")
 
     owners = []
     for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
@@ -85,6 +77,16 @@ def _no_fsdp2() -> Iterator[None]:
             continue
         if hasattr(module, "fully_shard"):
             owners.append(module)
+    if not owners:
+        yield
+        return
+    real = owners[0].fully_shard
+
+    def fully_shard(*args: Any, **kwargs: Any) -> Any:
+        if "fsdp2" not in used:
+            used.append("fsdp2")
+        return real(*args, **kwargs)
+
     with contextlib.ExitStack() as stack:
         for module in owners:
             stack.enter_context(patched(module, {"fully_shard": fully_shard}))
@@ -95,7 +97,7 @@ def _no_fsdp2() -> Iterator[None]:
 def simulated_ranks(world_size: int, recorder: SimulationRecorder, used: list[str]
                     ) -> Iterator[None]:
     """Rank 0 of ``world_size`` for the block; ``used`` collects the engines the code built
-    ("ddp")."""
+    ("ddp", "fsdp2")."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -109,7 +111,7 @@ def simulated_ranks(world_size: int, recorder: SimulationRecorder, used: list[st
         used.append("ddp")
 
     enable_dtensor()
-    with _device_mesh_on_real_ranks(), _no_fsdp2(), \
+    with _device_mesh_on_real_ranks(), _fsdp2_seen(used), \
             _environment(torchrun_environment(world_size)), fake_process_group(world_size), \
             patched(dist, {"init_process_group": lambda *a, **k: None,
                            "destroy_process_group": lambda *a, **k: None}), \

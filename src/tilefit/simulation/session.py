@@ -174,6 +174,8 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS,
         stack.enter_context(mode)
         stack.enter_context(recorder.tracker)
         stack.enter_context(recorder)
+        if gpus > 1:  # FSDP2 frees its gathered parameters by resizing their storage
+            stack.enter_context(recorder.watching_resizes())
         if cuda:
             stack.enter_context(CudaAutocast(None, AttentionRouter(target, recorder)))
         stack.enter_context(gpu_mask_semantics(recorder.ones))
