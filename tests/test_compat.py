@@ -449,3 +449,15 @@ def test_inside_optimized_module_hides_the_modules_from_mod_tracker() -> None:
         with inside_optimized_module():  # as torch.compile's OptimizedModule runs a graph
             outer(torch.ones(1))
     assert "Sequential.0" in seen[0] and "Sequential.0" not in seen[1]
+
+
+def test_called_from_torch_distributed_reads_the_callers_module() -> None:
+    from tilefit.compat.simulated_cuda import called_from_torch_distributed
+
+    def ask() -> bool:
+        return called_from_torch_distributed(2)  # the frame that called ask
+
+    assert not ask()  # a test module's call
+    namespace = {"__name__": "torch.distributed.tensor._api", "ask": ask}
+    exec("answer = ask()", namespace)  # code whose module is torch.distributed's
+    assert namespace["answer"] is True
