@@ -131,17 +131,19 @@ class Recipe:
         if not whole(self.batch_size, 1):
             raise TilefitError("the batch size must be a whole number >= 1",
                                expected="1, 2, 8, ...", given=repr(self.batch_size),
-                               fix="pass --batch with a positive integer")
+                               fix="pass Recipe(batch_size=8)")
         if not whole(self.accumulation_steps, 1):
             raise TilefitError("accumulation_steps must be a whole number >= 1",
                                expected="1, 2, 4, ...", given=repr(self.accumulation_steps),
-                               fix="pass the number of micro-batches per optimizer step")
+                               fix="pass Recipe(accumulation_steps=4): micro-batches per "
+                               "optimizer step")
         check_optimizer(self.optimizer)
         if self.attention not in ATTENTIONS:
             raise TilefitError(f"unknown attention implementation {self.attention!r}",
                                expected="one of " + ", ".join(ATTENTIONS),
                                given=repr(self.attention),
-                               fix="use sdpa (PyTorch's fused kernels) unless you need eager")
+                               fix="pass Recipe(attention='sdpa') (PyTorch's fused "
+                               "kernels) unless you need eager")
         check_max_grad_norm(self.max_grad_norm)
         if self.use_cache not in (None, True, False):
             raise TilefitError("use_cache is the model config's KV-cache switch in training",
@@ -348,7 +350,7 @@ def check_quantize(recipe: Recipe) -> None:
         raise TilefitError(f"unknown quantization {q!r}"
                            + (f" (did you mean {close[0]}?)" if close else ""),
                            expected="one of " + ", ".join(QUANTIZATIONS), given=repr(q),
-                           fix="pass --quantize nf4 (QLoRA's 4-bit NormalFloat)")
+                           fix="pass Recipe(quantize='nf4') (QLoRA's 4-bit NormalFloat)")
     clash = ("lora" if recipe.lora is None
              else "compile" if recipe.compile is not None and q == "int8"
              else "gpus" if recipe.parallel.engine not in (None, "ddp")
@@ -357,10 +359,11 @@ def check_quantize(recipe: Recipe) -> None:
         return
     problem, fix = {
         "lora": ("a quantized base is frozen: bitsandbytes' 4- and 8-bit weights take no "
-                 "gradient, so something else must train", "add --lora (QLoRA)"),
+                 "gradient, so something else must train", "pass Recipe(lora=True) (QLoRA)"),
         "compile": ("an int8 base is not predicted under torch.compile (bitsandbytes' "
                     "Linear8bitLt keeps per-layer state the capture does not lift; its 4-bit "
-                    "layers compile in one graph)", "drop --compile, or pass --quantize nf4"),
+                    "layers compile in one graph)",
+                    "pass Recipe(compile=None), or Recipe(quantize='nf4')"),
         "gpus": (f"a quantized base is predicted on one GPU or replicated on several by DDP, "
                  f"not sharded by {recipe.parallel.engine} (sharding bitsandbytes' packed "
                  "weights needs quant_storage set to the compute dtype: not modelled)",

@@ -63,8 +63,7 @@ class Parallelism:
         if not whole(self.world_size, 1):
             raise TilefitError("the world size must be a whole number of GPUs >= 1",
                                expected="1, 2, 4, 8, ...", given=repr(self.world_size),
-                               fix="pass --gpus with the number of GPUs "
-                               "(Parallelism(world_size=...) in Python)")
+                               fix="pass Parallelism(world_size=8): the number of GPUs")
         if self.strategy is not None:
             key = str(self.strategy).strip().lower()
             if key not in (*STRATEGIES, *ZERO_STRATEGIES):
@@ -72,15 +71,17 @@ class Parallelism:
                     f"unknown data-parallel strategy {self.strategy!r}",
                     expected="one of " + ", ".join(STRATEGIES) + " (traced) or "
                     + ", ".join(ZERO_STRATEGIES) + " (DeepSpeed ZeRO, modelled)",
-                    given=repr(self.strategy), fix="pass --strategy fsdp2 (sharded), ddp "
-                    "(replicated) or zero2 (DeepSpeed ZeRO-2)")
+                    given=repr(self.strategy), fix="pass Parallelism(strategy='fsdp2') (sharded), "
+                    "Parallelism(strategy='ddp') (replicated) or Parallelism(strategy='zero2') "
+                    "(DeepSpeed ZeRO-2)")
             object.__setattr__(self, "strategy", key)
         if self.offload and self.strategy not in ZERO_STRATEGIES:
             raise TilefitError(
                 "offload of the optimizer to the CPU is modelled for DeepSpeed ZeRO only",
                 expected="strategy zero1, zero2 or zero3 with offload",
                 given=f"offload with strategy {self.strategy!r}",
-                fix="pass --strategy zero2 --offload, or drop --offload")
+                fix="pass Parallelism(strategy='zero2', offload=True), or "
+                "Parallelism(offload=False)")
 
     @property
     def engine(self) -> str | None:
@@ -117,25 +118,25 @@ class Lora:
         if not whole(self.rank, 1):
             raise TilefitError("the LoRA rank must be a whole number >= 1",
                                expected="e.g. 8, 16 or 64", given=repr(self.rank),
-                               fix="pass --lora-rank 16 (Lora(rank=16) in Python)")
+                               fix="pass Lora(rank=16)")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) \
                 or not self.alpha > 0:
             raise TilefitError("the LoRA alpha must be a number > 0",
                                expected="e.g. twice the rank (32 for rank 16)",
                                given=repr(self.alpha),
-                               fix="pass --lora-alpha 32 (Lora(alpha=32) in Python)")
+                               fix="pass Lora(alpha=32)")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
                 or not 0 <= self.dropout < 1:
             raise TilefitError("the LoRA dropout must be a probability in [0, 1)",
                                expected="e.g. 0.0 or 0.05", given=repr(self.dropout),
-                               fix="pass --lora-dropout 0.05 (Lora(dropout=0.05) in Python)")
+                               fix="pass Lora(dropout=0.05)")
         object.__setattr__(self, "targets", _lora_targets(self.targets))
         if self.modules_to_save is not None:
             object.__setattr__(self, "modules_to_save",
                                _module_names(self.modules_to_save, "--modules-to-save"))
         if not isinstance(self.dora, bool):
             raise TilefitError("dora says whether peft's DoRA is on", expected="True or False",
-                               given=repr(self.dora), fix="pass --dora, or leave it out")
+                               given=repr(self.dora), fix="pass Lora(dora=True), or leave it out")
 
     @property
     def where(self) -> str:
@@ -166,5 +167,7 @@ def _module_names(value: object, flag: str) -> tuple[str, ...]:
         raise TilefitError(f"{flag} names modules of the model",
                            expected="module names separated by commas, e.g. q_proj,v_proj"
                            + (" (or all-linear)" if flag == "--lora-targets" else ""),
-                           given=repr(value), fix=f"pass {flag} q_proj,v_proj")
+                           given=repr(value),
+                           fix="pass Lora(targets=('q_proj', 'v_proj'))" if flag == "--lora-targets"
+                           else "pass Lora(modules_to_save=('lm_head',))")
     return names

@@ -92,5 +92,8 @@ def user_errors() -> Iterator[None]:
             import traceback
 
             sys.stderr.write("".join(traceback.format_exception(cause)))
-        err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
+        from tilefit.cli.words import cli_words
+
+        err_console.print(f"[bold red]error:[/] {cli_words(exc.message)}", highlight=False,
+                          soft_wrap=True)
         raise typer.Exit(code=2) from None
