@@ -577,6 +577,8 @@ def test_the_audit_of_a_scripts_step_finds_an_odd_dimension() -> None:
     assert set(dims) == {(1000, 1024), (4000, 4032)}
     top = dims[(1000, 1024)]  # the step is GEMM-bound at 8192 samples: the fix pays
     assert top.recommended and top.step_time_after_s < top.step_time_before_s
+    # the what-ifs that re-trace the step are skipped, and the note says where they run
+    assert any("were skipped" in n and "tilefit audit MODEL" in n for n in result.notes)
 
 
 def test_cli_run_prints_the_step_and_what_it_found() -> None:

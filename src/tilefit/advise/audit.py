@@ -222,7 +222,8 @@ def audit_trace(trace: Trace, recipe: Recipe, device: Device, *, name: str,
     subject = _Subject(name=name, seq_len=None, recipe=recipe, trace=trace, workload=None,
                        retrace_fn=None, modules=None, notes=(
                            *notes, "a script's step cannot be re-traced: the batch, sequence "
-                           "and memory what-ifs were skipped"))
+                           "and memory what-ifs were skipped (tilefit audit MODEL runs them "
+                           "for a model tilefit can build)"))
     return _run_rules(subject, device, confirm=False, started_s=time.perf_counter())
 
 
