@@ -378,7 +378,8 @@ def test_a_compiled_module_is_predicted_as_inductor_runs_it() -> None:
     `tilefit estimate --compile` predicts for the same model: the same fused kernels,
     device time and memory."""
     with simulate(gpu=GPU, steps=3) as sim:
-        model = torch.compile(_WithLoss().cuda())
+        # Inductor, one graph: what the simulation predicts (no note on these keywords)
+        model = torch.compile(_WithLoss().cuda(), backend="inductor", fullgraph=True)
         opt = torch.optim.AdamW(model.parameters())
         x = torch.randn(8, 64, device="cuda")  # drawn once: no batch op in the step
         for _ in range(3):
@@ -401,6 +402,7 @@ def test_a_compiled_module_is_predicted_as_inductor_runs_it() -> None:
     assert run.device_time_s == pytest.approx(est.device_time_s, rel=1e-6)
     assert run.peak_memory_bytes == est.peak_memory_bytes
     assert any("Inductor" in w for w in run.warnings)
+    assert not any("not simulated" in w for w in run.warnings)
 
 
 def test_cuda_events_time_on_the_predicted_clock() -> None:
@@ -624,6 +626,17 @@ class _WithExtension(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _scaled_gelu(self.fc(x))
+
+
+def test_compile_options_the_simulation_does_not_model_are_noted() -> None:
+    with simulate(gpu=GPU, steps=2) as sim:
+        model = torch.compile(nn.Linear(16, 16).cuda(), mode="max-autotune")
+        opt = torch.optim.SGD(model.parameters())
+        for _ in range(2):
+            model(torch.randn(4, 16, device="cuda")).sum().backward()
+            opt.step()
+    assert sim.found.compiled_modules == 1
+    assert any("mode='max-autotune'" in w and "not simulated" in w for w in sim.result.warnings)
 
 
 def test_an_op_without_a_fake_kernel_is_named_with_its_module() -> None:

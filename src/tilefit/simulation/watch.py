@@ -68,6 +68,15 @@ class LoopFacts:
     between_steps_s: list[float] = dataclasses.field(default_factory=list)
 
 
+def _as_simulated(keyword: str, value: Any) -> bool:
+    """Whether a torch.compile keyword asks for what the simulation predicts: Inductor's
+    default mode, one graph (fullgraph either way: breaks are not predicted), static or
+    automatic shapes."""
+    return (keyword == "mode" and value in (None, "default")) or (
+        keyword == "backend" and value == "inductor") or keyword == "fullgraph" or (
+        keyword == "dynamic" and value in (None, False))
+
+
 def _call_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A forward call's inputs as tracing.step.samples_and_tokens reads a batch: its keyword
     arguments where they hold input_ids (model(**batch)), else all of them."""
@@ -266,8 +275,7 @@ class StepWatch:
             if args and isinstance(args[0], nn.Module) and self.compile_module is not None:
                 self.facts.compiled_modules += 1
                 self.facts.compile_options.update(
-                    f"{k}={v!r}" for k, v in kwargs.items()
-                    if not (k == "mode" and v in (None, "default")))
+                    f"{k}={v!r}" for k, v in kwargs.items() if not _as_simulated(k, v))
                 return self.compile_module(args[0])  # its graphs as Inductor runs them
             return fn(*args, **kwargs)
         return compile_
