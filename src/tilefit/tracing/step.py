@@ -113,11 +113,12 @@ def trace_module(model: ModelSpec, batch: Any, recipe: Recipe, gpu: str | Device
         loss_fn=loss_fn or default_loss, optimizer=recipe.optimizer, precision=recipe.spec,
         grad_checkpointing=recipe.grad_checkpointing,
         accumulation_steps=recipe.accumulation_steps, attention=recipe.attention,
-        # DDP's steady buckets come from its rebuild in the second forward: no replay
+        # DDP's steady buckets come from its rebuild in the second forward, and FSDP2's
+        # first all-gathers make its unsharded parameters (views, once): no replay
         # kept gradients make the steady step's backward accumulate into them: traced, not
         # replayed from step 0 (where they were created)
         replay_steady_step=replay_steady_step and recipe.zero_grad_to_none
-        and (parallel is None or parallel.strategy != "ddp"),
+        and (parallel is None or parallel.strategy not in ("ddp", "fsdp2")),
         # a data-parallel engine's micro-batches differ (no_sync, its buckets): all run
         replay_micro_step=replay_steady_step and parallel is None,
         zero_grad_to_none=recipe.zero_grad_to_none,
