@@ -631,6 +631,34 @@ class _WithExtension(nn.Module):
         return _scaled_gelu(self.fc(x))
 
 
+def test_a_reduce_overhead_module_is_replayed_as_cuda_graphs() -> None:
+    """torch.compile(mode="reduce-overhead") in a script is the estimate's CUDA-graph step:
+    one replay per graph on the host, the graphs' private memory pool."""
+    from tilefit import Compile
+
+    with simulate(gpu=GPU, steps=3) as sim:
+        model = torch.compile(_WithLoss().cuda(), mode="reduce-overhead")
+        opt = torch.optim.AdamW(model.parameters())
+        x = torch.randn(8, 64, device="cuda")
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x)
+            loss.backward()
+            del loss
+            opt.step()
+            opt.zero_grad()
+    est = tilefit.estimate(_WithLoss, torch.randn(8, 64), loss_fn=lambda m, b: m(b), gpu=GPU,
+                           recipe=Recipe(precision="bf16-mixed", optimizer="adamw",
+                                         compile=Compile("reduce-overhead")))
+    run = sim.result
+    assert run.compile_mode == "reduce-overhead"
+    assert run.host_time_s == pytest.approx(est.host_time_s, rel=1e-6)
+    assert run.device_time_s == pytest.approx(est.device_time_s, rel=1e-6)
+    assert run.reserved is not None and est.reserved is not None
+    assert run.reserved.peak_reserved_bytes == est.reserved.peak_reserved_bytes
+    assert not any("not simulated" in w for w in run.warnings)
+
+
 def test_compile_options_the_simulation_does_not_model_are_noted() -> None:
     with simulate(gpu=GPU, steps=2) as sim:
         model = torch.compile(nn.Linear(16, 16).cuda(), mode="max-autotune")

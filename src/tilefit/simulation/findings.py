@@ -17,7 +17,7 @@ import torch
 from tilefit.recipe import Recipe
 from tilefit.tracing.records import Trace
 from tilefit.tracing.target import Target
-from tilefit.vocab import MICRO_PHASES, OPTIMIZER_PHASES
+from tilefit.vocab import MICRO_PHASES, OPTIMIZER_PHASES, REDUCE_OVERHEAD
 
 if TYPE_CHECKING:
     from tilefit.simulation.devices import DevicePlacement
@@ -165,6 +165,10 @@ def build_trace(recorder: SimulationRecorder, watch: StepWatch, target: Target,
     warnings = list(notes)
     if found.compiled_modules:
         warnings.append(COMPILED_MODULE_NOTE)
+        if watch.facts.compile_mode == REDUCE_OVERHEAD:
+            warnings.append("torch.compile(mode='reduce-overhead'): each graph is replayed as "
+                            "a CUDA graph, as `tilefit estimate --compile-mode "
+                            "reduce-overhead` models it (docs/references.md, section 22)")
         if watch.facts.compile_options:
             warnings.append("torch.compile's options " + ", ".join(sorted(
                 watch.facts.compile_options)) + " are not simulated: predicted as the default "
@@ -184,7 +188,8 @@ def build_trace(recorder: SimulationRecorder, watch: StepWatch, target: Target,
         trainable_param_count=sum(p.numel() for p in watch.params if p.requires_grad),
         trainable_param_tensors=sum(o.param_tensors for o in found.optimizers),
         samples_per_micro_batch=samples, tokens_per_micro_batch=tokens,
-        warnings=tuple(warnings), compiled=any(op.compiled for op in ops))
+        warnings=tuple(warnings), compiled=any(op.compiled for op in ops),
+        compile_mode=watch.facts.compile_mode)
 
 
 def trace_so_far(recorder: SimulationRecorder, target: Target) -> Trace:

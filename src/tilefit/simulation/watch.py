@@ -28,6 +28,7 @@ from tilefit.compat.simulated_cuda import patched
 from tilefit.tracing.optimizers import optimizer_state_tensors
 from tilefit.tracing.recorder import Recorder
 from tilefit.tracing.step import samples_and_tokens
+from tilefit.vocab import REDUCE_OVERHEAD
 
 # torch.nn.utils' gradient clipping, whole (the first two) or in its two parts
 CLIPPING = ("clip_grad_norm_", "clip_grad_value_", "get_total_norm", "clip_grads_with_norm_")
@@ -61,6 +62,7 @@ class LoopFacts:
     compiled: bool = False  # the code called torch.compile
     compiled_modules: int = 0  # modules it compiled: predicted as Inductor runs them
     compile_options: set[str] = dataclasses.field(default_factory=set)  # not the defaults
+    compile_mode: str = "default"  # "reduce-overhead": its graphs replayed as CUDA graphs
     tf32: bool = False  # the code let fp32 matmuls run as TF32
     max_grad_norm: float | None = None  # the norm it clipped to (clip_grad_norm_'s max_norm)
     # wall-clock seconds on this machine from each step's end to the next step's first
@@ -274,6 +276,9 @@ class StepWatch:
             self.facts.compiled = True
             if args and isinstance(args[0], nn.Module) and self.compile_module is not None:
                 self.facts.compiled_modules += 1
+                if kwargs.get("mode") == REDUCE_OVERHEAD:  # CUDA graphs: the estimator's
+                    self.facts.compile_mode = REDUCE_OVERHEAD
+                    kwargs = {k: v for k, v in kwargs.items() if k != "mode"}
                 self.facts.compile_options.update(
                     f"{k}={v!r}" for k, v in kwargs.items() if not _as_simulated(k, v))
                 return self.compile_module(args[0])  # its graphs as Inductor runs them
