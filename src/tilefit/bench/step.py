@@ -95,8 +95,10 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
         with _autocast(kind, recipe.precision):
             loss = loss_fn(model, batch)
         loss.backward()
-        if recipe.loss_sync:  # the HF Trainer's read of the loss on the host
-            torch.isnan(loss) or torch.isinf(loss)
+        # the HF Trainer's read of the loss on the host, then its running total (the tracer's
+        # loss_check phase: tilefit.tracing.loop._check_loss)
+        if recipe.loss_sync and not (torch.isnan(loss) or torch.isinf(loss)):
+            loss.detach().add(0.0)
         del loss
         if recipe.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(

@@ -64,7 +64,7 @@ _WORKLOAD = ("model", "seq", "input_shape", "task", "target_seq", "image_size", 
 _LORA = ("lora", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "dora",
          "modules_to_save")
 # options whose Recipe field (or mo.recipe keyword) has another name
-_RENAMED = {"batch": "batch_size", "accumulation": "accumulation_steps"}
+RENAMED = {"batch": "batch_size", "accumulation": "accumulation_steps"}
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class RecipeFlags:
     def recipe(self, work: Workload, **extra: Any) -> Recipe:
         """The Recipe of these flags for ``work`` (``extra``: a command's own, such as
         --gpus and --strategy: mo.recipe's keywords)."""
-        given = {_RENAMED.get(name, name): value for name, value in self.values.items()
+        given = {RENAMED.get(name, name): value for name, value in self.values.items()
                  if name not in (*_WORKLOAD, *_LORA, "gpu")}
         lora = mo.lora_of(*(self.values[name] for name in _LORA))
         return mo.recipe(work, lora=lora, **given, **extra)

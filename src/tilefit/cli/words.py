@@ -11,14 +11,11 @@ from typing import Any
 
 from tilefit.cli import model_options as mo
 from tilefit.cli.estimate import OFFLOAD_OPTION
-from tilefit.cli.recipe_options import SHARED
+from tilefit.cli.recipe_options import RENAMED, SHARED
 
 # a call of a recipe part, with keyword arguments only: Recipe(batch_size=8, ...)
 _VALUE = r"(?:\([^()]*\)|[^,()]+(?:\([^()]*\))?)"  # a literal, a tuple, a call's
 _CALL = re.compile(rf"\b(Recipe|Lora|Parallelism)\(((?:[a-z_]+={_VALUE},?\s*)+)\)")
-# Recipe fields whose option has another name (recipe_options' renames, reversed)
-_RECIPE_NAMES = {"batch_size": "batch", "accumulation_steps": "accumulation",
-                 "compile": "compile_"}
 _LORA = {"rank": mo.LORA_RANK_OPTION, "alpha": mo.LORA_ALPHA_OPTION,
          "dropout": mo.LORA_DROPOUT_OPTION, "targets": mo.LORA_TARGETS_OPTION,
          "dora": mo.DORA_OPTION, "modules_to_save": mo.MODULES_TO_SAVE_OPTION}
@@ -31,9 +28,9 @@ def _options(part: str) -> dict[str, Any]:
         return _LORA
     if part == "Parallelism":
         return _PARALLEL
-    options = {name: option for name, _, option in SHARED}
-    return {field: options[_RECIPE_NAMES.get(field, field)]
-            for field in {*_RECIPE_NAMES, *options} if _RECIPE_NAMES.get(field, field) in options}
+    # each option under its Recipe field's name (compile_ is mo.recipe's keyword for compile)
+    fields = {**RENAMED, "compile_": "compile"}
+    return {fields.get(name, name): option for name, _, option in SHARED}
 
 
 def _flag(option: Any, value: Any) -> str | None:

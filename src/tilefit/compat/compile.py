@@ -391,7 +391,6 @@ def dynamo_graph_breaks(fn: Callable[..., Any], *args: Any) -> list[str]:
     return out
 
 
-
 @contextlib.contextmanager
 def inside_optimized_module() -> Iterator[None]:
     """Dynamo's flag that torch.compile's OptimizedModule holds while its graphs run: module

@@ -61,7 +61,7 @@ def presented_device(on_gpu: Callable[[Any], bool], device: torch.device) -> Ite
     def answered(t: Any) -> torch.device:
         dev = real(t)
         if dev.type == "cpu" and not getattr(_STATE, "inside", False) and on_gpu(t) \
-                and not _asked_by_torch_distributed():
+                and not called_from_torch_distributed(2):  # the property's caller
             return device
         return dev  # type: ignore[no-any-return]
 
@@ -76,10 +76,6 @@ def presented_device(on_gpu: Callable[[Any], bool], device: torch.device) -> Ite
 # device their Python code reads: it is answered the tensors' real one, as torch's kernels
 # see them, so a DTensor's gradient and its parameter agree (the script still sees "cuda")
 _DISTRIBUTED = "torch.distributed."
-
-
-def _asked_by_torch_distributed() -> bool:
-    return called_from_torch_distributed(3)
 
 
 def called_from_torch_distributed(depth: int = 2) -> bool:

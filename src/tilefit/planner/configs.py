@@ -109,14 +109,15 @@ def qlora_lines(row: PlanRow, task: str, *, placed: bool = False) -> list[str]:
         attention += ', device_map={"": device}'
     ckpt = ("True, gradient_checkpointing_kwargs={'use_reentrant': False}"
             if row.grad_checkpointing else "False")
-    dtype = bnb_kwargs(row).get("bnb_4bit_compute_dtype")  # loaded in it, as traced
+    bnb = bnb_kwargs(row)
+    dtype = bnb.get("bnb_4bit_compute_dtype")  # loaded in it, as traced
     if dtype is not None:
         attention = f", dtype={dtype!r}{attention}"
     return [
         f"from transformers import {AUTO_CAUSAL_LM}",
         "from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training",
         "from transformers import BitsAndBytesConfig  # pip install bitsandbytes",
-        "bnb_config = " + _python_call("BitsAndBytesConfig", bnb_kwargs(row)),
+        "bnb_config = " + _python_call("BitsAndBytesConfig", bnb),
         "model = AutoModelForCausalLM.from_pretrained(name, quantization_config=bnb_config"
         f"{attention})",
         *([f"model = prepare_model_for_kbit_training(model, use_gradient_checkpointing={ckpt})"]

@@ -46,7 +46,8 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 def _device_mesh_on_real_ranks() -> Iterator[None]:
     """init_device_mesh builds its mesh of ranks outside the fake mode (it reads the ranks'
     values: a fake tensor has none), as the tracer's FSDP2 build does
-    (tilefit.tracing.distributed); on the device type the code names."""
+    (tilefit.tracing.distributed); a "cuda" mesh is built on the CPU, as the tracer's is: its
+    tensors are CPU fakes, and FSDP2 places parameters on the mesh's device."""
     from torch.distributed import device_mesh
 
     build = device_mesh.init_device_mesh
