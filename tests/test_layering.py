@@ -29,7 +29,8 @@ TIERS: tuple[tuple[str, ...], ...] = (
     # vocab sits above hardware, not beside the leaves: check_precision names the catalog's
     # GPUs that support a precision (hardware never imports vocab)
     ("vocab", "gemm"),
-    # the one description of a training step (recipe.py) and its old keywords (legacy.py)
+    # the one description of a training step (recipe.py), its old keywords (legacy.py) and
+    # the one training step that runs it (loop.py)
     ("recipe",),
     ("models",),
     ("tracing",),
@@ -48,7 +49,7 @@ TOP_LEVEL = {"errors": "leaves", "dtypes": "leaves", "batches": "leaves",
              "vocab": "vocab", "gemm": "gemm",
              "gemm_cpu": "gemm",
              "linear": "gemm", "recipe": "recipe", "recipe_parts": "recipe", "legacy": "recipe",
-             "alloc_conf": "recipe",
+             "alloc_conf": "recipe", "loop": "recipe",
              "__main__": "tilefit"}
 TIER_OF = {layer: i for i, tier in enumerate(TIERS) for layer in tier}
 

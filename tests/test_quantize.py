@@ -114,7 +114,8 @@ def test_qlora_cpu_peak_matches_a_real_cpu_run(tmp_path: Path, precision: str) -
     ids = torch.arange(2 * 32).reshape(2, 32) % 128
     batch = {"input_ids": ids, "labels": ids.clone()}
 
-    def step() -> None:
+    def step(phase) -> None:  # type: ignore[no-untyped-def]
+        phase("forward")
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             loss = model(**batch).loss
         loss.backward()

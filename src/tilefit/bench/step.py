@@ -9,6 +9,7 @@ first two steps (live tensor bytes, what the estimate predicts).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import statistics
 import time
@@ -18,9 +19,10 @@ from typing import Any
 
 from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
+from tilefit.loop import Hooks, training_step
 from tilefit.models import Workload
 from tilefit.recipe import Recipe
-from tilefit.vocab import PRECISIONS, mixed_precision, parse_precision
+from tilefit.vocab import parse_precision
 
 # Repeated steps whose spread (max - min over the median) exceeds this are reported as
 # noisy: a policy, checked against benchmarks/bench_step_cpu.py on a quiet machine and with
@@ -90,21 +92,17 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
     torch.backends.cuda.matmul.allow_tf32 = recipe.spec.allow_tf32
 
     loss_fn = workload.loss_for(recipe.fused_ce)
+    # the recipe's step, as the estimate traces it (tilefit.loop), with torch.amp's
+    # GradScaler where the precision scales the loss
+    scaler = torch.amp.GradScaler(kind) if recipe.spec.grad_scaler else None
+    params = [p for p in model.parameters() if p.requires_grad]
 
-    def step() -> None:  # the recipe's loop, as the tracer's (tilefit.tracing.loop)
-        with _autocast(kind, recipe.precision):
-            loss = loss_fn(model, batch)
-        loss.backward()
-        # the HF Trainer's read of the loss on the host, then its running total (the tracer's
-        # loss_check phase: tilefit.tracing.loop._check_loss)
-        if recipe.loss_sync and not (torch.isnan(loss) or torch.isinf(loss)):
-            loss.detach().add(0.0)
-        del loss
-        if recipe.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(
-                [p for p in model.parameters() if p.grad is not None], recipe.max_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=recipe.zero_grad_to_none)
+    def step(phase: Callable[[str], None] | None = None) -> None:
+        hooks = Hooks(forward=lambda: _autocast(kind, recipe.precision))
+        if phase is not None:
+            hooks = dataclasses.replace(hooks, phase=phase)
+        training_step(lambda: loss_fn(model, batch), opt, params, recipe, scaler=scaler,
+                      hooks=hooks)
 
     try:
         if kind == "cuda":
@@ -173,16 +171,6 @@ def _check_recipe(recipe: Recipe, kind: str) -> None:
         raise TilefitError("--device cuda needs a CUDA GPU, and this machine has none",
                            expected="a machine with an NVIDIA GPU", given="no CUDA device",
                            fix="use --device cpu")
-    if recipe.accumulation_steps != 1:
-        raise TilefitError("bench step measures one micro-batch per optimizer step",
-                           expected="--accumulation 1", given=str(recipe.accumulation_steps),
-                           fix="drop --accumulation")
-    if recipe.spec.grad_scaler:
-        raise TilefitError("bench step does not run a grad scaler yet",
-                           expected="a precision without loss scaling: " + ", ".join(
-                               p.name for p in PRECISIONS if not p.grad_scaler),
-                           given=recipe.precision,
-                           fix="use --precision " + mixed_precision("bf16").name)
 
 
 def _build(workload: Workload, recipe: Recipe, kind: str) -> tuple[Any, Any, Any]:
@@ -260,34 +248,36 @@ def _timed_steps(step: Callable[[], None], kind: str, *, steps: int,
     return times
 
 
-def memtracker_peak_bytes(model: Any, opt: Any, batch: Any, step: Any, steps: int = 2) -> int:
-    """Peak live tensor bytes of ``steps`` calls of ``step()`` on real CPU tensors, by PyTorch's
-    MemTracker (its own accounting, independent of tilefit's tracer)."""
+def memtracker_peak_bytes(model: Any, opt: Any, batch: Any,
+                          step: Callable[[Callable[[str], None]], Any], steps: int = 2) -> int:
+    """Peak live tensor bytes of ``steps`` calls of ``step(phase)`` on real CPU tensors, by
+    PyTorch's MemTracker (its own accounting, independent of tilefit's tracer). ``phase``
+    is tilefit.loop's phase hook: MemTracker follows one forward per module between its
+    resets, so it is reset as each micro-batch's forward begins."""
     import torch
 
     from tilefit.compat.distributed import new_mem_tracker
 
     tracker = new_mem_tracker()
     tracker.track_external(model, opt, batch)
+
+    def phase(name: str) -> None:
+        if name == "forward":
+            tracker.reset_mod_stats()
+
     with tracker:
         for _ in range(steps):
-            step()
-            tracker.reset_mod_stats()
+            step(phase)
     return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
 
 
 def real_step_peak_bytes(model: Any, opt: Any, batch: Any, loss_fn: Any, *,
                          set_to_none: bool = True, steps: int = 2) -> int:
     """Peak live tensor bytes of ``steps`` plain training steps of ``model`` on real CPU
-    tensors (``loss_fn(model, batch)``, backward, the optimizer step, zero_grad with
-    ``set_to_none``), by PyTorch's MemTracker: the second method tilefit's predicted CPU
-    peaks are checked against."""
-
-    def step() -> None:
-        loss = loss_fn(model, batch)
-        loss.backward()
-        del loss
-        opt.step()
-        opt.zero_grad(set_to_none=set_to_none)
-
-    return memtracker_peak_bytes(model, opt, batch, step, steps)
+    tensors (tilefit.loop's step of plain PyTorch's loop: ``loss_fn(model, batch)``,
+    backward, the optimizer step, zero_grad with ``set_to_none``), by PyTorch's MemTracker:
+    the second method tilefit's predicted CPU peaks are checked against."""
+    recipe = Recipe(precision="fp32", zero_grad_to_none=set_to_none)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    return memtracker_peak_bytes(model, opt, batch, lambda phase: training_step(
+        lambda: loss_fn(model, batch), opt, params, recipe, hooks=Hooks(phase=phase)), steps)

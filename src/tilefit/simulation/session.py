@@ -52,9 +52,8 @@ from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.autocast import CudaAutocast
 from tilefit.tracing.errors import where_in_step
 from tilefit.tracing.fakes import fake_copy
-from tilefit.tracing.options import resolve_target
 from tilefit.tracing.records import Trace
-from tilefit.tracing.target import Target
+from tilefit.tracing.target import Target, resolve_target
 
 DEFAULT_STEPS = 3
 

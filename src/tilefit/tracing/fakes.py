@@ -31,11 +31,10 @@ from tilefit.tracing.compiled import CompiledStep
 from tilefit.tracing.distributed import wrap_model
 from tilefit.tracing.errors import USER_CODE_ERRORS
 from tilefit.tracing.float8 import convert_linears
-from tilefit.tracing.loop import SCALER_INIT
 from tilefit.tracing.optimizers import make_optimizer
-from tilefit.tracing.options import ModelSpec, TraceOptions
 from tilefit.tracing.recorder import Recorder
-from tilefit.tracing.target import Target
+from tilefit.tracing.request import ModelSpec, TraceRequest
+from tilefit.tracing.scaler import ScalerState, scaler_state
 
 __all__ = ["Prepared", "build_model", "cast_floating", "fake_batch", "fake_copy", "prepare"]
 
@@ -83,7 +82,7 @@ class Prepared:
     batch: Any
     params: list[nn.Parameter]
     optimizer: torch.optim.Optimizer
-    scaler_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    scaler_state: ScalerState | None
     compiled: CompiledStep | None = None  # the captured loss computation (compile=True)
     notes: tuple[str, ...] = ()  # what wrapping the model in a data-parallel engine noted
 
@@ -135,47 +134,48 @@ def _build_fake(factory: Any, mode: FakeTensorMode) -> tuple[Any, tuple[str, ...
     return (fake_copy(built, mode) if isinstance(built, nn.Module) else built), ()
 
 
-def prepare(model: ModelSpec, batch: Any, options: TraceOptions, target: Target,
-            recorder: Recorder, mode: FakeTensorMode, mesh: Any = None) -> Prepared:
-    """The fake model (as ``options`` set it up, wrapped in its data-parallel engine), the
+def prepare(model: ModelSpec, batch: Any, request: TraceRequest, recorder: Recorder,
+            mode: FakeTensorMode, mesh: Any = None) -> Prepared:
+    """The fake model (as the recipe sets it up, wrapped in its data-parallel engine), the
     fake batch, the optimizer and GradScaler's state."""
-    parallel = options.parallel
+    recipe, parallel = request.recipe, request.parallel
     fmodel, notes = build_model(model, mode,
                                 meta=parallel is not None and parallel.strategy == "fsdp2")
     with mode:
-        set_attention(fmodel, options.attention)
-        if options.pure_half is not None:
-            cast_floating(fmodel, options.pure_half)
-        if options.precision.float8_linears and options.low_dtype is not None:
-            fmodel, fp8_notes = convert_linears(fmodel, options.low_dtype)
+        set_attention(fmodel, recipe.attention)
+        if request.pure_half is not None:
+            cast_floating(fmodel, request.pure_half)
+        if recipe.spec.float8_linears and request.low_dtype is not None:
+            fmodel, fp8_notes = convert_linears(fmodel, request.low_dtype)
             notes += fp8_notes
-        if options.grad_checkpointing:
+        if recipe.grad_checkpointing:
             # the recompute runs under the forward's autocast state, which
             # torch.utils.checkpoint restores, and the target's kernels, which the dispatcher
             # holds for the whole step (tracing.autocast): no context of its own
-            enable_checkpointing(fmodel, None, compiled=options.compile)
+            enable_checkpointing(fmodel, None, compiled=request.compiled)
         fmodel.train()
     if parallel is not None:
         fmodel, wrap_notes = wrap_model(fmodel, parallel, mesh, mode, recorder,
-                                        param_dtype=options.low_dtype)
+                                        param_dtype=request.low_dtype)
         notes += wrap_notes
     with mode:
-        fbatch = fake_batch(batch, mode, options.pure_half)
+        fbatch = fake_batch(batch, mode, request.pure_half)
         params = [p for p in fmodel.parameters() if p.requires_grad]
         if not params:
             raise TilefitError("the model has no trainable parameters",
                                expected="at least one parameter with requires_grad=True",
                                given="none", fix="unfreeze the parameters to train")
-        try:
-            opt = make_optimizer(options.optimizer, params, foreach=target.foreach)
-        except USER_CODE_ERRORS as exc:
-            raise TilefitError(
-                f"the optimizer could not be created: {type(exc).__name__}: {exc}",
-                expected="a name (adamw, sgd, ...) or a factory params -> Optimizer",
-                given=repr(options.optimizer), fix="call the factory once on "
-                "model.parameters() to see the full error") from None
-        scaler_state = None
-        if options.precision.grad_scaler:
-            scaler_state = (torch.full((1,), SCALER_INIT), torch.zeros(1, dtype=torch.int32),
-                            torch.zeros(1))
-    return Prepared(fmodel, fbatch, params, opt, scaler_state, notes=notes)
+        opt = _optimizer(recipe.optimizer, params, request.target.foreach)
+        state = scaler_state() if recipe.spec.grad_scaler else None
+    return Prepared(fmodel, fbatch, params, opt, state, notes=notes)
+
+
+def _optimizer(spec: Any, params: list[nn.Parameter], foreach: bool) -> torch.optim.Optimizer:
+    try:
+        return make_optimizer(spec, params, foreach=foreach)
+    except USER_CODE_ERRORS as exc:
+        raise TilefitError(
+            f"the optimizer could not be created: {type(exc).__name__}: {exc}",
+            expected="a name (adamw, sgd, ...) or a factory params -> Optimizer",
+            given=repr(spec), fix="call the factory once on "
+            "model.parameters() to see the full error") from None

@@ -2,7 +2,8 @@
 
 The stages: ``prepare`` (tracing.fakes: the fake model, batch, optimizer and scaler),
 ``_run_two_steps`` (step 0, then the steady step replayed from it, each micro-batch and
-optimizer step as tracing.loop runs them) and ``_to_trace``."""
+optimizer step run by tilefit.loop, the one training step, its phases recorded) and
+``_to_trace``."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tilefit.compat.transformers import gpu_mask_semantics
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device
 from tilefit.legacy import legacy_gpu, read_legacy
+from tilefit.loop import Hooks, LossFn, clear_gradients, default_loss, micro_batch, optimizer_update
 from tilefit.quiet_imports import quiet_fake_errors, quiet_imports, quiet_transformers
 from tilefit.recipe import DEFAULT_GPU, PLAIN_PYTORCH, Recipe, batch_recipe, is_named_model
 from tilefit.tracing.attention import AttentionRouter
@@ -39,19 +41,13 @@ from tilefit.tracing.errors import explain_build_errors, explain_fake_errors
 from tilefit.tracing.fakes import Prepared, prepare
 from tilefit.tracing.gc_pause import gc_paused
 from tilefit.tracing.kernels import KernelFallbacks, reference_note
-from tilefit.tracing.loop import default_loss, micro_step, optimizer_step
 from tilefit.tracing.moe import ExpertsTrace
-from tilefit.tracing.optimizers import host_step_counters, paged_note
-from tilefit.tracing.options import (
-    LossFn,
-    ModelSpec,
-    TraceOptions,
-    check_device_options,
-    resolve_target,
-)
+from tilefit.tracing.optimizers import host_step_counters, optimizer_state_tensors, paged_note
 from tilefit.tracing.recorder import Recorder, StepMarks
 from tilefit.tracing.records import ReferenceKernel, Trace
-from tilefit.tracing.target import Target
+from tilefit.tracing.request import ModelSpec, TraceRequest
+from tilefit.tracing.scaler import TracedScaler
+from tilefit.tracing.target import check_device_options, resolve_target
 from tilefit.vocab import check_compile_mode, parse_routing
 
 # what trace() did before recipe= (tilefit.legacy): fp32, plain PyTorch's loop, on the CPU
@@ -99,7 +95,7 @@ def trace(model: Any, batch: Any = None, *, recipe: Recipe | None = None,
 def trace_module(model: ModelSpec, batch: Any, recipe: Recipe, gpu: str | Device, *,
                  loss_fn: LossFn | None = None, replay_steady_step: bool = True) -> Trace:
     """``trace`` of an nn.Module or factory on an example batch (the recipe's own batch
-    size is the batch's): the one place a recipe becomes the tracer's options."""
+    size is the batch's): the one place a recipe becomes a TraceRequest."""
     if batch is None:
         raise TilefitError("an nn.Module (or factory) needs an example batch",
                            expected="trace(model, batch, ...)", given="no batch",
@@ -108,11 +104,8 @@ def trace_module(model: ModelSpec, batch: Any, recipe: Recipe, gpu: str | Device
     recipe = recipe.on(dev)
     parallel = parallel_spec(recipe.parallel.world_size, recipe.parallel.strategy)
     check_device_options(recipe.spec, dev)
-    compiled = recipe.compile
-    options = TraceOptions(
-        loss_fn=loss_fn or default_loss, optimizer=recipe.optimizer, precision=recipe.spec,
-        grad_checkpointing=recipe.grad_checkpointing,
-        accumulation_steps=recipe.accumulation_steps, attention=recipe.attention,
+    request = TraceRequest(
+        recipe=recipe, target=target, loss_fn=loss_fn or default_loss, parallel=parallel,
         # DDP's steady buckets come from its rebuild in the second forward, and FSDP2's
         # first all-gathers make its unsharded parameters (views, once): no replay
         # kept gradients make the steady step's backward accumulate into them: traced, not
@@ -120,75 +113,67 @@ def trace_module(model: ModelSpec, batch: Any, recipe: Recipe, gpu: str | Device
         replay_steady_step=replay_steady_step and recipe.zero_grad_to_none
         and (parallel is None or parallel.strategy not in ("ddp", "fsdp2")),
         # a data-parallel engine's micro-batches differ (no_sync, its buckets): all run
-        replay_micro_step=replay_steady_step and parallel is None,
-        zero_grad_to_none=recipe.zero_grad_to_none,
-        max_grad_norm=recipe.max_grad_norm, loss_sync=recipe.loss_sync,
-        compile=compiled is not None, compile_mode=recipe.compile_mode,
-        graph_breaks=compiled is not None and compiled.graph_breaks, parallel=parallel,
-        foreach=target.foreach, cuda=target.kind == "cuda",
-        routing=parse_routing(recipe.routing))
-    _check_compile(options)
+        replay_micro_step=replay_steady_step and parallel is None)
+    _check_compile(request)
     # quiet_imports: the first trace may import transformers' quantizers, and torchao with them;
     # gc_paused: a quarter faster (tilefit.tracing.gc_pause)
     # probes.collecting: what a compat probe could not check of a library is noted
     with quiet_imports(), quiet_fake_errors(), quiet_transformers(), gc_paused(), \
             probes.collecting() as blind:
         probes.read("torch")  # its fake tensors, dispatch modes and private tracing APIs
-        tr = _trace(model, batch, options, target)
+        tr = _trace(model, batch, request)
     if blind:
         tr = dataclasses.replace(tr, warnings=(*tr.warnings, *blind))
     return tr if recipe.alloc_conf is None else dataclasses.replace(
         tr, alloc_conf=recipe.alloc_conf)
 
 
-def _check_compile(options: TraceOptions) -> None:
-    """compile=True needs a torch that has Inductor, and no checkpointing (yet);
-    graph_breaks=True needs compile=True."""
-    if options.graph_breaks and not options.compile:
-        raise TilefitError("graph_breaks=True looks for torch.compile's graph breaks",
-                           expected="compile=True with graph_breaks=True",
-                           given="compile=False", fix="add --compile (compile=True)")
-    check_compile_mode(options.compile_mode, options.compile)
-    if not options.compile:
+def _check_compile(request: TraceRequest) -> None:
+    """compile needs a torch that has Inductor, one GPU, and a CUDA target for
+    reduce-overhead's CUDA graphs."""
+    recipe, parallel = request.recipe, request.parallel
+    check_compile_mode(recipe.compile_mode, request.compiled)
+    if recipe.compile is None:
         return
-    if options.compile_mode == "reduce-overhead" and not options.cuda:
+    if recipe.compile_mode == "reduce-overhead" and not request.cuda:
         raise TilefitError(
             "compile_mode='reduce-overhead' replays the step as CUDA graphs, which need a "
             "CUDA GPU", expected="a GPU target (--gpu a100-80gb, h100, ...) with "
             "--compile-mode reduce-overhead", given="the CPU",
             fix="pass a GPU with --gpu, or drop --compile-mode (compile_mode='default')")
-    if options.parallel is not None:
+    if parallel is not None:
         raise TilefitError(
             "compile=True is not predicted on several GPUs yet",
             expected="compile=True on one GPU, or --gpus/--strategy without --compile",
-            given=f"--gpus {options.parallel.world_size} --compile",
+            given=f"--gpus {parallel.world_size} --compile",
             fix="drop --compile or --gpus")
     check_compile_supported()
 
 
-def _trace(model: ModelSpec, batch: Any, options: TraceOptions, target: Target) -> Trace:
+def _trace(model: ModelSpec, batch: Any, request: TraceRequest) -> Trace:
     mode = new_fake_mode()
     tracker = ModulePath()
+    target = request.target
     # bitsandbytes' 4-bit GEMM holds its dequantized weight inside the op: booked beside it
     recorder = Recorder(tracker, "", transients=functools.partial(dense_buffers,
                                                                   gpu=gpu_props(target)))
     # a compiled graph's mutating custom ops (the fused cross-entropy's) run in place under
     # the recorder; torch's global tables are restored on exit
-    with process_group(options.parallel, gloo=target.kind == "cpu") as mesh, \
+    with process_group(request.parallel, gloo=target.kind == "cpu") as mesh, \
             mutating_ops_in_place(Recorder):
         with explain_build_errors():
-            prep = prepare(model, batch, options, target, recorder, mode, mesh)
-        return _trace_prepared(prep, options, target, recorder, mode)
+            prep = prepare(model, batch, request, recorder, mode, mesh)
+        return _trace_prepared(prep, request, recorder, mode)
 
 
-def _trace_prepared(prep: Prepared, options: TraceOptions, target: Target,
-                    recorder: Recorder, mode: FakeTensorMode) -> Trace:
-    tracker = recorder.tracker
+def _trace_prepared(prep: Prepared, request: TraceRequest, recorder: Recorder,
+                    mode: FakeTensorMode) -> Trace:
+    tracker, target = recorder.tracker, request.target
     probes.read_model(prep.model)
     recorder.set_root(root_name(prep.model))
     router = AttentionRouter(target, recorder) if target.kind == "cuda" else None
-    autocast = autocast_for(target, options.low_dtype, router)
-    experts = ExpertsTrace(prep.model, options.routing,
+    autocast = autocast_for(target, request.low_dtype, router)
+    experts = ExpertsTrace(prep.model, parse_routing(request.recipe.routing),
                            target.compute_capability if target.kind == "cuda" else None)
     kernels = KernelFallbacks()
     with mode, kernels.watching(prep.model, lambda: recorder.module):
@@ -198,8 +183,8 @@ def _trace_prepared(prep: Prepared, options: TraceOptions, target: Target,
         recorder.register_existing(prep.batch, "inputs")
         if prep.scaler_state is not None:
             recorder.register_existing(prep.scaler_state, "optimizer_state")
-        if options.compile:
-            prep = _with_compiled(prep, options, recorder, autocast)
+        if request.compiled:
+            prep = _with_compiled(prep, request, recorder, autocast)
         with contextlib.ExitStack() as stack:
             stack.enter_context(tracker)
             stack.enter_context(experts.active(recorder))  # below the recorder
@@ -208,14 +193,13 @@ def _trace_prepared(prep: Prepared, options: TraceOptions, target: Target,
                 stack.enter_context(autocast)
             stack.enter_context(gpu_mask_semantics(recorder.ones, prep.model))
             stack.enter_context(explain_fake_errors(recorder))
-            if options.parallel is not None:
+            if request.parallel is not None:
                 stack.enter_context(recorder.watching_resizes())
-            _run_two_steps(prep, options, recorder, autocast)
-    return _to_trace(prep, options, target, recorder, router, experts.notes(),
-                     kernels.kernels)
+            _run_two_steps(prep, request, recorder, autocast)
+    return _to_trace(prep, request, recorder, router, experts.notes(), kernels.kernels)
 
 
-def _with_compiled(prep: Prepared, options: TraceOptions, recorder: Recorder,
+def _with_compiled(prep: Prepared, request: TraceRequest, recorder: Recorder,
                    autocast: Any) -> Prepared:
     """Capture the loss computation as torch.compile would, before the recorder runs (the
     capture records nothing). The target's autocast policy applies while the forward is
@@ -235,28 +219,60 @@ def _with_compiled(prep: Prepared, options: TraceOptions, recorder: Recorder,
                 autocast.end_forward()
                 autocast.end_backward()
 
+    compile_ = request.recipe.compile
     with gpu_mask_semantics(model=prep.model), explain_fake_errors(recorder), \
             quant_states_lifted(prep.model):
-        compiled = capture_step(prep.model, prep.batch, options.loss_fn, recorder,
-                                cpu=not options.cuda, forward_context=forward_autocast,
-                                checkpointed=options.grad_checkpointing)
-        if options.graph_breaks:
-            compiled.breaks = graph_breaks(prep.model, prep.batch, options.loss_fn)
+        compiled = capture_step(prep.model, prep.batch, request.loss_fn, recorder,
+                                cpu=not request.cuda, forward_context=forward_autocast,
+                                checkpointed=request.recipe.grad_checkpointing)
+        if compile_ is not None and compile_.graph_breaks:
+            compiled.breaks = graph_breaks(prep.model, prep.batch, request.loss_fn)
     return dataclasses.replace(prep, compiled=compiled)
 
 
-def _run_two_steps(prep: Prepared, options: TraceOptions, recorder: Recorder,
+def _step_hooks(prep: Prepared, recorder: Recorder, autocast: Any) -> Hooks:
+    """How the tracer watches tilefit.loop's step: each phase recorded, the target's
+    autocast policy around the forward (not around a compiled forward: its casts are in the
+    graph), the optimizer's state labelled once it is made."""
+
+    @contextlib.contextmanager
+    def forward() -> Iterator[None]:
+        if autocast is not None:
+            autocast.begin_forward()
+        yield
+        if autocast is not None:
+            autocast.end_forward()
+
+    @contextlib.contextmanager
+    def backward() -> Iterator[None]:
+        yield
+        if autocast is not None:
+            autocast.end_backward()
+
+    def stepped(optimizer: torch.optim.Optimizer) -> None:
+        recorder.label(optimizer_state_tensors(optimizer), "optimizer_state")
+
+    if prep.compiled is not None:
+        autocast = None
+    return Hooks(phase=recorder.enter_phase, forward=forward, backward=backward,
+                 stepped=stepped)
+
+
+def _run_two_steps(prep: Prepared, request: TraceRequest, recorder: Recorder,
                    autocast: Any) -> None:
     """Step 0 (lazy optimizer state), then the steady step 1, whose forward and backward
-    are replayed from step 0 unless ``options.replay_steady_step`` is off or step 0 left a
+    are replayed from step 0 unless ``request.replay_steady_step`` is off or step 0 left a
     tensor behind that is no gradient (tracing.replay)."""
-    traced_micro = min(options.accumulation_steps, 2)
+    recipe = request.recipe
+    hooks = _step_hooks(prep, recorder, autocast)
+    scaler = None if prep.scaler_state is None else TracedScaler(prep.scaler_state,
+                                                                  recorder.enter_phase)
     first: StepMarks | None = None
     for step in (0, 1):
         recorder.begin_step(step)
         forward_at = recorder.events
         pending: list[tuple[int, int | None]] = []
-        if first is not None and options.replay_steady_step and \
+        if first is not None and request.replay_steady_step and \
                 recorder.can_replay(first.forward, first.optimizer):
             pending = recorder.replay(first.forward, first.optimizer, step=1)
             with recorder.paused():  # the replayed backward made these gradients
@@ -264,40 +280,45 @@ def _run_two_steps(prep: Prepared, options: TraceOptions, recorder: Recorder,
                     p.grad = torch.zeros_like(p)
         else:
             first_micro = recorder.events
-            for micro in range(traced_micro):
-                _micro_batch(prep, options, recorder, autocast, micro, first_micro)
+            for micro in range(min(recipe.accumulation_steps, 2)):
+                _micro_batch(prep, request, recorder, hooks, scaler, micro, first_micro)
             recorder.begin_micro(0)
         optimizer_at = recorder.events
-        optimizer_step(prep, options, recorder)
+        # clip_grad_norm_'s default on real CPU and CUDA tensors: its foreach kernels
+        optimizer_update(prep.optimizer, prep.params, recipe, scaler=scaler,
+                         clip_foreach=True, hooks=hooks)
         zero_grad_at = recorder.events
-        recorder.enter_phase("zero_grad")
-        prep.optimizer.zero_grad(set_to_none=options.zero_grad_to_none)
+        clear_gradients(prep.optimizer, recipe, hooks)
         marks = StepMarks(forward_at, optimizer_at, zero_grad_at, recorder.events)
         if first is not None and pending:
             recorder.settle(pending, first=first, steady=marks)
-        if first is None and options.cuda:  # torch.optim's step counters stay on the CPU
+        if first is None and request.cuda:  # torch.optim's step counters stay on the CPU
             recorder.mark_host(host_step_counters(prep.optimizer))
         first = first or marks
 
 
-def _micro_batch(prep: Prepared, options: TraceOptions, recorder: Recorder, autocast: Any,
-                 micro: int, first_at: int) -> None:
+def _micro_batch(prep: Prepared, request: TraceRequest, recorder: Recorder, hooks: Hooks,
+                 scaler: TracedScaler | None, micro: int, first_at: int) -> None:
     """Micro-batch ``micro`` of a step: run, or after the first (which began at event
     ``first_at``) replayed from it (tracing.replay: the same ops, its gradients accumulated)
     unless replays are off or it cannot be (the first made a lasting storage that is no
     gradient)."""
     recorder.begin_micro(micro)
     grads = [p.grad for p in prep.params if p.grad is not None]
-    if not (micro > 0 and options.replay_micro_step
+    if not (micro > 0 and request.replay_micro_step
             and recorder.replay_micro(first_at, micro, grads)):
-        micro_step(prep, options, recorder, autocast)
+        compiled = prep.compiled
+        micro_batch(compiled.loss if compiled is not None
+                    else lambda: request.loss_fn(prep.model, prep.batch),
+                    request.recipe, scaler=scaler, hooks=hooks)
         recorder.micro_runs += 1
     recorder.label([p.grad for p in prep.params if p.grad is not None], "gradients")
 
 
-def _to_trace(prep: Prepared, options: TraceOptions, target: Target, recorder: Recorder,
+def _to_trace(prep: Prepared, request: TraceRequest, recorder: Recorder,
               router: AttentionRouter | None, notes: list[str] | None = None,
               kernels: tuple[ReferenceKernel, ...] = ()) -> Trace:
+    recipe, target, parallel = request.recipe, request.target, request.parallel
     samples, tokens = samples_and_tokens(prep.batch)
     warnings = []
     if recorder.stand_in_reads:
@@ -306,7 +327,7 @@ def _to_trace(prep: Prepared, options: TraceOptions, target: Target, recorder: R
                         "update; no shape depends on them)")
     if prep.compiled is not None:
         warnings.extend(compile_notes(prep.compiled, prep.compiled.breaks,
-                                      options.compile_mode))
+                                      recipe.compile_mode))
     if router is not None and router.choices.get("math"):
         per_micro = router.choices["math"] // max(recorder.micro_runs, 1)
         warnings.append(f"attention ran the math kernel {per_micro} time(s) per micro-batch: "
@@ -317,25 +338,24 @@ def _to_trace(prep: Prepared, options: TraceOptions, target: Target, recorder: R
     warnings.extend(prep.notes)
     warnings.extend(notes or ())
     warnings.extend(reference_note(kernels, cuda=target.kind == "cuda"))
-    paged = paged_note(options.optimizer, prep.optimizer)
+    paged = paged_note(recipe.optimizer, prep.optimizer)
     if paged is not None:
         warnings.append(paged)
-    optimizer = options.optimizer
-    parallel = options.parallel
+    optimizer = recipe.optimizer
     return Trace(
-        target=target, precision=options.precision.name,
+        target=target, precision=recipe.spec.name,
         optimizer=optimizer if isinstance(optimizer, str) else getattr(
             optimizer, "__name__", "custom"),
-        attention=options.attention, grad_checkpointing=options.grad_checkpointing,
-        accumulation_steps=options.accumulation_steps,
-        traced_micro_steps=min(options.accumulation_steps, 2),
+        attention=recipe.attention, grad_checkpointing=recipe.grad_checkpointing,
+        accumulation_steps=recipe.accumulation_steps,
+        traced_micro_steps=min(recipe.accumulation_steps, 2),
         ops=tuple(recorder.ops), storages=recorder.storages(), n_events=recorder.events,
         param_count=sum(logical_numel(p) for p in prep.model.parameters()),
         trainable_param_count=sum(p.numel() for p in prep.params),
         trainable_param_tensors=len(prep.params),
         samples_per_micro_batch=samples, tokens_per_micro_batch=tokens,
         warnings=tuple(warnings), compiled=prep.compiled is not None,
-        compile_mode=options.compile_mode if prep.compiled is not None else "default",
+        compile_mode=recipe.compile_mode if prep.compiled is not None else "default",
         world_size=1 if parallel is None else parallel.world_size,
         strategy=None if parallel is None else parallel.strategy,
         reference_kernels=kernels,

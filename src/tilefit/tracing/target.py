@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tilefit.errors import TilefitError
 from tilefit.gemm import round_up
+from tilefit.hardware import get_device
 from tilefit.hardware.device import Device
+from tilefit.vocab import Precision, check_precision_supported, gpus_supporting
 
 # The CUDA caching allocator rounds every block up to a multiple of 512 bytes
 # (c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize = 512, round_size()), and
@@ -40,3 +43,22 @@ class Target:
     def sm(self) -> int:
         cc = self.compute_capability or (0, 0)
         return cc[0] * 10 + cc[1]
+
+
+def resolve_target(device: str | Device) -> tuple[Target, Device | None]:
+    """The target semantics for ``device``; "cpu" needs no Device to trace."""
+    if isinstance(device, str) and device.strip().lower() == "cpu":
+        return Target("cpu", None, 1, foreach=False), None
+    dev = get_device(device)
+    return Target.from_device(dev), dev
+
+
+def check_device_options(spec: Precision, device: Device | None) -> None:
+    """The precision against the target (the recipe checked the rest when it was made)."""
+    if device is not None:
+        check_precision_supported(spec, device)
+    elif spec.requires == "fp8":
+        raise TilefitError(
+            f"precision {spec.name} runs fp8 GEMMs on a GPU's Tensor Cores, not on the CPU",
+            expected="a GPU with fp8 Tensor Cores: " + ", ".join(gpus_supporting("fp8")),
+            given="device='cpu'", fix="pass --gpu h100 (or another GPU above)")

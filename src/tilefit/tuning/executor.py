@@ -23,7 +23,7 @@ from torch import nn
 
 from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
-from tilefit.tracing.loop import check_scalar_loss, default_loss
+from tilefit.loop import check_scalar_loss, default_loss
 from tilefit.tuning.outlook import TrialShape
 from tilefit.tuning.ranks import DOES_NOT_FIT, FAILED, FITS, Ranks, local_module
 from tilefit.tuning.search import FitProbe

@@ -26,7 +26,7 @@ from torch import nn
 from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
 from tilefit.legacy import read_options
-from tilefit.tracing.loop import check_scalar_loss, default_loss
+from tilefit.loop import check_scalar_loss, default_loss
 from tilefit.tuning.executor import LossFn, _to_device
 from tilefit.tuning.noise import Measurement, NoiseScale, from_measurements
 from tilefit.tuning.options import DEFAULT_BATCH_SIZES as DEFAULT_BATCH_SIZES  # re-exported
