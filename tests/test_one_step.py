@@ -98,3 +98,32 @@ def test_bench_step_measures_accumulation_as_the_estimate_predicts() -> None:
                               accumulation_steps=2).on(dev)
     measured = measure_step(work, recipe, "cpu", steps=1, warmup=1)
     assert measured.peak_memory_bytes == estimate_workload(work, recipe, dev).peak_memory_bytes
+
+
+def test_calibration_times_each_phase_of_the_one_step() -> None:
+    # calibration's host measurement runs tilefit.loop's step and reads its phases off the
+    # phase hook: a forward that sleeps 40 ms and an optimizer step that sleeps 30 ms are
+    # booked to the forward and optimizer issuers (no bound on the backward: the machine's
+    # load stretches it)
+    import time
+
+    from tilefit.calibrate.host import _PhaseClock
+
+    class SlowSGD(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            time.sleep(0.03)
+            return super().step(closure)
+
+    model, batch = _mlp()
+    params = list(model.parameters())
+    opt = SlowSGD(params, lr=0.1)
+
+    def loss_of() -> torch.Tensor:
+        time.sleep(0.04)
+        return _loss(model, batch)
+
+    clock = _PhaseClock("cpu")
+    training_step(loss_of, opt, params, Recipe(precision="fp32"), hooks=Hooks(phase=clock.phase))
+    spent = clock.spent_s()
+    assert spent["forward"] >= 0.04 and spent["optimizer"] >= 0.03
+    assert spent["backward"] > 0

@@ -265,3 +265,22 @@ def test_a_lora_row_script_applies_peft_with_b_at_zero(tmp_path: Path) -> None:
     opt = space["make_optimizer"](space["trainable"](model))
     assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] is True
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == 2 * 4 * 224
+
+
+@pytest.mark.parametrize("to_none", [True, False])
+def test_launch_scripts_clear_gradients_as_the_recipe_says(tmp_path: Path, to_none: bool) -> None:
+    """Issue 44 item 4: the torchrun and accelerate scripts clear the gradients as the row's
+    recipe does (zero_grad(set_to_none=False) keeps them allocated, zeroed), not always as
+    PyTorch's default."""
+    import runpy
+
+    row = _row("ddp", precision="fp32")
+    row = dataclasses.replace(row, recipe=dataclasses.replace(row.recipe,
+                                                              zero_grad_to_none=to_none))
+    files = launch_files(row, _mlp())
+    script = tmp_path / TORCHRUN_SCRIPT_NAME
+    script.write_text(files[TORCHRUN_SCRIPT_NAME])
+    assert runpy.run_path(str(script))["ZERO_GRAD_TO_NONE"] is to_none
+    for name in (TORCHRUN_SCRIPT_NAME, ACCELERATE_SCRIPT_NAME):
+        calls = [line.strip() for line in files[name].splitlines() if ".zero_grad(" in line]
+        assert calls == ["opt.zero_grad(set_to_none=ZERO_GRAD_TO_NONE)"]

@@ -58,16 +58,18 @@ def measure_sample(name: str, *, repeats: int = 20, warmup: int = 5,
     time (synchronised at its end) is the host's issue time of its ops, launches included."""
     import torch
 
-    def sync() -> None:
-        if device != "cpu":
-            torch.cuda.synchronize()
-
     from tilefit.estimator.workloads import trace_workload
+    from tilefit.loop import Hooks, training_step
     from tilefit.models import load_workload
     from tilefit.quiet_imports import quiet_transformers
     from tilefit.recipe import Recipe
 
+    clock = _PhaseClock(device)
+    hooks = Hooks(phase=clock.phase)
+
     work = load_workload(name, seq_len=SEQ_LEN).with_config(**MINIATURES[name])
+    # plain PyTorch's loop in fp32 (no clipping, no loss read), the step traced below
+    recipe = Recipe(batch_size=1, precision="fp32")
     with quiet_transformers():
         model = work.build("sdpa").to(device)
         model.train()
@@ -76,27 +78,44 @@ def measure_sample(name: str, *, repeats: int = 20, warmup: int = 5,
         opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
         best = dict.fromkeys(ISSUERS, float("inf"))
         for i in range(warmup + repeats):
-            sync()
-            t0 = time.perf_counter()
-            loss = work.loss_fn(model, batch)
-            sync()
-            t1 = time.perf_counter()
-            loss.backward()
-            sync()
-            t2 = time.perf_counter()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sync()
-            t3 = time.perf_counter()
+            clock.marks.clear()
+            training_step(lambda: work.loss_fn(model, batch), opt, params, recipe,
+                          hooks=hooks)
+            spent = clock.spent_s()
             if i >= warmup:
-                for phase, dt in zip(ISSUERS, (t1 - t0, t2 - t1, t3 - t2), strict=True):
-                    best[phase] = min(best[phase], dt)
+                for issuer in ISSUERS:
+                    best[issuer] = min(best[issuer], spent[issuer])
     # the CUDA target's op stream (foreach optimizer), fp32: no autocast casts
-    tr = trace_workload(work, Recipe(batch_size=1, precision="fp32"), "a100-80gb")
+    tr = trace_workload(work, recipe, "a100-80gb")
     steady = tr.ops_of_step(1)
     ops = {issuer: sum(1 for o in steady if issuer_of(o.phase) == issuer)
            for issuer in ISSUERS}
     return HostSample(name, best, ops, len(params))
+
+
+class _PhaseClock:
+    """tilefit.loop's phase hook as a clock: each phase's start, the device synchronised
+    first (its kernels finish before the next phase's time begins)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.marks: list[tuple[str, float]] = []
+
+    def phase(self, name: str) -> None:
+        if self.device != "cpu":
+            import torch
+
+            torch.cuda.synchronize()
+        self.marks.append((name, time.perf_counter()))
+
+    def spent_s(self) -> dict[str, float]:
+        """Seconds of the step marked so far, per issuer (hardware.host.issuer_of of each
+        phase), up to now."""
+        self.phase("")
+        spent = dict.fromkeys(ISSUERS, 0.0)
+        for (name, start), (_, end) in zip(self.marks, self.marks[1:], strict=False):
+            spent[issuer_of(name)] += end - start
+        return spent
 
 
 def fit_host(samples: list[HostSample], *, launch_s: float = DEFAULT_HOST.launch_s,

@@ -63,6 +63,7 @@ GRAD_SCALER = $scaler
 GRAD_CHECKPOINTING = $ckpt
 RESHARD_AFTER_FORWARD = True
 MAX_GRAD_NORM = $max_grad_norm
+ZERO_GRAD_TO_NONE = $zero_grad_to_none  # zero_grad(set_to_none=...): False keeps them, zeroed
 LR = $lr
 LORA = $lora  # peft.LoraConfig's arguments (None: every weight trains)
 LORA_BASE_DTYPE = $lora_base  # the frozen base's dtype under LoRA (the adapters stay fp32)
@@ -218,7 +219,7 @@ def main():
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
         scaler.step(opt)
         scaler.update()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=ZERO_GRAD_TO_NONE)
         report(args.record, {"rank": rank, "world_size": world, "step": step, "loss": total,
                              "micro_batch": MICRO_BATCH,
                              "accumulation_steps": ACCUMULATION_STEPS,
@@ -250,8 +251,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from $module import (ACCUMULATION_STEPS, GRAD_CHECKPOINTING, LR, MAX_GRAD_NORM, MICRO_BATCH,
-                     build_model, check_world, loss_of, make_batch, make_optimizer, report,
-                     trainable)
+                     ZERO_GRAD_TO_NONE, build_model, check_world, loss_of, make_batch,
+                     make_optimizer, report, trainable)
 
 
 def sharded(model):
@@ -290,7 +291,7 @@ def main():
                 if acc.sync_gradients and MAX_GRAD_NORM is not None:
                     acc.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
                 opt.step()
-                opt.zero_grad()
+                opt.zero_grad(set_to_none=ZERO_GRAD_TO_NONE)
             total += loss.item() / ACCUMULATION_STEPS
         report(args.record, {"rank": acc.process_index, "world_size": world, "step": step,
                              "loss": total, "micro_batch": MICRO_BATCH,
@@ -352,6 +353,7 @@ def script_header(row: PlanRow, work: Workload, launch: str) -> str:
         global_batch=row.global_batch, autocast=_torch_dtype(prec.autocast_dtype),
         scaler=repr(prec.grad_scaler), ckpt=repr(row.grad_checkpointing),
         max_grad_norm=repr(row.recipe.max_grad_norm), lr=repr(LEARNING_RATE),
+        zero_grad_to_none=repr(row.recipe.zero_grad_to_none),
         lora=repr(None if not row.peft else peft_config(work.task, row.recipe.lora)),
         lora_base=_torch_dtype(load_dtype(row) if row.peft else None))
 

@@ -1,8 +1,9 @@
 """Real training steps at a given batch size: OOM-safe fit trials and timed throughput trials.
 
-One step is what the user's training loop does: make a batch, forward and loss (under autocast
-for mixed precision), backward, optimizer step, zero_grad(set_to_none=True), with every module
-in train mode (``state.train_mode``: dropout on, as in training). After every trial the
+One step is what the user's training loop does: make a batch, then tilefit.loop's step of
+plain PyTorch's loop (forward and loss under autocast for mixed precision, GradScaler where
+the precision scales the loss, backward, optimizer step, zero_grad(set_to_none=True)), with
+every module in train mode (``state.train_mode``: dropout on, as in training). After every trial the
 weights, gradients, optimizer state and module attributes are put back
 (``state.restore_weights``), so every trial starts from the state the user handed in.
 """
@@ -23,7 +24,8 @@ from torch import nn
 
 from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
-from tilefit.loop import check_scalar_loss, default_loss
+from tilefit.loop import Hooks, clear_gradients, default_loss, micro_batch, optimizer_update
+from tilefit.recipe import Recipe
 from tilefit.tuning.outlook import TrialShape
 from tilefit.tuning.ranks import DOES_NOT_FIT, FAILED, FITS, Ranks, local_module
 from tilefit.tuning.search import FitProbe
@@ -36,6 +38,10 @@ OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
 
 MIN_REPEAT_S = 0.05  # each timed repeat lasts at least this long (timeit autorange uses 0.2 s)
 MAX_CYCLES_PER_REPEAT = 20  # ... but never more optimizer steps than this per repeat
+# tilefit.loop's phases in a fit trial's three peak windows (forward, backward, optimizer);
+# the forward's window is entered by the trial itself, before its batch is made
+TUNER_WINDOWS = {"backward": "backward", "loss_check": "backward", "scaler": "optimizer",
+                 "clip_grad": "optimizer", "optimizer": "optimizer", "zero_grad": "optimizer"}
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,7 @@ class Executor:
         self.loss_fn = loss_fn or default_loss
         self.optimizer = optimizer
         self.snap = snap
+        self.precision = precision
         low = parse_precision(precision).autocast_dtype
         self.autocast_dtype = torch_dtype(low) if low else None
         self.device = device
@@ -189,37 +196,58 @@ class Executor:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def _loss(self, batch: Any, model: nn.Module) -> torch.Tensor:
-        with self._autocast():
-            return check_scalar_loss(self.loss_fn(model, batch))
+    def _hooks(self, watch: _PeakWatch | None) -> Hooks:
+        """tilefit.loop's hooks for a trial: autocast around the forward; the loop's phases
+        folded into the watch's three windows (the forward's begins before its batch is
+        made: the loader's work is part of it)."""
+        if watch is None:
+            return Hooks(forward=self._autocast)
+        current = ["forward"]
+
+        def phase(name: str) -> None:
+            window = TUNER_WINDOWS.get(name)
+            if window is not None and window != current[0]:
+                current[0] = window
+                watch.phase(window)
+
+        def forward() -> contextlib.AbstractContextManager[Any]:
+            current[0] = "forward"
+            return self._autocast()
+
+        return Hooks(phase=phase, forward=forward)
 
     def _steps(self, batch_size: int, accumulation: int, cycles: int,
                opt: torch.optim.Optimizer, watch: _PeakWatch | None = None,
                model: nn.Module | None = None) -> None:
-        """``cycles`` optimizer steps of ``accumulation`` micro-batches, written as the usual
-        training loop: ``for batch in loader: loss = f(batch); loss.backward(); ...`` keeps
-        the last batch and loss referenced through the optimizer step and while the next
-        batch is made, so their memory counts where a real loop's would. ``model``: the
-        module the loss runs (default: the user's, wrapped as given)."""
+        """``cycles`` optimizer steps of ``accumulation`` micro-batches, each tilefit.loop's
+        step of plain PyTorch's loop in the trial's precision (with torch.amp's GradScaler
+        where it scales the loss), written as the usual training loop: ``for batch in
+        loader: loss = f(batch); loss.backward(); ...`` keeps the last batch and loss
+        referenced through the optimizer step and while the next batch is made, so their
+        memory counts where a real loop's would. ``model``: the module the loss runs
+        (default: the user's, wrapped as given)."""
         model = self.model if model is None else model
-        batch: Any = None
-        loss: torch.Tensor | None = None
+        recipe = Recipe(precision=self.precision, accumulation_steps=accumulation)
+        scaler = torch.amp.GradScaler(self.device.type) if recipe.spec.grad_scaler else None
+        hooks = self._hooks(watch)
+        params = [p for group in opt.param_groups for p in group["params"]]
+        held: list[Any] = [None, None]  # the loop's ``batch`` and ``loss`` variables
+
+        def loss_of() -> torch.Tensor:
+            held[1] = self.loss_fn(model, held[0])  # ``loss = f(batch)`` frees the last one
+            return held[1]
+
         for _ in range(cycles):
             for _ in range(accumulation):
                 if watch is not None:
                     watch.phase("forward")
-                batch = self._on_device(self.make_batch(batch_size), watch)
-                loss = self._loss(batch, model)
-                if watch is not None:
-                    watch.phase("backward")
-                loss.backward()
-            if watch is not None:
-                watch.phase("optimizer")
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+                held[0] = self._on_device(self.make_batch(batch_size), watch)
+                micro_batch(loss_of, recipe, scaler=scaler, hooks=hooks)
+            optimizer_update(opt, params, recipe, scaler=scaler, hooks=hooks)
+            clear_gradients(opt, recipe, hooks)
         if watch is not None:
             watch.end()
-        del batch, loss
+        held.clear()
 
     def _on_device(self, batch: Any, watch: _PeakWatch | None) -> Any:
         """The batch as the device holds it. Under the simulated cap a tensor still on the

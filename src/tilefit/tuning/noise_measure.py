@@ -26,7 +26,8 @@ from torch import nn
 from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
 from tilefit.legacy import read_options
-from tilefit.loop import check_scalar_loss, default_loss
+from tilefit.loop import Hooks, default_loss, micro_batch
+from tilefit.recipe import Recipe
 from tilefit.tuning.executor import LossFn, _to_device
 from tilefit.tuning.noise import Measurement, NoiseScale, from_measurements
 from tilefit.tuning.options import DEFAULT_BATCH_SIZES as DEFAULT_BATCH_SIZES  # re-exported
@@ -34,6 +35,9 @@ from tilefit.tuning.options import DEFAULT_MEASUREMENTS as DEFAULT_MEASUREMENTS 
 from tilefit.tuning.options import NoiseMeasure
 from tilefit.tuning.state import restore, snapshot, train_mode
 from tilefit.vocab import mixed_precision, parse_precision
+
+# one micro-batch's forward and backward, nothing else of the loop (its autocast is the hook's)
+PLAIN_STEP = Recipe(precision="fp32")
 
 
 def noise_scale(
@@ -156,8 +160,10 @@ class _Run:
         for _, p in self.params:
             p.grad = None
         batch = _to_device(self.make_batch(b_small), self.device)
-        with self.autocast():
-            loss = check_scalar_loss(self.loss_fn(self.model, batch))
+        # tilefit.loop's micro-batch of plain PyTorch's loop (no accumulation, no scaler: the
+        # gradient of this batch alone), under the measurement's autocast
+        loss = micro_batch(lambda b=batch: self.loss_fn(self.model, b), PLAIN_STEP,
+                           hooks=Hooks(forward=self.autocast))
         value = float(loss.detach().float())
         if not math.isfinite(value):
             raise TilefitError(
@@ -166,7 +172,6 @@ class _Run:
                 fix="check the data and the model on this batch (a learning rate that "
                 "diverged, log of zero, labels out of range); a checkpoint from before it "
                 "diverged can be measured with checkpoint=...")
-        loss.backward()
         del loss, batch
         sq = grad_sq_norm(self.params, b_small, index)
         with torch.no_grad():
