@@ -362,3 +362,34 @@ def test_lightning_clips_a_fused_optimizer_as_its_precision_plugin_allows() -> N
     # no clipping, or an unfused optimizer: Lightning's own gradient_clip_val
     assert configs.lightning(MIXED)["trainer"]["gradient_clip_val"] is None
     assert configs.lightning(PURE)["trainer"]["gradient_clip_val"] == 1.0
+
+
+def test_lightning_snippet_keeps_the_gradients_where_the_recipe_does(tiny: str) -> None:
+    """Issue 44 item 4: Lightning's default zero_grad() frees the gradients; a recipe with
+    zero_grad_to_none=False gets a module whose optimizer_zero_grad keeps them, zeroed, as
+    the traced loop does. Run for a step in a real Trainer."""
+    import lightning as L
+
+    row = dataclasses.replace(LORA, recipe=dataclasses.replace(LORA.recipe,
+                                                               zero_grad_to_none=False))
+    code = configs.lightning_python(row)
+    assert configs.lightning(row)["model"]["optimizer_zero_grad"] == configs.ZERO_GRAD_KEPT
+    head, _, _ = code.partition("\ntrainer = ")
+    ns = _run(head, tiny, row)
+    module = ns["PlannedModule"](tiny)
+    cleared: list[bool] = []
+    planned = module.optimizer_zero_grad
+
+    def spy(epoch: int, batch_idx: int, optimizer: Any) -> None:
+        planned(epoch, batch_idx, optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        cleared.append(all(p.grad is not None and not p.grad.any() for p in params))
+
+    module.optimizer_zero_grad = spy
+    trainer = L.Trainer(**{**configs.lightning(row)["trainer"], "accelerator": "cpu"},
+                        max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, ns["loader"])
+    # Lightning clears before each step's first micro-batch: the second time, after a step
+    assert trainer.global_step == 2 and len(cleared) == 2 and cleared[1]
+    assert "optimizer_zero_grad" not in configs.lightning(LORA)["model"]

@@ -178,6 +178,10 @@ def lightning_optimizer(row: PlanRow, model: str) -> str:
     return text
 
 
+# zero_grad(set_to_none=False), where the recipe keeps the gradients allocated, zeroed
+ZERO_GRAD_KEPT = "optimizer.zero_grad(set_to_none=False)"
+
+
 def lightning(row: PlanRow) -> dict[str, Any]:
     clip = _lightning_fused_clip(row)
     out: dict[str, Any] = {
@@ -193,6 +197,8 @@ def lightning(row: PlanRow) -> dict[str, Any]:
     }
     if clip == "hook":
         out["model"]["on_before_optimizer_step"] = _clip_line(row, "self")
+    if not row.recipe.zero_grad_to_none:  # Lightning's default zero_grad() frees them
+        out["model"]["optimizer_zero_grad"] = ZERO_GRAD_KEPT
     if row.recipe.compile or row.recipe.spec.float8_linears:
         # before trainer.fit(model): Lightning trains the module it is given
         out["model"]["before_fit"] = compile_lines(row)
@@ -220,7 +226,10 @@ def lightning_python(row: PlanRow, task: str = "causal-lm", *, hf_model: bool = 
              *(["    def on_before_optimizer_step(self, optimizer):",
                 "        # Lightning refuses gradient_clip_val with a fused optimizer",
                 f"        {_clip_line(row, 'self.model')}", ""]
-               if _lightning_fused_clip(row) == "hook" else []), "",
+               if _lightning_fused_clip(row) == "hook" else []),
+             *(["    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):",
+                f"        {ZERO_GRAD_KEPT}", ""] if not row.recipe.zero_grad_to_none else []),
+             "",
              f"loader = torch.utils.data.DataLoader(dataset, batch_size={row.micro_batch}, "
              "shuffle=True)",
              "trainer = " + _python_call("L.Trainer", kwargs),
