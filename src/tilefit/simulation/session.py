@@ -50,7 +50,7 @@ from tilefit.simulation.values import BOUND_NOTE, SimulationRecorder
 from tilefit.simulation.watch import StepWatch, StopSimulation
 from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.autocast import CudaAutocast
-from tilefit.tracing.errors import where_in_step
+from tilefit.tracing.errors import no_fake_implementation, where_in_step
 from tilefit.tracing.fakes import fake_copy
 from tilefit.tracing.records import Trace
 from tilefit.tracing.target import Target, resolve_target
@@ -211,19 +211,7 @@ def _ops_without_fakes_named(recorder: SimulationRecorder) -> Iterator[None]:
         op = missing_fake_op(exc)
         if op is None:
             raise
-        raise _no_fake_implementation(op, where_in_step(recorder)) from None
-
-
-def _no_fake_implementation(op: str, where: str) -> TilefitError:
-    """The error for an op the simulation cannot run: a custom or extension op (a CUDA
-    extension's kernel) without a fake implementation to give its outputs' shapes."""
-    return TilefitError(
-        f"the code calls {op} in {where}, an op with no fake implementation: the simulated "
-        "GPU cannot know the shape of what it returns",
-        expected="custom and extension ops registered with a fake (meta) implementation",
-        given=f"{op} without one", fix=f"register one beside the op, e.g. "
-        f"@torch.library.register_fake({op.split('.')[0]!r}) returning torch.empty_like of "
-        "its output's shape; tilefit then costs the op by the bytes it moves")
+        raise no_fake_implementation(op, where_in_step(recorder)) from None
 
 
 def _check_gpus(gpus: int) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tilefit.compat.fake import FAKE_ERRORS
+from tilefit.compat.fake import FAKE_ERRORS, missing_fake_op
 from tilefit.errors import TilefitError
 from tilefit.tracing.recorder import ROOT_CODE, Recorder
 from tilefit.vocab import MICRO_PHASES
@@ -62,12 +62,37 @@ def where_in_step(recorder: Recorder) -> str:
 
 @contextlib.contextmanager
 def explain_fake_errors(recorder: Recorder) -> Iterator[None]:
-    """Errors raised inside the user's step become a TilefitError naming the op and module."""
+    """Errors raised inside the user's step become a TilefitError naming the op and module
+    (an op without a fake implementation: ``no_fake_implementation``'s)."""
     try:
         yield
     except TilefitError:
         raise
-    except FAKE_ERRORS as exc:
+    except Exception as exc:
+        op = missing_fake_op(exc)
+        if op is None:
+            _explain_step_error(exc, recorder)
+            raise
+        raise no_fake_implementation(op, where_in_step(recorder)) from None
+
+
+def no_fake_implementation(op: str, where: str) -> TilefitError:
+    """The error for an op tilefit cannot run on fake tensors: a custom or extension op (a
+    CUDA extension's kernel) without a fake implementation to give its outputs' shapes;
+    the same for a traced model and a simulated script."""
+    return TilefitError(
+        f"the code calls {op} in {where}, an op with no fake implementation: tilefit cannot "
+        "know the shape of what it returns without running it",
+        expected="custom and extension ops registered with a fake (meta) implementation",
+        given=f"{op} without one", fix=f"register one beside the op, e.g. "
+        f"@torch.library.register_fake({op.split('.')[0]!r}) returning torch.empty_like of "
+        "its output's shape; tilefit then costs the op by the bytes it moves")
+
+
+def _explain_step_error(exc: Exception, recorder: Recorder) -> None:
+    """A TilefitError for a fake-tensor or user-code error raised in the step; returns for
+    any other (the caller re-raises it)."""
+    if isinstance(exc, FAKE_ERRORS):
         func = getattr(exc, "func", None)
         op = str(func) if func is not None else type(exc).__name__
         where = where_in_step(recorder)
@@ -82,7 +107,7 @@ def explain_fake_errors(recorder: Recorder) -> Iterator[None]:
             "training), or register a fake implementation for the custom op with "
             "torch.library.register_fake",
         ) from None
-    except USER_CODE_ERRORS as exc:
+    if isinstance(exc, USER_CODE_ERRORS):
         where = where_in_step(recorder)
         at = raised_at(exc)
         raise TilefitError(
