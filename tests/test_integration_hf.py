@@ -251,7 +251,10 @@ def test_bf16_arguments_tune_with_bf16_autocast(tmp_path: Path,
     monkeypatch.setattr(adapter, "tune", spy)
     trainer = make_trainer(gpt2(), TokenData(), tmp_path, bf16=True)
     result = tune_untimed(trainer)
-    assert seen["precision"] == "bf16-mixed" and seen["search"].global_batch == EFFECTIVE
+    assert seen["recipe"].precision == "bf16-mixed" and seen["search"].global_batch == EFFECTIVE
+    # the Trainer's loop runs in each trial: clipping at its max_grad_norm, its loss read
+    assert seen["recipe"].max_grad_norm == trainer.args.max_grad_norm == 1.0
+    assert seen["recipe"].loss_sync is trainer.args.logging_nan_inf_filter is True
     assert result.batch_size * result.accumulation_steps == EFFECTIVE
     assert trains_within_cap(trainer) <= CAP_BYTES
 

@@ -297,3 +297,18 @@ def test_callbacks_are_classes_that_pickle_and_subclass() -> None:
     done = pickle.loads(pickle.dumps(sub))  # with its result, after the fit
     assert done.result == sub.result and done.applied == sub.applied
 
+
+
+@pytest.mark.parametrize(("clip", "algorithm", "expected"), [
+    (0.5, None, 0.5), (0.5, "norm", 0.5), (0.5, "value", None), (None, None, None)])
+def test_the_trials_clip_as_the_trainer_clips(clip: float | None, algorithm: str | None,
+                                              expected: float | None) -> None:
+    # the adapter's recipe is the loop each trial runs (tilefit.loop): clip_grad_norm_ at
+    # gradient_clip_val where Lightning clips the norm; by value it is not expressible
+    from tilefit.tuning.integrations.lightning import LightningAdapter
+
+    trainer = L.Trainer(accelerator="cpu", gradient_clip_val=clip,
+                        gradient_clip_algorithm=algorithm, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    recipe = LightningAdapter(trainer, ModuleData(), None).recipe
+    assert recipe.max_grad_norm == expected and recipe.precision == "fp32"

@@ -247,7 +247,7 @@ def test_tunes_first_probe_is_predicted_under_the_users_routing(
     monkeypatch.setattr(tracing, "trace", spy)
     got = predict_max_batch(model, lambda b: work.make_batch(b, device="cpu"),
                             loss_fn=work.loss_for(False), optimizer=torch.optim.AdamW,
-                            precision="fp32", device=torch.device("cpu"),
+                            recipe=Recipe(precision="fp32"), device=torch.device("cpu"),
                             budget_bytes=2**30, cap=64, routing="skewed:0.5")
     assert got.max_batch is not None and seen and set(seen) == {"skewed:0.5"}
 

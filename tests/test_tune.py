@@ -706,3 +706,58 @@ def test_the_first_probe_on_a_gpu_counts_what_the_allocator_reserves() -> None:
     peak = estimate_trace(tr, get_device("a100-80gb")).peak_memory_bytes
     assert peak % 512 == 0 and 0 < peak < 2**20
     assert fragmentation_bytes(tr) == 2 * 2**20 - peak
+
+
+def test_each_trial_runs_the_recipes_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tune(recipe=...): every trial is tilefit.loop's step of that Recipe (issue 44 items
+    1 and 4): clipping at max_grad_norm and zero_grad(set_to_none=False) where it says so;
+    precision= alone is plain PyTorch's loop, which clips nothing."""
+    from tilefit.recipe import Recipe
+
+    clips: list[float] = []
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def spy(params: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+        clips.append(max_norm)
+        return clip(params, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    cleared: list[bool] = []
+    zero_grad = torch.optim.Optimizer.zero_grad
+
+    def spy_zero(self: Any, set_to_none: bool = True) -> None:
+        cleared.append(set_to_none)
+        zero_grad(self, set_to_none)
+
+    monkeypatch.setattr(torch.optim.Optimizer, "zero_grad", spy_zero)
+    search = TuneSearch(max_batch=4, measure_throughput=False, predict=False)
+
+    def run(**kw: Any) -> TuneResult:
+        return tune(Scale(), lambda b: torch.randn(b, 64), loss_fn=lambda m, x: m(x),
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1), search=search, **kw)
+
+    run(recipe=Recipe(precision="fp32", max_grad_norm=0.5, zero_grad_to_none=False))
+    assert clips and set(clips) == {0.5} and False in cleared
+    clips.clear()
+    cleared.clear()
+    run(precision="fp32")
+    assert not clips and cleared and all(cleared)
+
+
+@pytest.mark.parametrize(("kw", "words"), [
+    ({"recipe": "ckpt"}, "gradient_checkpointing_enable()"),
+    ({"recipe": "both"}, "precision="),
+    ({"recipe": "auto"}, "precision='auto'"),
+])
+def test_tune_refuses_what_the_recipe_cannot_change_on_a_built_model(kw: dict[str, str],
+                                                                       words: str) -> None:
+    from tilefit.recipe import Recipe
+
+    given = {"ckpt": {"recipe": Recipe(precision="fp32", grad_checkpointing=True)},
+             "both": {"recipe": Recipe(precision="fp32"), "precision": "fp32"},
+             "auto": {"recipe": Recipe()}}[kw["recipe"]]
+    with pytest.raises(TilefitError) as err:
+        tune(Scale(), lambda b: torch.randn(b, 64), loss_fn=lambda m, x: m(x),
+             optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+             search=TuneSearch(max_batch=4), **given)
+    assert words in str(err.value)

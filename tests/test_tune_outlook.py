@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from tilefit.recipe import Recipe
 from tilefit.tuning import Outlook, TuneSearch, tune
 from tilefit.tuning.outlook import (
     TrialShape,
@@ -79,7 +80,8 @@ def test_a_timed_trial_runs_the_steps_the_outlook_counts() -> None:
 
     ex = Executor(model=model, make_batch=slow_batch, loss_fn=lambda m, x: m(x).sum(),
                   optimizer=lambda p: torch.optim.SGD(p, lr=0.1), snap=snapshot(model, None),
-                  precision="fp32", device=torch.device("cpu"), memory_limit_bytes=None,
+                  recipe=Recipe(precision="fp32"), device=torch.device("cpu"),
+                  memory_limit_bytes=None,
                   margin=0.1, steps_per_trial=2, warmup_steps=2, repeats=3,
                   min_timed_steps=3)
     assert ex.trial_shape == SHAPE

@@ -33,7 +33,7 @@ def nothing_fits(ex: Executor, request: TuneRequest) -> TilefitError:
     from tilefit.tuning.predict import persistent_state
 
     state = persistent_state(ex.local, ex.make_batch, loss_fn=ex.loss_fn,
-                             optimizer=ex.optimizer, precision=request.precision.name,
+                             optimizer=ex.optimizer, recipe=request.recipe,
                              device=request.device)
     budget = ex.budget_bytes
     of = "" if ex.capacity_bytes is None or budget == ex.capacity_bytes else \

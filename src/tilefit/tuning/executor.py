@@ -11,6 +11,7 @@ weights, gradients, optimizer state and module attributes are put back
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 import time
@@ -31,7 +32,6 @@ from tilefit.tuning.ranks import DOES_NOT_FIT, FAILED, FITS, Ranks, local_module
 from tilefit.tuning.search import FitProbe
 from tilefit.tuning.simulate import OOM_ERROR, MemoryLimitMode
 from tilefit.tuning.state import Snapshot, restore_weights, train_mode
-from tilefit.vocab import parse_precision
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
@@ -130,7 +130,7 @@ class Executor:
         loss_fn: LossFn | None,
         optimizer: OptimizerArg,
         snap: Snapshot,
-        precision: str,
+        recipe: Recipe,
         device: torch.device,
         memory_limit_bytes: int | None,
         margin: float,
@@ -150,8 +150,8 @@ class Executor:
         self.loss_fn = loss_fn or default_loss
         self.optimizer = optimizer
         self.snap = snap
-        self.precision = precision
-        low = parse_precision(precision).autocast_dtype
+        self.recipe = recipe  # the step each trial runs; batch and accumulation vary
+        low = recipe.spec.autocast_dtype
         self.autocast_dtype = torch_dtype(low) if low else None
         self.device = device
         self.memory_limit_bytes = memory_limit_bytes
@@ -227,7 +227,7 @@ class Executor:
         memory counts where a real loop's would. ``model``: the module the loss runs
         (default: the user's, wrapped as given)."""
         model = self.model if model is None else model
-        recipe = Recipe(precision=self.precision, accumulation_steps=accumulation)
+        recipe = dataclasses.replace(self.recipe, accumulation_steps=accumulation)
         scaler = torch.amp.GradScaler(self.device.type) if recipe.spec.grad_scaler else None
         hooks = self._hooks(watch)
         params = [p for group in opt.param_groups for p in group["params"]]

@@ -33,6 +33,7 @@ from tilefit.tuning.noise import Measurement, NoiseScale, from_measurements
 from tilefit.tuning.options import DEFAULT_BATCH_SIZES as DEFAULT_BATCH_SIZES  # re-exported
 from tilefit.tuning.options import DEFAULT_MEASUREMENTS as DEFAULT_MEASUREMENTS  # re-exported
 from tilefit.tuning.options import NoiseMeasure
+from tilefit.tuning.request import live_recipe
 from tilefit.tuning.state import restore, snapshot, train_mode
 from tilefit.vocab import mixed_precision, parse_precision
 
@@ -46,7 +47,8 @@ def noise_scale(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     loss_fn: LossFn | None = None,
-    precision: str = "fp32",
+    recipe: Recipe | None = None,
+    precision: str | None = None,
     device: str | torch.device | None = None,
     measure: NoiseMeasure | None = None,
     **legacy: Any,
@@ -56,7 +58,8 @@ def noise_scale(
     make_batch(b) must draw b fresh samples at random from the training data on every call
     (a fixed batch has no noise to measure). loss_fn(model, batch) the mean loss of the
     batch (default model(**batch).loss). optimizer: not stepped; given, its state is kept
-    intact and its class and lr are reported for the learning-rate advice. precision: runs
+    intact and its class and lr are reported for the learning-rate advice. recipe (or
+    precision alone, default fp32): its precision, as tune takes it. precision: runs
     under bf16 autocast as training does; fp16 with a loss scaler is measured in fp32.
     device: where the model is (default: its parameters' device).
 
@@ -71,7 +74,7 @@ def noise_scale(
     """
     measure = read_options("noise_scale", "measure", measure, legacy, NoiseMeasure)
     (b_small, b_big), dev = measure.sizes, _device_of(model, device)
-    autocast = _autocast_of(precision, dev)
+    autocast = _autocast_of(live_recipe(recipe, precision, "noise_scale").precision, dev)
     start_s = time.perf_counter()
     snap = snapshot(model, optimizer)
     run: _Run | None = None

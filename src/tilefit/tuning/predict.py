@@ -60,7 +60,7 @@ def skipped_note(why: str, cap: int | None) -> str:
 
 
 def predict_max_batch(model: nn.Module, make_batch: Callable[[int], Any], *,
-                      loss_fn: Any, optimizer: Any, precision: str, device: torch.device,
+                      loss_fn: Any, optimizer: Any, recipe: Recipe, device: torch.device,
                       budget_bytes: int | None, cap: int | None,
                       routing: str = "balanced") -> Prediction:
     """The largest batch whose predicted peak fits ``budget_bytes``; none, with the reason,
@@ -73,7 +73,7 @@ def predict_max_batch(model: nn.Module, make_batch: Callable[[int], Any], *,
     from tilefit.hardware import get_device
     from tilefit.tracing import trace
 
-    recipe = _traced_recipe(optimizer, precision, routing)
+    recipe = _traced_recipe(optimizer, recipe, routing)
     target: Any = "cpu"
     extra = 0
     if device.type == "cuda":
@@ -176,14 +176,13 @@ def _unique_bytes(tensors: Iterable[Any]) -> int:
     return sum(sizes.values())
 
 
-def _traced_recipe(optimizer: Any, precision: str, routing: str = "balanced") -> Recipe:
-    """The step as tune runs it, for the tracer: the user's optimizer in a plain PyTorch
-    loop (no clipping, no read of the loss) at tune's precision, a mixture of experts under
-    ``routing``."""
-    from tilefit.recipe import PLAIN_PYTORCH, Recipe
+def _traced_recipe(optimizer: Any, recipe: Recipe, routing: str = "balanced") -> Recipe:
+    """The step as tune runs it, for the tracer: tune's recipe (its loop) with the user's
+    optimizer, a mixture of experts under ``routing``."""
+    import dataclasses
 
-    return Recipe(**{**PLAIN_PYTORCH, "optimizer": _optimizer_factory(optimizer),
-                     "precision": precision, "routing": routing})
+    return dataclasses.replace(recipe, optimizer=_optimizer_factory(optimizer),
+                               routing=routing)
 
 
 def _measured_optimizer_state(optimizer: Any, trainable: list[nn.Parameter]) -> int | None:
@@ -195,14 +194,14 @@ def _measured_optimizer_state(optimizer: Any, trainable: list[nn.Parameter]) -> 
 
 
 def _traced_optimizer_state(model: nn.Module, make_batch: Callable[[int], Any], *,
-                            loss_fn: Any, optimizer: Any, precision: str,
+                            loss_fn: Any, optimizer: Any, recipe: Recipe,
                             device: torch.device) -> int | None:
     from tilefit.hardware import get_device
     from tilefit.tracing import trace
 
     try:
         target: Any = get_device("auto") if device.type == "cuda" else "cpu"
-        tr = trace(model, make_batch(1), recipe=_traced_recipe(optimizer, precision),
+        tr = trace(model, make_batch(1), recipe=_traced_recipe(optimizer, recipe),
                    gpu=target, loss_fn=loss_fn)
     except TilefitError:
         return None
@@ -212,7 +211,7 @@ def _traced_optimizer_state(model: nn.Module, make_batch: Callable[[int], Any], 
 
 
 def persistent_state(model: nn.Module, make_batch: Callable[[int], Any], *, loss_fn: Any,
-                     optimizer: Any, precision: str, device: torch.device) -> PersistentState:
+                     optimizer: Any, recipe: Recipe, device: torch.device) -> PersistentState:
     """The model's persistent state: parameters, buffers, gradients and optimizer state."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     params = _unique_bytes([*model.parameters(), *model.buffers()])
@@ -221,5 +220,5 @@ def persistent_state(model: nn.Module, make_batch: Callable[[int], Any], *, loss
     if measured is not None:
         return PersistentState(params, grads, measured, "measured")
     traced = _traced_optimizer_state(model, make_batch, loss_fn=loss_fn, optimizer=optimizer,
-                                     precision=precision, device=device)
+                                     recipe=recipe, device=device)
     return PersistentState(params, grads, traced, "unknown" if traced is None else "traced")

@@ -11,6 +11,7 @@ from torch import nn
 
 from tilefit.dtypes import parse_dtype
 from tilefit.errors import TilefitError
+from tilefit.recipe import AUTO, PLAIN_PYTORCH, Recipe
 from tilefit.tuning.executor import OptimizerArg
 from tilefit.tuning.noise import NoiseScale
 from tilefit.tuning.options import TuneSearch
@@ -63,9 +64,11 @@ def preferred_multiple(device: torch.device, precision: str) -> int:
 
 @dataclass(frozen=True)
 class TuneRequest:
-    """tune's options, validated: what to search and under which limits."""
+    """tune's options, validated: the step each trial runs (``recipe``: its precision and
+    loop; batch and accumulation are what tune searches), what to search and under which
+    limits."""
 
-    precision: Precision
+    recipe: Recipe
     device: torch.device
     global_batch: int | None
     max_batch: int | None
@@ -80,6 +83,10 @@ class TuneRequest:
     ranks: Ranks = dataclasses.field(default_factory=Ranks)  # under torchrun; global_batch
     # above is then this rank's share
     routing: str = "balanced"  # TuneSearch.routing
+
+    @property
+    def precision(self) -> Precision:
+        return self.recipe.spec
 
     @property
     def cap(self) -> int | None:
@@ -104,7 +111,7 @@ def current_job(objective: str, noise_scale: float | NoiseScale | None) -> Ranks
     return ranks
 
 
-def make_request(search: TuneSearch, *, precision: str, device: str | torch.device | None,
+def make_request(search: TuneSearch, *, recipe: Recipe, device: str | torch.device | None,
                  ranks: Ranks | None = None) -> TuneRequest:
     """tune's options for this device and job (the search's own are checked by TuneSearch;
     each error says what was expected and the fix): global_batch becomes this rank's share."""
@@ -119,11 +126,12 @@ def make_request(search: TuneSearch, *, precision: str, device: str | torch.devi
             "16GiB) or TuneSearch(max_batch=...)",
         )
     return TuneRequest(
-        parse_precision(precision), dev, rank_share(search.global_batch, ranks),
+        recipe, dev, rank_share(search.global_batch, ranks),
         search.max_batch, search.memory_limit_bytes, search.margin, search.steps_per_trial,
         search.predicted_max_batch, search.predict,
         search.measure_throughput or search.objective != OBJECTIVE_RATE, search.objective,
-        search.noise_scale, ranks, search.routing)
+        search.noise_scale, ranks,
+        search.routing if search.routing != "balanced" else recipe.routing)
 
 
 def check_model_and_optimizer(model: nn.Module, optimizer: OptimizerArg,
@@ -147,3 +155,52 @@ def check_on_device(model: nn.Module, dev: torch.device) -> None:
             given=f"parameters on {', '.join(sorted(wrong))}",
             fix=f"call model.to('{dev}') before tune (tilefit does not move your model)",
         )
+
+
+# the Recipe fields that describe how the model is built or run beyond its loop: tune trains
+# the model as the user built it, so each must keep its default (a field's name and how to
+# say it on the model instead)
+BUILT_ON_THE_MODEL: dict[str, str] = {
+    "grad_checkpointing": "model.gradient_checkpointing_enable() (or checkpoint in forward)",
+    "attention": "the model's own attention (attn_implementation= when you build it)",
+    "compile": "torch.compile(model) before tune",
+    "lora": "peft's get_peft_model(model, LoraConfig(...)) before tune",
+    "quantize": "from_pretrained(..., quantization_config=BitsAndBytesConfig(...))",
+    "fused_ce": "the fused loss in your loss_fn",
+    "use_cache": "model.config.use_cache",
+    "alloc_conf": "PYTORCH_CUDA_ALLOC_CONF in the environment",
+}
+
+
+def live_recipe(recipe: Recipe | None, precision: str | None, function: str = "tune"
+                ) -> Recipe:
+    """The step ``function`` (tune, noise_scale) runs on the live device: ``recipe`` (its
+    loop: precision, clipping, the loss read, zero_grad), or plain PyTorch's loop in
+    ``precision`` (default fp32); refused where it asks for what only the model's own
+    build can do."""
+    if recipe is not None and precision is not None:
+        raise TilefitError(f"{function}() got recipe= and precision=",
+                           expected="one of them", given="both",
+                           fix=f"Recipe(precision={precision!r}, ...) alone")
+    if recipe is None:
+        return Recipe(**{**PLAIN_PYTORCH, "precision": precision or "fp32"})
+    if recipe.precision == AUTO:
+        raise TilefitError(f"{function} runs on the live device in the precision your loop "
+                           "trains in",
+                           expected="a precision named in the Recipe", given="precision='auto'",
+                           fix='Recipe(precision="bf16-mixed") (or "fp16-mixed", "fp32")')
+    defaults = Recipe()
+    for name, instead in BUILT_ON_THE_MODEL.items():
+        if getattr(recipe, name) != getattr(defaults, name):
+            raise TilefitError(
+                f"{function} trains the model you pass as you built it; Recipe({name}=...) "
+                "describes how to build it",
+                expected=f"Recipe({name}={getattr(defaults, name)!r}), the default",
+                given=f"Recipe({name}={getattr(recipe, name)!r})",
+                fix=f"build the model that way ({instead}) and leave {name} at its default")
+    if recipe.parallel.world_size > 1:
+        raise TilefitError(f"{function} runs on one device per process; under torchrun it "
+                           "runs on every rank", expected="Recipe(parallel=ONE_GPU)",
+                           given=f"world_size={recipe.parallel.world_size}",
+                           fix="launch tune's script with torchrun --nproc-per-node N")
+    return recipe

@@ -16,6 +16,7 @@ from torch import nn
 
 from tilefit.html_repr import HtmlRepr
 from tilefit.legacy import read_options
+from tilefit.recipe import Recipe
 from tilefit.tuning.diagnose import PLAN_COMMAND as PLAN_COMMAND  # re-exported
 from tilefit.tuning.diagnose import gib as gib  # re-exported
 from tilefit.tuning.diagnose import nothing_fits
@@ -30,6 +31,7 @@ from tilefit.tuning.request import (
     TuneRequest,
     check_model_and_optimizer,
     current_job,
+    live_recipe,
     make_request,
     preferred_multiple,
 )
@@ -107,7 +109,8 @@ def tune(
     *,
     optimizer: OptimizerArg,
     loss_fn: LossFn | None = None,
-    precision: str = "fp32",
+    recipe: Recipe | None = None,
+    precision: str | None = None,
     device: str | torch.device | None = None,
     search: TuneSearch | None = None,
     **legacy: Any,
@@ -117,6 +120,11 @@ def tune(
     model: the user's module, already on the device. make_batch(b): a batch of b samples.
     loss_fn(model, batch): the scalar loss (default: model(**batch).loss for dict batches).
     optimizer: the user's optimizer (its state is restored) or a factory params -> Optimizer.
+    recipe: the loop each trial runs (tilefit.loop's step of that Recipe: its precision,
+    gradient clipping, loss read and zero_grad; batch and accumulation are what tune
+    searches; fields that describe how the model is built, such as grad_checkpointing or
+    lora, are refused: build the model that way); precision= alone is plain PyTorch's loop
+    in that precision (default fp32).
     search (``TuneSearch``, default ``TuneSearch()``): global_batch, kept exact with
     accumulation (the chosen batch divides it); max_batch; memory_limit_bytes, a simulated
     device of that size (works on the CPU); margin, the fraction of memory kept free
@@ -143,7 +151,8 @@ def tune(
     """
     search = read_options("tune", "search", search, legacy, TuneSearch)
     ranks = current_job(search.objective, search.noise_scale)
-    request = make_request(search, precision=precision, device=device, ranks=ranks)
+    request = make_request(search, recipe=live_recipe(recipe, precision), device=device,
+                           ranks=ranks)
     check_model_and_optimizer(model, optimizer, request)
     return _run(model, make_batch, loss_fn, optimizer, request, keep_modes=search.keep_modes,
                 on_trial=search.on_trial, on_outlook=search.on_outlook)
@@ -168,7 +177,7 @@ def _run(model: nn.Module, make_batch: Callable[[int], Any], loss_fn: LossFn | N
             torch.backends.cudnn.allow_tf32 = True
         ex = Executor(
             model=model, make_batch=make_batch, loss_fn=loss_fn, optimizer=optimizer, snap=snap,
-            precision=request.precision.name, device=request.device, on_trial=on_trial,
+            recipe=request.recipe, device=request.device, on_trial=on_trial,
             keep_modes=keep_modes, ranks=request.ranks, **_trial_settings(request))
         return _probe_and_search(ex, request, on_outlook)
     finally:
@@ -204,7 +213,7 @@ def _first_probe(ex: Executor, request: TuneRequest) -> Prediction:
         return Prediction(request.predicted_max_batch)
     return predict_max_batch(
         ex.local, ex.make_batch, loss_fn=ex.loss_fn, optimizer=ex.optimizer,
-        precision=request.precision.name, device=request.device,
+        recipe=request.recipe, device=request.device,
         budget_bytes=ex.budget_bytes, cap=request.cap, routing=request.routing)
 
 

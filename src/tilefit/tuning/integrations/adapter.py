@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from tilefit.recipe import Recipe
 from tilefit.tuning.executor import LossFn, OptimizerArg
 from tilefit.tuning.noise import NoiseScale
 from tilefit.tuning.options import DEFAULT_MARGIN, DEFAULT_MEASUREMENTS, NoiseMeasure, TuneSearch
@@ -47,6 +48,12 @@ class TrainingAdapter(Protocol):
     @property
     def precision(self) -> str:
         """The precision the framework trains in (a ``tilefit.vocab`` name)."""
+        ...
+
+    @property
+    def recipe(self) -> Recipe:
+        """The framework's loop as a Recipe: its precision, clipping and loss read (the
+        step tune's trials run, tilefit.loop's)."""
         ...
 
     @property
@@ -105,7 +112,7 @@ def tune_with(
     with adapter.around_trials():
         return tune(
             adapter.model, make_batch, optimizer=adapter.optimizer(), loss_fn=adapter.loss_fn(),
-            precision=adapter.precision, device=adapter.device, search=TuneSearch(
+            recipe=adapter.recipe, device=adapter.device, search=TuneSearch(
                 global_batch=global_batch, max_batch=max_batch,
                 memory_limit_bytes=memory_limit_bytes, margin=margin,
                 predicted_max_batch=predicted_max_batch, measure_throughput=measure_throughput,

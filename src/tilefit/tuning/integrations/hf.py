@@ -34,6 +34,7 @@ from torch import nn
 
 from tilefit.compat.fake import FakeTensor
 from tilefit.errors import TilefitError
+from tilefit.recipe import Recipe
 from tilefit.tuning.executor import LossFn, OptimizerArg, is_oom
 from tilefit.tuning.integrations.adapter import (
     USER_ERRORS,
@@ -236,6 +237,17 @@ class TrainerAdapter:
     @property
     def precision(self) -> str:
         return precision_of(self.trainer.args, self.model)
+
+    @property
+    def recipe(self) -> Recipe:
+        """The Trainer's loop as its arguments set it: clipping at max_grad_norm (none
+        where it is 0 or None, as Trainer skips it), the loss read of
+        logging_nan_inf_filter, zero_grad freeing the gradients."""
+        args = self.trainer.args
+        clip = getattr(args, "max_grad_norm", None)
+        return Recipe(precision=self.precision,
+                      max_grad_norm=float(clip) if clip is not None and clip > 0 else None,
+                      loss_sync=bool(getattr(args, "logging_nan_inf_filter", False)))
 
     @property
     def effective_batch(self) -> int:

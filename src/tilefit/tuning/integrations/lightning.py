@@ -37,8 +37,9 @@ and each step is made of the pieces Lightning's automatic optimization uses:
   (setting the module's hook name instead would write into the fit loop's results).
   Loggers are swapped for a DummyLogger, as BatchSizeFinder does.
 
-Not run in a trial: gradient clipping and overrides of the hooks around backward and the
-optimizer step. Modules train in the modes they are in, as Lightning 2 does (it does not
+Gradient clipping by norm (``gradient_clip_val``) runs in each trial as Lightning runs it
+(the adapter's ``recipe``); clipping by value and overrides of the hooks around backward and
+the optimizer step do not. Modules train in the modes they are in, as Lightning 2 does (it does not
 call ``train()``). Lightning is imported only when a callback is made; it is not a tilefit
 dependency. The callbacks are classes of ``lightning_callbacks.py`` (subclass them there);
 the framework reaches tune through ``LightningAdapter`` (``adapter.py``), as the Hugging Face
@@ -56,6 +57,7 @@ import torch
 from torch import nn
 
 from tilefit.errors import TilefitError
+from tilefit.recipe import Recipe
 from tilefit.tuning.executor import LossFn, OptimizerArg
 from tilefit.tuning.integrations.adapter import noise_scale_with, tune_with
 from tilefit.tuning.integrations.lightning_data import (
@@ -253,6 +255,15 @@ class LightningAdapter:
     @property
     def precision(self) -> str:
         return precision_of_trainer(self.trainer).name
+
+    @property
+    def recipe(self) -> Recipe:
+        """The Trainer's loop: its precision, and gradient_clip_val where it clips the
+        norm (gradient_clip_algorithm="norm", Lightning's default)."""
+        clip = self.trainer.gradient_clip_val
+        by_norm = (self.trainer.gradient_clip_algorithm or "norm") == "norm"
+        return Recipe(precision=self.precision,
+                      max_grad_norm=float(clip) if clip and by_norm else None)
 
     def loss_fn(self) -> LossFn:
         trainer = self.trainer
