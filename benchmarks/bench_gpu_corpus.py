@@ -772,12 +772,12 @@ def apex_o2_trace(rec: dict[str, Any], work: Workload, recipe: Recipe, dev: Devi
 
 
 def e2e_trace(rec: dict[str, Any], recipe: Recipe, dev: Device) -> Trace:
-    """estimate_workload's trace (tilefit.estimator.workloads.trace_workload); a per-parameter
+    """estimate_workload's trace (tilefit.tracing.workload_traces.trace_workload); a per-parameter
     Adam loop is traced as torch's AdamW with foreach=False, the same per-tensor kernels.
     NVIDIA's pre-training records (``mlm_positions``) trace BertForPreTraining with its dense
     MLM head, compiled where the record's code fuses (TorchScript/NVFuser, as Inductor's
     fusion: the nearest model tilefit has)."""
-    from tilefit.estimator.workloads import trace_workload
+    from tilefit.tracing.workload_traces import trace_workload
 
     work = e2e_workload(rec)
     if rec.get("mlm_positions"):

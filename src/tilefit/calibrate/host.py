@@ -62,10 +62,10 @@ def measure_sample(name: str, *, repeats: int = 20, warmup: int = 5,
         if device != "cpu":
             torch.cuda.synchronize()
 
-    from tilefit.estimator.workloads import trace_workload
     from tilefit.models import load_workload
     from tilefit.quiet_imports import quiet_transformers
     from tilefit.recipe import Recipe
+    from tilefit.tracing.workload_traces import trace_workload
 
     work = load_workload(name, seq_len=SEQ_LEN).with_config(**MINIATURES[name])
     with quiet_transformers():

@@ -87,7 +87,7 @@ def plan(model: Any, batch: Any = None, *, global_batch: int,
     (PlanSearch). The old keywords still work, with a DeprecationWarning."""
     from tilefit.models.module import module_workload
     from tilefit.planner.run import search_plan
-    from tilefit.tracing.workloads import shared_traces
+    from tilefit.tracing.workload_traces import shared_traces
 
     old = read_legacy("plan", recipe, legacy, PLAIN_PYTORCH, own=LEGACY_SEARCH)
     recipe = old.recipe or Recipe.for_model(model)
