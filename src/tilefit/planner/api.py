@@ -42,7 +42,7 @@ class PlanSearch:
     allow_quantize: bool = False
     lora: Lora | None = None  # the LoRA rows' adapters (None: Lora()); implies allow_lora
     # the training machine's RAM per node, which each plan's CPU memory must fit
-    # (tilefit.planner.host); None: the GPU spec file's host_memory_bytes, else this machine's
+    # (tilefit.planner.host); None: the GPU spec file's [host] memory_bytes, else this machine's
     host_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
