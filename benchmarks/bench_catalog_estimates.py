@@ -23,7 +23,7 @@ BATCH, SEQ, GPU = 4, 512, "a100-80gb"
 def main() -> None:
     import argparse
 
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.models import catalog, load_workload
     from tilefit.recipe import Recipe
 

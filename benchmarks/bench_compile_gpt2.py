@@ -69,7 +69,7 @@ def main() -> int:
     args = parser.parse_args()
     from dataclasses import replace
 
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.models import load_workload
     from tilefit.recipe import Recipe
 
@@ -108,7 +108,7 @@ def print_nanogpt_check(batch: int) -> None:
     on both A100s, against the published 1.85x."""
     from dataclasses import replace
 
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.models import load_workload
     from tilefit.recipe import Recipe
 

@@ -55,7 +55,7 @@ def write_config(name: str, spec: dict[str, Any], folder: Path) -> Path:
 def predict(row: dict[str, Any], config_path: Path) -> float:
     """tilefit's predicted step time of the row, in seconds."""
     import tilefit
-    from tilefit.models.workload import load_workload
+    from tilefit.models.sources import load_workload
 
     workload = load_workload(str(config_path), image_size=row["image_size"])
     recipe = tilefit.Recipe(batch_size=row["batch"], precision=f"{row['amp']}-mixed",

@@ -55,7 +55,7 @@ def bare_fake_steps(model: str, batch: int, seq: int) -> float:
 
 
 def warm_estimate(model: str, batch: int, seq: int) -> float:
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.models import load_workload
     from tilefit.recipe import Recipe
 

@@ -53,7 +53,7 @@ def linear_speedups(gpu: str) -> None:
 
 
 def model_table(gpu: str, models: list[str], batch: int, seq: int) -> None:
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.models import load_workload
     from tilefit.recipe import Recipe
 

@@ -33,7 +33,7 @@ GPU_CASES = (("gpt2", 8, 1024), ("llama-3.2-1b", 4, 2048), ("qwen2.5-0.5b", 8, 2
 
 def cpu_table() -> None:
     from tilefit.bench.step import measure_step
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.models import load_workload
     from tilefit.recipe import Recipe
 
@@ -49,7 +49,7 @@ def cpu_table() -> None:
 
 
 def gpu_table(gpu: str) -> None:
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.models import load_workload
     from tilefit.recipe import Recipe
 

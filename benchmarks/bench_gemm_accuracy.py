@@ -17,7 +17,7 @@ training step time of five models within 25% of measured on this CPU, is NOT che
 yet. Plan: for five small catalog workloads (tilefit.models.load_workload), build the model on
 the CPU, time real steps (forward, loss, backward, optimizer step; warm-up, median of >= 5,
 the same busy-machine caveats as the GEMMs) and compare with
-tilefit.estimator.workloads.estimate_workload(workload, Recipe(batch, "fp32"), "cpu")
+tilefit.estimator.workload_estimate.estimate_workload(workload, Recipe(batch, "fp32"), "cpu")
 .step_time_s; with `tilefit bench step` as its CLI.
 """
 

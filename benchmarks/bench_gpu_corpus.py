@@ -143,7 +143,8 @@ from tilefit.estimator.steptime import host_time_s
 from tilefit.estimator.timeline import Block, Item, simulate
 from tilefit.gemm import analyze_gemm
 from tilefit.hardware import Device, get_device
-from tilefit.hardware.catalog import EFF_DEFAULT, SIMT_GEMM_FACTOR
+from tilefit.hardware.architectures import SIMT_GEMM_FACTOR
+from tilefit.hardware.catalog import DEFAULT_GEMM_EFFICIENCY
 from tilefit.hardware.device import GEMM_TILE_LATENCY_S
 from tilefit.hardware.host import (
     CPU_MEASURED_HOST,
@@ -202,7 +203,7 @@ class Params:
 
 # Per GPU: the main-loop efficiency of every catalog GPU whose only fit records are GEMM
 # sweeps (source 1's square sweeps) and that has no published best-matmul figure (the A100s,
-# H100 SXM and B200 take theirs from source 3: tilefit.hardware.catalog;
+# H100 SXM and B200 take theirs from source 3: tilefit/hardware/catalog.toml;
 # docs/references.md, section 28), so that the GPU's own matmuls alone set it. A GPU's
 # sustained clock under its power limit sets it as much as its kernels do: the H100 PCIe
 # (350 W) and the L4 (72 W) drop their clocks under a long GEMM, the RTX 4090 runs above its
@@ -229,7 +230,8 @@ PRIOR = Params(
         attention_arch={k: v for k, v in DEFAULT_EFFICIENCY.attention_arch.items()
                         if k != "Blackwell"}),
     host_forward_scale=1.0, host_backward_scale=1.0, gemm_tile_latency_s=0.0,
-    gemm_efficiency=tuple((name, EFF_DEFAULT) for names in DEVICE_KNOB_GPUS for name in names),
+    gemm_efficiency=tuple((name, DEFAULT_GEMM_EFFICIENCY)
+                          for names in DEVICE_KNOB_GPUS for name in names),
     simt_factor=tuple((arch, 1.0) for arch in SIMT_KNOB_ARCHS))
 
 
@@ -772,12 +774,12 @@ def apex_o2_trace(rec: dict[str, Any], work: Workload, recipe: Recipe, dev: Devi
 
 
 def e2e_trace(rec: dict[str, Any], recipe: Recipe, dev: Device) -> Trace:
-    """estimate_workload's trace (tilefit.estimator.workloads.trace_workload); a per-parameter
+    """estimate_workload's trace (tilefit.tracing.workload_traces.trace_workload); a per-parameter
     Adam loop is traced as torch's AdamW with foreach=False, the same per-tensor kernels.
     NVIDIA's pre-training records (``mlm_positions``) trace BertForPreTraining with its dense
     MLM head, compiled where the record's code fuses (TorchScript/NVFuser, as Inductor's
     fusion: the nearest model tilefit has)."""
-    from tilefit.estimator.workloads import trace_workload
+    from tilefit.tracing.workload_traces import trace_workload
 
     work = e2e_workload(rec)
     if rec.get("mlm_positions"):

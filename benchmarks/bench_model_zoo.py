@@ -93,7 +93,7 @@ def run_cli(path: Path, arch: Arch) -> tuple[str, str]:
 
 def cpu_check(row: Row, work: Any, arch: Arch) -> None:
     from tilefit.bench.step import measure_step
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.recipe import Recipe
 
     recipe = Recipe(batch_size=BATCH, precision="fp32", optimizer="adamw")
@@ -111,7 +111,7 @@ def cpu_check(row: Row, work: Any, arch: Arch) -> None:
 
 
 def gpu_check(row: Row, work: Any) -> None:
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.recipe import Recipe
 
     est = estimate_workload(work, Recipe(batch_size=BATCH, precision=GPU_PRECISION), GPU)

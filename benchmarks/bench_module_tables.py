@@ -53,7 +53,7 @@ def multi_gpu(model: str) -> dict[str, Any]:
     from tilefit.hardware import get_device
     from tilefit.models import load_workload
     from tilefit.recipe import Parallelism, Recipe
-    from tilefit.tracing.workloads import trace_workload
+    from tilefit.tracing.workload_traces import trace_workload
 
     device = get_device("a100-80gb")
     work = load_workload(model)

@@ -85,7 +85,7 @@ _SEEN: dict[str, Any] = {}  # one run's estimates, by configuration (never writt
 
 def predict(rec: dict[str, Any], checkpoint: bool) -> tuple[Any, float]:
     """(Estimate, seconds spent) of the record's step with or without full checkpointing."""
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.models import load_workload
     from tilefit.recipe import Parallelism, Recipe, ZeroConfig
 

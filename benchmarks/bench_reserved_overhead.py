@@ -37,7 +37,7 @@ def one(name: str, batch: int, seq: int, gpu: str) -> tuple[float, float, float]
     import tilefit
     import tilefit.estimator as estimator
     from tilefit.recipe import Recipe
-    from tilefit.tracing.workloads import trace_workload
+    from tilefit.tracing.workload_traces import trace_workload
 
     device = tilefit.get_device(gpu)
     work = tilefit.load_workload(name, seq_len=seq)

@@ -62,7 +62,7 @@ def main() -> int:
     load = _start_load(args.load, 900.0)
 
     from tilefit.bench.step import measure_step
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.hardware import get_device
     from tilefit.models import load_workload
     from tilefit.recipe import Recipe

@@ -26,7 +26,7 @@ def time_trace(model: str, batch: int, seq: int, precision: str) -> list[float]:
     from tilefit.hardware import get_device
     from tilefit.models import load_workload
     from tilefit.recipe import Recipe
-    from tilefit.tracing.workloads import trace_workload
+    from tilefit.tracing.workload_traces import trace_workload
 
     work = load_workload(model, seq_len=seq)
     recipe, device = Recipe(batch, precision=precision), get_device("a100-80gb")

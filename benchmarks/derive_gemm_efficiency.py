@@ -5,7 +5,8 @@ gemm.jsonl, ids mamf-*-bf16) under tilefit's own GEMM model.
 For each of A100 SXM, A100 PCIe, H100 SXM and B200 it solves (bisection) for the
 Device.gemm_efficiency at which ``tilefit.gemm.analyze_gemm`` predicts exactly the published
 best TFLOP/s at the shape the table names, and prints it beside the value the catalog ships
-(tilefit.hardware.catalog.EFF_A100, EFF_A100_PCIE, EFF_HOPPER, EFF_BLACKWELL). The model's
+(the gemm_efficiency of a100-80gb, a100-pcie-80gb, h100-sxm and b200 in
+src/tilefit/hardware/catalog.toml). The model's
 other terms (tile and wave quantization, the output tiles' stores:
 docs/references.md, section 28) sit between the efficiency and the measured figure, so the
 efficiency is a property of the model as much as of the GPU: when the model changes, rerun
@@ -22,13 +23,12 @@ from pathlib import Path
 
 from tilefit.gemm import analyze_gemm
 from tilefit.hardware import get_device
-from tilefit.hardware.catalog import EFF_A100, EFF_A100_PCIE, EFF_BLACKWELL, EFF_HOPPER
+from tilefit.hardware.catalog import catalog_entry
 
 CORPUS = Path(__file__).resolve().parent / "gpu_corpus" / "gemm.jsonl"
-SOURCES = {"mamf-a100-80gb-bf16": ("EFF_A100", EFF_A100),
-           "mamf-a100-pcie-80gb-bf16": ("EFF_A100_PCIE", EFF_A100_PCIE),
-           "mamf-h100-sxm-bf16": ("EFF_HOPPER", EFF_HOPPER),
-           "mamf-b200-bf16": ("EFF_BLACKWELL", EFF_BLACKWELL)}
+# record -> the catalog entry whose gemm_efficiency it sets
+SOURCES = {"mamf-a100-80gb-bf16": "a100-80gb", "mamf-a100-pcie-80gb-bf16": "a100-pcie-80gb",
+           "mamf-h100-sxm-bf16": "h100-sxm", "mamf-b200-bf16": "b200"}
 
 
 def solve(rec: dict) -> float:
@@ -47,11 +47,12 @@ def main() -> int:
     records = [json.loads(line) for line in CORPUS.read_text(encoding="utf-8").splitlines()
                if line.strip()]
     print(f"{'record':24} {'shape (m x n x k)':22} {'TFLOP/s':>8} {'solved':>7} "
-          f"{'catalog':>8}  constant")
+          f"{'catalog':>8}  entry")
     for rec in records:
         if rec["id"] not in SOURCES:
             continue
-        name, shipped = SOURCES[rec["id"]]
+        name = SOURCES[rec["id"]]
+        shipped = catalog_entry(name).gemm_efficiency
         shape = f"{rec['m']} x {rec['n']} x {rec['k']}"
         print(f"{rec['id']:24} {shape:22} {rec['measured']['tflops']:8.1f} "
               f"{solve(rec):7.3f} {shipped:8.3f}  {name}")

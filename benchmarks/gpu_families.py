@@ -63,7 +63,7 @@ def by_category(rows: Iterable[tuple[str, float]]) -> dict[str, float]:
 
 def predicted(precision: str) -> tuple[dict[str, float], float]:
     """tilefit's device time by category for one step on the live GPU, and its step time."""
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.hardware import get_device
     from tilefit.models import load_workload
     from tilefit.recipe import Recipe

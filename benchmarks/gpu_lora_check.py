@@ -53,7 +53,7 @@ def row(name: str, work: Any, recipe: Any, kind: str) -> dict[str, Any]:
     (tilefit.bench.step.comparison: the prediction as torch.cuda's counters see it)."""
     from tilefit.bench.step import comparison, measure_step
     from tilefit.calibrate.live import live_kind_device
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
 
     device = live_kind_device(kind)
     recipe = recipe.on(device)

@@ -83,7 +83,7 @@ def squeezed_step():  # type: ignore[no-untyped-def]
     from tilefit.hardware import get_device
     from tilefit.models import load_workload
     from tilefit.recipe import Recipe
-    from tilefit.tracing.workloads import trace_workload
+    from tilefit.tracing.workload_traces import trace_workload
 
     work = load_workload("gpt2", seq_len=128).with_config(num_hidden_layers=1)
     a100 = get_device("a100-80gb")
@@ -228,7 +228,7 @@ def test_a_plan_at_the_line_keeps_a_choice_whose_release_is_one_time() -> None:
     from tilefit.hardware import get_device
     from tilefit.models import load_workload
     from tilefit.report.plan import best_rows
-    from tilefit.tracing.workloads import shared_traces, trace_workload
+    from tilefit.tracing.workload_traces import shared_traces, trace_workload
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = load_workload("gpt2", seq_len=128).with_config(num_hidden_layers=1)

@@ -19,7 +19,7 @@ import tilefit
 from tilefit.cli.app import app
 from tilefit.errors import TilefitError
 from tilefit.recipe import Compile, Lora, Parallelism, Recipe
-from tilefit.tracing.workloads import shared_traces
+from tilefit.tracing.workload_traces import shared_traces
 
 # a 2-layer GPT-2 small enough to audit in seconds: the same code path as the catalog's
 TINY_GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 2,

@@ -99,7 +99,7 @@ def test_compile_finding_is_the_retraced_compiled_step(gpt2_tiny, gpt2_audit) ->
     # a second method: estimate the same step compiled directly
     from dataclasses import replace
 
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
 
     f = next(f for f in gpt2_audit.findings if f.rule == "compile")
     assert f.method == "retrace" and "torch.compile(model)" in f.fix
@@ -118,7 +118,7 @@ def test_compile_finding_for_a_checkpointed_step(gpt2_tiny) -> None:  # type: ig
     would break Dynamo's graph."""
     from dataclasses import replace
 
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
 
     a = audit(gpt2_tiny, batch_size=8, gpu="a100-80gb", grad_checkpointing=True,
               confirm=False)
@@ -170,9 +170,9 @@ def _whatif(work, **recipe):  # type: ignore[no-untyped-def]
     as the audit's rules see it."""
     from tilefit.advise.whatif import WhatIf
     from tilefit.estimator import estimate_trace
-    from tilefit.estimator.workloads import trace_workload
     from tilefit.hardware import get_device
     from tilefit.recipe import DEFAULT_GPU, Recipe
+    from tilefit.tracing.workload_traces import trace_workload
 
     device = get_device(DEFAULT_GPU)
     step = Recipe(**recipe).on(device)
@@ -493,7 +493,7 @@ def test_a_host_bound_step_gets_a_cuda_graph_finding() -> None:
     import dataclasses
 
     from tilefit.advise import audit
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.models import load_workload
 
     model = "tests.fixtures.tiny_models:mlp"
@@ -521,7 +521,7 @@ def test_a_device_bound_step_has_no_host_finding() -> None:
     from tilefit.estimator import estimate_trace
     from tilefit.hardware import get_device
     from tilefit.recipe import Recipe
-    from tilefit.tracing.workloads import trace_workload
+    from tilefit.tracing.workload_traces import trace_workload
 
     work = load_workload("gpt2", seq_len=1024)
     device = get_device("a100-80gb")

@@ -21,10 +21,10 @@ from tilefit.advise.rules_batch import wave_findings  # noqa: E402
 from tilefit.advise.rules_optimizer import fused_optimizer_findings  # noqa: E402
 from tilefit.advise.whatif import WhatIf  # noqa: E402
 from tilefit.estimator import estimate_trace  # noqa: E402
-from tilefit.estimator.workloads import trace_workload  # noqa: E402
 from tilefit.hardware import Device, get_device  # noqa: E402
 from tilefit.models import Workload, load_workload  # noqa: E402
 from tilefit.recipe import Compile  # noqa: E402
+from tilefit.tracing.workload_traces import trace_workload  # noqa: E402
 
 GPU = "a100-80gb"
 FUSED = "gelu_pytorch_tanh"

@@ -17,11 +17,11 @@ from tilefit.advise import lever
 from tilefit.advise.findings import Change
 from tilefit.advise.whatif import WhatIf
 from tilefit.estimator import estimate_trace
-from tilefit.estimator.workloads import trace_workload
 from tilefit.hardware import get_device
 from tilefit.models import Workload, load_workload
 from tilefit.planner.search import Depth, depth_of
 from tilefit.recipe import Compile, Recipe
+from tilefit.tracing.workload_traces import trace_workload
 
 GPU = "a100-80gb"
 LAYERS = 5  # the lever takes models deeper than 4 layers

@@ -17,8 +17,8 @@ GIB = 2**30
 def one_trace_per_step():  # type: ignore[no-untyped-def]
     """The estimates that size the squeezed GPU and the audits below ask for some of the same
     steps (model, recipe, GPU); a trace depends on nothing else, so each is traced once for
-    the file (tilefit.tracing.workloads, as tests/test_plan.py does)."""
-    from tilefit.tracing.workloads import shared_traces
+    the file (tilefit.tracing.workload_traces, as tests/test_plan.py does)."""
+    from tilefit.tracing.workload_traces import shared_traces
 
     with shared_traces():
         yield
@@ -37,7 +37,7 @@ def squeezed(tiny_gpt2):  # type: ignore[no-untyped-def]
     """An A100 with just enough memory for micro-batch 8 of the step, not for 32: the
     recipe at micro-batch 32 does not fit, micro-batch 8 x 4 does."""
     from tilefit.estimator import overhead_bytes
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.hardware import get_device
 
     a100 = get_device("a100-80gb")
@@ -52,7 +52,7 @@ def squeezed(tiny_gpt2):  # type: ignore[no-untyped-def]
 
 def test_a_step_that_does_not_fit_gets_the_plans_recipe_first(tiny_gpt2, squeezed) -> None:  # type: ignore[no-untyped-def]
     from tilefit import audit, plan
-    from tilefit.tracing.workloads import shared_traces
+    from tilefit.tracing.workload_traces import shared_traces
 
     recipe = Recipe.for_model(tiny_gpt2, batch_size=32, precision="bf16-mixed")
     # one scope: the second call below reuses the audit's traces of the same steps (a trace

@@ -1,4 +1,4 @@
-"""Traces on another core (tracing.background, tracing.workloads.prefetch, issue 25 item 5):
+"""Traces on another core (tracing.background, tracing.workload_traces.prefetch, issue 25 item 5):
 a prefetched step comes back from a forked child equal to the same step traced here, a child
 that fails leaves the step to be traced in-process, and nothing outlives its scope."""
 
@@ -46,7 +46,7 @@ def test_jobs_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_prefetched_step_equals_the_step_traced_here(tiny_gpt2, two_jobs) -> None:  # type: ignore[no-untyped-def]
-    from tilefit.tracing.workloads import _SHARED, prefetch, shared_traces, trace_workload
+    from tilefit.tracing.workload_traces import _SHARED, prefetch, shared_traces, trace_workload
 
     recipe = Recipe.for_model(tiny_gpt2, batch_size=4, precision="bf16-mixed")
     here = trace_workload(tiny_gpt2, recipe, "a100-80gb")  # no scope: traced in-process
@@ -62,7 +62,7 @@ def test_a_prefetched_step_equals_the_step_traced_here(tiny_gpt2, two_jobs) -> N
 
 
 def test_steps_prefetched_together_come_back_each_as_traced_here(tiny_gpt2, two_jobs) -> None:  # type: ignore[no-untyped-def]
-    from tilefit.tracing.workloads import _SHARED, prefetch, shared_traces, trace_workload
+    from tilefit.tracing.workload_traces import _SHARED, prefetch, shared_traces, trace_workload
 
     deeper = tiny_gpt2.with_config(num_hidden_layers=2)
     recipe = Recipe.for_model(tiny_gpt2, batch_size=2)
@@ -78,7 +78,7 @@ def test_steps_prefetched_together_come_back_each_as_traced_here(tiny_gpt2, two_
 
 
 def test_no_background_trace_with_one_job(tiny_gpt2, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from tilefit.tracing.workloads import prefetch, shared_traces
+    from tilefit.tracing.workload_traces import prefetch, shared_traces
 
     monkeypatch.setenv(background.JOBS_ENV, "1")
     with shared_traces():
@@ -86,7 +86,7 @@ def test_no_background_trace_with_one_job(tiny_gpt2, monkeypatch) -> None:  # ty
 
 
 def test_a_failed_child_leaves_the_step_to_this_process(tiny_gpt2, two_jobs, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import tilefit.tracing.workloads as tw
+    import tilefit.tracing.workload_traces as tw
 
     parent = os.getpid()
     real = tw._trace_workload
@@ -107,7 +107,7 @@ def test_a_failed_child_leaves_the_step_to_this_process(tiny_gpt2, two_jobs, mon
 
 
 def test_an_error_in_the_step_is_raised_here_as_in_a_serial_run(tiny_gpt2, two_jobs) -> None:  # type: ignore[no-untyped-def]
-    from tilefit.tracing.workloads import prefetch, shared_traces, trace_workload
+    from tilefit.tracing.workload_traces import prefetch, shared_traces, trace_workload
 
     factory = tiny_gpt2.with_config(num_attention_heads=5)  # 768 not divisible by 5
     recipe = Recipe.for_model(factory)
@@ -121,7 +121,7 @@ def test_an_error_in_the_step_is_raised_here_as_in_a_serial_run(tiny_gpt2, two_j
 
 
 def test_a_scope_that_ends_stops_its_children(tiny_gpt2, two_jobs) -> None:  # type: ignore[no-untyped-def]
-    from tilefit.tracing.workloads import _SHARED, prefetch, shared_traces
+    from tilefit.tracing.workload_traces import _SHARED, prefetch, shared_traces
 
     with shared_traces():
         assert prefetch([(tiny_gpt2, Recipe.for_model(tiny_gpt2, batch_size=3))], "a100-80gb")

@@ -188,7 +188,7 @@ def test_bench_step_runs_the_recipes_loop_as_the_estimate_traces_it() -> None:
     # real step's peak (MemTracker) shows as the trace predicts; the Trainer's loop (clipping
     # at 1.0, the loss read) runs in both
     from tilefit.bench.step import measure_step
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.hardware import get_device
     from tilefit.models import load_workload
     from tilefit.recipe import Recipe

@@ -25,13 +25,13 @@ from tilefit.compat import compile as tc
 from tilefit.compat.modules import node_module
 from tilefit.errors import TilefitError
 from tilefit.estimator import estimate, estimate_trace
-from tilefit.estimator.fusion import compiled_op_time_s, kernel_time_s
+from tilefit.estimator.compiled_cost import compiled_op_time_s, kernel_time_s
 from tilefit.estimator.steptime import host_time_s
 from tilefit.hardware import get_device
 from tilefit.tracing import compiled as compiled_mod
 from tilefit.tracing import schedule as sched
 from tilefit.tracing import trace
-from tilefit.tracing.fusion import GRAPH_OUTPUT, GraphNode, plan_kernels
+from tilefit.tracing.inductor_fusion import GRAPH_OUTPUT, GraphNode, plan_kernels
 from tilefit.tracing.records import Trace
 
 B, IN, HID, OUT, F32 = 32, 8, 16, 4, 4

@@ -173,9 +173,9 @@ def _whatif(work, gpu: str):  # type: ignore[no-untyped-def]
     the other rules' re-traces are not needed here)."""
     from tilefit.advise.whatif import WhatIf
     from tilefit.estimator import estimate_trace
-    from tilefit.estimator.workloads import trace_workload
     from tilefit.hardware import get_device
     from tilefit.recipe import Recipe
+    from tilefit.tracing.workload_traces import trace_workload
 
     dev = get_device(gpu)
     recipe = Recipe(batch_size=8, precision="bf16-mixed", optimizer="adamw-fused")
@@ -190,7 +190,7 @@ def test_audit_finds_fp8_on_h100_with_the_retraced_gain(llama_one_layer) -> None
 
     from tilefit.advise.audit import RULES
     from tilefit.advise.rules_fp8 import fp8_findings
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
 
     assert fp8_findings in RULES
     whatif = _whatif(llama_one_layer, "h100")
@@ -209,9 +209,9 @@ def test_audit_finds_fp8_on_h100_with_the_retraced_gain(llama_one_layer) -> None
 def test_no_fp8_finding_where_the_gpu_has_no_fp8(llama_one_layer) -> None:  # type: ignore[no-untyped-def]
     from tilefit.advise.rules_fp8 import fp8_findings
     from tilefit.advise.whatif import WhatIf
-    from tilefit.estimator.workloads import trace_workload
     from tilefit.hardware import get_device
     from tilefit.recipe import Recipe
+    from tilefit.tracing.workload_traces import trace_workload
 
     recipe = Recipe(batch_size=1, precision="bf16-mixed")
     calls: list[object] = []
@@ -251,9 +251,9 @@ def test_an_fp8_plan_row_pastes_the_torchao_conversion() -> None:
 
 def test_gpt2s_conv1d_layers_stay_bf16_and_the_trace_says_why() -> None:
     pytest.importorskip("torchao")
-    from tilefit.estimator.workloads import trace_workload
     from tilefit.models import load_workload
     from tilefit.recipe import Recipe
+    from tilefit.tracing.workload_traces import trace_workload
 
     work = load_workload("gpt2", seq_len=32).with_config(num_hidden_layers=1)
     tr = trace_workload(work, Recipe(batch_size=2, precision="fp8-mixed"), "h100")

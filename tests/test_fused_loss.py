@@ -9,7 +9,7 @@ import torch
 
 from tilefit.bench.step import measure_step
 from tilefit.errors import TilefitError
-from tilefit.estimator.workloads import estimate_workload
+from tilefit.estimator.workload_estimate import estimate_workload
 from tilefit.models import load_workload
 from tilefit.models.fused_loss import FusedLinearCrossEntropy, chunk_rows
 from tilefit.recipe import Recipe

@@ -98,7 +98,7 @@ def _mamba_workload(tmp_path):  # type: ignore[no-untyped-def]
 def test_the_trace_names_each_kernel_and_its_calling_module(tmp_path) -> None:
     from tilefit import Recipe
     from tilefit.hardware import get_device
-    from tilefit.tracing.workloads import trace_workload
+    from tilefit.tracing.workload_traces import trace_workload
 
     tr = trace_workload(_mamba_workload(tmp_path), Recipe(batch_size=2), get_device("a100-80gb"))
     # transformers' MambaMixer.forward calls mamba_inner_fn (whose fallback returns None),

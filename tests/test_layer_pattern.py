@@ -16,7 +16,7 @@ from tilefit.models import Workload, load_workload
 from tilefit.models.layer_pattern import depth_changes, layer_kinds, period_of, repeated_period
 from tilefit.planner import notes
 from tilefit.planner.search import depth_of
-from tilefit.tracing.workloads import trace_workload
+from tilefit.tracing.workload_traces import trace_workload
 
 LINEAR, FULL = "linear_attention", "full_attention"
 # Qwen3.5's text model at the zoo's width: three gated-delta-rule layers to one attention layer

@@ -157,8 +157,8 @@ def test_the_checker_flags_an_upward_edge_and_passes_a_downward_one() -> None:
     assert resolve("tilefit.estimate", modules) == "tilefit"  # a lazy name of the package
     assert layer_of("tilefit.gemm_cpu") == "gemm" and layer_of("tilefit.errors") == "leaves"
     assert layer_of("tilefit.tracing.step") == "tracing" and layer_of("tilefit") == "tilefit"
-    assert not allowed("tilefit.estimator.workloads", "tilefit.planner.run")
-    assert not allowed("tilefit.models.workload", "tilefit.tracing.step")
+    assert not allowed("tilefit.estimator.workload_estimate", "tilefit.planner.run")
+    assert not allowed("tilefit.models.sources", "tilefit.tracing.step")
     assert not allowed("tilefit.bench.sweeps", "tilefit.report.plots")
     assert not allowed("tilefit.hardware.lookup", "tilefit.calibrate.run")
     assert not allowed("tilefit.planner.run", "tilefit.tuning.tuner")  # one tier: siblings

@@ -81,7 +81,7 @@ def test_bad_settings_raise_with_the_fix(kwargs: dict[str, Any], flag: str) -> N
 
 
 def test_rank_8_on_q_and_v_counts_as_peft_and_by_hand() -> None:
-    from tilefit.estimator.workloads import trace_workload
+    from tilefit.tracing.workload_traces import trace_workload
 
     work, lora = tiny(), Lora(rank=8, alpha=16, targets=("q_proj", "v_proj"))
     real = peft.get_peft_model(work.build("sdpa"), peft.LoraConfig(**peft_config(work.task,
@@ -95,7 +95,7 @@ def test_rank_8_on_q_and_v_counts_as_peft_and_by_hand() -> None:
 
 
 def test_a_target_of_no_module_lists_the_linear_layers() -> None:
-    from tilefit.estimator.workloads import trace_workload
+    from tilefit.tracing.workload_traces import trace_workload
 
     recipe = Recipe(batch_size=2, precision="bf16-mixed", attention="sdpa",
                     lora=Lora(targets=("v_proj", "q_prj")))
@@ -107,7 +107,7 @@ def test_a_target_of_no_module_lists_the_linear_layers() -> None:
 
 def _after_step(lora: Lora) -> int:
     """Bytes alive after the traced step: parameters, optimizer state, whatever persists."""
-    from tilefit.estimator.workloads import trace_workload
+    from tilefit.tracing.workload_traces import trace_workload
 
     tr = trace_workload(tiny(), Recipe(batch_size=2, precision="bf16-mixed", attention="sdpa",
                                        lora=lora), "a100-80gb")

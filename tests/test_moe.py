@@ -33,7 +33,7 @@ from tilefit.models import load_workload
 from tilefit.recipe import Recipe
 from tilefit.tracing.records import GemmShape
 from tilefit.tracing.shapes import gemm_shapes
-from tilefit.tracing.workloads import shared_traces
+from tilefit.tracing.workload_traces import shared_traces
 from tilefit.vocab import ExpertRouting, parse_routing
 
 SRC = Path(__file__).resolve().parents[1] / "src"

@@ -87,7 +87,7 @@ def test_bench_step_measures_accumulation_as_the_estimate_predicts() -> None:
     # bench step refused accumulation before; its step is now the estimate's, so a real CPU
     # step of two micro-batches holds the predicted peak to the byte
     from tilefit.bench.step import measure_step
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.hardware import get_device
     from tilefit.models import load_workload
 

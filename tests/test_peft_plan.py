@@ -51,8 +51,8 @@ WRAPPED = {"gpt2": {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"},
 
 
 def traced_trainable(work: Workload) -> int:
-    from tilefit.estimator.workloads import trace_workload
     from tilefit.recipe import Recipe
+    from tilefit.tracing.workload_traces import trace_workload
 
     spec = Recipe(batch_size=2, precision="bf16-mixed", attention="sdpa", lora=True)
     return trace_workload(work, spec, "a100-80gb").trainable_param_count
@@ -150,7 +150,7 @@ def test_estimate_with_peft_traces_the_lora_model(name: str) -> None:
     # moments (8 bytes per adapter parameter; each adapter matrix is a multiple of 512 bytes)
     # for them alone; its step counts are CPU tensors (torch.optim's _init_group: on the
     # parameter's device only when fused or capturable), not in the GPU's memory.
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.recipe import Recipe
 
     work = tiny(name)
@@ -168,7 +168,7 @@ def test_estimate_lora_flag_and_a_factory_model() -> None:
     from typer.testing import CliRunner
 
     from tilefit.cli.app import app
-    from tilefit.estimator.workloads import check_lora
+    from tilefit.tracing.workload_traces import check_lora
 
     result = CliRunner().invoke(app, ["estimate", "llama-3.2-1b", "--gpu", "a10", "--lora",
                                       "--batch", "1", "--seq", "128"])
@@ -189,7 +189,7 @@ def test_audit_and_fused_loss_with_peft() -> None:
     # the fused loss unwraps the peft model to the transformers model its adapters sit in
     # (it raised AttributeError on the PeftModel's output).
     from tilefit.advise import audit
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.recipe import Recipe
 
     # one layer: the audit's what-ifs re-traced with the adapters on, as on two, in half the ops
@@ -213,7 +213,7 @@ def test_lora_base_dtype_follows_the_precision() -> None:
     # it stays fp32, since a 16-bit base could not take fp32 activations in a real run.
     import torch
 
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.models.lora import lora_base_dtype
     from tilefit.recipe import Recipe
 

@@ -270,8 +270,8 @@ def test_configs_follow_the_row() -> None:
 @pytest.fixture(scope="module", autouse=True)
 def one_trace_per_step():  # type: ignore[no-untyped-def]
     """The plans below search many of the same steps (model, recipe, GPU); a trace depends on
-    nothing else, so each is traced once for the file (tilefit.tracing.workloads)."""
-    from tilefit.tracing.workloads import shared_traces
+    nothing else, so each is traced once for the file (tilefit.tracing.workload_traces)."""
+    from tilefit.tracing.workload_traces import shared_traces
 
     with shared_traces():
         yield
@@ -332,7 +332,7 @@ def test_plan_judges_the_chosen_row_by_the_allocators_reserved_memory(a100_plan,
     what estimating the row's own recipe directly replays (a second path), to the byte up
     to rounding; the budget is the device's memory less context and workspace (no fixed
     fragmentation margin: the replay is the margin)."""
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
 
     best = a100_plan.best
     direct = estimate_workload(tiny_gpt2, best.recipe, "a100-80gb")
@@ -381,7 +381,7 @@ def test_tiny_gpu_falls_back_to_offload_then_sharding(tiny_gpt2, a100_plan) -> N
     assert m.best.memory_bytes <= p.budget_bytes
     # the fallback is traced: its confirmed figures are those of estimating the chosen setup
     # directly (a second call, the same engine under the fake process group)
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.recipe import Parallelism
     from tilefit.vocab import STRATEGIES
 

@@ -81,20 +81,20 @@ def test_the_confirmation_step_is_the_step_confirm_traces(
                     reason="background traces fork: Linux only")
 def test_a_prefetched_confirmation_is_collected_not_retraced(
         work: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tilefit.tracing import background, workloads
+    from tilefit.tracing import background, workload_traces
 
     monkeypatch.setenv(background.JOBS_ENV, "2")
     row = _row("fsdp2", 2)
     serial = _state(work, 2).confirm(row)
     state = _state(work, 2)
-    with workloads.shared_traces():
+    with workload_traces.shared_traces():
         assert state.prefetch_confirmation(row)
         # the child is forked: a trace in this process from here on would fail the test
 
         def no_trace(*a: Any) -> Any:
             raise AssertionError("the confirmation was traced again in-process")
 
-        monkeypatch.setattr(workloads, "_trace_workload", no_trace)
+        monkeypatch.setattr(workload_traces, "_trace_workload", no_trace)
         assert state.confirm(row) == serial
 
 
@@ -104,34 +104,34 @@ def test_a_queued_prefetch_starts_on_the_core_the_next_collection_frees(
         work: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """One background slot (TILEFIT_JOBS=2): a step queued while it is busy is started in a
     child as soon as the busy one is collected, and collected in turn, not traced here."""
-    from tilefit.tracing import background, workloads
+    from tilefit.tracing import background, workload_traces
 
     monkeypatch.setenv(background.JOBS_ENV, "2")
     first = (work, Recipe(batch_size=1, precision="bf16-true"))
     second = (work, Recipe(batch_size=2, precision="bf16-true"))
-    serial = workloads.trace_workload(*second, "a100-80gb")
-    with workloads.shared_traces():
-        assert workloads.prefetch([first], "a100-80gb")
-        assert not workloads.prefetch([second], "a100-80gb", queue=True)  # no free core
-        workloads.trace_workload(*first, "a100-80gb")  # collected: the queued one starts
+    serial = workload_traces.trace_workload(*second, "a100-80gb")
+    with workload_traces.shared_traces():
+        assert workload_traces.prefetch([first], "a100-80gb")
+        assert not workload_traces.prefetch([second], "a100-80gb", queue=True)  # no free core
+        workload_traces.trace_workload(*first, "a100-80gb")  # collected: the queued one starts
 
         def no_trace(*a: Any) -> Any:
             raise AssertionError("the queued step was traced in-process")
 
-        monkeypatch.setattr(workloads, "_trace_workload", no_trace)
-        assert workloads.trace_workload(*second, "a100-80gb") == serial
+        monkeypatch.setattr(workload_traces, "_trace_workload", no_trace)
+        assert workload_traces.trace_workload(*second, "a100-80gb") == serial
 
 
 def test_a_queued_step_asked_for_before_it_started_is_traced_here(
         work: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tilefit.tracing import background, workloads
+    from tilefit.tracing import background, workload_traces
 
     monkeypatch.setenv(background.JOBS_ENV, "1")  # no background slot: it stays queued
     step = (work, Recipe(batch_size=1, precision="bf16-true"))
-    with workloads.shared_traces():
-        assert not workloads.prefetch([step], "a100-80gb", queue=True)
-        traced = workloads.trace_workload(*step, "a100-80gb")
-    assert traced == workloads.trace_workload(*step, "a100-80gb")
+    with workload_traces.shared_traces():
+        assert not workload_traces.prefetch([step], "a100-80gb", queue=True)
+        traced = workload_traces.trace_workload(*step, "a100-80gb")
+    assert traced == workload_traces.trace_workload(*step, "a100-80gb")
 
 
 def _rows_of(strategy: str, fits: list[bool], speed: float) -> list[PlanRow]:

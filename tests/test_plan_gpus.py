@@ -129,7 +129,7 @@ def test_plan_searches_deepspeed_zero_and_offload_as_estimate_models_them() -> N
     and the fp32 gradient partition (4 bytes) off each GPU: 16 Psi / N bytes."""
     import dataclasses
 
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.models import load_workload
     from tilefit.planner import plan
     from tilefit.recipe import Parallelism
@@ -185,7 +185,7 @@ def test_the_fallback_skips_ddp_only_where_its_rows_could_not_fit_or_show() -> N
     from tilefit.planner.rank import rank
     from tilefit.planner.search import sweep
     from tilefit.recipe import Recipe
-    from tilefit.tracing.workloads import shared_traces
+    from tilefit.tracing.workload_traces import shared_traces
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # a GPT-2 whose weights outweigh its activations (FSDP2 fits where DDP does not)

@@ -467,7 +467,7 @@ def test_cli_audit_of_a_qlora_step(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from tilefit.cli.app import app
-    from tilefit.tracing.workloads import shared_traces
+    from tilefit.tracing.workload_traces import shared_traces
 
     args = ["audit", str(path), "--seq", "32", "--batch", "2", "--lora", "--quantize", "nf4"]
     # one scope: the terminal report's audit takes the JSON audit's traces of the same steps
@@ -495,7 +495,7 @@ def test_where_lora_does_not_fit_the_plan_traces_qlora_for_its_note(tmp_path: Pa
     import dataclasses
 
     from tilefit.advise.way_forward import _adapters_hint
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
     from tilefit.hardware import get_device
     from tilefit.models import load_workload
     from tilefit.planner import plan

@@ -1,4 +1,4 @@
-"""One call of audit or plan traces each distinct step once (tracing.workloads.shared_traces,
+"""One call of audit or plan traces each distinct step once (tracing.workload_traces.shared_traces,
 issue 25 item 5): the count of traces drops, the figures do not change."""
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ def tiny_gpt2():  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def traces(monkeypatch):  # type: ignore[no-untyped-def]
-    """The recipes of the steps actually traced (tracing.workloads calls trace_module once
+    """The recipes of the steps actually traced (tracing.workload_traces calls trace_module once
     per traced step)."""
-    import tilefit.tracing.workloads as tw
+    import tilefit.tracing.workload_traces as tw
 
     seen: list[Recipe] = []
     real = tw.trace_module
@@ -46,7 +46,7 @@ def _estimate(tr) -> str:  # type: ignore[no-untyped-def]
 
 
 def test_a_scope_traces_each_step_once(tiny_gpt2, traces) -> None:  # type: ignore[no-untyped-def]
-    from tilefit.tracing.workloads import shared_traces, trace_workload
+    from tilefit.tracing.workload_traces import shared_traces, trace_workload
 
     r8 = Recipe.for_model(tiny_gpt2, batch_size=8, precision="bf16-mixed")
     r9 = dataclasses.replace(r8, batch_size=9)

@@ -17,11 +17,11 @@ from tilefit.advise.rules_dims import dimension_findings  # noqa: E402
 from tilefit.advise.whatif import WhatIf  # noqa: E402
 from tilefit.errors import TilefitError  # noqa: E402
 from tilefit.estimator import estimate, estimate_trace  # noqa: E402
-from tilefit.estimator.workloads import trace_workload  # noqa: E402
 from tilefit.hardware import get_device  # noqa: E402
 from tilefit.models import load_workload  # noqa: E402
 from tilefit.recipe import Recipe  # noqa: E402
 from tilefit.report.audit_terminal import print_audit  # noqa: E402
+from tilefit.tracing.workload_traces import trace_workload  # noqa: E402
 
 ADVISE = Path(__file__).resolve().parents[1] / "src" / "tilefit" / "advise"
 CANNOT = "Inductor cannot capture [the step]"  # brackets: not rich markup in the report

@@ -282,7 +282,7 @@ def check_max_grad_norm(max_grad_norm: float | None, *, given: str | None = None
             "(max_grad_norm=None) to train without clipping")
 
 
-# ---- torch.compile (tilefit.tracing.fusion) --------------------------------------------------
+# ---- torch.compile (tilefit.tracing.inductor_fusion) ------------------------------------------
 # torch.compile's mode= as tilefit predicts it: "default" (Inductor's kernels, launched by the
 # host one by one) or "reduce-overhead" (the same kernels captured as CUDA graphs and replayed,
 # tilefit.estimator.cudagraphs). compile=True alone means "default".

@@ -39,7 +39,7 @@ from tilefit.recipe import (
     is_named_model,
 )
 from tilefit.tracing.records import Trace
-from tilefit.tracing.workloads import prefetch, shared_traces
+from tilefit.tracing.workload_traces import prefetch, shared_traces
 from tilefit.units import fmt_time
 
 if TYPE_CHECKING:
@@ -159,8 +159,8 @@ def _workload_subject(model: str | Workload, recipe: Recipe, device: Device, *,
                       seq_len: int | None, input_shape: tuple[int, ...] | None,
                       task: str | None) -> _Subject:
     """A catalog model, config.json or factory: every what-if can re-trace it."""
-    from tilefit.estimator.workloads import trace_workload
     from tilefit.models import Workload, load_workload
+    from tilefit.tracing.workload_traces import trace_workload
 
     work = model if isinstance(model, Workload) else load_workload(
         model, seq_len=seq_len, input_shape=input_shape, task=task)

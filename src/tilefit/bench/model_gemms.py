@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from tilefit.bench.sweeps import SweepShape
-from tilefit.estimator.workloads import estimate_workload
+from tilefit.estimator.workload_estimate import estimate_workload
 from tilefit.hardware.device import Device
 from tilefit.models import Workload
 from tilefit.recipe import Recipe

@@ -189,7 +189,7 @@ def _build(workload: Workload, recipe: Recipe, kind: str) -> tuple[Any, Any, Any
 
 
 def _real_model(workload: Workload, recipe: Recipe, kind: str) -> Any:
-    """The model as the tracer builds it (tracing.workloads), for real: plain; with peft's
+    """The model as the tracer builds it (tracing.workload_traces), for real: plain; with peft's
     LoRA on a base in the recipe's 16-bit dtype (tilefit.models.lora); or QLoRA, loaded
     quantized by from_pretrained (tilefit.bench.qlora). A pure 16-bit recipe casts every
     floating parameter, as the tracer does."""
@@ -199,7 +199,7 @@ def _real_model(workload: Workload, recipe: Recipe, kind: str) -> Any:
     import torch
 
     from tilefit.models.cast import cast_floating
-    from tilefit.tracing.workloads import check_lora
+    from tilefit.tracing.workload_traces import check_lora
 
     if recipe.lora is not None:
         check_lora(workload)

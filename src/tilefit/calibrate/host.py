@@ -58,11 +58,11 @@ def measure_sample(name: str, *, repeats: int = 20, warmup: int = 5,
     time (synchronised at its end) is the host's issue time of its ops, launches included."""
     import torch
 
-    from tilefit.estimator.workloads import trace_workload
     from tilefit.loop import Hooks, training_step
     from tilefit.models import load_workload
     from tilefit.quiet_imports import quiet_transformers
     from tilefit.recipe import Recipe
+    from tilefit.tracing.workload_traces import trace_workload
 
     clock = _PhaseClock(device)
     hooks = Hooks(phase=clock.phase)

@@ -57,7 +57,7 @@ def step(
     from tilefit.bench.step import measure_step
     from tilefit.calibrate.run import live_kind_device
     from tilefit.cli.model_options import load
-    from tilefit.estimator.workloads import estimate_workload
+    from tilefit.estimator.workload_estimate import estimate_workload
 
     with user_errors():
         dev = live_kind_device(device)

@@ -10,6 +10,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -94,6 +95,7 @@ def user_errors() -> Iterator[None]:
             sys.stderr.write("".join(traceback.format_exception(cause)))
         from tilefit.cli.words import cli_words
 
-        err_console.print(f"[bold red]error:[/] {cli_words(exc.message)}", highlight=False,
-                          soft_wrap=True)
+        # the message is text, not markup: a spec file's "[memory]" stays as written
+        err_console.print(f"[bold red]error:[/] {escape(cli_words(exc.message))}",
+                          highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None

@@ -46,7 +46,7 @@ HOST_MEMORY_OPTION = typer.Option(
     None, "--host-memory",
     help="The training machine's RAM per node, e.g. 64GiB or 128GB: plans whose CPU memory "
     "(ZeRO-Offload, DeepSpeed) is over it do not fit (default: the GPU spec file's "
-    "host_memory_bytes, else this machine's RAM).")
+    "host.memory_bytes, else this machine's RAM).")
 
 
 def register(app: typer.Typer) -> None:

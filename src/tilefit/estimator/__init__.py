@@ -16,9 +16,9 @@ from tilefit.estimator.collectives import (
     one_gpu_step_time_s,
     without_communication,
 )
+from tilefit.estimator.compiled_cost import compiled_op_time_s
 from tilefit.estimator.cost import DEFAULT_EFFICIENCY, CostContext, KernelEfficiency, op_time_s
 from tilefit.estimator.cudagraphs import check_capturable, graphed, graphed_memory
-from tilefit.estimator.fusion import compiled_op_time_s
 from tilefit.estimator.reserved import ReservedMemory, allocator_config_of, reserved_memory
 from tilefit.estimator.result import (
     EXPOSED_COMMUNICATION,
@@ -82,7 +82,7 @@ def estimate(model: Any, batch: Any = None, *, recipe: Recipe | None = None,
     ``recipe`` and ``loss_fn`` as there), then costed op by op.
 
     ``recipe.compile``: the forward and backward as torch.compile (Inductor) runs them,
-    costed kernel by kernel (tilefit.estimator.fusion; mode "reduce-overhead": replayed as
+    costed kernel by kernel (tilefit.estimator.compiled_cost; mode "reduce-overhead": replayed as
     CUDA graphs, tilefit.estimator.cudagraphs; ``graph_breaks``: Dynamo's breaks listed in
     the notes). ``recipe.parallel``: one rank's step of ``world_size`` GPUs with the
     engine's collectives (ddp, fsdp2), ``Estimate.parallel`` summarising communication,
@@ -106,7 +106,7 @@ def estimate_recipe(model: Any, batch: Any, recipe: Recipe, device: Device, *,
     validated ``recipe`` on ``device``: the one path estimate, the CLI and the audit take."""
     from tilefit.tracing.gc_pause import gc_paused
     from tilefit.tracing.step import trace_module
-    from tilefit.tracing.workloads import trace_workload
+    from tilefit.tracing.workload_traces import trace_workload
 
     if recipe.parallel.world_size > 1:
         check_world_size(device, recipe.parallel.world_size)

@@ -27,7 +27,7 @@ from tilefit.estimator.collectives import collective_time_s
 from tilefit.estimator.conv import batch_norm_bytes, direct_conv_time_s, is_direct_conv
 from tilefit.estimator.multitensor import kernel_launches
 from tilefit.gemm import analyze_gemm
-from tilefit.hardware.catalog import EFF_A100
+from tilefit.hardware.catalog import catalog_entry
 from tilefit.hardware.device import Device
 from tilefit.tracing.records import GemmShape, OpRecord
 
@@ -108,14 +108,16 @@ FAMILY_EFFICIENCY: Mapping[str, float] = MappingProxyType({
 
 # Fused attention efficiency relative to a large GEMM on the same part
 # (docs/references.md, section 15): the kernel's published share of the dense peak over the
-# GEMM model's A100 main-loop efficiency (EFF_A100; section 28). FlashAttention-2 (Dao, 2023,
-# A100) reaches up to 73% of peak forward and 63% backward; the memory-efficient
-# (cutlass/xformers) kernel and FlashAttention-1 reach 30-50%: 45% and 40% here.
+# GEMM model's A100 main-loop efficiency (the catalog's a100-80gb gemm_efficiency; section
+# 28). FlashAttention-2 (Dao, 2023, A100) reaches up to 73% of peak forward and 63% backward;
+# the memory-efficient (cutlass/xformers) kernel and FlashAttention-1 reach 30-50%: 45% and
+# 40% here.
+_EFF_A100 = catalog_entry("a100-80gb").gemm_efficiency
 _ATTENTION_OF_PEAK_A100: Mapping[tuple[str, str], float] = {
     ("flash", "forward"): 0.73, ("flash", "backward"): 0.63,
     ("efficient", "forward"): 0.45, ("efficient", "backward"): 0.40}
 ATTENTION_EFFICIENCY: Mapping[tuple[str, str], float] = MappingProxyType({
-    key: share / EFF_A100 for key, share in _ATTENTION_OF_PEAK_A100.items()})
+    key: share / _EFF_A100 for key, share in _ATTENTION_OF_PEAK_A100.items()})
 # PyTorch's fused attention kernels are FlashAttention-2's generation: written for Ampere's
 # mma instructions, they do not use Hopper's wgmma/TMA or Blackwell's tcgen05, so on those
 # parts they reach a smaller share of the dense peak (docs/references.md, section 15).

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from tilefit.compat.moe import EXPERT_LOOP_OPS
+from tilefit.estimator.compiled_cost import compiled_launches
 from tilefit.estimator.cudagraphs import replay_starts
-from tilefit.estimator.fusion import compiled_launches
 from tilefit.estimator.multitensor import kernel_launches
 from tilefit.estimator.result import OpCost
 from tilefit.estimator.timeline import Block, Item, Timeline, simulate
@@ -28,7 +28,7 @@ def host_time_s(op: OpRecord, host: HostModel, device: Device) -> float:
     """What issuing the op costs the host: the issuer's per-op cost, and its kernel
     launches (none for a view or an op that runs on the host; a multi-tensor op launches
     one kernel per chunk list: tilefit.estimator.multitensor). An op of a compiled graph
-    costs its launches alone (tilefit.estimator.fusion)."""
+    costs its launches alone (tilefit.estimator.compiled_cost)."""
     launches = 0 if op.kind == "view" else kernel_launches(op, device)
     if op.op in EXPERT_LOOP_OPS:  # Python issues each of its kernels, compiled or not
         return launches * (host.issue_s(op.phase) + host.launch_s)

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from tilefit.errors import TilefitError, close_matches
-from tilefit.hardware.catalog import CATALOG
+from tilefit.hardware.catalog import CATALOG, INTERCONNECTS
 from tilefit.hardware.device import Device
-from tilefit.hardware.host import DEFAULT_HOST, HostModel
 from tilefit.hardware.profiles import stored_profile
-from tilefit.units import parse_bytes
+from tilefit.hardware.spec_format import FILE_KEY, device_fields
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -142,35 +141,21 @@ def _near_devices(key: str, n: int = 3) -> list[str]:
     return list(dict.fromkeys(_BY_KEY[k].name for k in near))[:n]
 
 
+# the Device fields a spec file without ``base`` must give
 _REQUIRED = ("name", "sms", "memory_bytes", "bandwidth_bytes_per_s", "peak_flops_per_s")
 
 
-def _host_table(table: Any, path: Path) -> HostModel:
-    """A [host] table: HostModel fields over the defaults (seconds per op)."""
-    known = {f.name for f in dataclasses.fields(HostModel)}
-    if not isinstance(table, dict) or set(table) - known:
-        raise TilefitError(
-            f"GPU spec file {str(path)!r} has a [host] table tilefit cannot read",
-            expected="[host] with keys among " + ", ".join(sorted(known)),
-            given=repr(table), fix="e.g. [host] forward_op_s = 8e-6")
-    try:
-        return HostModel(**{**dataclasses.asdict(DEFAULT_HOST), **table})
-    except (TypeError, ValueError) as exc:
-        raise TilefitError(f"GPU spec file {str(path)!r}: bad [host] value",
-                           expected="non-negative seconds", given=str(exc),
-                           fix="e.g. [host] forward_op_s = 8e-6") from None
-
-
 def load_spec_file(path: Path) -> Device:
-    """A Device from a user's TOML file with the Device's own field names.
+    """A Device from a user's TOML file, in the catalog's format (tilefit.hardware.spec_format;
+    the flat format of earlier releases is read too).
 
     ``base = "a100-80gb"`` starts from a catalog entry and overrides what the file gives;
-    without ``base`` the file must give name, sms, memory_bytes, bandwidth_bytes_per_s and
-    peak_flops_per_s (a table dtype -> FLOP/s).
+    without ``base`` the file must give name, [compute] sms and dense_tflops, and [memory]
+    capacity_gib and bandwidth_gb_per_s.
     """
     data = _read_spec(path)
     base_name = data.pop("base", None)
-    data = _spec_fields(data, path)
+    data = device_fields(data, f"GPU spec file {str(path)!r}", INTERCONNECTS)
     try:
         if base_name is not None:
             return _from_base(get_device(str(base_name)), data, path)
@@ -198,48 +183,10 @@ def _read_spec(path: Path) -> dict[str, Any]:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise TilefitError(
             f"GPU spec file {str(path)!r} is not valid TOML",
-            expected="key = value lines, e.g. sms = 108",
+            expected="TOML: key = value lines, and tables such as [compute]",
             given=str(exc),
             fix="fix the line the parser names",
         ) from None
-
-
-def _spec_fields(data: dict[str, Any], path: Path) -> dict[str, Any]:
-    """The file's keys (``base`` removed) as Device fields: unknown keys are an error; the
-    host table, compute capability and aliases in the Device's types."""
-    fields = {f.name for f in dataclasses.fields(Device)}
-    unknown = sorted(set(data) - fields)
-    if unknown:
-        raise TilefitError(
-            f"GPU spec file {str(path)!r} has unknown keys",
-            expected="Device fields: " + ", ".join(sorted(fields)) + " (and base)",
-            given=", ".join(unknown),
-            fix="rename or remove those keys",
-        )
-    if "host" in data:
-        data["host"] = _host_table(data["host"], path)
-    if "compute_capability" in data and data["compute_capability"] is not None:
-        cc = str(data["compute_capability"]).split(".")
-        data["compute_capability"] = (int(cc[0]), int(cc[1]) if len(cc) > 1 else 0)
-    if "aliases" in data:
-        data["aliases"] = tuple(data["aliases"])
-    if "host_memory_bytes" in data:
-        data["host_memory_bytes"] = _host_memory(data["host_memory_bytes"], path)
-    return data
-
-
-def _host_memory(value: Any, path: Path) -> int:
-    """The spec file's host_memory_bytes: bytes, or a size as people write it ("64GiB")."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return int(value)
-    try:
-        return parse_bytes(str(value), option="host_memory_bytes =")
-    except TilefitError as exc:
-        raise TilefitError(f"GPU spec file {str(path)!r}: {exc.problem}",
-                           expected="host_memory_bytes = 68719476736 or \"64GiB\"",
-                           given=f"host_memory_bytes = {value!r}",
-                           fix='write the training machine\'s RAM, e.g. host_memory_bytes = '
-                           '"64GiB"') from None
 
 
 def _from_base(base: Device, data: dict[str, Any], path: Path) -> Device:
@@ -256,11 +203,12 @@ def _from_base(base: Device, data: dict[str, Any], path: Path) -> Device:
 
 def _from_scratch(data: dict[str, Any], path: Path) -> Device:
     """A Device from the file alone: it must give every required field."""
-    missing = [k for k in _REQUIRED if k not in data]
+    missing = [FILE_KEY.get(k, k) for k in _REQUIRED if k not in data]
     if missing:
         raise TilefitError(
             f"GPU spec file {str(path)!r} lacks required keys",
-            expected=", ".join(_REQUIRED) + " (or base = \"<catalog name>\")",
+            expected=", ".join(FILE_KEY.get(k, k) for k in _REQUIRED)
+            + " (or base = \"<catalog name>\")",
             given="missing " + ", ".join(missing),
             fix='add them, or start from a catalog entry with base = "a100-80gb"',
         )

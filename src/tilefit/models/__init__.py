@@ -6,6 +6,6 @@ Importing this package does not import torch or transformers.
 """
 
 from tilefit.models.catalog import catalog_names
-from tilefit.models.workload import Workload, load_workload
+from tilefit.models.sources import Workload, load_workload
 
 __all__ = ["Workload", "catalog_names", "load_workload"]

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from tilefit.compat.transformers import hugging_face_module
+from tilefit.models.sources import Workload, hf_workload
 from tilefit.models.tasks import TARGET_TASKS, default_task
-from tilefit.models.workload import Workload, hf_workload
 
 
 def module_workload(model: Any, batch: Any) -> tuple[Workload, int] | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tilefit.models.workload import Workload
+    from tilefit.models.sources import Workload
 
 
 def count_parameters(workload: Workload) -> int:
@@ -79,7 +79,7 @@ def catalog_models() -> list[CatalogModel]:
     except (OSError, ValueError, TypeError):
         pass  # not computed yet for these configs and versions (or unreadable): compute
     from tilefit.models.catalog import catalog_names
-    from tilefit.models.workload import load_workload
+    from tilefit.models.sources import load_workload
 
     rows = [describe(load_workload(name)) for name in catalog_names()]
     try:

@@ -42,7 +42,7 @@ class PlanSearch:
     allow_quantize: bool = False
     lora: Lora | None = None  # the LoRA rows' adapters (None: Lora()); implies allow_lora
     # the training machine's RAM per node, which each plan's CPU memory must fit
-    # (tilefit.planner.host); None: the GPU spec file's host_memory_bytes, else this machine's
+    # (tilefit.planner.host); None: the GPU spec file's [host] memory_bytes, else this machine's
     host_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
@@ -87,7 +87,7 @@ def plan(model: Any, batch: Any = None, *, global_batch: int,
     (PlanSearch). The old keywords still work, with a DeprecationWarning."""
     from tilefit.models.module import module_workload
     from tilefit.planner.run import search_plan
-    from tilefit.tracing.workloads import shared_traces
+    from tilefit.tracing.workload_traces import shared_traces
 
     old = read_legacy("plan", recipe, legacy, PLAIN_PYTORCH, own=LEGACY_SEARCH)
     recipe = old.recipe or Recipe.for_model(model)

@@ -4,7 +4,7 @@ while it initialises, as DeepSpeed's own estimator counts them, tilefit.estimato
 over it does not fit, as a row over the GPU's budget does not.
 
 The budget is the training machine's RAM per node: ``PlanSearch(host_memory_bytes=...)``
-(``tilefit plan --host-memory``), else the GPU spec file's ``host_memory_bytes``, else this
+(``tilefit plan --host-memory``), else the GPU spec file's ``[host] memory_bytes``, else this
 machine's RAM (page size x physical pages, POSIX sysconf)."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class HostBudget:
         if self.source == GIVEN:
             return f"the {gib} of host memory given (--host-memory)"
         if self.source == SPEC_FILE:
-            return f"the GPU spec file's {gib} of host memory (host_memory_bytes)"
+            return f"the GPU spec file's {gib} of host memory (host.memory_bytes)"
         return f"this machine's {gib} of RAM (--host-memory sets the training machine's)"
 
     def to_dict(self) -> dict[str, object]:

@@ -14,7 +14,6 @@ from tilefit.estimator.offload import (
     offload_peak_bytes,
     offload_step_time_s,
 )
-from tilefit.estimator.workloads import trace_workload
 from tilefit.hardware import Device
 from tilefit.models import Workload
 from tilefit.models.fused_loss import fused_ce_affine_tokens
@@ -25,7 +24,7 @@ from tilefit.planner.space import OPTIMIZER_LABELS
 from tilefit.recipe import Lora, Parallelism, Recipe
 from tilefit.tracing import Trace
 from tilefit.tracing.distributed import Parallel
-from tilefit.tracing.workloads import prefetch
+from tilefit.tracing.workload_traces import prefetch, trace_workload
 from tilefit.vocab import parse_precision, same_update
 
 if TYPE_CHECKING:
@@ -146,7 +145,7 @@ def trace_point(workload: Workload, spec: Recipe, micro_batch: int, layers: int,
 
 def trace_step(step: tuple[Workload, Recipe], device: Device) -> Trace:
     """A (workload, recipe) step of the planner traced: every trace of a plan is taken here
-    (tracing.workloads.trace_workload, shared within the plan's scope)."""
+    (tracing.workload_traces.trace_workload, shared within the plan's scope)."""
     return trace_workload(*step, device)
 
 
@@ -163,7 +162,7 @@ def point_step(workload: Workload, spec: Recipe, micro_batch: int, layers: int, 
 def prefetch_points(workload: Workload, spec: Recipe, points: Sequence[tuple[int, int]],
                     depth: Depth, device: Device, parallel: Parallel | None) -> None:
     """Start the sweep's points ((layers, micro-batch)) on free cores, for trace_point to
-    collect (tracing.workloads.prefetch: as many as there are free cores, none outside an
+    collect (tracing.workload_traces.prefetch: as many as there are free cores, none outside an
     audit's or plan's shared_traces scope)."""
     for layers, b in points:
         prefetch([point_step(workload, spec, b, layers, depth, SWEEP_ACCUMULATION, parallel)],

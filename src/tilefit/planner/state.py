@@ -28,7 +28,7 @@ from tilefit.planner.search import (
 )
 from tilefit.recipe import Recipe
 from tilefit.tracing.kernels import reference_note
-from tilefit.tracing.workloads import prefetch
+from tilefit.tracing.workload_traces import prefetch
 from tilefit.vocab import FUSED_IMPLEMENTATION, parse_precision
 
 
@@ -193,7 +193,7 @@ class PlanState:
                           None if parallel is None or parallel.modelled else parallel)
 
     def prefetch_confirmation(self, row: PlanRow) -> bool:
-        """Start ``confirm``'s trace of ``row`` on a free core (tracing.workloads.prefetch),
+        """Start ``confirm``'s trace of ``row`` on a free core (tracing.workload_traces.prefetch),
         for a later ``confirm(row)`` to collect; whether it started."""
         return prefetch([self.confirm_step(row)], self.device, queue=True)
 

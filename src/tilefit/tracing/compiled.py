@@ -9,7 +9,7 @@ recomputes (docs/references.md, section 19). The forward and backward graphs the
 by node, under the trace's Recorder inside AOTAutograd's own runtime (an autograd.Function:
 its saved tensors live from the forward to the backward, each graph frees a value at its last
 use), so the memory timeline is the compiled step's. Each node carries Inductor's plan for
-it (tilefit.tracing.fusion): fused into a kernel or run as an extern ATen kernel, and
+it (tilefit.tracing.inductor_fusion): fused into a kernel or run as an extern ATen kernel, and
 whether its value is ever allocated.
 
 The whole loss computation is one graph, as torch.compile(fullgraph=True) would capture it:
@@ -52,7 +52,7 @@ from tilefit.compat.compile import (
 )
 from tilefit.compat.modules import node_module, record_module_paths
 from tilefit.errors import TilefitError
-from tilefit.tracing.fusion import GRAPH_OUTPUT, GraphNode, NodePlan, plan_kernels
+from tilefit.tracing.inductor_fusion import GRAPH_OUTPUT, GraphNode, NodePlan, plan_kernels
 from tilefit.tracing.schedule import graph_input_bytes, reuse_holds, schedule_order
 from tilefit.tracing.shapes import classify
 from tilefit.vocab import EXTERN_KINDS
@@ -143,7 +143,7 @@ def _reduced(node: fx.Node) -> int:
 
 
 def describe_graph(gm: fx.GraphModule) -> tuple[list[GraphNode], dict[str, int]]:
-    """The op nodes of a graph as tilefit.tracing.fusion reads them, and each node's index
+    """The op nodes of a graph as tilefit.tracing.inductor_fusion reads them, and each node's index
     by name."""
     ids: dict[fx.Node, int] = {}
     placeholders = 0

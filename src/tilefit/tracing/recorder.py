@@ -22,7 +22,7 @@ from tilefit.compat.fake import (
 from tilefit.compat.modules import ModulePath
 from tilefit.compat.torchao import holds_float8, unwrap_float8
 from tilefit.tracing.collectives import ENGINE_COPY_NAMESPACE, collective_of
-from tilefit.tracing.fusion import NodePlan
+from tilefit.tracing.inductor_fusion import NodePlan
 from tilefit.tracing.ones import KnownOnes
 from tilefit.tracing.records import Collective, GemmShape, OpRecord, StorageRecord
 from tilefit.tracing.replay import Replays
@@ -132,7 +132,7 @@ class Recorder(Replays, TorchDispatchMode):
     @contextlib.contextmanager
     def compiled_node(self, plan: NodePlan, module: str = "") -> Iterator[None]:
         """The ops recorded inside are one node of a compiled graph, run as ``plan`` says
-        (tilefit.tracing.fusion): fused or extern, and whether its value is allocated;
+        (tilefit.tracing.inductor_fusion): fused or extern, and whether its value is allocated;
         ``module``: the module whose code made the node (no module runs in a graph)."""
         self._node, self._node_module = plan, module
         try:

@@ -30,7 +30,7 @@ class GemmShape:
 @dataclass(frozen=True)
 class FusedKernel:
     """One kernel Inductor generates from several ops of a compiled graph
-    (tilefit.tracing.fusion): what it reads from and writes to memory, once."""
+    (tilefit.tracing.inductor_fusion): what it reads from and writes to memory, once."""
 
     id: int  # unique within the trace
     ops: int  # the ops fused into it (views excluded)

@@ -1,6 +1,6 @@
 """The order Inductor's scheduler runs a compiled graph's nodes in: a simple, documented
 stand-in for its horizontal fusion and the topological sort after it
-(docs/references.md, section 19). Pure and torch-free, like tilefit.tracing.fusion, whose
+(docs/references.md, section 19). Pure and torch-free, like tilefit.tracing.inductor_fusion, whose
 GraphNode and NodePlan it reads.
 
 Inductor fuses "horizontally" two scheduler nodes that do not depend on each other when they
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tilefit.tracing.fusion import GRAPH_OUTPUT, GraphNode, base_value
+from tilefit.tracing.inductor_fusion import GRAPH_OUTPUT, GraphNode, base_value
 
 SHARED_MIN_BYTES = 10  # torch._inductor.config.score_fusion_memory_threshold
 MAX_DISTANCE = 64  # Scheduler.are_long_distant_nodes
@@ -292,7 +292,7 @@ def reuse_holds(order: Sequence[GraphNode], materialized: set[int],
     so the peak it allows is often well above what is live later, and freed buffers are
     then held far ahead. Returns value -> the node whose allocation takes its buffer
     (``order``: the graph's nodes as they run; ``materialized``: the values allocated,
-    tilefit.tracing.fusion's plan; ``input_bytes``: the graph inputs the estimate counts,
+    tilefit.tracing.inductor_fusion's plan; ``input_bytes``: the graph inputs the estimate counts,
     compat.compile.inductor_freeable_input)."""
     nodes = {n.index: n for n in order}
     sizes = dict(input_bytes)

@@ -84,7 +84,7 @@ def trace(model: Any, batch: Any = None, *, recipe: Recipe | None = None,
     old = read_legacy("trace", recipe, legacy, LEGACY_DEFAULTS)
     gpu = legacy_gpu("trace", gpu, old, bool(legacy), DEFAULT_GPU)
     if is_named_model(model):
-        from tilefit.tracing.workloads import trace_workload
+        from tilefit.tracing.workload_traces import trace_workload
 
         recipe = old.recipe or Recipe.for_model(model)
         return trace_workload(model, batch_recipe(recipe, batch), gpu)

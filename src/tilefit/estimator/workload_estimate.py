@@ -6,9 +6,8 @@ from tilefit.estimator import Estimate, estimate_recipe
 from tilefit.hardware import Device, get_device
 from tilefit.models import Workload
 from tilefit.recipe import Recipe
-from tilefit.tracing.workloads import check_lora, trace_workload
 
-__all__ = ["check_lora", "estimate_workload", "trace_workload"]
+__all__ = ["estimate_workload"]
 
 
 def estimate_workload(workload: Workload, recipe: Recipe, device: str | Device) -> Estimate:
