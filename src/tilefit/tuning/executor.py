@@ -25,9 +25,10 @@ from torch import nn
 
 from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
-from tilefit.loop import Hooks, clear_gradients, default_loss, micro_batch, optimizer_update
+from tilefit.loop import clear_gradients, default_loss, micro_batch, optimizer_update
 from tilefit.recipe import Recipe
 from tilefit.tuning.outlook import TrialShape
+from tilefit.tuning.peaks import PeakWatch, trial_hooks
 from tilefit.tuning.ranks import DOES_NOT_FIT, FAILED, FITS, Ranks, local_module
 from tilefit.tuning.search import FitProbe
 from tilefit.tuning.simulate import OOM_ERROR, MemoryLimitMode
@@ -38,11 +39,6 @@ OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
 
 MIN_REPEAT_S = 0.05  # each timed repeat lasts at least this long (timeit autorange uses 0.2 s)
 MAX_CYCLES_PER_REPEAT = 20  # ... but never more optimizer steps than this per repeat
-# tilefit.loop's phases in a fit trial's three peak windows (forward, backward, optimizer);
-# the forward's window is entered by the trial itself, before its batch is made
-TUNER_WINDOWS = {"backward": "backward", "loss_check": "backward", "scaler": "optimizer",
-                 "clip_grad": "optimizer", "optimizer": "optimizer", "zero_grad": "optimizer"}
-
 
 @dataclass(frozen=True)
 class Trial:
@@ -80,43 +76,6 @@ def _to_device(batch: Any, device: torch.device) -> Any:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class _PeakWatch:
-    """Peaks of one trial, overall and per phase (forward, backward, optimizer)."""
-
-    def __init__(self, mode: MemoryLimitMode | None = None,
-                 device: torch.device | None = None) -> None:
-        self.mode = mode
-        self.device = device
-        self.baseline_bytes: int | None = None
-        self.peak_bytes: int | None = None
-        self.phase_peaks: dict[str, int] = {}
-        self._phase: str | None = None
-
-    def phase(self, name: str) -> None:
-        """End the current phase (recording its peak) and start ``name``."""
-        if self.mode is None and self.device is None:
-            return
-        if self._phase is not None:
-            if self.mode is not None:
-                window = self.mode.window_peak_bytes
-            else:
-                assert self.device is not None
-                torch.cuda.synchronize(self.device)
-                window = torch.cuda.max_memory_allocated(self.device)
-            self.phase_peaks[self._phase] = max(self.phase_peaks.get(self._phase, 0), window)
-            self.peak_bytes = max(self.peak_bytes or 0, window)
-        self._phase = name
-        if self.mode is not None:
-            self.mode.reset_window()
-        elif self.device is not None and name:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def end(self) -> None:
-        self.phase("")
-        self._phase = None
 
 
 class Executor:
@@ -196,28 +155,8 @@ class Executor:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def _hooks(self, watch: _PeakWatch | None) -> Hooks:
-        """tilefit.loop's hooks for a trial: autocast around the forward; the loop's phases
-        folded into the watch's three windows (the forward's begins before its batch is
-        made: the loader's work is part of it)."""
-        if watch is None:
-            return Hooks(forward=self._autocast)
-        current = ["forward"]
-
-        def phase(name: str) -> None:
-            window = TUNER_WINDOWS.get(name)
-            if window is not None and window != current[0]:
-                current[0] = window
-                watch.phase(window)
-
-        def forward() -> contextlib.AbstractContextManager[Any]:
-            current[0] = "forward"
-            return self._autocast()
-
-        return Hooks(phase=phase, forward=forward)
-
     def _steps(self, batch_size: int, accumulation: int, cycles: int,
-               opt: torch.optim.Optimizer, watch: _PeakWatch | None = None,
+               opt: torch.optim.Optimizer, watch: PeakWatch | None = None,
                model: nn.Module | None = None) -> None:
         """``cycles`` optimizer steps of ``accumulation`` micro-batches, each tilefit.loop's
         step of plain PyTorch's loop in the trial's precision (with torch.amp's GradScaler
@@ -229,7 +168,7 @@ class Executor:
         model = self.model if model is None else model
         recipe = dataclasses.replace(self.recipe, accumulation_steps=accumulation)
         scaler = torch.amp.GradScaler(self.device.type) if recipe.spec.grad_scaler else None
-        hooks = self._hooks(watch)
+        hooks = trial_hooks(watch, self._autocast)
         params = [p for group in opt.param_groups for p in group["params"]]
         held: list[Any] = [None, None]  # the loop's ``batch`` and ``loss`` variables
 
@@ -249,7 +188,7 @@ class Executor:
             watch.end()
         held.clear()
 
-    def _on_device(self, batch: Any, watch: _PeakWatch | None) -> Any:
+    def _on_device(self, batch: Any, watch: PeakWatch | None) -> Any:
         """The batch as the device holds it. Under the simulated cap a tensor still on the
         host (a view of the user's dataset, say) is charged as the copy the device would
         receive, its own elements, never the dataset it is a view of."""
@@ -270,11 +209,11 @@ class Executor:
             yield from (v for v in s.values() if isinstance(v, torch.Tensor))
 
     @contextlib.contextmanager
-    def _memory(self, opt: torch.optim.Optimizer, simulate: bool) -> Iterator[_PeakWatch]:
-        """A _PeakWatch whose baseline, overall and per-phase peaks are filled in."""
+    def _memory(self, opt: torch.optim.Optimizer, simulate: bool) -> Iterator[PeakWatch]:
+        """A PeakWatch whose baseline, overall and per-phase peaks are filled in."""
         if simulate:
             mode = MemoryLimitMode(self.memory_limit_bytes, self._state_tensors(opt))
-            watch = _PeakWatch(mode=mode)
+            watch = PeakWatch(mode=mode)
             watch.baseline_bytes = mode.baseline_bytes
             try:
                 with mode:
@@ -283,11 +222,11 @@ class Executor:
                 watch.peak_bytes = max(watch.peak_bytes or 0, mode.peak_bytes)
         elif self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            watch = _PeakWatch(device=self.device)
+            watch = PeakWatch(device=self.device)
             watch.baseline_bytes = torch.cuda.memory_allocated(self.device)
             yield watch
         else:
-            yield _PeakWatch()
+            yield PeakWatch()
 
     def _cleanup(self, opt: torch.optim.Optimizer, failed: bool) -> None:
         """Free everything the trial made and put the user's state back.
@@ -349,7 +288,7 @@ class Executor:
         t0 = time.perf_counter()
         ran = False
         simulate = self.memory_limit_bytes is not None
-        watch = _PeakWatch()
+        watch = PeakWatch()
         try:
             with self._memory(opt, simulate) as watch:
                 self._steps(batch_size, 1, self.steps_per_trial, opt, watch, self.local)

@@ -16,7 +16,7 @@ from tilefit.tuning.executor import OptimizerArg
 from tilefit.tuning.noise import NoiseScale
 from tilefit.tuning.options import TuneSearch
 from tilefit.tuning.ranks import Ranks, current_ranks, rank_share
-from tilefit.vocab import Precision, parse_precision
+from tilefit.vocab import Precision, mixed_precision, parse_precision
 
 CPU_MULTIPLE = 8  # the CPU has no Tensor Core rule; multiples of 8 suit SIMD widths
 OBJECTIVE_RATE = "samples-per-s"
@@ -188,7 +188,8 @@ def live_recipe(recipe: Recipe | None, precision: str | None, function: str = "t
         raise TilefitError(f"{function} runs on the live device in the precision your loop "
                            "trains in",
                            expected="a precision named in the Recipe", given="precision='auto'",
-                           fix='Recipe(precision="bf16-mixed") (or "fp16-mixed", "fp32")')
+                           fix=f"Recipe(precision={mixed_precision('bf16').name!r}) (or "
+                           "another of tilefit.vocab's precisions)")
     defaults = Recipe()
     for name, instead in BUILT_ON_THE_MODEL.items():
         if getattr(recipe, name) != getattr(defaults, name):
