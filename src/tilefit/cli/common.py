@@ -92,8 +92,9 @@ def user_errors() -> Iterator[None]:
             import traceback
 
             sys.stderr.write("".join(traceback.format_exception(cause)))
-        from tilefit.cli.words import cli_words
+        from tilefit.cli.words import cli_words, current_command
 
-        err_console.print(f"[bold red]error:[/] {cli_words(exc.message)}", highlight=False,
+        words = cli_words(exc.message, current_command())
+        err_console.print(f"[bold red]error:[/] {words}", highlight=False,
                           soft_wrap=True)
         raise typer.Exit(code=2) from None
