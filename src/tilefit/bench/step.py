@@ -175,14 +175,15 @@ def _check_recipe(recipe: Recipe, kind: str) -> None:
                            fix="use --device cpu")
     if recipe.accumulation_steps != 1:
         raise TilefitError("bench step measures one micro-batch per optimizer step",
-                           expected="--accumulation 1", given=str(recipe.accumulation_steps),
-                           fix="drop --accumulation")
+                           expected="Recipe(accumulation_steps=1)",
+                           given=str(recipe.accumulation_steps),
+                           fix="pass Recipe(accumulation_steps=1)")
     if recipe.spec.grad_scaler:
         raise TilefitError("bench step does not run a grad scaler yet",
                            expected="a precision without loss scaling: " + ", ".join(
                                p.name for p in PRECISIONS if not p.grad_scaler),
                            given=recipe.precision,
-                           fix="use --precision " + mixed_precision("bf16").name)
+                           fix=f"use Recipe(precision={mixed_precision('bf16').name!r})")
 
 
 def _build(workload: Workload, recipe: Recipe, kind: str) -> tuple[Any, Any, Any]:
@@ -220,7 +221,7 @@ def _real_model(workload: Workload, recipe: Recipe, kind: str) -> Any:
         from tilefit.bench.qlora import qlora_of_workload
         from tilefit.compat.bitsandbytes import require_bitsandbytes
 
-        require_bitsandbytes(f"--quantize {recipe.quantize}")
+        require_bitsandbytes(f"Recipe(quantize={recipe.quantize!r})")
 
         with tempfile.TemporaryDirectory(prefix="tilefit-bench-") as where:
             model = qlora_of_workload(workload, recipe, Path(where), kind)

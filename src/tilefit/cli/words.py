@@ -19,9 +19,11 @@ from typing import Any
 
 from tilefit.cli.recipe_options import LORA, RENAMED, SHARED, WORKLOAD
 
-# Recipe's fields under their option's parameter (compile_ is the parameter of compile)
+# Recipe's fields under their option's parameter (compile_ is the parameter of compile;
+# lora=True is --lora, Lora's own fields are Lora's)
+_LORA_FIELDS = {name.removeprefix("lora_"): name for name in LORA if name != "lora"}
 _RECIPE = {RENAMED.get(name, name): name for name, _, _ in SHARED
-           if name not in (*WORKLOAD, *LORA, "gpu")} | {"compile": "compile_"}
+           if name not in (*WORKLOAD, *_LORA_FIELDS.values(), "gpu")} | {"compile": "compile_"}
 # load_workload's keywords whose option is named otherwise
 _WORKLOAD_RENAMED = {"seq": "seq_len", "target_seq": "target_seq_len"}
 _GPU = {"gpu": "gpu"}
@@ -29,22 +31,30 @@ _GPU = {"gpu": "gpu"}
 # Python's name -> {its keyword -> the command's parameter}
 KEYWORDS: Mapping[str, Mapping[str, str]] = {
     "Recipe": _RECIPE,
-    "Lora": {name.removeprefix("lora_"): name for name in LORA if name != "lora"},
+    "Lora": _LORA_FIELDS,
     "Parallelism": {"world_size": "gpus", "strategy": "strategy", "offload": "offload"},
     "Compile": {"mode": "compile_mode", "graph_breaks": "graph_breaks"},
     "load_workload": {_WORKLOAD_RENAMED.get(name, name): name for name in WORKLOAD
                       if name != "model"},
-    "estimate": _GPU, "trace": _GPU, "audit": _GPU, "tune": _GPU,
+    "estimate": _GPU, "trace": _GPU, "audit": _GPU,
+    "tune": {"optimizer": "optimizer", "precision": "precision"},
+    "analyze_gemm": {"dtype": "dtype"},
+    "analyze_linear": {"dtype": "dtype", "batches": "batch"},
+    "on_nodes": {"gpus": "gpus", "nodes": "nodes", "network": "network"},
+    "get_network": {"spec": "network"},
     "plan": {**_GPU, "global_batch": "global_batch", "seq_len": "seq"},
     "simulate": {**_GPU, "gpus": "gpus"},
     "PlanSearch": {"memory_fraction": "memory_fraction", "objective": "objective",
                    "allow_optimizer_change": "allow_optimizer_change",
                    "allow_lora": "allow_peft", "allow_quantize": "allow_quantize"},
     "TuneSearch": {"max_batch": "max_batch", "margin": "margin", "objective": "objective",
-                   "noise_scale": "noise_scale"},
+                   "noise_scale": "noise_scale", "global_batch": "global_batch",
+                   "memory_limit_bytes": "memory_limit"},
 }
 # a part whose call, nested in a Recipe, is itself a flag: Recipe(lora=Lora(rank=8))
 _IMPLIED = {"Lora": "lora", "Compile": "compile_"}
+# options whose None the command line spells as a value, not by leaving the option out
+_NONE = {"max_grad_norm": "none"}
 _CALL = re.compile(r"\b(?:tilefit\.)?(" + "|".join(KEYWORDS) + r")\(")
 
 
@@ -90,8 +100,10 @@ def current_command() -> Any:
 def _flag(option: Any, value: Any) -> str:
     """``option`` set to ``value`` as the command line writes it."""
     on = option.opts[0]
+    if value is Ellipsis:  # Lora(targets=...): the option, its value left to say
+        return on
     if value is None:  # compile=None: no torch.compile
-        return f"drop {on}"
+        return f"{on} {_NONE[option.name]}" if option.name in _NONE else f"drop {on}"
     if isinstance(value, bool):
         off = option.secondary_opts[0] if option.secondary_opts else f"drop {on}"
         return on if value else off
@@ -121,13 +133,26 @@ def _flags(call: ast.Call, options: Mapping[str, Any], *, nested: bool = False
         if parameter is None or parameter not in options:
             return None
         try:
-            flags.append(_flag(options[parameter], ast.literal_eval(keyword.value)))
+            value = _value(keyword.value)
         except ValueError:
             return None
+        if (keyword.arg or "").endswith("_bytes") and isinstance(value, int):
+            value = f"{value / 2**30:g}GiB"  # the command line reads a size with its unit
+        flags.append(_flag(options[parameter], value))
     implied = _IMPLIED.get(name or "")
     if nested and implied is not None and implied in options:
         flags.insert(0, options[implied].opts[0])
     return flags
+
+
+def _value(node: ast.expr) -> Any:
+    """A literal, or a product or power of numbers (16 * 2**30); ValueError otherwise."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult | ast.Pow):
+        left, right = _value(node.left), _value(node.right)
+        if isinstance(left, int) and isinstance(right, int) and not isinstance(left, bool):
+            return left * right if isinstance(node.op, ast.Mult) else left**right
+        raise ValueError("not a number")
+    return ast.literal_eval(node)
 
 
 def _closing(text: str, start: int) -> int:

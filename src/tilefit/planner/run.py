@@ -94,7 +94,7 @@ def _trace_one_gpu(p: PlanState, search: PlanSearch, optimizer: str, hf_model: b
     if (search.allow_lora or search.allow_quantize) and hf_model:
         require_peft()  # before any tracing: LoRA is traced with the peft library itself
     if search.allow_quantize and hf_model:
-        require_bitsandbytes("--allow-quantize")  # QLoRA's base: bitsandbytes' layers
+        require_bitsandbytes("PlanSearch(allow_quantize=True)")  # QLoRA's base: bitsandbytes' layers
     policy.trace_recipes(p, optimizer, hf_model=hf_model, allow_peft=search.allow_lora,
                          allow_optimizer_change=search.allow_optimizer_change,
                          lora=search.lora, allow_quantize=search.allow_quantize)

@@ -146,23 +146,27 @@ def _check_compile(options: TraceOptions) -> None:
     graph_breaks=True needs compile=True."""
     if options.graph_breaks and not options.compile:
         raise TilefitError("graph_breaks=True looks for torch.compile's graph breaks",
-                           expected="compile=True with graph_breaks=True",
-                           given="compile=False", fix="add --compile (compile=True)")
+                           expected="Recipe(compile=Compile(graph_breaks=True))",
+                           given="Recipe(compile=None)",
+                           fix="pass Recipe(compile=Compile(graph_breaks=True))")
     check_compile_mode(options.compile_mode, options.compile)
     if not options.compile:
         return
     if options.compile_mode == "reduce-overhead" and not options.cuda:
         raise TilefitError(
             "compile_mode='reduce-overhead' replays the step as CUDA graphs, which need a "
-            "CUDA GPU", expected="a GPU target (--gpu a100-80gb, h100, ...) with "
-            "--compile-mode reduce-overhead", given="the CPU",
-            fix="pass a GPU with --gpu, or drop --compile-mode (compile_mode='default')")
+            "CUDA GPU", expected="a GPU target (estimate(..., gpu='a100-80gb'), 'h100', ...) "
+            "with Recipe(compile=Compile(mode='reduce-overhead'))", given="the CPU",
+            fix="pass a GPU: estimate(..., gpu='h100'), or "
+            "Recipe(compile=Compile(mode='default'))")
     if options.parallel is not None:
         raise TilefitError(
             "compile=True is not predicted on several GPUs yet",
-            expected="compile=True on one GPU, or --gpus/--strategy without --compile",
-            given=f"--gpus {options.parallel.world_size} --compile",
-            fix="drop --compile or --gpus")
+            expected="Recipe(compile=Compile()) on one GPU, or Recipe(parallel=Parallelism("
+            "...)) without compile",
+            given=f"Recipe(compile=Compile(), parallel=Parallelism(world_size="
+            f"{options.parallel.world_size}))",
+            fix="pass Recipe(compile=None) or Parallelism(world_size=1)")
     check_compile_supported()
 
 

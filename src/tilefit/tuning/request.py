@@ -100,7 +100,7 @@ def current_job(objective: str, noise_scale: float | NoiseScale | None) -> Ranks
             expected="noise_scale=B_noise (measured once, on one process)",
             given="noise_scale=None (each rank would measure its own)",
             fix="measure it with `tilefit noise-scale` and pass "
-            "search=TuneSearch(noise_scale=...) (CLI: --noise-scale)")
+            "tune(..., search=TuneSearch(noise_scale=...))")
     return ranks
 
 
@@ -115,8 +115,8 @@ def make_request(search: TuneSearch, *, precision: str, device: str | torch.devi
             "on the CPU tune needs a memory limit or a largest batch to stop at",
             expected="memory_limit_bytes (simulate a GPU's memory) or max_batch",
             given="neither",
-            fix="pass search=TuneSearch(memory_limit_bytes=16 * 2**30) (CLI: --memory-limit "
-            "16GiB) or TuneSearch(max_batch=...)",
+            fix="pass tune(..., search=TuneSearch(memory_limit_bytes=16 * 2**30)) or "
+            "TuneSearch(max_batch=...)",
         )
     return TuneRequest(
         parse_precision(precision), dev, rank_share(search.global_batch, ranks),
