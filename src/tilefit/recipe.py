@@ -38,6 +38,7 @@ from tilefit.vocab import (
     Precision,
     check_max_grad_norm,
     default_precision,
+    mixed_precision,
     parse_precision,
     parse_routing,
     precision_reading,
@@ -372,7 +373,8 @@ def check_quantize(recipe: Recipe) -> None:
                  "Parallelism(world_size=1)"),
         "fp8": ("bitsandbytes' layers compute in bf16, fp16 or fp32, not fp8 (torchao's "
                 "float8 training would swap the same linear layers)",
-                "pass Recipe(precision='bf16-mixed') (QLoRA trains under bf16 autocast)"),
+                f"pass Recipe(precision={mixed_precision('bf16').name!r}) (QLoRA trains "
+                "under bf16 autocast)"),
     }[clash]
     raise TilefitError(problem, expected=f"Recipe(quantize={q!r}, lora=Lora()), on one "
                        "GPU (or Parallelism(strategy='ddp')), in a 16-bit or fp32 precision "

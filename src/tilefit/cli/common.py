@@ -95,6 +95,9 @@ def user_errors() -> Iterator[None]:
         from tilefit.cli.words import cli_words, current_command
 
         words = cli_words(exc.message, current_command())
-        err_console.print(f"[bold red]error:[/] {words}", highlight=False,
+        from rich.markup import escape
+
+        # escaped: a fix's brackets (pip install 'tilefit[peft]') are text, not markup
+        err_console.print(f"[bold red]error:[/] {escape(words)}", highlight=False,
                           soft_wrap=True)
         raise typer.Exit(code=2) from None

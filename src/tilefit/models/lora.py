@@ -39,8 +39,9 @@ if TYPE_CHECKING:
     from tilefit.models import Workload
 
 
-def require_peft() -> Any:
-    """The peft module, or a TilefitError saying how to install it."""
+def require_peft(without: str = "Recipe(lora=None)") -> Any:
+    """The peft module, or a TilefitError saying how to install it (``without``: how the
+    caller goes without LoRA, in Python words)."""
     from tilefit.quiet_imports import quiet_imports
 
     try:
@@ -51,7 +52,7 @@ def require_peft() -> Any:
             "LoRA is traced with the peft library, which is not installed",
             expected="peft importable (an optional dependency of tilefit)",
             given="import peft failed",
-            fix="pip install peft (or pip install 'tilefit[peft]'), or train without LoRA",
+            fix=f"pip install peft (or pip install 'tilefit[peft]'), or {without}",
         ) from None
     return peft
 

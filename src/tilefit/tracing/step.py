@@ -39,7 +39,7 @@ from tilefit.tracing.errors import explain_build_errors, explain_fake_errors
 from tilefit.tracing.fakes import Prepared, prepare
 from tilefit.tracing.gc_pause import gc_paused
 from tilefit.tracing.kernels import KernelFallbacks, reference_note
-from tilefit.tracing.loop import default_loss, micro_step, optimizer_step
+from tilefit.tracing.loop import check_default_loss_batch, default_loss, micro_step, optimizer_step
 from tilefit.tracing.moe import ExpertsTrace
 from tilefit.tracing.optimizers import host_step_counters, paged_note
 from tilefit.tracing.options import (
@@ -104,6 +104,8 @@ def trace_module(model: ModelSpec, batch: Any, recipe: Recipe, gpu: str | Device
         raise TilefitError("an nn.Module (or factory) needs an example batch",
                            expected="trace(model, batch, ...)", given="no batch",
                            fix="pass one batch as your DataLoader yields it")
+    if loss_fn is None:  # before tracing: the batch named as the user gave it
+        check_default_loss_batch(batch)
     target, dev = resolve_target(gpu)
     recipe = recipe.on(dev)
     parallel = parallel_spec(recipe.parallel.world_size, recipe.parallel.strategy)
