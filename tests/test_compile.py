@@ -447,7 +447,9 @@ def test_fused_ce_with_compile_is_a_clear_error() -> None:
 
     with pytest.raises(TilefitError, match=r"not predicted under torch\.compile") as err:
         Recipe(batch_size=1, precision="bf16-mixed", fused_ce=True, compile=True)
-    assert "--fused-ce" in err.value.fix and "--compile" in err.value.fix
+    assert "Recipe(compile=None)" in err.value.fix and "Recipe(fused_ce=False)" in err.value.fix
     result = CliRunner().invoke(app, ["estimate", "gpt2", "--gpu", "a100-80gb", "--fused-ce",
                                       "--compile"])
     assert result.exit_code != 0 and "not predicted under torch.compile" in result.output
+    # the command line's words: the flags that undo each
+    assert "drop --compile" in result.output and "--no-fused-ce" in result.output

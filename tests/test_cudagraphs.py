@@ -137,7 +137,7 @@ def test_modes_are_checked() -> None:
     with pytest.raises(TilefitError, match="CUDA") as e:
         trace(_mlp, torch.randn(B, IN), loss_fn=_loss, optimizer="sgd", compile=True,
               compile_mode=RO)
-    assert "--gpu" in str(e.value)
+    assert "estimate(..., gpu='h100')" in str(e.value)
     assert Recipe(compile=True).compile_mode == "default"  # compile=True means "default"
 
 

@@ -139,7 +139,7 @@ def test_a_gpu_without_fp8_names_the_ones_that_have_it(gpu: str) -> None:
     have = [d.name for d in CATALOG if d.compute_capability and d.compute_capability >= (8, 9)]
     assert have and all(name in text for name in have)
     assert gpu not in text.split("in the catalog:")[1].split(")")[0]
-    assert "--precision bf16-mixed" in text or "--precision fp16-mixed" in text
+    assert "Recipe(precision='bf16-mixed')" in text or "Recipe(precision='fp16-mixed')" in text
 
 
 def test_fp8_on_the_cpu_is_an_error() -> None:

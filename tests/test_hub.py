@@ -196,7 +196,7 @@ def test_neither_catalog_path_factory_nor_repo_id_keeps_did_you_mean(
 
 
 def test_revision_applies_to_hub_ids_only() -> None:
-    with pytest.raises(TilefitError, match="--revision pins a Hugging Face Hub id"):
+    with pytest.raises(TilefitError, match="a revision pins a Hugging Face Hub id"):
         load_workload("gpt2", revision="main")
 
 

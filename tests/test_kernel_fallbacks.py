@@ -155,7 +155,7 @@ def test_lora_on_a_mamba_model_names_the_targets_peft_accepts(tmp_path) -> None:
         estimate(work, recipe=Recipe(batch_size=2, lora=Lora()), gpu="a100-80gb")
     # MambaMixer's linear layers: in_proj, x_proj, dt_proj, out_proj (peft refuses the last)
     assert "incompatible with Mamba-based models" in err.value.problem
-    assert err.value.fix.startswith("pass --lora-targets in_proj,x_proj,dt_proj")
+    assert err.value.fix.startswith("pass Lora(targets=('in_proj', 'x_proj', 'dt_proj'")
     est = estimate(work, recipe=Recipe(batch_size=2, lora=Lora(targets=("in_proj", "x_proj",
                                                                          "dt_proj"))),
                    gpu="a100-80gb")

@@ -102,7 +102,7 @@ def test_a_target_of_no_module_lists_the_linear_layers() -> None:
     with pytest.raises(TilefitError, match="q_prj") as err:
         trace_workload(tiny(), recipe, "a100-80gb")
     assert LINEAR_NAMES in (err.value.expected or "")
-    assert "--lora-targets q_proj" in (err.value.fix or "")
+    assert "Lora(targets=('q_proj',))" in (err.value.fix or "")
 
 
 def _after_step(lora: Lora) -> int:

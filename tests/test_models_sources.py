@@ -150,7 +150,7 @@ def test_factory_workload_stand_in_loss(factory_dir: str) -> None:
 def test_factory_needs_input_shape(factory_dir: str) -> None:
     with pytest.raises(TilefitError, match="shape") as err:
         load_workload(f"{factory_dir}:build")
-    assert "--input-shape" in err.value.fix
+    assert "load_workload(..., input_shape=(3, 224, 224))" in err.value.fix
 
 
 def test_factory_module_not_importable(factory_dir: str) -> None:

@@ -217,7 +217,8 @@ def test_bad_input() -> None:
         parallel_spec(2, "zero3")
     with pytest.raises(TilefitError, match="whole number"):
         parallel_spec(0, "ddp")
-    with pytest.raises(TilefitError, match="--gpus 8 or --gpus 16"):
+    with pytest.raises(TilefitError,
+                       match=r"Parallelism\(world_size=8\) or Parallelism\(world_size=16\)"):
         check_world_size(get_device("h100"), 12)
     with pytest.raises(TilefitError, match="no network figure"):
         check_world_size(get_device("t4"), 16)
@@ -319,7 +320,8 @@ def test_fsdp2_names_a_parameter_it_cannot_shard() -> None:
         tilefit.estimate(Net, torch.randn(4, 8), loss_fn=lambda m, b: m(b).sum(),
                          world_size=2, strategy="fsdp2", device="h100")
     text = str(err.value)
-    assert "layers.0.scale (module layers.0)" in text and "--strategy ddp" in text
+    assert "layers.0.scale (module layers.0)" in text \
+        and "Parallelism(strategy='ddp')" in text
     ddp = tilefit.estimate(Net, torch.randn(4, 8), loss_fn=lambda m, b: m(b).sum(),
                            world_size=2, strategy="ddp", device="h100")
     assert ddp.parallel is not None and ddp.parallel.strategy == "ddp"

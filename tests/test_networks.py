@@ -46,7 +46,7 @@ def test_a_spec_file_gives_the_line_rate_per_gpu(tmp_path) -> None:
 def test_nodes_must_divide_the_gpus_and_unknown_networks_say_the_format() -> None:
     with pytest.raises(TilefitError) as err:
         on_nodes(get_device("h100-sxm"), 16, 3)
-    assert "1, 2, 4, 8, 16" in str(err.value) and "--nodes 2" in str(err.value)
+    assert "1, 2, 4, 8, 16" in str(err.value) and "on_nodes(..., nodes=2)" in str(err.value)
     with pytest.raises(TilefitError) as err:
         get_network("infiniband-9000")
     assert "ib-ndr" in str(err.value) and "gbit_per_s" in str(err.value)

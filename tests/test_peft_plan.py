@@ -168,6 +168,7 @@ def test_estimate_lora_flag_and_a_factory_model() -> None:
     from typer.testing import CliRunner
 
     from tilefit.cli.app import app
+    from tilefit.cli.words import cli_words
     from tilefit.tracing.workload_traces import check_lora
 
     result = CliRunner().invoke(app, ["estimate", "llama-3.2-1b", "--gpu", "a10", "--lora",
@@ -181,7 +182,8 @@ def test_estimate_lora_flag_and_a_factory_model() -> None:
                        input_shape=(8,))
     with pytest.raises(TilefitError, match="LoRA") as err:
         check_lora(factory)
-    assert "--lora" in (err.value.fix or "")
+    assert "Recipe(lora=None)" in (err.value.fix or "")
+    assert "drop --lora" in cli_words(err.value.fix or "")
 
 
 def test_audit_and_fused_loss_with_peft() -> None:

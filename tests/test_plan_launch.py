@@ -108,7 +108,7 @@ def test_optimizers_deepspeed_has_not_tested_are_allowed_explicitly() -> None:
 def test_one_gpu_row_has_no_deepspeed_launch() -> None:
     with pytest.raises(TilefitError) as err:
         deepspeed_config(_row(None))
-    assert "--gpus N" in str(err.value)
+    assert "Parallelism(world_size=...) above 1" in str(err.value)
 
 
 def test_zero_plan_writes_a_deepspeed_script_carrying_its_json() -> None:

@@ -254,9 +254,9 @@ def test_qlora_under_ddp_all_reduces_the_adapters_gradients_only(workload) -> No
     reduced = [o.collective for o in tr.ops_of_step(1)
                if o.collective is not None and o.collective.name == "all_reduce"]
     assert [(c.nbytes, c.group_size) for c in reduced] == [(grads, 2)]
-    with pytest.raises(TilefitError, match="--strategy ddp"):
+    with pytest.raises(TilefitError, match=r"Parallelism\(strategy='ddp'\)"):
         Recipe(lora=Lora(), quantize="nf4", parallel=Parallelism(2, "fsdp2"))
-    with pytest.raises(TilefitError, match="--strategy ddp"):
+    with pytest.raises(TilefitError, match=r"Parallelism\(strategy='ddp'\)"):
         Recipe(lora=Lora(), quantize="nf4", parallel=Parallelism(2))  # fsdp2 by default
 
 

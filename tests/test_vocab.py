@@ -96,7 +96,7 @@ def test_mixed_precision_by_its_half_dtype() -> None:
 def test_max_grad_norm_must_be_positive(value: object) -> None:
     from tilefit.vocab import check_max_grad_norm
 
-    with pytest.raises(TilefitError, match="--max-grad-norm none"):
+    with pytest.raises(TilefitError, match=r"Recipe\(max_grad_norm=None\)"):
         check_max_grad_norm(value)  # type: ignore[arg-type]
 
 

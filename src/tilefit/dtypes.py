@@ -57,5 +57,5 @@ def parse_dtype(text: str | DType) -> DType:
         f"unknown dtype {text!r}",
         expected="one of " + ", ".join(DTYPE_NAMES),
         given=repr(text),
-        fix="pass --dtype with one of the names above (fp16 and bf16 are the usual training types)",
+        fix="pass one of the names above (fp16 and bf16 are the usual training types)",
     )

@@ -109,7 +109,7 @@ def _recipe_of(legacy: dict[str, Any], base: dict[str, Any]) -> Recipe:
                 # the error Compile gives for a mode without compile=True
                 raise TilefitError(f"{key}={legacy[key]!r} is an option of torch.compile",
                                    expected=f"compile=True with {key}", given="compile=False",
-                                   fix="add --compile (Recipe(compile=Compile(...)))")
+                                   fix="pass Recipe(compile=Compile(...))")
     parallel = {new: legacy[old] for old, new in PARALLEL_FIELDS.items() if old in legacy}
     if parallel:
         fields_["parallel"] = Parallelism(**parallel)

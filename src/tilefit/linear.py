@@ -193,7 +193,7 @@ def analyze_linear(
             "no batch size given",
             expected="one or more positive integers",
             given="an empty list",
-            fix="pass batch sizes, e.g. --batch 8,64,256",
+            fix="pass batch sizes, e.g. analyze_linear(..., batches=(8, 64, 256))",
         )
     given = tuple(dict.fromkeys(_check_positive("batch", b) for b in batch_list))
     dt = parse_dtype(dtype)

@@ -23,8 +23,9 @@ from torch import nn
 from tilefit.errors import TilefitError
 from tilefit.recipe import Recipe
 
-__all__ = ["NO_HOOKS", "Hooks", "LossFn", "Scaler", "check_scalar_loss", "clear_gradients",
-           "default_loss", "micro_batch", "optimizer_update", "training_step"]
+__all__ = ["NO_HOOKS", "Hooks", "LossFn", "Scaler", "check_default_loss_batch",
+           "check_scalar_loss", "clear_gradients", "default_loss", "describe_batch",
+           "micro_batch", "optimizer_update", "training_step"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -67,15 +68,38 @@ class Hooks:
 NO_HOOKS = Hooks()
 
 
+def describe_batch(batch: Any) -> str:
+    """The batch as its user knows it: "a Tensor of shape (2, 4)", "a tuple of 2: Tensor
+    (2, 4), Tensor (2,)" (a fake tensor is the Tensor the user gave)."""
+    if isinstance(batch, torch.Tensor):
+        return f"a Tensor of shape {tuple(batch.shape)}"
+    if isinstance(batch, tuple | list) and batch:
+        items = ", ".join(f"Tensor {tuple(b.shape)}" if isinstance(b, torch.Tensor)
+                          else type(b).__name__ for b in batch[:4])
+        more = ", ..." if len(batch) > 4 else ""
+        return f"a {type(batch).__name__} of {len(batch)}: {items}{more}"
+    return f"a {type(batch).__name__}"
+
+
+def check_default_loss_batch(batch: Any) -> None:
+    """An error unless default_loss can take ``batch`` (a dict, which a Hugging Face model
+    takes with its labels): checked on the user's batch before tracing, and again inside."""
+    if isinstance(batch, Mapping):
+        return
+    example = ("criterion(model(batch[0]), batch[1])" if isinstance(batch, tuple | list)
+               else "criterion(model(batch), target), or model(batch).mean()")
+    raise TilefitError(
+        "no loss_fn given, and without one tilefit takes the loss from a dict batch "
+        "(model(**batch).loss, as Hugging Face models compute it)",
+        expected="a dict batch for a model that returns .loss (Hugging Face), or loss_fn",
+        given=f"{describe_batch(batch)} as the batch, and no loss_fn",
+        fix=f"pass loss_fn=lambda model, batch: ... (your loss, e.g. {example})")
+
+
 def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """model(**batch).loss for dict batches (Hugging Face models with labels in the batch):
     the loss of a step when no loss_fn is given, for trace, estimate and tune alike."""
-    if not isinstance(batch, Mapping):
-        raise TilefitError(
-            "no loss_fn given and the batch is not a dict",
-            expected="a dict batch for a model that returns .loss (Hugging Face), or loss_fn",
-            given=f"a batch of type {type(batch).__name__}",
-            fix="pass loss_fn=lambda model, batch: criterion(model(batch[0]), batch[1])")
+    check_default_loss_batch(batch)
     out = model(**batch)
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, Mapping):

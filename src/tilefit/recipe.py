@@ -38,6 +38,7 @@ from tilefit.vocab import (
     Precision,
     check_max_grad_norm,
     default_precision,
+    mixed_precision,
     parse_precision,
     parse_routing,
     precision_reading,
@@ -172,11 +173,11 @@ class Recipe:
         if self.fused_ce and self.compile is not None:
             raise TilefitError(
                 "fused linear cross-entropy is not predicted under torch.compile",
-                expected="fused_ce=True (--fused-ce) or compile=True (--compile), not both",
-                given="fused_ce=True with compile=True",
-                fix="drop --compile to predict Liger's fused loss in eager mode, or drop "
-                "--fused-ce to predict the compiled step (Inductor fuses the loss's softmax "
-                "itself); docs/references.md, section 17 says why")
+                expected="Recipe(fused_ce=True) or Recipe(compile=Compile()), not both",
+                given="Recipe(fused_ce=True, compile=Compile())",
+                fix="pass Recipe(compile=None) to predict Liger's fused loss in eager mode, "
+                "or Recipe(fused_ce=False) to predict the compiled step (Inductor fuses the "
+                "loss's softmax itself); docs/references.md, section 17 says why")
 
     @classmethod
     def for_model(cls, model: Any, **fields_: Any) -> Recipe:
@@ -333,8 +334,8 @@ def training_loop_note(recipe: Recipe) -> str:
     optimizer = recipe.to_dict()["optimizer"]
     return (f"note: the training loop as assumed: {clip}, {optimizer}, {sync} (the "
             "Hugging Face Trainer's defaults are max_grad_norm=1.0, optim='adamw_torch_fused', "
-            "logging_nan_inf_filter=True; --max-grad-norm, --optimizer and --no-loss-sync "
-            "change them)")
+            "logging_nan_inf_filter=True; Recipe(max_grad_norm=...), Recipe(optimizer=...) "
+            "and Recipe(loss_sync=True) change them)")
 
 
 def check_quantize(recipe: Recipe) -> None:
@@ -367,19 +368,22 @@ def check_quantize(recipe: Recipe) -> None:
         "gpus": (f"a quantized base is predicted on one GPU or replicated on several by DDP, "
                  f"not sharded by {recipe.parallel.engine} (sharding bitsandbytes' packed "
                  "weights needs quant_storage set to the compute dtype: not modelled)",
-                 "pass --strategy ddp (every GPU holds the whole 4-bit base; only the "
-                 "adapters' gradients are all-reduced), or drop --gpus"),
+                 "pass Parallelism(strategy='ddp') (every GPU holds the whole 4-bit base; "
+                 "only the adapters' gradients are all-reduced), or "
+                 "Parallelism(world_size=1)"),
         "fp8": ("bitsandbytes' layers compute in bf16, fp16 or fp32, not fp8 (torchao's "
                 "float8 training would swap the same linear layers)",
-                "pass another --precision (QLoRA trains under bf16 autocast)"),
+                f"pass Recipe(precision={mixed_precision('bf16').name!r}) (QLoRA trains "
+                "under bf16 autocast)"),
     }[clash]
-    raise TilefitError(problem, expected=f"--quantize {q} with --lora, on one GPU (or "
-                       "--strategy ddp), in a 16-bit or fp32 precision (int8: eager)",
-                       given=f"--quantize {q} with " + {
-                           "lora": "no --lora", "compile": "--compile",
-                           "gpus": f"--gpus {recipe.parallel.world_size} (strategy "
-                                   f"{recipe.parallel.engine})",
-                           "fp8": "--precision fp8-mixed"}[clash],
+    raise TilefitError(problem, expected=f"Recipe(quantize={q!r}, lora=Lora()), on one "
+                       "GPU (or Parallelism(strategy='ddp')), in a 16-bit or fp32 precision "
+                       "(int8: eager)",
+                       given=f"Recipe(quantize={q!r}) with " + {
+                           "lora": "Recipe(lora=None)", "compile": "Recipe(compile=Compile())",
+                           "gpus": f"Parallelism(world_size={recipe.parallel.world_size}, "
+                                   f"strategy={recipe.parallel.engine!r})",
+                           "fp8": "Recipe(precision='fp8-mixed')"}[clash],
                        fix=fix)
 
 

@@ -133,7 +133,7 @@ class Lora:
         object.__setattr__(self, "targets", _lora_targets(self.targets))
         if self.modules_to_save is not None:
             object.__setattr__(self, "modules_to_save",
-                               _module_names(self.modules_to_save, "--modules-to-save"))
+                               _module_names(self.modules_to_save, "modules_to_save"))
         if not isinstance(self.dora, bool):
             raise TilefitError("dora says whether peft's DoRA is on", expected="True or False",
                                given=repr(self.dora), fix="pass Lora(dora=True), or leave it out")
@@ -156,18 +156,18 @@ def _lora_targets(value: object) -> str | tuple[str, ...]:
     of names separated by commas)."""
     if isinstance(value, str) and value.strip().lower() == ALL_LINEAR:
         return ALL_LINEAR
-    return _module_names(value, "--lora-targets")
+    return _module_names(value, "targets")
 
 
-def _module_names(value: object, flag: str) -> tuple[str, ...]:
+def _module_names(value: object, field: str) -> tuple[str, ...]:
     items = value.split(",") if isinstance(value, str) else value
     names = tuple(str(n).strip() for n in items) \
         if isinstance(items, (list, tuple)) and all(isinstance(n, str) for n in items) else ()
     if not names or not all(names):
-        raise TilefitError(f"{flag} names modules of the model",
-                           expected="module names separated by commas, e.g. q_proj,v_proj"
-                           + (" (or all-linear)" if flag == "--lora-targets" else ""),
+        raise TilefitError(f"Lora({field}=...) names modules of the model",
+                           expected="module names, e.g. ('q_proj', 'v_proj')"
+                           + (" (or 'all-linear')" if field == "targets" else ""),
                            given=repr(value),
-                           fix="pass Lora(targets=('q_proj', 'v_proj'))" if flag == "--lora-targets"
+                           fix="pass Lora(targets=('q_proj', 'v_proj'))" if field == "targets"
                            else "pass Lora(modules_to_save=('lm_head',))")
     return names

@@ -187,8 +187,8 @@ def parse_precision(text: str | Precision) -> Precision:
         f"unknown precision {text!r}{hint}",
         expected="one of " + ", ".join(PRECISION_NAMES),
         given=repr(text),
-        fix="pass --precision bf16-mixed on Ampere and later GPUs, fp16-mixed before, "
-        "fp32 on the CPU")
+        fix="pass Recipe(precision='bf16-mixed') on Ampere and later GPUs, "
+        "Recipe(precision='fp16-mixed') before, Recipe(precision='fp32') on the CPU")
 
 
 # spellings whose meaning differs across the ecosystem: a bare 16-bit dtype name is read as
@@ -255,8 +255,8 @@ def check_precision_supported(precision: str | Precision, device: Device) -> Pre
             f"{device.display_name} has no {p.requires} math, so precision {p.name} cannot run",
             expected=f"a GPU with {p.requires} Tensor Cores (in the catalog: "
             f"{', '.join(gpus_supporting(p.requires))})", given=f"{p.name} on {device.name}",
-            fix=f"use --precision {default_precision(device)} on this device, or pass "
-            "--gpu with one of the GPUs above")
+            fix=f"use Recipe(precision={default_precision(device)!r}) on this device, or "
+            "one of the GPUs above: estimate(..., gpu=...)")
     return p
 
 
@@ -278,8 +278,8 @@ def check_max_grad_norm(max_grad_norm: float | None, *, given: str | None = None
             "max_grad_norm must be a positive number (or None: no clipping)",
             expected="e.g. 1.0, the Hugging Face Trainer's default",
             given=repr(max_grad_norm) if given is None else given,
-            fix="pass --max-grad-norm 1.0 (the Trainer's default), or --max-grad-norm none "
-            "(max_grad_norm=None) to train without clipping")
+            fix="pass Recipe(max_grad_norm=1.0) (the Trainer's default), or "
+            "Recipe(max_grad_norm=None) to train without clipping")
 
 
 # ---- torch.compile (tilefit.tracing.inductor_fusion) ------------------------------------------
@@ -297,12 +297,13 @@ def check_compile_mode(mode: str, compile: bool) -> None:
     if mode not in COMPILE_MODES:
         raise TilefitError(f"unknown torch.compile mode {mode!r}",
                            expected="one of " + ", ".join(COMPILE_MODES), given=repr(mode),
-                           fix="--compile-mode reduce-overhead (compile_mode="
-                           "\"reduce-overhead\") or drop --compile-mode")
+                           fix="pass Recipe(compile=Compile(mode='reduce-overhead')), or "
+                           "Recipe(compile=Compile(mode='default'))")
     if mode != "default" and not compile:
         raise TilefitError(f"compile_mode={mode!r} is a mode of torch.compile",
                            expected=f"compile=True with compile_mode={mode!r}",
-                           given="compile=False", fix="add --compile (compile=True)")
+                           given="compile=False",
+                           fix="pass Recipe(compile=Compile(mode=...))")
 
 # Op kinds Inductor runs as "extern" ATen kernels, never fused with their neighbours: GEMMs
 # (mm, addmm, bmm), convolutions and fused attention (docs/references.md, section 19).
@@ -362,6 +363,6 @@ def parse_routing(text: str) -> ExpertRouting:
         raise TilefitError(f"unknown routing {text!r}",
                            expected="balanced, or skewed:F with F in (0, 1] (the busiest "
                            "expert's share of the routed tokens, e.g. skewed:0.5)",
-                           given=repr(text), fix="pass --routing balanced or --routing "
-                           "skewed:0.5")
+                           given=repr(text), fix="pass Recipe(routing='balanced') or "
+                           "Recipe(routing='skewed:0.5')")
     return ExpertRouting(value)

@@ -208,7 +208,7 @@ def _real_model(workload: Workload, recipe: Recipe, kind: str) -> Any:
         from tilefit.bench.qlora import qlora_of_workload
         from tilefit.compat.bitsandbytes import require_bitsandbytes
 
-        require_bitsandbytes(f"--quantize {recipe.quantize}")
+        require_bitsandbytes(f"Recipe(quantize={recipe.quantize!r})")
 
         with tempfile.TemporaryDirectory(prefix="tilefit-bench-") as where:
             model = qlora_of_workload(workload, recipe, Path(where), kind)

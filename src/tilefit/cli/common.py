@@ -93,9 +93,11 @@ def user_errors() -> Iterator[None]:
             import traceback
 
             sys.stderr.write("".join(traceback.format_exception(cause)))
-        from tilefit.cli.words import cli_words
+        from tilefit.cli.words import cli_words, current_command
 
-        # the message is text, not markup: a spec file's "[memory]" stays as written
-        err_console.print(f"[bold red]error:[/] {escape(cli_words(exc.message))}",
-                          highlight=False, soft_wrap=True)
+        words = cli_words(exc.message, current_command())
+        # escaped: the message is text, not markup (a spec file's "[memory]", a fix's
+        # pip install 'tilefit[peft]' stay as written)
+        err_console.print(f"[bold red]error:[/] {escape(words)}", highlight=False,
+                          soft_wrap=True)
         raise typer.Exit(code=2) from None

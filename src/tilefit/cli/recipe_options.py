@@ -60,8 +60,8 @@ SHARED: tuple[tuple[str, Any, Any], ...] = (
     ("alloc_conf", str | None, mo.ALLOC_CONF_OPTION),
 )
 # the options that name the model and its input (mo.load's), and LoRA's (mo.lora_of's)
-_WORKLOAD = ("model", "seq", "input_shape", "task", "target_seq", "image_size", "revision")
-_LORA = ("lora", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "dora",
+WORKLOAD = ("model", "seq", "input_shape", "task", "target_seq", "image_size", "revision")
+LORA = ("lora", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "dora",
          "modules_to_save")
 # options whose Recipe field (or mo.recipe keyword) has another name
 RENAMED = {"batch": "batch_size", "accumulation": "accumulation_steps"}
@@ -77,14 +77,14 @@ class RecipeFlags:
         return self.values[name]
 
     def workload(self) -> Workload:
-        return mo.load(*(self.values[name] for name in _WORKLOAD))  # type: ignore[no-any-return]
+        return mo.load(*(self.values[name] for name in WORKLOAD))  # type: ignore[no-any-return]
 
     def recipe(self, work: Workload, **extra: Any) -> Recipe:
         """The Recipe of these flags for ``work`` (``extra``: a command's own, such as
         --gpus and --strategy: mo.recipe's keywords)."""
         given = {RENAMED.get(name, name): value for name, value in self.values.items()
-                 if name not in (*_WORKLOAD, *_LORA, "gpu")}
-        lora = mo.lora_of(*(self.values[name] for name in _LORA))
+                 if name not in (*WORKLOAD, *LORA, "gpu")}
+        lora = mo.lora_of(*(self.values[name] for name in LORA))
         return mo.recipe(work, lora=lora, **given, **extra)
 
 

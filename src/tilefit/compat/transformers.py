@@ -154,8 +154,8 @@ def check_attention(model_class: type, attention: str) -> None:
         f"in transformers {transformers.__version__}",
         expected=f"attention 'auto' or 'eager' for {name}",
         given="attention='sdpa'",
-        fix="drop --attention (auto: transformers chooses, eager for this model), or pass "
-        "--attention eager (attention='eager' in Python)")
+        fix="pass Recipe(attention='auto') (transformers chooses, eager for this model), or "
+        "Recipe(attention='eager')")
 
 
 def set_attention(model: nn.Module, attention: str) -> None:

@@ -99,14 +99,15 @@ def check_world_size(device: Device, world_size: int) -> None:
             f"figure for {device.display_name}",
             expected=f"at most {per_node} GPUs (one node) on this GPU",
             given=str(world_size),
-            fix=f"pass --gpus {per_node}, or name the network between nodes (--network "
-            "ib-ndr; tilefit.hardware.networks.on_nodes)")
+            fix=f"pass Parallelism(world_size={per_node}), or name the network between nodes "
+            "(tilefit.hardware.networks: on_nodes(..., network=get_network(spec='ib-ndr')))")
     if world_size % per_node:
         low, high = world_size // per_node * per_node, -(-world_size // per_node) * per_node
         raise TilefitError(
             f"{world_size} GPUs do not fill whole nodes of {per_node} GPUs",
             expected=f"a multiple of {per_node} above one node",
-            given=str(world_size), fix=f"pass --gpus {low} or --gpus {high}")
+            given=str(world_size),
+            fix=f"pass Parallelism(world_size={low}) or Parallelism(world_size={high})")
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,9 @@ def check_capturable(tr: Trace) -> None:
         expected="compiled graphs without a host sync",
         given="transformers' per-expert loop in the graph (experts whose weights are not "
         "bf16, under torch.compile)",
-        fix="keep torch.compile's default mode (--compile-mode default), or bf16 weights "
-        "(--precision bf16-true), with which transformers calls torch's grouped GEMM")
+        fix="keep torch.compile's default mode (Recipe(compile=Compile(mode='default'))), or "
+        "bf16 weights (Recipe(precision='bf16-true')), with which transformers calls torch's "
+        "grouped GEMM")
 
 
 def replay_starts(ops: Sequence[OpRecord]) -> list[bool]:

@@ -128,7 +128,7 @@ def zero_stage(strategy: str) -> int:
     if key not in ZERO_STRATEGIES:
         raise TilefitError(f"unknown ZeRO stage {strategy!r}",
                            expected=", ".join(ZERO_STRATEGIES), given=repr(strategy),
-                           fix="pass --strategy zero2")
+                           fix="pass Parallelism(strategy='zero2')")
     return ZERO_STRATEGIES.index(key) + 1
 
 

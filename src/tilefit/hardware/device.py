@@ -142,8 +142,8 @@ class Device(HtmlRepr):
                 f"{self.display_name} has no {d.name} math",
                 expected=f"a dtype this GPU runs: {have}",
                 given=d.name,
-                fix=f"use --dtype {_fallback(self, d)} on this GPU, or choose a GPU that has "
-                f"{d.name} with --gpu",
+                fix=f"use analyze_gemm(..., dtype={_fallback(self, d)!r}) on this GPU, or "
+                f"choose a GPU that has {d.name}",
             ) from None
 
     def multiple(self, dtype: str | DType) -> int:

@@ -118,7 +118,7 @@ def get_device(spec: str | Device) -> Device:
             f"GPU name {text!r} is ambiguous",
             expected="one catalog name",
             given=f"{text!r}, which matches: {', '.join(prefixed)}",
-            fix=f"say which one, e.g. --gpu {prefixed[0]}",
+            fix=f"say which one, e.g. estimate(..., gpu={prefixed[0]!r})",
         )
     left_out = _left_out_error(text, key)
     if left_out is not None:
@@ -250,10 +250,11 @@ def detect_live_device(index: int = 0, *, use_profile: bool = True) -> Device:
         torch = None  # type: ignore[assignment]
     if torch is None or not torch.cuda.is_available():
         raise TilefitError(
-            "--gpu auto found no CUDA GPU on this machine",
+            "gpu='auto' found no CUDA GPU on this machine",
             expected="a machine with an NVIDIA GPU and a CUDA build of PyTorch",
             given="no CUDA device" if torch is not None else "PyTorch is not installed",
-            fix="name the GPU to predict for, e.g. --gpu a100-80gb (`tilefit gpus` lists them)",
+            fix="name the GPU to predict for, e.g. estimate(..., gpu='a100-80gb') (`tilefit "
+            "gpus` lists them)",
         )
     props = torch.cuda.get_device_properties(index)
     base = match_catalog(props.name, props.total_memory)
@@ -263,7 +264,7 @@ def detect_live_device(index: int = 0, *, use_profile: bool = True) -> Device:
             expected="a GPU listed by `tilefit gpus`",
             given=props.name,
             fix="describe it in a TOML spec file (base = the nearest catalog entry) and pass "
-            "--gpu path/to/spec.toml",
+            "estimate(..., gpu='path/to/spec.toml')",
         )
     live = dataclasses.replace(
         base,

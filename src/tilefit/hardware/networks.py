@@ -63,8 +63,8 @@ def get_network(spec: str) -> Network:
     raise TilefitError(
         f"unknown network {spec!r}", expected="one of " + ", ".join(names) + ", or "
         + SPEC_FORMAT, given=spec,
-        fix="--network " + (close_matches(spec, names) or [names[1]])[0]
-        + ", or --network my_net.toml")
+        fix=f"pass get_network(spec={(close_matches(spec, names) or [names[1]])[0]!r}), or "
+        "get_network(spec='my_net.toml')")
 
 
 def _load_spec(path: Path) -> Network:
@@ -94,9 +94,10 @@ def on_nodes(device: Device, gpus: int, nodes: int | None = None,
             fits = divisors(gpus)
             raise TilefitError(
                 f"{gpus} GPUs cannot be spread evenly over {nodes} nodes",
-                expected=f"a node count that divides --gpus {gpus}: "
-                + ", ".join(map(str, fits)), given=f"--nodes {nodes}",
-                fix=f"--nodes {min(fits, key=lambda n: abs(n - nodes))}, or another --gpus")
+                expected=f"a node count that divides on_nodes(..., gpus={gpus}): "
+                + ", ".join(map(str, fits)), given=f"on_nodes(..., nodes={nodes})",
+                fix=f"pass on_nodes(..., nodes={min(fits, key=lambda n: abs(n - nodes))}), or "
+                "another on_nodes(..., gpus=...)")
         device = dataclasses.replace(device, gpus_per_node=gpus // nodes)
     if network is not None:
         device = dataclasses.replace(device, network_bytes_per_s=network.bytes_per_s,

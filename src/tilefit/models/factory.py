@@ -89,7 +89,8 @@ def check_input_shape(source: str, input_shape: Any) -> tuple[int, ...]:
             f"{source} needs the shape of one input sample",
             expected="input_shape without the batch dimension, e.g. (3, 224, 224)",
             given="no input_shape",
-            fix="pass --input-shape 3,224,224 (the batch is float32 of shape (B, *input_shape))",
+            fix="pass load_workload(..., input_shape=(3, 224, 224)) (the batch is float32 of "
+            "shape (B, *input_shape))",
         )
     import operator
 

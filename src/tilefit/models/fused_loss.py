@@ -147,13 +147,13 @@ def fused_causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> torch
         raise TilefitError(
             "fused linear cross-entropy needs a Hugging Face causal LM with labels",
             expected="a *ForCausalLM model (task causal-lm)", given=type(model).__name__,
-            fix="drop --fused-ce for this model")
+            fix="pass Recipe(fused_ce=False) for this model")
     if getattr(head, "bias", None) is not None or \
             getattr(model.config, "final_logit_softcapping", None):
         raise TilefitError(
             "fused linear cross-entropy is modelled for a plain output head",
             expected="no head bias and no final_logit_softcapping",
-            given=type(model).__name__, fix="drop --fused-ce for this model")
+            given=type(model).__name__, fix="pass Recipe(fused_ce=False) for this model")
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     hidden = base(**inputs).last_hidden_state
     target = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:]

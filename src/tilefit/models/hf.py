@@ -121,7 +121,7 @@ def check_seq_len(name: str, cfg: PretrainedConfig, seq_len: int) -> None:
             "seq_len must be a positive whole number of tokens",
             expected="an integer >= 1",
             given=repr(seq_len),
-            fix="pass e.g. --seq 1024 (seq_len=1024 in Python)",
+            fix="pass e.g. load_workload(..., seq_len=1024)",
         )
     limit = position_limit(cfg)
     if limit is not None and seq_len > limit:
@@ -131,7 +131,8 @@ def check_seq_len(name: str, cfg: PretrainedConfig, seq_len: int) -> None:
             f"{name} takes at most {limit} tokens per sample ({field}{offset})",
             expected=f"seq_len <= {limit}",
             given=str(seq_len),
-            fix=f"use --seq {limit} or less (split longer documents), or a model with "
+            fix=f"use load_workload(..., seq_len={limit}) or less (split longer documents), "
+            "or a model with "
             "longer positions",
         )
 

@@ -80,9 +80,9 @@ def hub_error(exc: BaseException, repo_id: str, revision: str | None) -> Tilefit
         return TilefitError(
             f"{repo_id} has no revision {revision!r} on the Hugging Face Hub",
             expected="a branch, tag or commit hash of the repository",
-            given=f"--revision {revision}",
-            fix=f"see https://huggingface.co/{repo_id}/commits/main, or drop --revision "
-            "(the main branch)")
+            given=f"load_workload(..., revision={revision!r})",
+            fix=f"see https://huggingface.co/{repo_id}/commits/main, or pass "
+            "load_workload(..., revision=None) (the main branch)")
     if isinstance(exc, errors.LocalEntryNotFoundError | ConnectionError | TimeoutError):
         return _offline_error(repo_id, at)
     if isinstance(exc, errors.EntryNotFoundError):
@@ -94,7 +94,7 @@ def hub_error(exc: BaseException, repo_id: str, revision: str | None) -> Tilefit
         return TilefitError(
             f"huggingface_hub refuses {at}: {exc}", expected="a Hub id org/name and a "
             "revision that is a branch, tag or commit hash", given=at,
-            fix="correct the id or --revision")
+            fix="correct the id or load_workload(..., revision=...)")
     if isinstance(exc, errors.HfHubHTTPError):
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return TilefitError(

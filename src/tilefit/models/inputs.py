@@ -28,7 +28,7 @@ def image_shape(cfg: PretrainedConfig) -> tuple[int, int, int]:
             f"the {cfg.model_type} config has no image_size",
             expected="an image size for the synthetic images",
             given="no image_size in the config",
-            fix="pass --image-size (image_size= in Python), e.g. --image-size 224")
+            fix="pass load_workload(..., image_size=224)")
     height, width = (size, size) if isinstance(size, int) else tuple(size)
     return int(getattr(cfg, "num_channels", 3)), int(height), int(width)
 
@@ -53,17 +53,20 @@ def default_audio_samples() -> int:
     return tasks.DEFAULT_AUDIO_SECONDS * tasks.AUDIO_SAMPLING_RATE
 
 
-def _check_length(what: str, value: int, limit: int | None, flag: str) -> None:
+def _check_length(what: str, value: int, limit: int | None, keyword: str) -> None:
+    """``value`` of load_workload's ``keyword`` (input_shape: its one dimension)."""
+    def given(n: int) -> str:
+        return f"load_workload(..., {keyword}={(n,) if keyword == 'input_shape' else n})"
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise TilefitError(f"{what} must be a positive whole number", expected="an integer >= 1",
-                           given=repr(value), fix=f"pass e.g. {flag} 128")
+                           given=repr(value), fix=f"pass e.g. {given(128)}")
     if limit is not None and value > limit:
         raise TilefitError(f"{what} is at most {limit} for this model", expected=f"<= {limit}",
-                           given=str(value), fix=f"use {flag} {limit} or less")
+                           given=str(value), fix=f"use {given(limit)} or less")
 
 
 def check_image_size(image_size: int) -> None:
-    _check_length("image_size (pixels a side)", image_size, None, "--image-size")
+    _check_length("image_size (pixels a side)", image_size, None, "image_size")
 
 
 def target_limit(cfg: PretrainedConfig) -> int | None:
@@ -85,21 +88,22 @@ def resolve_target(cfg: PretrainedConfig, task: str, seq_len: int | None,
         if target_seq_len is not None:
             raise TilefitError(
                 f"task {task} has no decoder or transcript labels",
-                expected="--target-seq only for seq2seq-lm, speech-seq2seq or ctc",
-                given=f"target_seq_len={target_seq_len}", fix="drop --target-seq")
+                expected="load_workload(..., target_seq_len=...) only for seq2seq-lm, "
+                "speech-seq2seq or ctc", given=f"target_seq_len={target_seq_len}",
+                fix="pass load_workload(..., target_seq_len=None)")
         return None
     if task == "ctc":
         assert input_shape is not None
         frames = ctc_frames(cfg, input_shape[0])
         target = frames if target_seq_len is None else target_seq_len
         _check_length("target_seq_len (CTC labels, at most one per frame)", target, frames,
-                      "--target-seq")
+                      "target_seq_len")
         return target
     if target_seq_len is None:
         target_seq_len = seq_len if task == "seq2seq-lm" else target_limit(cfg)
     assert target_seq_len is not None
     _check_length("target_seq_len (decoder label tokens)", target_seq_len, target_limit(cfg),
-                  "--target-seq")
+                  "target_seq_len")
     return target_seq_len
 
 
@@ -112,9 +116,10 @@ def resolve_input_shape(name: str, cfg: PretrainedConfig, task: str,
         shape = (default_audio_samples(),) if input_shape is None else tuple(input_shape)
         if len(shape) != 1:
             raise TilefitError(f"{name} takes raw audio: one dimension, the samples",
-                               expected="--input-shape SAMPLES, e.g. 320000 (20 s at 16 kHz)",
+                               expected="load_workload(..., input_shape=(320000,)): the "
+                               "samples (20 s at 16 kHz)",
                                given=str(shape), fix="give the number of audio samples")
-        _check_length("audio samples", shape[0], None, "--input-shape")
+        _check_length("audio samples", shape[0], None, "input_shape")
         return shape
     own = {"image-cls": image_shape, "speech-seq2seq": mel_shape}.get(task)
     if input_shape is None:
@@ -122,14 +127,16 @@ def resolve_input_shape(name: str, cfg: PretrainedConfig, task: str,
     if own is None:
         raise TilefitError(
             f"{name} takes token sequences; input_shape is for module:function factories",
-            expected="--seq (seq_len= in Python) for text models",
-            given=f"input_shape={tuple(input_shape)}", fix="use --seq instead of --input-shape")
+            expected="load_workload(..., seq_len=...) for text models",
+            given=f"input_shape={tuple(input_shape)}",
+            fix="pass load_workload(..., input_shape=None, seq_len=...)")
     if tuple(input_shape) != own(cfg):
         raise TilefitError(
             f"{name} takes {'images' if task == 'image-cls' else 'log-mel features'} of shape "
             f"{own(cfg)} (from its config)",
             expected=f"input_shape {own(cfg)} or none", given=str(tuple(input_shape)),
-            fix="leave --input-shape out (--image-size changes an image model's size)")
+            fix="pass load_workload(..., input_shape=None) (load_workload(..., image_size=...) "
+            "changes an image model's size)")
     return None
 
 

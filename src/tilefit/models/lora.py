@@ -39,8 +39,9 @@ if TYPE_CHECKING:
     from tilefit.models import Workload
 
 
-def require_peft() -> Any:
-    """The peft module, or a TilefitError saying how to install it."""
+def require_peft(without: str = "Recipe(lora=None)") -> Any:
+    """The peft module, or a TilefitError saying how to install it (``without``: how the
+    caller goes without LoRA, in Python words)."""
     from tilefit.quiet_imports import quiet_imports
 
     try:
@@ -48,12 +49,10 @@ def require_peft() -> Any:
             import peft
     except ImportError:
         raise TilefitError(
-            "LoRA (estimate's --lora, plan's --allow-peft) is traced with the peft library, "
-            "which is not installed",
+            "LoRA is traced with the peft library, which is not installed",
             expected="peft importable (an optional dependency of tilefit)",
             given="import peft failed",
-            fix="pip install peft (or pip install 'tilefit[peft]'), or leave out --lora / "
-            "--allow-peft",
+            fix=f"pip install peft (or pip install 'tilefit[peft]'), or {without}",
         ) from None
     return peft
 
@@ -118,14 +117,14 @@ def check_targets(model: nn.Module, config: Any) -> None:
     """Each module name of target_modules and modules_to_save matches a module of
     ``model`` as peft matches them (the name, or a path ending in "." + the name)."""
     paths = [path for path, _ in model.named_modules() if path]
-    for flag, names in (("--lora-targets", config.target_modules),
-                        ("--modules-to-save", config.modules_to_save)):
+    for field, names in (("targets", config.target_modules),
+                         ("modules_to_save", config.modules_to_save)):
         if names is None or isinstance(names, str):  # "all-linear" (or peft's regex form)
             continue
         for name in sorted(names):
             if not any(p == name or p.endswith("." + name) for p in paths):
-                raise _bad_target(linear_names(model), flag, name, f"{flag} names {name!r}, "
-                                  "which is no module of this model")
+                raise _bad_target(linear_names(model), field, name, f"Lora({field}=...) names "
+                                  f"{name!r}, which is no module of this model")
 
 
 def _refused(model: nn.Module, config: Any, linear: list[str], asked: str, problem: str
@@ -137,27 +136,28 @@ def _refused(model: nn.Module, config: Any, linear: list[str], asked: str, probl
 
     refused = refused_targets(config, model, linear)
     if refused is None:  # this peft's rule is unknown: say so beside the plain error
-        return _bad_target(linear, "--lora-targets", asked,
+        return _bad_target(linear, "targets", asked,
                            f"{problem} ({probes.Blind('peft', BLIND_RULE).note})")
     if not refused:
-        return _bad_target(linear, "--lora-targets", asked, problem)
+        return _bad_target(linear, "targets", asked, problem)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     heads = {p.rsplit(".", 1)[-1] for p, m in model.named_modules() if p and m is head}
     accepted = [n for n in linear if n not in refused and n not in heads]
     return TilefitError(problem, expected="LoRA targets peft accepts on this model: "
                         + ", ".join(accepted), given=asked,
-                        fix="pass --lora-targets " + ",".join(accepted) + " (Python: "
-                        "Lora(targets=(...)))")
+                        fix=f"pass Lora(targets={tuple(accepted)!r})")
 
 
-def _bad_target(linear: list[str], flag: str, given: str, problem: str) -> TilefitError:
+def _bad_target(linear: list[str], field: str, given: str, problem: str) -> TilefitError:
     """A target that matches no module, or that peft cannot wrap: the model's linear layers
-    (``linear``, linear_names) and the closest of them."""
+    (``linear``, linear_names) and the closest of them (``field``: Lora's targets or
+    modules_to_save)."""
     close = difflib.get_close_matches(given, linear, n=1)
-    fix = f"pass {flag} " + ",".join(close or linear[:2])
+    fix = f"pass Lora({field}={tuple(close or linear[:2])!r})"
     return TilefitError(problem, expected="module names of this model; its linear layers: "
                         + ", ".join(linear), given=given,
-                        fix=fix + (" (or all-linear)" if flag == "--lora-targets" else ""))
+                        fix=fix + (" (or Lora(targets='all-linear'))" if field == "targets"
+                                   else ""))
 
 
 def lora_base_dtype(recipe: Recipe) -> torch.dtype:

@@ -63,12 +63,13 @@ def check_target(recipe: Recipe, cuda: bool) -> None:
     """What bitsandbytes runs that tilefit can trace for this target."""
     if recipe.quantize == "int8" and cuda:
         raise TilefitError(
-            "--quantize int8 is predicted on the CPU only: bitsandbytes picks LLM.int8()'s "
+            "an int8 base is predicted on the CPU only: bitsandbytes picks LLM.int8()'s "
             "training path by the tensors' device (MatMul8bitLt on CUDA, a dequantize-and-"
             "matmul MatMul8bitFp on the CPU) and tilefit's fake tensors live on the CPU, so "
-            "a GPU trace would show the CPU's kernels", expected="--quantize nf4 or fp4 on a "
-            "GPU, int8 with --gpu cpu", given="--quantize int8 on a GPU",
-            fix="pass --quantize nf4 (QLoRA's 4-bit base)")
+            "a GPU trace would show the CPU's kernels", expected="Recipe(quantize='nf4') or "
+            "Recipe(quantize='fp4') on a GPU, Recipe(quantize='int8') with "
+            "estimate(..., gpu='cpu')", given="Recipe(quantize='int8') on a GPU",
+            fix="pass Recipe(quantize='nf4') (QLoRA's 4-bit base)")
 
 
 def quantize_notes(recipe: Recipe) -> tuple[str, ...]:
@@ -124,7 +125,7 @@ def build_quantized_model(work: Workload, attention: str, recipe: Recipe) -> tor
     from tilefit.models.lora import get_peft_model, require_peft
     from tilefit.quiet_imports import quiet_transformers
 
-    bnb = require_bitsandbytes(f"--quantize {recipe.quantize}")  # first: quietly imported
+    bnb = require_bitsandbytes(f"Recipe(quantize={recipe.quantize!r})")  # first: quietly imported
     peft = require_peft()
     dtype = compute_dtype(recipe)
     model = quantized_on_meta(lambda: work.build(attention), bnb_config(recipe), dtype)

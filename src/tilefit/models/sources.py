@@ -96,7 +96,7 @@ class Workload:
                 "batch size must be a positive whole number",
                 expected="an integer >= 1",
                 given=repr(batch_size),
-                fix="pass e.g. --batch 8 (batch_size=8 in Python)",
+                fix="pass e.g. Recipe(batch_size=8)",
             )
         if self.config is None:
             assert self.input_shape is not None
@@ -127,7 +127,7 @@ class Workload:
             raise TilefitError(
                 "fused linear cross-entropy applies to a causal LM's loss",
                 expected="a Hugging Face causal LM (task causal-lm)",
-                given=f"{self.name} ({self.task})", fix="drop --fused-ce")
+                given=f"{self.name} ({self.task})", fix="pass Recipe(fused_ce=False)")
         from tilefit.models.fused_loss import fused_causal_lm_loss
 
         return fused_causal_lm_loss
@@ -232,9 +232,11 @@ def load_workload(
         if target_seq_len is not None or image_size is not None:
             raise TilefitError(
                 f"{source} is a plain nn.Module factory; target_seq_len and image_size apply "
-                "to Hugging Face configs", expected="--input-shape for a factory",
+                "to Hugging Face configs",
+                expected="load_workload(..., input_shape=...) for a factory",
                 given=f"target_seq_len={target_seq_len}, image_size={image_size}",
-                fix="drop --target-seq / --image-size; give --input-shape")
+                fix="pass load_workload(..., target_seq_len=None, image_size=None) and give "
+                "load_workload(..., input_shape=...)")
         return _factory_workload(source, seq_len=seq_len, input_shape=input_shape, task=task)
     raise catalog.unknown_model_error(source)
 
@@ -245,11 +247,11 @@ def _named_config(source: str, revision: str | None) -> tuple[str, dict[str, Any
     is_hub = hub.is_hub_id(source)
     if revision is not None and not is_hub:
         raise TilefitError(
-            f"--revision pins a Hugging Face Hub id's config; {source!r} is not one",
-            expected="a Hub id org/name with --revision",
-            given=f"{source} --revision {revision}",
-            fix="drop --revision (catalog models ship their config; a local config.json is "
-            "read as it is), or give the model's Hub id")
+            f"a revision pins a Hugging Face Hub id's config; {source!r} is not one",
+            expected="a Hub id org/name with load_workload(..., revision=...)",
+            given=f"load_workload({source!r}, revision={revision!r})",
+            fix="pass load_workload(..., revision=None) (catalog models ship their config; a "
+            "local config.json is read as it is), or give the model's Hub id")
     name = None if revision is not None else catalog.resolve_name(source)
     if name is not None:
         return name, catalog.catalog_entry(name)
@@ -309,8 +311,9 @@ def hf_workload(
     if image_size is not None:
         if task != "image-cls":
             raise TilefitError(f"{name} ({task}) is not an image model; it takes no image size",
-                               expected="--image-size for image classification",
-                               given=f"image_size={image_size}", fix="drop --image-size")
+                               expected="load_workload(..., image_size=...) for image "
+                               "classification", given=f"image_size={image_size}",
+                               fix="pass load_workload(..., image_size=None)")
         inputs.check_image_size(image_size)
         config = _with_image_size(config, image_size)
     try:
@@ -350,10 +353,11 @@ def _resolve_seq_len(name: str, cfg: Any, task: str, seq_len: int | None) -> int
             what = "an image" if task == "image-cls" else "a speech"
             raise TilefitError(
                 f"{name} is {what} model; it takes no seq_len",
-                expected=f"no --seq for {task}",
+                expected=f"load_workload(..., seq_len=None) for {task}",
                 given=f"seq_len={seq_len}",
-                fix="leave --seq out (the input's size comes from the config, or --image-size; "
-                "--target-seq sets the labels' length)",
+                fix="pass load_workload(..., seq_len=None) (the input's size comes from the "
+                "config, or load_workload(..., image_size=...); "
+                "load_workload(..., target_seq_len=...) sets the labels' length)",
             )
         return None
     resolved = hf.choose_seq_len(task, cfg) if seq_len is None else seq_len
@@ -369,14 +373,16 @@ def _factory_workload(
             f"task {task!r} does not apply to a plain nn.Module factory",
             expected=f"no task (or {MODULE_TASK!r}) for package.module:function",
             given=task,
-            fix="leave --task out; the stand-in loss is the mean of the output",
+            fix="pass load_workload(..., task=None); the stand-in loss is the mean of the "
+            "output",
         )
     if seq_len is not None:
         raise TilefitError(
             f"{source} is a plain nn.Module factory; seq_len does not apply",
-            expected="--input-shape giving one sample's shape",
+            expected="load_workload(..., input_shape=...) giving one sample's shape",
             given=f"seq_len={seq_len}",
-            fix="pass --input-shape instead (e.g. 3,224,224); the batch is float32",
+            fix="pass load_workload(..., input_shape=(3, 224, 224)) instead of seq_len; the "
+            "batch is float32",
         )
     factory.load_factory(source)  # fail now, not at trace time, if it cannot be imported
     shape = factory.check_input_shape(source, input_shape)

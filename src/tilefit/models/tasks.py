@@ -116,5 +116,5 @@ def check_task(config: Mapping[str, Any], task: str) -> None:
             f"{model_type} models have no {task} head in transformers",
             expected=" | ".join(supported_tasks(model_type)) or "a supported task",
             given=task,
-            fix="choose a task this model supports, or leave --task out",
+            fix="choose a task this model supports, or pass load_workload(..., task=None)",
         )

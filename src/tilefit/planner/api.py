@@ -101,14 +101,13 @@ def plan(model: Any, batch: Any = None, *, global_batch: int,
                 "config.json, package.module:function, or a transformers model with an "
                 "example batch (a dict with input_ids or pixel_values)",
                 given=type(model).__name__, fix="pass the model's config.json, or a "
-                "package.module:function factory with --input-shape")
+                "package.module:function factory with load_workload(..., input_shape=...)")
         model = found[0]
     if recipe.lora is not None:
         raise TilefitError("plan ranks LoRA among other recipes; it does not keep one",
                            expected="search=PlanSearch(allow_lora=True)",
-                           given="recipe=Recipe(lora=...)", fix="plan(..., search="
-                           "PlanSearch(lora=Lora(...))) (tilefit plan --allow-peft, "
-                           "--lora-rank ...)")
+                           given="recipe=Recipe(lora=...)", fix="pass plan(..., search="
+                           "PlanSearch(allow_lora=True, lora=Lora(rank=...)))")
     with shared_traces():  # the one-GPU and multi-GPU sweeps and the confirmation share
         return search_plan(model, gpu=gpu, global_batch=global_batch, seq_len=seq_len,
                            recipe=recipe, search=search,

@@ -12,8 +12,8 @@ def check_fraction(memory_fraction: float) -> None:
         raise TilefitError("the memory fraction must be in (0, 1]",
                            expected="the share of GPU memory a plan may use, e.g. 0.9",
                            given=repr(memory_fraction),
-                           fix="pass --memory-fraction 0.9 (10% headroom) or leave it out "
-                           "(all of it)")
+                           fix="pass PlanSearch(memory_fraction=0.9) (10% headroom) or "
+                           "leave it out (all of it)")
 
 
 def check_gpu(device: Device) -> None:
@@ -21,4 +21,5 @@ def check_gpu(device: Device) -> None:
     if device.kind != "cuda":
         raise TilefitError("plan needs a GPU to plan for",
                            expected="a GPU from the catalog (`tilefit gpus`)",
-                           given=device.name, fix="pass --gpu a100-80gb (or your GPU)")
+                           given=device.name,
+                           fix="pass plan(..., gpu='a100-80gb') (or your GPU)")

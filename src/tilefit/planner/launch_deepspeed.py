@@ -158,7 +158,7 @@ def _optimizer(row: PlanRow) -> tuple[dict[str, Any] | None, bool]:
         return None, True
     raise TilefitError(f"no DeepSpeed optimizer for {name!r}",
                        expected="adamw, adamw-fused, adam, sgd, adafactor or adamw-8bit",
-                       given=name, fix="plan with --optimizer adamw")
+                       given=name, fix="plan with Recipe(optimizer='adamw')")
 
 
 def _zero_section(row: PlanRow, zero: ZeroConfig) -> dict[str, Any]:
@@ -183,7 +183,7 @@ def deepspeed_config(row: PlanRow, zero: ZeroConfig = DEEPSPEED_DEFAULTS) -> dic
     if row.strategy not in STAGES:
         raise TilefitError("no DeepSpeed config for this engine",
                            expected=", ".join(STAGES), given=str(row.strategy),
-                           fix="plan with --gpus N (N > 1)")
+                           fix="plan with Parallelism(world_size=...) above 1")
     half = row.recipe.spec.half_dtype
     out: dict[str, Any] = {
         "train_batch_size": row.global_batch,

@@ -65,13 +65,14 @@ def check_divisible(global_batch: int, world_size: int) -> None:
         return
     lower, upper = nearest_multiples(global_batch, world_size)
     gpus = nearest_world_sizes(global_batch, world_size)
-    other = f", or --gpus {' or '.join(map(str, gpus))} for this batch" if gpus else ""
+    other = (", or " + " or ".join(f"Parallelism(world_size={g})" for g in gpus)
+             + " for this batch") if gpus else ""
     raise TilefitError(
         f"the global batch {global_batch} does not divide among {world_size} GPUs",
         expected=f"a global batch that is a multiple of the GPU count ({world_size}): each "
         "rank takes global batch / GPUs samples, split into micro-batches",
-        given=f"--global-batch {global_batch} --gpus {world_size}",
-        fix=f"use --global-batch {lower} or {upper}{other}")
+        given=f"plan(..., global_batch={global_batch}) on Parallelism(world_size={world_size})",
+        fix=f"use plan(..., global_batch={lower}) or plan(..., global_batch={upper}){other}")
 
 
 def strategies_for(strategy: str | None, world_size: int) -> tuple[str, ...]:

@@ -29,8 +29,8 @@ def check_objective(objective: str) -> None:
     if objective not in OBJECTIVES:
         raise TilefitError(f"unknown objective {objective!r}",
                            expected="throughput or memory", given=repr(objective),
-                           fix="pass --objective throughput (the fastest plan that fits) or "
-                           "--objective memory (the smallest)")
+                           fix="pass PlanSearch(objective='throughput') (the fastest plan that "
+                           "fits) or PlanSearch(objective='memory') (the smallest)")
 
 
 def tier(row: PlanRow, allow_optimizer_change: bool) -> int:

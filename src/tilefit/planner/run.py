@@ -22,6 +22,9 @@ from tilefit.planner.state import PlanState
 from tilefit.recipe import Lora, Recipe
 from tilefit.tracing.distributed import parallel_spec
 
+# how a plan goes without LoRA when peft is missing, in Python words (the CLI: its flag)
+_WITHOUT_LORA = "plan without LoRA (PlanSearch(allow_lora=False))"
+
 
 def budget_of(device: Device, memory_fraction: float) -> tuple[int, int]:
     from tilefit.estimator import overhead_bytes
@@ -71,8 +74,8 @@ def search_plan(model: str | Workload, *, gpu: str | Device, global_batch: int,
                                          compile=recipe.compile is not None,
                                          allow_optimizer_change=search.allow_optimizer_change))
         lora = (search.lora or Lora()) if search.allow_lora and hf_model else None
-        if lora is not None:
-            require_peft()  # before any tracing: LoRA is traced with the peft library itself
+        if lora is not None:  # before any tracing: LoRA is traced with the peft library
+            require_peft(_WITHOUT_LORA)
         policy.trace_on_gpus(p, strategy, hf_model=hf_model, lora=lora)
     else:
         _trace_one_gpu(p, search, optimizer, hf_model)
@@ -92,9 +95,10 @@ def _trace_one_gpu(p: PlanState, search: PlanSearch, optimizer: str, hf_model: b
     """The one-GPU search's traces: what the user's recipe allows, and what ``search``
     allows beyond it (LoRA and QLoRA need their libraries before anything is traced)."""
     if (search.allow_lora or search.allow_quantize) and hf_model:
-        require_peft()  # before any tracing: LoRA is traced with the peft library itself
+        require_peft(_WITHOUT_LORA)  # before any tracing: LoRA is traced with peft itself
     if search.allow_quantize and hf_model:
-        require_bitsandbytes("--allow-quantize")  # QLoRA's base: bitsandbytes' layers
+        # QLoRA's base: bitsandbytes' layers
+        require_bitsandbytes("PlanSearch(allow_quantize=True)")
     policy.trace_recipes(p, optimizer, hf_model=hf_model, allow_peft=search.allow_lora,
                          allow_optimizer_change=search.allow_optimizer_change,
                          lora=search.lora, allow_quantize=search.allow_quantize)

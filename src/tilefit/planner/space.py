@@ -36,7 +36,8 @@ def check_global_batch(global_batch: int) -> None:
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise TilefitError("the global batch must be a whole number >= 1",
                            expected="the samples per optimizer step of your recipe, e.g. 32",
-                           given=repr(global_batch), fix="pass --global-batch 32")
+                           given=repr(global_batch),
+                           fix="pass plan(..., global_batch=32)")
     if global_batch > 2 and divisors(global_batch) == [1, global_batch]:
         lower, upper = nearest_splittable(global_batch)
         raise TilefitError(

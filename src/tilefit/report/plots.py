@@ -30,7 +30,7 @@ def _png_path(path: str | Path) -> Path:
             "the plot is written as a PNG file",
             expected="a file name ending in .png",
             given=str(path),
-            fix=f"pass --plot {out.with_suffix('.png').name}",
+            fix=f"name a .png file, e.g. {out.with_suffix('.png').name}",
         )
     if not out.parent.is_dir():
         raise TilefitError(

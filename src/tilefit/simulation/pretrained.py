@@ -86,8 +86,8 @@ def _bnb_config(value: Any, cuda: bool) -> Any:
             "splits out the outlier columns, whose number depends on the weights' and "
             "activations' values, which fake tensors do not have",
             expected="BitsAndBytesConfig(load_in_4bit=True, ...) on a GPU; load_in_8bit with "
-                     "--gpu cpu", given="load_in_8bit=True",
-            fix="simulate the 4-bit base (load_in_4bit=True), or run with --gpu cpu")
+                     "simulate(..., gpu='cpu')", given="load_in_8bit=True",
+            fix="simulate the 4-bit base (load_in_4bit=True), or simulate(..., gpu='cpu')")
     return value
 
 

@@ -218,7 +218,7 @@ def _check_gpus(gpus: int) -> None:
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise TilefitError("gpus is the number of GPUs the code runs on, as torchrun's "
                            "--nproc-per-node", expected="an integer of at least 1",
-                           given=repr(gpus), fix="gpus=8 (--gpus 8)")
+                           given=repr(gpus), fix="pass simulate(..., gpus=8)")
 
 
 @contextlib.contextmanager

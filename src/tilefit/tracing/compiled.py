@@ -68,7 +68,7 @@ def check_compile_supported() -> None:
         f"predicting torch.compile needs torch >= {need} with Inductor: {problem}",
         expected=f"torch >= {need} (AOTAutograd's capture, Inductor's partitioner and "
         "decompositions)", given=f"torch {torch.__version__}",
-        fix=f"pip install 'torch>={need}', or drop --compile (compile=False)")
+        fix=f"pip install 'torch>={need}', or pass Recipe(compile=None)")
 
 
 class LossModule(nn.Module):

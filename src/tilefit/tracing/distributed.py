@@ -71,7 +71,7 @@ def parallel_spec(world_size: int = 1, strategy: str | None = None) -> Parallel 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise TilefitError("the world size must be a whole number of GPUs >= 1",
                            expected="1, 2, 4, 8, ...", given=repr(world_size),
-                           fix="pass --gpus with the number of GPUs (world_size= in Python)")
+                           fix="pass Parallelism(world_size=...) with the number of GPUs")
     if strategy is None:
         return None if world_size == 1 else Parallel(DEFAULT_STRATEGY, world_size)
     key = str(strategy).strip().lower()
@@ -79,21 +79,22 @@ def parallel_spec(world_size: int = 1, strategy: str | None = None) -> Parallel 
         raise TilefitError(f"DeepSpeed {key} is modelled, not traced",
                            expected="a traced engine: " + ", ".join(STRATEGIES),
                            given=repr(strategy),
-                           fix=f"estimate it (tilefit estimate --strategy {key}, or "
-                           f"tilefit.estimate(strategy={key!r})): it is modelled on the "
-                           "one-GPU trace")
+                           fix=f"estimate it (tilefit.estimate(..., recipe=Recipe(parallel="
+                           f"Parallelism(strategy={key!r})))): it is modelled on the one-GPU "
+                           "trace")
     if key not in STRATEGIES:
         raise TilefitError(f"unknown data-parallel strategy {strategy!r}",
                            expected="one of " + ", ".join(STRATEGIES) + " (traced) or "
                            + ", ".join(ZERO_STRATEGIES) + " (DeepSpeed ZeRO, modelled)",
                            given=repr(strategy),
-                           fix="pass --strategy fsdp2 (sharded), ddp (replicated) or zero2 "
-                           "(DeepSpeed ZeRO-2)")
+                           fix="pass Parallelism(strategy='fsdp2') (sharded), "
+                           "Parallelism(strategy='ddp') (replicated) or "
+                           "Parallelism(strategy='zero2') (DeepSpeed ZeRO-2)")
     if not distributed_available():
         raise TilefitError("this torch build has no torch.distributed",
                            expected="a torch build with distributed support (Linux wheels)",
                            given="torch.distributed.is_available() is False",
-                           fix="trace on one GPU (drop --gpus and --strategy)")
+                           fix="trace on one GPU (Parallelism(world_size=1))")
     return Parallel(key, world_size)
 
 
@@ -229,7 +230,7 @@ def _check_shardable(model: nn.Module) -> None:
             expected="parameters with at least one dimension (fully_shard splits dim 0)",
             given=", ".join(scalars[:4]),
             fix="make it a 1-element tensor (nn.Parameter(torch.ones(1))), or use "
-            "--strategy ddp (strategy='ddp'), which does not shard")
+            "Parallelism(strategy='ddp'), which does not shard")
 
 
 def _wrap_ddp(model: nn.Module, mode: FakeTensorMode, recorder: Recorder) -> nn.Module:

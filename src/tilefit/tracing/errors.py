@@ -116,8 +116,9 @@ def _explain_step_error(exc: Exception, recorder: Recorder) -> None:
             expected="a model whose forward, loss and backward run on the given batch",
             given=f"{type(exc).__name__} in {where} ({recorder.phase})"
             + (f", raised at {at}" if at else ""),
-            fix="check the batch shape (--batch, --seq, --input-shape) against the model, and "
-            "run the model once on a real batch of that shape to see the full error",
+            fix="check the batch shape (Recipe(batch_size=...); load_workload(..., seq_len=...); "
+            "load_workload(..., input_shape=...)) against the model, and run the model once "
+            "on a real batch of that shape to see the full error",
         ) from None
 
 

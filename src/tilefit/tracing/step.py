@@ -25,7 +25,15 @@ from tilefit.compat.transformers import gpu_mask_semantics
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device
 from tilefit.legacy import legacy_gpu, read_legacy
-from tilefit.loop import Hooks, LossFn, clear_gradients, default_loss, micro_batch, optimizer_update
+from tilefit.loop import (
+    Hooks,
+    LossFn,
+    check_default_loss_batch,
+    clear_gradients,
+    default_loss,
+    micro_batch,
+    optimizer_update,
+)
 from tilefit.quiet_imports import quiet_fake_errors, quiet_imports, quiet_transformers
 from tilefit.recipe import DEFAULT_GPU, PLAIN_PYTORCH, Recipe, batch_recipe, is_named_model
 from tilefit.tracing.attention import AttentionRouter
@@ -100,6 +108,8 @@ def trace_module(model: ModelSpec, batch: Any, recipe: Recipe, gpu: str | Device
         raise TilefitError("an nn.Module (or factory) needs an example batch",
                            expected="trace(model, batch, ...)", given="no batch",
                            fix="pass one batch as your DataLoader yields it")
+    if loss_fn is None:  # before tracing: the batch named as the user gave it
+        check_default_loss_batch(batch)
     target, dev = resolve_target(gpu)
     recipe = recipe.on(dev)
     parallel = parallel_spec(recipe.parallel.world_size, recipe.parallel.strategy)
@@ -138,15 +148,18 @@ def _check_compile(request: TraceRequest) -> None:
     if recipe.compile_mode == "reduce-overhead" and not request.cuda:
         raise TilefitError(
             "compile_mode='reduce-overhead' replays the step as CUDA graphs, which need a "
-            "CUDA GPU", expected="a GPU target (--gpu a100-80gb, h100, ...) with "
-            "--compile-mode reduce-overhead", given="the CPU",
-            fix="pass a GPU with --gpu, or drop --compile-mode (compile_mode='default')")
+            "CUDA GPU", expected="a GPU target (estimate(..., gpu='a100-80gb'), 'h100', ...) "
+            "with Recipe(compile=Compile(mode='reduce-overhead'))", given="the CPU",
+            fix="pass a GPU: estimate(..., gpu='h100'), or "
+            "Recipe(compile=Compile(mode='default'))")
     if parallel is not None:
         raise TilefitError(
             "compile=True is not predicted on several GPUs yet",
-            expected="compile=True on one GPU, or --gpus/--strategy without --compile",
-            given=f"--gpus {parallel.world_size} --compile",
-            fix="drop --compile or --gpus")
+            expected="Recipe(compile=Compile()) on one GPU, or Recipe(parallel=Parallelism("
+            "...)) without compile",
+            given=f"Recipe(compile=Compile(), parallel=Parallelism(world_size="
+            f"{parallel.world_size}))",
+            fix="pass Recipe(compile=None) or Parallelism(world_size=1)")
     check_compile_supported()
 
 

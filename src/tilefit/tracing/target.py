@@ -61,4 +61,5 @@ def check_device_options(spec: Precision, device: Device | None) -> None:
         raise TilefitError(
             f"precision {spec.name} runs fp8 GEMMs on a GPU's Tensor Cores, not on the CPU",
             expected="a GPU with fp8 Tensor Cores: " + ", ".join(gpus_supporting("fp8")),
-            given="device='cpu'", fix="pass --gpu h100 (or another GPU above)")
+            given="estimate(..., gpu='cpu')",
+            fix="pass estimate(..., gpu='h100') (or another GPU above)")

@@ -163,9 +163,9 @@ def _trace_workload(work: Workload, recipe: Recipe, gpu: str | Device) -> Trace:
     build_attention = recipe.attention  # auto: transformers' choice for the architecture
     if work.is_factory and recipe.attention != "auto":
         raise TilefitError(
-            f"--attention {recipe.attention} applies to Hugging Face models",
+            f"Recipe(attention={recipe.attention!r}) applies to Hugging Face models",
             expected="auto for a plain nn.Module factory (its own code chooses)",
-            given=recipe.attention, fix="drop --attention")
+            given=recipe.attention, fix="pass Recipe(attention='auto')")
     model: Any = functools.partial(work.build, build_attention)
     if recipe.quantize is not None:  # QLoRA: bitsandbytes' layers under peft's adapters
         from tilefit.models.quantize import build_quantized_model, check_target
@@ -213,4 +213,5 @@ def check_lora(workload: Workload) -> None:
         raise TilefitError(
             "LoRA (peft) applies to Hugging Face models",
             expected="a catalog model or a config.json", given=workload.name,
-            fix="drop --lora, or wrap the model with peft.get_peft_model in your own factory")
+            fix="pass Recipe(lora=None), or wrap the model with peft.get_peft_model in your "
+            "own factory")

@@ -50,9 +50,10 @@ def nothing_fits(ex: Executor, request: TuneRequest) -> TilefitError:
             expected="parameters, gradients and optimizer state within the budget, with "
             "room left for a batch's activations",
             given=parts,
-            fix="a device with more memory, a lighter optimizer (--optimizer sgd, adafactor "
-            "or adamw-8bit: less optimizer state), bf16 weights (--precision bf16: half the "
-            f"parameters, gradients and state), or LoRA; {PLAN_FIX}")
+            fix="a device with more memory, a lighter optimizer (tune(..., optimizer='sgd'), "
+            "'adafactor' or 'adamw-8bit': less optimizer state), bf16 weights (tune(..., "
+            "precision='bf16'): half the parameters, gradients and state), or LoRA; "
+            f"{PLAN_FIX}")
     room = "" if budget is None else f", leaving {gib(budget - state.total_bytes)} of " \
         f"the {gib(budget)} budget{of}"
     return TilefitError(
@@ -60,5 +61,6 @@ def nothing_fits(ex: Executor, request: TuneRequest) -> TilefitError:
         expected="a step at batch 1 (its activations, and the optimizer step's temporaries) "
         "within the memory the persistent state leaves",
         given=f"batch size 1 ran out of memory; persistent state {parts}{room}",
-        fix=f"gradient checkpointing, mixed precision (--precision {MIXED}), shorter "
-        f"samples (--seq) or a smaller --margin; {PLAN_FIX}")
+        fix=f"gradient checkpointing, mixed precision (tune(..., precision={MIXED!r})), "
+        "shorter samples (load_workload(..., seq_len=...) for a named model) or a smaller "
+        f"TuneSearch(margin=...); {PLAN_FIX}")

@@ -158,6 +158,6 @@ def rank_share(global_batch: int | None, ranks: Ranks) -> int | None:
             "the global batch must split evenly over the ranks",
             expected=f"a multiple of the world size, {ranks.world_size}",
             given=f"global_batch={global_batch}",
-            fix=f"pass global_batch={ranks.world_size * max(1, global_batch // ranks.world_size)} "
-            "(CLI: --global-batch)")
+            fix="pass TuneSearch(global_batch="
+            f"{ranks.world_size * max(1, global_batch // ranks.world_size)})")
     return global_batch // ranks.world_size

@@ -107,7 +107,7 @@ def current_job(objective: str, noise_scale: float | NoiseScale | None) -> Ranks
             expected="noise_scale=B_noise (measured once, on one process)",
             given="noise_scale=None (each rank would measure its own)",
             fix="measure it with `tilefit noise-scale` and pass "
-            "search=TuneSearch(noise_scale=...) (CLI: --noise-scale)")
+            "tune(..., search=TuneSearch(noise_scale=...))")
     return ranks
 
 
@@ -122,8 +122,8 @@ def make_request(search: TuneSearch, *, recipe: Recipe, device: str | torch.devi
             "on the CPU tune needs a memory limit or a largest batch to stop at",
             expected="memory_limit_bytes (simulate a GPU's memory) or max_batch",
             given="neither",
-            fix="pass search=TuneSearch(memory_limit_bytes=16 * 2**30) (CLI: --memory-limit "
-            "16GiB) or TuneSearch(max_batch=...)",
+            fix="pass tune(..., search=TuneSearch(memory_limit_bytes=16 * 2**30)) or "
+            "TuneSearch(max_batch=...)",
         )
     return TuneRequest(
         recipe, dev, rank_share(search.global_batch, ranks),
@@ -203,5 +203,6 @@ def live_recipe(recipe: Recipe | None, precision: str | None, function: str = "t
         raise TilefitError(f"{function} runs on one device per process; under torchrun it "
                            "runs on every rank", expected="Recipe(parallel=ONE_GPU)",
                            given=f"world_size={recipe.parallel.world_size}",
-                           fix="launch tune's script with torchrun --nproc-per-node N")
+                           fix="launch your script with torchrun, one process per GPU, "
+                           "and call it on every rank")
     return recipe
