@@ -129,6 +129,9 @@ def takes_recipe_options(command_name: str, *, excluded: Mapping[str, str] | Non
     take it (refused when given, or the command's own option of that name in its place);
     ``defaults``: option -> the command's default for it."""
     excluded, defaults = excluded or {}, defaults or {}
+    unknown = sorted({*excluded, *defaults} - {name for name, _, _ in SHARED})
+    if unknown:  # a typo would leave a shared option taken that was meant to be refused
+        raise TypeError(f"tilefit {command_name}: {unknown} are not shared recipe options")
 
     def wrap(command: Callable[..., Any]) -> Callable[..., Any]:
         own = {p.name: p for p in inspect.signature(command, eval_str=True).parameters.values()
