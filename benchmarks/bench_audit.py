@@ -57,7 +57,8 @@ def main() -> None:
     print(f"  padding saves {saved * 1e3:.2f} ms: step {1 - 1 / vocab.predicted_speedup:.1%} "
           f"shorter ({vocab.predicted_speedup:.3f}x); the GEMMs explain "
           f"{(vocab.predicted_speedup - 1) / 0.25:.0%} of nanoGPT's ~25%")
-    nano = tilefit.audit("gpt2", batch_size=12)  # nanoGPT's train_gpt2 micro-batch: 12 x 1024
+    # nanoGPT's train_gpt2 micro-batch: 12 x 1024
+    nano = tilefit.audit("gpt2", recipe=tilefit.Recipe(batch_size=12))
     nv = next(f for f in nano.findings if f.dimension == "vocab_size")
     print(f"  at nanoGPT's micro-batch 12: {nv.predicted_speedup:.3f}x")
     # torch.compile (nanoGPT) fuses the elementwise ops; the GEMMs and attention kernels stay.
@@ -77,7 +78,8 @@ def main() -> None:
             ("qwen2.5-0.5b", {"intermediate_size": 4860}, "intermediate_size", 4864)]
     for name, changes, dim, want in held:
         w = load_workload(name, seq_len=128).with_config(num_hidden_layers=1, **changes)
-        got = {f.dimension: f for f in tilefit.audit(w, batch_size=2).findings}.get(dim)
+        got = {f.dimension: f for f in tilefit.audit(w,
+                                                     recipe=tilefit.Recipe(batch_size=2)).findings}.get(dim)
         sug = got.suggested if got else None
         print(f"  {name} {changes}: {dim} -> {sug} (nearest aligned {want}) "
               f"{'OK' if sug == want else 'MISMATCH'}"

@@ -48,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from tilefit.estimator import estimate_trace
 from tilefit.hardware import get_device
+from tilefit.recipe import Recipe
 from tilefit.tracing import trace
 from workloads import CASES, Case
 
@@ -137,8 +138,10 @@ def measure(case: Case, compiled: bool, steps: int) -> Measured:
 
 
 def predict(case: Case, compiled: bool) -> tuple[int, float, tuple[str, ...]]:
-    tr = trace(case.build, case.batch(), loss_fn=case.loss_fn, optimizer=case.optimizer,
-               device="cpu", compile=compiled, grad_checkpointing=case.grad_checkpointing)
+    tr = trace(case.build, case.batch(), loss_fn=case.loss_fn,
+               recipe=Recipe(precision="fp32", optimizer=case.optimizer,
+                             grad_checkpointing=case.grad_checkpointing, compile=compiled),
+               gpu="cpu")
     est = estimate_trace(tr, get_device("cpu"))
     return est.peak_memory_bytes, est.step_time_s, est.warnings
 

@@ -576,8 +576,8 @@ def eager_attention_predictor(rec: dict[str, Any]) -> Predictor:
     tr, spent = cached_trace(
         ("eager-attention", b, s, h, d, dev.compute_capability),
         lambda: trace(lambda: _Wrap(_EagerAttention(b, s, h, d)),
-                      torch.empty(1, device="meta"), loss_fn=_sum_loss, optimizer="sgd",
-                      precision="fp32", device=dev))
+                      torch.empty(1, device="meta"), loss_fn=_sum_loss,
+                      recipe=Recipe(precision="fp32", optimizer="sgd"), gpu=dev))
     phases = _passes(rec["pass"])
 
     def predict(p: Params) -> float:
@@ -633,7 +633,7 @@ def layer_predictor(rec: dict[str, Any]) -> Predictor:
         ("bert-layer", json.dumps(rec["module"], sort_keys=True), b, s, dev.compute_capability),
         lambda: trace(bert_layer_factory(rec["module"]),
                       torch.empty(b, s, hidden, dtype=torch.float16, device="meta"),
-                      loss_fn=_sum_loss, optimizer="sgd", precision="fp32", device=dev))
+                      loss_fn=_sum_loss, recipe=Recipe(precision="fp32", optimizer="sgd"), gpu=dev))
     fwd_only = rec["pass"] == "fwd"
 
     def keep(op: OpRecord) -> bool:
@@ -768,9 +768,10 @@ def apex_o2_trace(rec: dict[str, Any], work: Workload, recipe: Recipe, dev: Devi
 
     return trace(build,
                  e2e_batch(rec, work, recipe.batch_size), loss_fn=work.loss_fn,
-                 optimizer=recipe.optimizer, precision="fp32",
-                 accumulation_steps=recipe.accumulation_steps, device=dev,
-                 max_grad_norm=recipe.max_grad_norm)
+                 recipe=Recipe(precision="fp32", optimizer=recipe.optimizer,
+                               accumulation_steps=recipe.accumulation_steps,
+                               max_grad_norm=recipe.max_grad_norm),
+                 gpu=dev)
 
 
 def e2e_trace(rec: dict[str, Any], recipe: Recipe, dev: Device) -> Trace:
@@ -784,18 +785,22 @@ def e2e_trace(rec: dict[str, Any], recipe: Recipe, dev: Device) -> Trace:
     work = e2e_workload(rec)
     if rec.get("mlm_positions"):
         return trace(lambda: pretraining_model(rec), e2e_batch(rec, work, recipe.batch_size),
-                     loss_fn=dense_mlm_loss(rec["mlm_positions"]), optimizer=recipe.optimizer,
-                     precision=recipe.precision, accumulation_steps=recipe.accumulation_steps,
-                     device=dev, max_grad_norm=recipe.max_grad_norm, compile=rec["compiled"])
+                     loss_fn=dense_mlm_loss(rec["mlm_positions"]),
+                     recipe=Recipe(precision=recipe.precision, optimizer=recipe.optimizer,
+                                   accumulation_steps=recipe.accumulation_steps,
+                                   max_grad_norm=recipe.max_grad_norm, compile=rec["compiled"]),
+                     gpu=dev)
     if rec.get("apex_amp") == "O2":
         return apex_o2_trace(rec, work, recipe, dev)
     if not unfused_optimizer(rec):
         return trace_workload(work, recipe, dev)
     return trace(lambda: work.build(recipe.attention),
                  e2e_batch(rec, work, recipe.batch_size), loss_fn=work.loss_fn,
-                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=False),
-                 precision=recipe.precision, accumulation_steps=recipe.accumulation_steps,
-                 device=dev, max_grad_norm=recipe.max_grad_norm)
+                 recipe=Recipe(precision=recipe.precision,
+                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=False),
+                               accumulation_steps=recipe.accumulation_steps,
+                               max_grad_norm=recipe.max_grad_norm),
+                 gpu=dev)
 
 
 def e2e_predictor(rec: dict[str, Any]) -> Predictor:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from tilefit.recipe import Recipe
 from tilefit.tracing import trace
 from workloads import CASES, Case
 
@@ -36,8 +37,10 @@ def measured_peak_bytes(case: Case) -> int:
 
 def predicted_peak_bytes(case: Case) -> tuple[int, float]:
     t0 = time.perf_counter()
-    tr = trace(case.build, case.batch(), loss_fn=case.loss_fn, optimizer=case.optimizer,
-               grad_checkpointing=case.grad_checkpointing, device="cpu")
+    tr = trace(case.build, case.batch(), loss_fn=case.loss_fn,
+               recipe=Recipe(precision="fp32", optimizer=case.optimizer,
+                             grad_checkpointing=case.grad_checkpointing),
+               gpu="cpu")
     return tr.peak(rounded=False)[0], time.perf_counter() - t0
 
 

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tilefit.recipe import Parallelism, Recipe
+
 ROOT = Path(__file__).resolve().parent.parent
 # (strategy, precision): FSDP2 under bf16 autocast runs with MixedPrecisionPolicy
 # (param_dtype=bfloat16, reduce_dtype=float32), as tilefit traces it
@@ -241,8 +243,10 @@ def predict(name: str, strategy: str, precision: str, nproc: int, nccl: bool = F
     if nccl:
         distributed.gloo_reduce_scatter = contextlib.nullcontext  # type: ignore[assignment]
     try:
-        tr = trace(model_fn, batch_fn("meta"), loss_fn=loss_fn, optimizer="adamw",
-                   device="cpu", precision=precision, world_size=nproc, strategy=strategy)
+        tr = trace(model_fn, batch_fn("meta"), loss_fn=loss_fn,
+                   recipe=Recipe(precision=precision, optimizer="adamw",
+                                 parallel=Parallelism(world_size=nproc, strategy=strategy)),
+                   gpu="cpu")
     finally:
         distributed.gloo_reduce_scatter = gloo
     return tr, time.perf_counter() - t0

@@ -30,6 +30,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
+from tilefit.recipe import Recipe
+
 # (catalog model, config changes, batch, seq): bench_step_cpu.py's models
 CASES = (
     ("gpt2", {"num_hidden_layers": 2}, 2, 64),
@@ -77,7 +79,7 @@ def optimizer_phase(work: Any, batch: int, make_opt: Callable[[Any], torch.optim
     from tilefit.tracing import trace
 
     tr = trace(work.build, work.make_batch(batch, "meta"), loss_fn=work.loss_fn,
-               optimizer=make_opt, device=device)
+               recipe=Recipe(precision="fp32", optimizer=make_opt), gpu=device)
     est = estimate_trace(tr, device)
     ops = [c for c in est.ops if c.record.phase == "optimizer"]
     return (sum(c.time_s * c.repeats for c in ops), sum(c.record.bytes for c in ops),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -105,34 +104,6 @@ def test_plan_takes_a_factory_as_its_config(tiny_config: Path) -> None:
     assert [(r.micro_batch, r.precision, r.predicted_step_time_s) for r in factory.rows] == rows
     with pytest.raises(TilefitError, match="rebuilds the model"):
         tilefit.plan(torch.nn.Linear(4, 4), torch.zeros(2, 4), global_batch=8)
-
-
-def test_old_keywords_warn_with_the_new_spelling_and_keep_their_numbers() -> None:
-    def build() -> torch.nn.Module:
-        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
-                                   torch.nn.Linear(64, 8))
-
-    batch = torch.zeros(16, 64)
-
-    def loss(m: torch.nn.Module, b: torch.Tensor) -> torch.Tensor:
-        return m(b).sum()
-
-    with pytest.warns(DeprecationWarning) as caught:
-        old = tilefit.estimate(build, batch, loss_fn=loss, precision="bf16-mixed",
-                               optimizer="sgd", device="a100-80gb")
-    message = str(caught[0].message)
-    assert "precision= -> recipe=Recipe(precision='bf16-mixed')" in message
-    assert "device= -> gpu='a100-80gb'" in message
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)  # the new spelling warns nothing
-        new = tilefit.estimate(build, batch, loss_fn=loss, gpu="a100-80gb",
-                               recipe=Recipe(precision="bf16-mixed", optimizer="sgd"))
-    assert (new.step_time_s, new.peak_memory_bytes) == (old.step_time_s, old.peak_memory_bytes)
-    with pytest.raises(TypeError, match="unexpected keyword"):
-        tilefit.estimate(build, batch, presicion="fp32")
-    with pytest.raises(TilefitError, match="recipe= and the old keywords"), \
-            pytest.warns(DeprecationWarning):
-        tilefit.estimate(build, batch, recipe=Recipe(), precision="fp32")
 
 
 def test_every_recipe_field_reaches_the_traced_step() -> None:

@@ -23,6 +23,7 @@ from tilefit.advise import audit  # noqa: E402
 from tilefit.advise.origins import nearest_aligned  # noqa: E402
 from tilefit.advise.whatif import rewrite_op  # noqa: E402
 from tilefit.models import load_workload  # noqa: E402
+from tilefit.recipe import Recipe  # noqa: E402
 from tilefit.tracing.records import GemmShape, OpRecord  # noqa: E402
 
 A100_BF16_MULTIPLE = 64  # 128-byte rule on A100 / 2-byte bf16 elements
@@ -41,7 +42,7 @@ def gpt2_tiny():  # type: ignore[no-untyped-def]
 def gpt2_audit(gpt2_tiny):  # type: ignore[no-untyped-def]
     # batch 8: at batch 2 one layer's step is host-bound on an A100 (the GPU waits for the
     # host's issue), so padding the vocabulary would rightly gain nothing
-    return audit(gpt2_tiny, batch_size=8, gpu="a100-80gb", confirm=True)
+    return audit(gpt2_tiny, recipe=Recipe(batch_size=8), gpu="a100-80gb", confirm=True)
 
 
 # ---- the headline: GPT-2's vocabulary -------------------------------------------------------
@@ -120,7 +121,7 @@ def test_compile_finding_for_a_checkpointed_step(gpt2_tiny) -> None:  # type: ig
 
     from tilefit.estimator.workload_estimate import estimate_workload
 
-    a = audit(gpt2_tiny, batch_size=8, gpu="a100-80gb", grad_checkpointing=True,
+    a = audit(gpt2_tiny, recipe=Recipe(batch_size=8, grad_checkpointing=True), gpu="a100-80gb",
               confirm=False)
     f = next(f for f in a.findings if f.rule == "compile")
     assert "use_cache = False" in f.fix
@@ -162,7 +163,7 @@ def _llama(changes: tuple[tuple[str, int], ...]):  # type: ignore[no-untyped-def
 
 @functools.cache
 def _llama_audit(changes: tuple[tuple[str, int], ...]):  # type: ignore[no-untyped-def]
-    return audit(_llama(changes), batch_size=2)
+    return audit(_llama(changes), recipe=Recipe(batch_size=2))
 
 
 def _whatif(work, **recipe):  # type: ignore[no-untyped-def]
@@ -324,7 +325,7 @@ def test_small_batch_memory_bound_gemms(gpt2_tiny) -> None:  # type: ignore[no-u
 
 def test_step_that_does_not_fit_gets_candidates_that_fit() -> None:
     work = load_workload("gpt2", seq_len=1024).with_config(num_hidden_layers=1)
-    a = audit(work, batch_size=32, gpu="t4")
+    a = audit(work, recipe=Recipe(batch_size=32), gpu="t4")
     assert not a.estimate.fits
     rules = {f.rule: f for f in a.findings}
     assert {"does-not-fit", "optimizer-memory", "activation-memory"} <= set(rules)
@@ -497,12 +498,13 @@ def test_a_host_bound_step_gets_a_cuda_graph_finding() -> None:
     from tilefit.models import load_workload
 
     model = "tests.fixtures.tiny_models:mlp"
-    result = audit(model, gpu="a100-80gb", batch_size=8, input_shape=(32,))
+    work = load_workload(model, input_shape=(32,))
+    result = audit(work, gpu="a100-80gb", recipe=Recipe(batch_size=8))
     est = result.estimate
     assert est.host_bound_fraction > 0.3
     (finding,) = [f for f in result.findings if f.rule == "host-bound"]
     after = estimate_workload(
-        load_workload(model, input_shape=(32,)),
+        work,
         dataclasses.replace(result.recipe, compile="reduce-overhead"),
         result.device)
     assert finding.step_time_after_s == pytest.approx(after.step_time_s, rel=1e-9)

@@ -28,6 +28,7 @@ from tilefit.compat.fake import (
 )
 from tilefit.compat.modules import ModulePath, buffer_slots, parameter_slots
 from tilefit.errors import TilefitError
+from tilefit.recipe import Recipe
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "tilefit"
 
@@ -380,7 +381,7 @@ def test_the_traced_backward_runs_the_ops_the_cpu_kernels_run() -> None:
     with Log() as log:
         loss.backward()
     tr = trace(_NormThenTranspose, torch.randn(4, 8, 16), loss_fn=lambda m, b: m(b),
-               optimizer="sgd", device="cpu")
+               recipe=Recipe(precision="fp32", optimizer="sgd"), gpu="cpu")
     traced = [o.op for o in tr.ops if o.phase == "backward" and o.step == 1]
     assert "aten.clone.default" not in log.ops
     assert traced == log.ops

@@ -28,6 +28,7 @@ from tilefit.estimator import estimate, estimate_trace
 from tilefit.estimator.compiled_cost import compiled_op_time_s, kernel_time_s
 from tilefit.estimator.steptime import host_time_s
 from tilefit.hardware import get_device
+from tilefit.recipe import Compile, Recipe
 from tilefit.tracing import compiled as compiled_mod
 from tilefit.tracing import schedule as sched
 from tilefit.tracing import trace
@@ -48,7 +49,8 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def compiled_trace() -> Trace:
-    return trace(_mlp, torch.randn(B, IN), loss_fn=_loss, optimizer="sgd", compile=True)
+    return trace(_mlp, torch.randn(B, IN), loss_fn=_loss,
+                 recipe=Recipe(precision="fp32", optimizer="sgd", compile=True), gpu="cpu")
 
 
 def _kernels(tr: Trace, phase: str) -> list[Any]:
@@ -107,18 +109,22 @@ def est_ctx() -> Any:
 
 
 def test_eager_is_unchanged() -> None:
-    tr = trace(_mlp, torch.randn(B, IN), loss_fn=_loss, optimizer="sgd")
+    tr = trace(_mlp, torch.randn(B, IN), loss_fn=_loss,
+               recipe=Recipe(precision="fp32", optimizer="sgd"), gpu="cpu")
     assert not tr.compiled and not any(o.compiled or o.fused or o.kernel for o in tr.ops)
-    a = estimate(_mlp, torch.randn(B, IN), loss_fn=_loss, optimizer="sgd", device="a100-80gb")
-    b = estimate(_mlp, torch.randn(B, IN), loss_fn=_loss, optimizer="sgd", device="a100-80gb",
-                 compile=False)
+    a = estimate(_mlp, torch.randn(B, IN), loss_fn=_loss,
+                 recipe=Recipe(precision="fp32", optimizer="sgd"), gpu="a100-80gb")
+    b = estimate(_mlp, torch.randn(B, IN), loss_fn=_loss,
+                 recipe=Recipe(precision="fp32", optimizer="sgd", compile=False), gpu="a100-80gb")
     assert (a.step_time_s, a.peak_memory_bytes) == (b.step_time_s, b.peak_memory_bytes)
 
 
 def test_compiled_gpu_step_issues_kernels_not_ops() -> None:
-    kw: dict[str, Any] = {"loss_fn": _loss, "optimizer": "sgd", "device": "a100-80gb"}
-    eager = estimate(_mlp, torch.randn(B, IN), **kw)
-    comp = estimate(_mlp, torch.randn(B, IN), compile=True, **kw)
+    kw: dict[str, Any] = {"loss_fn": _loss, "gpu": "a100-80gb"}
+    eager = estimate(_mlp, torch.randn(B, IN), recipe=Recipe(precision="fp32", optimizer="sgd"),
+                     **kw)
+    comp = estimate(_mlp, torch.randn(B, IN),
+                    recipe=Recipe(precision="fp32", optimizer="sgd", compile=True), **kw)
     assert comp.host_time_s < eager.host_time_s  # no per-op Python issue cost
     assert any("graph breaks are not looked for" in w for w in comp.warnings)
 
@@ -216,7 +222,8 @@ def test_an_op_inductor_cannot_fuse_is_extern_and_listed() -> None:
     def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return torch.fft.rfft(model(x)).real.mean()  # Inductor falls back to ATen's FFT
 
-    tr = trace(build, torch.randn(B, IN), loss_fn=loss, optimizer="sgd", compile=True)
+    tr = trace(build, torch.randn(B, IN), loss_fn=loss,
+               recipe=Recipe(precision="fp32", optimizer="sgd", compile=True), gpu="cpu")
     fft = [o for o in tr.ops_of_step(1) if o.op == "aten._fft_r2c.default"]
     assert fft and fft[0].compiled and not fft[0].fused
     assert any("cannot fuse" in w and "aten._fft_r2c.default" in w for w in tr.warnings)
@@ -227,7 +234,8 @@ def test_a_torch_without_what_compile_needs_is_an_error(monkeypatch: pytest.Monk
     monkeypatch.setattr(compiled_mod, "compile_support_problem",
                         lambda: "torch 2.3.0 is older than 2.11")
     with pytest.raises(TilefitError, match=r"torch >= 2\.11"):
-        trace(_mlp, torch.randn(B, IN), loss_fn=_loss, compile=True)
+        trace(_mlp, torch.randn(B, IN), loss_fn=_loss,
+              recipe=Recipe(precision="fp32", compile=True), gpu="cpu")
     result = CliRunner().invoke(app, ["estimate", "gpt2", "--compile", "--seq", "32"])
     assert result.exit_code == 2
     assert "torch >= 2.11" in " ".join(result.output.split())
@@ -239,10 +247,9 @@ def test_graph_breaks_are_listed_when_asked_for() -> None:
         print(end="")  # Dynamo cannot trace print: a graph break
         return y.pow(2).mean()
 
-    tr = trace(_mlp, torch.randn(B, IN), loss_fn=loss, compile=True, graph_breaks=True)
+    tr = trace(_mlp, torch.randn(B, IN), loss_fn=loss,
+               recipe=Recipe(precision="fp32", compile=Compile(graph_breaks=True)), gpu="cpu")
     assert "1 graph break(s)" in tr.warnings[0] and "print" in tr.warnings[0]
-    with pytest.raises(TilefitError, match="compile=True"):
-        trace(_mlp, torch.randn(B, IN), loss_fn=_loss, graph_breaks=True)
 
 
 def test_a_logger_call_is_a_listed_graph_break() -> None:
@@ -258,7 +265,8 @@ def test_a_logger_call_is_a_listed_graph_break() -> None:
         log.warning("inside the loss")
         return y.pow(2).mean()
 
-    tr = trace(_mlp, torch.randn(B, IN), loss_fn=loss, compile=True, graph_breaks=True)
+    tr = trace(_mlp, torch.randn(B, IN), loss_fn=loss,
+               recipe=Recipe(precision="fp32", compile=Compile(graph_breaks=True)), gpu="cpu")
     assert "1 graph break(s)" in tr.warnings[0]
     assert "logging.Logger" in tr.warnings[0]
 
@@ -316,8 +324,10 @@ def test_checkpointed_regions_save_only_their_boundary() -> None:
     # first block's output and the second's input (x and the weights are inputs), beside the
     # loss
     x = torch.randn(B, HID)
-    plain = trace(_TwoBlocks, x, loss_fn=_loss, compile=True)
-    ckpt = trace(_TwoBlocks, x, loss_fn=_loss, compile=True, grad_checkpointing=True)
+    plain = trace(_TwoBlocks, x, loss_fn=_loss, recipe=Recipe(precision="fp32", compile=True),
+                  gpu="cpu")
+    ckpt = trace(_TwoBlocks, x, loss_fn=_loss,
+                 recipe=Recipe(precision="fp32", grad_checkpointing=True, compile=True), gpu="cpu")
     act = B * HID * F32
     assert _saved_for_backward(plain) == [F32, act, act, act]
     assert _saved_for_backward(ckpt) == [F32, act]
@@ -428,7 +438,8 @@ def test_a_mutating_custom_op_runs_in_place_under_compile() -> None:
     # once, writing the scale in place: no clone of it, as Inductor reinplaces. The rule is
     # registered for the trace only: torch's global table is as it was before, after it.
     before = {v: tc.registered_modes(v) for v in ("auto_functionalized", "auto_functionalized_v2")}
-    tr = trace(_Halving, torch.randn(B, IN), loss_fn=_loss, optimizer="sgd", compile=True)
+    tr = trace(_Halving, torch.randn(B, IN), loss_fn=_loss,
+               recipe=Recipe(precision="fp32", optimizer="sgd", compile=True), gpu="cpu")
     assert {v: tc.registered_modes(v) for v in before} == before
     halves = [op for op in tr.ops if op.op.startswith("tilefit_test.halve_")]
     linears = [op for op in tr.ops if op.op == "aten.addmm.default" and op.phase == "forward"]

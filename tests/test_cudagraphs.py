@@ -24,7 +24,7 @@ from tilefit.estimator import Estimate, estimate_trace
 from tilefit.estimator.multitensor import kernel_launches
 from tilefit.hardware import Device, get_device
 from tilefit.hardware.host import GRAPH_REPLAY_S, HostModel
-from tilefit.recipe import Recipe
+from tilefit.recipe import Compile, Recipe
 from tilefit.tracing import trace
 from tilefit.tracing.records import Trace
 
@@ -42,9 +42,10 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _trace(accumulation: int = 1, mode: str = RO) -> Trace:
-    return trace(_mlp, torch.randn(B, IN), loss_fn=_loss, optimizer="sgd", precision="fp32",
-                 device="a100-80gb", compile=True, compile_mode=mode,
-                 accumulation_steps=accumulation)
+    return trace(_mlp, torch.randn(B, IN), loss_fn=_loss,
+                 recipe=Recipe(precision="fp32", optimizer="sgd", accumulation_steps=accumulation,
+                               compile=Compile(mode=mode)),
+                 gpu="a100-80gb")
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +136,8 @@ def test_modes_are_checked() -> None:
     with pytest.raises(TilefitError, match=r"unknown torch\.compile mode"):
         Recipe(compile="max-autotune")
     with pytest.raises(TilefitError, match="CUDA") as e:
-        trace(_mlp, torch.randn(B, IN), loss_fn=_loss, optimizer="sgd", compile=True,
-              compile_mode=RO)
+        trace(_mlp, torch.randn(B, IN), loss_fn=_loss,
+              recipe=Recipe(precision="fp32", optimizer="sgd", compile=Compile(mode=RO)), gpu="cpu")
     assert "estimate(..., gpu='h100')" in str(e.value)
     assert Recipe(compile=True).compile_mode == "default"  # compile=True means "default"
 
@@ -149,8 +150,8 @@ def _host_finding(result: object) -> object:
 def test_the_host_finding_is_a_reduce_overhead_re_estimate() -> None:
     """A compiled, host-bound step audited in the default mode: the finding's 'after' is the
     same trace estimated with compile_mode="reduce-overhead"."""
-    result = audit(_mlp(), torch.randn(B, IN), loss_fn=_loss, optimizer="sgd",
-                   precision="fp32", gpu="a100-80gb", compile=True)
+    result = audit(_mlp(), torch.randn(B, IN), loss_fn=_loss,
+                   recipe=Recipe(precision="fp32", optimizer="sgd", compile=True), gpu="a100-80gb")
     est: Estimate = result.estimate
     assert est.host_bound_fraction > 0.1
     tr = _trace(mode="default")

@@ -12,6 +12,7 @@ from torch import nn
 from tilefit.estimator import estimate
 from tilefit.gemm import analyze_gemm
 from tilefit.hardware import get_device
+from tilefit.recipe import Recipe
 
 
 def _linear_step(b: int = 256, din: int = 4096, dout: int = 4096):
@@ -30,8 +31,8 @@ def test_a_linear_layers_gemms_cost_what_the_gemm_model_says():
     # — not needed for an input without grad — and weight grad (out, in, T).
     dev = get_device("a100-80gb")
     build, batch = _linear_step()
-    e = estimate(build, batch, loss_fn=_sum, optimizer="sgd", precision="bf16-mixed",
-                 device=dev)
+    e = estimate(build, batch, loss_fn=_sum, recipe=Recipe(precision="bf16-mixed", optimizer="sgd"),
+                 gpu=dev)
     gemm_ops = [c for c in e.ops if c.record.kind == "gemm"]
     fwd = analyze_gemm(256, 4096, 4096, "bf16", dev).predicted_time_s
     wgrad = analyze_gemm(4096, 4096, 256, "bf16", dev).predicted_time_s
@@ -44,8 +45,8 @@ def test_step_time_is_the_hosts_and_the_devices_timelines_and_mfu_is_below_one()
     from tilefit.estimator.steptime import SYNC_OPS, host_time_s
 
     build, batch = _linear_step()
-    e = estimate(build, batch, loss_fn=_sum, optimizer="adamw", precision="bf16-mixed",
-                 device="h100")
+    e = estimate(build, batch, loss_fn=_sum,
+                 recipe=Recipe(precision="bf16-mixed", optimizer="adamw"), gpu="h100")
     host = e.device.host
     # a second method: the host issues op after op, the device runs each once issued
     issued = done = 0.0
@@ -64,10 +65,11 @@ def test_step_time_is_the_hosts_and_the_devices_timelines_and_mfu_is_below_one()
 
 def test_accumulation_repeats_the_micro_step_not_the_optimizer():
     build, batch = _linear_step(b=64)
-    one = estimate(build, batch, loss_fn=_sum, optimizer="adamw", device="a100-80gb",
-                   precision="bf16-mixed")
-    four = estimate(build, batch, loss_fn=_sum, optimizer="adamw", device="a100-80gb",
-                    precision="bf16-mixed", accumulation_steps=4)
+    one = estimate(build, batch, loss_fn=_sum,
+                   recipe=Recipe(precision="bf16-mixed", optimizer="adamw"), gpu="a100-80gb")
+    four = estimate(build, batch, loss_fn=_sum,
+                    recipe=Recipe(precision="bf16-mixed", optimizer="adamw", accumulation_steps=4),
+                    gpu="a100-80gb")
     opt_one = one.time_by_phase_s["optimizer"]
     micro = one.device_time_s - opt_one - one.time_by_phase_s.get("zero_grad", 0)
     # three more micro-batches; the later ones accumulate into existing gradients (an add)
@@ -79,7 +81,7 @@ def test_accumulation_repeats_the_micro_step_not_the_optimizer():
 def test_memory_fits_against_the_device_with_overhead():
     # 7B-like: one 4096x4096 layer stands for nothing big; check the arithmetic of fits
     build, batch = _linear_step()
-    e = estimate(build, batch, loss_fn=_sum, device="rtx-4090", precision="bf16-mixed")
+    e = estimate(build, batch, loss_fn=_sum, recipe=Recipe(precision="bf16-mixed"), gpu="rtx-4090")
     assert e.total_memory_bytes == e.peak_memory_bytes + e.overhead_bytes
     assert e.fits == (e.total_memory_bytes <= 24 * 2**30)
     # 4096^2 fp32 weights + grads + 2 AdamW moments = 16 B/param
@@ -183,8 +185,8 @@ def test_every_memory_op_of_a_traced_step_has_a_family_and_views_cost_nothing() 
     from tilefit.estimator.cost import KERNEL_FAMILIES, op_family
 
     build, batch = _linear_step(b=8, din=64, dout=64)
-    e = estimate(build, batch, loss_fn=_sum, optimizer="adamw", precision="bf16-mixed",
-                 device="a100-80gb")
+    e = estimate(build, batch, loss_fn=_sum,
+                 recipe=Recipe(precision="bf16-mixed", optimizer="adamw"), gpu="a100-80gb")
     memory = [c.record for c in e.ops if c.record.kind == "memory"]
     assert memory and all(op_family(r.op) in KERNEL_FAMILIES for r in memory)
     assert {op_family(r.op) for r in memory} >= {"copy", "foreach"}  # autocast casts, AdamW

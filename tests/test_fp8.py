@@ -18,6 +18,7 @@ from torch import nn  # noqa: E402
 
 from tilefit.errors import TilefitError  # noqa: E402
 from tilefit.hardware.catalog import CATALOG  # noqa: E402
+from tilefit.recipe import Recipe  # noqa: E402
 from tilefit.tracing import trace  # noqa: E402
 from tilefit.vocab import parse_precision  # noqa: E402
 
@@ -46,7 +47,7 @@ def _is_cast(op) -> bool:  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def mlp_trace():  # type: ignore[no-untyped-def]
     pytest.importorskip("torchao")
-    return trace(_mlp(), _batch(), loss_fn=_loss, precision="fp8", device="h100")
+    return trace(_mlp(), _batch(), loss_fn=_loss, recipe=Recipe(precision="fp8"), gpu="h100")
 
 
 def test_the_spellings_of_fp8_name_one_precision() -> None:
@@ -117,8 +118,8 @@ def test_no_fp8_copy_is_saved_for_backward(mlp_trace) -> None:  # type: ignore[n
 
 def test_compiled_fp8_runs_scaled_mm_with_fused_casts() -> None:
     pytest.importorskip("torchao")
-    tr = trace(_mlp(), _batch(), loss_fn=_loss, precision="fp8-mixed", device="h100",
-               compile=True)
+    tr = trace(_mlp(), _batch(), loss_fn=_loss, recipe=Recipe(precision="fp8-mixed", compile=True),
+               gpu="h100")
     scaled = [o for o in tr.ops_of_step(0) if o.op == "aten._scaled_mm.default"]
     # six as in eager less the first layer's grad_input, which nothing uses (the batch needs
     # no gradient): the compiled backward graph drops it, eager torchao computes it
@@ -133,7 +134,7 @@ def test_compiled_fp8_runs_scaled_mm_with_fused_casts() -> None:
 @pytest.mark.parametrize("gpu", ["a100-80gb", "v100", "t4"])
 def test_a_gpu_without_fp8_names_the_ones_that_have_it(gpu: str) -> None:
     with pytest.raises(TilefitError) as err:
-        trace(_mlp(), _batch(), loss_fn=_loss, precision="fp8", device=gpu)
+        trace(_mlp(), _batch(), loss_fn=_loss, recipe=Recipe(precision="fp8"), gpu=gpu)
     text = str(err.value)
     # fp8 Tensor Cores: Ada (sm89) and later -- a second criterion than the peak table
     have = [d.name for d in CATALOG if d.compute_capability and d.compute_capability >= (8, 9)]
@@ -144,7 +145,7 @@ def test_a_gpu_without_fp8_names_the_ones_that_have_it(gpu: str) -> None:
 
 def test_fp8_on_the_cpu_is_an_error() -> None:
     with pytest.raises(TilefitError, match="h100"):
-        trace(_mlp(), _batch(), loss_fn=_loss, precision="fp8", device="cpu")
+        trace(_mlp(), _batch(), loss_fn=_loss, recipe=Recipe(precision="fp8"), gpu="cpu")
 
 
 def test_without_torchao_the_error_gives_the_install_command(monkeypatch) -> None:  # type: ignore[no-untyped-def]

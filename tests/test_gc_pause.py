@@ -7,6 +7,7 @@ import gc
 import torch
 from torch import nn
 
+from tilefit.recipe import Recipe
 from tilefit.tracing import trace
 from tilefit.tracing.gc_pause import gc_paused
 
@@ -19,7 +20,8 @@ def test_the_collector_is_paused_during_a_trace_and_restored_after() -> None:
         return model(x).sum()
 
     assert gc.isenabled()
-    trace(lambda: nn.Linear(4, 2), torch.randn(3, 4), loss_fn=loss, optimizer="sgd")
+    trace(lambda: nn.Linear(4, 2), torch.randn(3, 4), loss_fn=loss,
+          recipe=Recipe(precision="fp32", optimizer="sgd"), gpu="cpu")
     assert seen and not any(seen)
     assert gc.isenabled()
 

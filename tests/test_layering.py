@@ -29,8 +29,8 @@ TIERS: tuple[tuple[str, ...], ...] = (
     # vocab sits above hardware, not beside the leaves: check_precision names the catalog's
     # GPUs that support a precision (hardware never imports vocab)
     ("vocab", "gemm"),
-    # the one description of a training step (recipe.py), its old keywords (legacy.py) and
-    # the one training step that runs it (loop.py)
+    # the one description of a training step (recipe.py), 0.1.0's keywords refused with
+    # their new spellings (old_keywords.py) and the one training step that runs it (loop.py)
     ("recipe",),
     ("models",),
     ("tracing",),
@@ -48,8 +48,8 @@ TOP_LEVEL = {"errors": "leaves", "dtypes": "leaves", "batches": "leaves",
              "quiet_imports": "leaves", "html_repr": "leaves", "units": "leaves",
              "vocab": "vocab", "gemm": "gemm",
              "gemm_cpu": "gemm",
-             "linear": "gemm", "recipe": "recipe", "recipe_parts": "recipe", "legacy": "recipe",
-             "alloc_conf": "recipe", "loop": "recipe",
+             "linear": "gemm", "recipe": "recipe", "recipe_parts": "recipe",
+             "old_keywords": "recipe", "alloc_conf": "recipe", "loop": "recipe",
              "__main__": "tilefit"}
 TIER_OF = {layer: i for i, tier in enumerate(TIERS) for layer in tier}
 

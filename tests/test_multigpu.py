@@ -31,6 +31,7 @@ from tilefit.estimator.collectives import (
 from tilefit.estimator.cost import COST_FUNCTIONS
 from tilefit.estimator.result import OpCost
 from tilefit.hardware import get_device
+from tilefit.recipe import Parallelism, Recipe
 from tilefit.tracing.distributed import find_layer_list, parallel_spec
 from tilefit.tracing.records import Collective, OpRecord
 from tilefit.vocab import CATEGORIES, OP_KINDS
@@ -66,10 +67,11 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).sum()
 
 
-def _trace(world_size: int, strategy: str, **kw: object) -> tilefit.Trace:
-    kw.setdefault("device", "cpu")
-    return tilefit.trace(Net, torch.empty(4, 6, device="meta"), loss_fn=_loss,
-                         optimizer="adamw", world_size=world_size, strategy=strategy, **kw)
+def _trace(world_size: int, strategy: str, precision: str = "fp32",
+           gpu: str = "cpu") -> tilefit.Trace:
+    parallel = Parallelism(world_size=world_size, strategy=strategy)
+    return tilefit.trace(Net, torch.empty(4, 6, device="meta"), loss_fn=_loss, gpu=gpu,
+                         recipe=Recipe(precision=precision, optimizer="adamw", parallel=parallel))
 
 
 def _shard(d0: int, rest: int, n: int) -> int:
@@ -134,7 +136,7 @@ def test_fsdp2_reduce_scatter_holds_nccls_footprint_on_a_gpu_and_gloos_copy_on_a
     def inputs(tr: tilefit.Trace) -> int:
         return sum(1 for o in tr.ops_of_step(1) for b in o.alloc_bytes if b == block * n * F32)
 
-    gpu = _trace(n, "fsdp2", precision="bf16-mixed", device="h100")
+    gpu = _trace(n, "fsdp2", precision="bf16-mixed", gpu="h100")
     assert inputs(gpu) == 2  # 688 bytes: 172 fp32 elements, one input per block
     cpu = _trace(n, "fsdp2", precision="bf16-mixed")
     assert inputs(cpu) == 4  # and gloo's clone of each
@@ -154,7 +156,7 @@ def test_ddp_all_reduces_one_bucket_of_all_gradients_by_hand() -> None:
 
 
 def test_one_gpu_is_todays_trace() -> None:
-    tr = tilefit.trace(Net, torch.empty(4, 6, device="meta"), loss_fn=_loss, device="cpu")
+    tr = tilefit.trace(Net, torch.empty(4, 6, device="meta"), loss_fn=_loss, gpu="cpu")
     assert tr.strategy is None and tr.world_size == 1
     assert "communication" not in tr.breakdown_at(tr.peak()[1])
     assert parallel_spec(1, None) is None
@@ -200,8 +202,10 @@ def test_overlap_hides_communication_behind_the_phase_compute() -> None:
 
 
 def test_estimate_reports_the_job() -> None:
-    est = tilefit.estimate(Net, torch.empty(4, 6, device="meta"), loss_fn=_loss, device="h100",
-                           precision="bf16-mixed", world_size=4, strategy="fsdp2")
+    est = tilefit.estimate(Net, torch.empty(4, 6, device="meta"), loss_fn=_loss,
+                           recipe=Recipe(precision="bf16-mixed",
+                                         parallel=Parallelism(world_size=4, strategy="fsdp2")),
+                           gpu="h100")
     p = est.parallel
     assert p is not None and p.world_size == 4 and p.link == "NVLink 4"
     assert 0 < p.exposed_communication_s <= p.communication_time_s
@@ -229,7 +233,10 @@ def test_fsdp2_without_a_layer_list_wraps_the_root_with_a_note() -> None:
     assert find_layer_list(nn.Linear(4, 4)) is None
     assert find_layer_list(Net()) is not None and find_layer_list(Net())[0] == "blocks"
     tr = tilefit.trace(lambda: nn.Linear(6, 3), torch.empty(4, 6, device="meta"),
-                       loss_fn=_loss, device="cpu", world_size=2, strategy="fsdp2")
+                       loss_fn=_loss,
+                       recipe=Recipe(precision="fp32",
+                                     parallel=Parallelism(world_size=2, strategy="fsdp2")),
+                       gpu="cpu")
     assert any("Linear" in w and "only the root" in w for w in tr.warnings)
 
 
@@ -318,10 +325,14 @@ def test_fsdp2_names_a_parameter_it_cannot_shard() -> None:
 
     with pytest.raises(TilefitError) as err:
         tilefit.estimate(Net, torch.randn(4, 8), loss_fn=lambda m, b: m(b).sum(),
-                         world_size=2, strategy="fsdp2", device="h100")
+                         recipe=Recipe(precision="fp32",
+                                       parallel=Parallelism(world_size=2, strategy="fsdp2")),
+                         gpu="h100")
     text = str(err.value)
     assert "layers.0.scale (module layers.0)" in text \
         and "Parallelism(strategy='ddp')" in text
     ddp = tilefit.estimate(Net, torch.randn(4, 8), loss_fn=lambda m, b: m(b).sum(),
-                           world_size=2, strategy="ddp", device="h100")
+                           recipe=Recipe(precision="fp32",
+                                         parallel=Parallelism(world_size=2, strategy="ddp")),
+                           gpu="h100")
     assert ddp.parallel is not None and ddp.parallel.strategy == "ddp"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import random
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -271,29 +270,6 @@ def test_measurements_and_confidence_are_checked_when_the_options_are_made() -> 
         NoiseMeasure(measurements=2.5)  # type: ignore[arg-type]
     with pytest.raises(TilefitError, match=r"confidence must be a fraction in \(0, 1\)"):
         NoiseMeasure(confidence=1.0)
-
-
-def test_the_old_keywords_still_work_and_name_the_new_spelling() -> None:
-    with pytest.warns(DeprecationWarning) as caught:
-        old = noise_scale(_linear(), _seeded_batches(), loss_fn=_half_mse, device="cpu",
-                          batch_sizes=(2, 8), measurements=3)
-    assert len(caught) == 1  # one warning for the call
-    assert str(caught[0].message) == (
-        "tilefit.noise_scale(): these keywords are deprecated and will be removed in tilefit "
-        "0.3: batch_sizes= -> measure=NoiseMeasure(batch_sizes=...); measurements= -> "
-        "measure=NoiseMeasure(measurements=...)")
-    assert caught[0].filename == __file__  # points at the caller
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)  # the new spelling warns nothing
-        new = noise_scale(_linear(), _seeded_batches(), loss_fn=_half_mse, device="cpu",
-                          measure=NoiseMeasure(batch_sizes=(2, 8), measurements=3))
-    assert old.per_measurement == new.per_measurement and old.b_simple == new.b_simple
-    assert (old.batch_small, old.batch_big) == (2, 8) and len(old.per_measurement) == 3
-    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['batch_size'\]"):
-        noise_scale(_linear(), _seeded_batches(), batch_size=(2, 8))
-    with pytest.raises(TilefitError, match="measure= and the old keywords"), \
-            pytest.warns(DeprecationWarning):
-        noise_scale(_linear(), _seeded_batches(), measure=NoiseMeasure(), measurements=3)
 
 
 def _seeded_batches() -> Any:

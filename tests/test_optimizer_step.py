@@ -12,6 +12,7 @@ from tilefit.estimator import estimate_trace
 from tilefit.estimator.multitensor import kernel_launches, multi_tensor_launches
 from tilefit.estimator.steptime import SYNC_OPS
 from tilefit.hardware import get_device
+from tilefit.recipe import Recipe
 from tilefit.tracing import trace
 
 # ---- multi_tensor_apply's loop, counted by hand ---------------------------------------------
@@ -63,7 +64,7 @@ class _Net(nn.Module):
 def _optimizer_ops(optimizer: object, device: str):  # type: ignore[no-untyped-def]
     dev = get_device(device)
     tr = trace(_Net, torch.randn(8, 128), loss_fn=lambda m, x: m(x).sum(),
-               optimizer=optimizer, device=dev)
+               recipe=Recipe(precision="fp32", optimizer=optimizer), gpu=dev)
     est = estimate_trace(tr, dev)
     return [c for c in est.ops if c.record.phase == "optimizer"], dev
 
@@ -120,13 +121,17 @@ def test_the_trainers_loss_check_is_one_wait_per_micro_batch() -> None:
     # HF Trainer, logging_nan_inf_filter=True: torch.isnan(loss) or torch.isinf(loss) after each
     # micro-batch's backward: two reads on the host; with 3 micro-batches, 3 times each
     dev = get_device("a100-80gb")
-    tr = trace(_Net, torch.randn(8, 128), loss_fn=lambda m, x: m(x).sum(), optimizer="adamw",
-               device=dev, accumulation_steps=3, loss_sync=True)
+    tr = trace(_Net, torch.randn(8, 128), loss_fn=lambda m, x: m(x).sum(),
+               recipe=Recipe(precision="fp32", optimizer="adamw", accumulation_steps=3,
+                             loss_sync=True),
+               gpu=dev)
     est = estimate_trace(tr, dev)
     reads = [c for c in est.ops if c.record.phase == "loss_check" and c.record.op in SYNC_OPS]
     assert len(reads) == 2 * 2  # two traced micro-batches stand for three
     assert sum(c.repeats for c in reads) == 2 * 3
     assert not any(c.record.on_host for c in reads)  # the loss is on the GPU: real waits
     plain = estimate_trace(trace(_Net, torch.randn(8, 128), loss_fn=lambda m, x: m(x).sum(),
-                                 optimizer="adamw", device=dev, accumulation_steps=3), dev)
+                                 recipe=Recipe(precision="fp32", optimizer="adamw",
+                                               accumulation_steps=3),
+                                 gpu=dev), dev)
     assert est.step_time_s >= plain.step_time_s  # a wait never makes the step shorter

@@ -16,6 +16,8 @@ peft = pytest.importorskip("peft")
 from tilefit.errors import TilefitError  # noqa: E402
 from tilefit.models import Workload, load_workload  # noqa: E402
 from tilefit.models.lora import LORA_RANK, peft_config  # noqa: E402
+from tilefit.planner import PlanSearch  # noqa: E402
+from tilefit.recipe import Lora  # noqa: E402
 
 # Tiny configs: 2 layers, hidden 64, so that the real CPU model and its traces take ~1 s.
 TINY = {
@@ -110,8 +112,8 @@ def test_lora_plan_emits_the_config_it_traced(monkeypatch: pytest.MonkeyPatch) -
     work = tiny("llama-3.2-1b").with_config(hidden_size=512, intermediate_size=1024,
                                             num_attention_heads=8, head_dim=64,
                                             vocab_size=64000, num_hidden_layers=1)
-    p = plan(work, gpu="rtx-3090", global_batch=1, allow_peft=True, objective="memory",
-             confirm=False)
+    p = plan(work, gpu="rtx-3090", global_batch=1,
+             search=PlanSearch(objective="memory", confirm=False, allow_lora=True))
     assert p.best is not None and p.best.peft
     # LoRA eager and, on a GPU, compiled (torchtune's default), each with and without
     # checkpointing; on the CPU no compiled variant is searched
@@ -135,7 +137,7 @@ def test_allow_peft_without_peft_says_pip_install(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
     with pytest.raises(TilefitError, match="pip install peft"):
-        plan(tiny("gpt2"), gpu="a100-80gb", global_batch=8, allow_peft=True)
+        plan(tiny("gpt2"), gpu="a100-80gb", global_batch=8, search=PlanSearch(allow_lora=True))
     r = CliRunner().invoke(app, ["plan", "gpt2", "--gpu", "a100-80gb", "--global-batch", "8",
                                  "--allow-peft"])
     assert r.exit_code == 2 and "pip install peft" in r.output, r.output
@@ -196,7 +198,8 @@ def test_audit_and_fused_loss_with_peft() -> None:
 
     # one layer: the audit's what-ifs re-traced with the adapters on, as on two, in half the ops
     work = tiny("llama-3.2-1b").with_config(num_hidden_layers=1)
-    result = audit(work, gpu="a100-80gb", batch_size=2, precision="bf16-mixed", peft=True)
+    result = audit(work, gpu="a100-80gb",
+                   recipe=Recipe(batch_size=2, precision="bf16-mixed", lora=Lora()))
     assert result.estimate.trainable_param_count == hand_lora_count("llama-3.2-1b",
                                                                     num_hidden_layers=1)
     fused = estimate_workload(work, Recipe(batch_size=2, precision="bf16-mixed",
@@ -207,7 +210,7 @@ def test_audit_and_fused_loss_with_peft() -> None:
     with pytest.raises(TilefitError, match="peft"):
         import torch
 
-        audit(torch.nn.Linear(4, 4), torch.randn(2, 4), gpu="a100-80gb", peft=True)
+        audit(torch.nn.Linear(4, 4), torch.randn(2, 4), gpu="a100-80gb", recipe=Recipe(lora=Lora()))
 
 
 def test_lora_base_dtype_follows_the_precision() -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from tilefit.errors import TilefitError
 from tilefit.estimator import offload as off
+from tilefit.planner import PlanSearch
 from tilefit.planner.affine import Line, SweepModel
 from tilefit.planner.checks import check_fraction
 from tilefit.planner.configs import deepspeed_offload, hf_training_arguments, single_gpu_configs
@@ -438,7 +439,8 @@ def test_layer_lever_matches_the_full_trace() -> None:
 def test_lora_freezes_the_base_weights(tiny_gpt2) -> None:
     from tilefit.planner import plan
 
-    p = plan(tiny_gpt2, gpu="a100-80gb", global_batch=8, allow_peft=True, confirm=False)
+    p = plan(tiny_gpt2, gpu="a100-80gb", global_batch=8,
+             search=PlanSearch(confirm=False, allow_lora=True))
     lora = {r.micro_batch: r for r in p.rows if r.peft and not r.grad_checkpointing}
     full = {r.micro_batch: r for r in p.rows if not r.peft and not r.grad_checkpointing
             and r.precision == "bf16-mixed" and r.attention == "sdpa"}
@@ -525,7 +527,8 @@ def test_plan_searches_the_same_math_knobs(tiny_gpt2) -> None:  # type: ignore[n
     from tilefit.planner.configs import hf_training_arguments
 
     # global batch 1: each recipe traced at its one micro-batch (the knobs do not depend on it)
-    p = plan(tiny_gpt2, gpu="a100-80gb", global_batch=1, optimizer="adamw", confirm=False)
+    p = plan(tiny_gpt2, gpu="a100-80gb", global_batch=1, recipe=Recipe(optimizer="adamw"),
+             search=PlanSearch(confirm=False))
     fused_opt = [r for r in p.rows if r.optimizer == "adamw-fused"]
     assert fused_opt and all(r.fuses_optimizer and not r.changes_optimizer for r in fused_opt)
     assert any("same update in one kernel" in c for c in fused_opt[0].changes)
@@ -550,7 +553,8 @@ def test_the_users_compile_flag_plans_each_recipe_once(tiny_gpt2) -> None:  # ty
     # per micro-batch, and the checkpointed recipes are compiled too (predicted now)
     from tilefit.planner import plan
 
-    p = plan(tiny_gpt2, gpu="a100-80gb", global_batch=16, compile=True, confirm=False)
+    p = plan(tiny_gpt2, gpu="a100-80gb", global_batch=16, recipe=Recipe(compile=True),
+             search=PlanSearch(confirm=False))
     keys = [(r.recipe, r.offload, r.strategy) for r in p.rows]
     assert len(keys) == len(set(keys))
     assert all(r.recipe.compile for r in p.rows)
@@ -612,7 +616,7 @@ def test_a_plan_stops_where_the_state_is_over_and_loses_no_fitting_row(tiny_gpt2
     over = budget_of(a100, 1.0)[1]
     tiny = dataclasses.replace(a100, memory_bytes=int(0.8 * state) + over)
     budget = budget_of(tiny, 1.0)[0]
-    p = plan(tiny_gpt2, gpu=tiny, global_batch=8, memory_fraction=1.0)
+    p = plan(tiny_gpt2, gpu=tiny, global_batch=8, search=PlanSearch(memory_fraction=1.0))
     assert p.best is not None and p.best.fits and p.best.offload
     # the user's AdamW in fp32 weights: one recipe traced, at its smallest micro-batch only
     kept = [r for r in p.rows if not r.offload and r.optimizer == "adamw-fused"]

@@ -15,8 +15,10 @@ from typer.testing import CliRunner
 
 from tilefit.cli.app import app
 from tilefit.errors import TilefitError
+from tilefit.planner import PlanSearch
 from tilefit.planner.multiplan import check_divisible, multi_depth, nearest_multiples
 from tilefit.planner.search import Depth
+from tilefit.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,7 +140,9 @@ def test_plan_searches_deepspeed_zero_and_offload_as_estimate_models_them() -> N
     from tilefit.recipe import Parallelism
 
     work = load_workload("tests.fixtures.tiny_models:mlp", input_shape=(32,))
-    p = plan(work, gpu="h100", global_batch=8, world_size=2, strategy="zero2", confirm=False)
+    p = plan(work, gpu="h100", global_batch=8,
+             recipe=Recipe(parallel=Parallelism(world_size=2, strategy="zero2")),
+             search=PlanSearch(confirm=False))
     assert {(r.strategy, r.precision, r.offload) for r in p.rows} == {
         ("zero2", prec, off) for prec in ("bf16-true", "tf32") for off in (False, True)}
     assert all(r.micro_batch * r.accumulation_steps * 2 == 8 for r in p.rows)

@@ -17,6 +17,7 @@ from tests.conftest import invoke_cli, run_cli
 
 from tilefit import Recipe, trace
 from tilefit.errors import TilefitError
+from tilefit.planner import PlanSearch
 from tilefit.recipe import Lora
 
 # a Llama of 2 layers, hidden 64, vocab 128: 7 linear layers per block, q/o 64x64,
@@ -513,7 +514,7 @@ def test_where_lora_does_not_fit_the_plan_traces_qlora_for_its_note(tmp_path: Pa
     base16 = 2 * 2 * (4 * 1024 * 1024 + 3 * 1024 * 4096)
     assert base16 > budget
     # global batch 1: one micro-batch, each recipe traced once
-    p = plan(work, gpu=gpu, global_batch=1, memory_fraction=1.0)
+    p = plan(work, gpu=gpu, global_batch=1, search=PlanSearch(memory_fraction=1.0))
     note = next(n for n in p.notes if "QLoRA" in n)
     assert "nf4, micro-batch 1: adapters on a 4-bit base" in note
     assert "--allow-peft --allow-quantize plans it" in note

@@ -38,8 +38,8 @@ def test_a_failing_compiled_retrace_is_a_note_naming_the_rule_and_why(monkeypatc
         return real(self, work, recipe, rewrite)
 
     monkeypatch.setattr(WhatIf, "_estimate", estimate)
-    result = audit("tests.fixtures.tiny_models:mlp", gpu="a100-80gb", batch_size=8,
-                   input_shape=(32,))
+    work = load_workload("tests.fixtures.tiny_models:mlp", input_shape=(32,))
+    result = audit(work, gpu="a100-80gb", recipe=Recipe(batch_size=8))
     assert result.estimate.host_bound_fraction > 0.3  # the host-bound rule did need it
     assert not [f for f in result.findings if f.rule in ("compile", "host-bound")]
     rule_notes = [n for n in result.notes if "could not be predicted" in n]
@@ -92,7 +92,8 @@ def test_a_failing_flop_formula_is_a_warning_naming_the_op(monkeypatch) -> None:
 
     def linear_estimate() -> Any:
         return estimate(torch.nn.Linear(16, 8), torch.zeros(4, 16),
-                        loss_fn=lambda m, b: m(b).sum(), device="a100-80gb", precision="fp32")
+                        loss_fn=lambda m, b: m(b).sum(), recipe=Recipe(precision="fp32"),
+                        gpu="a100-80gb")
 
     whole = linear_estimate()
     monkeypatch.setattr(shapes, "flop_formula", formula)

@@ -61,7 +61,8 @@ def test_cpu_peak_matches_memtracker_on_real_tensors(opt_name, make_opt):
 
     batch = (torch.randn(32, 64), torch.randint(0, 10, (32,)))
     real = _memtracker_peak(build, batch, _ce, make_opt)
-    pred = trace(build, batch, loss_fn=_ce, optimizer=make_opt, device="cpu").peak(
+    pred = trace(build, batch, loss_fn=_ce, recipe=Recipe(precision="fp32", optimizer=make_opt),
+                 gpu="cpu").peak(
         rounded=False)[0]
     assert abs(pred - real) <= 0.001 * real, (pred, real)
 
@@ -82,7 +83,9 @@ def test_checkpointed_llama_peak_matches_memtracker():
         return torch.optim.AdamW(ps, lr=1e-4, foreach=False)
 
     real = _memtracker_peak(build, batch, _hf, make_opt, checkpointing=True)
-    tr = trace(build, batch, optimizer=make_opt, grad_checkpointing=True, device="cpu")
+    tr = trace(build, batch,
+               recipe=Recipe(precision="fp32", optimizer=make_opt, grad_checkpointing=True),
+               gpu="cpu")
     assert abs(tr.peak(rounded=False)[0] - real) <= 0.001 * real
     assert any(o.phase == "recompute" for o in tr.ops)
 
@@ -92,7 +95,8 @@ def test_gpt2_flops_match_the_training_formula_and_all_gemms_are_bf16():
     # forward = 2 * tokens * (matmul weights) + 4 * B * S^2 * d * layers,
     # matmul weights = layers * 12 d^2 (qkv 3d^2, proj d^2, mlp 8d^2) + d * V (lm head).
     L, d, V, B, S = 2, 128, 1000, 2, 64
-    tr = trace(_gpt2(L, d, 4, V), _tokens(B, S, V), precision="bf16-mixed", device="a100-80gb")
+    tr = trace(_gpt2(L, d, 4, V), _tokens(B, S, V), recipe=Recipe(precision="bf16-mixed"),
+               gpu="a100-80gb")
     steady = tr.ops_of_step(1)
     flops = sum(o.flops for o in steady)
     # 2*128*(2*12*128^2 + 128*1000) + 4*2*64^2*128*2 = 133,431,296 + 8,388,608; x3:
@@ -110,7 +114,7 @@ def _has_square_scores(tr, s: int) -> bool:
 
 def test_flash_attention_keeps_no_score_matrix_but_eager_does():
     S = 64
-    flash = trace(_gpt2(), _tokens(2, S), precision="bf16-mixed", device="a100-80gb")
+    flash = trace(_gpt2(), _tokens(2, S), recipe=Recipe(precision="bf16-mixed"), gpu="a100-80gb")
     backends = {o.attention["backend"] for o in flash.ops if o.attention}
     assert backends == {"flash"}
     assert not _has_square_scores(flash, S)
@@ -120,7 +124,8 @@ def test_flash_attention_keeps_no_score_matrix_but_eager_does():
         m.set_attn_implementation("eager")
         return m
 
-    eager = trace(eager_build, _tokens(2, S), precision="bf16-mixed", device="a100-80gb")
+    eager = trace(eager_build, _tokens(2, S), recipe=Recipe(precision="bf16-mixed"),
+                  gpu="a100-80gb")
     assert _has_square_scores(eager, S)
     assert eager.peak()[0] > flash.peak()[0]
 
@@ -128,17 +133,17 @@ def test_flash_attention_keeps_no_score_matrix_but_eager_does():
 def test_attention_kernel_follows_the_target():
     S = 64
     # V100 (sm70) has no flash kernel: the memory-efficient one runs fp16
-    v100 = trace(_gpt2(), _tokens(2, S), precision="fp16-mixed", device="v100")
+    v100 = trace(_gpt2(), _tokens(2, S), recipe=Recipe(precision="fp16-mixed"), gpu="v100")
     assert {o.attention["backend"] for o in v100.ops if o.attention} == {"efficient"}
     # head dim 25 (100 / 4) is not a multiple of 8: PyTorch falls back to the math kernel
-    odd = trace(_gpt2(n_embd=100, n_head=4), _tokens(2, S), precision="bf16-mixed",
-                device="a100-80gb")
+    odd = trace(_gpt2(n_embd=100, n_head=4), _tokens(2, S), recipe=Recipe(precision="bf16-mixed"),
+                gpu="a100-80gb")
     assert _has_square_scores(odd, S)
     assert any("math kernel" in w for w in odd.warnings)
 
 
 def test_cuda_autocast_policy_keeps_softmax_norms_and_loss_in_fp32():
-    tr = trace(_gpt2(), _tokens(2, 32), precision="bf16-mixed", device="h100")
+    tr = trace(_gpt2(), _tokens(2, 32), recipe=Recipe(precision="bf16-mixed"), gpu="h100")
     fwd = [o for o in tr.ops_of_step(1) if o.phase == "forward"]
     by_op: dict[str, set[str]] = {}
     for o in fwd:
@@ -149,10 +154,12 @@ def test_cuda_autocast_policy_keeps_softmax_norms_and_loss_in_fp32():
 
 
 def test_cpu_target_follows_cpu_semantics():
-    tr = trace(_gpt2(), _tokens(2, 32), optimizer="adamw", device="cpu")
+    tr = trace(_gpt2(), _tokens(2, 32), recipe=Recipe(precision="fp32", optimizer="adamw"),
+               gpu="cpu")
     # torch.optim runs the for-loop implementation on the CPU, foreach on CUDA
     assert not any("_foreach_" in o.op for o in tr.ops)
-    gpu = trace(_gpt2(), _tokens(2, 32), optimizer="adamw", device="a100-80gb")
+    gpu = trace(_gpt2(), _tokens(2, 32), recipe=Recipe(precision="fp32", optimizer="adamw"),
+                gpu="a100-80gb")
     assert any("_foreach_" in o.op for o in gpu.ops)
 
 
@@ -161,8 +168,8 @@ def test_gpu_peak_rounds_every_block_to_512_bytes():
         return nn.Linear(3, 5)  # weight 60 B, bias 20 B
 
     batch = torch.randn(2, 3)
-    tr = trace(build, batch, loss_fn=lambda m, b: m(b).sum(), optimizer="sgd",
-               device="a100-80gb")
+    tr = trace(build, batch, loss_fn=lambda m, b: m(b).sum(),
+               recipe=Recipe(precision="fp32", optimizer="sgd"), gpu="a100-80gb")
     assert all(s.nbytes < 512 for s in tr.storages)
     live0 = tr.live_bytes_timeline(rounded=True)[0]
     # before the first op: weight, bias and the input, each in its own 512-byte block
@@ -171,17 +178,18 @@ def test_gpu_peak_rounds_every_block_to_512_bytes():
 
 
 def test_fp16_mixed_runs_the_grad_scaler_and_bf16_needs_ampere():
-    tr = trace(_gpt2(), _tokens(2, 32), precision="fp16-mixed", device="v100")
+    tr = trace(_gpt2(), _tokens(2, 32), recipe=Recipe(precision="fp16-mixed"), gpu="v100")
     names = {o.op.split(".")[1] for o in tr.ops}
     assert {"_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_"} <= names
     with pytest.raises(TilefitError, match="no bf16"):
-        trace(_gpt2(), _tokens(2, 32), precision="bf16-mixed", device="v100")
+        trace(_gpt2(), _tokens(2, 32), recipe=Recipe(precision="bf16-mixed"), gpu="v100")
 
 
 def test_checkpointing_recomputes_and_cuts_activations():
-    plain = trace(_gpt2(n_layer=4), _tokens(4, 64), precision="bf16-mixed", device="a100-80gb")
-    ckpt = trace(_gpt2(n_layer=4), _tokens(4, 64), precision="bf16-mixed", device="a100-80gb",
-                 grad_checkpointing=True)
+    plain = trace(_gpt2(n_layer=4), _tokens(4, 64), recipe=Recipe(precision="bf16-mixed"),
+                  gpu="a100-80gb")
+    ckpt = trace(_gpt2(n_layer=4), _tokens(4, 64),
+                 recipe=Recipe(precision="bf16-mixed", grad_checkpointing=True), gpu="a100-80gb")
     assert any(o.phase == "recompute" for o in ckpt.ops)
     assert not any(o.phase == "recompute" for o in plain.ops)
     a_plain = plain.breakdown_at(plain.peak()[1])["activations"]
@@ -194,7 +202,7 @@ def test_users_module_is_never_changed():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trace(model, (torch.randn(4, 8), torch.randint(0, 2, (4,))), loss_fn=_ce,
-          precision="bf16-true", device="a100-80gb")
+          recipe=Recipe(precision="bf16-true"), gpu="a100-80gb")
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) and after[k].dtype == before[k].dtype
                for k in before)
@@ -206,7 +214,7 @@ def test_meta_model_and_batch_are_traced_without_memory():
     with torch.device("meta"):
         model = nn.Linear(4096, 4096)
     batch = torch.empty(16, 4096, device="meta")
-    tr = trace(model, batch, loss_fn=lambda m, b: m(b).sum(), device="a100-80gb")
+    tr = trace(model, batch, loss_fn=lambda m, b: m(b).sum(), gpu="a100-80gb")
     # AdamW: weights + grads + 2 states = 4 x 4096 x 4097 x 4 bytes, at least
     assert tr.peak()[0] >= 4 * 4096 * 4097 * 4
 
@@ -224,7 +232,7 @@ def test_value_dependent_code_gets_a_clear_error():
             return y
 
     with pytest.raises(TilefitError) as err:
-        trace(Branchy(), torch.randn(2, 4), loss_fn=lambda m, b: m(b).sum(), device="cpu")
+        trace(Branchy(), torch.randn(2, 4), loss_fn=lambda m, b: m(b).sum(), gpu="cpu")
     msg = str(err.value)
     assert "_local_scalar_dense" in msg and "fake tensors" in msg and "fix:" in msg
 
@@ -232,13 +240,16 @@ def test_value_dependent_code_gets_a_clear_error():
 def test_bad_arguments_are_explained():
     model = nn.Linear(2, 2)
     with pytest.raises(TilefitError, match="no loss_fn"):
-        trace(model, torch.randn(1, 2), device="cpu")
+        trace(model, torch.randn(1, 2), gpu="cpu")
     with pytest.raises(TilefitError, match="unknown precision"):
-        trace(model, torch.randn(1, 2), loss_fn=lambda m, b: m(b).sum(), precision="fp7")
+        trace(model, torch.randn(1, 2), loss_fn=lambda m, b: m(b).sum(),
+              recipe=Recipe(precision="fp7"), gpu="cpu")
     with pytest.raises(TilefitError, match="unknown optimizer"):
-        trace(model, torch.randn(1, 2), loss_fn=lambda m, b: m(b).sum(), optimizer="lion")
+        trace(model, torch.randn(1, 2), loss_fn=lambda m, b: m(b).sum(),
+              recipe=Recipe(precision="fp32", optimizer="lion"), gpu="cpu")
     with pytest.raises(TilefitError, match="accumulation_steps"):
-        trace(model, torch.randn(1, 2), loss_fn=lambda m, b: m(b).sum(), accumulation_steps=0)
+        trace(model, torch.randn(1, 2), loss_fn=lambda m, b: m(b).sum(),
+              recipe=Recipe(precision="fp32", accumulation_steps=0), gpu="cpu")
 
 
 def test_optimizer_state_sizes_per_parameter():
@@ -249,8 +260,8 @@ def test_optimizer_state_sizes_per_parameter():
     batch = torch.randn(8, 1024)
 
     def state_bytes(opt: str) -> int:
-        tr = trace(build, batch, loss_fn=lambda m, b: m(b).sum(), optimizer=opt,
-                   device="a100-80gb")
+        tr = trace(build, batch, loss_fn=lambda m, b: m(b).sum(),
+                   recipe=Recipe(precision="fp32", optimizer=opt), gpu="a100-80gb")
         return sum(s.nbytes for s in tr.storages if s.category == "optimizer_state")
 
     assert state_bytes("sgd") == 4 * n  # momentum buffer, fp32
@@ -268,20 +279,20 @@ def test_optimizer_state_sizes_per_parameter():
 
 def test_value_reads_in_the_forward_still_fail_but_the_optimizers_are_stood_in():
     tr = trace(lambda: nn.Linear(64, 64), torch.randn(4, 64), loss_fn=lambda m, b: m(b).sum(),
-               optimizer="adafactor", device="cpu")
+               recipe=Recipe(precision="fp32", optimizer="adafactor"), gpu="cpu")
     assert any("stood in" in w for w in tr.warnings)
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"precision": "bf16-mixed", "device": "a100-80gb"},
-    {"precision": "fp16-mixed", "device": "v100", "accumulation_steps": 3},
-    {"precision": "bf16-mixed", "device": "h100", "grad_checkpointing": True},
-    {"precision": "fp32", "device": "cpu", "optimizer": "sgd"},
+@pytest.mark.parametrize(("gpu", "recipe"), [
+    ("a100-80gb", Recipe(precision="bf16-mixed")),
+    ("v100", Recipe(precision="fp16-mixed", accumulation_steps=3)),
+    ("h100", Recipe(precision="bf16-mixed", grad_checkpointing=True)),
+    ("cpu", Recipe(precision="fp32", optimizer="sgd")),
 ])
-def test_replayed_steady_step_equals_running_it(kwargs):
+def test_replayed_steady_step_equals_running_it(gpu, recipe):
     build, batch = _gpt2(), _tokens(2, 32)
-    fast = trace(build, batch, **kwargs)
-    full = trace(build, batch, replay_steady_step=False, **kwargs)
+    fast = trace(build, batch, recipe=recipe, gpu=gpu)
+    full = trace(build, batch, recipe=recipe, gpu=gpu, replay_steady_step=False)
     _assert_same_trace(fast, full)
 
 
@@ -345,7 +356,8 @@ class _CachesOnFirstCall(nn.Module):
 
 
 def test_a_step_that_leaves_a_tensor_behind_is_run_not_replayed() -> None:
-    kwargs = {"loss_fn": lambda m, b: m(b).sum(), "optimizer": "sgd", "accumulation_steps": 2}
+    kwargs = {"loss_fn": lambda m, b: m(b).sum(), "gpu": "cpu",
+              "recipe": Recipe(precision="fp32", optimizer="sgd", accumulation_steps=2)}
     fast = trace(_CachesOnFirstCall, torch.randn(4, 32), **kwargs)
     full = trace(_CachesOnFirstCall, torch.randn(4, 32), replay_steady_step=False, **kwargs)
     _assert_same_trace(fast, full)
@@ -362,11 +374,13 @@ def test_dropout_on_a_cuda_target_is_the_fused_kernel_with_a_bool_mask() -> None
 
     batch = torch.empty(32, 64, device="meta")
     loss = lambda m, b: m(b).sum()  # noqa: E731
-    gpu = trace(build, batch, loss_fn=loss, optimizer="sgd", device="a100-80gb")
+    gpu = trace(build, batch, loss_fn=loss, recipe=Recipe(precision="fp32", optimizer="sgd"),
+                gpu="a100-80gb")
     (fused,) = [o for o in gpu.ops_of_step(1) if o.op == "aten.native_dropout.default"]
     assert fused.alloc_bytes == (32 * 64 * 4, 32 * 64)
     assert any(o.op == "aten.native_dropout_backward.default" for o in gpu.ops_of_step(1))
-    cpu = trace(build, batch, loss_fn=loss, optimizer="sgd", device="cpu")
+    cpu = trace(build, batch, loss_fn=loss, recipe=Recipe(precision="fp32", optimizer="sgd"),
+                gpu="cpu")
     ops = {o.op for o in cpu.ops_of_step(1)}
     assert "aten.native_dropout.default" not in ops and "aten.bernoulli_.float" in ops
 
@@ -389,7 +403,7 @@ def test_backward_ops_are_not_credited_to_an_identity_module() -> None:
     # left it "running" for the rest of the backward: fc1's weight gradient (mm 32x8 @ 8x16,
     # 2*32*8*16 = 8192 FLOPs) was credited to "skip". Each backward GEMM belongs to its layer.
     tr = trace(_ThroughIdentity, torch.randn(8, 16), loss_fn=lambda m, x: m(x).sum(),
-               optimizer="sgd")
+               recipe=Recipe(precision="fp32", optimizer="sgd"), gpu="cpu")
     last = max(o.step for o in tr.ops)  # the steady step (the first is traced too)
     bw = [o for o in tr.ops if o.phase == "backward" and o.kind == "gemm" and o.step == last]
     assert bw and not any(o.module.startswith("skip") for o in tr.ops)

@@ -6,7 +6,6 @@ import copy
 import dataclasses
 import json
 import random
-import warnings
 from typing import Any
 
 import numpy as np
@@ -266,36 +265,6 @@ def test_clear_errors() -> None:
     with pytest.raises(TilefitError, match=r"margin must be a fraction in \[0, 1\)"):
         TuneSearch(margin=1.0)
 
-
-
-def test_the_old_keywords_still_work_and_name_the_new_spelling() -> None:
-    def fits(result: TuneResult) -> list[tuple[int, bool, int | None]]:
-        return [(t.batch_size, t.fits, t.peak_memory_bytes) for t in result.trials]
-
-    model, opt = fresh()
-    with pytest.warns(DeprecationWarning) as caught:
-        old = tune(model, make_batch, loss_fn=loss_fn, optimizer=opt,
-                   memory_limit_bytes=LIMIT_BYTES, margin=0.1, measure_throughput=False)
-    assert len(caught) == 1  # one warning for the call
-    assert str(caught[0].message) == (
-        "tilefit.tune(): these keywords are deprecated and will be removed in tilefit 0.3: "
-        "memory_limit_bytes= -> search=TuneSearch(memory_limit_bytes=...); margin= -> "
-        "search=TuneSearch(margin=...); measure_throughput= -> "
-        "search=TuneSearch(measure_throughput=...)")
-    assert caught[0].filename == __file__  # points at the caller
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)  # the new spelling warns nothing
-        new = tune(model, make_batch, loss_fn=loss_fn, optimizer=opt,
-                   search=TuneSearch(memory_limit_bytes=LIMIT_BYTES, margin=0.1,
-                                     measure_throughput=False))
-    assert old.budget_bytes == new.budget_bytes == int(LIMIT_BYTES * 0.9)
-    assert old.max_fitting_batch_size == new.max_fitting_batch_size > 8
-    assert fits(old) == fits(new)  # the same probes, the same simulated peaks
-    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['max_batches'\]"):
-        tune(model, make_batch, optimizer=opt, max_batches=4)
-    with pytest.raises(TilefitError, match="search= and the old keywords"), \
-            pytest.warns(DeprecationWarning):
-        tune(model, make_batch, optimizer=opt, search=TuneSearch(), max_batch=4)
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -23,6 +23,7 @@ from tilefit.estimator.zero import (
 )
 from tilefit.estimator.zero_step import zero_inputs
 from tilefit.hardware import get_device
+from tilefit.recipe import Parallelism, Recipe
 
 PSI = 1_000_000_000
 LARGEST = 10_000_000
@@ -184,9 +185,10 @@ def mean_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).mean()
 
 
-def zero_estimate(strategy: str | None, world_size: int = 8, **kw: object) -> object:
-    return estimate(mlp, torch.randn(4, 32), loss_fn=mean_loss, device="h100-sxm",
-                    precision="bf16-true", world_size=world_size, strategy=strategy, **kw)
+def zero_estimate(strategy: str | None, world_size: int = 8, offload: bool = False) -> object:
+    parallel = Parallelism(world_size=world_size, strategy=strategy, offload=offload)
+    return estimate(mlp, torch.randn(4, 32), loss_fn=mean_loss,
+                    recipe=Recipe(precision="bf16-true", parallel=parallel), gpu="h100-sxm")
 
 
 @pytest.fixture(scope="module")
@@ -200,8 +202,8 @@ def test_estimate_zero2_on_a_tiny_model(one_and_zero2: tuple[object, object]) ->
     # DeepSpeed's optimizer steps the fp32 partition, so they count as fp32 (8 bytes)
     from tilefit.tracing import trace
 
-    tr = trace(mlp, torch.randn(4, 32), loss_fn=mean_loss, device=get_device("h100-sxm"),
-               precision="bf16-true")
+    tr = trace(mlp, torch.randn(4, 32), loss_fn=mean_loss, recipe=Recipe(precision="bf16-true"),
+               gpu=get_device("h100-sxm"))
     inp = zero_inputs(tr)
     assert inp.params == MLP_PARAMS and inp.weight_bytes == 2
     assert inp.largest_layer_params == 32 * 64  # the first Linear's weight
@@ -296,8 +298,8 @@ def test_micro_breakdowns_sweep_is_breakdown_at() -> None:
     from tilefit.estimator.zero_step import _micro_breakdowns
     from tilefit.tracing import trace
 
-    tr = trace(mlp, torch.randn(4, 32), loss_fn=mean_loss, device=get_device("h100-sxm"),
-               precision="bf16-true")
+    tr = trace(mlp, torch.randn(4, 32), loss_fn=mean_loss, recipe=Recipe(precision="bf16-true"),
+               gpu=get_device("h100-sxm"))
     points = _micro_breakdowns(tr, True)
     assert len(points) > 10
     for j, at in points:

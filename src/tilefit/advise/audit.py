@@ -29,11 +29,10 @@ from tilefit.errors import TilefitError
 from tilefit.estimator import Estimate, estimate_trace
 from tilefit.hardware import Device, get_device
 from tilefit.html_repr import HtmlRepr
-from tilefit.legacy import read_legacy
 from tilefit.models.module import module_workload
+from tilefit.old_keywords import refuses_old_keywords
 from tilefit.recipe import (
     DEFAULT_GPU,
-    PLAIN_PYTORCH,
     Recipe,
     batch_recipe,
     is_named_model,
@@ -116,15 +115,10 @@ class _Subject:
     notes: tuple[str, ...] = ()
 
 
-# audit's old keywords that are not the recipe's: what the model is built from
-LEGACY_MODEL: dict[str, str] = {
-    "input_shape": "audit(load_workload(model, input_shape=...))",
-    "task": "audit(load_workload(model, task=...))"}
-
-
+@refuses_old_keywords
 def audit(model: Any, batch: Any = None, *, recipe: Recipe | None = None,
           gpu: str | Device = DEFAULT_GPU, loss_fn: Any = None, seq_len: int | None = None,
-          confirm: bool = False, **legacy: Any) -> Audit:
+          confirm: bool = False) -> Audit:
     """Audit one training step of ``model`` under ``recipe`` on ``gpu``.
 
     ``model``: a catalog name, a config.json path, ``package.module:function``, a Workload
@@ -134,12 +128,12 @@ def audit(model: Any, batch: Any = None, *, recipe: Recipe | None = None,
     traced as given, with ``loss_fn``, and the what-ifs that need a re-trace are skipped,
     with a note). ``recipe``: default ``Recipe.for_model(model)``, the loop the model's
     framework runs (the CLI's own default). ``confirm``: re-trace the top weight-dimension
-    finding's fix and record how close the cheap rewrite was (Audit.confirmation). The old
-    keywords (batch_size=, precision=, peft=, ...) still work, with a DeprecationWarning."""
+    finding's fix and record how close the cheap rewrite was (Audit.confirmation). 0.1.0's
+    keywords (batch_size=, precision=, peft=, ...) are refused with their new spelling
+    (tilefit.old_keywords)."""
     t0 = time.perf_counter()
-    old = read_legacy("audit", recipe, legacy, PLAIN_PYTORCH, own=LEGACY_MODEL)
     device = get_device(gpu)
-    recipe = old.recipe or Recipe.for_model(model)
+    recipe = recipe or Recipe.for_model(model)
     if not is_named_model(model):
         found = None if loss_fn is not None else module_workload(model, batch)
         if found is not None:  # a Hugging Face module: audited as its config
@@ -147,8 +141,7 @@ def audit(model: Any, batch: Any = None, *, recipe: Recipe | None = None,
     with shared_traces():  # the what-ifs and the way forward's plan share their traces
         if is_named_model(model):
             subject = _workload_subject(model, batch_recipe(recipe, batch).on(device), device,
-                                        seq_len=seq_len, input_shape=old.rest.get(
-                                            "input_shape"), task=old.rest.get("task"))
+                                        seq_len=seq_len)
         else:
             subject = _module_subject(model, batch, recipe.on(device), device,
                                       loss_fn=loss_fn)
@@ -156,14 +149,12 @@ def audit(model: Any, batch: Any = None, *, recipe: Recipe | None = None,
 
 
 def _workload_subject(model: str | Workload, recipe: Recipe, device: Device, *,
-                      seq_len: int | None, input_shape: tuple[int, ...] | None,
-                      task: str | None) -> _Subject:
+                      seq_len: int | None) -> _Subject:
     """A catalog model, config.json or factory: every what-if can re-trace it."""
     from tilefit.models import Workload, load_workload
     from tilefit.tracing.workload_traces import trace_workload
 
-    work = model if isinstance(model, Workload) else load_workload(
-        model, seq_len=seq_len, input_shape=input_shape, task=task)
+    work = model if isinstance(model, Workload) else load_workload(model, seq_len=seq_len)
     notes = recipe.notes + (("the loss is a stand-in (mean of the model's output)",)
                             if work.is_factory else ())
     early = compile_variant(recipe, device)  # the longest what-if, on a free core meanwhile

@@ -19,11 +19,19 @@ CONFIRM_OPTION = typer.Option(False, "--confirm", help="Re-trace the top dimensi
                               "confirm the quick what-if (one more trace).")
 
 
+# the shared recipe options the audit does not take, and why
+EXCLUDED = {
+    **dict.fromkeys(("gpus", "strategy", "offload"), "the audit is of one GPU's step "
+                    "(tilefit estimate --gpus N predicts a job's)"),
+    "graph_breaks": "the audit's compile finding traces torch.compile itself (tilefit "
+    "estimate --compile --graph-breaks lists the breaks)"}
+
+
 def register(app: typer.Typer) -> None:
     app.command("audit")(audit)
 
 
-@takes_recipe_options
+@takes_recipe_options("audit", excluded=EXCLUDED)
 def audit(
     flags: RecipeFlags,
     json_out: bool = JSON_OPTION,

@@ -6,15 +6,22 @@ from typing import Any
 
 import typer
 
-from tilefit.cli import model_options as mo
 from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
-from tilefit.cli.model_options import PRECISION_OPTION
-from tilefit.vocab import OPTIMIZER_NAMES
+from tilefit.cli.recipe_options import RecipeFlags, takes_recipe_options
 
 bench_app = typer.Typer(help="Measure on the live device (CPU or CUDA GPU) beside the model.",
                         no_args_is_help=True)
 
 DEVICE_HELP = "cpu (this machine) or cuda (the live GPU)."
+# the shared recipe options bench step does not take, and why
+EXCLUDED = {
+    "gpu": "bench step measures the live --device (cpu or cuda) and predicts for it",
+    "accumulation": "bench step measures one micro-batch per optimizer step",
+    **dict.fromkeys(("compile_", "compile_mode", "graph_breaks"), "bench step runs the step "
+                    "eagerly (tilefit run measures a torch.compile'd script)"),
+    "alloc_conf": "the real step's allocator reads PYTORCH_CUDA_ALLOC_CONF from the "
+    "environment, and so does its prediction: set it there",
+    **dict.fromkeys(("gpus", "strategy", "offload"), "bench step measures one device")}
 
 
 def register(app: typer.Typer) -> None:
@@ -22,31 +29,13 @@ def register(app: typer.Typer) -> None:
 
 
 @bench_app.command("step")
+@takes_recipe_options("bench step", excluded=EXCLUDED, defaults={"batch": 4})
 def step(
-    model: str = typer.Argument(..., help="A catalog name, a config.json, or module:function."),
+    flags: RecipeFlags,
     device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
-    batch: int = typer.Option(4, "--batch", help="Micro-batch size."),
-    seq: int = typer.Option(None, "--seq", help="Tokens per sample."),
-    precision: str = PRECISION_OPTION,
-    optimizer: str | None = typer.Option(
-        None, "--optimizer", help="The optimizer: " + ", ".join(OPTIMIZER_NAMES) + " (default: "
-        "the model's usual loop's, as tilefit estimate: adamw-fused for a Hugging Face model, "
-        "adamw otherwise)."),
-    grad_checkpointing: bool = typer.Option(False, "--grad-checkpointing"),
-    max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
-    loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
     layers: int = typer.Option(None, "--layers", help="Build the model with this many layers "
                                "(num_hidden_layers), to fit a small device."),
-    input_shape: str = typer.Option(None, "--input-shape", help="For module:function models."),
     steps: int = typer.Option(5, "--steps", help="Timed steps after warm-up."),
-    lora: bool = mo.LORA_OPTION,
-    quantize: str | None = mo.QUANTIZE_OPTION,
-    lora_rank: int | None = mo.LORA_RANK_OPTION,
-    lora_alpha: float | None = mo.LORA_ALPHA_OPTION,
-    lora_targets: str | None = mo.LORA_TARGETS_OPTION,
-    lora_dropout: float | None = mo.LORA_DROPOUT_OPTION,
-    dora: bool = mo.DORA_OPTION,
-    modules_to_save: str | None = mo.MODULES_TO_SAVE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """A real training step on the live device: its time and peak memory beside the
@@ -56,20 +45,14 @@ def step(
     it."""
     from tilefit.bench.step import measure_step
     from tilefit.calibrate.run import live_kind_device
-    from tilefit.cli.model_options import load
     from tilefit.estimator.workload_estimate import estimate_workload
 
     with user_errors():
         dev = live_kind_device(device)
-        work = load(model, seq, input_shape, None)
+        work = flags.workload()
         if layers is not None:
             work = work.with_config(num_hidden_layers=layers)
-        adapters = mo.lora_of(lora, lora_rank, lora_alpha, lora_targets, lora_dropout, dora,
-                              modules_to_save)
-        recipe = mo.recipe(work, batch_size=batch, precision=precision, optimizer=optimizer,
-                           grad_checkpointing=grad_checkpointing, lora=adapters,
-                           quantize=quantize, max_grad_norm=max_grad_norm,
-                           loss_sync=loss_sync).on(dev)
+        recipe = flags.recipe(work).on(dev)
         predicted = estimate_workload(work, recipe, dev)
         measured = measure_step(work, recipe, dev.kind, steps=steps)
     row = _step_row(work, dev, recipe, predicted, measured)

@@ -8,36 +8,27 @@ import typer
 
 from tilefit.cli import model_options as mo
 from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
+from tilefit.cli.model_options import OFFLOAD_OPTION as OFFLOAD_OPTION  # words.py reads it here
 from tilefit.cli.recipe_options import RecipeFlags, takes_recipe_options
 
 if TYPE_CHECKING:
     from tilefit.models import Workload
     from tilefit.recipe import Recipe
 
-
-OFFLOAD_OPTION = typer.Option(False, "--offload", help="With --strategy zero1/zero2/zero3: "
-                              "DeepSpeed's optimizer offloaded to the CPU (modelled).")
 OPS_OPTION = typer.Option(True, "--ops/--no-ops", help="With --json: include every op record "
                           "of the steady step (--no-ops for the summary only).")
-GRAPH_BREAKS_OPTION = typer.Option(False, "--graph-breaks", help="With --compile: run Dynamo "
-                                   "over the step and list where it would break it into "
-                                   "several graphs (seconds more).")
 
 
 def register(app: typer.Typer) -> None:
     app.command("estimate")(estimate)
 
 
-@takes_recipe_options
+@takes_recipe_options("estimate")
 def estimate(
     flags: RecipeFlags,
-    gpus: int = mo.GPUS_OPTION,
     nodes: int | None = mo.NODES_OPTION,
     network: str | None = mo.NETWORK_OPTION,
-    strategy: str | None = mo.STRATEGY_OPTION,
-    offload: bool = OFFLOAD_OPTION,
     ops: bool = OPS_OPTION,
-    graph_breaks: bool = GRAPH_BREAKS_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Predict one training step's time and peak memory on a GPU, traced on fake tensors."""
@@ -45,10 +36,9 @@ def estimate(
     from tilefit.hardware import get_device
 
     with user_errors():
-        device = mo.placed(get_device(flags["gpu"]), gpus, nodes, network)
+        device = mo.placed(get_device(flags["gpu"]), flags["gpus"], nodes, network)
         work = flags.workload()
-        recipe = flags.recipe(work, graph_breaks=graph_breaks, gpus=gpus, strategy=strategy,
-                              offload=offload).on(device)
+        recipe = flags.recipe(work).on(device)
         result = estimate_recipe(work, None, recipe, device)
     _notes(recipe, work.is_factory)
     revision = flags["revision"]

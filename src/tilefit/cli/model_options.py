@@ -1,4 +1,5 @@
-"""The options shared by the commands that take a model (estimate, audit, plan, tune)."""
+"""The options of the commands that take a model: each declared once here; the ones that
+describe a recipe are shared through cli/recipe_options.py."""
 
 from __future__ import annotations
 
@@ -189,6 +190,13 @@ COMPILE_OPTION = typer.Option(
     False, "--compile", help="Predict the step as torch.compile (Inductor, default mode) runs "
     "it: the activations its partitioner saves, its fused kernels; the optimizer step stays "
     "eager.")
+
+
+GRAPH_BREAKS_OPTION = typer.Option(False, "--graph-breaks", help="With --compile: run Dynamo "
+                                   "over the step and list where it would break it into "
+                                   "several graphs (seconds more).")
+OFFLOAD_OPTION = typer.Option(False, "--offload", help="With --strategy zero1/zero2/zero3: "
+                              "DeepSpeed's optimizer offloaded to the CPU (modelled).")
 
 
 COMPILE_MODE_OPTION = typer.Option(

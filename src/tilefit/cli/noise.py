@@ -8,6 +8,7 @@ import typer
 
 from tilefit.cli import model_options as mo
 from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
+from tilefit.cli.recipe_options import FIELD_OPTIONS, RecipeFlags, takes_recipe_options
 from tilefit.errors import TilefitError
 
 DATA_OPTION = typer.Option(
@@ -41,6 +42,22 @@ def read_noise_scale(text: str) -> float:
                            expected="e.g. 512, or ns.json from `tilefit noise-scale --json`",
                            given=repr(text), fix="pass --noise-scale 512")
     return value
+
+# the shared recipe options noise-scale does not take, and why: it measures gradients of the
+# model as it is built, on the live device (its own --gpu), and steps no optimizer
+AS_BUILT = ("noise-scale measures the gradients of the model as it is built: call "
+            "tilefit.noise_scale on the model your script builds for this")
+EXCLUDED = {
+    **dict.fromkeys(("grad_checkpointing", "attention", "fused_ce", "compile_",
+                     "compile_mode", "graph_breaks", "alloc_conf", *FIELD_OPTIONS["lora"],
+                     "quantize", "double_quant", "quant_compute_dtype", "prepare_kbit",
+                     "routing"), AS_BUILT),
+    "gpu": "the live device to measure on",
+    **dict.fromkeys(("batch", "accumulation"), "noise-scale takes its two batch sizes as "
+                    "--batch-sizes SMALL,BIG (the big one accumulated from the small)"),
+    **dict.fromkeys(("optimizer", "max_grad_norm", "loss_sync"), "noise-scale steps no "
+                    "optimizer: it measures gradients only"),
+    **dict.fromkeys(("gpus", "strategy", "offload"), "noise-scale measures on one device")}
 
 
 def register(app: typer.Typer) -> None:
@@ -98,8 +115,9 @@ def build_model(model: str, seq: int | None, input_shape: str | None, task: str 
     return mo.load(model, seq, input_shape, task, **source).build()
 
 
+@takes_recipe_options("noise-scale", excluded=EXCLUDED)
 def noise_scale_command(
-    model: str = mo.MODEL_ARG,
+    flags: RecipeFlags,
     data: str | None = DATA_OPTION,
     loss: str | None = LOSS_OPTION,
     gpu: str = typer.Option("auto", "--gpu", help="The live device: auto, cuda, cuda:N or cpu."),
@@ -110,13 +128,6 @@ def noise_scale_command(
     checkpoint: str | None = typer.Option(
         None, "--checkpoint", help="Weights to measure at: a state-dict file (.pt, .ckpt, "
         ".safetensors) or a Hugging Face checkpoint folder."),
-    precision: str | None = mo.PRECISION_OPTION,
-    seq: int | None = mo.SEQ_OPTION,
-    input_shape: str | None = mo.INPUT_SHAPE_OPTION,
-    task: str | None = mo.TASK_OPTION,
-    target_seq: int | None = mo.TARGET_SEQ_OPTION,
-    image_size: int | None = mo.IMAGE_SIZE_OPTION,
-    revision: str | None = mo.REVISION_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Measure the gradient noise scale B_simple (McCandlish et al. 2018) on your data.
@@ -137,12 +148,14 @@ def noise_scale_command(
         loss_fn = load_loss(loss)
         sizes = parse_batch_sizes(batch_sizes)
         device = live_device(gpu)
-        module = build_model(model, seq, input_shape, task, target_seq=target_seq,
-                             image_size=image_size, revision=revision).to(device)
+        model = flags["model"]
+        module = build_model(model, flags["seq"], flags["input_shape"], flags["task"],
+                             target_seq=flags["target_seq"], image_size=flags["image_size"],
+                             revision=flags["revision"]).to(device)
         err_console.print(f"measuring {model} on {device}: {measurements} big batches of "
                           f"{sizes[1]} from micro-batches of {sizes[0]}", highlight=False)
         result = noise_scale(module, make_batch, loss_fn=loss_fn,
-                             precision=live_precision(precision, device), device=device,
+                             precision=live_precision(flags["precision"], device), device=device,
                              measure=NoiseMeasure(batch_sizes=sizes, measurements=measurements,
                                                   checkpoint=checkpoint))
     if json_out:

@@ -7,9 +7,9 @@ from typing import Any
 
 import typer
 
-from tilefit.cli import model_options as mo
-from tilefit.cli.common import GPU_HELP, JSON_OPTION, console, err_console, print_json, user_errors
+from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
 from tilefit.cli.noise import PLAN_NOISE_OPTION, read_noise_scale
+from tilefit.cli.recipe_options import RecipeFlags, takes_recipe_options
 from tilefit.units import parse_bytes
 from tilefit.vocab import STRATEGIES, ZERO_STRATEGIES
 
@@ -48,41 +48,42 @@ HOST_MEMORY_OPTION = typer.Option(
     "(ZeRO-Offload, DeepSpeed) is over it do not fit (default: the GPU spec file's "
     "host.memory_bytes, else this machine's RAM).")
 
+# the shared recipe options plan does not take, and why (its own --gpus and --strategy bound
+# its search instead of fixing the recipe's)
+EXCLUDED = {
+    **{name: f"plan chooses the {what} itself{why}" for name, what, why in (
+        ("batch", "micro-batch", ": micro-batch x accumulation = --global-batch"),
+        ("accumulation", "accumulation", ": micro-batch x accumulation = --global-batch"),
+        ("precision", "precision", ""), ("grad_checkpointing", "activation checkpointing", ""),
+        ("attention", "attention kernel", ""))},
+    **dict.fromkeys(("lora", "quantize", "double_quant", "quant_compute_dtype",
+                     "prepare_kbit"), "plan ranks LoRA and QLoRA among other recipes: "
+                    "--allow-peft and --allow-quantize (--lora-rank ... set the adapters)"),
+    "offload": "plan ranks ZeRO stages 2 and 3 with and without offload itself",
+    "gpus": "a bound of the search: plan for this many GPUs",
+    "strategy": "a bound of the search: the one engine to rank",
+    "graph_breaks": "plan does not list graph breaks (tilefit estimate --compile "
+    "--graph-breaks does)",
+    "compile_mode": "plan predicts torch.compile's default mode (tilefit estimate --compile "
+    "--compile-mode reduce-overhead predicts the CUDA graphs' step)"}
+
 
 def register(app: typer.Typer) -> None:
     app.command("plan")(plan)
 
 
+@takes_recipe_options("plan", excluded=EXCLUDED)
 def plan(
-    model: str = mo.MODEL_ARG,
-    gpu: str = typer.Option("a100-80gb", "--gpu", help=GPU_HELP),
+    flags: RecipeFlags,
     global_batch: int = typer.Option(..., "--global-batch",
                                      help="Samples per optimizer step (kept exactly)."),
-    seq: int | None = mo.SEQ_OPTION,
     memory_fraction: float = MEMORY_FRACTION_OPTION,
     objective: str = typer.Option("throughput", "--objective", help="throughput or memory."),
-    optimizer: str | None = mo.OPTIMIZER_OPTION,
     allow_optimizer_change: bool = typer.Option(
         False, "--allow-optimizer-change",
         help="Also rank other optimizers (a different training algorithm)."),
     allow_peft: bool = ALLOW_PEFT_OPTION,
     allow_quantize: bool = ALLOW_QUANTIZE_OPTION,
-    lora_rank: int | None = mo.LORA_RANK_OPTION,
-    lora_alpha: float | None = mo.LORA_ALPHA_OPTION,
-    lora_targets: str | None = mo.LORA_TARGETS_OPTION,
-    lora_dropout: float | None = mo.LORA_DROPOUT_OPTION,
-    dora: bool = mo.DORA_OPTION,
-    modules_to_save: str | None = mo.MODULES_TO_SAVE_OPTION,
-    input_shape: str | None = mo.INPUT_SHAPE_OPTION,
-    task: str | None = mo.TASK_OPTION,
-    target_seq: int | None = mo.TARGET_SEQ_OPTION,
-    image_size: int | None = mo.IMAGE_SIZE_OPTION,
-    revision: str | None = mo.REVISION_OPTION,
-    max_grad_norm: str | None = mo.MAX_GRAD_NORM_OPTION,
-    loss_sync: bool | None = mo.LOSS_SYNC_OPTION,
-    fused_ce: bool = mo.FUSED_CE_OPTION,
-    routing: str | None = mo.ROUTING_OPTION,
-    compile_: bool = mo.COMPILE_OPTION,
     gpus: int = GPUS_OPTION,
     strategy: str | None = STRATEGY_OPTION,
     write_configs: str | None = WRITE_CONFIGS_OPTION,
@@ -99,15 +100,13 @@ def plan(
     with user_errors():
         host_bytes = _check_early(memory_fraction, global_batch, gpus, host_memory)
         b_noise = None if noise_scale is None else read_noise_scale(noise_scale)
-        work = mo.load(model, seq, input_shape, task, target_seq, image_size, revision)
-        recipe = mo.recipe(work, optimizer=optimizer, max_grad_norm=max_grad_norm,
-                           loss_sync=loss_sync, fused_ce=fused_ce, compile_=compile_,
-                           gpus=gpus, strategy=strategy, routing=routing)
-        lora = mo.lora_of(False, lora_rank, lora_alpha, lora_targets, lora_dropout, dora,
-                          modules_to_save)
+        work = flags.workload()
+        recipe = flags.recipe(work, lora=None, gpus=gpus, strategy=strategy)
         search = PlanSearch(memory_fraction, objective, allow_optimizer_change, allow_peft,
-                            lora=lora, allow_quantize=allow_quantize, host_memory_bytes=host_bytes)
-        result = run_plan(work, gpu=gpu, global_batch=global_batch, recipe=recipe, search=search)
+                            lora=flags.lora(), allow_quantize=allow_quantize,
+                            host_memory_bytes=host_bytes)
+        result = run_plan(work, gpu=flags["gpu"], global_batch=global_batch, recipe=recipe,
+                          search=search)
         written = None if write_configs is None else write_launch_files(
             result, Path(write_configs))
     warning = None if b_noise is None else far_above_noise_scale(global_batch, b_noise)

@@ -12,6 +12,7 @@ from tilefit.cli import model_options as mo
 from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
 from tilefit.cli.job import Job, torchrun_job
 from tilefit.cli.noise import DATA_OPTION, LOSS_OPTION, build_model, load_data, load_loss
+from tilefit.cli.recipe_options import FIELD_OPTIONS, RecipeFlags, takes_recipe_options
 from tilefit.errors import TilefitError
 from tilefit.units import parse_bytes
 
@@ -23,28 +24,35 @@ OBJECTIVE_OPTION = typer.Option(
     help="samples-per-s (the fastest batch) or time-to-loss (the batch reaching a given loss "
     "soonest, from the gradient noise scale).")
 
+# the shared recipe options tune does not take, and why: it runs the model as it is built,
+# in a plain loop, on the live device (its own --gpu)
+AS_BUILT = ("tune trains the model as it is built, in a plain loop: call tilefit.tune on the "
+            "model and optimizer your script builds for this")
+EXCLUDED = {
+    **dict.fromkeys(("grad_checkpointing", "attention", "max_grad_norm", "loss_sync",
+                     "fused_ce", "compile_", "compile_mode", "graph_breaks", "alloc_conf",
+                     *FIELD_OPTIONS["lora"], "quantize", "double_quant", "quant_compute_dtype",
+                     "prepare_kbit"), AS_BUILT),
+    "gpu": "the live device to tune on",
+    "batch": "tune searches the batch itself (--max-batch bounds it)",
+    "accumulation": "tune sets accumulation from --global-batch",
+    **dict.fromkeys(("gpus", "strategy", "offload"), "under torchrun every rank tunes "
+                    "(torchrun --nproc-per-node N -m tilefit tune ...)")}
+
 
 def register(app: typer.Typer) -> None:
     app.command("tune")(tune_command)
 
 
+@takes_recipe_options("tune", excluded=EXCLUDED)
 def tune_command(
-    model: str = mo.MODEL_ARG,
+    flags: RecipeFlags,
     gpu: str = LIVE_GPU_OPTION,
     global_batch: int = typer.Option(None, "--global-batch",
                                      help="Keep this many samples per optimizer step exact."),
     memory_limit: str = typer.Option(None, "--memory-limit",
                                      help="Simulate a device of this size: bytes, 2GiB, 500MB."),
     max_batch: int = typer.Option(None, "--max-batch", help="Never try more than this."),
-    seq: int | None = mo.SEQ_OPTION,
-    input_shape: str | None = mo.INPUT_SHAPE_OPTION,
-    task: str | None = mo.TASK_OPTION,
-    target_seq: int | None = mo.TARGET_SEQ_OPTION,
-    image_size: int | None = mo.IMAGE_SIZE_OPTION,
-    revision: str | None = mo.REVISION_OPTION,
-    routing: str | None = mo.ROUTING_OPTION,
-    optimizer: str | None = mo.OPTIMIZER_OPTION,
-    precision: str | None = mo.PRECISION_OPTION,
     margin: float = typer.Option(None, "--margin",
                                  help="Fraction of memory kept free (default 0.10)."),
     plot: str = typer.Option(None, "--plot", help="Write samples/s against batch size here."),
@@ -74,10 +82,12 @@ def tune_command(
     prints; the batch is per rank, --global-batch the job's.
     """
     with user_errors(), torchrun_job(gpu) as job:
-        options = TuneOptions(model, gpu, global_batch, memory_limit, max_batch, seq,
-                              input_shape, task, optimizer, precision, margin, objective,
-                              noise_scale, data, loss, target_seq=target_seq,
-                              image_size=image_size, revision=revision, routing=routing)
+        options = TuneOptions(flags["model"], gpu, global_batch, memory_limit, max_batch,
+                              flags["seq"], flags["input_shape"], flags["task"],
+                              flags["optimizer"], flags["precision"], margin, objective,
+                              noise_scale, data, loss, target_seq=flags["target_seq"],
+                              image_size=flags["image_size"], revision=flags["revision"],
+                              routing=flags["routing"])
         result = _run(options, show_progress=job.is_main, job=job)
         if plot and job.is_main:
             _plot(result, plot)

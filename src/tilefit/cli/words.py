@@ -74,8 +74,10 @@ def commands() -> list[Any]:
 
 
 def options_of(command: Any) -> dict[str, Any]:
-    """``command``'s options by parameter name."""
-    return {p.name: p for p in command.params if p.param_type_name == "option" and p.name}
+    """``command``'s options by parameter name, less the hidden ones it refuses (a shared
+    recipe option it cannot honour: recipe_options' excluded)."""
+    return {p.name: p for p in command.params
+            if p.param_type_name == "option" and p.name and not getattr(p, "hidden", False)}
 
 
 def all_options() -> dict[str, Any]:

@@ -32,7 +32,7 @@ from tilefit.estimator.steptime import step_timeline
 from tilefit.estimator.timeline import Timeline
 from tilefit.estimator.zero_step import estimate_zero, is_zero, traced_recipe
 from tilefit.hardware import Device, get_device
-from tilefit.legacy import legacy_gpu, read_legacy
+from tilefit.old_keywords import refuses_old_keywords
 from tilefit.recipe import (
     DEFAULT_GPU,
     Parallelism,
@@ -74,8 +74,9 @@ def overhead_bytes(device: Device) -> int:
     return device.cuda_context_bytes + cublas_workspace_bytes(device)
 
 
+@refuses_old_keywords
 def estimate(model: Any, batch: Any = None, *, recipe: Recipe | None = None,
-             gpu: str | Device | None = None, loss_fn: Any = None, **legacy: Any) -> Estimate:
+             gpu: str | Device | None = None, loss_fn: Any = None) -> Estimate:
     """Predict one training step's time and peak memory on ``gpu`` (a catalog name, a
     Device, or "cpu" for this machine; default DEFAULT_GPU) without running it: the step is
     traced on fake tensors as the GPU would run it (``tilefit.trace``: ``model``, ``batch``,
@@ -88,16 +89,13 @@ def estimate(model: Any, batch: Any = None, *, recipe: Recipe | None = None,
     engine's collectives (ddp, fsdp2), ``Estimate.parallel`` summarising communication,
     throughput and scaling; DeepSpeed ZeRO (zero1-3, ``offload``, the ``zero`` buckets)
     modelled on the one-GPU trace (``Estimate.parallel.modelled``; tilefit.estimator.zero).
-    The old keywords (precision=, device=, world_size=, ...) still work, with a
-    DeprecationWarning (tilefit.legacy)."""
-    from tilefit.tracing.step import LEGACY_DEFAULTS
-
-    old = read_legacy("estimate", recipe, legacy, LEGACY_DEFAULTS)
-    gpu = legacy_gpu("estimate", gpu, old, bool(legacy), DEFAULT_GPU)
-    recipe = old.recipe or Recipe.for_model(model)
+    0.1.0's keywords (precision=, device=, ...) are refused with their new spelling
+    (tilefit.old_keywords)."""
+    recipe = recipe or Recipe.for_model(model)
     if is_named_model(model):
         recipe = batch_recipe(recipe, batch)
-    return estimate_recipe(model, batch, recipe, get_device(gpu), loss_fn=loss_fn)
+    device = get_device(DEFAULT_GPU if gpu is None else gpu)
+    return estimate_recipe(model, batch, recipe, device, loss_fn=loss_fn)
 
 
 def estimate_recipe(model: Any, batch: Any, recipe: Recipe, device: Device, *,

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tilefit.errors import TilefitError
-from tilefit.legacy import read_legacy
-from tilefit.recipe import DEFAULT_GPU, PLAIN_PYTORCH, Lora, Recipe, is_named_model
+from tilefit.old_keywords import refuses_old_keywords
+from tilefit.recipe import DEFAULT_GPU, Lora, Recipe, is_named_model
 
 if TYPE_CHECKING:
     from tilefit.hardware import Device
@@ -58,23 +58,15 @@ class PlanSearch:
                                "machine, or None for this machine's RAM")
 
 
-# plan's old keywords that are the search's, not the recipe's, and the model's
-LEGACY_SEARCH: dict[str, str] = {
-    **{k: f"search=PlanSearch({k}=...)" for k in (
-        "memory_fraction", "objective", "allow_optimizer_change", "confirm", "layer_lever",
-        "pcie_bytes_per_s", "host_bandwidth_bytes_per_s")},
-    "allow_peft": "search=PlanSearch(allow_lora=...)",
-    "input_shape": "plan(load_workload(model, input_shape=...))",
-    "task": "plan(load_workload(model, task=...))"}
 # what the planner chooses itself: a recipe's own values of these are not kept
 SEARCHED: tuple[str, ...] = ("batch_size", "accumulation_steps", "precision",
                              "grad_checkpointing", "attention")
 
 
+@refuses_old_keywords
 def plan(model: Any, batch: Any = None, *, global_batch: int,
          gpu: str | Device = DEFAULT_GPU, recipe: Recipe | None = None,
-         search: PlanSearch | None = None, seq_len: int | None = None,
-         **legacy: Any) -> Plan:
+         search: PlanSearch | None = None, seq_len: int | None = None) -> Plan:
     """Search training recipes for ``model`` on ``gpu`` at a fixed ``global_batch``.
 
     ``model``: a catalog name, a config.json path, ``package.module:function`` or a
@@ -84,14 +76,13 @@ def plan(model: Any, batch: Any = None, *, global_batch: int,
     included) and ``parallel`` (``world_size`` > 1: plans for that many GPUs, each
     engine or the one named); the micro-batch, accumulation, precision, checkpointing and
     attention are the planner's to choose. ``search``: what else it may search
-    (PlanSearch). The old keywords still work, with a DeprecationWarning."""
+    (PlanSearch). 0.1.0's keywords are refused with their new spelling
+    (tilefit.old_keywords)."""
     from tilefit.models.module import module_workload
     from tilefit.planner.run import search_plan
     from tilefit.tracing.workload_traces import shared_traces
 
-    old = read_legacy("plan", recipe, legacy, PLAIN_PYTORCH, own=LEGACY_SEARCH)
-    recipe = old.recipe or Recipe.for_model(model)
-    search = _search_of(search, old.rest)
+    recipe = recipe or Recipe.for_model(model)
     if not is_named_model(model):
         found = module_workload(model, batch)
         if found is None:
@@ -110,22 +101,7 @@ def plan(model: Any, batch: Any = None, *, global_batch: int,
                            "PlanSearch(allow_lora=True, lora=Lora(rank=...)))")
     with shared_traces():  # the one-GPU and multi-GPU sweeps and the confirmation share
         return search_plan(model, gpu=gpu, global_batch=global_batch, seq_len=seq_len,
-                           recipe=recipe, search=search,
-                           input_shape=old.rest.get("input_shape"), task=old.rest.get("task"))
-
-
-def _search_of(search: PlanSearch | None, rest: dict[str, Any]) -> PlanSearch:
-    fields_ = {k: v for k, v in rest.items() if k in LEGACY_SEARCH
-               and k not in ("input_shape", "task", "allow_peft")}
-    if "allow_peft" in rest:
-        fields_["allow_lora"] = rest["allow_peft"]
-    if not fields_:
-        return search or PlanSearch()
-    if search is not None:
-        raise TilefitError(f"plan() got search= and the old keywords {sorted(fields_)}",
-                           expected="search=PlanSearch(...) alone", given="both",
-                           fix="set those fields on the PlanSearch instead")
-    return PlanSearch(**fields_)
+                           recipe=recipe, search=search or PlanSearch())
 
 
 def searched_fields_note(recipe: Recipe) -> str | None:

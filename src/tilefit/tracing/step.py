@@ -24,7 +24,6 @@ from tilefit.compat.modules import ModulePath
 from tilefit.compat.transformers import gpu_mask_semantics
 from tilefit.errors import TilefitError
 from tilefit.hardware import Device
-from tilefit.legacy import legacy_gpu, read_legacy
 from tilefit.loop import (
     Hooks,
     LossFn,
@@ -34,8 +33,9 @@ from tilefit.loop import (
     micro_batch,
     optimizer_update,
 )
+from tilefit.old_keywords import refuses_old_keywords
 from tilefit.quiet_imports import quiet_fake_errors, quiet_imports, quiet_transformers
-from tilefit.recipe import DEFAULT_GPU, PLAIN_PYTORCH, Recipe, batch_recipe, is_named_model
+from tilefit.recipe import DEFAULT_GPU, Recipe, batch_recipe, is_named_model
 from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.autocast import autocast_for
 from tilefit.tracing.compiled import (
@@ -58,13 +58,11 @@ from tilefit.tracing.scaler import TracedScaler
 from tilefit.tracing.target import check_device_options, resolve_target
 from tilefit.vocab import check_compile_mode, parse_routing
 
-# what trace() did before recipe= (tilefit.legacy): fp32, plain PyTorch's loop, on the CPU
-LEGACY_DEFAULTS: dict[str, Any] = {**PLAIN_PYTORCH, "precision": "fp32"}
 
-
+@refuses_old_keywords
 def trace(model: Any, batch: Any = None, *, recipe: Recipe | None = None,
           gpu: str | Device | None = None, loss_fn: LossFn | None = None,
-          replay_steady_step: bool = True, **legacy: Any) -> Trace:
+          replay_steady_step: bool = True) -> Trace:
     """Trace two training steps (the first creates optimizer state lazily; the second is the
     steady state) of ``model`` under ``recipe`` as ``gpu`` would run them, on fake tensors.
 
@@ -86,17 +84,16 @@ def trace(model: Any, batch: Any = None, *, recipe: Recipe | None = None,
     likewise the first's ops, its gradients added into the kept ones (tracing.replay).
     Neither is replayed where the first left a tensor alive that is no gradient (a cache
     made on the first call). ``replay_steady_step=False`` runs every step and micro-batch in
-    full (a check of that assumption for models whose second forward differs). The old
-    keywords (precision=, device=, compile=, ...) still work, with a DeprecationWarning
-    (tilefit.legacy)."""
-    old = read_legacy("trace", recipe, legacy, LEGACY_DEFAULTS)
-    gpu = legacy_gpu("trace", gpu, old, bool(legacy), DEFAULT_GPU)
+    full (a check of that assumption for models whose second forward differs). 0.1.0's
+    keywords (precision=, device=, ...) are refused with their new spelling
+    (tilefit.old_keywords)."""
+    gpu = DEFAULT_GPU if gpu is None else gpu
+    recipe = recipe or Recipe.for_model(model)
     if is_named_model(model):
         from tilefit.tracing.workload_traces import trace_workload
 
-        recipe = old.recipe or Recipe.for_model(model)
         return trace_workload(model, batch_recipe(recipe, batch), gpu)
-    return trace_module(model, batch, old.recipe or Recipe.for_model(model), gpu,
+    return trace_module(model, batch, recipe, gpu,
                         loss_fn=loss_fn, replay_steady_step=replay_steady_step)
 
 

@@ -25,8 +25,8 @@ from torch import nn
 
 from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
-from tilefit.legacy import read_options
 from tilefit.loop import Hooks, default_loss, micro_batch
+from tilefit.old_keywords import refuses_old_keywords
 from tilefit.recipe import Recipe
 from tilefit.tuning.executor import LossFn, _to_device
 from tilefit.tuning.noise import Measurement, NoiseScale, from_measurements
@@ -41,6 +41,7 @@ from tilefit.vocab import mixed_precision, parse_precision
 PLAIN_STEP = Recipe(precision="fp32")
 
 
+@refuses_old_keywords
 def noise_scale(
     model: nn.Module,
     make_batch: Callable[[int], Any],
@@ -51,7 +52,6 @@ def noise_scale(
     precision: str | None = None,
     device: str | torch.device | None = None,
     measure: NoiseMeasure | None = None,
-    **legacy: Any,
 ) -> NoiseScale:
     """The simple gradient noise scale B_simple = tr(Sigma) / |G|^2 of the model on its data.
 
@@ -69,10 +69,10 @@ def noise_scale(
     or a Hugging Face checkpoint folder loaded for the measurement only (the noise scale
     grows as training proceeds: measure after warm-up, and again from later checkpoints).
     Runs in train mode unless ``keep_modes``; parameters, buffers, gradients, module
-    attributes, optimizer state, modes and RNG states are restored bit for bit. The old
-    keywords (``batch_sizes=``, ...) still work, with a DeprecationWarning.
+    attributes, optimizer state, modes and RNG states are restored bit for bit. 0.1.0's
+    keywords (``batch_sizes=``, ...) are refused with their new spelling (tilefit.old_keywords).
     """
-    measure = read_options("noise_scale", "measure", measure, legacy, NoiseMeasure)
+    measure = measure or NoiseMeasure()
     (b_small, b_big), dev = measure.sizes, _device_of(model, device)
     autocast = _autocast_of(live_recipe(recipe, precision, "noise_scale").precision, dev)
     start_s = time.perf_counter()

@@ -3,7 +3,7 @@
 
 ``tilefit.tune(model, make_batch, optimizer=opt, max_batch=64)`` is
 ``tilefit.tune(model, make_batch, optimizer=opt, search=TuneSearch(max_batch=64))``; the old
-keywords still work for one release (``tilefit.legacy.read_options``). What depends on the
+keywords are refused with that spelling (``tilefit.old_keywords``). What depends on the
 device (a memory limit or a cap on the CPU, the model on it) is checked when the call runs.
 """
 

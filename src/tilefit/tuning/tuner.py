@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tilefit.html_repr import HtmlRepr
-from tilefit.legacy import read_options
+from tilefit.old_keywords import refuses_old_keywords
 from tilefit.recipe import Recipe
 from tilefit.tuning.diagnose import PLAN_COMMAND as PLAN_COMMAND  # re-exported
 from tilefit.tuning.diagnose import gib as gib  # re-exported
@@ -103,6 +103,7 @@ class TuneResult(HtmlRepr):
         return sum(1 for t in self.trials if t.kind == "fit")
 
 
+@refuses_old_keywords
 def tune(
     model: nn.Module,
     make_batch: Callable[[int], Any],
@@ -113,7 +114,6 @@ def tune(
     precision: str | None = None,
     device: str | torch.device | None = None,
     search: TuneSearch | None = None,
-    **legacy: Any,
 ) -> TuneResult:
     """Find the largest batch that fits, then the fastest hardware-friendly batch up to it.
 
@@ -134,8 +134,9 @@ def tune(
     completes. on_outlook: called once before the first trial with what tune expects to run:
     about how many trials and how long (from steps timed at batch 1 and at a quarter of the
     expected largest batch: three extra steps that run only when it is given); not called when
-    there is no batch to expect (no prediction, no cap) or those steps run out of memory. The
-    old keywords (``max_batch=``, ``margin=``, ...) still work, with a DeprecationWarning.
+    there is no batch to expect (no prediction, no cap) or those steps run out of memory.
+    0.1.0's keywords (``max_batch=``, ``margin=``, ...) are refused with their new spelling
+    (tilefit.old_keywords).
 
     The trials run with every module in train mode (``model.train()``, as Hugging Face's
     Trainer and most loops train; a ``from_pretrained`` model arrives in eval mode, where
@@ -149,7 +150,7 @@ def tune(
     Under ``torchrun`` call it on every rank: they agree on every trial (``tuning.ranks``);
     ``batch_size`` is per rank, ``global_batch`` the job's; rank 0 alone reports progress.
     """
-    search = read_options("tune", "search", search, legacy, TuneSearch)
+    search = search or TuneSearch()
     ranks = current_job(search.objective, search.noise_scale)
     request = make_request(search, recipe=live_recipe(recipe, precision), device=device,
                            ranks=ranks)
