@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from tilefit.cli import audit, bench, noise, plan, tune
 from tilefit.cli.app import app
-from tilefit.cli.recipe_options import WORKLOAD, FIELD_OPTIONS, NOT_OPTIONS, SHARED
+from tilefit.cli.recipe_options import FIELD_OPTIONS, NOT_OPTIONS, SHARED, WORKLOAD
 from tilefit.recipe import Recipe
 
 # each command that takes a recipe, and the shared options it does not take (with why)

@@ -29,8 +29,8 @@ OBJECTIVE_OPTION = typer.Option(
 AS_BUILT = ("tune trains the model as it is built, in a plain loop: call tilefit.tune on the "
             "model and optimizer your script builds for this")
 EXCLUDED = {
-    **dict.fromkeys(("grad_checkpointing", "attention", "max_grad_norm", "loss_sync",
-                     "fused_ce", "compile_", "compile_mode", "graph_breaks", "alloc_conf",
+    **dict.fromkeys(("grad_checkpointing", "attention", "fused_ce", "compile_", "compile_mode",
+                     "graph_breaks", "alloc_conf",
                      *FIELD_OPTIONS["lora"], "quantize", "double_quant", "quant_compute_dtype",
                      "prepare_kbit"), AS_BUILT),
     "gpu": "the live device to tune on",
@@ -87,7 +87,9 @@ def tune_command(
                               flags["optimizer"], flags["precision"], margin, objective,
                               noise_scale, data, loss, target_seq=flags["target_seq"],
                               image_size=flags["image_size"], revision=flags["revision"],
-                              routing=flags["routing"])
+                              routing=flags["routing"],
+                              max_grad_norm=flags["max_grad_norm"],
+                              loss_sync=flags["loss_sync"])
         result = _run(options, show_progress=job.is_main, job=job)
         if plot and job.is_main:
             _plot(result, plot)
@@ -128,6 +130,9 @@ class TuneOptions:
     image_size: int | None = None
     revision: str | None = None
     routing: str | None = None  # the first probe's MoE routing (the trials run the router)
+    # the loop's clipping and loss read (None: the model's framework's, as estimate's)
+    max_grad_norm: str | None = None
+    loss_sync: bool | None = None
 
     def __post_init__(self) -> None:
         if self.routing is not None:  # a malformed form exits 2 before the model is built
@@ -193,14 +198,16 @@ def optimizer_factory(name: str) -> Any:
 
 
 def _run(options: TuneOptions, *, show_progress: bool, job: Job | None = None) -> Any:
+    from tilefit.recipe import Recipe
     from tilefit.tuning import DEFAULT_MARGIN, TuneSearch, tune
 
     report = TuneReport(err_console, enabled=show_progress)
     try:
         limit_bytes = None if options.memory_limit is None else parse_bytes(options.memory_limit)
         workload = _workload(options)
-        factory = optimizer_factory(options.optimizer
-                                    or mo.recipe(workload).to_dict()["optimizer"])
+        loop = mo.recipe(workload, max_grad_norm=options.max_grad_norm,
+                         loss_sync=options.loss_sync)
+        factory = optimizer_factory(options.optimizer or loop.to_dict()["optimizer"])
         torch_device = live_device(options.gpu)
         precision = live_precision(options.precision, torch_device)
         report.line(f"building {options.model} on {torch_device} ({precision})")
@@ -210,7 +217,10 @@ def _run(options: TuneOptions, *, show_progress: bool, job: Job | None = None) -
         report.line("predicting the largest batch from fake-tensor traces of the step, then "
                     "timing a step at batch 1 and at a quarter of that batch")
         return tune(
-            module, make_batch, optimizer=factory, loss_fn=loss_fn, precision=precision,
+            module, make_batch, optimizer=factory, loss_fn=loss_fn,
+            # the framework's loop, as estimate predicts it: its clipping and loss read
+            recipe=Recipe(precision=precision, max_grad_norm=loop.max_grad_norm,
+                          loss_sync=loop.loss_sync),
             device=torch_device, search=TuneSearch(
                 global_batch=options.global_batch, max_batch=options.max_batch,
                 memory_limit_bytes=limit_bytes,
