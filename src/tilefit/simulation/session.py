@@ -177,10 +177,8 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS,
         stack.enter_context(recorder)
         if gpus > 1:  # FSDP2 frees its gathered parameters by resizing their storage
             stack.enter_context(recorder.watching_resizes())
-        if cuda:
-            stack.enter_context(CudaAutocast(None, AttentionRouter(target, recorder)))
-        else:
-            stack.enter_context(cpu_target_kernels())
+        stack.enter_context(CudaAutocast(None, AttentionRouter(target, recorder)) if cuda
+                            else cpu_target_kernels())  # the target's kernels
         stack.enter_context(gpu_mask_semantics(recorder.ones))
         if cuda:  # on a CPU target the code's tensors are where it puts them: this CPU
             stack.enter_context(placement)
