@@ -117,6 +117,40 @@ def test_fake_mode_and_tensor_helpers() -> None:
     assert tree_map(lambda v: v * 2 if isinstance(v, int) else v, tree)["y"][0] == 2
 
 
+def test_uncached_keeps_an_op_out_of_the_fake_cache_for_the_block() -> None:
+    from tilefit.compat.fake import FakeTensorMode, uncached
+
+    mm = torch.ops.aten.mm.default
+
+    def entries() -> list[str]:  # the kinds of mm's cache entries
+        return [type(v).__name__ for k, v in FakeTensorMode.cache.items() if k.key[0] is mm]
+
+    validate = FakeTensorMode._validate_cache_key
+    with new_fake_mode() as mode:
+        a, b = mode.from_tensor(torch.randn(3, 4)), mode.from_tensor(torch.randn(4, 5))
+        torch.mm(a, b)
+        assert "_DispatchCacheValidEntry" in entries()
+        with uncached(mm):
+            assert entries() == []
+            assert torch.mm(a, b).shape == (3, 5)  # dispatched afresh, marked uncacheable
+            assert set(entries()) == {"_DispatchCacheBypassEntry"}
+            assert torch.mm(a, b).shape == (3, 5)
+        assert entries() == [] and FakeTensorMode._validate_cache_key is validate
+
+
+def test_torchs_python_meta_kernel_is_read_off_the_op() -> None:
+    from tilefit.compat.dispatch import python_meta_kernel
+
+    meta = python_meta_kernel(torch.ops.aten.mkldnn_rnn_layer.default)
+    assert meta is not None
+    x, w = torch.empty(5, 3, 8, device="meta"), torch.empty(16, 8, device="meta")
+    h = torch.empty(3, 4, device="meta")
+    out = meta(x, w, torch.empty(16, 4, device="meta"), w[:, 0], w[:, 0], h, h, False, [], 2,
+               4, 1, True, False, False, True)
+    assert out[0].shape == (5, 3, 4) and out[3].shape == (0,)  # torch's: an empty workspace
+    assert python_meta_kernel(torch.ops.aten._cudnn_rnn_backward.default) is None  # torch has none
+
+
 def test_saved_tensors_hooks_are_seen_inside_a_checkpointed_forward_only() -> None:
     from torch.utils.checkpoint import checkpoint
 

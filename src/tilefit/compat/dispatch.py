@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Registrations", "excluding", "op_overload", "ops_with_kernel", "registered",
-           "schema_names"]
+__all__ = ["Registrations", "excluding", "kept_registration", "op_overload", "ops_with_kernel",
+           "python_meta_kernel", "registered", "schema_names"]
 
 
 class Registrations:
@@ -60,6 +60,29 @@ def registered() -> Iterator[Registrations]:
             yield regs
     finally:
         regs.close()
+
+
+def kept_registration(op: str, kernel: Callable[..., Any], key: str) -> None:
+    """``kernel`` for the aten overload ``op`` at ``key`` for the rest of the process (a kernel
+    that switches itself on and off). For the Meta key a kernel registered for a block does
+    not hold: on torch 2.13, after a Library's Meta kernel for mkldnn_rnn_layer was removed,
+    meta tensors ran torch's own kernel again but fake tensors kept running the removed one."""
+    regs = Registrations()  # never closed
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered",
+                                category=UserWarning)
+        regs.impl(op, kernel, key)
+    _KEPT.append(regs)
+
+
+_KEPT: list[Registrations] = []
+
+
+def python_meta_kernel(op: torch._ops.OpOverload) -> Callable[..., Any] | None:
+    """torch's own Python meta kernel for ``op`` (``register_meta`` in
+    torch/_meta_registrations.py puts it in ``OpOverload.py_kernels``); None where it has
+    none."""
+    return op.py_kernels.get(torch._C.DispatchKey.Meta)  # type: ignore[return-value]
 
 
 def excluding(key: str) -> Any:

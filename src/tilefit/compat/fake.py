@@ -48,6 +48,7 @@ __all__ = [
     "tree_leaves",
     "tree_map",
     "tree_unflatten",
+    "uncached",
     "unset_fake_temporarily",
     "write_only_args",
     "written_args",
@@ -137,6 +138,43 @@ def fake_mode_active() -> bool:
     """Whether a FakeTensorMode is on the dispatch mode stack now (read without creating a
     tensor: a probe tensor would show up in a tracer's record)."""
     return any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
+
+
+@contextlib.contextmanager
+def uncached(op: Any) -> Iterator[None]:
+    """Fake tensors run the aten overload ``op``'s kernel at every call in the block, never
+    answering from FakeTensorMode's dispatch cache. That cache keeps each op's output shapes
+    per argument shapes in one table for the process (``FakeTensorMode.cache``, keyed by a
+    ``_DispatchCacheKey`` whose first value is the op), whichever kernel was registered when
+    an entry was made and whatever the grad mode: a kernel registered for a block
+    (tracing.cpu_kernels) whose output depends on grad mode needs both out of its way. The
+    op's entries are dropped as the block begins and ends, and inside it
+    ``FakeTensorMode._validate_cache_key`` refuses the op (``_BypassDispatchCache``: torch
+    then dispatches each call afresh)."""
+    from torch._subclasses.fake_tensor import _BypassDispatchCache
+
+    original = getattr(FakeTensorMode, "_validate_cache_key", None)
+
+    def validate(self: FakeTensorMode, func: Any, *args: Any, **kwargs: Any) -> Any:
+        if func is op:
+            raise _BypassDispatchCache("tilefit: kernel registered for a block")
+        return original(self, func, *args, **kwargs)  # type: ignore[misc]
+
+    _forget_cached(op)
+    if original is not None:
+        FakeTensorMode._validate_cache_key = validate  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if original is not None:
+            FakeTensorMode._validate_cache_key = original  # type: ignore[method-assign]
+        _forget_cached(op)
+
+
+def _forget_cached(op: Any) -> None:
+    cache = FakeTensorMode.cache
+    for key in [key for key in cache if key.key and key.key[0] is op]:
+        del cache[key]
 
 
 def holds_fake(x: object) -> bool:

@@ -50,6 +50,7 @@ from tilefit.simulation.values import BOUND_NOTE, SimulationRecorder
 from tilefit.simulation.watch import StepWatch, StopSimulation
 from tilefit.tracing.attention import AttentionRouter
 from tilefit.tracing.autocast import CudaAutocast
+from tilefit.tracing.cpu_kernels import cpu_target_kernels
 from tilefit.tracing.errors import no_fake_implementation, where_in_step
 from tilefit.tracing.fakes import fake_copy
 from tilefit.tracing.records import Trace
@@ -175,8 +176,8 @@ def simulate(gpu: str | Device = DEFAULT_GPU, steps: int = DEFAULT_STEPS,
         stack.enter_context(recorder)
         if gpus > 1:  # FSDP2 frees its gathered parameters by resizing their storage
             stack.enter_context(recorder.watching_resizes())
-        if cuda:
-            stack.enter_context(CudaAutocast(None, AttentionRouter(target, recorder)))
+        stack.enter_context(CudaAutocast(None, AttentionRouter(target, recorder)) if cuda
+                            else cpu_target_kernels())  # the target's kernels
         stack.enter_context(gpu_mask_semantics(recorder.ones))
         if cuda:  # on a CPU target the code's tensors are where it puts them: this CPU
             stack.enter_context(placement)

@@ -44,6 +44,7 @@ from tilefit.tracing.compiled import (
     compile_notes,
     graph_breaks,
 )
+from tilefit.tracing.cpu_kernels import cpu_target_kernels
 from tilefit.tracing.distributed import parallel_spec, process_group, root_name
 from tilefit.tracing.errors import explain_build_errors, explain_fake_errors
 from tilefit.tracing.fakes import Prepared, prepare
@@ -186,7 +187,9 @@ def _trace_prepared(prep: Prepared, request: TraceRequest, recorder: Recorder,
     experts = ExpertsTrace(prep.model, parse_routing(request.recipe.routing),
                            target.compute_capability if target.kind == "cuda" else None)
     kernels = KernelFallbacks()
-    with mode, kernels.watching(prep.model, lambda: recorder.module):
+    # the CUDA target's kernels are registered with its autocast policy (autocast_for)
+    cpu = cpu_target_kernels() if target.kind == "cpu" else contextlib.nullcontext()
+    with mode, kernels.watching(prep.model, lambda: recorder.module), cpu:
         recorder.register_existing(list(prep.model.parameters()) +
                                    list(prep.model.buffers()) +
                                    list(quant_state_tensors(prep.model)), "parameters")
