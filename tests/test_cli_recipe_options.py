@@ -86,9 +86,8 @@ def test_estimate_and_audit_take_every_shared_option() -> None:
      "tilefit plan does not take --batch: plan chooses the micro-batch itself"),
     (["plan", "no-such-model", "--global-batch", "8", "--precision", "fp32"],
      "tilefit plan does not take --precision: plan chooses the precision itself"),
-    (["bench", "step", "no-such-model", "--accumulation", "2"],
-     "tilefit bench step does not take --accumulation: bench step measures one micro-batch "
-     "per optimizer step"),
+    (["bench", "step", "no-such-model", "--compile"],
+     "tilefit bench step does not take --compile: bench step runs the step eagerly"),
     (["bench", "step", "no-such-model", "--gpu", "h100"],
      "tilefit bench step does not take --gpu: bench step measures the live --device"),
     (["tune", "no-such-model", "--grad-checkpointing"],

@@ -16,7 +16,6 @@ DEVICE_HELP = "cpu (this machine) or cuda (the live GPU)."
 # the shared recipe options bench step does not take, and why
 EXCLUDED = {
     "gpu": "bench step measures the live --device (cpu or cuda) and predicts for it",
-    "accumulation": "bench step measures one micro-batch per optimizer step",
     **dict.fromkeys(("compile_", "compile_mode", "graph_breaks"), "bench step runs the step "
                     "eagerly (tilefit run measures a torch.compile'd script)"),
     "alloc_conf": "the real step's allocator reads PYTORCH_CUDA_ALLOC_CONF from the "
@@ -79,7 +78,9 @@ def _step_row(work: Any, dev: Any, recipe: Any, predicted: Any, measured: Any
 
 def _print_step(row: dict[str, Any], work: Any, dev: Any, recipe: Any, measured: Any) -> None:
     adapters = "" if recipe.lora is None else f", {recipe.lora.label(recipe.quantize)}"
-    console.print(f"{work.name} on {dev.display_name}, batch {recipe.batch_size}, "
+    accumulated = (f" x {recipe.accumulation_steps} accumulation steps"
+                   if recipe.accumulation_steps > 1 else "")
+    console.print(f"{work.name} on {dev.display_name}, batch {recipe.batch_size}{accumulated}, "
                   f"{recipe.precision}{adapters}:")
     console.print(f"  step time   measured {row['measured_step_time_s'] * 1e3:9.2f} ms   "
                   f"predicted {row['predicted_step_time_s'] * 1e3:9.2f} ms   "
