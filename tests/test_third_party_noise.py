@@ -170,3 +170,19 @@ def test_simulate_from_python_writes_nothing_of_the_libraries() -> None:
                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr
     assert out.stderr.strip() == "", out.stderr
+
+
+def test_estimate_of_a_module_after_importing_transformers_writes_nothing() -> None:
+    """A notebook that imported transformers (top level only) and then estimates its own
+    module: Recipe.for_model asks whether the module is a PreTrainedModel, whose lazy import
+    loaded transformers' quantizers, and torchao's kernel lines with them."""
+    import subprocess
+    import sys
+
+    code = ("import torch, transformers, tilefit\n"
+            "m = torch.nn.Linear(8, 8)\n"
+            "tilefit.estimate(m, torch.randn(2, 8), gpu='h100', loss_fn=lambda m, x: m(x).sum())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip() == "", out.stderr

@@ -209,9 +209,13 @@ def hugging_face_module(model: Any) -> Any:
         except Exception:  # a factory that cannot build on meta: the trace will say why
             return None
     transformers = sys.modules.get("transformers")  # not imported: not one of its models
-    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+    if transformers is None:
         return None
-    return model
+    from tilefit.quiet_imports import quiet_imports
+
+    with quiet_imports():  # PreTrainedModel's lazy import loads the quantizers (torchao's)
+        pretrained = transformers.PreTrainedModel
+    return model if isinstance(model, pretrained) else None
 
 
 def tensors_have_data() -> bool:
