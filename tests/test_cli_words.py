@@ -110,7 +110,8 @@ def test_a_call_becomes_its_flags() -> None:
     assert cli_words("tune(..., search=TuneSearch(memory_limit_bytes=16 * 2**30))") == \
         "--memory-limit 16GiB"
     assert cli_words("Recipe(max_grad_norm=None)") == "--max-grad-norm none"
-    assert cli_words("Lora(targets=...)") == "--lora-targets"
+    assert cli_words("Lora(targets=...)") == "--lora-targets TARGETS"
+    assert cli_words("one of these: estimate(..., gpu=...)") == "one of these: --gpu GPU"
     # a field without a flag stays Python: the CLI cannot say it another way
     assert cli_words("Recipe(zero_grad_to_none=False)") == "Recipe(zero_grad_to_none=False)"
     assert cli_words("call recipe.on(get_device(gpu)) first") == \

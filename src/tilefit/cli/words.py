@@ -103,7 +103,8 @@ def _flag(option: Any, value: Any) -> str:
     """``option`` set to ``value`` as the command line writes it."""
     on = option.opts[0]
     if value is Ellipsis:  # Lora(targets=...): the option, its value left to say
-        return on
+        return on if getattr(option, "is_flag", False) else \
+            f"{on} {option.name.split('_')[-1].upper()}"
     if value is None:  # compile=None: no torch.compile
         return f"{on} {_NONE[option.name]}" if option.name in _NONE else f"drop {on}"
     if isinstance(value, bool):
