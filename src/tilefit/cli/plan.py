@@ -63,9 +63,7 @@ EXCLUDED = {
     "gpus": "a bound of the search: plan for this many GPUs",
     "strategy": "a bound of the search: the one engine to rank",
     "graph_breaks": "plan does not list graph breaks (tilefit estimate --compile "
-    "--graph-breaks does)",
-    "compile_mode": "plan predicts torch.compile's default mode (tilefit estimate --compile "
-    "--compile-mode reduce-overhead predicts the CUDA graphs' step)"}
+    "--graph-breaks does)"}
 
 
 def register(app: typer.Typer) -> None:

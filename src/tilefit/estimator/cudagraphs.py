@@ -84,6 +84,24 @@ def graphed_peak(tr: Trace, *, rounded: bool = True) -> tuple[int, int, int]:
     return pool_bytes + outside[at], at, pool_bytes
 
 
+def graphed_phase_peaks(tr: Trace, *, rounded: bool = True) -> tuple[int, int, int, int]:
+    """Trace.phase_peaks under CUDA graphs, and the optimizer step's peak without
+    accumulation: the pool's bytes (held through the step, the eager code cannot reuse
+    them) plus the eager side's peak in each piece, so that the larger of the first and
+    third is graphed_peak's. Without accumulation the pool holds only what micro-batch 0
+    and the optimizer step need of it (its peak outside the later micro-batches: no
+    earlier micro-batch's gradients)."""
+    in_pool = _in_pool(tr)
+    pool = tr.live_bytes_timeline(rounded=rounded, keep=in_pool)
+    outside = tr.live_bytes_timeline(rounded=rounded, keep=lambda s: not in_pool(s))
+    copies = static_input_copy_bytes(tr, rounded=rounded)
+    pool_fb, pool_fb1, pool_opt = tr.timeline_phase_peaks(pool)
+    fb, fb1, opt = tr.timeline_phase_peaks(outside)
+    pool_bytes = max(pool_fb, pool_opt) + copies
+    pool_1_bytes = max(pool_fb1, pool_opt) + copies
+    return pool_bytes + fb, pool_1_bytes + fb1, pool_bytes + opt, pool_1_bytes + opt
+
+
 def graphed_memory(tr: Trace, *, rounded: bool = True) -> tuple[int, dict[str, int]]:
     """The step's peak under CUDA graphs and its breakdown: the live tensors at the eager
     side's peak by category, and the pool's bytes beyond its tensors live then under

@@ -37,9 +37,12 @@ def host_time_s(op: OpRecord, host: HostModel, device: Device) -> float:
     return host.issue_s(op.phase) + launches * host.launch_s
 
 
-def issue_time_s(costs: Iterable[OpCost], device: Device) -> float:
-    """The host's time to issue these ops, repeats included (eager, no CUDA graphs)."""
-    return sum(host_time_s(c.record, device.host, device) * c.repeats for c in costs)
+def issue_time_s(costs: Iterable[OpCost], device: Device, *, graphs: bool = False) -> float:
+    """The host's time to issue these ops, repeats included; ``graphs``: the compiled graphs
+    replayed as CUDA graphs (one replay per graph, _host_times)."""
+    costs = list(costs)
+    return sum(host_s * c.repeats
+               for c, host_s in zip(costs, _host_times(costs, device, graphs), strict=True))
 
 
 def _host_times(costs: Sequence[OpCost], device: Device, graphs: bool) -> list[float]:

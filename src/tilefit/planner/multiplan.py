@@ -289,9 +289,13 @@ def optimizer_step_floor(model: SweepModel, micro_batch: int, depth: Depth) -> f
     """The traced peak of the optimizer step (parameters, gradients, optimizer state and
     the step's temporaries) at the full depth: a floor under every recipe of the engine
     (checkpointing, the micro-batch and the precisions searched here, all with fp32 weights,
-    leave it as it is)."""
-    return model.predict("peak_optimizer_bytes", micro_batch,
-                         depth.full if depth.lever else None)
+    leave it as it is; under CUDA graphs the lower of the peaks with and without
+    accumulation, tilefit.planner.sample.Sample)."""
+    layers = depth.full if depth.lever else None
+    metrics = ["peak_optimizer_bytes"]
+    if all(s.peak_optimizer_accumulation_1_bytes is not None for s in model.samples):
+        metrics.append("peak_optimizer_accumulation_1_bytes")
+    return min(model.predict(m, micro_batch, layers) for m in metrics)
 
 
 def parallel_of(row: PlanRow) -> Parallel | None:

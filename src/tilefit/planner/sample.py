@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from tilefit.estimator import Estimate
+from tilefit.estimator.cudagraphs import graphed, graphed_phase_peaks
 from tilefit.tracing import Trace
 from tilefit.tracing.records import MICRO_PHASES
+from tilefit.vocab import REDUCE_OVERHEAD
 
 STATE_CATEGORIES = ("parameters", "gradients", "optimizer_state")
 WORK_PHASES = MICRO_PHASES
@@ -43,6 +45,11 @@ class Sample:
     fragmentation_ratio: what the caching allocator reserves beyond the allocated peak, as a
       share of it (the trace replayed through the allocator, Estimate.reserved); 0 where no
       reserved model applies (a modelled engine, the CPU).
+    peak_optimizer_accumulation_1_bytes: the optimizer step's peak without accumulation,
+      where it differs from peak_optimizer_bytes: under CUDA graphs (reduce-overhead) the
+      graphs' pool is held through the step and, with accumulation, holds the gradients of
+      two micro-batches at once (tilefit.estimator.cudagraphs.graphed_phase_peaks); None
+      elsewhere.
     """
 
     micro_batch: float
@@ -62,6 +69,7 @@ class Sample:
     fragmentation_ratio: float = 0.0
     micro_device_s: float | None = None  # None: micro_time_s is the device's alone
     micro_host_s: float = 0.0
+    peak_optimizer_accumulation_1_bytes: float | None = None  # None: peak_optimizer_bytes
     # ReservedMemory.alloc_retries and steady_alloc_retries: counts at this very step, not
     # quantities the sweep extrapolates (left out of metrics)
     alloc_retries: int = 0
@@ -108,7 +116,7 @@ def micro_step_s(est: Estimate) -> tuple[float, float]:
     from tilefit.estimator.steptime import issue_time_s
 
     return device_s, issue_time_s((c for c in est.ops if c.record.phase in MICRO_PHASES),
-                                  est.device) / a
+                                  est.device, graphs=est.compile_mode == REDUCE_OVERHEAD) / a
 
 
 def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int, *,
@@ -125,16 +133,18 @@ def sample_of(tr: Trace, est: Estimate, micro_batch: int, layers: int, *,
     rounded = tr.target.kind == "cuda"
     if peaks is None:
         cats = category_peaks(tr, rounded=rounded)
-        fb, fb1, opt = tr.phase_peaks(rounded=rounded)
+        fb, fb1, opt, opt1 = (graphed_phase_peaks(tr, rounded=rounded) if graphed(tr)
+                              else (*tr.phase_peaks(rounded=rounded), None))
     else:
         cats = {c: max(p.get(c, 0) for p in peaks) for c in STATE_CATEGORIES}
         fb, fb1, opt = (sum(p.values()) for p in peaks)
+        opt1 = None
     if max(fb, opt) != est.peak_memory_bytes:  # the pieces cover every event
         raise AssertionError(f"phase peaks {fb}, {opt} miss the trace peak "
                              f"{est.peak_memory_bytes}")
     return Sample(
         micro_batch=micro_batch, layers=layers, peak_bytes=fb, peak_accumulation_1_bytes=fb1,
-        peak_optimizer_bytes=opt,
+        peak_optimizer_bytes=opt, peak_optimizer_accumulation_1_bytes=opt1,
         micro_time_s=micro_time, fixed_time_s=fixed_time,
         parameters_bytes=cats.get("parameters", 0), gradients_bytes=cats.get("gradients", 0),
         optimizer_state_bytes=cats.get("optimizer_state", 0),

@@ -327,8 +327,9 @@ def row_from(spec: Recipe, model: SweepModel, micro_batch: int, global_batch: in
     zero_offload = parallel is not None and parallel.offload
     accum = global_batch // (micro_batch * world)
     if offload is None:
-        peak = max(p["peak_bytes"] if accum > 1 else p["peak_accumulation_1_bytes"],
-                   p["peak_optimizer_bytes"])
+        peak = max(p["peak_bytes"], p["peak_optimizer_bytes"]) if accum > 1 else max(
+            p["peak_accumulation_1_bytes"],
+            p.get("peak_optimizer_accumulation_1_bytes", p["peak_optimizer_bytes"]))
         step = accum * p["micro_time_s"] + p["fixed_time_s"]
     else:
         params16 = half_parameter_bytes(p["parameters_bytes"], spec.precision)

@@ -199,7 +199,11 @@ class Trace(HtmlRepr):
         peak without accumulation --, peak during the optimizer step, zero_grad and loss
         scaler). Each is close to affine in the batch size while their maximum is not: at
         small batches the optimizer step holds the peak, at large ones the backward."""
-        timeline = self.live_bytes_timeline(rounded=rounded)
+        return self.timeline_phase_peaks(self.live_bytes_timeline(rounded=rounded))
+
+    def timeline_phase_peaks(self, timeline: list[int]) -> tuple[int, int, int]:
+        """phase_peaks of any timeline of this trace's events (a share of its storages'
+        live_bytes_timeline: CUDA graphs' pool or what is outside it)."""
         fb = fb1 = opt = 0
         for j, live in enumerate(timeline):
             op = self.ops[j - 1] if 0 < j <= len(self.ops) else None
