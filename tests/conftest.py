@@ -9,6 +9,7 @@ import sys
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,3 +72,20 @@ def invoke_cli(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture
+def clip_calls(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The max_norm of every torch.nn.utils.clip_grad_norm_ call while the test runs (the
+    clipping still happens): which loop a live trial ran."""
+    import torch
+
+    calls: list[float] = []
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def spy(params: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+        calls.append(max_norm)
+        return clip(params, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    return calls

@@ -87,19 +87,10 @@ def test_plan_warns_far_above_a_given_noise_scale(tmp_path: Path, monkeypatch: A
     assert out.exit_code == 2 and "--noise-scale must be a positive number" in out.output
 
 
-def test_tune_cli_trials_clip_as_the_flag_says(monkeypatch: Any) -> None:
+def test_tune_cli_trials_clip_as_the_flag_says(clip_calls: list[float]) -> None:
     # --max-grad-norm reaches every trial (tune(recipe=...): tilefit.loop's step); a
     # module:function model's loop (plain PyTorch's, as estimate reads it) clips nothing
-    import torch
-
-    clips: list[float] = []
-    clip = torch.nn.utils.clip_grad_norm_
-
-    def spy(params: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
-        clips.append(max_norm)
-        return clip(params, max_norm, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    clips = clip_calls
     runner = CliRunner()
     base = ["tune", MODEL, "--input-shape", "32", "--gpu", "cpu", "--max-batch", "4", *DATA]
     out = runner.invoke(app, [*base, "--max-grad-norm", "0.25"])

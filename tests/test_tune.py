@@ -677,20 +677,14 @@ def test_the_first_probe_on_a_gpu_counts_what_the_allocator_reserves() -> None:
     assert fragmentation_bytes(tr) == 2 * 2**20 - peak
 
 
-def test_each_trial_runs_the_recipes_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_trial_runs_the_recipes_loop(monkeypatch: pytest.MonkeyPatch,
+                                         clip_calls: list[float]) -> None:
     """tune(recipe=...): every trial is tilefit.loop's step of that Recipe (issue 44 items
     1 and 4): clipping at max_grad_norm and zero_grad(set_to_none=False) where it says so;
     precision= alone is plain PyTorch's loop, which clips nothing."""
     from tilefit.recipe import Recipe
 
-    clips: list[float] = []
-    clip = torch.nn.utils.clip_grad_norm_
-
-    def spy(params: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
-        clips.append(max_norm)
-        return clip(params, max_norm, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    clips = clip_calls
     cleared: list[bool] = []
     zero_grad = torch.optim.Optimizer.zero_grad
 
