@@ -159,29 +159,27 @@ def test_simulate_from_python_writes_nothing_of_the_libraries() -> None:
     """`tilefit.simulate` in a fresh process (a notebook's first call): transformers' import,
     which imports torchao, used to log torchao's kernel libraries and pytree's Enum warnings
     on entering the block."""
-    import subprocess
-    import sys
-
-    code = ("import torch, tilefit\n"
-            "with tilefit.simulate(gpu='h100', steps=1):\n"
-            "    m = torch.nn.Linear(8, 8).cuda(); o = torch.optim.SGD(m.parameters())\n"
-            "    m(torch.randn(2, 8, device='cuda')).sum().backward(); o.step()\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert out.returncode == 0, out.stderr
-    assert out.stderr.strip() == "", out.stderr
+    _writes_nothing("import torch, tilefit\n"
+                    "with tilefit.simulate(gpu='h100', steps=1):\n"
+                    "    m = torch.nn.Linear(8, 8).cuda(); o = torch.optim.SGD(m.parameters())\n"
+                    "    m(torch.randn(2, 8, device='cuda')).sum().backward(); o.step()\n")
 
 
 def test_estimate_of_a_module_after_importing_transformers_writes_nothing() -> None:
     """A notebook that imported transformers (top level only) and then estimates its own
     module: Recipe.for_model asks whether the module is a PreTrainedModel, whose lazy import
     loaded transformers' quantizers, and torchao's kernel lines with them."""
+    _writes_nothing("import torch, transformers, tilefit\n"
+                    "m = torch.nn.Linear(8, 8)\n"
+                    "tilefit.estimate(m, torch.randn(2, 8), gpu='h100', "
+                    "loss_fn=lambda m, x: m(x).sum())\n")
+
+
+def _writes_nothing(code: str) -> None:
+    """``code`` run in a fresh interpreter succeeds and writes nothing on stderr."""
     import subprocess
     import sys
 
-    code = ("import torch, transformers, tilefit\n"
-            "m = torch.nn.Linear(8, 8)\n"
-            "tilefit.estimate(m, torch.randn(2, 8), gpu='h100', loss_fn=lambda m, x: m(x).sum())\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr
