@@ -81,6 +81,73 @@ def test_the_library_errors_name_no_flag() -> None:
     assert not flagged, "\n".join(flagged)
 
 
+# The library's other texts (notes, warnings, findings, reasons) that keep a flag: each file's
+# flags, and why they are not tilefit's Python users' words.
+FLAGS_KEPT: dict[str, tuple[set[str], str]] = {
+    "planner/configs.py": ({"--nproc-per-node", "--num", "--config"},
+                           "the launch lines of the configs it writes: torchrun's, deepspeed's "
+                           "and accelerate's own flags"),
+    "planner/launch.py": ({"--nproc-per-node", "--steps", "--record", "--config"},
+                          "the training script it writes (its own argparse flags) and its "
+                          "torchrun or accelerate launch line"),
+    "planner/launch_deepspeed.py": ({"--nproc-per-node", "--steps", "--record", "--ds-config"},
+                                    "the DeepSpeed script it writes (its own argparse flags) "
+                                    "and its torchrun launch line"),
+    "report/plan.py": ({"--write-configs", "--top", "--json"},
+                       "print_plan is the CLI's terminal plan, and config_sections' aside is "
+                       "shown there and on the CLI's --html page only: the plan command's "
+                       "flags"),
+    "tuning/diagnose.py": ({"--gpu", "--global-batch", "--allow-optimizer-change",
+                            "--allow-peft"},
+                           "PLAN_COMMAND, a shell command printed only in backticks (PLAN_FIX)"),
+}
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    """The ids of the module's, classes' and functions' docstrings (read, never printed)."""
+    return {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and n.body and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)}
+
+
+def _flags_in_strings(source: str) -> list[tuple[int, str]]:
+    """Each flag named by a string of ``source`` (an f-string's fields as {}), but in its
+    docstrings and in a shell command in backticks."""
+    tree = ast.parse(source)
+    skip = _docstrings(tree) | {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr)
+                                for v in n.values}
+    return [(n.lineno, flag) for n in ast.walk(tree) if id(n) not in skip
+            and (text := _text(n)) is not None  # type: ignore[arg-type]
+            for flag in FLAG.findall(SHELL.sub("", text))]
+
+
+def test_the_library_notes_name_no_flag() -> None:
+    """No string of a library module outside cli/ (a note, a warning, a finding, a reason)
+    names a flag: the CLI prints the library's Python calls as its flags (cli.common.say),
+    the Python user reads them as written. FLAGS_KEPT says which stay, and why."""
+    flagged = []
+    for path in sorted(SRC.rglob("*.py")):
+        where = path.relative_to(SRC).as_posix()
+        if where.startswith("cli/") or any(where.startswith(k) for k in CLI_ONLY):
+            continue
+        kept = FLAGS_KEPT.get(where, (set(), ""))[0]
+        flagged += [f"{where}:{line}: {flag}" for line, flag in
+                    _flags_in_strings(path.read_text()) if flag not in kept]
+    assert not flagged, "\n".join(flagged)
+
+
+def test_the_notes_scan_sees_a_flag_but_not_in_a_docstring_or_a_shell_command() -> None:
+    source = '''
+"""The module's --doc."""
+NOTE = "pass --allow-peft"
+def note(x):
+    """Its --doc too."""
+    return [f"--seq {x}", "run `tilefit plan --gpu h100`"]
+'''
+    assert _flags_in_strings(source) == [(3, "--allow-peft"), (6, "--seq")]
+
+
 def test_the_scan_sees_a_flag() -> None:
     """The scan above catches a flag in a fix, in an f-string and in a dict of fixes."""
     source = '''
