@@ -170,12 +170,12 @@ def releases_text(check: Confirmation) -> str:
             "(a synchronization at the start only)")
 
 
-def best_table(plan: Plan, best: PlanRow) -> Table:
+def best_table(plan: Plan, best: PlanRow, say: Callable[[str], str] = str) -> Table:
     table = Table(title="chosen plan", show_header=False, box=box.SIMPLE, pad_edge=False)
     table.add_column("quantity", style="bold")
     table.add_column("value")
     for name, value in best_rows(plan, best):
-        table.add_row(name, value)
+        table.add_row(name, say(value))
     return table
 
 
@@ -239,7 +239,7 @@ def print_plan(console: Console, plan: Plan, *, top: int = 15,
     if plan.best is None:
         console.print(f"[bold red]{escape(say(plan.reason))}[/]", highlight=False)
     else:
-        console.print(best_table(plan, plan.best))
+        console.print(best_table(plan, plan.best, say))
         _print_configs(console, plan.configs)
         if "torchrun_script" in plan.configs:  # a multi-GPU plan: its launch is the answer
             return
