@@ -279,3 +279,22 @@ def test_a_tensor_batch_without_loss_fn_is_named_before_tracing(
         nn.Linear(4, 4), (torch.randn(2, 4), torch.randn(2, 4)), gpu="a100-80gb"))
     assert pair.given == "a tuple of 2: Tensor (2, 4), Tensor (2, 4) as the batch, and no loss_fn"
     assert "criterion(model(batch[0]), batch[1])" in (pair.fix or "")
+
+
+def test_a_compiled_estimates_note_in_both_words() -> None:
+    """An estimate's note (Estimate.warnings) names Compile(graph_breaks=True) from Python;
+    the CLI's estimate prints it as --graph-breaks, the flag of the command run."""
+    from tests.fixtures.tiny_models import mlp
+
+    est = tilefit.estimate(mlp(), torch.randn(4, 32), gpu="a100-80gb",
+                           loss_fn=lambda model, x: model(x).pow(2).mean(),
+                           recipe=Recipe(precision="fp32", compile=True))
+    python = "graph breaks are not looked for (Compile(graph_breaks=True) runs Dynamo"
+    assert any(python in w for w in est.warnings), est.warnings
+    r = CliRunner().invoke(app, ["estimate", "tests.fixtures.tiny_models:mlp",
+                                 "--input-shape", "32", "--gpu", "a100-80gb", "--precision",
+                                 "fp32", "--compile"])
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())
+    assert "graph breaks are not looked for (--graph-breaks runs Dynamo" in out
+    assert "Compile(" not in out
