@@ -81,6 +81,73 @@ def test_the_library_errors_name_no_flag() -> None:
     assert not flagged, "\n".join(flagged)
 
 
+# The library's other texts (notes, warnings, findings, reasons) that keep a flag: each file's
+# flags, and why they are not tilefit's Python users' words.
+FLAGS_KEPT: dict[str, tuple[set[str], str]] = {
+    "planner/configs.py": ({"--nproc-per-node", "--num", "--config"},
+                           "the launch lines of the configs it writes: torchrun's, deepspeed's "
+                           "and accelerate's own flags"),
+    "planner/launch.py": ({"--nproc-per-node", "--steps", "--record", "--config"},
+                          "the training script it writes (its own argparse flags) and its "
+                          "torchrun or accelerate launch line"),
+    "planner/launch_deepspeed.py": ({"--nproc-per-node", "--steps", "--record", "--ds-config"},
+                                    "the DeepSpeed script it writes (its own argparse flags) "
+                                    "and its torchrun launch line"),
+    "report/plan.py": ({"--write-configs", "--top", "--json"},
+                       "print_plan is the CLI's terminal plan, and config_sections' aside is "
+                       "shown there and on the CLI's --html page only: the plan command's "
+                       "flags"),
+    "tuning/diagnose.py": ({"--gpu", "--global-batch", "--allow-optimizer-change",
+                            "--allow-peft"},
+                           "PLAN_COMMAND, a shell command printed only in backticks (PLAN_FIX)"),
+}
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    """The ids of the module's, classes' and functions' docstrings (read, never printed)."""
+    return {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and n.body and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)}
+
+
+def _flags_in_strings(source: str) -> list[tuple[int, str]]:
+    """Each flag named by a string of ``source`` (an f-string's fields as {}), but in its
+    docstrings and in a shell command in backticks."""
+    tree = ast.parse(source)
+    skip = _docstrings(tree) | {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr)
+                                for v in n.values}
+    return [(n.lineno, flag) for n in ast.walk(tree) if id(n) not in skip
+            and (text := _text(n)) is not None  # type: ignore[arg-type]
+            for flag in FLAG.findall(SHELL.sub("", text))]
+
+
+def test_the_library_notes_name_no_flag() -> None:
+    """No string of a library module outside cli/ (a note, a warning, a finding, a reason)
+    names a flag: the CLI prints the library's Python calls as its flags (cli.common.say),
+    the Python user reads them as written. FLAGS_KEPT says which stay, and why."""
+    flagged = []
+    for path in sorted(SRC.rglob("*.py")):
+        where = path.relative_to(SRC).as_posix()
+        if where.startswith("cli/") or any(where.startswith(k) for k in CLI_ONLY):
+            continue
+        kept = FLAGS_KEPT.get(where, (set(), ""))[0]
+        flagged += [f"{where}:{line}: {flag}" for line, flag in
+                    _flags_in_strings(path.read_text()) if flag not in kept]
+    assert not flagged, "\n".join(flagged)
+
+
+def test_the_notes_scan_sees_a_flag_but_not_in_a_docstring_or_a_shell_command() -> None:
+    source = '''
+"""The module's --doc."""
+NOTE = "pass --allow-peft"
+def note(x):
+    """Its --doc too."""
+    return [f"--seq {x}", "run `tilefit plan --gpu h100`"]
+'''
+    assert _flags_in_strings(source) == [(3, "--allow-peft"), (6, "--seq")]
+
+
 def test_the_scan_sees_a_flag() -> None:
     """The scan above catches a flag in a fix, in an f-string and in a dict of fixes."""
     source = '''
@@ -212,3 +279,22 @@ def test_a_tensor_batch_without_loss_fn_is_named_before_tracing(
         nn.Linear(4, 4), (torch.randn(2, 4), torch.randn(2, 4)), gpu="a100-80gb"))
     assert pair.given == "a tuple of 2: Tensor (2, 4), Tensor (2, 4) as the batch, and no loss_fn"
     assert "criterion(model(batch[0]), batch[1])" in (pair.fix or "")
+
+
+def test_a_compiled_estimates_note_in_both_words() -> None:
+    """An estimate's note (Estimate.warnings) names Compile(graph_breaks=True) from Python;
+    the CLI's estimate prints it as --graph-breaks, the flag of the command run."""
+    from tests.fixtures.tiny_models import mlp
+
+    est = tilefit.estimate(mlp(), torch.randn(4, 32), gpu="a100-80gb",
+                           loss_fn=lambda model, x: model(x).pow(2).mean(),
+                           recipe=Recipe(precision="fp32", compile=True))
+    python = "graph breaks are not looked for (Compile(graph_breaks=True) runs Dynamo"
+    assert any(python in w for w in est.warnings), est.warnings
+    r = CliRunner().invoke(app, ["estimate", "tests.fixtures.tiny_models:mlp",
+                                 "--input-shape", "32", "--gpu", "a100-80gb", "--precision",
+                                 "fp32", "--compile"])
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())
+    assert "graph breaks are not looked for (--graph-breaks runs Dynamo" in out
+    assert "Compile(" not in out

@@ -326,7 +326,8 @@ def test_nothing_fits_notes_name_the_smallest_and_lora(state: Any,
     assert "the smallest such plan (bf16-mixed adamw-fused, micro-batch 8 x 1 " in smallest
     # LoRA traced for the note (peft itself), kept out of the plan: its rows fit 70 GiB
     assert lora.startswith("nothing fits without adapters, but LoRA adapters (")
-    assert "--allow-peft plans them" in lora and not any(r.peft for r in state.rows)
+    assert "PlanSearch(allow_lora=True) plans them" in lora
+    assert not any(r.peft for r in state.rows)
     # with --allow-peft the note is not made (the plan has LoRA rows already)
     state.notes.clear()
     policy.when_nothing_fits(state, big, "adamw-fused", True, 100, allow_peft=True)

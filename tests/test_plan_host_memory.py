@@ -63,7 +63,8 @@ def test_nothing_over_the_host_is_chosen_and_the_reason_says_why() -> None:
     assert all(r.fits_gpu for r in p.rows)
     note = next(n for n in p.notes if "of CPU memory per node" in n)
     assert f"needs {fmt_bytes(ZERO2_HOST)} of CPU memory per node" in note
-    assert f"over the {fmt_bytes(ZERO2_HOST - 1)} of host memory given (--host-memory)" in note
+    assert (f"over the {fmt_bytes(ZERO2_HOST - 1)} of host memory given "
+            "(PlanSearch(host_memory_bytes=...))") in note
     assert "DeepSpeed zero2 on 2 GPUs" in note and "no other plan fits" in note
     assert "fits the GPU, not the host's memory" in p.reason
 
@@ -117,7 +118,7 @@ def test_host_memory_flag_parses_and_the_report_shows_the_budget() -> None:
     code, out = _cli("--gpu", "h100", "--host-memory", "0.5MiB")
     assert code == 0, out
     assert f"{fmt_bytes(ZERO2_HOST)} per node of the {fmt_bytes(2**19)} of host memory " \
-        "given (--host-memory)" in " ".join(out.split())
+        "given (--host-memory MEMORY)" in " ".join(out.split())
 
 
 @pytest.mark.parametrize("bad", ["64XB", "lots", "0", "-5GiB"])

@@ -459,7 +459,7 @@ def test_plan_searches_qlora_when_allowed(workload) -> None:  # type: ignore[no-
     rows = [r for r in p.rows if r.recipe.quantize == "nf4"]
     assert [r.micro_batch for r in rows] == [1, 2, 4] and all(r.fits for r in rows)
     assert all("QLoRA" in r.changes[0] for r in rows)
-    assert "--allow-quantize" in notes.PEFT_FACTORY
+    assert "PlanSearch(allow_lora=True, allow_quantize=True)" in notes.PEFT_FACTORY
 
 
 def test_cli_audit_of_a_qlora_step(tmp_path: Path) -> None:
@@ -517,7 +517,7 @@ def test_where_lora_does_not_fit_the_plan_traces_qlora_for_its_note(tmp_path: Pa
     p = plan(work, gpu=gpu, global_batch=1, search=PlanSearch(memory_fraction=1.0))
     note = next(n for n in p.notes if "QLoRA" in n)
     assert "nf4, micro-batch 1: adapters on a 4-bit base" in note
-    assert "--allow-peft --allow-quantize plans it" in note
+    assert "PlanSearch(allow_lora=True, allow_quantize=True) plans it" in note
     assert _adapters_hint(p) == note  # what the audit's way forward says
     lora = Recipe(precision="bf16-mixed", optimizer="adamw-fused", attention="sdpa",
                   grad_checkpointing=True, lora=Lora(), batch_size=1)

@@ -108,7 +108,7 @@ def expert_loop_reason(whatif: WhatIf, precision: str | None = None) -> str:
             "through its own per-expert loop (one matmul per expert issued from Python after "
             "a read on the host) where eager mode calls torch's grouped GEMM (whose own "
             "fallback outside bf16 is a matmul per expert too, issued from C++); bf16 "
-            "weights (--precision bf16-true) run the grouped kernel, compiled or not.")
+            "weights (Recipe(precision='bf16-true')) run the grouped kernel, compiled or not.")
 
 
 DTYPE_RULE = "experts-dtype"

@@ -72,7 +72,8 @@ def _adapters_hint(found: Plan) -> str:
     from tilefit.planner.notes import is_adapters_note
 
     said = next((n for n in found.notes if is_adapters_note(n)), None)
-    return said or "LoRA adapters train a fraction of the weights: --allow-peft"
+    return said or ("LoRA adapters train a fraction of the weights: "
+                    "PlanSearch(allow_lora=True)")
 
 
 def _finding(whatif: WhatIf, found: Plan) -> Finding:

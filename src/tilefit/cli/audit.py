@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
+from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, say, user_errors
 from tilefit.cli.recipe_options import RecipeFlags, takes_recipe_options
 
 HTML_OPTION = typer.Option(None, "--html", help="Also write a self-contained HTML report "
@@ -66,7 +66,7 @@ def _emit(result: Any, html: Path | None, json_out: bool) -> None:
     if json_out:
         print_json(result.to_dict())
     else:
-        print_audit(console, result)
+        print_audit(console, result, say)
     if html is not None:
         err_console.print(f"wrote {html}", highlight=False)
 

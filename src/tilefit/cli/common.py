@@ -81,6 +81,15 @@ def quiet_libraries() -> Iterator[None]:
         logging.disable(previous)
 
 
+def say(text: str) -> str:
+    """A library text (an error, a note, a warning, a finding) in the running command's
+    words: each Python call it names that the command has flags for, as those flags
+    (cli.words)."""
+    from tilefit.cli.words import cli_words, current_command
+
+    return cli_words(text, current_command())
+
+
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Turn TilefitError into a clear message on stderr and exit code 2 (with --verbose,
@@ -93,9 +102,7 @@ def user_errors() -> Iterator[None]:
             import traceback
 
             sys.stderr.write("".join(traceback.format_exception(cause)))
-        from tilefit.cli.words import cli_words, current_command
-
-        words = cli_words(exc.message, current_command())
+        words = say(exc.message)
         # escaped: the message is text, not markup (a spec file's "[memory]", a fix's
         # pip install 'tilefit[peft]' stay as written)
         err_console.print(f"[bold red]error:[/] {escape(words)}", highlight=False,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from tilefit.cli import model_options as mo
-from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
+from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, say, user_errors
 from tilefit.cli.model_options import OFFLOAD_OPTION as OFFLOAD_OPTION  # words.py reads it here
 from tilefit.cli.recipe_options import RecipeFlags, takes_recipe_options
 
@@ -58,7 +58,7 @@ def _print(result: Any, work: Any, recipe: Recipe, command: str, *, json_out: bo
                     **_lengths(work), **result.to_dict(include_ops=ops)})
         return
     print_estimate(console, result, f"tilefit estimate: {work.name}, "
-                   f"{_shape(recipe.batch_size, work)}{recipe.adapters_text}")
+                   f"{_shape(recipe.batch_size, work)}{recipe.adapters_text}", say=say)
     if not result.fits:
         console.print(f"[bold red]does not fit:[/] `tilefit audit {command}` says "
                       "what would make it fit, `tilefit plan` chooses a recipe that does",
@@ -79,7 +79,7 @@ def _notes(recipe: Recipe, is_factory: bool) -> None:
     from tilefit.recipe import training_loop_note
 
     for note in recipe.notes:
-        err_console.print(f"note: {note}", highlight=False)
+        err_console.print(f"note: {say(note)}", highlight=False)
     if not is_factory:
         err_console.print(training_loop_note(recipe), highlight=False)
     else:

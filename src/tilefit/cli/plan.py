@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
+from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, say, user_errors
 from tilefit.cli.noise import PLAN_NOISE_OPTION, read_noise_scale
 from tilefit.cli.recipe_options import RecipeFlags, takes_recipe_options
 from tilefit.units import parse_bytes
@@ -135,12 +135,12 @@ def _render(result: Any, warning: str | None, written: list[Path], *, json_out: 
         err_console.print("note: the loss is a stand-in (mean of the model's output)",
                           highlight=False)
     if warning is not None:
-        err_console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+        err_console.print(f"[yellow]warning:[/] {say(warning)}", highlight=False)
     if json_out:
         print_json({**result.to_dict(), "warnings": [] if warning is None else [warning],
                     "written": [str(w) for w in written]})
         return
-    print_plan(console, result, top=top)
+    print_plan(console, result, top=top, say=say)
     for path in written:
         console.print(f"wrote {path}", highlight=False, soft_wrap=True)
 

@@ -11,7 +11,7 @@ import typer
 
 from tilefit.cli import model_options as mo
 from tilefit.cli.audit import HTML_OPTION, _check_html
-from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
+from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, say, user_errors
 from tilefit.cli.estimate import OPS_OPTION
 from tilefit.units import fmt_time
 
@@ -79,7 +79,7 @@ def run(
 
     title = f"tilefit run: {name} on {device.display_name}, the script's step " \
         f"{sim.found.steps_run}"
-    print_estimate(console, sim.result, title)
+    print_estimate(console, sim.result, title, say=say)
     lines = found_lines(sim.found) + [
         f"from_pretrained({p!r}): built from its config, no weights read"
         for p in sim.pretrained] + [
@@ -106,9 +106,9 @@ def _print_audit(sim: Any, name: str) -> None:
     recipe = recipe_of(sim.found, sim.trace.samples_per_micro_batch)
     result = audit_trace(sim.trace, recipe, sim.device, name=name)
     console.print("[bold]audit of the script's step[/]", highlight=False)
-    print_findings(console, result)
+    print_findings(console, result, say)
     for note in result.notes:
-        console.print(f"note: {note}", highlight=False, soft_wrap=True)
+        console.print(f"note: {say(note)}", highlight=False, soft_wrap=True)
 
 
 def found_lines(found: Findings) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any
 import typer
 
 from tilefit.cli import model_options as mo
-from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, user_errors
+from tilefit.cli.common import JSON_OPTION, console, err_console, print_json, say, user_errors
 from tilefit.cli.job import Job, torchrun_job
 from tilefit.cli.noise import DATA_OPTION, LOSS_OPTION, build_model, load_data, load_loss
 from tilefit.cli.recipe_options import FIELD_OPTIONS, RecipeFlags, takes_recipe_options
@@ -359,7 +359,7 @@ def _render(result: Any, plot: str | None) -> None:
                   f"{result.accumulation_steps} accumulation steps{ranks}{rate} "
                   f"(noise band {result.noise:.1%})")
     for note in result.notes:  # what tune skipped, and why
-        console.print(f"note: {note}", highlight=False)
+        console.print(f"note: {say(note)}", highlight=False)
     if result.objective == "time-to-loss":
         _render_time_to_loss(result)
     if plot:
@@ -381,4 +381,4 @@ def _render_time_to_loss(result: Any) -> None:
     if result.learning_rate is not None:
         console.print(f"learning rate: {result.learning_rate.text}", highlight=False)
     for warning in result.warnings:
-        err_console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+        err_console.print(f"[yellow]warning:[/] {say(warning)}", highlight=False)

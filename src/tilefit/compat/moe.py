@@ -98,7 +98,7 @@ def experts_modules(model: nn.Module) -> list[nn.Module]:
     if not found and any(hasattr(mod, "use_experts_implementation") for mod in modules):
         probes.went_blind("transformers", "the experts modules of this mixture of experts "
                           "(none made by use_experts_implementation was recognised): the "
-                          "routing assumption (--routing) is not applied")
+                          "routing assumption (Recipe(routing=...)) is not applied")
     return found
 
 

@@ -21,8 +21,7 @@ from tilefit.units import fmt_bytes
 
 GIVEN, SPEC_FILE, MACHINE = "given", "spec file", "this machine"
 UNREAD = ("this machine's RAM could not be read (no POSIX sysconf): CPU memory is shown but "
-          "not checked; --host-memory (PlanSearch(host_memory_bytes=...)) gives the training "
-          "machine's")
+          "not checked; PlanSearch(host_memory_bytes=...) gives the training machine's")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,10 +36,11 @@ class HostBudget:
         """The budget in a sentence's words, with how to change it."""
         gib = fmt_bytes(self.memory_bytes)
         if self.source == GIVEN:
-            return f"the {gib} of host memory given (--host-memory)"
+            return f"the {gib} of host memory given (PlanSearch(host_memory_bytes=...))"
         if self.source == SPEC_FILE:
             return f"the GPU spec file's {gib} of host memory (host.memory_bytes)"
-        return f"this machine's {gib} of RAM (--host-memory sets the training machine's)"
+        return (f"this machine's {gib} of RAM (PlanSearch(host_memory_bytes=...) sets the "
+                "training machine's)")
 
     def to_dict(self) -> dict[str, object]:
         return {"bytes": self.memory_bytes, "source": self.source}

@@ -16,8 +16,8 @@ FUSED_CE_UNDER_COMPILE = (
     "(docs/references.md, section 17): recipes with both are left out")
 FULL_DEPTH = "the model did not trace at fewer layers; traced at full depth"
 PEFT_FACTORY = ("PEFT/LoRA is planned for Hugging Face models only (the adapters wrap "
-                "their linear layers): --allow-peft and --allow-quantize add no plans for a "
-                "factory")
+                "their linear layers): PlanSearch(allow_lora=True, allow_quantize=True) adds no "
+                "plans for a factory")
 NO_SHARDED_SETUP = f"no sharded setup of up to {MAX_GPUS} GPUs fits (ZeRO-3 formula)"
 
 
@@ -36,12 +36,13 @@ def not_on_gpus(*, compile: bool, allow_optimizer_change: bool,
                 allow_quantize: bool = False) -> list[str]:
     """Notes for the options a multi-GPU plan does not search yet (--allow-peft it does:
     LoRA on DDP and FSDP2)."""
-    out = [f"{flag} is not planned on several GPUs yet: ignored" for flag, on in (
-        ("--allow-quantize", allow_quantize),
-        ("--compile", compile),
-        ("--allow-optimizer-change", allow_optimizer_change)) if on]
+    out = [f"{option} is not planned on several GPUs yet: ignored" for option, on in (
+        ("PlanSearch(allow_quantize=True)", allow_quantize),
+        ("Recipe(compile=Compile())", compile),
+        ("PlanSearch(allow_optimizer_change=True)", allow_optimizer_change)) if on]
     out.append("on several GPUs other optimizers are not searched, and CPU offload only with "
-               "DeepSpeed ZeRO-Offload (one GPU plans them: drop --gpus)")
+               "DeepSpeed ZeRO-Offload (one GPU plans them: "
+               "Recipe(parallel=Parallelism(world_size=1)))")
     return out
 
 
@@ -121,21 +122,21 @@ def lora_would(best: PlanRow | None, budget: int, *, offload_or_change_fits: boo
     where = (f"with the optimizer on the GPU {NOTHING_WITHOUT_ADAPTERS}"
              if offload_or_change_fits else NOTHING_WITHOUT_ADAPTERS)
     if best is None:
-        return (f"{where}; LoRA adapters (--allow-peft) were not traced: pip install peft "
-                "to see whether they fit")
+        return (f"{where}; LoRA adapters (PlanSearch(allow_lora=True)) were not traced: "
+                "pip install peft to see whether they fit")
     what = (f"LoRA adapters ({best.recipe_label()}, micro-batch {best.micro_batch}) "
             f"need {best.memory_bytes / 2**30:.1f} GiB of {budget / 2**30:.1f} GiB")
     if best.fits:
-        return (f"{where}, but {what}: --allow-peft plans them (trains adapters on a "
-                "frozen base, not the model)")
+        return (f"{where}, but {what}: PlanSearch(allow_lora=True) plans them (trains "
+                "adapters on a frozen base, not the model)")
     if qlora is None:
-        return f"{where}, nor with LoRA adapters: {what} (--allow-peft)"
+        return f"{where}, nor with LoRA adapters: {what} (PlanSearch(allow_lora=True))"
     on_4bit = (f"QLoRA ({qlora.recipe_label()}, micro-batch {qlora.micro_batch}: adapters on "
                f"a 4-bit base) needs {qlora.memory_bytes / 2**30:.1f} GiB")
     if qlora.fits:
-        return (f"{where}, nor with LoRA adapters: {what}; but {on_4bit}: --allow-peft "
-                "--allow-quantize plans it (trains adapters on a frozen 4-bit base, not the "
-                "model)")
+        return (f"{where}, nor with LoRA adapters: {what}; but {on_4bit}: "
+                "PlanSearch(allow_lora=True, allow_quantize=True) plans it (trains adapters on "
+                "a frozen 4-bit base, not the model)")
     return f"{where}, nor with LoRA adapters: {what}; nor with QLoRA: {on_4bit}"
 
 
@@ -156,10 +157,11 @@ def why(row: PlanRow, rows: list[PlanRow], objective: str, allow_change: bool) -
     if row.changes_optimizer and allow_change:
         how = f"it changes the optimizer to {row.optimizer} (allowed)"
     if row.peft:
-        how = "it trains LoRA adapters instead of the full model (allowed by --allow-peft)"
+        how = ("it trains LoRA adapters instead of the full model (allowed by "
+               "PlanSearch(allow_lora=True))")
     if row.recipe.quantize:
         how = (f"it trains LoRA adapters on a frozen {row.recipe.quantize} base instead of "
-               "the full model (QLoRA, allowed by --allow-quantize)")
+               "the full model (QLoRA, allowed by PlanSearch(allow_quantize=True))")
     gpus = f" x {row.world_size} GPUs ({row.strategy})" if row.strategy else ""
     return (f"{what} of the {len(fits)} plans that fit the budget; "
             f"{how}; micro-batch {row.micro_batch} x {row.accumulation_steps} "

@@ -3,6 +3,8 @@ time-by-module table."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rich.console import Console
 from rich.markup import escape
 
@@ -69,19 +71,21 @@ def combined_aside(c: CombinedFix) -> str:
     return "; ".join(parts)
 
 
-def print_findings(console: Console, audit: Audit) -> None:
-    """One block per finding: title and predicted gain, modules, change, fix, reason."""
+def print_findings(console: Console, audit: Audit, say: Callable[[str], str] = str) -> None:
+    """One block per finding: title and predicted gain, modules, change, fix, reason;
+    ``say``: each text in the reader's words (print_estimate's)."""
     console.rule("findings, by predicted gain (each fix re-estimated)")
     c = audit.combined
     if c is not None:  # the compatible fixes at once, re-estimated as one step
-        console.print(f"[bold]{escape(combined_head(c))}[/]: " + escape("; ".join(c.fixes)),
+        console.print(f"[bold]{escape(combined_head(c))}[/]: " + escape(say("; ".join(c.fixes))),
                       highlight=False, soft_wrap=True)
         if combined_aside(c):
             console.print(f"   [dim]{escape(combined_aside(c))}[/]", highlight=False)
     for i, f in enumerate(audit.findings, 1):
         style = SEVERITY_STYLE.get(f.severity, "")
         tag = f.severity if f.recommended else escape(not_recommended_because(f, audit))
-        console.print(f"[bold]{i}.[/] [{style}]\\[{tag}][/] [bold]{f.title}[/]", highlight=False)
+        console.print(f"[bold]{i}.[/] [{style}]\\[{tag}][/] [bold]{escape(say(f.title))}[/]",
+                      highlight=False)
         console.print(f"   predicted: {gain_text(f)}", highlight=False)
         if f.modules:
             console.print("   modules: " + ", ".join(f.modules), highlight=False)
@@ -89,24 +93,24 @@ def print_findings(console: Console, audit: Audit) -> None:
             console.print(f"   change: {f.dimension} {f.current} -> {f.suggested}",
                           highlight=False)
         # the fix holds code to copy: one line, never wrapped (a terminal folds it on screen)
-        console.print(f"   fix: [green]{escape(f.fix)}[/]", highlight=False, soft_wrap=True)
-        console.print(f"   [dim]why: {f.reason}[/]", highlight=False)
+        console.print(f"   fix: [green]{escape(say(f.fix))}[/]", highlight=False, soft_wrap=True)
+        console.print(f"   [dim]why: {escape(say(f.reason))}[/]", highlight=False)
         console.print()
 
 
-def print_audit(console: Console, audit: Audit) -> None:
+def print_audit(console: Console, audit: Audit, say: Callable[[str], str] = str) -> None:
     shape = f"batch {audit.recipe.batch_size}" + (f" x seq {audit.seq_len}" if audit.seq_len
                                                   else "")
     console.print(summary_table(audit.estimate, f"tilefit audit: {audit.model}, {shape}"
                                                 f"{audit.recipe.adapters_text}"))
     if audit.findings:
-        print_findings(console, audit)
+        print_findings(console, audit, say)
     else:
         console.print("no findings: every GEMM dimension is on the multiple, the batch keeps "
                       "the GEMMs math-bound, and memory is not the limit.")
     console.print(modules_table(audit.estimate))
     # escaped: a note quotes error messages, whose [brackets] are not markup
     for note in audit.notes:
-        console.print(f"[dim]note: {escape(note)}[/]")
+        console.print(f"[dim]note: {escape(say(note))}[/]")
     for warning in audit.estimate.warnings:
-        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+        console.print(f"[yellow]warning:[/] {escape(say(warning))}", highlight=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from rich import box
@@ -169,12 +170,12 @@ def releases_text(check: Confirmation) -> str:
             "(a synchronization at the start only)")
 
 
-def best_table(plan: Plan, best: PlanRow) -> Table:
+def best_table(plan: Plan, best: PlanRow, say: Callable[[str], str] = str) -> Table:
     table = Table(title="chosen plan", show_header=False, box=box.SIMPLE, pad_edge=False)
     table.add_column("quantity", style="bold")
     table.add_column("value")
     for name, value in best_rows(plan, best):
-        table.add_row(name, value)
+        table.add_row(name, say(value))
     return table
 
 
@@ -217,7 +218,10 @@ def print_code(console: Console, text: str) -> None:
     console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
-def print_plan(console: Console, plan: Plan, *, top: int = 15) -> None:
+def print_plan(console: Console, plan: Plan, *, top: int = 15,
+               say: Callable[[str], str] = str) -> None:
+    """The plan as the CLI prints it; ``say``: each note in the reader's words
+    (print_estimate's)."""
     gpus = "" if plan.world_size == 1 else f"{plan.world_size} x "
     console.print(f"[bold]tilefit plan[/]: {plan.model} on {gpus}{plan.device.display_name}, "
                   f"global batch {plan.global_batch}"
@@ -231,15 +235,15 @@ def print_plan(console: Console, plan: Plan, *, top: int = 15) -> None:
         console.print(f"({len(plan.rows) - top} more plans: --top {len(plan.rows)} or --json)",
                       highlight=False)
     for note in plan.notes:
-        console.print(f"note: {note}", highlight=False)
+        console.print(f"note: {escape(say(note))}", highlight=False)
     if plan.best is None:
-        console.print(f"[bold red]{plan.reason}[/]", highlight=False)
+        console.print(f"[bold red]{escape(say(plan.reason))}[/]", highlight=False)
     else:
-        console.print(best_table(plan, plan.best))
+        console.print(best_table(plan, plan.best, say))
         _print_configs(console, plan.configs)
         if "torchrun_script" in plan.configs:  # a multi-GPU plan: its launch is the answer
             return
-    _print_multi_gpu(console, plan)
+    _print_multi_gpu(console, plan, say)
 
 
 def multi_gpu_text(plan: Plan) -> str | None:
@@ -260,13 +264,14 @@ def multi_gpu_text(plan: Plan) -> str | None:
             f"samples/s on all GPUs ({multi.method})")
 
 
-def _print_multi_gpu(console: Console, plan: Plan) -> None:
+def _print_multi_gpu(console: Console, plan: Plan, say: Callable[[str], str]) -> None:
     text = multi_gpu_text(plan)
     if text is None:
         return
+    text = say(text)
     multi = plan.multi_gpu
     if multi is None or multi.gpus is None or multi.best is None:
-        console.print(f"multi-GPU: {text}", highlight=False)
+        console.print(f"multi-GPU: {escape(text)}", highlight=False)
         return
     console.print(f"[bold]multi-GPU[/]: {escape(text)}", highlight=False)
     _print_configs(console, multi.configs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rich import box
@@ -170,10 +171,13 @@ def ops_table(estimate: Estimate, limit: int = 10) -> Table:
     return table
 
 
-def print_estimate(console: Console, estimate: Estimate, title: str, *, top: int = 10) -> None:
+def print_estimate(console: Console, estimate: Estimate, title: str, *, top: int = 10,
+                   say: Callable[[str], str] = str) -> None:
+    """The estimate's tables and its notes; ``say``: each note in the reader's words (the
+    CLI's: cli.common.say, the library's Python calls as the command's flags)."""
     console.print(summary_table(estimate, title))
     console.print(memory_table(estimate))
     console.print(modules_table(estimate, top))
     console.print(ops_table(estimate, top))
     for warning in estimate.warnings:
-        console.print(f"[yellow]note:[/] {escape(warning)}", highlight=False)
+        console.print(f"[yellow]note:[/] {escape(say(warning))}", highlight=False)

@@ -86,9 +86,10 @@ COMPILED_NOTE = ("the script calls torch.compile on a function, whose graphs ran
 COMPILED_MODULE_NOTE = (
     "torch.compile: each compiled module's forward and backward are predicted as Inductor "
     "runs them (AOTAutograd's capture, Inductor's decompositions, partitioner and fused "
-    "kernels, as `tilefit estimate --compile`; docs/references.md, section 19), one graph per "
-    "call signature (graph breaks are not predicted); the code outside the module (a loss "
-    "computed on its output, the optimizer step) runs eager, as under torch.compile(model)")
+    "kernels, as estimate(..., recipe=Recipe(compile=Compile())) predicts; "
+    "docs/references.md, section 19), one graph per call signature (graph breaks are not "
+    "predicted); the code outside the module (a loss computed on its output, the optimizer "
+    "step) runs eager, as under torch.compile(model)")
 
 
 def script_host_op(op: Any) -> bool:
@@ -167,8 +168,9 @@ def build_trace(recorder: SimulationRecorder, watch: StepWatch, target: Target,
         warnings.append(COMPILED_MODULE_NOTE)
         if watch.facts.compile_mode == REDUCE_OVERHEAD:
             warnings.append("torch.compile(mode='reduce-overhead'): each graph is replayed as "
-                            "a CUDA graph, as `tilefit estimate --compile-mode "
-                            "reduce-overhead` models it (docs/references.md, section 22)")
+                            "a CUDA graph, as "
+                            "Recipe(compile=Compile(mode='reduce-overhead')) models it "
+                            "(docs/references.md, section 22)")
         if watch.facts.compile_options:
             warnings.append("torch.compile's options " + ", ".join(sorted(
                 watch.facts.compile_options)) + " are not simulated: predicted as the default "

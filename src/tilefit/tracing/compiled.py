@@ -405,7 +405,7 @@ def compile_notes(step: CompiledStep, breaks: list[str] | None = None,
     """What a compile=True trace leaves out, for the estimate's warnings; ``breaks``: the
     graph breaks Dynamo reported (None: not looked for); ``mode``: a vocab.CompileMode."""
     if breaks is None:
-        graphs = "graph breaks are not looked for (--graph-breaks / graph_breaks=True runs " \
+        graphs = "graph breaks are not looked for (Compile(graph_breaks=True) runs " \
             "Dynamo over the step to list them)"
     elif breaks:
         graphs = f"Dynamo breaks it ({len(breaks)} graph break(s)), which is not " \
@@ -436,8 +436,8 @@ def compile_notes(step: CompiledStep, breaks: list[str] | None = None,
             "of 4 checkpointed workloads, 12.6% under on the fourth, where Inductor's "
             "fusion of kernels 63 nodes apart reorders the backward "
             "(docs/references.md, section 19); Hugging Face models graph-break on "
-            "transformers' use_cache warning unless config.use_cache=False (--graph-breaks "
-            "lists it)")
+            "transformers' use_cache warning unless config.use_cache=False "
+            "(Compile(graph_breaks=True) lists it)")
     if step.fallbacks:
         notes.append("torch.compile: ops Inductor cannot fuse, costed as extern kernels "
                      "(ATen's or their library's own, as in eager): "

@@ -80,7 +80,7 @@ class ExpertsTrace:
             return (f"the experts run through {what}: transformers calls torch's grouped "
                     f"GEMM on compute capability 8.0 or later only, this GPU has {cc}")
         return (f"under torch.compile the experts whose weights are not bf16 run through "
-                f"{what}; bf16 weights (--precision bf16-true) take torch's grouped GEMM "
+                f"{what}; bf16 weights (Recipe(precision='bf16-true')) take torch's grouped GEMM "
                 "inside the graph")
 
     def notes(self) -> list[str]:
@@ -95,13 +95,13 @@ class ExpertsTrace:
                 "of the routed tokens (at most every token once), the others share the rest")
         lines = [f"{len(self.experts)} mixture-of-experts layer(s) of {n} experts "
                  f"({experts_implementation(first)}) traced under routing {how} "
-                 "(--routing balanced|skewed:F)"]
+                 "(Recipe(routing='balanced'), or Recipe(routing='skewed:F'))"]
         if self.mode.expert_loops:
             lines.append(self._loop_note())
         if self.mode.fallback_grouped:
             lines.append("the experts' grouped GEMMs run in fp32 (or fp16): torch's "
                          "_grouped_mm takes its fallback there, the offsets copied to the "
                          "host (the host waits for the GPU) then one matmul per expert (the "
-                         "fused grouped kernel is bf16 only; bf16 weights, --precision "
-                         "bf16-true, use it)")
+                         "fused grouped kernel is bf16 only; bf16 weights, "
+                         "Recipe(precision='bf16-true'), use it)")
         return lines
