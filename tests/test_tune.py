@@ -711,6 +711,7 @@ def test_each_trial_runs_the_recipes_loop(monkeypatch: pytest.MonkeyPatch,
     ({"recipe": "ckpt"}, "gradient_checkpointing_enable()"),
     ({"recipe": "both"}, "precision="),
     ({"recipe": "auto"}, "precision='auto'"),
+    ({"recipe": "sgd"}, "optimizer=..."),
 ])
 def test_tune_refuses_what_the_recipe_cannot_change_on_a_built_model(kw: dict[str, str],
                                                                        words: str) -> None:
@@ -718,7 +719,8 @@ def test_tune_refuses_what_the_recipe_cannot_change_on_a_built_model(kw: dict[st
 
     given = {"ckpt": {"recipe": Recipe(precision="fp32", grad_checkpointing=True)},
              "both": {"recipe": Recipe(precision="fp32"), "precision": "fp32"},
-             "auto": {"recipe": Recipe()}}[kw["recipe"]]
+             "auto": {"recipe": Recipe()},
+             "sgd": {"recipe": Recipe(precision="fp32", optimizer="sgd")}}[kw["recipe"]]
     with pytest.raises(TilefitError) as err:
         tune(Scale(), lambda b: torch.randn(b, 64), loss_fn=lambda m, x: m(x),
              optimizer=lambda p: torch.optim.SGD(p, lr=0.1),

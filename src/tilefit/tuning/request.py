@@ -199,6 +199,12 @@ def live_recipe(recipe: Recipe | None, precision: str | None, function: str = "t
                 expected=f"Recipe({name}={getattr(defaults, name)!r}), the default",
                 given=f"Recipe({name}={getattr(recipe, name)!r})",
                 fix=f"build the model that way ({instead}) and leave {name} at its default")
+    if recipe.optimizer != defaults.optimizer:
+        raise TilefitError(f"{function} takes your optimizer itself, not the Recipe's",
+                           expected=f"Recipe(optimizer={defaults.optimizer!r}), the default",
+                           given=f"Recipe(optimizer={recipe.optimizer!r})",
+                           fix=f"pass the optimizer as {function}(..., optimizer=...) and "
+                           "leave the Recipe's at its default")
     if recipe.parallel.world_size > 1:
         raise TilefitError(f"{function} runs on one device per process; under torchrun it "
                            "runs on every rank", expected="Recipe(parallel=ONE_GPU)",
