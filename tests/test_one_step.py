@@ -129,28 +129,16 @@ def test_calibration_times_each_phase_of_the_one_step() -> None:
     assert spent["backward"] > 0
 
 
-@torch.library.custom_op("tilefit_tests::doubled_tanh", mutates_args=())
-def _doubled_tanh(x: torch.Tensor) -> torch.Tensor:  # an extension's op: no fake kernel
-    return torch.tanh(x) * 2
-
-
-class _WithExtension(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _doubled_tanh(self.fc(x))
-
-
 def test_estimate_names_an_op_without_a_fake_kernel_as_the_simulation_does() -> None:
     # one error for both roads: the op, the module whose forward called it, the fix
+    from tests.fixtures.extension_op import WithExtension
+
     import tilefit
     from tilefit.errors import TilefitError
 
-    model = nn.Sequential(nn.Linear(16, 16), _WithExtension())
+    model = nn.Sequential(nn.Linear(16, 16), WithExtension())
     with pytest.raises(TilefitError) as err:
         tilefit.estimate(model, torch.randn(2, 16), loss_fn=lambda m, x: m(x).sum(),
                          gpu="a100-80gb", recipe=Recipe(precision="bf16-mixed"))
-    assert "tilefit_tests::doubled_tanh in module '1'" in err.value.problem
-    assert "register_fake('tilefit_tests::doubled_tanh')" in (err.value.fix or "")
+    assert "tilefit_tests::scaled_gelu in module '1'" in err.value.problem
+    assert "register_fake('tilefit_tests::scaled_gelu')" in (err.value.fix or "")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.fixtures.extension_op import WithExtension
 from torch import nn
 
 import tilefit
@@ -617,20 +618,6 @@ def test_the_time_between_steps_is_measured_on_this_machine() -> None:
     assert "measured on this machine" in line
 
 
-@torch.library.custom_op("tilefit_tests::scaled_gelu", mutates_args=())
-def _scaled_gelu(x: torch.Tensor) -> torch.Tensor:  # an extension's op: no fake kernel
-    return torch.nn.functional.gelu(x) * 2
-
-
-class _WithExtension(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _scaled_gelu(self.fc(x))
-
-
 def test_a_reduce_overhead_module_is_replayed_as_cuda_graphs() -> None:
     """torch.compile(mode="reduce-overhead") in a script is the estimate's CUDA-graph step:
     one replay per graph on the host, the graphs' private memory pool."""
@@ -674,7 +661,7 @@ def test_an_op_without_a_fake_kernel_is_named_with_its_module() -> None:
     """Issue 42 item 11: a custom CUDA extension's op (no fake implementation) is named, with
     the module that called it, and how to give it one."""
     with pytest.raises(TilefitError) as err, simulate(gpu=GPU):
-        model = nn.Sequential(nn.Linear(16, 16), _WithExtension()).cuda()
+        model = nn.Sequential(nn.Linear(16, 16), WithExtension()).cuda()
         model(torch.randn(2, 16, device="cuda")).sum().backward()
     assert "tilefit_tests::scaled_gelu" in err.value.problem
     assert "'Sequential.1'" in err.value.problem  # the module whose forward called it

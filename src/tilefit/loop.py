@@ -20,10 +20,12 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
 from tilefit.recipe import Recipe
+from tilefit.vocab import Precision
 
-__all__ = ["NO_HOOKS", "Hooks", "LossFn", "Scaler", "check_default_loss_batch",
+__all__ = ["NO_HOOKS", "Hooks", "LossFn", "Scaler", "autocast_for", "check_default_loss_batch",
            "check_scalar_loss", "clear_gradients", "default_loss", "describe_batch",
            "micro_batch", "optimizer_update", "training_step"]
 
@@ -66,6 +68,15 @@ class Hooks:
 
 
 NO_HOOKS = Hooks()
+
+
+def autocast_for(device_type: str, precision: Precision) -> contextlib.AbstractContextManager[Any]:
+    """The forward's context on a live ``device_type`` in ``precision``: torch.autocast to
+    its autocast dtype, nothing without one (``Hooks.forward`` of a live step)."""
+    low = precision.autocast_dtype
+    if low is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch_dtype(low))
 
 
 def describe_batch(batch: Any) -> str:

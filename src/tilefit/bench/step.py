@@ -8,8 +8,6 @@ first two steps (live tensor bytes, what the estimate predicts).
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import os
 import statistics
 import time
@@ -19,10 +17,9 @@ from typing import Any
 
 from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
-from tilefit.loop import Hooks, training_step
+from tilefit.loop import NO_HOOKS, Hooks, autocast_for, training_step
 from tilefit.models import Workload
 from tilefit.recipe import Recipe
-from tilefit.vocab import parse_precision
 
 # Repeated steps whose spread (max - min over the median) exceeds this are reported as
 # noisy: a policy, checked against benchmarks/bench_step_cpu.py on a quiet machine and with
@@ -69,15 +66,6 @@ class StepMeasurement:
                 "noisy": self.noisy}
 
 
-def _autocast(kind: str, precision: str) -> Any:
-    import torch
-
-    low = parse_precision(precision).autocast_dtype
-    if low is None:
-        return contextlib.nullcontext()
-    return torch.autocast(kind, dtype=torch_dtype(low))
-
-
 def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
                  steps: int = 5, warmup: int = 2) -> StepMeasurement:
     """Build the workload for real on ``kind`` ("cpu" or "cuda"), train ``warmup + steps``
@@ -97,12 +85,9 @@ def measure_step(workload: Workload, recipe: Recipe, kind: str = "cpu", *,
     scaler = torch.amp.GradScaler(kind) if recipe.spec.grad_scaler else None
     params = [p for p in model.parameters() if p.requires_grad]
 
-    def step(phase: Callable[[str], None] | None = None) -> None:
-        hooks = Hooks(forward=lambda: _autocast(kind, recipe.precision))
-        if phase is not None:
-            hooks = dataclasses.replace(hooks, phase=phase)
+    def step(phase: Callable[[str], None] = NO_HOOKS.phase) -> None:
         training_step(lambda: loss_fn(model, batch), opt, params, recipe, scaler=scaler,
-                      hooks=hooks)
+                      hooks=Hooks(phase=phase, forward=lambda: autocast_for(kind, recipe.spec)))
 
     try:
         if kind == "cuda":

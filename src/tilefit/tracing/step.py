@@ -247,6 +247,8 @@ def _step_hooks(prep: Prepared, recorder: Recorder, autocast: Any) -> Hooks:
     """How the tracer watches tilefit.loop's step: each phase recorded, the target's
     autocast policy around the forward (not around a compiled forward: its casts are in the
     graph), the optimizer's state labelled once it is made."""
+    if prep.compiled is not None:
+        autocast = None
 
     @contextlib.contextmanager
     def forward() -> Iterator[None]:
@@ -265,8 +267,6 @@ def _step_hooks(prep: Prepared, recorder: Recorder, autocast: Any) -> Hooks:
     def stepped(optimizer: torch.optim.Optimizer) -> None:
         recorder.label(optimizer_state_tensors(optimizer), "optimizer_state")
 
-    if prep.compiled is not None:
-        autocast = None
     return Hooks(phase=recorder.enter_phase, forward=forward, backward=backward,
                  stepped=stepped)
 

@@ -23,9 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
-from tilefit.loop import clear_gradients, default_loss, micro_batch, optimizer_update
+from tilefit.loop import (
+    autocast_for,
+    clear_gradients,
+    default_loss,
+    micro_batch,
+    optimizer_update,
+)
 from tilefit.recipe import Recipe
 from tilefit.tuning.outlook import TrialShape
 from tilefit.tuning.peaks import PeakWatch, trial_hooks
@@ -39,6 +44,7 @@ OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
 
 MIN_REPEAT_S = 0.05  # each timed repeat lasts at least this long (timeit autorange uses 0.2 s)
 MAX_CYCLES_PER_REPEAT = 20  # ... but never more optimizer steps than this per repeat
+
 
 @dataclass(frozen=True)
 class Trial:
@@ -110,8 +116,6 @@ class Executor:
         self.optimizer = optimizer
         self.snap = snap
         self.recipe = recipe  # the step each trial runs; batch and accumulation vary
-        low = recipe.spec.autocast_dtype
-        self.autocast_dtype = torch_dtype(low) if low else None
         self.device = device
         self.memory_limit_bytes = memory_limit_bytes
         self.steps_per_trial = steps_per_trial
@@ -151,9 +155,7 @@ class Executor:
         return opt
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+        return autocast_for(self.device.type, self.recipe.spec)
 
     def _steps(self, batch_size: int, accumulation: int, cycles: int,
                opt: torch.optim.Optimizer, watch: PeakWatch | None = None,

@@ -23,9 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tilefit.dtypes import torch_dtype
 from tilefit.errors import TilefitError
-from tilefit.loop import Hooks, default_loss, micro_batch
+from tilefit.loop import Hooks, autocast_for, default_loss, micro_batch
 from tilefit.old_keywords import refuses_old_keywords
 from tilefit.recipe import Recipe
 from tilefit.tuning.executor import LossFn, _to_device
@@ -113,11 +112,12 @@ def _device_of(model: nn.Module, device: str | torch.device | None) -> torch.dev
 
 
 def _autocast_of(precision: str, device: torch.device) -> Callable[[], Any]:
+    """The measurement's forward context: the precision's autocast, none for fp16 with a
+    loss scaler (measured in fp32)."""
     spec = parse_precision(precision)
-    if spec.autocast_dtype is None or spec.grad_scaler:
+    if spec.grad_scaler:
         return contextlib.nullcontext
-    dtype = torch_dtype(spec.autocast_dtype)
-    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+    return lambda: autocast_for(device.type, spec)
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -31,8 +31,9 @@ class PeakWatch:
         self._phase: str | None = None
 
     def phase(self, name: str) -> None:
-        """End the current phase (recording its peak) and start ``name``."""
-        if self.mode is None and self.device is None:
+        """End the current phase (recording its peak) and start ``name``; nothing where
+        ``name`` is the current phase (its window goes on)."""
+        if (self.mode is None and self.device is None) or name == self._phase:
             return
         if self._phase is not None:
             if self.mode is not None:
@@ -62,16 +63,10 @@ def trial_hooks(watch: PeakWatch | None,
     made, entered by the trial itself: the loader's work is part of it)."""
     if watch is None:
         return Hooks(forward=autocast)
-    current = ["forward"]
 
     def phase(name: str) -> None:
         window = TUNER_WINDOWS.get(name)
-        if window is not None and window != current[0]:
-            current[0] = window
+        if window is not None:
             watch.phase(window)
 
-    def forward() -> contextlib.AbstractContextManager[Any]:
-        current[0] = "forward"
-        return autocast()
-
-    return Hooks(phase=phase, forward=forward)
+    return Hooks(phase=phase, forward=autocast)
