@@ -438,6 +438,8 @@ def test_cli_terminal_report(tmp_path: Path) -> None:
     err = " ".join(res.stderr.split())
     assert "note: the training loop as assumed: gradients clipped at 1.0" in err
     assert "the loss read each micro-batch" in err
+    # in the command line's words: the flags that change it, not the Recipe fields
+    assert "--max-grad-norm NORM, --optimizer OPTIMIZER and --loss-sync change them" in err
 
 
 @pytest.mark.parametrize(("args", "messages", "fresh"), [

@@ -51,7 +51,7 @@ def audit(
         recipe = flags.recipe(work)
         result = run_audit(work, recipe=recipe, gpu=device, confirm=confirm)
         if not work.is_factory:  # the loop the trace assumed, as `tilefit estimate` says it
-            err_console.print(training_loop_note(result.recipe), highlight=False)
+            err_console.print(say(training_loop_note(result.recipe)), highlight=False)
         if html is not None:
             from tilefit.report.html import write_html
 

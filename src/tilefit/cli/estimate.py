@@ -81,7 +81,7 @@ def _notes(recipe: Recipe, is_factory: bool) -> None:
     for note in recipe.notes:
         err_console.print(f"note: {say(note)}", highlight=False)
     if not is_factory:
-        err_console.print(training_loop_note(recipe), highlight=False)
+        err_console.print(say(training_loop_note(recipe)), highlight=False)
     else:
         err_console.print("note: the loss is a stand-in (mean of the model's output); pass your "
                           "own loss_fn through the Python API for exact numbers", highlight=False)
